@@ -1,0 +1,1 @@
+"""Run a frozen speech LLM once and turn its hidden states into dataset rows (via shards/)."""

@@ -1,0 +1,167 @@
+"""The logical sample: what writers accept and readers return, whatever the file format.
+
+This module is the one home of the schema version, the per-field dtypes and shapes, and the
+check that a sample obeys them. Every per-position field is indexed in the EXPANDED sequence
+(audio placeholders replaced by their encoder frames), length ``T``.
+
+A sample is a plain ``dict``:
+
+    sample_id      str                          stable id from the input
+    source         str                          where it came from (manifest path, dataset name)
+    audio_seconds  float                        total audio duration in the sample
+    input_ids      int32    [T]                 audio frames carry ``layout.audio_token_id``
+    is_audio       bool     [T]
+    loss_mask      bool     [T]                 supervised positions (assistant turns)
+    taps           bfloat16 [T, n_taps, H]      decoder-layer outputs, pre-final-norm
+    final_hidden   bfloat16 [T, H]              optional: last decoder layer output, pre-norm
+    audio_embeds   bfloat16 [A, H]              optional: merged input embeddings at audio rows
+    topk_rows      int32    [R]                 rows t with loss_mask[t + 1], ascending
+    topk_ids       int32    [R, k]
+    topk_logprobs  float32  [R, k]              log-probs under the FULL softmax
+
+Tensor fields are torch tensors (shards/ needs torch for bfloat16 and float8, never torch.nn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shards.taps import to_vllm
+
+SCHEMA_VERSION = "1.0"
+"""major.minor: readers refuse an unknown major version; minor additions stay readable."""
+
+TAPS_CODECS = ("bf16", "fp8")
+"""bf16 is lossless; fp8 is e4m3 with one float32 scale per (token, tap) row, lossy, never default."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Dataset-wide constants that fix every sample's shapes."""
+
+    hidden_size: int
+    """Width H of the target's residual stream."""
+    num_layers: int
+    """Decoder layers L of the target (tap id L - 1 is the last layer)."""
+    tap_ids: tuple[int, ...]
+    """HF decoder-layer ids of the stored taps, ascending; tap i = output of layer i."""
+    top_k: int
+    """Teacher top-k per kept row; 0 stores no teacher rows."""
+    audio_token_id: int
+    """Sentinel token id that ``input_ids`` carries at audio-frame positions."""
+    has_final_hidden: bool = False
+    """Whether ``final_hidden`` is stored (redundant when the last layer is a tap)."""
+    has_audio_embeds: bool = False
+    """Whether ``audio_embeds`` is stored."""
+    taps_codec: str = "bf16"
+    """How taps are stored: one of TAPS_CODECS."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size <= 0 or self.num_layers <= 0:
+            raise ValueError(f"hidden_size and num_layers must be positive, got {self.hidden_size}, {self.num_layers}")
+        ids = tuple(int(i) for i in self.tap_ids)
+        object.__setattr__(self, "tap_ids", ids)
+        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_layers:
+            raise ValueError(f"tap_ids must be distinct, ascending, within [0, {self.num_layers}); got {ids}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.taps_codec not in TAPS_CODECS:
+            raise ValueError(f"taps_codec must be one of {TAPS_CODECS}, got {self.taps_codec!r}")
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.tap_ids)
+
+    @property
+    def vllm_tap_ids(self) -> list[int]:
+        return to_vllm(self.tap_ids)
+
+    @property
+    def last_layer_tap(self) -> int | None:
+        """Index into the taps axis of the last decoder layer, if it was tapped."""
+        last = self.num_layers - 1
+        return self.tap_ids.index(last) if last in self.tap_ids else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tap_ids"] = list(self.tap_ids)
+        d["vllm_tap_ids"] = self.vllm_tap_ids
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def field_specs(layout: Layout) -> dict[str, tuple[torch.dtype, tuple[str, ...]]]:
+    """Tensor fields present under ``layout`` -> (dtype, symbolic shape)."""
+    H, n, k = layout.hidden_size, layout.n_taps, layout.top_k
+    specs: dict[str, tuple[torch.dtype, tuple[str | int, ...]]] = {
+        "input_ids": (torch.int32, ("T",)),
+        "is_audio": (torch.bool, ("T",)),
+        "loss_mask": (torch.bool, ("T",)),
+        "taps": (torch.bfloat16, ("T", n, H)),
+    }
+    if layout.has_final_hidden:
+        specs["final_hidden"] = (torch.bfloat16, ("T", H))
+    if layout.has_audio_embeds:
+        specs["audio_embeds"] = (torch.bfloat16, ("A", H))
+    if k > 0:
+        specs["topk_rows"] = (torch.int32, ("R",))
+        specs["topk_ids"] = (torch.int32, ("R", k))
+        specs["topk_logprobs"] = (torch.float32, ("R", k))
+    return specs
+
+
+SCALAR_FIELDS = ("sample_id", "source", "audio_seconds")
+
+
+def teacher_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Rows whose next token is supervised (row t is kept when loss_mask[t + 1]): int32 [R]."""
+    return torch.nonzero(loss_mask[1:], as_tuple=False).flatten().to(torch.int32)
+
+
+def validate_sample(sample: dict[str, Any], layout: Layout) -> None:
+    """Raise ValueError naming the sample and field when anything breaks the schema."""
+    sid = sample.get("sample_id", "<no sample_id>")
+    for name in SCALAR_FIELDS:
+        if name not in sample:
+            raise ValueError(f"sample {sid!r}: missing field {name!r}")
+    if not isinstance(sample["sample_id"], str) or not sample["sample_id"]:
+        raise ValueError(f"sample {sid!r}: sample_id must be a non-empty string")
+    specs = field_specs(layout)
+    extra = set(sample) - set(specs) - set(SCALAR_FIELDS)
+    if extra:
+        raise ValueError(f"sample {sid!r}: fields {sorted(extra)} are not in the schema for this layout")
+    if "input_ids" not in sample:
+        raise ValueError(f"sample {sid!r}: missing field 'input_ids'")
+    T = int(sample["input_ids"].shape[0])
+    dims = {"T": T}
+    if "is_audio" in sample:
+        dims["A"] = int(sample["is_audio"].sum())
+    if "topk_rows" in sample:
+        dims["R"] = int(sample["topk_rows"].shape[0])
+    for name, (dtype, shape) in specs.items():
+        if name not in sample:
+            raise ValueError(f"sample {sid!r}: missing field {name!r}")
+        t = sample[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"sample {sid!r}: field {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise ValueError(f"sample {sid!r}: field {name!r} has dtype {t.dtype}, expected {dtype}")
+        want = tuple(dims[s] if isinstance(s, str) else s for s in shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"sample {sid!r}: field {name!r} has shape {tuple(t.shape)}, expected {want}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"sample {sid!r}: field {name!r} contains NaN or Inf; refusing to write it")
+    if T < 1:
+        raise ValueError(f"sample {sid!r}: empty sequence")
+    if layout.top_k > 0:
+        want_rows = teacher_rows(sample["loss_mask"])
+        if not torch.equal(sample["topk_rows"], want_rows):
+            raise ValueError(f"sample {sid!r}: topk_rows must be exactly the rows t with loss_mask[t + 1]")

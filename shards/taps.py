@@ -1,0 +1,42 @@
+"""Tap ids: which target decoder layers a dataset stores, and how engines number them.
+
+The one home for the default-tap rule and the HF/vLLM numbering. A tap with id ``i`` is the
+output of decoder layer ``i`` (the residual stream BEFORE the final norm), which HF exposes as
+``hidden_states[i + 1]`` and vLLM names ``i + 1``.
+"""
+
+from __future__ import annotations
+
+
+def default_tap_ids(num_target_layers: int, draft_layers: int) -> list[int]:
+    """DFlash's default context taps for a draft of ``draft_layers`` over ``num_target_layers``.
+
+    One draft layer taps the middle of the target; n > 1 spread evenly from layer 1 to L - 3
+    (Qwen3-8B, L=36, n=5: [1, 9, 17, 25, 33]).
+    """
+    if num_target_layers < 1 or draft_layers < 1:
+        raise ValueError(
+            f"need num_target_layers >= 1 and draft_layers >= 1, got {num_target_layers} and {draft_layers}"
+        )
+    if draft_layers == 1:
+        return [num_target_layers // 2]
+    span = max(num_target_layers - 4, 0)
+    ids = [int(round(1 + i * span / (draft_layers - 1))) for i in range(draft_layers)]
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+
+
+def capture_tap_ids(num_target_layers: int, draft_layers: int, *, with_last: bool = True) -> list[int]:
+    """Taps a capture stores by default: the DFlash taps plus the last layer (for MTP and exact teachers)."""
+    ids = default_tap_ids(num_target_layers, draft_layers)
+    if with_last and num_target_layers - 1 not in ids:
+        ids.append(num_target_layers - 1)
+    return sorted(set(ids))
+
+
+def to_vllm(tap_ids: list[int] | tuple[int, ...]) -> list[int]:
+    """vLLM numbers the same tensors one higher (its 0 is the embedding output)."""
+    return [i + 1 for i in tap_ids]
+
+
+def from_vllm(vllm_ids: list[int] | tuple[int, ...]) -> list[int]:
+    return [i - 1 for i in vllm_ids]

@@ -1,0 +1,142 @@
+"""The dataset contract: tap numbering, the sample schema check, the target bundle and its fingerprint."""
+
+import json
+
+import pytest
+import torch
+
+from shards.bundle import CONFIG_KEYS, load_bundle, write_bundle
+from shards.schema import Layout, teacher_rows, validate_sample
+from shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
+
+
+def test_default_taps_follow_the_dflash_rule():
+    assert default_tap_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_tap_ids(36, 1) == [18]
+    assert capture_tap_ids(36, 5) == [1, 9, 17, 25, 33, 35]
+    assert from_vllm(to_vllm([1, 9, 35])) == [1, 9, 35]
+    assert to_vllm([0, 35]) == [1, 36]
+    with pytest.raises(ValueError):
+        default_tap_ids(0, 2)
+
+
+def _layout(**kw):
+    base = dict(hidden_size=8, num_layers=4, tap_ids=(1, 3), top_k=3, audio_token_id=99)
+    base.update(kw)
+    return Layout(**base)
+
+
+def _sample(T=6, layout=None):
+    layout = layout or _layout()
+    loss_mask = torch.tensor([0, 0, 1, 1, 0, 1][:T], dtype=torch.bool)
+    rows = teacher_rows(loss_mask)
+    return {
+        "sample_id": "s0",
+        "source": "unit",
+        "audio_seconds": 0.0,
+        "input_ids": torch.arange(T, dtype=torch.int32),
+        "is_audio": torch.zeros(T, dtype=torch.bool),
+        "loss_mask": loss_mask,
+        "taps": torch.randn(T, layout.n_taps, layout.hidden_size).bfloat16(),
+        "topk_rows": rows,
+        "topk_ids": torch.zeros(len(rows), layout.top_k, dtype=torch.int32),
+        "topk_logprobs": torch.full((len(rows), layout.top_k), -2.0),
+    }
+
+
+def test_teacher_rows_are_rows_whose_next_token_is_supervised():
+    mask = torch.tensor([0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    assert teacher_rows(mask).tolist() == [1, 2, 4]
+
+
+def test_layout_rejects_bad_taps_and_round_trips():
+    with pytest.raises(ValueError, match="tap_ids"):
+        _layout(tap_ids=(3, 1))
+    with pytest.raises(ValueError, match="tap_ids"):
+        _layout(tap_ids=(4,))
+    with pytest.raises(ValueError, match="taps_codec"):
+        _layout(taps_codec="int4")
+    lay = _layout()
+    assert Layout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+    assert lay.last_layer_tap == 1 and lay.vllm_tap_ids == [2, 4]
+
+
+def test_validate_accepts_a_good_sample():
+    validate_sample(_sample(), _layout())
+
+
+@pytest.mark.parametrize(
+    "field,bad,message",
+    [
+        ("taps", lambda s: s["taps"].float(), "dtype"),
+        ("taps", lambda s: s["taps"][:, :1], "shape"),
+        ("input_ids", lambda s: s["input_ids"].long(), "dtype"),
+        ("topk_logprobs", lambda s: s["topk_logprobs"].fill_(float("nan")), "NaN"),
+        ("taps", lambda s: s["taps"].fill_(float("inf")), "NaN or Inf"),
+        ("topk_rows", lambda s: s["topk_rows"][:-1], "shape|topk_rows"),
+    ],
+)
+def test_validate_names_the_field_that_is_wrong(field, bad, message):
+    s = _sample()
+    s[field] = bad(s)
+    with pytest.raises(ValueError, match=message) as err:
+        validate_sample(s, _layout())
+    assert "'s0'" in str(err.value)
+
+
+def test_validate_rejects_missing_and_unknown_fields():
+    s = _sample()
+    del s["loss_mask"]
+    with pytest.raises(ValueError, match="loss_mask"):
+        validate_sample(s, _layout())
+    s = _sample()
+    s["final_hidden"] = torch.zeros(6, 8).bfloat16()
+    with pytest.raises(ValueError, match="not in the schema"):
+        validate_sample(s, _layout())
+
+
+def _bundle_args(tmp_path, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tok = tmp_path / "tok"
+    tok.mkdir(exist_ok=True)
+    (tok / "tokenizer.json").write_text('{"model": "toy"}')
+    config = {k: None for k in CONFIG_KEYS} | {"hidden_size": 8, "num_hidden_layers": 4, "vocab_size": 16}
+    return dict(
+        config=config,
+        audio={"sample_rate": 16000, "frame_seconds": 0.08},
+        chat_template="{{ messages }}",
+        embed_tokens=torch.randn(16, 8, generator=g),
+        norm_weight=torch.ones(8),
+        lm_head=torch.randn(16, 8, generator=g),
+        tokenizer_dir=tok,
+    )
+
+
+def test_bundle_round_trip_and_deterministic_fingerprint(tmp_path):
+    args = _bundle_args(tmp_path)
+    fp1 = write_bundle(tmp_path / "a", **args)
+    fp2 = write_bundle(tmp_path / "b", **args)
+    assert fp1 == fp2 and len(fp1) == 64
+    b = load_bundle(tmp_path / "a")
+    assert b.fingerprint == fp1 and b.hidden_size == 8 and b.vocab_size == 16
+    assert torch.equal(b.lm_head, args["lm_head"]) and b.tokenizer_files["tokenizer.json"] == b'{"model": "toy"}'
+    other = _bundle_args(tmp_path, seed=1)
+    assert write_bundle(tmp_path / "c", **other) != fp1
+    args["chat_template"] = "{{ other }}"
+    assert write_bundle(tmp_path / "d", **args) != fp1
+
+
+def test_bundle_detects_tampering_and_missing_dirs(tmp_path):
+    write_bundle(tmp_path / "a", **_bundle_args(tmp_path))
+    (tmp_path / "a" / "tokenizer" / "tokenizer.json").write_text('{"model": "edited"}')
+    with pytest.raises(ValueError, match="corrupted or was edited"):
+        load_bundle(tmp_path / "a")
+    with pytest.raises(FileNotFoundError, match="not a tapdraft target bundle"):
+        load_bundle(tmp_path / "nowhere")
+
+
+def test_bundle_rejects_inconsistent_weights(tmp_path):
+    args = _bundle_args(tmp_path)
+    args["norm_weight"] = torch.ones(7)
+    with pytest.raises(ValueError, match="disagree"):
+        write_bundle(tmp_path / "a", **args)

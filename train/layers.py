@@ -150,12 +150,29 @@ class Attention(nn.Module):
         n_rep = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if BlockMask is not None and isinstance(mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=mask, scale=self.scale)
+            out = _flex(q, k, v, mask, self.scale)
         else:
             if is_causal and kv_prefix is not None:
                 raise ValueError("is_causal with a kv_prefix is ambiguous: pass an explicit mask")
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+
+
+_COMPILED_FLEX = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockMask", scale: float) -> torch.Tensor:
+    """FlexAttention: compiled with a pinned tile on GPU (the tile divides the mask block), eager on CPU."""
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    from train.mask import flex_tile
+
+    bs = block_mask.BLOCK_SIZE
+    tile = flex_tile(min(bs) if isinstance(bs, tuple) else bs)
+    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, scale=scale, kernel_options={"BLOCK_M": tile, "BLOCK_N": tile})
 
 
 class SwiGLU(nn.Module):

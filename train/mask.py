@@ -1,0 +1,88 @@
+"""The DFlash draft-attention visibility rule, written once, and the two masks built from it.
+
+Queries are the draft blocks laid end to end: query q belongs to block j = q // B (B = block
+size). Keys are ``[context (T rows) | draft slots (N * B rows)]``, the order the layers
+concatenate them in (``train.layers.Attention`` prepends the context K/V). A query in block j sees
+
+- context key kv (kv < T) iff kv < anchor_j: strictly before the anchor POSITION (not the block
+  index: anchors are sorted but may be arbitrary positions, and overlapping blocks are fine);
+- every slot of its own block (T + j*B <= kv < T + (j+1)*B); nothing else.
+
+Padding blocks carry anchor 0, so they see only their own block: no row is fully masked, so no NaN.
+
+:func:`draft_mask_mod` is the rule; :func:`dense_mask` evaluates it on broadcast index grids for
+SDPA and :func:`flex_block_mask` hands it to FlexAttention's ``create_block_mask``. The block size
+of the BlockMask must be a multiple of the Flex kernel tile on GPU (the kernel asserts
+``SPARSE_BLOCK % TILE == 0``); :func:`flex_tile` picks the tile from the block size, so both rules
+live here together.
+
+Shapes: Bs batch, N blocks per sequence, B block size, T context length, Q = N * B, KV = T + Q.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment,misc]
+    create_block_mask = None  # type: ignore[assignment]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def draft_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> MaskMod:
+    """The visibility rule as a FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool.
+
+    anchors_BN: int [Bs, N], the anchor position of every block (0 for padding blocks).
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // block_size
+        in_ctx = kv_idx < ctx_len
+        sees_ctx = in_ctx & (kv_idx < anchors_BN[b, j])
+        own_block = (~in_ctx) & ((kv_idx - ctx_len) // block_size == j)
+        return sees_ctx | own_block
+
+    return mask_mod
+
+
+def dense_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Bool [Bs, 1, Q, KV] (True = may attend) for ``scaled_dot_product_attention``."""
+    Bs, N = anchors_BN.shape
+    dev = anchors_BN.device
+    Q = N * block_size
+    b = torch.arange(Bs, device=dev)[:, None, None, None]
+    h = torch.zeros((), dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev)[None, None, :, None]
+    kv = torch.arange(ctx_len + Q, device=dev)[None, None, None, :]
+    return draft_mask_mod(anchors_BN, ctx_len, block_size)(b, h, q, kv)
+
+
+def flex_tile(mask_block: int) -> int:
+    """Kernel tile for a BlockMask block size: the largest of 64/32/16 dividing it."""
+    for t in (64, 32, 16):
+        if mask_block % t == 0:
+            return t
+    raise ValueError(f"flex_block_size {mask_block} must be a multiple of 16")
+
+
+def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mask_block: int = 128) -> "BlockMask":
+    """FlexAttention BlockMask of the same rule (heads broadcast)."""
+    if create_block_mask is None:
+        raise ValueError("this torch has no FlexAttention; use attention='dense'")
+    flex_tile(mask_block)
+    Bs, N = anchors_BN.shape
+    Q = N * block_size
+    return create_block_mask(
+        draft_mask_mod(anchors_BN, ctx_len, block_size),
+        Bs,
+        None,
+        Q,
+        ctx_len + Q,
+        device=anchors_BN.device,
+        BLOCK_SIZE=mask_block,
+    )

@@ -1,0 +1,120 @@
+"""Arrow IPC STREAM shards: declared schema, zstd buffer compression, record batches of a few MiB.
+
+Why the stream format (not the IPC file format): ``datasets.Dataset.from_file`` memory-maps only
+streams, and ``datasets.load_dataset("arrow", data_files=...)`` reads both. Random access does not
+need the file footer: the writer records each record batch's byte range in the manifest, and a
+reader seeks there and parses one message.
+
+One row = one sample. Columns, all declared (never inferred):
+
+    sample_id string | source string | audio_seconds float64 | num_tokens int32
+    <one binary column per encoded field of shards.codec, in stored_fields(layout) order>
+
+The schema metadata carries, under the key ``tapdraft``, JSON with the schema version, the layout
+(tap ids HF + vLLM, shapes, codec), dtypes, the bf16 byte layout and the target fingerprint.
+``datasets`` replaces schema metadata with its own, so ``decode_row`` takes that JSON explicitly
+(``read_shard_metadata`` or the manifest's ``field_meta``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from shards.codec import FieldMeta, decode_fields, stored_fields
+from shards.schema import SCHEMA_VERSION, field_specs
+
+META_KEY = b"tapdraft"
+SCALAR_COLUMNS = (("sample_id", pa.string()), ("source", pa.string()), ("audio_seconds", pa.float64()),
+                  ("num_tokens", pa.int32()))
+
+
+def shard_metadata(meta: FieldMeta, fingerprint: str | None) -> dict[str, Any]:
+    """The JSON stored under ``tapdraft`` in every shard's schema (and in the manifest)."""
+    dtypes = {name: str(dt).replace("torch.", "") for name, (dt, _) in field_specs(meta.layout).items()}
+    shapes = {name: list(shape) for name, (_, shape) in field_specs(meta.layout).items()}
+    if meta.layout.taps_codec == "fp8":
+        dtypes["taps_stored"] = "float8_e4m3fn"
+        dtypes["taps_scale"] = "float32"
+        shapes["taps_scale"] = ["T", meta.layout.n_taps]
+    return {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
+            "fingerprint": fingerprint}
+
+
+def arrow_schema(meta: FieldMeta, fingerprint: str | None) -> pa.Schema:
+    fields = [pa.field(n, t, nullable=False) for n, t in SCALAR_COLUMNS]
+    fields += [pa.field(n, pa.binary(), nullable=False) for n in stored_fields(meta.layout)]
+    return pa.schema(fields, metadata={META_KEY: json.dumps(shard_metadata(meta, fingerprint), sort_keys=True)})
+
+
+def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, bytes]]]) -> pa.RecordBatch:
+    """rows: (sample scalars, encoded fields) -> one record batch with the declared schema."""
+    cols = []
+    for f in schema:
+        if f.name == "num_tokens":
+            cols.append(pa.array([len(enc["input_ids"]) // 4 for _, enc in rows], pa.int32()))
+        elif f.name in ("sample_id", "source", "audio_seconds"):
+            cols.append(pa.array([s[f.name] for s, _ in rows], f.type))
+        else:
+            cols.append(pa.array([enc[f.name] for _, enc in rows], pa.binary()))
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def schema_meta(schema: pa.Schema, where: str) -> dict[str, Any]:
+    md = schema.metadata or {}
+    if META_KEY not in md:
+        raise ValueError(f"{where}: Arrow schema has no '{META_KEY.decode()}' metadata; not a tapdraft shard")
+    return json.loads(md[META_KEY])
+
+
+def read_schema(data: bytes | pa.Buffer) -> pa.Schema:
+    """Schema from the head of a stream (the first message)."""
+    return pa.ipc.open_stream(pa.py_buffer(data) if isinstance(data, bytes) else data).schema
+
+
+def read_batch(data: bytes | pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
+    """Parse the record batch in ``data`` (one batch's byte range; a leading schema message is skipped)."""
+    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data) if isinstance(data, bytes) else data)
+    for msg in reader:
+        if msg.type == "record batch":
+            return pa.ipc.read_record_batch(msg, schema)
+    raise ValueError("byte range holds no record batch")
+
+
+def iter_batches(source: Any) -> Iterator[pa.RecordBatch]:
+    """All record batches of a whole shard (bytes, buffer or a readable file)."""
+    src = pa.py_buffer(source) if isinstance(source, bytes) else source
+    yield from pa.ipc.open_stream(src)
+
+
+def decode_row(row: dict[str, Any], field_meta: dict[str, Any] | FieldMeta) -> dict[str, Any]:
+    """One row as ``datasets`` (or ``RecordBatch.to_pylist``) returns it -> a tapdraft sample dict.
+
+    ``field_meta``: the shard's ``tapdraft`` schema metadata (``read_shard_metadata``) or the
+    manifest's ``field_meta``.
+    """
+    meta = field_meta if isinstance(field_meta, FieldMeta) else FieldMeta.from_dict(field_meta)
+    return decode_fields({n: row[n] for n in stored_fields(meta.layout)}, row, meta)
+
+
+def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int] | None = None) -> list[dict[str, Any]]:
+    """Decode selected rows of a record batch without copying the binary columns to Python lists."""
+    names = stored_fields(meta.layout)
+    cols = {n: batch.column(n) for n in names}
+    sid, src, secs = batch.column("sample_id"), batch.column("source"), batch.column("audio_seconds")
+    out = []
+    for i in rows if rows is not None else range(batch.num_rows):
+        fields = {n: memoryview(cols[n][i].as_buffer()) for n in names}
+        scalars = {"sample_id": sid[i].as_py(), "source": src[i].as_py(), "audio_seconds": secs[i].as_py()}
+        out.append(decode_fields(fields, scalars, meta))
+    return out
+
+
+def read_shard_metadata(path: str) -> dict[str, Any]:
+    """The ``tapdraft`` JSON of one shard (local path or fsspec URL): feed it to ``decode_row``."""
+    import fsspec
+
+    with fsspec.open(path, "rb") as f:
+        return schema_meta(pa.ipc.open_stream(f).schema, path)

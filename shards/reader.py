@@ -1,0 +1,247 @@
+"""Open a finished dataset (local path or fsspec URL): random access and resumable streaming.
+
+    ds = open_dataset("s3://bucket/ds")     # refuses missing/incomplete manifest, unknown schema major
+    ds.sample("train", 17)                   # Arrow: seeks to one record batch (byte range in the manifest)
+    it = ds.stream("train", seed=0, epoch=0, rank=r, world_size=w, worker_id=i, num_workers=n,
+                   shuffle_buffer=1024)
+    ...; state = it.state_dict()             # a few scalars + version
+    it = ds.stream("train", ..., state=state)  # continues exactly where it stopped
+
+Order: see shards.order (a pure function of seed, epoch, world_size, num_workers; every rank gets
+N // world_size samples per epoch). Streaming reads each block (record batch / tar shard) once,
+decoding only the rows this worker needs; the shuffle buffer holds at most ``shuffle_buffer``
+decoded samples.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import tempfile
+from typing import Any, Iterator
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from shards import manifest as mf
+from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
+from shards.bundle import TargetBundle, load_bundle
+from shards.codec import FieldMeta
+from shards.order import block_order, epoch_rng, shuffle_order, worker_range
+from shards.schema import Layout
+from shards.wds_io import decode_wds_sample, iter_tar_samples
+
+STATE_VERSION = 1
+
+
+class Dataset:
+    """A finished tapdraft dataset; see the module docstring."""
+
+    def __init__(self, url: str) -> None:
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.manifest: dict[str, Any] = mf.read_manifest(self.fs, self.root)
+        self.layout: Layout = Layout.from_dict(self.manifest["layout"])
+        self.fingerprint: str = self.manifest["fingerprint"]
+        self.format: str = self.manifest["format"]
+        self.field_meta = FieldMeta.from_dict(self.manifest["field_meta"])
+        self._cum = {s: np.cumsum([0] + [sh["samples"] for sh in d["shards"]]).tolist()
+                     for s, d in self.manifest["splits"].items()}
+        self._schemas: dict[str, pa.Schema] = {}
+        self._batch_cache: tuple[Any, list[Any]] | None = None
+        self._bundle: TargetBundle | None = None
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.manifest["splits"])
+
+    def _split(self, split: str) -> dict[str, Any]:
+        if split not in self.manifest["splits"]:
+            raise ValueError(f"{self.url} has no split {split!r}; it has {self.splits}")
+        return self.manifest["splits"][split]
+
+    def num_samples(self, split: str) -> int:
+        return int(self._split(split)["samples"])
+
+    def shard_path(self, shard: dict[str, Any]) -> str:
+        return mf.join(self.root, shard["name"])
+
+    def bundle(self) -> TargetBundle:
+        """The target bundle in ``target/`` (copied to a local temp dir first for remote URLs)."""
+        if self._bundle is None:
+            tdir = mf.join(self.root, mf.TARGET_DIR)
+            if not self.fs.exists(tdir):
+                raise FileNotFoundError(f"{tdir} not found: the dataset lacks its target bundle; re-run capture")
+            if "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
+                local = tdir
+            else:
+                local = tempfile.mkdtemp(prefix="tapdraft-bundle-") + "/target"
+                self.fs.get(tdir, local, recursive=True)
+            b = load_bundle(local)
+            if b.fingerprint != self.fingerprint:
+                raise ValueError(f"{tdir} has fingerprint {b.fingerprint[:12]} but the manifest says "
+                                 f"{self.fingerprint[:12]}: the bundle does not belong to these shards")
+            self._bundle = b
+        return self._bundle
+
+    # ---- Arrow record batches --------------------------------------------------------------
+    def _schema(self, shard: dict[str, Any]) -> pa.Schema:
+        name = shard["name"]
+        if name not in self._schemas:
+            first = shard["batches"][0]
+            schema = read_schema(self.fs.cat_file(self.shard_path(shard), start=0, end=first[1]))
+            fp = schema_meta(schema, self.shard_path(shard)).get("fingerprint")
+            if fp is not None and fp != self.fingerprint:
+                raise ValueError(f"{self.shard_path(shard)} holds target fingerprint {fp[:12]}, the manifest "
+                                 f"{self.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
+            self._schemas[name] = schema
+        return self._schemas[name]
+
+    def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
+        start, end, n = shard["batches"][b]
+        path = self.shard_path(shard)
+        data = self.fs.cat_file(path, start=start, end=end)
+        if len(data) != end - start:
+            raise ValueError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); run `tapdraft verify`")
+        try:
+            batch = read_batch(data, self._schema(shard))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
+        if batch.num_rows != n:
+            raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
+        return batch
+
+    def _locate(self, split: str, i: int) -> tuple[int, int]:
+        n = self.num_samples(split)
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for split {split!r} with {n} samples")
+        s = bisect.bisect_right(self._cum[split], i) - 1
+        return s, i - self._cum[split][s]
+
+    def sample(self, split: str, i: int) -> dict[str, Any]:
+        """Random access to sample ``i`` of ``split`` (Arrow only)."""
+        if self.format != "arrow":
+            raise ValueError(f"{self.url} is a WebDataset ({self.format}); random access needs the Arrow "
+                             "format: use stream(), or re-shard with ShardConfig(format='arrow')")
+        s, row = self._locate(split, i)
+        shard = self._split(split)["shards"][s]
+        bounds = np.cumsum([0] + [b[2] for b in shard["batches"]]).tolist()
+        b = bisect.bisect_right(bounds, row) - 1
+        key = (split, s, b)
+        if self._batch_cache is None or self._batch_cache[0] != key:
+            self._batch_cache = (key, self.read_record_batch(shard, b))
+        return decode_batch(self._batch_cache[1], self.field_meta, [row - bounds[b]])[0]
+
+    # ---- streaming -------------------------------------------------------------------------
+    def blocks(self, split: str) -> list[tuple[int, int, int]]:
+        """Streaming units of a split: (shard index, batch index or -1, samples)."""
+        out = []
+        for s, shard in enumerate(self._split(split)["shards"]):
+            if self.format == "arrow":
+                out += [(s, b, bt[2]) for b, bt in enumerate(shard["batches"])]
+            elif shard["samples"]:
+                out.append((s, -1, shard["samples"]))
+        return out
+
+    def read_block_rows(self, split: str, block: tuple[int, int, int], rows: list[int]) -> Iterator[dict[str, Any]]:
+        """Decode the given (ascending) rows of one block."""
+        s, b, n = block
+        shard = self._split(split)["shards"][s]
+        if self.format == "arrow":
+            yield from decode_batch(self.read_record_batch(shard, b), self.field_meta, rows)
+            return
+        path = self.shard_path(shard)
+        wanted = set(rows)
+        with self.fs.open(path, "rb") as f:
+            for r, raw in enumerate(iter_tar_samples(f, path)):
+                if r > rows[-1]:
+                    break
+                if r in wanted:
+                    sample = decode_wds_sample(raw)
+                    meta = json.loads(raw["meta.json"])
+                    if meta.get("fingerprint") not in (None, self.fingerprint):
+                        raise ValueError(f"{path}: sample {sample['sample_id']!r} has target fingerprint "
+                                         f"{meta['fingerprint'][:12]}, the manifest {self.fingerprint[:12]}")
+                    yield sample
+
+    def stream(self, split: str, *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
+               worker_id: int = 0, num_workers: int = 1, shuffle_buffer: int = 0, shuffle: bool = True,
+               state: dict[str, Any] | None = None) -> "SampleStream":
+        """One epoch of this (rank, worker)'s samples; see shards.order. ``shuffle=False`` keeps file order."""
+        return SampleStream(self, split, seed=seed, epoch=epoch, rank=rank, world_size=world_size,
+                            worker_id=worker_id, num_workers=num_workers, shuffle_buffer=shuffle_buffer,
+                            shuffle=shuffle, state=state)
+
+
+class SampleStream:
+    """Iterator over sample dicts with an exact, tiny ``state_dict``."""
+
+    def __init__(self, ds: Dataset, split: str, *, seed: int, epoch: int, rank: int, world_size: int,
+                 worker_id: int, num_workers: int, shuffle_buffer: int, shuffle: bool,
+                 state: dict[str, Any] | None) -> None:
+        self.ds, self.split = ds, split
+        self.params = {"split": split, "seed": int(seed), "epoch": int(epoch), "rank": int(rank),
+                       "world_size": int(world_size), "worker_id": int(worker_id), "num_workers": int(num_workers),
+                       "shuffle_buffer": int(shuffle_buffer), "shuffle": bool(shuffle)}
+        self.yielded = 0
+        if state is not None:
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"stream state version {state.get('version')!r} is not {STATE_VERSION}; "
+                                 "start the epoch afresh")
+            diff = {k: (state.get(k), v) for k, v in self.params.items() if state.get(k) != v}
+            if diff:
+                raise ValueError(f"stream state was saved with different settings {diff} (saved, now); "
+                                 "rebuild the stream with the saved settings")
+            self.yielded = int(state["yielded"])
+        blocks = ds.blocks(split)
+        order = block_order(len(blocks), seed, epoch, shuffle)
+        self._blocks = [blocks[i] for i in order]
+        self._starts = np.cumsum([0] + [b[2] for b in self._blocks]).tolist()
+        self._lo, hi = worker_range(self._starts[-1], rank, world_size, worker_id, num_workers)
+        self.n = hi - self._lo
+        self._order = shuffle_order(self.n, shuffle_buffer, epoch_rng(seed, epoch, rank, worker_id, 1))
+        self._cache: dict[int, dict[str, Any]] = {}
+        self._reader: Iterator[tuple[int, dict[str, Any]]] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, **self.params, "yielded": self.yielded}
+
+    def __iter__(self) -> "SampleStream":
+        return self
+
+    def _read(self, first: int, skip: set[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(local position, sample) for positions >= first not in ``skip``, in ascending order."""
+        g0, g1 = self._lo + first, self._lo + self.n
+        b = bisect.bisect_right(self._starts, g0) - 1
+        while b < len(self._blocks) and self._starts[b] < g1:
+            start = self._starts[b]
+            rows = [r for r in range(max(g0, start) - start, min(g1, self._starts[b + 1]) - start)
+                    if start + r - self._lo not in skip]
+            if rows:
+                for r, sample in zip(rows, self.ds.read_block_rows(self.split, self._blocks[b], rows)):
+                    yield start + r - self._lo, sample
+            b += 1
+
+    def __next__(self) -> dict[str, Any]:
+        if self.yielded >= self.n:
+            raise StopIteration
+        want = int(self._order[self.yielded])
+        if self._reader is None:
+            rest = self._order[self.yielded:]
+            first = int(rest.min())
+            done = set(int(p) for p in self._order[: self.yielded] if p >= first)
+            self._reader = self._read(first, done)
+        while want not in self._cache:
+            pos, sample = next(self._reader)
+            self._cache[pos] = sample
+        self.yielded += 1
+        return self._cache.pop(want)
+
+
+def open_dataset(path_or_url: str) -> Dataset:
+    """Open a finished dataset; FileNotFoundError/ValueError name the file and what to do."""
+    return Dataset(path_or_url)

@@ -1,0 +1,437 @@
+"""Sharded, resumable dataset writer and the finalize step that publishes a dataset.
+
+    w = DatasetWriter(out_dir, ShardConfig(), layout, split="train", rank=0)
+    for index in range(w.next_index, n_inputs):   # this rank's deterministic input order
+        w.write(sample, index)  # or w.skip(index, sample_id, reason)
+    w.close()
+    finalize_dataset(out_dir, layout=layout, fingerprint=fp, capture_config={...})   # once, after all ranks
+
+Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>``; a shard is written under
+``<name>.tmp`` (sha256 and size computed while streaming) and renamed once complete, then the
+rank's partial index ``_parts/<split>-rank<r>.json`` is rewritten atomically. That index is the
+only truth on resume: reopening picks up its shards, deletes a leftover ``.tmp`` (and any shard
+renamed but not yet indexed), and ``next_index`` says where to continue. Shards roll when their
+size reaches ``shard_bytes`` (they overshoot by at most one record batch / one sample).
+
+``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint,
+renames shards to ``data/<split>-00000-of-00012.<ext>`` in (rank, seq) order, writes the card,
+then ``manifest.json`` last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+
+from shards import manifest as mf
+from shards.arrow_io import arrow_schema, make_batch, shard_metadata
+from shards.codec import BF16_LAYOUTS, FieldMeta, encode_fields
+from shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from shards.wds_io import TarShardWriter, sample_key
+
+PART_VERSION = 1
+FORMATS = ("arrow", "wds")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """How samples become files."""
+
+    format: str = "arrow"
+    """'arrow' (IPC stream, zstd buffers, random access) or 'wds' (WebDataset tar, zstd per member)."""
+    shard_bytes: int = 1 << 30
+    """Roll to a new shard once a shard reaches this many bytes on disk."""
+    zstd_level: int = 3
+    """zstd level for Arrow buffers / tar members (3: ~fast as the disk; higher buys little on activations)."""
+    bf16_layout: str = "planes"
+    """'planes' (high bytes then low bytes, compresses better) or 'raw' (uint16 words); both lossless."""
+    batch_bytes: int = 4 << 20
+    """Arrow: uncompressed bytes per record batch (the unit of compression and of random access)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
+        if self.shard_bytes < 1:
+            raise ValueError(f"ShardConfig.shard_bytes must be positive, got {self.shard_bytes}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"ShardConfig.zstd_level must be in [1, 22], got {self.zstd_level}")
+        if self.bf16_layout not in BF16_LAYOUTS:
+            raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
+        if self.batch_bytes < 1:
+            raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _HashingSink:
+    """File-like wrapper: counts and hashes every byte on its way to the underlying file."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.n = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data)
+        self.sha.update(mv)
+        self.n += mv.nbytes
+        self.f.write(mv)
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Shard:
+    """One shard being written under its temp name."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, cfg: ShardConfig, meta: FieldMeta,
+                 fingerprint: str | None, rank: int, name: str) -> None:
+        self.name = name
+        self.fs, self.path, self.cfg, self.meta, self.rank = fs, path, cfg, meta, rank
+        self.tmp = path + ".tmp"
+        self.file = fs.open(self.tmp, "wb")
+        self.sink = _HashingSink(self.file)
+        self.stats = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0}
+        self.indices: list[int] = []
+        self.batches: list[list[int]] = []
+        self._pending: list[tuple[dict[str, Any], dict[str, bytes]]] = []
+        self._pending_bytes = 0
+        if cfg.format == "arrow":
+            self.schema = arrow_schema(meta, fingerprint)
+            opts = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=cfg.zstd_level))
+            self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
+        else:
+            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint)
+
+    def add(self, sample: dict[str, Any], index: int) -> None:
+        enc = encode_fields(sample, self.meta)
+        scalars = {"sample_id": sample["sample_id"], "source": str(sample["source"]),
+                   "audio_seconds": float(sample["audio_seconds"])}
+        self.stats["samples"] += 1
+        self.stats["tokens"] += int(sample["input_ids"].shape[0])
+        self.stats["supervised_tokens"] += int(sample["loss_mask"].sum())
+        self.stats["audio_seconds"] += scalars["audio_seconds"]
+        self.indices.append(index)
+        if self.cfg.format == "wds":
+            self._writer.add(sample_key(self.rank, index), scalars, enc)
+            return
+        self._pending.append((scalars, enc))
+        self._pending_bytes += sum(len(b) for b in enc.values())
+        if self._pending_bytes >= self.cfg.batch_bytes:
+            self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        if not self._pending:
+            return
+        start = self.sink.n
+        self._writer.write_batch(make_batch(self.schema, self._pending))
+        self.batches.append([start, self.sink.n, len(self._pending)])
+        self._pending, self._pending_bytes = [], 0
+
+    @property
+    def full(self) -> bool:
+        return self.sink.n >= self.cfg.shard_bytes
+
+    def finish(self) -> dict[str, Any]:
+        """Close, rename into place, return the shard's index entry."""
+        self._flush_batch()
+        self._writer.close()
+        self.file.close()
+        self.fs.mv(self.tmp, self.path)
+        entry = {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
+                 "indices": _to_ranges(self.indices)}
+        if self.cfg.format == "arrow":
+            entry["batches"] = self.batches
+        return entry
+
+    def abort(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            if self.fs.exists(self.tmp):
+                self.fs.rm(self.tmp)
+
+
+def _to_ranges(indices: list[int]) -> list[list[int]]:
+    """Sorted, merged half-open [start, end) ranges."""
+    out: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def _read_fingerprint(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    path = mf.join(root, f"{mf.TARGET_DIR}/bundle.json")
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read()).get("fingerprint")
+
+
+class DatasetWriter:
+    """Writes one (split, rank)'s samples into shards; reopening the same directory resumes.
+
+    ``fingerprint``: the target fingerprint stamped into every shard; by default read from
+    ``out_dir/target/bundle.json`` when the bundle is already there (write it first).
+    """
+
+    def __init__(self, out_dir: str, config: ShardConfig, layout: Layout, split: str = "train", rank: int = 0,
+                 *, fingerprint: str | None = None) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.config, self.layout, self.split, self.rank = config, layout, mf.check_split(split), rank
+        self.fs, self.root = fsspec.core.url_to_fs(str(out_dir))
+        self.fingerprint = fingerprint if fingerprint is not None else _read_fingerprint(self.fs, self.root)
+        self.meta = FieldMeta(layout, config.bf16_layout)
+        self._part_path = mf.join(self.root, mf.part_name(split, rank))
+        self.fs.makedirs(mf.join(self.root, mf.DATA_DIR), exist_ok=True)
+        self.fs.makedirs(mf.join(self.root, mf.PARTS_DIR), exist_ok=True)
+        self._shards: list[dict[str, Any]] = []
+        self._skipped: list[dict[str, Any]] = []
+        if self.fs.exists(self._part_path):
+            self._resume()
+        self._clean_leftovers()
+        self._done: set[int] = set()
+        for entry in self._shards:
+            for a, b in entry["indices"]:
+                self._done.update(range(a, b))
+        self._done.update(s["index"] for s in self._skipped)
+        self._pending_skips: list[dict[str, Any]] = []
+        self._pending_idx: set[int] = set()
+        self._shard: _Shard | None = None
+        self._closed = False
+        self._warned_dup = False
+
+    def _resume(self) -> None:
+        with self.fs.open(self._part_path, "rb") as f:
+            part = json.loads(f.read())
+        mine = {"shard_config": self.config.to_dict(), "layout": self.layout.to_dict()}
+        for key, want in mine.items():
+            if part[key] != want:
+                raise ValueError(
+                    f"{self._part_path} was written with {key}={part[key]}, now {want}. Resume with the same "
+                    "settings, or write to a new directory."
+                )
+        if self.fingerprint is not None and part.get("fingerprint") not in (None, self.fingerprint):
+            raise ValueError(f"{self._part_path} holds shards of target {part['fingerprint'][:12]}, this writer's "
+                             f"target is {self.fingerprint[:12]}: write to a new directory")
+        self.fingerprint = self.fingerprint or part.get("fingerprint")
+        self._shards, self._skipped = part["shards"], part["skipped"]
+
+    def _clean_leftovers(self) -> None:
+        """Delete this rank's temp shards and shards not in its index (renamed just before a crash)."""
+        prefix = f"{self.split}-rank{self.rank:05d}-"
+        known = {e["name"] for e in self._shards}
+        data = mf.join(self.root, mf.DATA_DIR)
+        for path in self.fs.ls(data, detail=False):
+            name = path.rstrip("/").split("/")[-1]
+            if name.startswith(prefix) and f"{mf.DATA_DIR}/{name}" not in known:
+                self.fs.rm(path)
+
+    @property
+    def next_index(self) -> int:
+        """First input index not yet in a finished shard (or recorded skip); resume from here."""
+        i = 0
+        while i in self._done:
+            i += 1
+        return i
+
+    def _check_index(self, index: int) -> bool:
+        if self._closed:
+            raise ValueError(f"writer for {self.split} rank {self.rank} is closed; open a new DatasetWriter to resume")
+        if index < 0:
+            raise ValueError(f"input index must be >= 0, got {index}")
+        if index in self._pending_idx:
+            raise ValueError(f"input index {index} was already written to the open shard ({self.split} rank {self.rank})")
+        if index in self._done:
+            if not self._warned_dup:
+                warnings.warn(f"input index {index} is already in a finished shard; ignoring it (resume overlap)",
+                              stacklevel=3)
+                self._warned_dup = True
+            return False
+        return True
+
+    def write(self, sample: dict[str, Any], index: int) -> bool:
+        """Validate and append one sample; returns False when ``index`` was already finished (ignored)."""
+        if not self._check_index(index):
+            return False
+        try:
+            validate_sample(sample, self.layout)
+        except ValueError as e:
+            raise ValueError(f"{e} (input index {index}, split {self.split}, rank {self.rank})") from e
+        if self._shard is None:
+            name = mf.rank_shard_name(self.split, self.rank, len(self._shards), self.config.format)
+            self._shard = _Shard(self.fs, mf.join(self.root, name), self.config, self.meta, self.fingerprint,
+                                 self.rank, name)
+        self._shard.add(sample, index)
+        self._pending_idx.add(index)
+        if self._shard.full:
+            self._finish_shard()
+        return True
+
+    def skip(self, index: int, sample_id: str, reason: str) -> None:
+        """Record an input that is not written (bad, too long); a resume will not redo it."""
+        if not self._check_index(index):
+            return
+        self._pending_skips.append({"index": int(index), "sample_id": str(sample_id), "reason": str(reason),
+                                    "rank": self.rank})
+        self._pending_idx.add(index)
+
+    def _finish_shard(self) -> None:
+        if self._shard is not None:
+            entry = self._shard.finish()
+            entry["name"] = self._shard.name
+            self._shards.append(entry)
+            self._shard = None
+        self._skipped.extend(self._pending_skips)
+        self._done.update(self._pending_idx)
+        self._pending_skips, self._pending_idx = [], set()
+        self._write_part(closed=False)
+
+    def _write_part(self, closed: bool) -> None:
+        doc = {"version": PART_VERSION, "split": self.split, "rank": self.rank, "schema_version": SCHEMA_VERSION,
+               "shard_config": self.config.to_dict(), "layout": self.layout.to_dict(),
+               "fingerprint": self.fingerprint, "shards": self._shards, "skipped": self._skipped, "closed": closed}
+        mf.write_json_atomic(self.fs, self._part_path, doc)
+
+    def close(self) -> None:
+        """Finish the last shard and mark this rank's partial index closed."""
+        if self._closed:
+            return
+        self._finish_shard()
+        self._write_part(closed=True)
+        self._closed = True
+
+    def abort(self) -> None:
+        """Drop the open shard (its samples will be redone on resume)."""
+        if self._shard is not None:
+            self._shard.abort()
+            self._shard = None
+        self._closed = True
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:
+    pdir = mf.join(root, mf.PARTS_DIR)
+    paths = sorted(p for p in fs.ls(pdir, detail=False) if p.endswith(".json")) if fs.exists(pdir) else []
+    if not paths:
+        raise FileNotFoundError(f"no partial indexes under {pdir}: nothing was written to {root} by DatasetWriter")
+    parts = []
+    for p in paths:
+        with fs.open(p, "rb") as f:
+            parts.append((p, json.loads(f.read())))
+    return parts
+
+
+def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge all ranks' partial indexes, give shards final names, write README.md, then manifest.json."""
+    fs, root = fsspec.core.url_to_fs(str(out_dir))
+    parts = _load_parts(fs, root)
+    man_path = mf.join(root, mf.MANIFEST)
+    problems = []
+    cfg0 = parts[0][1]["shard_config"]
+    for path, part in parts:
+        if not part["closed"]:
+            problems.append(f"{path}: rank {part['rank']} of split {part['split']} was not closed (still running or "
+                            "crashed); rerun that rank's capture to resume it")
+        if part["shard_config"] != cfg0:
+            problems.append(f"{path}: shard config {part['shard_config']} differs from {parts[0][0]}'s {cfg0}")
+        if part["layout"] != layout.to_dict():
+            problems.append(f"{path}: layout {part['layout']} differs from the dataset's {layout.to_dict()}")
+        if part.get("fingerprint") not in (None, fingerprint):
+            problems.append(f"{path}: shards carry target fingerprint {part['fingerprint'][:12]}, the dataset's is "
+                            f"{fingerprint[:12]}; captures of different targets cannot be merged")
+        if part.get("schema_version", "").split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+            problems.append(f"{path}: schema_version {part.get('schema_version')} != {SCHEMA_VERSION}")
+    if problems:
+        raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
+    config = ShardConfig(**cfg0)
+    meta = FieldMeta(layout, config.bf16_layout)
+    if fs.exists(man_path):
+        fs.rm(man_path)  # the directory is not a dataset while shards move
+
+    splits: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
+        splits.setdefault(part["split"], []).append((path, part))
+    manifest_splits: dict[str, Any] = {}
+    skipped: dict[str, list[dict[str, Any]]] = {}
+    for split, sparts in splits.items():
+        entries = [e for _, part in sparts for e in part["shards"]]
+        n = len(entries)
+        # two phases so that a new name never lands on a not-yet-moved old one
+        for i, e in enumerate(entries):
+            cur = e.get("final", e["name"])
+            if not fs.exists(mf.join(root, cur)):
+                raise FileNotFoundError(f"{mf.join(root, cur)} is listed in a partial index but missing; "
+                                        "re-run the capture for its rank")
+            e["_moving"] = f"{cur}.finalizing"
+            fs.mv(mf.join(root, cur), mf.join(root, e["_moving"]))
+        for i, e in enumerate(entries):
+            e["final"] = mf.final_shard_name(split, i, n, config.format)
+            fs.mv(mf.join(root, e.pop("_moving")), mf.join(root, e["final"]))
+        for path, part in sparts:
+            mf.write_json_atomic(fs, path, part)
+        shards_out = []
+        for e in entries:
+            s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
+            s["name"] = e["final"]
+            if "batches" in e:
+                s["batches"] = e["batches"]
+            shards_out.append(s)
+        tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
+                                                         "bytes")}
+        manifest_splits[split] = {**tot, "shards": shards_out}
+        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+
+    fm = shard_metadata(meta, fingerprint)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "format": config.format,
+        "complete": True,
+        "code_version": mf.code_version(),
+        "fingerprint": fingerprint,
+        "layout": layout.to_dict(),
+        "taps": {"hf": list(layout.tap_ids), "vllm": layout.vllm_tap_ids, "convention": mf.TAP_CONVENTION},
+        "top_k": {"k": layout.top_k, "rows": mf.TOPK_ROWS},
+        "dtypes": fm["dtypes"],
+        "codec": {"container": "arrow-ipc-stream+zstd" if config.format == "arrow" else "webdataset-tar+zstd",
+                  "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
+                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16"},
+        "field_meta": fm,
+        "shard_config": config.to_dict(),
+        "capture_config": capture_config,
+        "extra": extra or {},
+        "splits": manifest_splits,
+        "skipped": skipped,
+    }
+    fs.pipe(mf.join(root, mf.CARD), mf.render_card(manifest).encode())
+    mf.write_json_atomic(fs, man_path, manifest)
+    return manifest

@@ -79,7 +79,14 @@ def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int],
     """A finished dataset of random samples (lengths round-robin over ranks); returns the manifest."""
     from shards.writer import DatasetWriter, finalize_dataset
 
-    fp = tiny_bundle(str(out_dir).rstrip("/") + "/target", layout)
+    import tempfile
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(out_dir))
+    with tempfile.TemporaryDirectory() as tmp:  # write_bundle writes locally; upload for other filesystems
+        fp = tiny_bundle(tmp + "/target", layout)
+        fs.put(tmp + "/target", root.rstrip("/") + "/target", recursive=True)
     for r in range(ranks):
         w = DatasetWriter(out_dir, config, layout, split=split, rank=r)
         for i, T in enumerate(lengths[r::ranks]):

@@ -1,0 +1,40 @@
+"""Byte codecs: bf16 layouts are bit-exact; fp8 stays within e4m3 rounding of a float64 reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, fp8_decode, fp8_encode
+
+
+@pytest.mark.parametrize("layout", ["planes", "raw"])
+def test_bf16_bit_exact(layout):
+    x = (torch.randn(7, 3, 11) * 100).to(torch.bfloat16)
+    x[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-38]).to(torch.bfloat16)
+    y = bytes_to_bf16(bf16_to_bytes(x, layout), tuple(x.shape), layout)
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_planes_put_high_bytes_first():
+    x = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)  # 0x3F80, 0xC000
+    assert bf16_to_bytes(x, "planes") == bytes([0x3F, 0xC0, 0x80, 0x00])
+    assert bf16_to_bytes(x, "raw") == bytes([0x80, 0x3F, 0x00, 0xC0])
+
+
+def test_fp8_against_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 3, 256, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None, None])
+    x[5, 1] = 0.0  # an all-zero row keeps scale 1 and decodes to zeros
+    xb = x.to(torch.bfloat16)
+    q, scale = fp8_encode(xb)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (64, 3)
+    y = fp8_decode(q, scale).to(torch.float64)
+    ref = xb.to(torch.float64)
+    amax = ref.abs().amax(-1, keepdim=True)
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormals (below 2^-6 of 448 units)
+    # have absolute spacing 2^-9 scale units; bf16 output rounding adds 2^-8 relative.
+    tol = ref.abs() * (2**-4 + 2**-8) + amax / FP8_MAX * 2**-9 + 1e-30
+    assert bool(((y - ref).abs() <= tol).all())
+    assert torch.equal(y[5, 1], torch.zeros(256, dtype=torch.float64))
+    # the row maximum is represented exactly up to bf16 rounding of the decoded value
+    np.testing.assert_allclose(y.abs().amax(-1).numpy(), ref.abs().amax(-1).numpy(), rtol=2**-8)

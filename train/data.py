@@ -1,0 +1,249 @@
+"""The training data path: sample stream -> epochs -> truncate -> filter -> token-budget batches -> collate.
+
+Each stage is a small function over a plain iterable, so it can be tested on a Python list; they
+are composed in one place, :class:`BatchStream`. Sample ORDER and its resume state belong to the
+reader (``shards.reader`` ``ds.stream(...)``: a pure function of seed, epoch, world size and
+workers, with a few-scalar ``state_dict()``); this module only remembers which epoch it is in and
+the reader state at the first sample not yet handed out. Exact resume needs no buffer contents:
+the batcher looks one sample ahead to decide where a batch ends, and the state it reports is the
+reader state from BEFORE that lookahead sample was read, so a restored stream re-reads it.
+
+:class:`ListStream` is a stand-in reader over an in-memory list with the same contract (seeded
+per-epoch shuffle, rank/worker partition with equal counts, ``state_dict``), for tests and for
+callers that already hold samples.
+
+Every rank sees the same number of batches per step because the stream is endless (epochs loop)
+and the loop runs a fixed number of steps; filters never make ranks disagree on step counts.
+
+Collated batch (Bs sequences padded to T = longest in the batch):
+    input_ids long [Bs, T] (pad 0), loss_mask bool [Bs, T] (False on pad), is_audio bool [Bs, T],
+    lengths long [Bs], taps bf16 [Bs, T, n_taps, H], final_hidden bf16 [Bs, T, H] (if stored),
+    topk_ids long [Bs, T, k], topk_logprobs float32 [Bs, T, k], topk_valid bool [Bs, T] (if stored;
+    row t of sequence b holds the teacher's top-k for the token at t + 1),
+    audio_embeds bf16 [Bs, T, H] (if stored; zeros at text rows), sample_id list[str].
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+STATE_VERSION = 1
+
+OpenStream = Callable[[int, Any], Iterator[dict[str, Any]]]
+"""(epoch, reader_state or None) -> iterator of sample dicts with a ``state_dict()`` method."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """The one seed-derivation rule: a 63-bit int from (base seed, purpose, step, rank, ...)."""
+    h = hashlib.sha256(repr(tuple(parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class ListStream:
+    """An in-memory reader with the shards stream contract.
+
+    Order: a seeded permutation per epoch (``derive_seed(seed, "order", epoch)``), then slot
+    ``rank * num_workers + worker_id`` of ``world_size * num_workers`` takes every such slot's
+    item, truncated so every slot has the same count. State: ``{"version", "epoch", "pos"}``.
+    """
+
+    def __init__(
+        self,
+        samples: list[dict[str, Any]],
+        *,
+        seed: int,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        worker_id: int = 0,
+        num_workers: int = 1,
+        shuffle: bool = True,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        n = len(samples)
+        if shuffle:
+            g = torch.Generator().manual_seed(derive_seed(seed, "order", epoch))
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        slots = world_size * num_workers
+        per = n // slots
+        slot = rank * num_workers + worker_id
+        self._idx = order[slot::slots][:per]
+        self._samples = samples
+        self.epoch = epoch
+        self.pos = 0
+        if state is not None:
+            if state.get("version") != 1 or state.get("epoch") != epoch:
+                raise ValueError(f"ListStream state {state} does not belong to epoch {epoch}")
+            self.pos = int(state["pos"])
+
+    def __iter__(self) -> "ListStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.pos >= len(self._idx):
+            raise StopIteration
+        s = self._samples[self._idx[self.pos]]
+        self.pos += 1
+        return s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "epoch": self.epoch, "pos": self.pos}
+
+
+def epochs(open_stream: OpenStream, state: dict[str, Any] | None = None, max_epochs: int | None = None):
+    """Loop epochs; yield (sample, resume_state) where resume_state resumes AT that sample."""
+    epoch = 0 if state is None else int(state["epoch"])
+    reader_state = None if state is None else state["reader"]
+    while max_epochs is None or epoch < max_epochs:
+        it = open_stream(epoch, reader_state)
+        reader_state = None
+        yielded = False
+        while True:
+            pre = {"epoch": epoch, "reader": it.state_dict()}
+            try:
+                s = next(it)
+            except StopIteration:
+                break
+            yielded = True
+            yield s, pre
+        if not yielded and (state is None or epoch > int(state["epoch"])):
+            raise ValueError(
+                f"epoch {epoch} gave this rank no samples: the split has fewer samples than ranks x workers"
+            )
+        epoch += 1
+
+
+def truncate(sample: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """Cut a sample to its first ``max_len`` positions (teacher rows kept only if t + 1 < max_len)."""
+    T = int(sample["input_ids"].shape[0])
+    if T <= max_len:
+        return sample
+    out = dict(sample)
+    for name in ("input_ids", "is_audio", "loss_mask", "taps", "final_hidden"):
+        if name in out:
+            out[name] = out[name][:max_len]
+    if "audio_embeds" in out:
+        out["audio_embeds"] = out["audio_embeds"][: int(sample["is_audio"][:max_len].sum())]
+    if "topk_rows" in out:
+        keep = out["topk_rows"] + 1 < max_len
+        for name in ("topk_rows", "topk_ids", "topk_logprobs"):
+            out[name] = out[name][keep]
+    return out
+
+
+def has_targets(sample: dict[str, Any]) -> bool:
+    """True when some position t >= 1 is supervised (there is a next token to predict)."""
+    return bool(sample["loss_mask"][1:].any())
+
+
+def batch_by_tokens(items: Iterable[tuple[dict[str, Any], Any]], max_tokens: int, max_batch_size: int):
+    """Group (sample, resume_state) items into lists whose PADDED size Bs * T_max <= max_tokens.
+
+    Yields (samples, state) where ``state`` resumes at the first sample of the next batch (None at
+    the end of a finite input). A sample longer than ``max_tokens`` forms a batch of its own. Order
+    is preserved, so batching is a pure function of the input order.
+    """
+    if max_tokens < 1 or max_batch_size < 1:
+        raise ValueError(f"max_tokens and max_batch_size must be >= 1, got {max_tokens}, {max_batch_size}")
+    cur: list[dict[str, Any]] = []
+    longest = 0
+    for sample, state in items:
+        T = int(sample["input_ids"].shape[0])
+        if cur and (len(cur) >= max_batch_size or (len(cur) + 1) * max(longest, T) > max_tokens):
+            yield cur, state
+            cur, longest = [], 0
+        cur.append(sample)
+        longest = max(longest, T)
+    if cur:
+        yield cur, None
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pad a list of schema samples into one batch dict (see the module docstring)."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    Bs = len(samples)
+    lengths = torch.tensor([int(s["input_ids"].shape[0]) for s in samples], dtype=torch.long)
+    T = int(lengths.max())
+    first = samples[0]
+    out: dict[str, Any] = {
+        "input_ids": torch.zeros(Bs, T, dtype=torch.long),
+        "loss_mask": torch.zeros(Bs, T, dtype=torch.bool),
+        "is_audio": torch.zeros(Bs, T, dtype=torch.bool),
+        "lengths": lengths,
+        "sample_id": [s.get("sample_id", "") for s in samples],
+    }
+    n, H = first["taps"].shape[1:]
+    out["taps"] = torch.zeros(Bs, T, n, H, dtype=first["taps"].dtype)
+    if "final_hidden" in first:
+        out["final_hidden"] = torch.zeros(Bs, T, H, dtype=first["final_hidden"].dtype)
+    if "topk_ids" in first:
+        k = first["topk_ids"].shape[1]
+        out["topk_ids"] = torch.zeros(Bs, T, k, dtype=torch.long)
+        out["topk_logprobs"] = torch.full((Bs, T, k), float("-inf"), dtype=torch.float32)
+        out["topk_valid"] = torch.zeros(Bs, T, dtype=torch.bool)
+    if "audio_embeds" in first:
+        out["audio_embeds"] = torch.zeros(Bs, T, H, dtype=first["audio_embeds"].dtype)
+    for b, s in enumerate(samples):
+        L = int(lengths[b])
+        out["input_ids"][b, :L] = s["input_ids"].long()
+        out["loss_mask"][b, :L] = s["loss_mask"]
+        out["is_audio"][b, :L] = s["is_audio"]
+        out["taps"][b, :L] = s["taps"]
+        if "final_hidden" in out:
+            out["final_hidden"][b, :L] = s["final_hidden"]
+        if "topk_ids" in out:
+            rows = s["topk_rows"].long()
+            out["topk_ids"][b, rows] = s["topk_ids"].long()
+            out["topk_logprobs"][b, rows] = s["topk_logprobs"].float()
+            out["topk_valid"][b, rows] = True
+        if "audio_embeds" in out:
+            out["audio_embeds"][b, :L][s["is_audio"]] = s["audio_embeds"]
+    return out
+
+
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class BatchStream:
+    """The composed pipeline: endless, seeded, exactly resumable collated micro-batches.
+
+    ``state_dict()`` after a batch resumes at the next batch: {"version", "epoch", "reader"}.
+    """
+
+    def __init__(
+        self,
+        open_stream: OpenStream,
+        *,
+        max_tokens: int,
+        max_batch_size: int,
+        max_seq_len: int | None = None,
+        state: dict[str, Any] | None = None,
+        max_epochs: int | None = None,
+    ) -> None:
+        if state is not None and state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')} is not {STATE_VERSION}; cannot resume from it")
+        self._state = state
+        start = None if state is None else {"epoch": state["epoch"], "reader": state["reader"]}
+        items: Iterable = epochs(open_stream, start, max_epochs)
+        if max_seq_len is not None:
+            items = ((truncate(s, max_seq_len), st) for s, st in items)
+        items = ((s, st) for s, st in items if has_targets(s))
+        self._batches = batch_by_tokens(items, max_tokens, max_batch_size)
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        samples, state = next(self._batches)
+        self._state = None if state is None else {"version": STATE_VERSION, **state}
+        return collate(samples)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self._state

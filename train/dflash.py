@@ -1,0 +1,468 @@
+"""DFlash: a block-diffusion drafter that predicts B-1 tokens in one forward from the target's taps.
+
+Model (DESIGN section 4):
+    context_BTH = RMSNorm(W_fc concat(taps at target_layer_ids))            computed once per batch
+    block j: slot 0 = token at anchor_j, slots 1..B-1 = mask token, positions anchor_j + k,
+             embedded with the target's FROZEN embedding
+    n Qwen3-style pre-norm layers, NON-causal within a block; each layer projects the context with
+             its own k/v and prepends it to the block's K/V (context rows are never queried)
+    final RMSNorm -> the target's FROZEN lm_head (/ logits_scaling) -> slot k predicts input_ids[a + k]
+Visibility (``train.mask``): block j sees context positions < anchor_j and its own block.
+
+Anchors: positions p with loss_mask[p] and room for the block (``full_blocks_only``: p + B <= len;
+default: p + 1 < len, so short replies at the end of a sequence still train, the overhanging slots
+masked), sampled without replacement, sorted; at most ``num_anchors`` per sequence and
+``max_total_anchors`` per micro-batch (the per-sequence cap is lowered evenly, water-filling,
+until the batch fits). With FlexAttention or torch.compile the block count per sequence is fixed
+(min(num_anchors, max_total_anchors // Bs)) so shapes stay static; eager sizes it to the batch.
+
+Module names match the DFlash reference release (``fc``, ``hidden_norm``, ``layers.N.self_attn.q_proj``,
+``norm``), so exported weights load in serving engines.
+
+Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shards.taps import default_tap_ids, to_vllm
+from train.drafter import AcceptanceCounts, Drafter, LossOutput
+from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from train.losses import row_losses, slot_weights, weighted_terms
+from train.mask import dense_mask, flex_block_mask
+from train.teacher import gather_exact, gather_topk
+
+KD_MODES = ("none", "topk", "exact")
+ATTENTION = ("dense", "flex")
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash drafter settings; None fields are filled from the target bundle by ``resolve``."""
+
+    num_layers: int = 1
+    """Draft decoder layers."""
+    num_heads: int | None = None
+    """Query heads (default: the target's)."""
+    num_kv_heads: int | None = None
+    """K/V heads (default: the target's)."""
+    head_dim: int | None = None
+    """Per-head width (default: the target's)."""
+    intermediate_size: int | None = None
+    """SwiGLU width (default: the target's)."""
+    block_size: int = 16
+    """B: slot 0 is the anchor token, slots 1..B-1 are predicted."""
+    gamma: float = 7.0
+    """Slot k weighs exp(-(k-1)/gamma)."""
+    mask_token_id: int | None = None
+    """Token id of the mask slots (default: the target's pad_token_id, else vocab_size - 1)."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """HF decoder-layer ids fused as context (default: the DFlash tap rule if stored, else all non-last taps)."""
+    num_anchors: int = 512
+    """Most blocks per sequence."""
+    max_total_anchors: int = 4096
+    """Most blocks per micro-batch."""
+    full_blocks_only: bool = False
+    """Anchors need p + B <= length (True) or only p + 1 < length (False, overhang masked)."""
+    attention: str = "dense"
+    """dense (SDPA with a bool mask; trains on CPU) or flex (BlockMask; backward needs a GPU)."""
+    flex_block_size: int = 128
+    """BlockMask block size (a multiple of the Flex kernel tile)."""
+    compile: bool = False
+    """torch.compile the draft layers (static anchor count)."""
+    ce_chunk_size: int = 2048
+    """Rows per lm_head + CE chunk (each chunk checkpointed); <= 0 = one chunk."""
+    ce_weight: float = 1.0
+    """Weight of the cross-entropy term."""
+    kd: str = "none"
+    """Distillation teacher: none, topk (stored top-k + tail bin) or exact (per-row final hidden)."""
+    kd_weight: float = 1.0
+    """Weight of the KD term (forward KL(teacher || draft))."""
+    init_std: float = 0.02
+    """Std of the normal init of draft linear layers."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
+        if not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.num_anchors < 1 or self.max_total_anchors < 1:
+            raise ValueError("num_anchors and max_total_anchors must be >= 1")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.kd not in KD_MODES:
+            raise ValueError(f"kd must be one of {KD_MODES}, got {self.kd!r}")
+        if self.flex_block_size < 16 or self.flex_block_size % 16:
+            raise ValueError(f"flex_block_size must be a positive multiple of 16, got {self.flex_block_size}")
+        if self.ce_weight < 0 or self.kd_weight < 0 or (self.ce_weight == 0 and self.kd == "none"):
+            raise ValueError("loss weights must be >= 0 and some term must be on")
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def static_anchors(self) -> bool:
+        return self.attention == "flex" or self.compile
+
+    def resolve(self, bundle: Any, layout: Any) -> "DFlashConfig":
+        """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""
+        tc = bundle.config
+        H = int(tc["hidden_size"])
+        if layout.hidden_size != H:
+            raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
+        heads = self.num_heads or int(tc["num_attention_heads"])
+        kv = self.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
+        head_dim = self.head_dim or int(tc.get("head_dim") or H // heads)
+        inter = self.intermediate_size or int(tc.get("intermediate_size") or 4 * H)
+        V = int(bundle.lm_head.shape[0])
+        mask_id = self.mask_token_id
+        if mask_id is None:
+            pad = tc.get("pad_token_id")
+            mask_id = int(pad) if pad is not None else V - 1
+        if not 0 <= mask_id < V:
+            raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
+        ids = self.target_layer_ids
+        if ids is None:
+            rule = default_tap_ids(layout.num_layers, self.num_layers)
+            if set(rule) <= set(layout.tap_ids):
+                ids = tuple(rule)
+            else:
+                non_last = [i for i in layout.tap_ids if i != layout.num_layers - 1]
+                ids = tuple(non_last or layout.tap_ids)
+        missing = [i for i in ids if i not in layout.tap_ids]
+        if missing:
+            raise ValueError(
+                f"target_layer_ids {list(ids)} include {missing}, which the dataset did not store "
+                f"(stored taps: {list(layout.tap_ids)}); set target_layer_ids to a subset or recapture"
+            )
+        return dataclasses.replace(
+            self, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
+            mask_token_id=mask_id, target_layer_ids=tuple(ids),
+        )
+
+
+def allocate_anchor_counts(eligible_B: torch.Tensor, per_seq: int, total: int) -> torch.Tensor:
+    """Per-sequence anchor counts: min(eligible, cap) with the largest cap <= per_seq whose sum fits ``total``."""
+    e = eligible_B.clamp(max=per_seq)
+    if int(e.sum()) <= total:
+        return e
+    lo, hi = 0, per_seq  # largest cap with sum(min(e, cap)) <= total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if int(e.clamp(max=mid).sum()) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    return e.clamp(max=lo)
+
+
+def sample_anchors(
+    loss_mask_BT: torch.Tensor,
+    lengths_B: torch.Tensor,
+    *,
+    block_size: int,
+    num_anchors: int,
+    max_total_anchors: int,
+    full_blocks_only: bool = False,
+    static: bool = False,
+    generator: torch.Generator | None = None,
+    take_all: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors long [Bs, N] (sorted; padding blocks 0) and valid bool [Bs, N].
+
+    Sampled without replacement among eligible positions (uniform random keys from ``generator``,
+    drawn on the CPU so results do not depend on the device). ``take_all`` takes the first
+    eligible positions in order instead (deterministic evaluation).
+    """
+    Bs, T = loss_mask_BT.shape
+    pos = torch.arange(T)
+    lm = loss_mask_BT.cpu()
+    L = lengths_B.cpu()[:, None]
+    room = pos + block_size <= L if full_blocks_only else pos + 1 < L
+    eligible = lm & room
+    n_el = eligible.sum(1)
+    counts = allocate_anchor_counts(n_el, num_anchors, max_total_anchors)
+    if static:
+        N = max(1, min(num_anchors, max_total_anchors // max(Bs, 1)))
+        counts = counts.clamp(max=N)
+    else:
+        N = max(1, int(counts.max()) if Bs else 1)
+    if take_all:
+        keys = pos.float().expand(Bs, T).clone()
+    else:
+        keys = torch.rand(Bs, T, generator=generator)
+    keys = keys.masked_fill(~eligible, float("inf"))
+    k = min(N, T)
+    picked = keys.topk(k, dim=1, largest=False).indices  # [Bs, k] lowest keys
+    slot = torch.arange(k)[None]
+    valid = slot < counts[:, None]
+    anchors = torch.where(valid, picked, torch.full_like(picked, T + 1))
+    anchors = anchors.sort(dim=1).values  # valid first (padding sentinel T+1 sorts last)
+    valid = slot < counts[:, None]
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    if k < N:
+        anchors = torch.cat([anchors, anchors.new_zeros(Bs, N - k)], 1)
+        valid = torch.cat([valid, valid.new_zeros(Bs, N - k)], 1)
+    dev = loss_mask_BT.device
+    return anchors.to(dev), valid.to(dev)
+
+
+def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> AcceptanceCounts:
+    """Teacher-forced acceptance counts from per-slot correctness [Bs, N, B-1] (slots 1..B-1)."""
+    ok = (correct_BNK.bool() & valid_BNK).long()
+    prefix = torch.cumprod(ok, dim=-1)  # slots 1..k all accepted
+    before = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1)
+    reached = before * valid_BNK.long()
+    block_valid = valid_BNK.any(-1)
+    return AcceptanceCounts(
+        accepted=prefix.sum((0, 1)).double(),
+        reached=reached.sum((0, 1)).double(),
+        correct=ok.sum((0, 1)).double(),
+        valid=valid_BNK.long().sum((0, 1)).double(),
+        blocks=int(block_valid.sum()),
+    )
+
+
+class DFlashDrafter(Drafter):
+    family = "dflash"
+
+    def __init__(self, config: DFlashConfig, bundle: Any, layout: Any) -> None:
+        super().__init__(config, bundle, layout)
+        cfg = config.resolve(bundle, layout)
+        self.config = cfg
+        tc = bundle.config
+        H = int(tc["hidden_size"])
+        eps = float(tc.get("rms_norm_eps") or 1e-6)
+        self.eps = eps
+        self.hidden_size = H
+        self.scaling = float(tc.get("logits_scaling") or 1.0)
+        self.target_num_layers = layout.num_layers
+        self.fingerprint = bundle.fingerprint
+        self.rope_theta = float(tc.get("rope_theta") or 10000.0)
+        self.vocab_size = int(bundle.lm_head.shape[0])
+        self.last_tap = layout.last_layer_tap
+        self.register_buffer(
+            "tap_index", torch.tensor([layout.tap_ids.index(i) for i in cfg.target_layer_ids]), persistent=False
+        )
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(H, eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, self.rope_theta)
+        # frozen target pieces: buffers, never trained, checkpointed or exported
+        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_head", bundle.lm_head.detach().float().clone(), persistent=False)
+        self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
+        self.register_buffer("weights_k", slot_weights(cfg.block_size, cfg.gamma), persistent=False)
+        self._init_weights(cfg.init_std)
+        self._stack = self._run_layers
+        if cfg.compile:
+            self._stack = torch.compile(self._run_layers, dynamic=None)
+
+    @classmethod
+    def check_dataset(cls, config: DFlashConfig, bundle: Any, layout: Any) -> None:
+        cfg = config.resolve(bundle, layout)
+        if cfg.kd == "exact" and not layout.has_final_hidden and layout.last_layer_tap is None:
+            raise ValueError("kd='exact' needs final_hidden or the last layer among the dataset's taps")
+        if cfg.kd == "topk" and layout.top_k == 0:
+            raise ValueError("kd='topk' needs a dataset with top-k teacher rows (captured with top_k > 0)")
+
+    def _init_weights(self, std: float) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+
+    def frozen_to(self, dtype: torch.dtype) -> None:
+        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
+        for name in ("embed_tokens", "lm_head", "target_norm"):
+            setattr(self, name, getattr(self, name).to(dtype))
+
+    # -- model -------------------------------------------------------------------------------
+    def context(self, taps_BTnH: torch.Tensor) -> torch.Tensor:
+        """Fused context [Bs, T, H] = RMSNorm(fc(concat of the chosen taps))."""
+        x = taps_BTnH.index_select(2, self.tap_index.to(taps_BTnH.device))
+        x = x.reshape(*x.shape[:2], -1).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def _run_layers(self, x, rope, mask, ctx, ctx_rope):
+        for layer in self.layers:
+            x = layer(x, rope, mask=mask, context=ctx, context_rope=ctx_rope)
+        return self.norm(x)
+
+    def block_hidden(
+        self, input_ids_BT: torch.Tensor, ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor
+    ) -> torch.Tensor:
+        """Draft hidden states [Bs, N, B, H] (after the final norm) for blocks at ``anchors``."""
+        cfg = self.config
+        Bs, T = input_ids_BT.shape
+        N, B = anchors_BN.shape[1], cfg.block_size
+        dev = input_ids_BT.device
+        ids = torch.full((Bs, N, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, :, 0] = input_ids_BT.gather(1, anchors_BN.clamp(max=T - 1))
+        x = nn.functional.embedding(ids.view(Bs, N * B), self.embed_tokens).to(ctx_BTH.dtype)
+        pos = (anchors_BN[:, :, None] + torch.arange(B, device=dev)).view(Bs, N * B)
+        rope = self.rotary(pos)
+        ctx_rope = self.rotary(torch.arange(T, device=dev)[None].expand(Bs, T))
+        if cfg.attention == "flex":
+            mask = flex_block_mask(anchors_BN, T, B, cfg.flex_block_size)
+        else:
+            mask = dense_mask(anchors_BN, T, B)
+        h = self._stack(x, rope, mask, ctx_BTH, ctx_rope)
+        return h.view(Bs, N, B, -1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits for hidden rows (through the frozen lm_head, / logits_scaling)."""
+        return nn.functional.linear(h.to(self.lm_head.dtype), self.lm_head).float() / self.scaling
+
+    # -- targets -----------------------------------------------------------------------------
+    def _targets(self, batch: dict[str, Any], anchors: torch.Tensor, valid_blocks: torch.Tensor):
+        """Slot targets for k = 1..B-1: labels, validity, positions; each [Bs, N, B-1]."""
+        B = self.config.block_size
+        ids, lm, L = batch["input_ids"], batch["loss_mask"], batch["lengths"].to(anchors.device)
+        T = ids.shape[1]
+        tpos = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)
+        inside = tpos < L[:, None, None]
+        tc = tpos.clamp(max=T - 1)
+        Bs = ids.shape[0]
+        flat = tc.view(Bs, -1)
+        labels = ids.gather(1, flat).view_as(tpos)
+        sup = lm.gather(1, flat).view_as(tpos)
+        valid = valid_blocks[:, :, None] & inside & sup
+        return labels, valid, tpos
+
+    def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
+        cfg = self.config
+        return sample_anchors(
+            batch["loss_mask"], batch["lengths"], block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+            max_total_anchors=cfg.max_total_anchors, full_blocks_only=cfg.full_blocks_only,
+            static=cfg.static_anchors, generator=generator, take_all=take_all,
+        )
+
+    # -- training ----------------------------------------------------------------------------
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        cfg = self.config
+        anchors, vblk = self._anchors(batch, generator)
+        ctx = self.context(batch["taps"])
+        h = self.block_hidden(batch["input_ids"], ctx, anchors)  # [Bs, N, B, H]
+        labels, valid, tpos = self._targets(batch, anchors, vblk)
+        h_rows = h[:, :, 1:][valid]  # [R, H]
+        y = labels[valid]
+        w = self.weights_k.to(h.device).expand_as(valid)[valid]
+        teacher, kd_w = None, None
+        if cfg.kd != "none":
+            b_idx = torch.arange(h.shape[0], device=h.device)[:, None, None].expand_as(valid)[valid]
+            rows = tpos[valid] - 1
+            if cfg.kd == "exact":
+                teacher = gather_exact(
+                    batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm, eps=self.eps,
+                    lm_head=self.lm_head, scaling=self.scaling,
+                )
+                kd_w = w
+            else:
+                teacher, has = gather_topk(batch, b_idx, rows)
+                kd_w = w * has.to(w.dtype)
+        ce, correct, kd = row_losses(h_rows, y, self.lm_head, scaling=self.scaling, chunk_rows=cfg.ce_chunk_size,
+                                     teacher=teacher)
+        if cfg.kd == "none":
+            kd_w = None
+        terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
+        # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
+        terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
+        corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
+        corr[valid] = correct.detach().bool()
+        return LossOutput(terms=terms, metrics=_metrics(acceptance_counts(corr, valid)))
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+        """Teacher-forced greedy acceptance: every eligible anchor (up to the caps), in order."""
+        anchors, vblk = self._anchors(batch, generator, take_all=True)
+        h = self.block_hidden(batch["input_ids"], self.context(batch["taps"]), anchors)
+        labels, valid, _ = self._targets(batch, anchors, vblk)
+        corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
+        rows = h[:, :, 1:][valid]
+        step = max(self.config.ce_chunk_size, 1)
+        pred = torch.cat([self.logits(r).argmax(-1) for r in rows.split(step)]) if rows.shape[0] else labels[valid]
+        corr[valid] = pred == labels[valid]
+        return acceptance_counts(corr, valid)
+
+    # -- export ------------------------------------------------------------------------------
+    def export_config(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "block_size": cfg.block_size,
+            "num_target_layers": self.target_num_layers,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "target_layer_ids_vllm": to_vllm(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "logits_scaling": self.scaling,
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+            },
+            "tapdraft": {
+                "family": self.family,
+                "target_fingerprint": self.fingerprint,
+                "tap_numbering": "target_layer_ids: HF decoder-layer ids (output of layer i, pre-norm); "
+                "target_layer_ids_vllm = ids + 1",
+                "uses_target_embedding_and_lm_head": True,
+            },
+        }
+
+    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        tmp = out / "model.safetensors.tmp"
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / "model.safetensors")
+        doc = self.export_config()
+        doc["tapdraft"].update(meta)
+        (out / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def _metrics(acc: AcceptanceCounts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """acc@k (unconditional) and alpha@k (conditional on slots < k accepted) as (sum, count)."""
+    m = {}
+    for k in range(acc.accepted.shape[0]):
+        m[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])
+        m[f"alpha@{k + 1}"] = (acc.accepted[k], acc.reached[k])
+    return m
+
+
+CONFIG = DFlashConfig
+DRAFTER = DFlashDrafter

@@ -1,0 +1,89 @@
+"""Teacher rows for distillation: only the rows a loss reads, never [batch, seq, vocab] logits.
+
+Two sources, both read per row:
+
+- exact: the target's pre-norm last-layer state at the row (``final_hidden``, or the taps entry of
+  the last layer when it was tapped) -> the bundle's final RMSNorm -> the bundle's lm_head ->
+  divided by ``logits_scaling`` (Granite divides; everyone else has 1). This is the target's own
+  distribution for that row, exactly; the projection happens inside the loss's row chunks.
+- top-k: the stored top-k ids and log-probabilities (under the full softmax) of the row, with the
+  tail as one extra bin (``train.divergences.kl_tv_topk``, exact lumped-tail form).
+
+Row convention: the teacher row that predicts the token at position t + 1 is row t. A DFlash slot
+k of anchor a predicts the token at a + k, so its teacher row is a + k - 1.
+
+Shapes: Bs batch, T positions, R gathered rows, H hidden, V vocab, k stored top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from train.layers import rms_norm
+
+
+@dataclass
+class ExactTeacher:
+    """Per-row teacher from pre-norm hidden states: logits = lm_head(norm(h)) / scaling."""
+
+    hidden_RH: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    lm_head: torch.Tensor
+    scaling: float = 1.0
+
+    def logits(self, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        h = self.hidden_RH if rows is None else self.hidden_RH[rows]
+        return teacher_logits(h, self.norm_weight, self.eps, self.lm_head, self.scaling)
+
+
+@dataclass
+class TopKTeacher:
+    """Per-row stored teacher: ids [R, k] and log-probs [R, k] under the full softmax."""
+
+    ids_Rk: torch.Tensor
+    logprobs_Rk: torch.Tensor
+
+
+def teacher_logits(
+    hidden_RH: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_head_VH: torch.Tensor, scaling: float = 1.0
+) -> torch.Tensor:
+    """[R, H] pre-norm states -> float32 [R, V] teacher logits (no gradient)."""
+    with torch.no_grad():
+        h = rms_norm(hidden_RH.to(lm_head_VH.dtype), norm_weight.to(lm_head_VH.dtype), eps)
+        return F.linear(h, lm_head_VH).float() / float(scaling)
+
+
+def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
+    """[Bs, T, H] pre-norm last-layer states: ``final_hidden`` if stored, else the last-layer tap."""
+    if "final_hidden" in batch:
+        return batch["final_hidden"]
+    if last_tap is None:
+        raise ValueError(
+            "the exact teacher needs the target's last-layer state: capture with final_hidden or with the "
+            "last decoder layer among the taps, or use kd='topk' / kd='none'"
+        )
+    return batch["taps"][:, :, last_tap]
+
+
+def gather_exact(
+    batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor, *, last_tap: int | None, bundle_norm: torch.Tensor,
+    eps: float, lm_head: torch.Tensor, scaling: float,
+) -> ExactTeacher:
+    """The exact teacher for rows (b_R[i], row_R[i]): gathers only those [R, H] states."""
+    h = last_hidden(batch, last_tap)[b_R, row_R]
+    return ExactTeacher(h, bundle_norm, eps, lm_head, scaling)
+
+
+def gather_topk(batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor) -> tuple[TopKTeacher, torch.Tensor]:
+    """Stored top-k for rows (b_R, row_R) and a bool [R] saying which rows were stored."""
+    if "topk_ids" not in batch:
+        raise ValueError("kd='topk' needs a dataset captured with top-k teacher rows (top_k > 0)")
+    return (
+        TopKTeacher(batch["topk_ids"][b_R, row_R], batch["topk_logprobs"][b_R, row_R]),
+        batch["topk_valid"][b_R, row_R],
+    )

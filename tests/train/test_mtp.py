@@ -1,0 +1,282 @@
+"""MTP heads: alignment, losses against float64 references, teacher forms, refusals, eval chain, export."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from shards.bundle import TargetBundle
+from shards.schema import Layout, teacher_rows
+from train.data import collate
+from train.drafter import combine_terms
+from train.mtp import (
+    IGNORE,
+    MTPConfig,
+    MTPDrafter,
+    depth_targets,
+    doc_end_from_cu_seqlens,
+    doc_end_from_lengths,
+    load_exported,
+    next_token_labels,
+)
+
+V, H, L = 40, 16, 4
+
+
+def tiny_bundle(seed=0, scaling=1.0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "vocab_size": V, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+           "logits_scaling": scaling, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0}
+    return TargetBundle(config=cfg, audio={}, chat_template=None, embed_tokens=torch.randn(V, H, generator=g),
+                        norm_weight=1 + 0.1 * torch.randn(H, generator=g), lm_head=torch.randn(V, H, generator=g) * 0.5)
+
+
+def tiny_layout(**kw):
+    base = dict(hidden_size=H, num_layers=L, tap_ids=(1, L - 1), top_k=V, audio_token_id=V - 1)
+    base.update(kw)
+    return Layout(**base)
+
+
+def sample(T, seed, layout, bundle, audio_at=()):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, V - 1, (T,), generator=g).int()
+    is_audio = torch.zeros(T, dtype=torch.bool)
+    for a in audio_at:
+        is_audio[a] = True
+        ids[a] = layout.audio_token_id
+    loss_mask = torch.rand(T, generator=g) < 0.8
+    loss_mask[is_audio] = False
+    loss_mask[0] = False
+    taps = torch.randn(T, layout.n_taps, H, generator=g).bfloat16()
+    s = {"sample_id": f"s{seed}", "source": "test", "audio_seconds": 0.0, "input_ids": ids, "is_audio": is_audio,
+         "loss_mask": loss_mask, "taps": taps}
+    if layout.has_audio_embeds:
+        s["audio_embeds"] = torch.randn(int(is_audio.sum()), H, generator=g).bfloat16()
+    if layout.top_k:
+        rows = teacher_rows(loss_mask)
+        last = taps[:, layout.last_layer_tap].float()
+        h = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6) * bundle.norm_weight
+        lp = torch.log_softmax(h @ bundle.lm_head.T / float(bundle.config["logits_scaling"]), -1)[rows.long()]
+        top = lp.topk(layout.top_k, dim=-1)
+        s.update(topk_rows=rows, topk_ids=top.indices.int(), topk_logprobs=top.values.float())
+    return s
+
+
+def batch_of(layout, bundle, lengths=(9, 6), audio_at=((), ())):
+    return collate([sample(T, i, layout, bundle, a) for i, (T, a) in enumerate(zip(lengths, audio_at))])
+
+
+def test_alignment_fixture_packed():
+    labels = torch.tensor([10, 11, 12, 20, 21])
+    doc_end = doc_end_from_cu_seqlens(torch.tensor([0, 3, 5]), 5)
+    assert doc_end.tolist() == [3, 3, 3, 5, 5]
+    assert depth_targets(labels, doc_end, 1).tolist() == [11, 12, IGNORE, 21, IGNORE]
+    assert depth_targets(labels, doc_end, 2).tolist() == [12, IGNORE, IGNORE, IGNORE, IGNORE]
+
+
+def test_padded_targets_are_token_t_plus_k_plus_1():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [3, 4, 5, 0, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    doc_end = doc_end_from_lengths(torch.tensor([5, 3]), 6)
+    labels = next_token_labels(ids, mask, doc_end)
+    assert labels.tolist() == [[6, 7, IGNORE, 9, IGNORE, IGNORE], [4, 5, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert depth_targets(labels, doc_end, 1).tolist() == [[7, IGNORE, 9, IGNORE, IGNORE, IGNORE], [5] + [IGNORE] * 5]
+    assert depth_targets(labels, doc_end, 3).tolist() == [[9] + [IGNORE] * 5, [IGNORE] * 6]
+
+
+@torch.no_grad()
+def _reference_ce(drafter, batch):
+    """Float64, per (b, t) loops from the definition; reuses only the head modules' weights."""
+    d = drafter
+    ids, lengths, mask = batch["input_ids"], batch["lengths"], batch["loss_mask"]
+    last = batch["taps"][:, :, d.last_tap].double()
+    emb_t = d.embed_tokens.double()
+    eps = d.eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    total, counts = {}, {}
+    for b in range(ids.shape[0]):
+        n = int(lengths[b])
+        h = rms(last[b, :n], d.norm_weight)
+        for k in range(1, d.config.num_depths + 1):
+            head = d.head(k)
+            e = torch.zeros(n, H, dtype=torch.float64)
+            e[: n - k] = emb_t[ids[b, k:n]]
+            x = torch.cat([rms(e, head.enorm.weight), rms(h, head.hnorm.weight)], -1) @ head.eh_proj.weight.double().T
+            pos = torch.arange(n)[None]
+            h = head.block(x[None], d.rope(pos), is_causal=True)[0]
+            s = ce = 0.0
+            c = 0
+            for t in range(n):
+                if t + k + 1 < n and bool(mask[b, t + k + 1]):
+                    z = rms(h[t], head.final_norm.weight) @ d.lm_head.double().T / d.logits_scaling
+                    ce += (torch.logsumexp(z, 0) - z[ids[b, t + k + 1]]).item()
+                    c += 1
+            total[k] = total.get(k, 0.0) + ce
+            counts[k] = counts.get(k, 0) + c
+    return total, counts
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+def test_ce_loss_matches_float64_reference(repeated):
+    torch.manual_seed(0)
+    bundle, layout = tiny_bundle(scaling=2.0), tiny_layout()
+    d = MTPDrafter.build(MTPConfig(num_depths=2, use_repeated_layer=repeated, chunk_rows=5), bundle, layout).double()
+    d.embed_tokens, d.norm_weight, d.lm_head = d.embed_tokens.double(), d.norm_weight.double(), d.lm_head.double()
+    assert len(d.heads) == (1 if repeated else 2)
+    batch = batch_of(layout, bundle)
+    batch["taps"] = batch["taps"].double()
+    out = d(batch)
+    ref, cnt = _reference_ce(d, batch)
+    for k in (1, 2):
+        s, c, w = out.terms[f"mtp_d{k}"]
+        assert int(c) == cnt[k] > 0 and w == 0.5
+        assert abs(s.item() - ref[k]) < 1e-6 * max(1.0, ref[k])  # layers.RMSNorm normalises in float32
+    loss, _ = combine_terms(out.terms)
+    loss.backward()
+    assert all(p.grad is not None for p in d.parameters())
+    assert not any(n.startswith(("embed", "lm_head", "norm_weight")) for n in d.state_dict())
+
+
+def _teacher_p(d, batch, b, row):
+    last = batch["taps"][b, row, d.last_tap].float()
+    h = last * torch.rsqrt(last.pow(2).mean() + d.eps) * d.norm_weight
+    return torch.softmax((h @ d.lm_head.T).double() / d.logits_scaling, -1)
+
+
+@pytest.mark.parametrize("lam", [0.5, 0.2, "adaptive"])
+def test_lk_loss_matches_float64_reference(lam):
+    torch.manual_seed(1)
+    bundle, layout = tiny_bundle(), tiny_layout()
+    d = MTPDrafter.build(MTPConfig(num_depths=2, loss_type="lk", lk_lambda=lam, chunk_rows=4), bundle, layout)
+    assert d.teacher_kind == "exact"
+    batch = batch_of(layout, bundle)
+    out = d(batch)
+    run = d.run_depths(batch)
+    for k in (1, 2):
+        rows_kl, rows_tv = [], []
+        tgt = run["targets"][k - 1]
+        for b, t in (tgt != IGNORE).nonzero().tolist():
+            p = _teacher_p(d, batch, b, t + k)
+            q = torch.softmax(d.logits(k, run["h"][k - 1][b, t][None]).double()[0], -1)
+            rows_kl.append((p * (p.log() - q.log())).sum().item())
+            rows_tv.append(0.5 * (p - q).abs().sum().item())
+        kl, tv = torch.tensor(rows_kl, dtype=torch.float64), torch.tensor(rows_tv, dtype=torch.float64)
+        w = math.exp(-3.0 * float((1 - tv).mean())) if lam == "adaptive" else lam
+        want = float((w * kl + (1 - w) * tv).sum())
+        s, c, _ = out.terms[f"mtp_d{k}"]
+        assert int(c) == len(rows_kl)
+        assert abs(s.item() - want) < 1e-4 * max(1.0, want)
+        acc_sum, acc_n = out.metrics[f"acceptance_d{k}"]
+        assert abs(float(acc_sum) / float(acc_n) - float((1 - tv).mean())) < 1e-4
+
+
+def test_topk_teacher_with_full_vocab_equals_exact_and_lower_bound_with_small_k():
+    torch.manual_seed(2)
+    bundle = tiny_bundle()
+    exact = MTPDrafter.build(MTPConfig(loss_type="lk", teacher="exact"), bundle, tiny_layout())
+    topk = MTPDrafter.build(MTPConfig(loss_type="lk", teacher="topk"), bundle, tiny_layout())
+    topk.load_state_dict(exact.state_dict())
+    batch = batch_of(tiny_layout(), bundle)
+    a, b = exact(batch).terms["mtp_d1"][0], topk(batch).terms["mtp_d1"][0]
+    assert abs(a.item() - b.item()) < 1e-4 * max(1.0, a.item())
+    # a small stored k lumps more: per-row KL and TV can only shrink (data-processing inequality)
+    lay4 = tiny_layout(top_k=4)
+    t4 = MTPDrafter.build(MTPConfig(loss_type="lk", teacher="topk"), bundle, lay4)
+    t4.load_state_dict(exact.state_dict())
+    b4 = batch_of(lay4, bundle)
+    e4 = exact(b4)
+    o4 = t4(b4)
+    assert o4.terms["mtp_d1"][0].item() < e4.terms["mtp_d1"][0].item()
+    assert float(o4.metrics["kl_d1"][0]) < float(e4.metrics["kl_d1"][0])
+    # MTP always has the last hidden state, so 'auto' picks the exact teacher
+    assert MTPDrafter.build(MTPConfig(loss_type="lk"), bundle, lay4).teacher_kind == "exact"
+
+
+def test_audio_rows_masked_without_embeds_and_used_with_them():
+    torch.manual_seed(3)
+    bundle = tiny_bundle()
+    lay = tiny_layout(top_k=0)
+    d = MTPDrafter.build(MTPConfig(num_depths=1), bundle, lay)
+    batch = batch_of(lay, bundle, lengths=(10, 7), audio_at=((2, 3, 4), ()))
+    batch["loss_mask"][0, :] = True
+    out = d(batch)
+    masked, seen = out.metrics["mtp_rows_audio_masked"]
+    # rows t = 1, 2, 3 read audio inputs at t + 1 = 2, 3, 4 and have supervised targets at t + 2
+    assert int(masked) == 3 and int(seen) == int(out.terms["mtp_d1"][1]) + 3
+    lay_e = tiny_layout(top_k=0, has_audio_embeds=True)
+    d_e = MTPDrafter.build(MTPConfig(num_depths=1), bundle, lay_e)
+    b_e = batch_of(lay_e, bundle, lengths=(10, 7), audio_at=((2, 3, 4), ()))
+    b_e["loss_mask"][0, :] = True
+    out_e = d_e(b_e)
+    assert int(out_e.metrics["mtp_rows_audio_masked"][0]) == 0
+    assert int(out_e.terms["mtp_d1"][1]) == int(out.terms["mtp_d1"][1]) + 3
+    # the stored audio embedding is what enters at those rows
+    emb, unknown = d_e.input_embeds(b_e)
+    assert not unknown.any() and torch.equal(emb[0, 2], b_e["audio_embeds"][0, 2].float())
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="head_only"):
+        MTPConfig(loss_type="lk", training_mode="full")
+    with pytest.raises(ValueError, match="head_only"):
+        MTPConfig(training_mode="full")
+    with pytest.raises(ValueError, match="lk_lambda"):
+        MTPConfig(loss_type="lk", lk_lambda=2.0)
+    with pytest.raises(ValueError, match="num_depths"):
+        MTPConfig(num_depths=0)
+    assert MTPConfig(lk_lambda="adaptive").lk_lambda == "adaptive"
+    with pytest.raises(ValueError, match="last layer"):
+        MTPDrafter.build(MTPConfig(), tiny_bundle(), tiny_layout(tap_ids=(1,)))
+    with pytest.raises(ValueError, match="top_k"):
+        MTPDrafter.build(MTPConfig(loss_type="lk", teacher="topk"), tiny_bundle(), tiny_layout(top_k=0))
+
+
+def test_acceptance_chains_depths():
+    torch.manual_seed(4)
+    bundle, layout = tiny_bundle(), tiny_layout(top_k=0)
+    d = MTPDrafter.build(MTPConfig(num_depths=3), bundle, layout)
+    batch = batch_of(layout, bundle, lengths=(12, 9))
+    batch["loss_mask"][:] = True
+    acc = d.acceptance(batch)
+    run = d.run_depths(batch)
+    preds = []
+    for k in (1, 2, 3):
+        z = torch.stack([d.logits(k, run["h"][k - 1][b]) for b in range(2)])
+        preds.append(z.argmax(-1))
+    for k in range(3):
+        ok = torch.ones(2, 12, dtype=torch.bool)
+        for j in range(k):
+            ok &= (run["targets"][j] != IGNORE) & (preds[j] == run["targets"][j])
+        v = run["targets"][k] != IGNORE
+        assert int(acc.reached[k]) == int((ok & v).sum())
+        assert int(acc.accepted[k]) == int((ok & v & (preds[k] == run["targets"][k])).sum())
+    assert (acc.accepted <= acc.reached).all() and acc.blocks == int(acc.valid[0])
+
+
+def test_export_roundtrip_reproduces_logits(tmp_path):
+    torch.manual_seed(5)
+    bundle, layout = tiny_bundle(), tiny_layout(top_k=0)
+    d = MTPDrafter.build(MTPConfig(num_depths=2), bundle, layout)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    d.export(tmp_path, {"num_hidden_layers": L, "target_fingerprint": "abc"})
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["mtp_concat_order"] == "embedding_first" and cfg["num_nextn_predict_layers"] == 2
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert f"model.layers.{L}.eh_proj.weight" in names and f"model.layers.{L + 1}.shared_head.norm.weight" in names
+    assert f"model.layers.{L}.self_attn.q_proj.weight" in names
+    back = load_exported(tmp_path, bundle, layout)
+    batch = batch_of(layout, bundle)
+    r1, r2 = d.run_depths(batch), back.run_depths(batch)
+    for k in (1, 2):
+        torch.testing.assert_close(d.logits(k, r1["h"][k - 1]), back.logits(k, r2["h"][k - 1]), rtol=0, atol=0)

@@ -1,0 +1,453 @@
+"""MTP heads (DeepSeek-V3 style multi-token prediction), trained head-only from a dataset.
+
+Depth k = 1..D at position t predicts the token at t + k + 1 from
+
+    h^0_t   = FinalNorm_target(last decoder layer output at t)      (stored pre-norm, normed here)
+    e       = RMSNorm_k(Emb(x_{t+k}))                                (frozen target embedding)
+    h       = RMSNorm_k(h^{k-1}_t)
+    h^k     = Block_k(W_k [e ; h])                                   (embedding FIRST, 2H -> H)
+    logits  = lm_head(FinalNorm_k(h^k)) / logits_scaling            (frozen target lm_head)
+
+with one causal Qwen3 decoder block per depth (``train.layers.DecoderLayer``), or one physical
+head serving every depth (``use_repeated_layer``). The recursion feeds h^k (the block's output,
+before FinalNorm_k) to depth k + 1, as DeepSeek-V3 does.
+
+Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervised or past the
+sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
+whose target is IGNORE are invalid. Audio positions' input embeddings come from the dataset's
+``audio_embeds`` when it stores them; otherwise a row whose input x_{t+k} is an audio frame is
+masked (and counted: the metric ``mtp_rows_audio_masked`` is their share of the supervised rows); its input is then the sentinel id's
+embedding, which later rows still attend to (the only approximation, and only without audio_embeds).
+
+Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.divergences``):
+lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row t + k (the row that
+predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row projection
+(gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the dataset has
+the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one bin. Only the rows
+a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
+Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
+
+Training mode: ``head_only`` (the heads train; the embedding, final norm and lm_head from the
+bundle are frozen buffers). The dataset holds no backbone, so a mode that trains it is refused.
+
+Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from train.divergences import ADAPTIVE, DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
+from train.drafter import AcceptanceCounts, Drafter, LossOutput
+from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding, rms_norm
+from train.teacher import last_hidden, teacher_logits
+
+IGNORE = -100
+LOSS_TYPES = ("ce", "lk")
+TRAINING_MODES = ("head_only", "full")
+TEACHERS = ("auto", "exact", "topk")
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """MTP heads: architecture, objective and teacher."""
+
+    num_depths: int = 1
+    """D: tokens predicted beyond the target's own next token."""
+    use_repeated_layer: bool = False
+    """One physical head applied at every depth (D depths, one set of weights)."""
+    num_heads: int | None = None
+    """Attention heads of the block; None = the target's."""
+    num_kv_heads: int | None = None
+    """K/V heads of the block; None = the target's."""
+    head_dim: int | None = None
+    """Per-head width; None = the target's."""
+    intermediate_size: int | None = None
+    """SwiGLU width of the block; None = the target's."""
+    training_mode: str = "head_only"
+    """head_only: only the heads train (the only mode a dataset can train; 'full' is refused)."""
+    loss_type: str = "ce"
+    """ce: dataset labels; lk: lambda*KL + (1-lambda)*TV against the frozen target."""
+    lk_lambda: float | str = 0.5
+    """LK mixture weight in [0, 1], or 'adaptive' for exp(-lk_eta * mean acceptance)."""
+    lk_eta: float = DEFAULT_ETA
+    """eta of the adaptive lambda."""
+    teacher: str = "auto"
+    """LK teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
+    chunk_rows: int = 1024
+    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+
+    def __post_init__(self) -> None:
+        if self.num_depths < 1:
+            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.training_mode not in TRAINING_MODES:
+            raise ValueError(f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}")
+        if self.loss_type == "lk" and self.training_mode != "head_only":
+            raise ValueError(
+                "loss_type 'lk' needs training_mode 'head_only': the LK teacher is the frozen target's own "
+                "distribution, which stops being a fixed target once the backbone trains; use loss_type 'ce' "
+                "or set training_mode: head_only"
+            )
+        if self.training_mode != "head_only":
+            raise ValueError(
+                f"training_mode {self.training_mode!r} would train the target backbone, which a dataset does not "
+                "contain (only its frozen embedding, final norm and lm_head); use training_mode: head_only"
+            )
+        object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
+        if self.lk_eta <= 0:
+            raise ValueError(f"lk_eta must be > 0, got {self.lk_eta}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive or null, got {v}")
+
+
+# ----------------------------------------------------------------------------- alignment
+
+
+def doc_end_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """Padded batch (one sequence per row): exclusive end of each position's sequence, [Bs, T]."""
+    return lengths.long()[:, None].expand(-1, T).clone()
+
+
+def doc_end_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Packed row with boundaries ``cu_seqlens`` [S + 1] (0, ..., T) -> exclusive end per position [T]."""
+    cu = cu_seqlens.long()
+    t = torch.arange(T, device=cu.device)
+    seg = torch.searchsorted(cu[1:], t, right=True)
+    return cu[1:][seg.clamp(max=len(cu) - 2)]
+
+
+def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor) -> torch.Tensor:
+    """labels[t] = input_ids[t + 1] when t + 1 is in t's sequence and supervised, else IGNORE. [..., T]."""
+    T = input_ids.shape[-1]
+    t = torch.arange(T, device=input_ids.device)
+    nxt = F.pad(input_ids[..., 1:], (0, 1), value=0).long()
+    sup = F.pad(loss_mask[..., 1:], (0, 1), value=False)
+    ok = sup & (t + 1 < doc_end)
+    return torch.where(ok, nxt, torch.full_like(nxt, IGNORE))
+
+
+def depth_targets(labels: torch.Tensor, doc_end: torch.Tensor, depth: int) -> torch.Tensor:
+    """Depth k's target at t: labels[t + k] when t + k is inside t's sequence, else IGNORE. [..., T]."""
+    T = labels.shape[-1]
+    t = torch.arange(T, device=labels.device)
+    shifted = F.pad(labels[..., depth:], (0, depth), value=IGNORE) if depth < T else torch.full_like(labels, IGNORE)
+    return torch.where(t + depth < doc_end, shifted, torch.full_like(shifted, IGNORE))
+
+
+def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t + k] at t (zeros past the end), along dim 1."""
+    if k == 0:
+        return x
+    pad = torch.zeros_like(x[:, :k])
+    return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class MTPHead(nn.Module):
+    """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj (embedding-first), a causal block, final norm."""
+
+    def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(H, eps)
+        self.hnorm = RMSNorm(H, eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = DecoderLayer(H, heads, kv_heads, head_dim, inter, eps)
+        self.final_norm = RMSNorm(H, eps)
+
+    def forward(self, emb: torch.Tensor, h_prev: torch.Tensor, rope) -> torch.Tensor:
+        """emb, h_prev [Bs, T, H] -> h^k [Bs, T, H] (before the final norm)."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
+        return self.block(x, rope, is_causal=True)
+
+
+def _last_hidden_source(layout: Any) -> str | None:
+    if getattr(layout, "has_final_hidden", False):
+        return "final_hidden"
+    if getattr(layout, "last_layer_tap", None) is not None:
+        return "tap"
+    return None
+
+
+class MTPDrafter(Drafter):
+    family = "mtp"
+
+    def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
+        super().__init__(config, bundle, layout)
+        c = bundle.config
+        H = int(c["hidden_size"])
+        self.eps = float(c.get("rms_norm_eps") or 1e-6)
+        self.logits_scaling = float(c.get("logits_scaling") or 1.0)
+        heads = config.num_heads or int(c["num_attention_heads"])
+        kv = config.num_kv_heads or int(c.get("num_key_value_heads") or heads)
+        hd = config.head_dim or int(c.get("head_dim") or H // heads)
+        inter = config.intermediate_size or int(c["intermediate_size"])
+        self.arch = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+                     "intermediate_size": inter, "rms_norm_eps": self.eps, "rope_theta": float(c["rope_theta"])}
+        n_phys = 1 if config.use_repeated_layer else config.num_depths
+        self.heads = nn.ModuleList(MTPHead(H, heads, kv, hd, inter, self.eps) for _ in range(n_phys))
+        self.rope = RotaryEmbedding(hd, float(c["rope_theta"]))
+        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
+        self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", bundle.lm_head.detach().clone(), persistent=False)
+        with torch.no_grad():  # start each head's output norm where the target's is
+            for h in self.heads:
+                h.final_norm.weight.copy_(bundle.norm_weight.float())
+        self.last_source = _last_hidden_source(layout)
+        self.last_tap = getattr(layout, "last_layer_tap", None)
+        self.teacher_kind = self._pick_teacher(config, layout)
+        self.audio_token_id = int(getattr(layout, "audio_token_id", -1))
+
+    @staticmethod
+    def _pick_teacher(config: MTPConfig, layout: Any) -> str | None:
+        if config.loss_type != "lk":
+            return None
+        exact_ok = _last_hidden_source(layout) is not None
+        if config.teacher == "exact" or (config.teacher == "auto" and exact_ok):
+            return "exact"
+        return "topk"
+
+    @classmethod
+    def check_dataset(cls, config: MTPConfig, bundle: Any, layout: Any) -> None:
+        if _last_hidden_source(layout) is None:
+            raise ValueError(
+                f"MTP heads start from the target's last hidden state, but this dataset has neither final_hidden "
+                f"nor a tap of the last layer ({layout.num_layers - 1}; taps are {list(layout.tap_ids)}); "
+                "capture again with the last layer tapped or with final_hidden"
+            )
+        if int(bundle.config["hidden_size"]) != layout.hidden_size:
+            raise ValueError(f"bundle hidden_size {bundle.config['hidden_size']} != dataset's {layout.hidden_size}")
+        if config.loss_type == "lk" and config.teacher == "topk" and layout.top_k <= 0:
+            raise ValueError("teacher 'topk' needs a dataset with stored top-k rows (top_k > 0); use teacher: exact")
+
+    def head(self, k: int) -> MTPHead:
+        """The physical head serving depth k (1-based)."""
+        return self.heads[0 if self.config.use_repeated_layer else k - 1]
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def last_hidden(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Pre-norm last decoder-layer output [Bs, T, H] (final_hidden or the last-layer tap)."""
+        return last_hidden(batch, self.last_tap)
+
+    def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embedding at every position [Bs, T, H] and a bool [Bs, T]: position's embedding unknown."""
+        ids = batch["input_ids"]
+        emb = F.embedding(ids, self.embed_tokens)
+        is_audio = batch["is_audio"]
+        if "audio_embeds" in batch:
+            emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
+            return emb, torch.zeros_like(is_audio)
+        return emb, is_audio
+
+    def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
+        x = self.head(k).final_norm(h)
+        z = F.linear(x.to(self.lm_head.dtype), self.lm_head)
+        return z.to(torch.promote_types(z.dtype, torch.float32)) / self.logits_scaling
+
+    def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
+        ids = batch["input_ids"]
+        Bs, T = ids.shape
+        doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
+        labels = next_token_labels(ids, batch["loss_mask"], doc_end)
+        emb, emb_unknown = self.input_embeds(batch)
+        dtype = self.heads[0].eh_proj.weight.dtype
+        pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
+        rope = self.rope(pos)
+        h = rms_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.eps)  # h^0
+        outs, targets, audio_masked = [], [], []
+        for k in range(1, self.config.num_depths + 1):
+            h = self.head(k)(shift_left(emb, k).to(dtype), h, rope)
+            tgt = depth_targets(labels, doc_end, k)
+            unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
+            audio_masked.append(unknown.sum())
+            tgt = torch.where(unknown, torch.full_like(tgt, IGNORE), tgt)
+            outs.append(h)
+            targets.append(tgt)
+        return {"h": outs, "targets": targets, "audio_masked": audio_masked}
+
+    # -- training -------------------------------------------------------------------------
+
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        run = self.run_depths(batch)
+        D = self.config.num_depths
+        terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        last = self.last_hidden(batch) if self.teacher_kind == "exact" else None
+        for k in range(1, D + 1):
+            tgt = run["targets"][k - 1]
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)  # (b, t)
+            hk = run["h"][k - 1][rows]
+            y = tgt[rows]
+            n = torch.tensor(int(y.numel()), device=y.device)
+            if self.config.loss_type == "ce":
+                ce, correct = map_row_chunks(lambda a, b, k=k: self._ce_rows(k, a, b), [hk, y], self.config.chunk_rows)
+                terms[f"mtp_d{k}"] = (ce.sum(), n, 1.0 / D)
+            else:
+                trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
+                kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
+                res = lk_loss(kl, tv, torch.ones_like(y, dtype=torch.bool), self.config.lk_lambda, eta=self.config.lk_eta)
+                terms[f"mtp_d{k}"] = (res.loss_sum, n, 1.0 / D)
+                metrics[f"kl_d{k}"] = (res.kl_sum, n)
+                metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
+                metrics[f"lk_lambda_d{k}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
+            metrics[f"acc_d{k}"] = (correct.sum(), n)
+        masked = torch.stack(run["audio_masked"]).sum()
+        seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
+        metrics["mtp_rows_audio_masked"] = (masked, seen)
+        return LossOutput(terms=terms, metrics=metrics)
+
+    def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.logits(k, h)
+        return F.cross_entropy(z, y, reduction="none"), (z.argmax(-1) == y)
+
+    def _lk_rows(self, k, hk, y, trow, batch, last):
+        if self.teacher_kind == "exact":
+            t_h = last[trow]
+
+            def fn(a, b, yy):
+                q = self.logits(k, a)
+                p = teacher_logits(b, self.norm_weight, self.eps, self.lm_head, self.logits_scaling)
+                kl, tv = kl_tv_full(p.to(q.dtype), q)
+                return kl, tv, q.argmax(-1) == yy
+
+            return map_row_chunks(fn, [hk, t_h, y], self.config.chunk_rows)
+        if "topk_ids" not in batch:
+            raise ValueError("LK with teacher 'topk' needs topk_ids/topk_logprobs in the batch (dataset top_k > 0)")
+        if not bool(batch["topk_valid"][trow].all()):
+            raise ValueError("a supervised MTP row's teacher row has no stored top-k; the dataset's topk_rows are incomplete")
+        ids, lps = batch["topk_ids"][trow], batch["topk_logprobs"][trow]
+
+        def fn(a, i, lp, yy):
+            q = self.logits(k, a)
+            kl, tv = kl_tv_topk(i, lp, q)
+            return kl, tv, q.argmax(-1) == yy
+
+        return map_row_chunks(fn, [hk, ids, lps, y], self.config.chunk_rows)
+
+    # -- eval -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+        """Teacher-forced chain over depths: a row counts at depth k only if depths 1..k all agree.
+
+        Position k of the counts is depth k (the draft's k-th token after the target's own).
+        ``blocks`` counts rows valid at depth 1 (each such row is one draft opportunity).
+        """
+        run = self.run_depths(batch)
+        D = self.config.num_depths
+        ok_so_far = None
+        accepted, reached, correct, valid = [], [], [], []
+        for k in range(1, D + 1):
+            tgt = run["targets"][k - 1]
+            v = tgt != IGNORE
+            rows = v.nonzero(as_tuple=True)
+            pred = torch.full_like(tgt, -1)
+            if rows[0].numel():
+                (p,) = map_row_chunks(lambda a, k=k: (self.logits(k, a).argmax(-1),), [run["h"][k - 1][rows]], self.config.chunk_rows)
+                pred[rows] = p
+            hit = v & (pred == tgt)
+            prior = torch.ones_like(v) if ok_so_far is None else ok_so_far
+            reached.append((prior & v).sum())
+            ok_so_far = prior & hit
+            accepted.append(ok_so_far.sum())
+            correct.append(hit.sum())
+            valid.append(v.sum())
+        first_valid = int(valid[0])
+        return AcceptanceCounts(
+            accepted=torch.stack(accepted).cpu(),
+            reached=torch.stack(reached).cpu(),
+            correct=torch.stack(correct).cpu(),
+            valid=torch.stack(valid).cpu(),
+            blocks=first_valid,
+        )
+
+    # -- export ---------------------------------------------------------------------------
+
+    def export_state(self, first_layer: int) -> dict[str, torch.Tensor]:
+        """DeepSeek-V3 MTP names: model.layers.{first_layer + i}.{enorm,hnorm,eh_proj,shared_head.norm,...}."""
+        out = {}
+        for i, head in enumerate(self.heads):
+            p = f"model.layers.{first_layer + i}."
+            for name, t in head.state_dict().items():
+                name = name.replace("block.", "").replace("final_norm.", "shared_head.norm.")
+                out[p + name] = t.detach().cpu().contiguous()
+        return out
+
+    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
+        """Draft-only safetensors + config.json in the DeepSeek-V3 MTP layout.
+
+        The head layers are numbered after the target's (layer L, L+1, ... for an L-layer target), as
+        DeepSeek-V3 checkpoints number them. The frozen embedding and lm_head are the target's and are
+        not copied (the bundle fingerprint in the config names them); ``eh_proj`` takes
+        ``concat[enorm(embedding), hnorm(previous hidden)]``, recorded as ``mtp_concat_order``.
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        L = int(meta.get("num_hidden_layers") or meta.get("target_num_layers") or 0)
+        save_file(self.export_state(L), str(out / EXPORT_WEIGHTS))
+        cfg = {
+            "architectures": ["DeepseekV3MTP"],
+            "model_type": "tapdraft_mtp",
+            **self.arch,
+            "vocab_size": int(self.lm_head.shape[0]),
+            "num_hidden_layers": L,
+            "num_nextn_predict_layers": self.config.num_depths,
+            "use_repeated_layer": self.config.use_repeated_layer,
+            "num_physical_mtp_layers": len(self.heads),
+            "first_mtp_layer_index": L,
+            "mtp_concat_order": "embedding_first",
+            "eh_proj_input": "concat([enorm(embed(x[t+k])), hnorm(h[k-1][t])], dim=-1)",
+            "h0": "target final norm applied to the last decoder layer output",
+            "shared_weights": {"embed_tokens": "target", "shared_head.head": "target lm_head"},
+            "logits_scaling": self.logits_scaling,
+            "mtp_config": asdict(self.config),
+            **{k: v for k, v in meta.items() if k not in ("num_hidden_layers",)},
+        }
+        (out / EXPORT_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+
+
+def load_exported(export_dir: str | Path, bundle: Any, layout: Any) -> MTPDrafter:
+    """Rebuild an MTP drafter from an export directory and the target bundle (round-trip check)."""
+    root = Path(export_dir)
+    cfg_path = root / EXPORT_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: {root} is not an exported MTP draft")
+    cfg = json.loads(cfg_path.read_text())
+    mc = dict(cfg["mtp_config"])
+    drafter = MTPDrafter(MTPConfig(**mc), bundle, layout)
+    first = int(cfg["first_mtp_layer_index"])
+    weights = load_file(str(root / EXPORT_WEIGHTS))
+    if set(weights) != set(drafter.export_state(first)):
+        raise ValueError(f"{root / EXPORT_WEIGHTS} does not hold this MTP layout's tensors")
+    own = {}
+    for i in range(len(drafter.heads)):
+        p = f"model.layers.{first + i}."
+        for name in drafter.heads[i].state_dict():
+            ext = p + name.replace("block.", "").replace("final_norm.", "shared_head.norm.")
+            own[f"heads.{i}.{name}"] = weights[ext]
+    drafter.load_state_dict(own)
+    return drafter
+
+
+CONFIG = MTPConfig
+DRAFTER = MTPDrafter

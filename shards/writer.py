@@ -133,7 +133,8 @@ class _Shard:
             return
         self._pending.append((scalars, enc))
         self._pending_bytes += sum(len(b) for b in enc.values())
-        if self._pending_bytes >= self.cfg.batch_bytes:
+        room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
+        if self._pending_bytes >= min(self.cfg.batch_bytes, room):
             self._flush_batch()
 
     def _flush_batch(self) -> None:

@@ -1,0 +1,145 @@
+"""DFlash2: identity-initialised block convolutions, the selector as a no-op at init, its loss term, refusals."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tests.train.fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from train.config import load_run_config
+from train.data import collate
+from train.dflash import DFlashConfig, DFlashDrafter
+from train.dflash2 import BlockConv, DFlash2Config, DFlash2Drafter
+from train.drafter import combine_terms
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    bundle = tiny_bundle(tmp_path_factory.mktemp("d2"))
+    layout = tiny_layout(bundle)
+    batch = collate(synthetic_samples(bundle, layout, 3, seed=1))
+    return bundle, layout, batch
+
+
+def _pair(bundle, layout, **kw):
+    base = dict(num_layers=2, block_size=4, gamma=4.0, num_anchors=6, ce_chunk_size=0)
+    base.update(kw)
+    torch.manual_seed(0)
+    d1 = DFlashDrafter.build(DFlashConfig(**base), bundle, layout)
+    torch.manual_seed(0)
+    d2 = DFlash2Drafter.build(DFlash2Config(**base, selector_candidates=5, selector_rank=8, conv_group_size=8), bundle, layout)
+    return d1, d2
+
+
+def test_fresh_dflash2_equals_dflash_with_the_same_weights(setup):
+    bundle, layout, batch = setup
+    d1, d2 = _pair(bundle, layout)
+    missing, unexpected = d2.load_state_dict(d1.state_dict(), strict=False)
+    assert not unexpected and missing and all("conv" in m or m.startswith("selector.") for m in missing)
+    anchors, _ = d1._anchors(batch, torch.Generator().manual_seed(3))
+    ctx = d1.context(batch["taps"])
+    h1 = d1.block_hidden(batch["input_ids"], ctx, anchors)
+    h2 = d2.block_hidden(batch["input_ids"], d2.context(batch["taps"]), anchors)
+    torch.testing.assert_close(d2.logits(h2), d1.logits(h1), rtol=0, atol=0)
+    # and the backbone CE term matches DFlash's (same anchors from the same generator)
+    o1 = d1(batch, torch.Generator().manual_seed(5))
+    o2 = d2(batch, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(o2.terms["ce"][0], o1.terms["ce"][0], rtol=1e-6, atol=1e-6)
+    assert o2.terms["ce"][1] == o1.terms["ce"][1]
+
+
+def test_selector_starts_as_a_noop(setup):
+    bundle, layout, batch = setup
+    _, d2 = _pair(bundle, layout)
+    anchors, _ = d2._anchors(batch, None, take_all=True)
+    drafted = d2.draft_blocks(batch, anchors)
+    h = d2.block_hidden(batch["input_ids"], d2.context(batch["taps"]), anchors)
+    assert torch.equal(drafted[:, :, 1:], d2.logits(h[:, :, 1:]).argmax(-1))
+    out = d2(batch, torch.Generator().manual_seed(0))
+    assert float(out.metrics["selector_path_acc"][0]) == float(out.metrics["backbone_argmax_acc"][0])
+    acc1 = DFlashDrafter.acceptance(d2, batch)  # backbone argmax path
+    acc2 = d2.acceptance(batch)  # selector walk
+    assert torch.equal(acc1.accepted, acc2.accepted) and torch.equal(acc1.reached, acc2.reached)
+
+
+def test_loss_terms_and_gradients(setup):
+    bundle, layout, batch = setup
+    _, d2 = _pair(bundle, layout, kd="topk")
+    out = d2(batch, torch.Generator().manual_seed(0))
+    assert set(out.terms) == {"ce", "kd", "selector"}
+    s, c, w = out.terms["selector"]
+    assert w == 1.0 and 0 < int(c) <= int(out.metrics["selector_candidate_recall"][1])
+    assert int(c) == int(out.metrics["selector_candidate_recall"][0])  # drop: only rows whose gold is a candidate
+    loss, values = combine_terms(out.terms)
+    loss.backward()
+    assert d2.selector.B.weight.grad.abs().sum() > 0  # B = 0 at init, so only B moves first
+    assert d2.layers[0].mlp_conv_out.taps.weight.grad.abs().sum() > 0
+    d2.zero_grad()
+    _, d_ins = _pair(bundle, layout)
+    d_ins = DFlash2Drafter.build(dataclasses.replace(d_ins.config, selector_gold_miss="insert"), bundle, layout)
+    o = d_ins(batch, torch.Generator().manual_seed(0))
+    assert int(o.terms["selector"][1]) == int(o.metrics["selector_candidate_recall"][1])
+
+
+def _ref_conv(x, conv):
+    """Float64 per-position loop of y_t = w0(x_t) x_t + w1(x_t) x_{t-1} (x_{-1} = 0 at block starts)."""
+    Bs, L, H = x.shape
+    W, b = conv.taps.weight.double(), conv.taps.bias.double()
+    y = torch.zeros_like(x)
+    for n in range(Bs):
+        for t in range(L):
+            coef = (W @ x[n, t] + b).view(-1, 2)
+            for c in range(H):
+                g = c // conv.group_size
+                prev = x[n, t - 1, c] if t % conv.block_size else 0.0
+                y[n, t, c] = coef[g, 0] * x[n, t, c] + coef[g, 1] * prev
+    return y
+
+
+def test_block_conv_reference_and_never_crosses_blocks():
+    torch.manual_seed(0)
+    conv = BlockConv(8, block_size=3, group_size=4).double()
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    torch.testing.assert_close(conv(x), x, rtol=0, atol=0)  # identity at init
+    with torch.no_grad():
+        conv.taps.weight.normal_()
+        conv.taps.bias.normal_()
+    torch.testing.assert_close(conv(x), _ref_conv(x, conv))
+    x2 = x.clone()
+    x2[:, 3:6] += 1.0  # change block 1 only
+    d = (conv(x2) - conv(x)).abs().sum(-1)
+    assert bool((d[:, :3] == 0).all()) and bool((d[:, 6:] == 0).all()) and bool((d[:, 3:6] > 0).all())
+    with pytest.raises(ValueError, match="divide"):
+        BlockConv(10, block_size=3, group_size=4)
+
+
+def test_chunked_ce_refused_with_reason():
+    with pytest.raises(ValueError, match="dense draft logits"):
+        DFlash2Config(ce_chunk_size=2048)
+    with pytest.raises(ValueError, match="dense draft logits"):
+        load_run_config("dflash2", overrides=["ce_chunk_size=1024"])
+    with pytest.raises(ValueError, match="selector_gold_miss"):
+        DFlash2Config(selector_gold_miss="skip")
+    cfg = load_run_config("dflash2", overrides=["max_steps=3"])
+    assert isinstance(cfg.drafter, DFlash2Config) and cfg.drafter.selector_candidates == 16
+    assert cfg.drafter.selector_rank == 256 and cfg.drafter.selector_gold_miss == "drop"
+
+
+def test_export_records_dflash2_layout_and_reloads(setup, tmp_path):
+    bundle, layout, batch = setup
+    _, d2 = _pair(bundle, layout)
+    with torch.no_grad():
+        for p in d2.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    d2.export(tmp_path, {"run": "test"})
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert doc["architectures"] == ["DFlash2DraftModel"] and doc["dflash2_config"]["conv"]["kernel"] == 2
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert "selector.A.weight" in sd and "layers.0.attn_conv_in.taps.weight" in sd
+    _, fresh = _pair(bundle, layout)
+    fresh.load_state_dict(sd)
+    anchors, _ = d2._anchors(batch, None, take_all=True)
+    torch.testing.assert_close(fresh.draft_blocks(batch, anchors), d2.draft_blocks(batch, anchors))

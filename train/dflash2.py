@@ -1,0 +1,253 @@
+"""DFlash2: DFlash plus in-block two-tap dynamic convolutions and a path selector.
+
+Two additions to the DFlash drafter (``train.dflash``), everything else (context fusion, KV
+injection, anchors, visibility mask, slot weights, KD, checkpointing, export layout) is inherited:
+
+(a) Around every attention and MLP sublayer, a two-tap DYNAMIC depthwise convolution along the
+    block's slots, before the sublayer (on its normed input) and after it (on its output, before
+    the residual add):
+
+        y_t = w0(x_t) * x_t + w1(x_t) * x_{t-1}          x_{t-1} = 0 at slot 0 of every block
+
+    The taps are predicted per position from x_t by a linear map H -> 2 * (H / group_size) (one
+    pair per group of ``conv_group_size`` = 16 channels), initialised to (1, 0) exactly: a fresh
+    DFlash2 computes the same function as DFlash with the same weights. Slot t-1 is always in the
+    same block (the flattened row of blocks is never convolved across a block boundary), so the
+    draft still sees nothing outside its block and context.
+
+(b) A path selector (``train.selector``) over each slot's top-16 candidates of the full draft
+    logits, scored by the teacher-forced predecessor token. Its CE is its own loss term:
+    total = backbone (CE [+ KD]) + selector_loss_weight x selector, each normalised by its own
+    count over the data-parallel group (``train.drafter.combine_terms``).
+
+The selector reads the full [rows, V] draft logits, so DFlash2 computes them densely (once, shared
+by the backbone CE, the KD term and the selector) and refuses the chunked lm_head + CE path
+(``ce_chunk_size`` must be <= 0). Drafting at eval walks the selector greedily from slot 0.
+
+Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows,
+G channel groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.dflash import DFlashConfig, DFlashDrafter, _metrics, acceptance_counts
+from train.divergences import kl_tv_full, kl_tv_topk
+from train.drafter import AcceptanceCounts, LossOutput
+from train.layers import DecoderLayer
+from train.losses import weighted_terms
+from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss
+from train.teacher import gather_exact, gather_topk
+
+
+@dataclass(frozen=True)
+class DFlash2Config(DFlashConfig):
+    """DFlash settings plus the convolutions and the path selector."""
+
+    ce_chunk_size: int = 0
+    """Must stay <= 0: the selector needs the dense draft logits (the chunked CE path is refused)."""
+    conv_group_size: int = 16
+    """Channels per group sharing one pair of dynamic conv taps (must divide the hidden size)."""
+    selector_candidates: int = 16
+    """K: top candidates of the draft logits per slot the selector re-ranks."""
+    selector_rank: int = 256
+    """r: rank of the codebooks A, B and of W_h."""
+    selector_gold_miss: str = "drop"
+    """When gold is not among the K candidates: drop the row from the selector loss, or insert gold."""
+    selector_loss_weight: float = 1.0
+    """Weight of the selector term in the total loss."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ce_chunk_size > 0:
+            raise ValueError(
+                f"DFlash2 cannot use the fused/chunked lm_head + CE path (ce_chunk_size={self.ce_chunk_size}): its "
+                "path selector needs the dense draft logits of every slot to take their top candidates; set "
+                "ce_chunk_size: 0 (or train the 'dflash' recipe for the memory-bounded chunked path)"
+            )
+        if self.conv_group_size < 1:
+            raise ValueError(f"conv_group_size must be >= 1, got {self.conv_group_size}")
+        if self.selector_candidates < 1 or self.selector_rank < 1:
+            raise ValueError("selector_candidates and selector_rank must be >= 1")
+        if self.selector_gold_miss not in GOLD_MISS_POLICIES:
+            raise ValueError(f"selector_gold_miss must be one of {GOLD_MISS_POLICIES}, got {self.selector_gold_miss!r}")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+
+
+class BlockConv(nn.Module):
+    """Two-tap dynamic depthwise convolution along block slots, identity at initialisation."""
+
+    def __init__(self, hidden_size: int, block_size: int, group_size: int) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
+        self.block_size, self.group_size = block_size, group_size
+        self.groups = hidden_size // group_size
+        self.taps = nn.Linear(hidden_size, 2 * self.groups, bias=True)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        nn.init.zeros_(self.taps.weight)
+        with torch.no_grad():
+            self.taps.bias.view(self.groups, 2).copy_(torch.tensor([1.0, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [Bs, N*B, H] (blocks end to end) -> same shape."""
+        Bs, L, H = x.shape
+        w = self.taps(x).view(Bs, L, self.groups, 1, 2)
+        prev = F.pad(x[:, :-1], (0, 0, 1, 0))
+        first = (torch.arange(L, device=x.device) % self.block_size == 0)[None, :, None]
+        prev = prev.masked_fill(first, 0.0)
+        g = (Bs, L, self.groups, self.group_size)
+        y = w[..., 0] * x.view(g) + w[..., 1] * prev.view(g)
+        return y.view(Bs, L, H)
+
+
+class ConvDecoderLayer(DecoderLayer):
+    """The DFlash draft layer with a BlockConv before and after its attention and its MLP."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float, *, block_size: int, group_size: int) -> None:
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps)
+        self.attn_conv_in = BlockConv(hidden_size, block_size, group_size)
+        self.attn_conv_out = BlockConv(hidden_size, block_size, group_size)
+        self.mlp_conv_in = BlockConv(hidden_size, block_size, group_size)
+        self.mlp_conv_out = BlockConv(hidden_size, block_size, group_size)
+
+    def forward(self, x, rope, *, mask=None, is_causal=False, context=None, context_rope=None):
+        prefix = None
+        if context is not None:
+            if context_rope is None:
+                raise ValueError("context needs context_rope (the RoPE tables of the context positions)")
+            prefix = self.self_attn.project_kv(context, context_rope)
+        a = self.self_attn(self.attn_conv_in(self.input_layernorm(x)), rope, mask=mask, is_causal=is_causal,
+                           kv_prefix=prefix)
+        x = x + self.attn_conv_out(a)
+        m = self.mlp(self.mlp_conv_in(self.post_attention_layernorm(x)))
+        return x + self.mlp_conv_out(m)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    family = "dflash2"
+
+    def __init__(self, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+        super().__init__(config, bundle, layout)
+        cfg = self.config
+        H = self.hidden_size
+        # same layers (and weights, same init draws) as DFlash, re-housed with the convolutions
+        convs = []
+        for layer in self.layers:
+            new = ConvDecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, self.eps,
+                                   block_size=cfg.block_size, group_size=cfg.conv_group_size)
+            missing, unexpected = new.load_state_dict(layer.state_dict(), strict=False)
+            assert not unexpected and all("conv" in m for m in missing), (missing, unexpected)
+            convs.append(new)
+        self.layers = nn.ModuleList(convs)
+        self.selector = PathSelector(self.vocab_size, H, rank=cfg.selector_rank, num_candidates=cfg.selector_candidates)
+
+    @classmethod
+    def check_dataset(cls, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+        super().check_dataset(config, bundle, layout)
+        H = int(bundle.config["hidden_size"])
+        if H % config.conv_group_size:
+            raise ValueError(f"conv_group_size {config.conv_group_size} must divide the target hidden size {H}")
+        V = int(bundle.lm_head.shape[0])
+        if config.selector_candidates > V:
+            raise ValueError(f"selector_candidates {config.selector_candidates} exceeds the vocabulary size {V}")
+
+    # -- training ----------------------------------------------------------------------------
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        cfg = self.config
+        anchors, vblk = self._anchors(batch, generator)
+        h = self.block_hidden(batch["input_ids"], self.context(batch["taps"]), anchors)  # [Bs, N, B, H]
+        labels, valid, tpos = self._targets(batch, anchors, vblk)
+        h_rows = h[:, :, 1:][valid]  # [R, H]
+        y = labels[valid]
+        w = self.weights_k.to(h.device).expand_as(valid)[valid]
+        z = self.logits(h_rows)  # dense [R, V], shared by CE, KD and the selector
+        ce = F.cross_entropy(z, y, reduction="none")
+        kd, kd_w = None, None
+        if cfg.kd != "none":
+            b_idx = torch.arange(h.shape[0], device=h.device)[:, None, None].expand_as(valid)[valid]
+            rows = tpos[valid] - 1
+            if cfg.kd == "exact":
+                teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
+                                       eps=self.eps, lm_head=self.lm_head, scaling=self.scaling)
+                kd = kl_tv_full(teacher.logits().to(z.dtype), z)[0]
+                kd_w = w
+            else:
+                teacher, has = gather_topk(batch, b_idx, rows)
+                kd = kl_tv_topk(teacher.ids_Rk, teacher.logprobs_Rk, z)[0]
+                kd_w = w * has.to(w.dtype)
+        terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
+        terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
+        T = batch["input_ids"].shape[1]
+        prev_pos = (tpos - 1).clamp(max=T - 1).view(tpos.shape[0], -1)
+        prev = batch["input_ids"].gather(1, prev_pos).view_as(tpos)[valid]  # teacher-forced predecessor
+        sel = selector_loss(self.selector, z, h_rows, prev, y, torch.ones_like(y, dtype=torch.bool),
+                            gold_miss=cfg.selector_gold_miss)
+        # 0 * sum(params) keeps the codebooks in the graph on a rank whose rows all missed
+        anchor = 0.0 * sum(p.sum() for p in self.selector.parameters())
+        terms["selector"] = (sel.loss_sum + anchor, sel.count, cfg.selector_loss_weight)
+        corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
+        corr[valid] = (z.detach().argmax(-1) == y)
+        metrics = _metrics(acceptance_counts(corr, valid))
+        metrics["selector_candidate_recall"] = (sel.gold_in_candidates, sel.valid)
+        metrics["selector_path_acc"] = (sel.selector_correct, sel.valid)
+        metrics["backbone_argmax_acc"] = (sel.backbone_correct, sel.valid)
+        return LossOutput(terms=terms, metrics=metrics)
+
+    # -- eval --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_blocks(self, batch: dict[str, Any], anchors: torch.Tensor) -> torch.Tensor:
+        """Drafted tokens long [Bs, N, B]: slot 0 = the anchor token, then the selector's greedy walk."""
+        ids = batch["input_ids"]
+        h = self.block_hidden(ids, self.context(batch["taps"]), anchors)
+        Bs, N, B, H = h.shape
+        first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
+        hb = h.reshape(Bs * N, B, H)
+        out = []
+        step = max(1, 4096 // B)  # blocks per chunk: [step, B, V] logits at a time
+        for s in range(0, Bs * N, step):
+            hc = hb[s : s + step]
+            out.append(greedy_walk(self.selector, self.logits(hc), hc, first[s : s + step]))
+        return torch.cat(out).view(Bs, N, B)
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+        """Teacher-forced acceptance of the selector's greedy path (every eligible anchor, in order)."""
+        anchors, vblk = self._anchors(batch, generator, take_all=True)
+        drafted = self.draft_blocks(batch, anchors)
+        labels, valid, _ = self._targets(batch, anchors, vblk)
+        return acceptance_counts(drafted[:, :, 1:] == labels, valid)
+
+    # -- export ------------------------------------------------------------------------------
+    def export_config(self) -> dict[str, Any]:
+        doc = super().export_config()
+        cfg = self.config
+        doc["architectures"] = ["DFlash2DraftModel"]
+        doc["dflash2_config"] = {
+            "conv": {"kernel": 2, "type": "dynamic_depthwise", "group_size": cfg.conv_group_size,
+                     "placement": "attn_conv_in/attn_conv_out/mlp_conv_in/mlp_conv_out: on each sublayer's normed "
+                                  "input and on its output before the residual add",
+                     "taps_from": "taps = Linear(x_t) -> (w0, w1) per group; y_t = w0*x_t + w1*x_{t-1}, "
+                                  "x_{t-1} = 0 at slot 0 of each block"},
+            "selector": {"num_candidates": cfg.selector_candidates, "rank": cfg.selector_rank,
+                         "score": "S(a,b) = logit_b + <A[a] * W_h h, B[b]>, a = previous slot's token, "
+                                  "h = the draft's final-normed hidden state",
+                         "decode": "greedy walk from slot 0"},
+        }
+        doc["tapdraft"]["family"] = self.family
+        return doc
+
+
+CONFIG = DFlash2Config
+DRAFTER = DFlash2Drafter

@@ -152,13 +152,20 @@ class Dataset:
             yield from decode_batch(self.read_record_batch(shard, b), self.field_meta, rows)
             return
         path = self.shard_path(shard)
+        size = self.fs.size(path)
+        if size != shard["bytes"]:
+            raise ValueError(f"{path} has {size} bytes, the manifest says {shard['bytes']} (truncated or replaced); "
+                             "run `tapdraft verify` and re-copy or re-capture the shard")
         wanted = set(rows)
         with self.fs.open(path, "rb") as f:
             for r, raw in enumerate(iter_tar_samples(f, path)):
                 if r > rows[-1]:
                     break
                 if r in wanted:
-                    sample = decode_wds_sample(raw)
+                    try:
+                        sample = decode_wds_sample(raw)
+                    except (ValueError, KeyError) as e:
+                        raise ValueError(f"{path}: sample {r} is unreadable ({e}); run `tapdraft verify`") from e
                     meta = json.loads(raw["meta.json"])
                     if meta.get("fingerprint") not in (None, self.fingerprint):
                         raise ValueError(f"{path}: sample {sample['sample_id']!r} has target fingerprint "

@@ -68,7 +68,10 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
         blob = sample.get(f"{name}.zst")
         if blob is None:
             raise ValueError(f"webdataset sample {sample.get('__key__')!r} lacks member {name}.zst")
-        fields[name] = dz.decompress(blob)
+        try:
+            fields[name] = dz.decompress(blob)
+        except zstandard.ZstdError as e:
+            raise ValueError(f"webdataset sample {sample.get('__key__')!r}: member {name}.zst is corrupted ({e})") from e
     return decode_fields(fields, meta_doc, fm)
 
 

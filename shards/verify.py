@@ -1,0 +1,204 @@
+"""Check a dataset end to end and report EVERY problem, not just the first.
+
+Checks: manifest present, valid, complete, known schema major, required keys; target bundle
+fingerprint; per shard: present, size, sha256, readable to the end, schema metadata (version,
+fingerprint, dtypes), row counts and record-batch byte ranges, every sample re-validated against
+the layout (dtype, shape, finite values) and the manifest's token/supervised/audio counts; split
+totals; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+
+from shards import manifest as mf
+from shards.arrow_io import decode_batch, iter_batches, schema_meta
+from shards.bundle import load_bundle
+from shards.codec import FieldMeta
+from shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from shards.wds_io import decode_wds_sample, iter_tar_samples
+
+REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
+                 "top_k", "dtypes", "codec", "capture_config", "code_version")
+COUNT_KEYS = ("samples", "tokens", "supervised_tokens", "audio_seconds")
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    shards_checked: int = 0
+    samples_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("verify {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                    disable=not enabled, transient=True)
+
+
+def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> VerifyReport:
+    """Verify ``url`` (path or fsspec URL). ``deep``: also decode and re-validate every sample."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    rep = VerifyReport(str(url))
+    man_path = mf.join(root, mf.MANIFEST)
+    if not fs.exists(man_path):
+        rep.problems.append(f"{man_path}: missing; the directory is not a finished dataset (resume the capture, "
+                            "then finalize)")
+        return rep
+    try:
+        m = json.loads(fs.cat_file(man_path))
+    except json.JSONDecodeError as e:
+        rep.problems.append(f"{man_path}: not valid JSON ({e}); re-run finalize")
+        return rep
+    missing = [k for k in REQUIRED_KEYS if k not in m]
+    if missing:
+        rep.problems.append(f"{man_path}: lacks keys {missing}; re-run finalize with this tapdraft")
+    if m.get("complete") is not True:
+        rep.problems.append(f"{man_path}: complete is not true; the capture has not finished (resume it, finalize)")
+    major = str(m.get("schema_version", "")).split(".")[0]
+    if major != SCHEMA_VERSION.split(".")[0]:
+        rep.problems.append(f"{man_path}: schema_version {m.get('schema_version')!r} has an unknown major "
+                            f"(this tapdraft reads {SCHEMA_VERSION.split('.')[0]}.x); use a matching release")
+        return rep
+    if missing:
+        return rep
+    fp = m["fingerprint"]
+    try:
+        layout = Layout.from_dict(m["layout"])
+        meta = FieldMeta.from_dict(m["field_meta"])
+    except (KeyError, TypeError, ValueError) as e:
+        rep.problems.append(f"{man_path}: layout is invalid ({e}); re-run finalize")
+        return rep
+    _check_bundle(fs, root, fp, rep)
+
+    shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
+    listed = {sh["name"] for _, sh in shards}
+    data_dir = mf.join(root, mf.DATA_DIR)
+    if fs.exists(data_dir):
+        for p in fs.ls(data_dir, detail=False):
+            name = f"{mf.DATA_DIR}/{p.rstrip('/').split('/')[-1]}"
+            if name not in listed:
+                rep.problems.append(f"{mf.join(root, name)}: not listed in the manifest (a leftover temp shard or a "
+                                    "foreign file); delete it or re-run finalize")
+    total = sum(int(sh.get("bytes", 0)) for _, sh in shards)
+    with _progress(progress) as bar:
+        task = bar.add_task(str(url), total=total)
+        for split, sh in shards:
+            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, lambda n: bar.advance(task, n))
+    for split, d in m["splits"].items():
+        for k in COUNT_KEYS + ("bytes",):
+            got = sum(sh.get(k, 0) for sh in d["shards"])
+            if abs(got - d.get(k, 0)) > 1e-6 * max(1.0, abs(got)):
+                rep.problems.append(f"{man_path}: split {split} says {k}={d.get(k)}, its shards add up to {got}; "
+                                    "re-run finalize")
+    return rep
+
+
+def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport) -> None:
+    import tempfile
+
+    tdir = mf.join(root, mf.TARGET_DIR)
+    if not fs.exists(tdir):
+        rep.problems.append(f"{tdir}: missing target bundle; re-copy target/ or re-run capture")
+        return
+    try:
+        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            b = load_bundle(tdir)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                fs.get(tdir, tmp + "/target", recursive=True)
+                b = load_bundle(tmp + "/target")
+    except (OSError, ValueError, KeyError) as e:
+        rep.problems.append(f"{tdir}: {e}")
+        return
+    if b.fingerprint != fp:
+        rep.problems.append(f"{tdir}: fingerprint {b.fingerprint[:12]} differs from the manifest's {fp[:12]}; the "
+                            "bundle belongs to another target")
+
+
+def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance) -> None:
+    path = mf.join(root, sh["name"])
+    if not fs.exists(path):
+        rep.problems.append(f"{path}: missing; re-copy it or re-capture its samples")
+        advance(sh.get("bytes", 0))
+        return
+    rep.shards_checked += 1
+    size = fs.size(path)
+    if size != sh["bytes"]:
+        kind = "truncated" if size < sh["bytes"] else "longer than recorded"
+        rep.problems.append(f"{path}: {kind}: {size} bytes on disk, manifest says {sh['bytes']}; re-copy the shard "
+                            "or re-capture it")
+    sha = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            sha.update(chunk)
+            advance(len(chunk))
+    rep.bytes_checked += size
+    if size == sh["bytes"] and sha.hexdigest() != sh["sha256"]:
+        rep.problems.append(f"{path}: sha256 {sha.hexdigest()[:12]} differs from the manifest's {sh['sha256'][:12]} "
+                            "(corrupted); re-copy the shard or re-capture it")
+    if not deep:
+        return
+    counts = {k: 0 for k in COUNT_KEYS}
+    counts["audio_seconds"] = 0.0
+    try:
+        for sample in _iter_shard(fs, path, m, meta, sh, rep):
+            rep.samples_checked += 1
+            try:
+                validate_sample(sample, layout)
+            except ValueError as e:
+                rep.problems.append(f"{path}: {e}")
+            counts["samples"] += 1
+            counts["tokens"] += int(sample["input_ids"].shape[0])
+            counts["supervised_tokens"] += int(sample["loss_mask"].sum())
+            counts["audio_seconds"] += float(sample["audio_seconds"])
+    except (ValueError, KeyError, OSError, pa.ArrowException, EOFError) as e:
+        rep.problems.append(f"{path}: unreadable after {counts['samples']} samples ({e}); re-copy or re-capture it")
+        return
+    for k in COUNT_KEYS:
+        if abs(counts[k] - sh[k]) > 1e-6 * max(1.0, abs(sh[k])):
+            rep.problems.append(f"{path}: holds {k}={counts[k]}, manifest says {sh[k]}; re-run finalize or re-capture")
+
+
+def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any], rep: VerifyReport):
+    fp = m["fingerprint"]
+    if m["format"] == "arrow":
+        with fs.open(path, "rb") as f:
+            data = f.read()
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        smeta = schema_meta(reader.schema, path)
+        if str(smeta.get("schema_version", "")).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+            rep.problems.append(f"{path}: schema version {smeta.get('schema_version')} unknown to this tapdraft")
+        if smeta.get("fingerprint") not in (None, fp):
+            rep.problems.append(f"{path}: shard fingerprint {smeta['fingerprint'][:12]} differs from the manifest's "
+                                f"{fp[:12]}; shards of different targets were mixed, re-capture this one")
+        if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
+            rep.problems.append(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
+        batches = sh.get("batches", [])
+        for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
+            if b < len(batches) and batches[b][2] != batch.num_rows:
+                rep.problems.append(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {batches[b][2]}")
+            yield from decode_batch(batch, meta)
+        if batches and batches[-1][1] > len(data):
+            rep.problems.append(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")
+    else:
+        with fs.open(path, "rb") as f:
+            for raw in iter_tar_samples(f, path):
+                doc = json.loads(raw.get("meta.json", b"{}"))
+                if doc.get("fingerprint") not in (None, fp):
+                    rep.problems.append(f"{path}: sample {raw['__key__']} has fingerprint {doc['fingerprint'][:12]}, "
+                                        f"the manifest {fp[:12]}; re-capture this shard")
+                yield decode_wds_sample(raw)

@@ -1,0 +1,130 @@
+"""Bad datasets: each defect gets an error naming the file and what to do; verify lists them all."""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from shards.reader import open_dataset
+from shards.synthetic import random_sample, tiny_layout, write_dataset
+from shards.verify import verify_dataset
+from shards.writer import DatasetWriter, ShardConfig
+
+CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)
+LENGTHS = [5, 8, 3, 9, 6, 4, 7]
+
+
+@pytest.fixture(params=["arrow", "wds"])
+def good(tmp_path, request):
+    root = tmp_path / "ds"
+    man = write_dataset(str(root), tiny_layout(), ShardConfig(format=request.param, shard_bytes=2500,
+                                                              batch_bytes=800), LENGTHS)
+    assert len(man["splits"]["train"]["shards"]) >= 3
+    return root, man
+
+
+def _patch_manifest(root, fn):
+    m = json.loads((root / "manifest.json").read_text())
+    fn(m)
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def test_good_dataset_verifies_and_inspects(good):
+    root, man = good
+    rep = verify_dataset(str(root), progress=False)
+    assert rep.ok, rep.problems
+    assert rep.samples_checked == len(LENGTHS) and rep.shards_checked == len(man["splits"]["train"]["shards"])
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 0 and "OK" in r.output
+    r = CliRunner().invoke(app, ["inspect", str(root), "--sample", "2"])
+    assert r.exit_code == 0, r.output
+    assert "fingerprint" in r.output and "taps" in r.output and "[3, 2, 16]" in r.output
+
+
+def test_missing_and_incomplete_manifest(good):
+    root, _ = good
+    _patch_manifest(root, lambda m: m.update(complete=False))
+    with pytest.raises(ValueError, match=r"manifest\.json says complete: false.*Resume the capture"):
+        open_dataset(str(root))
+    assert any("complete is not true" in p for p in verify_dataset(str(root), progress=False).problems)
+    (root / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json not found"):
+        open_dataset(str(root))
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and "manifest.json: missing" in r.output
+
+
+def test_unknown_schema_major(good):
+    root, _ = good
+    _patch_manifest(root, lambda m: m.update(schema_version="2.0"))
+    with pytest.raises(ValueError, match="schema_version '2.0'.*reads major 1"):
+        open_dataset(str(root))
+    assert any("unknown major" in p for p in verify_dataset(str(root), progress=False).problems)
+
+
+def test_truncated_and_corrupted_shards_all_reported(good):
+    root, man = good
+    shards = man["splits"]["train"]["shards"]
+    p0, p1 = root / shards[0]["name"], root / shards[1]["name"]
+    p0.write_bytes(p0.read_bytes()[:-40])  # truncated
+    data = bytearray(p1.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, wrong sha256
+    p1.write_bytes(bytes(data))
+    (root / "data" / "train-rank00000-00009.arrow.tmp").write_bytes(b"x")
+    rep = verify_dataset(str(root), progress=False)
+    text = "\n".join(rep.problems)
+    assert f"{shards[0]['name']}: truncated" in text
+    assert f"{shards[1]['name']}: sha256" in text
+    assert "train-rank00000-00009.arrow.tmp: not listed" in text
+    assert not rep.ok
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and r.output.count("PROBLEM") == len(rep.problems) >= 3
+    ds = open_dataset(str(root))
+    if ds.format == "arrow":
+        last = shards[0]["samples"] - 1
+        with pytest.raises(ValueError, match=shards[0]["name"]):
+            ds.sample("train", last)
+    else:
+        with pytest.raises(ValueError, match=shards[0]["name"]):
+            list(ds.stream("train", seed=0, shuffle=False))
+
+
+def test_shard_of_another_target_is_caught(good, tmp_path):
+    root, man = good
+    fmt = man["format"]
+    other = tmp_path / "other"
+    with DatasetWriter(str(other), ShardConfig(format=fmt, shard_bytes=2500, batch_bytes=800), tiny_layout(),
+                       fingerprint="f" * 64) as w:
+        for i, T in enumerate(LENGTHS):
+            w.write(random_sample(tiny_layout(), T, i, audio_frames=T // 4), i)
+    shard0 = man["splits"]["train"]["shards"][0]
+    foreign = sorted((other / "data").iterdir())[0]
+    shutil.copy(foreign, root / shard0["name"])
+    data = foreign.read_bytes()
+
+    def fix(m):  # make size and sha consistent so only the fingerprint is wrong
+        sh = m["splits"]["train"]["shards"][0]
+        sh["bytes"], sh["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        m["splits"]["train"]["bytes"] = sum(s["bytes"] for s in m["splits"]["train"]["shards"])
+        if fmt == "arrow":
+            part = json.loads((other / "_parts" / "train-rank00000.json").read_text())
+            sh["batches"] = part["shards"][0]["batches"]
+
+    _patch_manifest(root, fix)
+    rep = verify_dataset(str(root), progress=False)
+    assert any(shard0["name"] in p and "fffffffffff" in p for p in rep.problems), rep.problems
+    ds = open_dataset(str(root))
+    with pytest.raises(ValueError, match="fingerprint ffffffffffff"):
+        ds.sample("train", 0) if fmt == "arrow" else list(ds.stream("train", seed=0, shuffle=False))
+
+
+def test_wrong_dtype_inside_a_shard_is_reported(tmp_path):
+    root = tmp_path / "ds"
+    man = write_dataset(str(root), tiny_layout(), CFG, LENGTHS)
+    _patch_manifest(root, lambda m: m["splits"]["train"]["shards"][0].update(tokens=999))
+    rep = verify_dataset(str(root), progress=False)
+    assert any("holds tokens=" in p and "manifest says 999" in p for p in rep.problems)
+    assert any("split train says tokens" in p for p in rep.problems)

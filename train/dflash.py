@@ -25,10 +25,7 @@ Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -440,19 +437,6 @@ class DFlashDrafter(Drafter):
                 "uses_target_embedding_and_lm_head": True,
             },
         }
-
-    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
-        tmp = out / "model.safetensors.tmp"
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / "model.safetensors")
-        doc = self.export_config()
-        doc["tapdraft"].update(meta)
-        (out / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
 
 
 def _metrics(acc: AcceptanceCounts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -88,7 +88,8 @@ class Drafter(nn.Module):
           (see ``train.data.collate``); ``generator`` drives any sampling (anchors) so runs are
           reproducible and resumable.
       ``acceptance(batch, generator=None) -> AcceptanceCounts``: teacher-forced acceptance (eval).
-      ``export(out_dir, meta)``: draft-only weights + a config serving engines read.
+      ``export_config() -> dict``: the config serving engines read (``export`` writes it beside the
+          draft-only weights; checkpoints keep it so export needs no dataset).
     and may override ``check_dataset`` to refuse a mismatched dataset before any step.
     """
 
@@ -114,8 +115,15 @@ class Drafter(nn.Module):
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
         raise NotImplementedError
 
-    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
+    def export_config(self) -> dict[str, Any]:
+        """The serving config (architecture fields, tap ids in both numberings, ...); saved in checkpoints."""
         raise NotImplementedError
+
+    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
+        """Draft-only ``model.safetensors`` (float32) + ``config.json`` (``export_config`` + ``meta``)."""
+        from train.export import write_export
+
+        write_export(out_dir, self.trainable_state_dict(), self.export_config(), meta)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers only (the frozen bundle tensors are not persistent)."""

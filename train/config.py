@@ -1,0 +1,258 @@
+"""Training configuration: TrainConfig, the run config (family + drafter config + train config),
+recipes (YAML in ``train/recipes/``) and ``key=value`` overrides.
+
+A recipe file:
+
+    family: dflash            # a name in train.drafter.FAMILIES
+    drafter: {block_size: 16, gamma: 7.0, ...}   # fields of the family's config class
+    train: {lr: 6.0e-4, max_steps: 2000, ...}    # fields of TrainConfig
+
+``--config FILE.yaml`` is merged on top (same shape); ``--set key=value`` overrides one field:
+``max_steps=100`` (unique names resolve to their section) or ``drafter.gamma=4``. Values are
+parsed as YAML and checked against the field's declared type; an unknown field or a wrong type is
+a ValueError naming the field and the allowed names. The resolved config is saved as JSON in the
+run directory and a resume refuses a checkpoint whose config differs (``RESUME_MUTABLE`` fields
+excepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.drafter import config_from_dict, get_family
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads"})
+"""TrainConfig fields a resume may change (everything else must equal the checkpoint's)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, data and bookkeeping settings of one training run."""
+
+    split: str = "train"
+    """Dataset split to train on."""
+    seed: int = 0
+    """Base seed: sample order, anchors and init derive from it."""
+    max_steps: int = 1000
+    """Optimizer steps."""
+    lr: float = 6e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Max global grad norm (<= 0 disables clipping)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    max_tokens: int = 8192
+    """Padded tokens per micro-batch (batch size x longest sequence)."""
+    max_batch_size: int = 16
+    """Sequences per micro-batch at most."""
+    max_seq_len: int | None = None
+    """Truncate longer samples (None keeps them whole)."""
+    shuffle_buffer: int = 0
+    """Reader shuffle buffer (samples) on top of its block shuffle."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda."""
+    precision: str = "auto"
+    """auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32."""
+    log_every: int = 10
+    """Steps between metric lines (JSONL + console)."""
+    ckpt_every: int = 500
+    """Steps between checkpoints (a final one is always written)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones deleted)."""
+    fingerprint: str | None = None
+    """Expected target fingerprint; a dataset of another target is refused (None: accept the dataset's)."""
+    num_threads: int | None = None
+    """torch CPU threads (None leaves torch's default)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "grad_accum", "max_tokens", "max_batch_size", "log_every", "ckpt_every",
+                     "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("need warmup_steps >= 0, lr > 0 and 0 <= min_lr_ratio <= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"train.max_seq_len must be >= 2, got {self.max_seq_len}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs: which drafter family, its config, and the training config."""
+
+    family: str
+    drafter: Any
+    train: TrainConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "drafter": _plain(dataclasses.asdict(self.drafter)),
+                "train": _plain(dataclasses.asdict(self.train))}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        unknown = set(d) - {"family", "drafter", "train"}
+        if unknown:
+            raise ValueError(f"config has unknown top-level keys {sorted(unknown)}; use family, drafter, train")
+        family = d.get("family", "dflash")
+        cfg_cls, _ = get_family(family)
+        drafter = _typed(cfg_cls, d.get("drafter") or {}, "drafter")
+        train = _typed(TrainConfig, d.get("train") or {}, "train")
+        return cls(family, drafter, train)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to the declared type ``tp`` or raise ValueError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errs = []
+        for arm in typing.get_args(tp):
+            try:
+                return _check_type(value, arm, where)
+            except ValueError as e:
+                errs.append(str(e))
+        raise ValueError(f"{where}: {value!r} does not match {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{where}: expected None, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        (arm, *_) = typing.get_args(tp)
+        return tuple(_check_type(v, arm, where) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Any:
+        return value
+    raise ValueError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _typed(cls: type, d: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{section} has no field(s) {unknown}; known: {sorted(names)}")
+    return config_from_dict(cls, {k: _check_type(v, hints[k], f"{section}.{k}") for k, v in d.items()})
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def recipe_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    q = RECIPES_DIR / f"{name_or_path}.yaml"
+    if q.is_file():
+        return q
+    known = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+    raise ValueError(f"unknown recipe {name_or_path!r}: not a YAML file and not one of {known}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    doc = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} must hold a mapping with keys family, drafter, train")
+    return doc
+
+
+def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
+    """``key=value`` -> (section, field, parsed value); the key may be bare or section-qualified."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like key=value (for example max_steps=100)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    value = yaml.safe_load(text) if text.strip() else None
+    cfg_cls, _ = get_family(raw.get("family", "dflash"))
+    fields = {"drafter": {f.name for f in dataclasses.fields(cfg_cls)},
+              "train": {f.name for f in dataclasses.fields(TrainConfig)}}
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section not in fields or name not in fields[section]:
+            raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
+                             f"train fields: {sorted(fields['train'])}")
+        return section, name, value
+    hits = [s for s in fields if key in fields[s]]
+    if not hits:
+        raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
+                         f"train fields: {sorted(fields['train'])}")
+    if len(hits) > 1:
+        raise ValueError(f"field {key!r} exists in {hits}; qualify it, e.g. {hits[0]}.{key}=...")
+    return hits[0], key, value
+
+
+def load_run_config(recipe: str = "dflash", *, config_file: str | None = None,
+                    overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Recipe (name or YAML path) + optional YAML file + key=value overrides -> validated RunConfig."""
+    raw = _read_yaml(recipe_path(recipe))
+    if config_file is not None:
+        p = Path(config_file)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        raw = _merge(raw, _read_yaml(p))
+    raw.setdefault("drafter", {})
+    raw.setdefault("train", {})
+    for item in overrides:
+        section, name, value = parse_override(item, raw)
+        raw[section] = {**(raw.get(section) or {}), name: value}
+    return RunConfig.from_dict(raw)

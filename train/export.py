@@ -1,0 +1,71 @@
+"""Export a trained draft for serving: draft-only ``model.safetensors`` + ``config.json``.
+
+The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT exported: serving
+engines share the target's own. ``config.json`` carries the architecture fields (Qwen3 names),
+``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
+and ``target_layer_ids_vllm`` (= i + 1), plus ``dflash_config`` in the reference release's layout
+and a ``tapdraft`` section (family, target fingerprint, source checkpoint).
+
+The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``,
+and :func:`load_export` reads an export back with nothing but json and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict[str, Any],
+                 meta: dict[str, Any] | None = None) -> Path:
+    """Write weights (float32, contiguous) and config atomically-per-file into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(sd, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS)
+    doc = json.loads(json.dumps(config))
+    doc.setdefault("tapdraft", {}).update(meta or {})
+    tmpc = out / (CONFIG + ".tmp")
+    tmpc.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    os.replace(tmpc, out / CONFIG)
+    return out
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None) -> dict[str, Any]:
+    """Export a run's latest (or the given) checkpoint; returns a summary dict."""
+    from train.loop import latest_checkpoint, load_checkpoint
+
+    run = Path(run_dir)
+    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
+    if ck is None:
+        raise FileNotFoundError(f"{run} has no checkpoint (expected {run}/checkpoints/step-*/state.pt); train first")
+    state = load_checkpoint(ck)
+    cfg = state.get("export_config")
+    if not cfg:
+        raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")
+    out = write_export(out_dir, state["draft"], cfg, {"source_checkpoint": str(ck), "step": int(state["step"])})
+    n = sum(v.numel() for v in state["draft"].values())
+    return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(state["draft"]),
+            "block_size": cfg.get("block_size"), "target_layer_ids": cfg.get("target_layer_ids"),
+            "target_layer_ids_vllm": cfg.get("target_layer_ids_vllm"), "mask_token_id": cfg.get("mask_token_id")}
+
+
+def load_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, weights) of an export directory: json + safetensors only, no trainer code."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{root} is not a draft export: it needs {CONFIG} and {WEIGHTS}")
+    return json.loads((root / CONFIG).read_text()), load_file(str(root / WEIGHTS))

@@ -47,5 +47,51 @@ def verify(
     raise typer.Exit(0 if rep.ok else 1)
 
 
+@app.command()
+def train(
+    data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL."),
+    recipe: str = typer.Option("dflash", "--recipe", help="Recipe name in train/recipes (dflash, dflash_b8, ...) or a YAML path."),
+    config: str = typer.Option(None, "--config", help="YAML file merged over the recipe (family/drafter/train)."),
+    set_: list[str] = typer.Option([], "--set", help="Override one field: key=value (e.g. max_steps=100, drafter.gamma=4)."),
+    out: str = typer.Option(..., "--out", help="Run directory (resumes from its latest checkpoint)."),
+) -> None:
+    """Train a drafter from a dataset; the resolved config is saved as RUN/config.json."""
+    import json
+
+    from train.config import load_run_config
+    from train.loop import train as run_training
+
+    run = load_run_config(recipe, config_file=config, overrides=set_)
+    summary = run_training(run, data, out)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command("eval")
+def eval_(
+    draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
+    data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL (same target)."),
+    split: str = typer.Option(None, "--split", help="Split to evaluate (default: validation/test if present, else the training split)."),
+    out: str = typer.Option(None, "--out", help="Where eval.json and acceptance.png go (default RUN/eval-SPLIT)."),
+    max_samples: int = typer.Option(None, "--max-samples", help="Evaluate at most this many samples."),
+) -> None:
+    """Offline teacher-forced acceptance per block position and tau, with a PNG plot beside the JSON."""
+    from train.evaluate import evaluate, format_result
+
+    typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples)))
+
+
+@app.command()
+def export(
+    draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
+    out: str = typer.Option(..., "--out", help="Export directory (model.safetensors + config.json)."),
+) -> None:
+    """Export the draft only (no target weights) in the layout serving engines load."""
+    import json
+
+    from train.export import export_run
+
+    typer.echo(json.dumps(export_run(draft, out), indent=2))
+
+
 if __name__ == "__main__":
     app()

@@ -30,19 +30,21 @@ Each depth is its own loss term (weight 1/D, its own denominator over the data-p
 Training mode: ``head_only`` (the heads train; the embedding, final norm and lm_head from the
 bundle are frozen buffers). The dataset holds no backbone, so a mode that trains it is refused.
 
+Names: the heads live at ``model.layers.{L + i}`` (L = the target's layer count) with DeepSeek-V3's
+MTP parameter names (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``self_attn.*``,
+``mlp.*``), so checkpoints and exports are already in the layout DeepSeek-style engines load.
+
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from train.divergences import ADAPTIVE, DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
@@ -54,8 +56,6 @@ IGNORE = -100
 LOSS_TYPES = ("ce", "lk")
 TRAINING_MODES = ("head_only", "full")
 TEACHERS = ("auto", "exact", "topk")
-EXPORT_CONFIG = "config.json"
-EXPORT_WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ class MTPConfig:
     """LK teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
     chunk_rows: int = 1024
     """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+    init_std: float = 0.02
+    """Std of the normal init of the heads' linear layers."""
 
     def __post_init__(self) -> None:
         if self.num_depths < 1:
@@ -106,6 +108,8 @@ class MTPConfig:
                 "contain (only its frozen embedding, final norm and lm_head); use training_mode: head_only"
             )
         object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
         if self.lk_eta <= 0:
             raise ValueError(f"lk_eta must be > 0, got {self.lk_eta}")
         if self.teacher not in TEACHERS:
@@ -161,21 +165,41 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- model
 
 
-class MTPHead(nn.Module):
-    """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj (embedding-first), a causal block, final norm."""
+class SharedHead(nn.Module):
+    """DeepSeek-V3's ``shared_head``: its own output norm (``head`` is the target's lm_head, shared)."""
+
+    def __init__(self, H: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(H, eps)
+
+
+class MTPHead(DecoderLayer):
+    """One DeepSeek-V3 MTP module: a causal Qwen3 decoder layer plus enorm, hnorm, eh_proj and an output norm.
+
+    It IS the decoder layer (``self_attn``, ``mlp``, ``input_layernorm``, ...), so its parameter
+    names are DeepSeek-V3's MTP names as they are: ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm``, ``self_attn.q_proj``, ...
+    """
 
     def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(H, heads, kv_heads, head_dim, inter, eps)
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = DecoderLayer(H, heads, kv_heads, head_dim, inter, eps)
-        self.final_norm = RMSNorm(H, eps)
+        self.shared_head = SharedHead(H, eps)
 
-    def forward(self, emb: torch.Tensor, h_prev: torch.Tensor, rope) -> torch.Tensor:
-        """emb, h_prev [Bs, T, H] -> h^k [Bs, T, H] (before the final norm)."""
+    def step(self, emb: torch.Tensor, h_prev: torch.Tensor, rope) -> torch.Tensor:
+        """emb, h_prev [Bs, T, H] -> h^k [Bs, T, H] (before the output norm)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self.block(x, rope, is_causal=True)
+        return self(x, rope, is_causal=True)
+
+
+class _Model(nn.Module):
+    """Holds the heads as ``model.layers.{L + i}``: DeepSeek-V3 numbers MTP layers after the target's L."""
+
+    def __init__(self, heads: dict[str, MTPHead]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(heads)
 
 
 def _last_hidden_source(layout: Any) -> str | None:
@@ -202,14 +226,19 @@ class MTPDrafter(Drafter):
         self.arch = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
                      "intermediate_size": inter, "rms_norm_eps": self.eps, "rope_theta": float(c["rope_theta"])}
         n_phys = 1 if config.use_repeated_layer else config.num_depths
-        self.heads = nn.ModuleList(MTPHead(H, heads, kv, hd, inter, self.eps) for _ in range(n_phys))
+        self.first_layer = int(layout.num_layers)
+        self.model = _Model({str(self.first_layer + i): MTPHead(H, heads, kv, hd, inter, self.eps) for i in range(n_phys)})
         self.rope = RotaryEmbedding(hd, float(c["rope_theta"]))
         self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
         self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
         self.register_buffer("lm_head", bundle.lm_head.detach().clone(), persistent=False)
-        with torch.no_grad():  # start each head's output norm where the target's is
-            for h in self.heads:
-                h.final_norm.weight.copy_(bundle.norm_weight.float())
+        with torch.no_grad():
+            for m in self.model.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=config.init_std)
+            for h in self.model.layers.values():  # start each output norm where the target's is
+                h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
+        self.fingerprint = bundle.fingerprint
         self.last_source = _last_hidden_source(layout)
         self.last_tap = getattr(layout, "last_layer_tap", None)
         self.teacher_kind = self._pick_teacher(config, layout)
@@ -239,7 +268,7 @@ class MTPDrafter(Drafter):
 
     def head(self, k: int) -> MTPHead:
         """The physical head serving depth k (1-based)."""
-        return self.heads[0 if self.config.use_repeated_layer else k - 1]
+        return self.model.layers[str(self.first_layer + (0 if self.config.use_repeated_layer else k - 1))]
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -259,7 +288,7 @@ class MTPDrafter(Drafter):
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
-        x = self.head(k).final_norm(h)
+        x = self.head(k).shared_head.norm(h)
         z = F.linear(x.to(self.lm_head.dtype), self.lm_head)
         return z.to(torch.promote_types(z.dtype, torch.float32)) / self.logits_scaling
 
@@ -270,13 +299,13 @@ class MTPDrafter(Drafter):
         doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
         labels = next_token_labels(ids, batch["loss_mask"], doc_end)
         emb, emb_unknown = self.input_embeds(batch)
-        dtype = self.heads[0].eh_proj.weight.dtype
+        dtype = self.head(1).eh_proj.weight.dtype
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
         rope = self.rope(pos)
         h = rms_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.eps)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
-            h = self.head(k)(shift_left(emb, k).to(dtype), h, rope)
+            h = self.head(k).step(shift_left(emb, k).to(dtype), h, rope)
             tgt = depth_targets(labels, doc_end, k)
             unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
             audio_masked.append(unknown.sum())
@@ -383,69 +412,42 @@ class MTPDrafter(Drafter):
 
     # -- export ---------------------------------------------------------------------------
 
-    def export_state(self, first_layer: int) -> dict[str, torch.Tensor]:
-        """DeepSeek-V3 MTP names: model.layers.{first_layer + i}.{enorm,hnorm,eh_proj,shared_head.norm,...}."""
-        out = {}
-        for i, head in enumerate(self.heads):
-            p = f"model.layers.{first_layer + i}."
-            for name, t in head.state_dict().items():
-                name = name.replace("block.", "").replace("final_norm.", "shared_head.norm.")
-                out[p + name] = t.detach().cpu().contiguous()
-        return out
+    def export_config(self) -> dict[str, Any]:
+        """DeepSeek-V3 MTP config; the weights' names already are DeepSeek's (``model.layers.{L + i}.*``).
 
-    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
-        """Draft-only safetensors + config.json in the DeepSeek-V3 MTP layout.
-
-        The head layers are numbered after the target's (layer L, L+1, ... for an L-layer target), as
-        DeepSeek-V3 checkpoints number them. The frozen embedding and lm_head are the target's and are
-        not copied (the bundle fingerprint in the config names them); ``eh_proj`` takes
-        ``concat[enorm(embedding), hnorm(previous hidden)]``, recorded as ``mtp_concat_order``.
+        The frozen embedding and lm_head are the target's and are not exported (the fingerprint names
+        them). ``eh_proj`` takes ``concat[enorm(embedding), hnorm(previous hidden)]``: the order is
+        recorded as ``mtp_concat_order``.
         """
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        L = int(meta.get("num_hidden_layers") or meta.get("target_num_layers") or 0)
-        save_file(self.export_state(L), str(out / EXPORT_WEIGHTS))
-        cfg = {
+        return {
             "architectures": ["DeepseekV3MTP"],
             "model_type": "tapdraft_mtp",
             **self.arch,
             "vocab_size": int(self.lm_head.shape[0]),
-            "num_hidden_layers": L,
+            "num_hidden_layers": self.first_layer,
             "num_nextn_predict_layers": self.config.num_depths,
             "use_repeated_layer": self.config.use_repeated_layer,
-            "num_physical_mtp_layers": len(self.heads),
-            "first_mtp_layer_index": L,
+            "num_physical_mtp_layers": len(self.model.layers),
+            "first_mtp_layer_index": self.first_layer,
             "mtp_concat_order": "embedding_first",
             "eh_proj_input": "concat([enorm(embed(x[t+k])), hnorm(h[k-1][t])], dim=-1)",
-            "h0": "target final norm applied to the last decoder layer output",
-            "shared_weights": {"embed_tokens": "target", "shared_head.head": "target lm_head"},
+            "h0": "the target's final norm applied to its last decoder layer output",
+            "shared_weights": {"embed_tokens": "target embed_tokens", "shared_head.head": "target lm_head"},
             "logits_scaling": self.logits_scaling,
             "mtp_config": asdict(self.config),
-            **{k: v for k, v in meta.items() if k not in ("num_hidden_layers",)},
+            "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint},
         }
-        (out / EXPORT_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
 
 
 def load_exported(export_dir: str | Path, bundle: Any, layout: Any) -> MTPDrafter:
     """Rebuild an MTP drafter from an export directory and the target bundle (round-trip check)."""
-    root = Path(export_dir)
-    cfg_path = root / EXPORT_CONFIG
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: {root} is not an exported MTP draft")
-    cfg = json.loads(cfg_path.read_text())
-    mc = dict(cfg["mtp_config"])
-    drafter = MTPDrafter(MTPConfig(**mc), bundle, layout)
-    first = int(cfg["first_mtp_layer_index"])
-    weights = load_file(str(root / EXPORT_WEIGHTS))
-    if set(weights) != set(drafter.export_state(first)):
-        raise ValueError(f"{root / EXPORT_WEIGHTS} does not hold this MTP layout's tensors")
-    own = {}
-    for i in range(len(drafter.heads)):
-        p = f"model.layers.{first + i}."
-        for name in drafter.heads[i].state_dict():
-            ext = p + name.replace("block.", "").replace("final_norm.", "shared_head.norm.")
-            own[f"heads.{i}.{name}"] = weights[ext]
-    drafter.load_state_dict(own)
+    from train.export import load_export
+
+    cfg, weights = load_export(export_dir)
+    if cfg.get("model_type") != "tapdraft_mtp":
+        raise ValueError(f"{export_dir} is not an exported MTP draft (model_type {cfg.get('model_type')!r})")
+    drafter = MTPDrafter(MTPConfig(**cfg["mtp_config"]), bundle, layout)
+    drafter.load_state_dict(weights)
     return drafter
 
 

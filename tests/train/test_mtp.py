@@ -108,12 +108,12 @@ def _reference_ce(drafter, batch):
             e[: n - k] = emb_t[ids[b, k:n]]
             x = torch.cat([rms(e, head.enorm.weight), rms(h, head.hnorm.weight)], -1) @ head.eh_proj.weight.double().T
             pos = torch.arange(n)[None]
-            h = head.block(x[None], d.rope(pos), is_causal=True)[0]
+            h = super(type(head), head).forward(x[None], d.rope(pos), is_causal=True)[0]  # the plain decoder layer
             s = ce = 0.0
             c = 0
             for t in range(n):
                 if t + k + 1 < n and bool(mask[b, t + k + 1]):
-                    z = rms(h[t], head.final_norm.weight) @ d.lm_head.double().T / d.logits_scaling
+                    z = rms(h[t], head.shared_head.norm.weight) @ d.lm_head.double().T / d.logits_scaling
                     ce += (torch.logsumexp(z, 0) - z[ids[b, t + k + 1]]).item()
                     c += 1
             total[k] = total.get(k, 0.0) + ce
@@ -127,7 +127,7 @@ def test_ce_loss_matches_float64_reference(repeated):
     bundle, layout = tiny_bundle(scaling=2.0), tiny_layout()
     d = MTPDrafter.build(MTPConfig(num_depths=2, use_repeated_layer=repeated, chunk_rows=5), bundle, layout).double()
     d.embed_tokens, d.norm_weight, d.lm_head = d.embed_tokens.double(), d.norm_weight.double(), d.lm_head.double()
-    assert len(d.heads) == (1 if repeated else 2)
+    assert len(d.model.layers) == (1 if repeated else 2)
     batch = batch_of(layout, bundle)
     batch["taps"] = batch["taps"].double()
     out = d(batch)
@@ -265,18 +265,30 @@ def test_export_roundtrip_reproduces_logits(tmp_path):
     with torch.no_grad():
         for p in d.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    d.export(tmp_path, {"num_hidden_layers": L, "target_fingerprint": "abc"})
+    d.export(tmp_path, {"source": "test"})
     import json
 
     from safetensors.torch import load_file
 
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["mtp_concat_order"] == "embedding_first" and cfg["num_nextn_predict_layers"] == 2
+    assert cfg["first_mtp_layer_index"] == L and cfg["tapdraft"]["source"] == "test"
     names = set(load_file(str(tmp_path / "model.safetensors")))
-    assert f"model.layers.{L}.eh_proj.weight" in names and f"model.layers.{L + 1}.shared_head.norm.weight" in names
-    assert f"model.layers.{L}.self_attn.q_proj.weight" in names
+    for want in (f"model.layers.{L}.eh_proj.weight", f"model.layers.{L}.enorm.weight", f"model.layers.{L}.hnorm.weight",
+                 f"model.layers.{L + 1}.shared_head.norm.weight", f"model.layers.{L}.self_attn.q_proj.weight",
+                 f"model.layers.{L}.mlp.gate_proj.weight", f"model.layers.{L}.input_layernorm.weight"):
+        assert want in names, want
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    # eh_proj's first H input columns act on the embedding: zeroing them must remove the embedding's effect
     back = load_exported(tmp_path, bundle, layout)
     batch = batch_of(layout, bundle)
     r1, r2 = d.run_depths(batch), back.run_depths(batch)
     for k in (1, 2):
         torch.testing.assert_close(d.logits(k, r1["h"][k - 1]), back.logits(k, r2["h"][k - 1]), rtol=0, atol=0)
+    with torch.no_grad():
+        back.head(1).eh_proj.weight[:, :H] = 0
+    b2 = dict(batch)
+    b2["input_ids"] = torch.randint(2, V - 1, batch["input_ids"].shape)
+    h_a = back.run_depths(batch)["h"][0]
+    h_b = back.run_depths(b2)["h"][0]
+    torch.testing.assert_close(h_a, h_b)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.train.fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
 from train.config import load_run_config
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter

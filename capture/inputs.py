@@ -1,0 +1,310 @@
+"""Capture inputs: conversation manifests (JSONL) and HF datasets with an Audio column.
+
+JSONL conversation manifest, one conversation per line (NeMo's multimodal conversation style)::
+
+    {"id": "utt-001",
+     "conversations": [
+        {"from": "User", "type": "text", "value": "what did i say ?"},
+        {"from": "User", "type": "audio", "value": "audio/utt-001.wav", "offset": 0.0, "duration": 1.5},
+        {"from": "Assistant", "type": "text", "value": "you said three one four ."}]}
+
+- ``id`` (or ``sample_id``): the stable sample id. Missing -> ``"<file stem>-<line number>"``, which
+  is stable for an unchanged file.
+- ``conversations`` (or ``messages``): turns with ``from``/``role`` (User|user|human, Assistant|
+  assistant|gpt|model, System|system) and ``value``/``content``. ``type`` is ``text`` (default) or
+  ``audio``; an audio turn's ``value`` (or ``audio``/``audio_filepath``) is a wav/flac path, relative
+  paths resolve against the manifest's directory; ``offset`` and ``duration`` are seconds.
+  An audio turn becomes one ``<|audioplaceholder|>`` at its place in the text.
+- Alternatively a text turn may contain placeholders itself and list its audios in ``audio``
+  (a path, a dict ``{"path", "offset", "duration"}``, or a list of these), one per placeholder.
+- Consecutive turns of the same role are joined with a space into one chat message.
+
+Audio is decoded with soundfile (wav, flac, ogg...), mixed to mono and resampled to the encoder's
+rate with a windowed-sinc resampler in torch (Kaiser-free Hann window, 6 zero crossings, rolloff
+0.99: the same kernel as torchaudio's default), so no extra dependency is needed.
+
+Every bad input is a :class:`BadInput` with the sample id, the line number and the reason; the
+pipeline decides (``on_error``) whether it stops or skips.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+ROLES = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+
+class InputError(ValueError):
+    """A conversation or its audio cannot be used; carries where it came from."""
+
+    def __init__(self, reason: str, *, sample_id: str = "", line: int | None = None, source: str = ""):
+        self.reason, self.sample_id, self.line, self.source = reason, sample_id, line, source
+        where = f"{source}:{line}" if line is not None else source
+        super().__init__(f"sample {sample_id!r} ({where}): {reason}")
+
+
+@dataclass
+class AudioRef:
+    """One audio: a file (path + optional offset/duration) or bytes or an array already decoded."""
+
+    path: str | None = None
+    offset: float = 0.0
+    duration: float | None = None
+    data: bytes | None = None
+    array: np.ndarray | None = None
+    sample_rate: int | None = None
+
+
+@dataclass
+class Conversation:
+    """A parsed input: chat messages with one placeholder per audio, in order."""
+
+    sample_id: str
+    source: str
+    messages: list[dict[str, str]]
+    audios: list[AudioRef] = field(default_factory=list)
+    line: int | None = None
+
+
+@dataclass
+class BadInput:
+    """An input that could not be parsed; kept in the input order so indices stay stable."""
+
+    sample_id: str
+    source: str
+    reason: str
+    line: int | None = None
+
+    def error(self) -> InputError:
+        return InputError(self.reason, sample_id=self.sample_id, line=self.line, source=self.source)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def _audio_refs(spec: Any, base: Path) -> list[AudioRef]:
+    if spec is None:
+        return []
+    items = spec if isinstance(spec, list) else [spec]
+    out = []
+    for it in items:
+        if isinstance(it, str):
+            it = {"path": it}
+        if not isinstance(it, dict) or not isinstance(it.get("path", it.get("audio_filepath")), str):
+            raise ValueError(f"audio entry {it!r} must be a path or a dict with 'path'")
+        p = Path(it.get("path", it.get("audio_filepath")))
+        dur = it.get("duration")
+        out.append(AudioRef(path=str(p if p.is_absolute() else base / p), offset=float(it.get("offset", 0.0) or 0.0),
+                            duration=None if dur is None else float(dur)))
+    return out
+
+
+def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> tuple[str, list[dict], list[AudioRef]]:
+    """One JSON record -> (sample id, messages, audios); ValueError says what is wrong."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a manifest line must be a JSON object, got {type(rec).__name__}")
+    sid = rec.get("id", rec.get("sample_id", default_id))
+    sid = str(sid)
+    turns = rec.get("conversations", rec.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("needs a non-empty 'conversations' (or 'messages') list of turns")
+    messages: list[dict[str, str]] = []
+    audios: list[AudioRef] = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise ValueError(f"turn {j} must be an object, got {type(t).__name__}")
+        role_raw = t.get("role", t.get("from"))
+        role = ROLES.get(str(role_raw).lower()) if role_raw is not None else None
+        if role is None:
+            raise ValueError(f"turn {j} has unknown role {role_raw!r}; use one of {sorted(set(ROLES))}")
+        kind = t.get("type", "text")
+        if kind == "audio":
+            path = t.get("value", t.get("audio", t.get("audio_filepath")))
+            audios += _audio_refs({"path": path, "offset": t.get("offset", 0.0), "duration": t.get("duration")}, base)
+            text = placeholder
+        elif kind == "text":
+            text = t.get("value", t.get("content"))
+            if not isinstance(text, str):
+                raise ValueError(f"turn {j} ({role}) has no text 'value'/'content'")
+            n_ph = text.count(placeholder)
+            refs = _audio_refs(t.get("audio", t.get("audios")), base)
+            if refs and len(refs) != n_ph:
+                raise ValueError(
+                    f"turn {j} has {n_ph} placeholder(s) {placeholder!r} but lists {len(refs)} audio(s)"
+                )
+            audios += refs
+        else:
+            raise ValueError(f"turn {j} has unknown type {kind!r}; use 'text' or 'audio'")
+        if role == "assistant" and not text.strip():
+            raise ValueError(f"turn {j} is an empty assistant turn; drop the conversation or fill the turn")
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += " " + text
+        else:
+            messages.append({"role": role, "content": text})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("has no assistant turn: nothing would be supervised")
+    n_ph = sum(m["content"].count(placeholder) for m in messages)
+    if n_ph != len(audios):
+        raise ValueError(f"has {n_ph} audio placeholder(s) but {len(audios)} audio(s); one placeholder per audio")
+    return sid, messages, audios
+
+
+def read_jsonl(path: str | Path, *, placeholder: str) -> Iterator[Conversation | BadInput]:
+    """Every line of a JSONL manifest in file order (blank lines are skipped but keep numbering)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {path} does not exist")
+    base = path.parent
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            default_id = f"{path.stem}-{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield BadInput(default_id, str(path), f"malformed JSON: {e.msg} at column {e.colno}", lineno)
+                continue
+            sid = str(rec.get("id", rec.get("sample_id", default_id))) if isinstance(rec, dict) else default_id
+            try:
+                sid, messages, audios = parse_record(rec, base=base, placeholder=placeholder, default_id=default_id)
+            except ValueError as e:
+                yield BadInput(sid, str(path), str(e), lineno)
+                continue
+            yield Conversation(sid, str(path), messages, audios, lineno)
+
+
+def read_hf_dataset(
+    name_or_path: str,
+    *,
+    split: str = "train",
+    placeholder: str,
+    audio_column: str = "audio",
+    text_column: str = "text",
+    id_column: str | None = "id",
+    prompt: str = "Transcribe the audio.",
+) -> Iterator[Conversation | BadInput]:
+    """Rows of an HF dataset (a saved dataset directory or a local loading script/data dir).
+
+    A row with a ``conversations``/``messages`` column is parsed like a JSONL record, its audio
+    column filling the placeholders in order; otherwise (ASR style) it becomes
+    ``user: prompt + placeholder`` / ``assistant: row[text_column]``. Audio is read undecoded
+    (``Audio(decode=False)``: bytes or path) and decoded here with soundfile.
+    """
+    import datasets
+
+    p = Path(name_or_path)
+    if p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(name_or_path, split=split)
+    if audio_column in ds.column_names:
+        ds = ds.cast_column(audio_column, datasets.Audio(decode=False))
+    for i, row in enumerate(ds):
+        sid = str(row[id_column]) if id_column and id_column in row else f"{p.name or name_or_path}-{i}"
+        try:
+            auds = row.get(audio_column)
+            auds = auds if isinstance(auds, list) else ([auds] if auds is not None else [])
+            refs = [AudioRef(path=a.get("path") if not a.get("bytes") else None, data=a.get("bytes")) for a in auds]
+            if "conversations" in row or "messages" in row:
+                rec = {"id": sid, "conversations": row.get("conversations", row.get("messages"))}
+                sid, messages, in_refs = parse_record(rec, base=Path("."), placeholder=placeholder, default_id=sid)
+                n_ph = sum(m["content"].count(placeholder) for m in messages)
+                if n_ph != len(refs) + len(in_refs):
+                    raise ValueError(f"has {n_ph} audio placeholder(s) but {len(refs) + len(in_refs)} audio(s)")
+                refs = in_refs + refs
+            else:
+                text = row.get(text_column)
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError(f"empty assistant turn (column {text_column!r})")
+                if len(refs) != 1:
+                    raise ValueError(f"ASR-style rows need exactly one audio in {audio_column!r}, got {len(refs)}")
+                messages = [{"role": "user", "content": f"{prompt} {placeholder}"},
+                            {"role": "assistant", "content": text}]
+        except ValueError as e:
+            yield BadInput(sid, name_or_path, str(e), i)
+            continue
+        yield Conversation(sid, name_or_path, messages, refs, i)
+
+
+def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Conversation | BadInput]:
+    """``*.jsonl`` -> :func:`read_jsonl`; ``hf:NAME_OR_DIR[:split]`` or a dataset dir -> :func:`read_hf_dataset`."""
+    if spec.startswith("hf:"):
+        name, _, split = spec[3:].partition(":")
+        return read_hf_dataset(name, split=split or "train", placeholder=placeholder, **hf_kwargs)
+    p = Path(spec)
+    if p.is_dir():
+        return read_hf_dataset(spec, placeholder=placeholder, **hf_kwargs)
+    return read_jsonl(p, placeholder=placeholder)
+
+
+# ------------------------------------------------------------------------------------------ audio
+def resample(wave: np.ndarray, orig_sr: int, new_sr: int, *, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
+    """Band-limited resampling of a mono float waveform (windowed sinc, polyphase by conv1d)."""
+    if orig_sr == new_sr:
+        return wave.astype(np.float32, copy=False)
+    g = math.gcd(int(orig_sr), int(new_sr))
+    orig, new = int(orig_sr) // g, int(new_sr) // g
+    base = min(orig, new) * rolloff
+    width = math.ceil(zero_crossings * orig / base)
+    idx = torch.arange(-width, width + orig, dtype=torch.float64) / orig  # [K]
+    t = (torch.arange(0, -new, -1, dtype=torch.float64)[:, None] / new + idx[None, :]) * base  # [new, K]
+    t = t.clamp(-zero_crossings, zero_crossings)
+    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / t) * window * (base / orig)
+    x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32)).to(torch.float64)
+    n = x.shape[0]
+    x = torch.nn.functional.pad(x[None, None], (width, width + orig))
+    y = torch.nn.functional.conv1d(x, kernel[:, None, :], stride=orig)  # [1, new, frames]
+    y = y[0].t().reshape(-1)
+    target = math.ceil(new * n / orig)
+    return y[:target].to(torch.float32).numpy()
+
+
+def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarray, float]:
+    """Decode, mix to mono, cut [offset, offset + duration), resample -> (float32 waveform, seconds)."""
+    import soundfile as sf
+
+    if ref.array is not None:
+        wave, sr = np.asarray(ref.array, dtype=np.float32), int(ref.sample_rate or 0)
+    else:
+        src: Any = io.BytesIO(ref.data) if ref.data is not None else ref.path
+        if ref.data is None and (ref.path is None or not Path(ref.path).is_file()):
+            raise ValueError(f"audio file {ref.path} does not exist")
+        try:
+            info = sf.info(src)
+            sr = int(info.samplerate)
+            if ref.data is not None:
+                src.seek(0)
+            start = int(round(ref.offset * sr))
+            stop = None if ref.duration is None else start + int(round(ref.duration * sr))
+            if start >= info.frames:
+                raise ValueError(f"offset {ref.offset}s is past the end of {ref.path} ({info.frames / sr:.2f}s)")
+            wave, sr = sf.read(src, start=start, stop=stop, dtype="float32", always_2d=True)
+            wave = wave.mean(axis=1)
+        except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+            raise ValueError(f"cannot decode audio {ref.path or '<bytes>'}: {e}") from e
+    if sr < min_sr:
+        raise ValueError(
+            f"audio {ref.path or '<array>'} is sampled at {sr} Hz; the encoder needs {target_sr} Hz and inputs "
+            f"below {min_sr} Hz cannot be upsampled faithfully"
+        )
+    if wave.ndim != 1 or wave.size == 0:
+        raise ValueError(f"audio {ref.path or '<array>'} is empty")
+    if not np.isfinite(wave).all():
+        raise ValueError(f"audio {ref.path or '<array>'} contains NaN or Inf samples")
+    seconds = wave.shape[0] / sr
+    return resample(wave, sr, target_sr), seconds

@@ -1,0 +1,373 @@
+"""Frozen targets behind one interface, and the one function that turns a batch into sample tensors.
+
+A :class:`Target` knows how to (1) turn a parsed conversation into CPU inputs with a known expanded
+length (:meth:`Target.prepare`: tokenization, audio decoding, frame counting; all input errors
+surface here, before any compute) and (2) embed a batch of them into expanded input embeddings
+(:meth:`Target.embed`). Everything after that is shared (:func:`run_batch`):
+
+- taps come from forward hooks on the decoder layers: the residual stream BEFORE the final norm,
+  for every tapped layer including the last. HF's ``hidden_states[-1]`` is post-norm and is never
+  used. Only the base decoder runs, so [B, T, vocab] logits are never built.
+- teacher rows: for each row t with loss_mask[t + 1], the top-k ids and log-probs under the FULL
+  softmax of final_norm(h_t) @ lm_head^T / logits_scaling, computed ``row_chunk`` rows at a time
+  (peak [row_chunk, vocab] float32, 0.6 GB for 1024 x 152k).
+
+Adapters: :class:`SALMTarget` (capture.salm), :class:`CausalLMTarget` (any HF causal LM,
+text-only conversations). Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from capture.inputs import Conversation, load_audio
+from capture.salm import SALM, Expanded, expand_placeholders
+from shards.schema import teacher_rows
+
+
+@dataclass
+class Prepared:
+    """One conversation ready for the target: tokens, audio at the encoder rate, expanded length."""
+
+    index: int
+    sample_id: str
+    source: str
+    token_ids: torch.Tensor  # int64 [L]
+    assistant_mask: torch.Tensor  # bool [L]
+    waveforms: list[np.ndarray] = field(default_factory=list)
+    audio_seconds: float = 0.0
+    length: int = 0  # expanded T
+    line: int | None = None
+
+
+class NonFiniteError(ValueError):
+    """The target produced NaN/Inf for a sample; such rows are never written."""
+
+
+class Target(ABC):
+    """A frozen model whose decoder layers can be tapped."""
+
+    lm: nn.Module
+    tokenizer: Any
+    placeholder: str | None = None
+    audio_token_id: int = 0
+    sample_rate: int | None = None
+
+    # -------------------------------------------------------------- adapter-specific
+    @abstractmethod
+    def prepare(self, conv: Conversation, index: int) -> Prepared:
+        """Tokenize and load audio; ValueError (with the reason) for any unusable input."""
+
+    @abstractmethod
+    def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
+        """Expanded ids / is_audio / loss_mask / inputs_embeds per sample, on the target's device."""
+
+    @abstractmethod
+    def audio_bundle(self) -> dict[str, Any]:
+        """The bundle's audio dict (empty for a text-only target)."""
+
+    @property
+    @abstractmethod
+    def model_dir(self) -> Path | None:
+        """Directory the target was loaded from (for the tokenizer files)."""
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        return None if self.model_dir is None else self.model_dir / "tokenizer"
+
+    # -------------------------------------------------------------- shared
+    @property
+    def decoder(self) -> nn.Module:
+        return self.lm.get_decoder()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm.config.hidden_size)
+
+    @property
+    def logits_scaling(self) -> float:
+        return float(getattr(self.lm.config, "logits_scaling", None) or 1.0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    def _tokenize(self, conv: Conversation) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.tokenizer.apply_chat_template(
+            conv.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids = torch.tensor(out["input_ids"], dtype=torch.long)
+        mask = torch.tensor(out["assistant_masks"], dtype=torch.bool)
+        if not bool(mask.any()):
+            raise ValueError(
+                "no supervised tokens: the assistant turns are empty or the chat template does not mark them "
+                "with {% generation %}"
+            )
+        return ids, mask
+
+    def bundle_config(self) -> dict[str, Any]:
+        c = self.lm.config
+        rope = getattr(c, "rope_parameters", None) or {}
+        eos = getattr(c, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return {
+            "model_type": c.model_type,
+            "hidden_size": int(c.hidden_size),
+            "num_hidden_layers": self.num_layers,
+            "vocab_size": int(self.lm.get_output_embeddings().weight.shape[0]),
+            "num_attention_heads": int(c.num_attention_heads),
+            "num_key_value_heads": int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
+            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),
+            "intermediate_size": int(c.intermediate_size),
+            "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
+            "logits_scaling": self.logits_scaling,
+            "bos_token_id": getattr(c, "bos_token_id", None),
+            "eos_token_id": eos,
+            "pad_token_id": getattr(c, "pad_token_id", None) if getattr(c, "pad_token_id", None) is not None
+            else self.tokenizer.pad_token_id,
+        }
+
+    def bundle_parts(self) -> dict[str, Any]:
+        """Keyword arguments for ``shards.bundle.write_bundle`` (minus ``out_dir``)."""
+        return {
+            "config": self.bundle_config(),
+            "audio": self.audio_bundle(),
+            "chat_template": self.tokenizer.chat_template,
+            "embed_tokens": self.lm.get_input_embeddings().weight,
+            "norm_weight": self.decoder.norm.weight,
+            "lm_head": self.lm.get_output_embeddings().weight,
+            "tokenizer_dir": self.tokenizer_dir,
+        }
+
+
+class SALMTarget(Target):
+    """A :class:`capture.salm.SALM` directory."""
+
+    def __init__(self, salm: SALM, path: str | Path | None = None):
+        self.salm = salm.eval()
+        self.lm = salm.lm
+        self.tokenizer = salm.tokenizer
+        self.placeholder = salm.config.audio.placeholder
+        self.audio_token_id = salm.audio_token_id
+        self.sample_rate = salm.config.audio.sample_rate
+        self._path = None if path is None else Path(path)
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self._path
+
+    def prepare(self, conv: Conversation, index: int) -> Prepared:
+        ids, mask = self._tokenize(conv)
+        n_ph = int((ids == self.salm.placeholder_id).sum())
+        if n_ph != len(conv.audios):
+            raise ValueError(f"has {n_ph} audio placeholder(s) after tokenization but {len(conv.audios)} audio(s)")
+        waves, seconds, frames = [], 0.0, 0
+        acfg = self.salm.config.audio
+        for ref in conv.audios:
+            w, s = load_audio(ref, target_sr=acfg.sample_rate, min_sr=acfg.min_sample_rate)
+            n = self.salm.num_frames(w.shape[0])
+            if n < 1:
+                raise ValueError(f"audio {ref.path or '<array>'} is {s:.3f}s: too short for one encoder frame")
+            waves.append(w)
+            seconds += s
+            frames += n
+        return Prepared(index, conv.sample_id, conv.source, ids, mask, waves, seconds,
+                        int(ids.shape[0]) - n_ph + frames, conv.line)
+
+    def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
+        flat = [w for p in batch for w in p.waveforms]
+        audio = self.salm.encode_audio(flat)
+        out, k = [], 0
+        for p in batch:
+            n = len(p.waveforms)
+            out.append(self.salm.expand(p.token_ids, p.assistant_mask, audio[k : k + n]))
+            k += n
+        return out
+
+    def audio_bundle(self) -> dict[str, Any]:
+        a = self.salm.config.audio
+        return {
+            "sample_rate": a.sample_rate,
+            "frame_seconds": a.frame_seconds,
+            "placeholder": a.placeholder,
+            "placeholder_token_id": self.salm.placeholder_id,
+            "audio_token_id": self.audio_token_id,
+            "encoder": "ParakeetEncoder",
+        }
+
+
+class CausalLMTarget(Target):
+    """Any HF causal LM on text-only conversations (its tokenizer's template must mark assistant turns)."""
+
+    def __init__(self, lm: nn.Module, tokenizer, path: str | Path | None = None):
+        self.lm = lm.eval()
+        self.tokenizer = tokenizer
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; capture needs one that marks assistant turns")
+        self.audio_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self._path = None if path is None else Path(path)
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self._path
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        return self._path
+
+    def prepare(self, conv: Conversation, index: int) -> Prepared:
+        if conv.audios:
+            raise ValueError(f"has {len(conv.audios)} audio(s) but the target is a text-only causal LM")
+        ids, mask = self._tokenize(conv)
+        return Prepared(index, conv.sample_id, conv.source, ids, mask, [], 0.0, int(ids.shape[0]), conv.line)
+
+    def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
+        emb = self.lm.get_input_embeddings()
+        return [
+            expand_placeholders(p.token_ids.to(self.device), p.assistant_mask.to(self.device), [],
+                                placeholder_id=-1, audio_token_id=self.audio_token_id, embed=emb)
+            for p in batch
+        ]
+
+    def audio_bundle(self) -> dict[str, Any]:
+        return {}
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """A SALM directory (salm_config.json) or an HF causal-LM directory (config.json + tokenizer files)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"target directory {root} does not exist")
+    if (root / "salm_config.json").is_file():
+        return SALMTarget(SALM.from_pretrained(root, dtype=dtype, device=device), root)
+    if (root / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
+        tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        return CausalLMTarget(lm, tok, root)
+    raise FileNotFoundError(
+        f"{root} is neither a SALM directory (salm_config.json) nor an HF causal LM (config.json)"
+    )
+
+
+# ------------------------------------------------------------------------------------------ compute
+def topk_teacher(
+    last_RH: torch.Tensor, norm: nn.Module, lm_head: nn.Module, k: int, *, logits_scaling: float = 1.0,
+    row_chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (int32 [R, k]) and full-softmax log-probs (float32 [R, k]) of the pre-norm rows."""
+    R = last_RH.shape[0]
+    ids = torch.empty(R, k, dtype=torch.int32, device=last_RH.device)
+    lps = torch.empty(R, k, dtype=torch.float32, device=last_RH.device)
+    for s in range(0, R, row_chunk):
+        logits = lm_head(norm(last_RH[s : s + row_chunk])).float()  # [r, V]
+        if logits_scaling != 1.0:
+            logits = logits / logits_scaling
+        logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+        v, i = torch.topk(logp, k, dim=-1)
+        ids[s : s + row_chunk] = i.to(torch.int32)
+        lps[s : s + row_chunk] = v
+    return ids, lps
+
+
+class _Taps:
+    """Forward hooks that keep the output of selected decoder layers."""
+
+    def __init__(self, layers: nn.ModuleList, ids: Sequence[int]):
+        self.out: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in ids]
+
+    def _hook(self, i: int):
+        def fn(_mod, _inp, output):
+            self.out[i] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return fn
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def run_batch(
+    target: Target,
+    batch: Sequence[Prepared],
+    *,
+    tap_ids: Sequence[int],
+    top_k: int,
+    final_hidden: bool = False,
+    audio_embeds: bool = False,
+    row_chunk: int = 1024,
+) -> list[dict[str, torch.Tensor] | NonFiniteError]:
+    """One padded forward of the base decoder -> per-sample tensor fields (on the target's device).
+
+    A sample whose stored values would hold NaN/Inf comes back as a :class:`NonFiniteError` instead.
+    """
+    L = target.num_layers
+    if any(i < 0 or i >= L for i in tap_ids):
+        raise ValueError(f"tap ids {list(tap_ids)} out of range for a target of {L} decoder layers")
+    exps = target.embed(batch)
+    dev = target.device
+    B, Tmax = len(exps), max(int(e.input_ids.shape[0]) for e in exps)
+    H = exps[0].inputs_embeds.shape[-1]
+    emb = torch.zeros(B, Tmax, H, dtype=exps[0].inputs_embeds.dtype, device=dev)
+    attn = torch.zeros(B, Tmax, dtype=torch.long, device=dev)
+    for b, e in enumerate(exps):
+        T = e.input_ids.shape[0]
+        emb[b, :T] = e.inputs_embeds
+        attn[b, :T] = 1
+    hooks = _Taps(target.layers, sorted(set(tap_ids) | {L - 1}))
+    try:
+        target.decoder(inputs_embeds=emb, attention_mask=attn, use_cache=False)
+    finally:
+        hooks.remove()
+    norm, head = target.decoder.norm, target.lm.get_output_embeddings()
+    results = []
+    for b, (p, e) in enumerate(zip(batch, exps)):
+        T = int(e.input_ids.shape[0])
+        if T != p.length:
+            raise AssertionError(f"expanded length {T} != predicted {p.length} for {p.sample_id}")
+        taps = torch.stack([hooks.out[i][b, :T] for i in tap_ids], dim=1)  # [T, n, H]
+        last = hooks.out[L - 1][b, :T]  # [T, H]
+        s: dict[str, torch.Tensor] = {
+            "input_ids": e.input_ids.to(torch.int32),
+            "is_audio": e.is_audio,
+            "loss_mask": e.loss_mask,
+            "taps": taps,
+        }
+        if final_hidden:
+            s["final_hidden"] = last
+        if audio_embeds:
+            s["audio_embeds"] = e.inputs_embeds[e.is_audio]
+        if top_k > 0:
+            rows = teacher_rows(e.loss_mask.cpu()).to(dev)
+            ids, lps = topk_teacher(last[rows.long()], norm, head, top_k, logits_scaling=target.logits_scaling,
+                                    row_chunk=row_chunk)
+            s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
+        bad = [n for n, t in s.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            results.append(NonFiniteError(f"the target produced NaN/Inf in {bad}; not written"))
+            continue
+        for name in ("taps", "final_hidden", "audio_embeds"):
+            if name in s:
+                s[name] = s[name].to(torch.bfloat16)
+        results.append(s)
+    return results

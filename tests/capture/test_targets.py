@@ -1,0 +1,117 @@
+"""Taps by hooks, pre-norm last layer, exact teacher top-k."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from capture.inputs import AudioRef, Conversation
+from capture.targets import CausalLMTarget, SALMTarget, run_batch, topk_teacher
+from shards.schema import teacher_rows
+
+
+def _conv(sid, n_samples, seed, reply="you said one two ."):
+    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
+    return Conversation(sid, "mem", [{"role": "user", "content": "<|audioplaceholder|> what did i say ?"},
+                                     {"role": "assistant", "content": reply}],
+                        [AudioRef(array=wave, sample_rate=16000)])
+
+
+@pytest.fixture()
+def target(salm):
+    return SALMTarget(salm)
+
+
+def test_taps_equal_direct_forward_on_merged_embeddings(target):
+    L = target.num_layers
+    taps = list(range(L))
+    batch = [target.prepare(_conv("a", 20000, 0), 0), target.prepare(_conv("b", 7000, 1, "you said one ."), 1)]
+    assert batch[0].length != batch[1].length  # the batch is padded
+    with torch.no_grad():
+        res = run_batch(target, batch, tap_ids=taps, top_k=0)
+        for p, r in zip(batch, res):
+            ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
+            assert r["input_ids"].tolist() == ex.input_ids.tolist() and r["taps"].shape[0] == p.length
+            hs = target.lm(inputs_embeds=ex.inputs_embeds[None], output_hidden_states=True).hidden_states
+            for j, i in enumerate(taps[:-1]):  # hidden_states[i + 1] = output of layer i, for every non-last layer
+                torch.testing.assert_close(r["taps"][:, j].float(), hs[i + 1][0].to(torch.bfloat16).float(),
+                                           rtol=0.02, atol=0.02)
+
+
+def test_last_tap_is_prenorm_and_bundle_reproduces_logits(target):
+    L = target.num_layers
+    p = target.prepare(_conv("a", 16000, 0), 0)
+    with torch.no_grad():
+        r = run_batch(target, [p], tap_ids=[L - 1], top_k=0, final_hidden=True)[0]
+        ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
+        out = target.lm(inputs_embeds=ex.inputs_embeds[None], output_hidden_states=True)
+    post_norm = out.hidden_states[-1][0]
+    last = r["final_hidden"].double()
+    torch.testing.assert_close(r["taps"][:, 0], r["final_hidden"])
+    assert (last - post_norm.double()).abs().max() > 0.1  # hidden_states[-1] is post-norm: not the tap
+    parts = target.bundle_parts()
+    eps, w, head = parts["config"]["rms_norm_eps"], parts["norm_weight"].double(), parts["lm_head"].double()
+    # exact pre-norm state from a float32 hook (the stored bf16 one is rounded)
+    with torch.no_grad():
+        r32 = {}
+        h = target.layers[L - 1].register_forward_hook(lambda m, i, o: r32.setdefault("h", o[0] if isinstance(o, tuple) else o))
+        target.lm(inputs_embeds=ex.inputs_embeds[None])
+        h.remove()
+    x = r32["h"][0].double()
+    logits = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w) @ head.T
+    torch.testing.assert_close(logits, out.logits[0].double(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, x, rtol=0.01, atol=0.01)  # the stored one is that state in bf16
+
+
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target, scaling):
+    target.lm.config.logits_scaling = scaling
+    L, k = target.num_layers, 5
+    p = target.prepare(_conv("a", 16000, 0), 0)
+    with torch.no_grad():
+        r = run_batch(target, [p], tap_ids=[L - 1], top_k=k, final_hidden=True)[0]
+        ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
+        logits = target.lm(inputs_embeds=ex.inputs_embeds[None]).logits[0].double() / scaling
+    rows = teacher_rows(r["loss_mask"])
+    assert torch.equal(r["topk_rows"], rows)
+    assert rows.numel() == int(r["loss_mask"][1:].sum()) and rows.numel() < r["loss_mask"].numel() - 1
+    ref = torch.log_softmax(logits, dim=-1)[rows.long()]  # float64 reference over the FULL vocabulary
+    got = torch.gather(ref, 1, r["topk_ids"].long())
+    torch.testing.assert_close(r["topk_logprobs"].double(), got, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r["topk_logprobs"].double(), ref.topk(k, dim=-1).values, rtol=1e-4, atol=1e-4)
+    assert (r["topk_logprobs"].exp().sum(-1) < 1 + 1e-5).all()
+
+
+def test_topk_chunking_is_invisible():
+    torch.manual_seed(0)
+    h = torch.randn(37, 8)
+    norm, head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 50, bias=False)
+    a = topk_teacher(h, norm, head, 4, row_chunk=5)
+    b = topk_teacher(h, norm, head, 4, row_chunk=1024)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+
+
+def test_causal_lm_target_text_only(salm):
+    t = CausalLMTarget(salm.lm, salm.tokenizer)
+    conv = Conversation("t", "mem", [{"role": "user", "content": "what did i say ?"},
+                                     {"role": "assistant", "content": "you said one ."}])
+    p = t.prepare(conv, 0)
+    r = run_batch(t, [p], tap_ids=[0, t.num_layers - 1], top_k=3)[0]
+    assert r["taps"].shape == (p.length, 2, t.hidden_size) and not r["is_audio"].any()
+    with pytest.raises(ValueError, match="text-only"):
+        t.prepare(_conv("a", 16000, 0), 0)
+
+
+def test_nonfinite_outputs_are_reported_not_returned(target):
+    p = target.prepare(_conv("a", 16000, 0), 0)
+    w = target.lm.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = w.clone()
+        w.fill_(float("nan"))
+        try:
+            r = run_batch(target, [p], tap_ids=[0], top_k=2)
+        finally:
+            w.copy_(saved)
+    assert isinstance(r[0], ValueError) and "NaN" in str(r[0])

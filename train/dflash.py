@@ -134,7 +134,7 @@ class DFlashConfig:
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
         ids = self.target_layer_ids
         if ids is None:
-            rule = default_tap_ids(layout.num_layers, self.num_layers)
+            rule = sorted(set(default_tap_ids(layout.num_layers, self.num_layers)))
             if set(rule) <= set(layout.tap_ids):
                 ids = tuple(rule)
             else:

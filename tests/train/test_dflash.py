@@ -1,0 +1,188 @@
+"""DFlash drafter: anchors, the batched blocks vs one-block-at-a-time reference, losses, flex vs dense."""
+
+import pytest
+import torch
+
+from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from train.data import collate
+from train.dflash import DFlashConfig, DFlashDrafter, acceptance_counts, allocate_anchor_counts, sample_anchors
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bundle")
+    bundle = tiny_bundle(root)
+    layout = tiny_layout(bundle)
+    return bundle, layout, synthetic_samples(bundle, layout, 6)
+
+
+def test_anchor_sampling_rules():
+    T = 30
+    lm = torch.zeros(3, T, dtype=torch.bool)
+    lm[0, 5:] = True
+    lm[1, 20:] = True
+    lengths = torch.tensor([30, 25, 30])
+    g = torch.Generator().manual_seed(0)
+    a, v = sample_anchors(lm, lengths, block_size=4, num_anchors=6, max_total_anchors=100, generator=g)
+    assert a.shape == v.shape and a.shape[1] == 6
+    for b in range(3):
+        pos = a[b][v[b]]
+        assert torch.equal(pos, pos.sort().values) and len(set(pos.tolist())) == len(pos)
+        assert bool(lm[b, pos].all()) and bool((pos + 1 < lengths[b]).all())
+        assert bool((a[b][~v[b]] == 0).all())
+    assert int(v[2].sum()) == 0 and int(v[1].sum()) == 4  # positions 20..23 (p + 1 < 25)
+    a, v = sample_anchors(lm, lengths, block_size=4, num_anchors=6, max_total_anchors=100, full_blocks_only=True,
+                          generator=g)
+    assert bool((a[1][v[1]] + 4 <= 25).all()) and int(v[1].sum()) == 2
+    # per-batch bound (water-filling) and static count
+    a, v = sample_anchors(lm, lengths, block_size=4, num_anchors=20, max_total_anchors=9, generator=g)
+    assert int(v.sum()) <= 9 and int(v[1].sum()) == 4
+    a, v = sample_anchors(lm, lengths, block_size=4, num_anchors=5, max_total_anchors=9, static=True, generator=g)
+    assert a.shape[1] == 3
+    assert allocate_anchor_counts(torch.tensor([10, 2, 7]), 8, 12).tolist() == [5, 2, 5]
+
+
+def test_anchor_sampling_is_seeded_and_uniform_ish():
+    lm = torch.ones(1, 50, dtype=torch.bool)
+    L = torch.tensor([50])
+    f = lambda s: sample_anchors(lm, L, block_size=2, num_anchors=5, max_total_anchors=10,
+                                 generator=torch.Generator().manual_seed(s))[0]
+    assert torch.equal(f(1), f(1)) and not torch.equal(f(1), f(2))
+    counts = torch.zeros(50)
+    for s in range(300):
+        counts[f(s)[0]] += 1
+    assert counts[:49].min() > 0  # every eligible position gets picked sometimes
+
+
+def _reference_blocks(model, batch, anchors, valid):
+    """Each valid block on its own: context = ctx[:anchor], no mask at all."""
+    ctx = model.context(batch["taps"])
+    B = model.config.block_size
+    out = {}
+    for b in range(anchors.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            ids = torch.full((1, B), model.config.mask_token_id, dtype=torch.long)
+            ids[0, 0] = batch["input_ids"][b, a]
+            x = torch.nn.functional.embedding(ids, model.embed_tokens).to(ctx.dtype)
+            rope = model.rotary((a + torch.arange(B))[None])
+            c = ctx[b : b + 1, :a]
+            crope = model.rotary(torch.arange(a)[None])
+            for layer in model.layers:
+                x = layer(x, rope, context=c, context_rope=crope)
+            out[(b, j)] = model.norm(x)[0]
+    return out
+
+
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_batched_blocks_equal_one_block_at_a_time(setup, attention):
+    bundle, layout, samples = setup
+    torch.manual_seed(0)
+    model = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=4, attention=attention, flex_block_size=16, num_anchors=5),
+                                bundle, layout).double()
+    batch = collate(samples[:3])
+    batch["taps"] = batch["taps"].double()
+    anchors, valid = model._anchors(batch, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
+        ref = _reference_blocks(model, batch, anchors, valid)
+    assert ref
+    for (b, j), r in ref.items():
+        assert torch.allclose(h[b, j], r, atol=1e-10), (b, j)
+
+
+def test_context_after_anchor_is_invisible(setup):
+    bundle, layout, samples = setup
+    model = DFlashDrafter.build(DFlashConfig(block_size=4), bundle, layout)
+    batch = collate(samples[:1])
+    anchors = torch.tensor([[10]])
+    with torch.no_grad():
+        ctx = model.context(batch["taps"])
+        h1 = model.block_hidden(batch["input_ids"], ctx, anchors)
+        ctx2 = ctx.clone()
+        ctx2[:, 10:] += 5.0
+        h2 = model.block_hidden(batch["input_ids"], ctx2, anchors)
+        ctx2[:, 9] += 5.0
+        h3 = model.block_hidden(batch["input_ids"], ctx2, anchors)
+    assert torch.allclose(h1, h2) and not torch.allclose(h1, h3)
+
+
+@pytest.mark.parametrize("kd", ["none", "topk", "exact"])
+def test_forward_backward_all_kd_modes(tmp_path, kd):
+    bundle = tiny_bundle(tmp_path)
+    layout = tiny_layout(bundle, tap_ids=(1, 3), final_hidden=(kd == "exact"))
+    samples = synthetic_samples(bundle, layout, 4)
+    model = DFlashDrafter.build(DFlashConfig(block_size=4, kd=kd, ce_chunk_size=16), bundle, layout)
+    out = model(collate(samples), torch.Generator().manual_seed(0))
+    assert ("kd" in out.terms) == (kd != "none")
+    for s, c, _ in out.terms.values():
+        assert torch.isfinite(s) and float(c) > 0
+    sum(s for s, _, _ in out.terms.values()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model.lm_head.grad is None and not model.lm_head.requires_grad
+
+
+def test_no_anchor_batch_still_reaches_every_parameter(setup):
+    bundle, layout, samples = setup
+    model = DFlashDrafter.build(DFlashConfig(block_size=4), bundle, layout)
+    batch = collate(samples[:2])
+    batch["loss_mask"][:] = False
+    out = model(batch, torch.Generator().manual_seed(0))
+    assert float(out.terms["ce"][1]) == 0.0
+    out.terms["ce"][0].backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_loss_targets_and_weights_match_definition(setup):
+    bundle, layout, samples = setup
+    model = DFlashDrafter.build(DFlashConfig(block_size=4, gamma=2.0), bundle, layout).double()
+    batch = collate(samples[:2])
+    batch["taps"] = batch["taps"].double()
+    g = torch.Generator().manual_seed(3)
+    out = model(batch, g)
+    anchors, valid = model._anchors(batch, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
+    num = den = 0.0
+    for b in range(anchors.shape[0]):
+        L = int(batch["lengths"][b])
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            for k in range(1, 4):
+                p = int(anchors[b, j]) + k
+                if p >= L or not batch["loss_mask"][b, p]:
+                    continue
+                z = h[b, j, k] @ model.lm_head.double().T
+                ce = -torch.log_softmax(z, -1)[batch["input_ids"][b, p]]
+                wk = torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64))
+                num, den = num + float(wk * ce), den + float(wk)
+    s, c, _ = out.terms["ce"]
+    assert abs(float(s) / float(c) - num / den) < 1e-6 and abs(float(c) - den) < 1e-5
+
+
+def test_acceptance_counts():
+    correct = torch.tensor([[[1, 1, 0], [1, 0, 1], [0, 1, 1]]], dtype=torch.bool)
+    valid = torch.tensor([[[1, 1, 1], [1, 1, 1], [1, 1, 0]]], dtype=torch.bool)
+    acc = acceptance_counts(correct, valid)
+    assert acc.accepted.tolist() == [2, 1, 0]
+    assert acc.reached.tolist() == [3, 2, 1]
+    assert acc.correct.tolist() == [2, 2, 1] and acc.valid.tolist() == [3, 3, 2]
+
+
+def test_config_validation_and_resolve(setup):
+    bundle, layout, _ = setup
+    with pytest.raises(ValueError):
+        DFlashConfig(block_size=1)
+    with pytest.raises(ValueError):
+        DFlashConfig(attention="sparse")
+    with pytest.raises(ValueError, match="did not store"):
+        DFlashConfig(target_layer_ids=(0, 2)).resolve(bundle, layout)
+    r = DFlashConfig(num_layers=2).resolve(bundle, layout)
+    assert r.target_layer_ids == (1,) and r.num_heads == 4 and r.mask_token_id == 0
+    with pytest.raises(ValueError, match="top-k"):
+        DFlashDrafter.build(DFlashConfig(kd="topk"), bundle, tiny_layout(bundle, top_k=0))
+    with pytest.raises(ValueError, match="final_hidden"):
+        DFlashDrafter.build(DFlashConfig(kd="exact"), bundle, tiny_layout(bundle, tap_ids=(1, 2)))

@@ -1,0 +1,112 @@
+"""Draft losses vs float64 references written from the definitions; chunked == unchunked."""
+
+import math
+
+import torch
+
+from train.drafter import combine_terms, tau_from_alpha
+from train.losses import reference_loss_f64, row_losses, slot_weights, weighted_terms
+from train.teacher import ExactTeacher, TopKTeacher
+
+
+def _rand(R=37, H=16, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64) / 3
+    y = torch.randint(0, V, (R,), generator=g)
+    w = torch.rand(R, generator=g, dtype=torch.float64)
+    return h, W, y, w
+
+
+def test_slot_weights():
+    w = slot_weights(16, 7.0)
+    assert w.shape == (15,)
+    assert torch.allclose(w.double(), torch.tensor([math.exp(-(k - 1) / 7) for k in range(1, 16)], dtype=torch.float64))
+
+
+def test_ce_matches_float64_reference():
+    h, W, y, w = _rand()
+    for scaling in (1.0, 2.5):
+        ce, correct, kd = row_losses(h, y, W, scaling=scaling, chunk_rows=8)
+        assert kd is None
+        got = float((w * ce).sum() / w.sum())
+        assert abs(got - reference_loss_f64(h, y, w, W, scaling)) < 1e-10
+        assert torch.equal(correct.bool(), ((h @ W.T).argmax(-1) == y))
+
+
+def _lumped_kl_ref(ids, lps, z):
+    """KL over k ids + one tail bin, loops in float64 from the definition."""
+    out = []
+    for i in range(z.shape[0]):
+        q = torch.softmax(z[i].double(), -1)
+        p_k = lps[i].double().exp()
+        p_t = 1 - p_k.sum()
+        q_k = q[ids[i]]
+        q_t = 1 - q_k.sum()
+        kl = (p_k * (p_k.log() - q_k.log())).sum() + p_t * (p_t.log() - q_t.log())
+        out.append(kl)
+    return torch.stack(out)
+
+
+def test_topk_kd_matches_float64_reference():
+    h, W, y, w = _rand(seed=1)
+    g = torch.Generator().manual_seed(2)
+    t_logits = torch.randn(h.shape[0], W.shape[0], generator=g, dtype=torch.float64) * 2
+    lp = torch.log_softmax(t_logits, -1)
+    top = lp.topk(6, -1)
+    teacher = TopKTeacher(top.indices, top.values)
+    ce, _, kd = row_losses(h, y, W, chunk_rows=5, teacher=teacher)
+    ref = _lumped_kl_ref(top.indices, top.values, h @ W.T)
+    assert torch.allclose(kd, ref, atol=1e-10)
+
+
+def test_exact_kd_matches_float64_reference():
+    h, W, y, w = _rand(seed=3)
+    g = torch.Generator().manual_seed(4)
+    th = torch.randn(h.shape[0], h.shape[1], generator=g, dtype=torch.float64) * 3
+    nw = 1 + 0.1 * torch.randn(h.shape[1], generator=g, dtype=torch.float64)
+    scaling = 1.7
+    teacher = ExactTeacher(th, nw, 1e-6, W, scaling)
+    _, _, kd = row_losses(h, y, W, scaling=scaling, chunk_rows=7, teacher=teacher)
+    tn = th / torch.sqrt(th.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    p = torch.log_softmax(tn @ W.T / scaling, -1)
+    q = torch.log_softmax(h @ W.T / scaling, -1)
+    ref = (p.exp() * (p - q)).sum(-1)
+    assert torch.allclose(kd, ref, atol=1e-10)
+
+
+def test_chunked_equals_unchunked_values_and_grads():
+    h, W, y, w = _rand(R=50, seed=5)
+    lps = torch.log_softmax(torch.randn(50, W.shape[0], dtype=torch.float64), -1).topk(4, -1)
+    res = []
+    for chunk in (0, 7, 1000):
+        hh = h.clone().requires_grad_(True)
+        ce, _, kd = row_losses(hh, y, W, chunk_rows=chunk, teacher=TopKTeacher(lps.indices, lps.values))
+        ((w * ce).sum() + (w * kd).sum()).backward()
+        res.append((ce.detach(), kd.detach(), hh.grad))
+    for r in res[1:]:
+        for a, b in zip(res[0], r):
+            assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_combine_terms_normalises_each_term_by_its_own_count():
+    ce_sum = torch.tensor(6.0, requires_grad=True)
+    kd_sum = torch.tensor(2.0, requires_grad=True)
+    terms = {"ce": (ce_sum, torch.tensor(3.0), 1.0), "kd": (kd_sum, torch.tensor(4.0), 0.5)}
+    loss, vals = combine_terms(terms)
+    assert abs(float(loss) - (6 / 3 + 0.5 * 2 / 4)) < 1e-6
+    assert vals == {"ce": 2.0, "kd": 0.5}
+    loss.backward()
+    assert abs(float(ce_sum.grad) - 1 / 3) < 1e-7 and abs(float(kd_sum.grad) - 0.5 / 4) < 1e-7
+    # an empty term contributes zero and no NaN
+    loss, vals = combine_terms({"ce": (torch.zeros((), requires_grad=True), torch.zeros(()), 1.0)})
+    assert float(loss) == 0.0 and vals["ce"] == 0.0
+
+
+def test_weighted_terms_and_tau():
+    ce = torch.tensor([1.0, 2.0])
+    w = torch.tensor([1.0, 0.5])
+    t = weighted_terms(ce, w, None, None, ce_weight=1.0, kd_weight=1.0)
+    assert float(t["ce"][0]) == 2.0 and float(t["ce"][1]) == 1.5
+    assert tau_from_alpha([1.0, 1.0, 0.0]) == 3.0
+    assert abs(tau_from_alpha([0.5, 0.5]) - 1.75) < 1e-12

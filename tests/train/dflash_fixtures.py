@@ -82,3 +82,21 @@ def synthetic_samples(bundle, layout: Layout, n: int, *, min_len: int = 24, max_
         validate_sample(s, layout)
         out.append(s)
     return out
+
+
+def write_synthetic_dataset(root: Path, bundle, layout: Layout, splits: dict[str, list[dict]], *,
+                            fmt: str = "arrow", regenerated: bool | None = None) -> str:
+    """A finished dataset at ``root`` (whose ``target/`` already holds ``bundle``) from samples per split."""
+    from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+
+    cfg = ShardConfig(format=fmt, shard_bytes=64 << 10, batch_bytes=16 << 10)
+    for split, samples in splits.items():
+        w = DatasetWriter(str(root), cfg, layout, split=split, rank=0)
+        for i, s in enumerate(samples):
+            w.write(s, i)
+        w.close()
+    cap = {"synthetic": True}
+    if regenerated is not None:
+        cap["regenerate"] = regenerated
+    finalize_dataset(str(root), layout=layout, fingerprint=bundle.fingerprint, capture_config=cap)
+    return str(root)

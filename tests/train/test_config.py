@@ -1,0 +1,44 @@
+"""Recipes, --set overrides and their errors."""
+
+import pytest
+
+from train.config import RunConfig, load_run_config
+
+
+def test_recipes_load_with_their_defaults():
+    r = load_run_config("dflash")
+    assert r.family == "dflash" and r.drafter.block_size == 16 and r.drafter.gamma == 7.0
+    r8 = load_run_config("dflash_b8")
+    assert r8.drafter.block_size == 8 and r8.drafter.gamma == 4.0
+
+
+def test_overrides_and_round_trip(tmp_path):
+    r = load_run_config("dflash", overrides=["max_steps=100", "drafter.gamma=3", "lr=1e-3",
+                                             "target_layer_ids=[1, 2]", "max_seq_len=null"])
+    assert r.train.max_steps == 100 and r.drafter.gamma == 3.0 and r.train.lr == 1e-3
+    assert r.drafter.target_layer_ids == (1, 2) and r.train.max_seq_len is None
+    r.save(tmp_path / "c.json")
+    assert RunConfig.load(tmp_path / "c.json") == r
+    f = tmp_path / "extra.yaml"
+    f.write_text("drafter:\n  num_layers: 3\ntrain:\n  seed: 7\n")
+    r2 = load_run_config("dflash", config_file=str(f), overrides=["seed=9"])
+    assert r2.drafter.num_layers == 3 and r2.train.seed == 9 and r2.drafter.block_size == 16
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("nope=1", "unknown field 'nope'"),
+    ("max_steps=abc", "train.max_steps: expected int"),
+    ("max_steps=1.5", "expected int"),
+    ("drafter.max_steps=3", "unknown field"),
+    ("gamma", "key=value"),
+    ("attention=sparse", "attention must be one of"),
+    ("max_steps=0", "max_steps must be >= 1"),
+])
+def test_bad_overrides_are_clear_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_run_config("dflash", overrides=[bad])
+
+
+def test_unknown_recipe():
+    with pytest.raises(ValueError, match="unknown recipe"):
+        load_run_config("no-such-recipe")

@@ -1,0 +1,175 @@
+"""The training loop: exact resume, bad input refused before any step, eval and export round trips."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
+from train.config import load_run_config
+from train.dflash import DFlashDrafter
+from train.evaluate import evaluate
+from train.export import export_run, load_export
+from train.loop import InMemoryData, latest_checkpoint, load_checkpoint, train
+
+FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
+        "num_anchors=8", "max_total_anchors=24"]
+
+
+@pytest.fixture(scope="module")
+def mem(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mem")
+    bundle = tiny_bundle(root)
+    layout = tiny_layout(bundle)
+    return InMemoryData(synthetic_samples(bundle, layout, 16, min_len=16, max_len=32), bundle, layout)
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_resume_continues_exactly(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=6", "ckpt_every=100", "grad_accum=2"])
+    train(run, mem, tmp_path / "full")
+    train(run, mem, tmp_path / "cut", stop_at=3)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000003"
+    s = train(run, mem, tmp_path / "cut")
+    assert s["resumed_from_step"] == 3
+    full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
+    assert len(full) == 6 and len(cut) == 6
+    assert cut == pytest.approx(full, rel=1e-6, abs=1e-7)
+    a = load_checkpoint(latest_checkpoint(tmp_path / "full"))["draft"]
+    b = load_checkpoint(latest_checkpoint(tmp_path / "cut"))["draft"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_resume_with_another_config_is_refused(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
+    train(run, mem, tmp_path / "r")
+    other = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "lr=1e-2"])
+    with pytest.raises(ValueError, match="another config.*train.lr"):
+        train(other, mem, tmp_path / "r")
+    longer = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"])  # max_steps may change
+    assert train(longer, mem, tmp_path / "r")["resumed_from_step"] == 2
+
+
+def test_bad_inputs_refused_before_any_step(tmp_path, mem):
+    base = FAST + ["max_steps=1"]
+    with pytest.raises(ValueError, match="captured from target"):
+        train(load_run_config("dflash_b8", overrides=base + ["fingerprint=abc"]), mem, tmp_path / "a")
+    with pytest.raises(ValueError, match="did not store"):
+        train(load_run_config("dflash_b8", overrides=base + ["target_layer_ids=[0]"]), mem, tmp_path / "b")
+    wrong_h = InMemoryData(mem.samples, mem.bundle, tiny_layout(mem.bundle).__class__(
+        hidden_size=16, num_layers=4, tap_ids=(1, 3), top_k=8, audio_token_id=3))
+    with pytest.raises(ValueError, match="hidden size"):
+        train(load_run_config("dflash_b8", overrides=base), wrong_h, tmp_path / "c")
+    unsup = InMemoryData([dict(s, loss_mask=torch.zeros_like(s["loss_mask"])) for s in mem.samples],
+                         mem.bundle, mem.layout)
+    with pytest.raises(ValueError, match="no supervised tokens"):
+        train(load_run_config("dflash_b8", overrides=base), unsup, tmp_path / "d")
+    for d in "abcd":
+        assert not (tmp_path / d / "checkpoints").exists()
+
+
+def _reference_logits(cfg, w, bundle, taps_TnH, ids_T, anchor):
+    """An independent float64 DFlash forward from an export (config.json + safetensors) and the bundle."""
+    D = lambda t: t.double()
+    H, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, B = cfg["rms_norm_eps"], cfg["block_size"]
+
+    def rms(x, wt):
+        return D(wt) * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        f = pos[:, None].double() * inv
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    tap_idx = [cfg["tapdraft_layout_tap_ids"].index(i) for i in cfg["target_layer_ids"]]
+    ctx = rms(D(taps_TnH[:anchor, tap_idx]).reshape(anchor, -1) @ D(w["fc.weight"]).T, w["hidden_norm.weight"])
+    tok = torch.full((B,), cfg["mask_token_id"])
+    tok[0] = ids_T[anchor]
+    x = D(bundle.embed_tokens)[tok]
+    pos = anchor + torch.arange(B)
+    cpos = torch.arange(anchor)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = (h @ D(w[p + "self_attn.q_proj.weight"]).T).view(B, nh, hd)
+        q = rope(rms(q, w[p + "self_attn.q_norm.weight"]).transpose(0, 1), pos)
+        kin = torch.cat([ctx, h])
+        k = (kin @ D(w[p + "self_attn.k_proj.weight"]).T).view(-1, nkv, hd)
+        v = (kin @ D(w[p + "self_attn.v_proj.weight"]).T).view(-1, nkv, hd).transpose(0, 1)
+        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]).transpose(0, 1), torch.cat([cpos, pos]))
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd), -1) @ v
+        x = x + att.transpose(0, 1).reshape(B, nh * hd) @ D(w[p + "self_attn.o_proj.weight"]).T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        g = h @ D(w[p + "mlp.gate_proj.weight"]).T
+        x = x + (torch.nn.functional.silu(g) * (h @ D(w[p + "mlp.up_proj.weight"]).T)) @ D(w[p + "mlp.down_proj.weight"]).T
+    return rms(x, w["norm.weight"]) @ D(bundle.lm_head).T / cfg["logits_scaling"]
+
+
+def test_eval_and_export_round_trip(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "num_layers=2"])
+    train(run, mem, tmp_path / "run")
+    res = evaluate(tmp_path / "run", mem, out_dir=tmp_path / "ev")
+    assert (tmp_path / "ev" / "eval.json").is_file() and (tmp_path / "ev" / "acceptance.png").stat().st_size > 1000
+    assert len(res["alpha"]) == 7 and 1.0 <= res["tau"] <= 8.0 and "not record" in res["note"]
+    summary = export_run(tmp_path / "run", tmp_path / "exp")
+    cfg, w = load_export(tmp_path / "exp")
+    assert summary["target_layer_ids_vllm"] == [i + 1 for i in cfg["target_layer_ids"]]
+    assert cfg["block_size"] == 8 and cfg["dflash_config"]["mask_token_id"] == cfg["mask_token_id"]
+    assert not any(k.startswith(("embed", "lm_head")) for k in w)
+    cfg["tapdraft_layout_tap_ids"] = list(mem.layout.tap_ids)
+    # the trainer's drafter with the checkpoint weights vs the independent reference on the export
+    model = DFlashDrafter.build(run.drafter, mem.bundle, mem.layout)
+    model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run"))["draft"])
+    s = mem.samples[0]
+    anchor = int(torch.nonzero(s["loss_mask"])[0]) + 2
+    from train.data import collate
+
+    batch = collate([s])
+    with torch.no_grad():
+        h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), torch.tensor([[anchor]]))
+        got = model.logits(h[0, 0])
+    ref = _reference_logits(cfg, w, mem.bundle, s["taps"], s["input_ids"].long(), anchor)
+    assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dataset_path_end_to_end_and_eval_split(tmp_path):
+    bundle = tiny_bundle(tmp_path / "ds")
+    layout = tiny_layout(bundle)
+    samples = synthetic_samples(bundle, layout, 12, min_len=16, max_len=32)
+    path = write_synthetic_dataset(tmp_path / "ds", bundle, layout,
+                                   {"train": samples[:8], "validation": samples[8:]}, regenerated=True)
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
+    s = train(run, path, tmp_path / "run")
+    assert s["steps"] == 2 and math.isfinite(s["final_loss"])
+    res = evaluate(tmp_path / "run", path)
+    assert res["split"] == "validation" and res["samples"] == 4 and "exact for greedy" in res["note"]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["train"]["max_steps"] == 2 and saved["family"] == "dflash"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_loss_falls_and_acceptance_rises(tmp_path):
+    bundle = tiny_bundle(tmp_path / "ds")
+    layout = tiny_layout(bundle)
+    samples = synthetic_samples(bundle, layout, 48, min_len=20, max_len=40, seed=1)
+    path = write_synthetic_dataset(tmp_path / "ds", bundle, layout, {"train": samples[:40], "validation": samples[40:]})
+    run = load_run_config("dflash_b8", overrides=["max_steps=200", "max_tokens=320", "max_batch_size=8",
+                                                  "warmup_steps=10", "lr=5e-3", "progress=false", "log_every=20",
+                                                  "ckpt_every=1000"])
+    train(run, path, tmp_path / "r0", stop_at=1)
+    tau0 = evaluate(tmp_path / "r0", path, plot=False)["tau"]
+    s = train(run, path, tmp_path / "run")
+    lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert lines[-1]["loss"] < 0.7 * lines[0]["loss"]
+    assert lines[-1]["tau"] > lines[0]["tau"]
+    tau = evaluate(tmp_path / "run", path, plot=False)["tau"]
+    assert tau > tau0 + 0.3, (tau0, tau)

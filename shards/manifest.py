@@ -64,7 +64,7 @@ def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, doc: Any) -> Non
     """Write to a temp name, then rename: a reader sees the old file or the new one, never half."""
     tmp = path + ".tmp"
     with fs.open(tmp, "wb") as f:
-        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+        f.write(json.dumps(doc, indent=1, sort_keys=True, default=str).encode())
     if fs.exists(path):
         fs.rm(path)
     fs.mv(tmp, path)
@@ -152,7 +152,7 @@ sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft
 ```"""
     else:
         stock = f"""```python
-import webdataset as wds
+import glob, webdataset as wds
 from shards.wds_io import decode_wds_sample
 ds = wds.WebDataset(sorted(glob.glob("data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs

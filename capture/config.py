@@ -1,0 +1,132 @@
+"""CaptureConfig: everything that decides what a capture writes, frozen and validated.
+
+The resolved config is written as ``capture_config.json`` beside the dataset and into its
+manifest. A rerun into the same directory resumes only when every field outside
+:data:`RUNTIME_FIELDS` matches; otherwise it is refused with the differing field named, because a
+dataset whose first half used other taps, another batch composition or another target is not one
+dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shards.schema import TAPS_CODECS
+
+RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
+"""Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
+handled): they do not change what is written."""
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """One capture run: target, inputs, what to store, how to batch and write it."""
+
+    target: str
+    """Target directory: a SALM (salm_config.json) or an HF causal LM (config.json)."""
+    out: str
+    """Dataset directory to create or resume."""
+    data: tuple[tuple[str, str], ...]
+    """(split, input) pairs; an input is a JSONL manifest, an HF dataset dir, or ``hf:NAME[:split]``."""
+    max_samples: int | None = None
+    """Capture only the first N inputs of each split (before rank slicing); None = all."""
+    max_length: int | None = None
+    """Skip (and count) samples whose expanded length exceeds this; never truncate. None = no limit."""
+    format: str = "arrow"
+    """Shard format: 'arrow' or 'wds'."""
+    top_k: int = 64
+    """Teacher top-k per supervised row; 0 stores no teacher rows."""
+    taps: tuple[int, ...] | None = None
+    """Explicit HF tap ids (decoder layer outputs); None = DFlash default for ``draft_layers`` + the last layer."""
+    draft_layers: int = 5
+    """Draft depth the default taps are chosen for."""
+    dtype: str = "auto"
+    """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
+    device: str = "auto"
+    """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
+    codec: str = "bf16"
+    """Taps codec: 'bf16' (lossless) or 'fp8' (e4m3 + per-row scale, lossy; recorded in the manifest)."""
+    final_hidden: bool = False
+    """Store final_hidden separately (redundant when the last layer is a tap, which it is by default)."""
+    audio_embeds: bool = False
+    """Store the merged input embeddings at audio rows (for MTP heads over audio positions)."""
+    batch_tokens: int = 16384
+    """Padded tokens per forward batch (B * max T)."""
+    max_batch_size: int = 64
+    """Samples per forward batch at most."""
+    window: int = 256
+    """Inputs bucketed together by length; also the unit a resume recomputes from."""
+    row_chunk: int = 1024
+    """Teacher rows per lm_head chunk (bounds the [rows, vocab] buffer)."""
+    shard_bytes: int = 1 << 30
+    """Roll shards at this size on disk."""
+    zstd_level: int = 3
+    """zstd level of shard buffers/members."""
+    bf16_layout: str = "planes"
+    """bf16 storage layout: 'planes' or 'raw'."""
+    on_error: str = "fail"
+    """Bad input: 'fail' stops with sample id, line and reason (dataset stays resumable); 'skip' records it."""
+    queue_size: int = 8
+    """Batches in flight between compute and the background writer (bounds host memory)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("CaptureConfig.data is empty: give at least one (split, input) pair")
+        object.__setattr__(self, "data", tuple((str(s), str(p)) for s, p in self.data))
+        splits = [s for s, _ in self.data]
+        if len(set(splits)) != len(splits):
+            raise ValueError(f"CaptureConfig.data names a split twice: {splits}")
+        if self.taps is not None:
+            object.__setattr__(self, "taps", tuple(sorted({int(t) for t in self.taps})))
+        for name in ("max_samples", "max_length"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"CaptureConfig.{name} must be >= 1 or None, got {v}")
+        if self.format not in ("arrow", "wds"):
+            raise ValueError(f"CaptureConfig.format must be 'arrow' or 'wds', got {self.format!r}")
+        if self.top_k < 0:
+            raise ValueError(f"CaptureConfig.top_k must be >= 0, got {self.top_k}")
+        if self.draft_layers < 1:
+            raise ValueError(f"CaptureConfig.draft_layers must be >= 1, got {self.draft_layers}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"CaptureConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.codec not in TAPS_CODECS:
+            raise ValueError(f"CaptureConfig.codec must be one of {TAPS_CODECS}, got {self.codec!r}")
+        for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "shard_bytes", "queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_error not in ("fail", "skip"):
+            raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["data"] = [list(p) for p in self.data]
+        d["taps"] = None if self.taps is None else list(self.taps)
+        return d
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a resume must match."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
+
+def check_resume(path: Path, current: dict[str, Any]) -> None:
+    """Refuse to resume into ``path``'s dataset when a recorded field differs from ``current``."""
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    for key in sorted(set(old) | set(current)):
+        if key in RUNTIME_FIELDS:
+            continue
+        if old.get(key) != current.get(key):
+            raise ValueError(
+                f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "
+                "Rerun with the original setting to resume, or capture into a new --out directory."
+            )

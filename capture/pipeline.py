@@ -1,0 +1,475 @@
+"""The capture pipeline: inputs -> frozen target -> shards, resumable and multi-rank.
+
+A chain of small stages, composed once in :func:`capture_split`:
+
+    numbered(read_inputs)      (global index, Conversation | BadInput), first max_samples
+    rank_slice                 this rank's deterministic slice (global i with i % world == rank),
+                               renumbered 0.. in the rank's order ("local index", the writer's index)
+    windows                    consecutive runs of ``window`` local indices
+    prepare (prefetch thread)  tokenize + decode audio for the NEXT window while this one computes
+    plan_window                bad inputs and too-long samples first (index order), then length
+                               buckets: sorted by length, longest batches first, <= batch_tokens
+                               padded tokens and <= max_batch_size samples
+    run_batch (targets.py)     one forward per bucket, taps by hooks, teacher top-k
+    to_host                    device-to-host copies into pinned memory (non_blocking) + an event,
+                               so the next forward starts while the copy runs
+    writer thread              bounded queue; waits for each batch's event, then
+                               DatasetWriter.write / skip (validation, compression, shard files)
+
+Determinism and resume: the sequence of writer calls is a pure function of the inputs and the
+config (window composition never depends on where a run started), and a forward on the same batch
+gives the same bits. A rerun opens the writer, whose ``next_index`` is the first local index not in
+a finished shard; the run restarts at that index's window, recomputes it, and the writer ignores
+indices it already holds. The resumed dataset equals an uninterrupted run sample by sample.
+
+Multi-rank: under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) each rank writes its own shards and
+partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from capture.config import CaptureConfig, check_resume
+from capture.inputs import BadInput, Conversation, InputError, read_inputs
+from capture.targets import NonFiniteError, Prepared, Target, load_target, run_batch
+from shards.bundle import write_bundle
+from shards.schema import Layout
+from shards.taps import capture_tap_ids
+from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+
+CONFIG_FILE = "capture_config.json"
+
+
+class CaptureError(RuntimeError):
+    """A capture stopped on a bad input (on_error='fail'); the dataset directory stays resumable."""
+
+
+# ------------------------------------------------------------------------------------------ stages
+def numbered(items: Iterable[Any], max_samples: int | None) -> Iterator[tuple[int, Any]]:
+    """(global index, item) for the first ``max_samples`` items."""
+    return enumerate(islice(items, max_samples))
+
+
+def rank_slice(items: Iterable[tuple[int, Any]], rank: int, world_size: int) -> Iterator[tuple[int, Any]]:
+    """This rank's items (global index % world_size == rank), renumbered 0, 1, ... (local index)."""
+    local = 0
+    for gi, item in items:
+        if gi % world_size == rank:
+            yield local, item
+            local += 1
+
+
+def windows(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
+    """Consecutive lists of ``size`` items (window w holds local indices [w*size, (w+1)*size))."""
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def bucket(lengths: dict[int, int], *, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group indices into batches of similar length: longest first, B * max_len <= batch_tokens.
+
+    A single sample longer than ``batch_tokens`` still gets its own batch.
+    """
+    order = sorted(lengths, key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and ((len(cur) + 1) * longest > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return [sorted(b) for b in batches]
+
+
+@dataclass
+class Skip:
+    index: int
+    sample_id: str
+    reason: str
+    kind: str  # "error" | "too_long"
+    line: int | None = None
+    source: str = ""
+
+
+@dataclass
+class WindowPlan:
+    """What one window turns into: skips first (index order), then forward batches."""
+
+    skips: list[Skip] = field(default_factory=list)
+    batches: list[list[Prepared]] = field(default_factory=list)
+
+
+def prepare_window(target: Target, chunk: list[tuple[int, Any]]) -> list[Prepared | Skip]:
+    out: list[Prepared | Skip] = []
+    for idx, item in chunk:
+        if isinstance(item, BadInput):
+            out.append(Skip(idx, item.sample_id, item.reason, "error", item.line, item.source))
+            continue
+        try:
+            out.append(target.prepare(item, idx))
+        except (ValueError, OSError) as e:
+            out.append(Skip(idx, item.sample_id, str(e), "error", item.line, item.source))
+    return out
+
+
+def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig) -> WindowPlan:
+    plan = WindowPlan()
+    ok: dict[int, Prepared] = {}
+    for p in prepared:
+        if isinstance(p, Skip):
+            plan.skips.append(p)
+        elif cfg.max_length is not None and p.length > cfg.max_length:
+            plan.skips.append(Skip(p.index, p.sample_id, f"too long: {p.length} positions > max_length "
+                                   f"{cfg.max_length}", "too_long", p.line, p.source))
+        else:
+            ok[p.index] = p
+    plan.skips.sort(key=lambda s: s.index)
+    groups = bucket({i: p.length for i, p in ok.items()}, batch_tokens=cfg.batch_tokens,
+                    max_batch_size=cfg.max_batch_size)
+    plan.batches = [[ok[i] for i in g] for g in groups]
+    return plan
+
+
+def to_host(samples: list[Any]) -> tuple[list[Any], Any]:
+    """Start device-to-host copies (pinned, non_blocking on CUDA); returns the host dicts and an event.
+
+    Entries that are errors (NonFiniteError) pass through unchanged.
+    """
+    tensors = [t for s in samples if isinstance(s, dict) for t in s.values()]
+    if all(t.device.type == "cpu" for t in tensors):
+        return samples, None
+    host: list[Any] = []
+    for s in samples:
+        if not isinstance(s, dict):
+            host.append(s)
+            continue
+        h = {}
+        for k, t in s.items():
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            h[k] = buf
+        host.append(h)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
+# ------------------------------------------------------------------------------------------ writer thread
+@dataclass
+class Stats:
+    written: int = 0
+    tokens: int = 0
+    supervised: int = 0
+    audio_seconds: float = 0.0
+    raw_bytes: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_ids: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _WriterThread:
+    """Consumes (kind, payload) items in order from a bounded queue and drives the DatasetWriter."""
+
+    def __init__(self, writer: DatasetWriter, start: int, cfg: CaptureConfig, stats: Stats, source: str):
+        self.writer, self.start, self.cfg, self.stats, self.source = writer, start, cfg, stats, source
+        self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
+        self.error: BaseException | None = None
+        self.failed_on: Skip | None = None
+        self.thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Any) -> None:
+        while True:
+            if not self.thread.is_alive():
+                return
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _skip(self, s: Skip) -> None:
+        if s.index < self.start or self._after_failure(s.index):
+            return
+        if s.kind == "error" and self.cfg.on_error == "fail":
+            self.failed_on = s  # keep writing the window's earlier indices, stop at its end
+            return
+        self.writer.skip(s.index, s.sample_id, s.reason)
+        self.stats.skipped[s.kind] += 1
+        self.stats.skipped_ids.append(s.sample_id)
+
+    def _after_failure(self, index: int) -> bool:
+        return self.failed_on is not None and index > self.failed_on.index
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self.q.get()
+                if item is None:
+                    return
+                kind, payload = item
+                if kind == "end":  # end of a window
+                    if self.failed_on is not None:
+                        return
+                    continue
+                if kind == "skips":
+                    for s in payload:
+                        self._skip(s)
+                    continue
+                batch, results, event = payload
+                if event is not None:
+                    event.synchronize()
+                for p, res in zip(batch, results):
+                    if p.index < self.start or self._after_failure(p.index):
+                        continue
+                    if isinstance(res, NonFiniteError):
+                        self._skip(Skip(p.index, p.sample_id, str(res), "error", p.line, p.source))
+                        continue
+                    sample = {"sample_id": p.sample_id, "source": p.source, "audio_seconds": float(p.audio_seconds),
+                              **res}
+                    self.writer.write(sample, p.index)
+                    st = self.stats
+                    st.written += 1
+                    st.tokens += int(res["input_ids"].shape[0])
+                    st.supervised += int(res["loss_mask"].sum())
+                    st.audio_seconds += p.audio_seconds
+                    st.raw_bytes += sum(t.numel() * t.element_size() for t in res.values())
+        except BaseException as e:  # surfaced by the main thread
+            self.error = e
+
+    def finish(self) -> None:
+        if self.thread.is_alive():
+            self.put(None)
+        self.thread.join()
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+def resolve_dtype(cfg: CaptureConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def resolve_device(cfg: CaptureConfig) -> torch.device:
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def make_layout(cfg: CaptureConfig, target: Target) -> Layout:
+    L = target.num_layers
+    taps = list(cfg.taps) if cfg.taps is not None else capture_tap_ids(L, cfg.draft_layers)
+    if any(t < 0 or t >= L for t in taps):
+        raise ValueError(f"--taps {taps} out of range: the target has {L} decoder layers (ids 0..{L - 1})")
+    vocab = target.lm.get_output_embeddings().weight.shape[0]
+    if cfg.top_k > vocab:
+        raise ValueError(f"--top-k {cfg.top_k} exceeds the target's vocabulary of {vocab}")
+    return Layout(hidden_size=target.hidden_size, num_layers=L, tap_ids=tuple(taps), top_k=cfg.top_k,
+                  audio_token_id=target.audio_token_id, has_final_hidden=cfg.final_hidden,
+                  has_audio_embeds=cfg.audio_embeds, taps_codec=cfg.codec)
+
+
+def _progress(cfg: CaptureConfig, split: str, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn(f"capture {split}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[rates]}"), disable=not cfg.progress, transient=False,
+    )
+
+
+def capture_split(
+    target: Target, cfg: CaptureConfig, layout: Layout, split: str, spec: str, *, rank: int, world_size: int,
+    fingerprint: str,
+) -> Stats:
+    """Capture one split for this rank into ``cfg.out``; resumes what an earlier run left."""
+    writer = DatasetWriter(cfg.out, ShardConfig(format=cfg.format, shard_bytes=cfg.shard_bytes,
+                                                zstd_level=cfg.zstd_level, bf16_layout=cfg.bf16_layout),
+                           layout, split=split, rank=rank, fingerprint=fingerprint)
+    start = writer.next_index
+    stats = Stats()
+    items = rank_slice(numbered(read_inputs(spec, placeholder=target.placeholder or "<|audioplaceholder|>"),
+                                cfg.max_samples), rank, world_size)
+    total = sum(1 for _ in rank_slice(numbered(read_inputs(spec, placeholder=target.placeholder or
+                                                           "<|audioplaceholder|>"), cfg.max_samples),
+                                      rank, world_size))
+    first_window = start // cfg.window
+    wins = islice(windows(items, cfg.window), first_window, None)
+    wt = _WriterThread(writer, start, cfg, stats, spec)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
+    t0 = time.perf_counter()
+    done = min(start, total)
+    try:
+        with _progress(cfg, split, total) as bar:
+            task = bar.add_task(split, total=total, completed=done, rates="")
+            nxt = next(wins, None)
+            fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+            while fut is not None:
+                prepared = fut.result()
+                nxt = next(wins, None)
+                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+                plan = plan_window(prepared, cfg)
+                errors = [s.index for s in plan.skips if s.kind == "error" and s.index >= start]
+                fail_at = min(errors) if errors and cfg.on_error == "fail" else None
+                wt.put(("skips", plan.skips))
+                done += sum(1 for s in plan.skips if s.index >= start)
+                for batch in plan.batches:
+                    if wt.error is not None or not wt.thread.is_alive():
+                        break
+                    if all(p.index < start for p in batch) or (fail_at is not None and batch[0].index > fail_at):
+                        continue
+                    results = run_batch(target, batch, tap_ids=layout.tap_ids, top_k=layout.top_k,
+                                        final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds,
+                                        row_chunk=cfg.row_chunk)
+                    wt.put(("batch", (batch, *to_host(results))))
+                    done += sum(1 for p in batch if p.index >= start)
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.update(task, completed=done, rates=(
+                        f"{stats.written / dt:.1f} samples/s  {stats.tokens / dt:,.0f} tok/s  "
+                        f"{stats.raw_bytes / dt / 1e6:.1f} MB/s"))
+                wt.put(("end", None))
+                if fail_at is not None or wt.error is not None or not wt.thread.is_alive():
+                    break
+            wt.finish()
+            bar.update(task, completed=done)
+    except BaseException:
+        wt.finish()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if wt.error is None:
+            writer.close()
+        raise
+    pool.shutdown(wait=True)
+    if wt.error is not None:
+        raise wt.error
+    writer.close()
+    if wt.failed_on is not None:
+        s = wt.failed_on
+        raise CaptureError(
+            f"bad input {s.sample_id!r} ({s.source}, line {s.line}): {s.reason}. Everything before it is saved; "
+            "fix the input, or rerun the same command with --on-error skip to record and skip bad inputs."
+        )
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _dist_env() -> tuple[int, int]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return rank, world
+
+
+def _barrier(world: int) -> None:
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    dist.barrier()
+
+
+def _write_or_check_bundle(target: Target, out: Path) -> str:
+    """Write out/target when missing; otherwise make sure it is this target's bundle. Returns the fingerprint."""
+    parts = target.bundle_parts()
+    dest = out / "target"
+    if not (dest / "bundle.json").is_file():
+        return write_bundle(dest, **parts)
+    old = json.loads((dest / "bundle.json").read_text())["fingerprint"]
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        fp = write_bundle(Path(tmp) / "target", **parts)
+    if fp != old:
+        raise ValueError(
+            f"{out} holds a capture of another target (fingerprint {old[:12]}, this target {fp[:12]}); "
+            "capture into a new --out directory"
+        )
+    return fp
+
+
+def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, Any]:
+    """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``."""
+    rank, world = _dist_env()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**cfg.to_dict(), "world_size": world}
+    cfg_path = out / CONFIG_FILE
+    check_resume(cfg_path, record)
+    manifest_path = out / "manifest.json"
+    if manifest_path.is_file() and json.loads(manifest_path.read_text()).get("complete"):
+        doc = json.loads(manifest_path.read_text())
+        doc["run_stats"] = {"already_complete": True}
+        return doc
+    device = resolve_device(cfg)
+    if target is None:
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))
+    layout = make_layout(cfg, target)
+    if rank == 0:
+        fingerprint = _write_or_check_bundle(target, out)
+        if not cfg_path.is_file():
+            tmp = cfg_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+            os.replace(tmp, cfg_path)
+    _barrier(world)
+    if rank != 0:
+        fingerprint = json.loads((out / "target" / "bundle.json").read_text())["fingerprint"]
+    run_stats: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for split, spec in cfg.data:
+            st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint)
+            run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
+                                "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
+                                "skipped": dict(st.skipped), "seconds": round(st.seconds, 3)}
+    _barrier(world)
+    if rank != 0:
+        return {"run_stats": run_stats, "rank": rank}
+    manifest = finalize_dataset(
+        str(out), layout=layout, fingerprint=fingerprint, capture_config=record,
+        extra={"audio_token_id": layout.audio_token_id, "placeholder": target.placeholder,
+               "target_kind": type(target).__name__},
+    )
+    manifest["run_stats"] = {**run_stats, "seconds": round(time.perf_counter() - t0, 3)}
+    return manifest
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    """One screen: per split counts, skips, bytes and this run's rates."""
+    rs = manifest.get("run_stats", {})
+    if rs.get("already_complete"):
+        return "dataset already complete; nothing to do"
+    lines = []
+    for split, s in manifest.get("splits", {}).items():
+        r = rs.get(split, {})
+        secs = r.get("seconds") or 0.0
+        rate = (f"  this run: {r.get('written', 0)} samples in {secs:.1f}s = {r.get('written', 0) / secs:.1f} "
+                f"samples/s, {r.get('tokens', 0) / secs:,.0f} tok/s, {r.get('raw_bytes', 0) / secs / 1e6:.1f} MB/s"
+                if secs else "")
+        skipped = manifest.get("skipped", {}).get(split, [])
+        reasons = Counter("too long" if x["reason"].startswith("too long") else "bad input" for x in skipped)
+        lines.append(
+            f"{split}: {s['samples']} samples, {s['tokens']:,} tokens ({s['supervised_tokens']:,} supervised), "
+            f"{s['audio_seconds']:.1f}s audio, {len(s['shards'])} shard(s), {s['bytes'] / 1e6:.2f} MB"
+            f"; skipped {dict(reasons) or 0}\n{rate}"
+        )
+    return "\n".join(lines)

@@ -197,8 +197,9 @@ class DFlash2Drafter(DFlashDrafter):
         # 0 * sum(params) keeps the codebooks in the graph on a rank whose rows all missed
         anchor = 0.0 * sum(p.sum() for p in self.selector.parameters())
         terms["selector"] = (sel.loss_sum + anchor, sel.count, cfg.selector_loss_weight)
+        # acc@k / alpha@k follow the selector's path (teacher-forced predecessor), as drafting does
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
-        corr[valid] = (z.detach().argmax(-1) == y)
+        corr[valid] = sel.path == y
         metrics = _metrics(acceptance_counts(corr, valid))
         metrics["selector_candidate_recall"] = (sel.gold_in_candidates, sel.valid)
         metrics["selector_path_acc"] = (sel.selector_correct, sel.valid)

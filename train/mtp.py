@@ -162,6 +162,42 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
 
 
+def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> AcceptanceCounts:
+    """Acceptance over depths: a row counts at depth k only if depths 1..k are all valid and correct.
+
+    ``targets[k-1]`` [Bs, T] (IGNORE = invalid) and ``hits[k-1]`` bool [Bs, T] (prediction == target).
+    ``reached[k-1]``: rows with depths < k all correct and depth k valid; ``accepted[k-1]``: those
+    also correct at k. ``blocks``: rows valid at depth 1 (one draft opportunity each).
+    """
+    ok = None
+    accepted, reached, correct, valid = [], [], [], []
+    for tgt, hit in zip(targets, hits):
+        v = tgt != IGNORE
+        hit = hit & v
+        prior = torch.ones_like(v) if ok is None else ok
+        reached.append((prior & v).sum())
+        ok = prior & hit
+        accepted.append(ok.sum())
+        correct.append(hit.sum())
+        valid.append(v.sum())
+    return AcceptanceCounts(
+        accepted=torch.stack(accepted).double().cpu(),
+        reached=torch.stack(reached).double().cpu(),
+        correct=torch.stack(correct).double().cpu(),
+        valid=torch.stack(valid).double().cpu(),
+        blocks=int(valid[0]),
+    )
+
+
+def _chain_metrics(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    acc = chain_counts(targets, hits)
+    out = {}
+    for k in range(len(targets)):
+        out[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])
+        out[f"alpha@{k + 1}"] = (acc.accepted[k], acc.reached[k])
+    return out
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -322,6 +358,7 @@ class MTPDrafter(Drafter):
         terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         last = self.last_hidden(batch) if self.teacher_kind == "exact" else None
+        hits: list[torch.Tensor] = []
         for k in range(1, D + 1):
             tgt = run["targets"][k - 1]
             rows = (tgt != IGNORE).nonzero(as_tuple=True)  # (b, t)
@@ -339,7 +376,15 @@ class MTPDrafter(Drafter):
                 metrics[f"kl_d{k}"] = (res.kl_sum, n)
                 metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
                 metrics[f"lk_lambda_d{k}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
-            metrics[f"acc_d{k}"] = (correct.sum(), n)
+            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            hit[rows] = correct.detach().bool()
+            hits.append(hit)
+        # every parameter stays in the graph even when a depth has no row here (DDP waits on all grads)
+        first = terms["mtp_d1"]
+        terms["mtp_d1"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
+        # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
+        for name, val in _chain_metrics(run["targets"], hits).items():
+            metrics[name] = val
         masked = torch.stack(run["audio_masked"]).sum()
         seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
         metrics["mtp_rows_audio_masked"] = (masked, seen)
@@ -383,32 +428,17 @@ class MTPDrafter(Drafter):
         ``blocks`` counts rows valid at depth 1 (each such row is one draft opportunity).
         """
         run = self.run_depths(batch)
-        D = self.config.num_depths
-        ok_so_far = None
-        accepted, reached, correct, valid = [], [], [], []
-        for k in range(1, D + 1):
+        hits = []
+        for k in range(1, self.config.num_depths + 1):
             tgt = run["targets"][k - 1]
-            v = tgt != IGNORE
-            rows = v.nonzero(as_tuple=True)
-            pred = torch.full_like(tgt, -1)
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+            hit = torch.zeros_like(tgt, dtype=torch.bool)
             if rows[0].numel():
-                (p,) = map_row_chunks(lambda a, k=k: (self.logits(k, a).argmax(-1),), [run["h"][k - 1][rows]], self.config.chunk_rows)
-                pred[rows] = p
-            hit = v & (pred == tgt)
-            prior = torch.ones_like(v) if ok_so_far is None else ok_so_far
-            reached.append((prior & v).sum())
-            ok_so_far = prior & hit
-            accepted.append(ok_so_far.sum())
-            correct.append(hit.sum())
-            valid.append(v.sum())
-        first_valid = int(valid[0])
-        return AcceptanceCounts(
-            accepted=torch.stack(accepted).cpu(),
-            reached=torch.stack(reached).cpu(),
-            correct=torch.stack(correct).cpu(),
-            valid=torch.stack(valid).cpu(),
-            blocks=first_valid,
-        )
+                (p,) = map_row_chunks(lambda a, k=k: (self.logits(k, a).argmax(-1),), [run["h"][k - 1][rows]],
+                                      self.config.chunk_rows)
+                hit[rows] = p == tgt[rows]
+            hits.append(hit)
+        return chain_counts(run["targets"], hits)
 
     # -- export ---------------------------------------------------------------------------
 

@@ -87,6 +87,8 @@ class SelectorOutput:
     """valid rows where argmax S over the true top-K (teacher-forced predecessor) is gold."""
     backbone_correct: torch.Tensor
     """valid rows where the backbone's argmax is gold."""
+    path: torch.Tensor | None = None
+    """per valid row, the selector's teacher-forced choice (argmax S over the true top-K), detached."""
 
     def metrics(self) -> dict[str, float]:
         v = max(int(self.valid), 1)
@@ -124,7 +126,8 @@ def selector_loss(
     hit_mat = cand == gold[:, None]
     hit = hit_mat.any(-1)
     target = hit_mat.float().argmax(-1)
-    sel_correct = cand.gather(-1, S.argmax(-1, keepdim=True)).squeeze(-1) == gold
+    path = cand.gather(-1, S.detach().argmax(-1, keepdim=True)).squeeze(-1)
+    sel_correct = path == gold
     backbone_correct = cand[:, 0] == gold
     if gold_miss == "drop":
         ce = F.cross_entropy(S[hit], target[hit], reduction="sum")
@@ -144,6 +147,7 @@ def selector_loss(
         gold_in_candidates=hit.sum(),
         selector_correct=sel_correct.sum(),
         backbone_correct=backbone_correct.sum(),
+        path=path,
     )
 
 

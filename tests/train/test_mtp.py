@@ -292,3 +292,16 @@ def test_export_roundtrip_reproduces_logits(tmp_path):
     h_a = back.run_depths(batch)["h"][0]
     h_b = back.run_depths(b2)["h"][0]
     torch.testing.assert_close(h_a, h_b)
+
+
+def test_batch_without_supervised_rows_still_reaches_every_parameter():
+    torch.manual_seed(6)
+    bundle, layout = tiny_bundle(), tiny_layout(top_k=0)
+    d = MTPDrafter.build(MTPConfig(num_depths=2), bundle, layout)
+    batch = batch_of(layout, bundle)
+    batch["loss_mask"][:] = False
+    out = d(batch)
+    assert all(int(c) == 0 for _, c, _ in out.terms.values())
+    loss, _ = combine_terms(out.terms)
+    loss.backward()
+    assert all(p.grad is not None for p in d.parameters())

@@ -39,10 +39,11 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     summary = train(run, data, tmp_path / "run")
     assert summary["final_loss"] < summary["first_loss"], summary
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["final_tau_train"] is not None
     if recipe == "dflash2":
         assert "selector" in lines[-1] and "selector_candidate_recall" in lines[-1]
     else:
-        assert "acc_d1" in lines[-1]
+        assert lines[-1]["acc@1"] is not None and lines[-1]["tau"] >= 1.0
     res = evaluate(tmp_path / "run", data, out_dir=tmp_path / "eval", plot=False)
     assert res["family"] == run.family and res["tau"] >= 1.0 and res["blocks"] > 0
     ex = export_run(tmp_path / "run", tmp_path / "export")

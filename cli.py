@@ -93,5 +93,62 @@ def export(
     typer.echo(json.dumps(export_run(draft, out), indent=2))
 
 
+@app.command()
+def capture(
+    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json) or an HF causal LM."),
+    data: list[str] = typer.Option(..., "--data", help="Input for the train split (FILE.jsonl, HF dataset dir, "
+                                   "hf:NAME[:split]); SPLIT=INPUT for other splits. Repeatable."),
+    out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),
+    max_samples: int = typer.Option(None, "--max-samples", help="Only the first N inputs of each split."),
+    max_length: int = typer.Option(None, "--max-length", help="Skip (and count) samples longer than this; never truncate."),
+    format: str = typer.Option("arrow", "--format", help="arrow | wds"),
+    top_k: int = typer.Option(64, "--top-k", help="Teacher top-k per supervised row (0: none)."),
+    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: DFlash rule + last layer)."),
+    draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
+    codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
+    on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad input (resumable) | skip: record it."),
+    final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
+    audio_embeds: bool = typer.Option(False, "--audio-embeds", help="Also store input embeddings at audio rows."),
+    batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
+    shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+) -> None:
+    """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
+    from pathlib import Path
+
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture as run_capture
+    from capture.pipeline import summary
+
+    pairs = []
+    for d in data:
+        split, sep, spec = d.partition("=")
+        split, spec = (split, spec) if sep and not Path(d).exists() else ("train", d)
+        pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
+    cfg = CaptureConfig(
+        target=str(Path(target).resolve()), out=out, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
+        format=format, top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
+        draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
+        audio_embeds=audio_embeds, batch_tokens=batch_tokens, shard_bytes=shard_bytes, device=device,
+    )
+    typer.echo(summary(run_capture(cfg)))
+
+
+@app.command()
+def demo(
+    workdir: str = typer.Option(..., "--workdir", help="Directory for the demo target, data and dataset (cached)."),
+    quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (for smoke tests)."),
+) -> None:
+    """Build and train a small speech LLM on tone-coded digits, write its data, and capture a dataset."""
+    import json
+
+    from capture.demo import prepare_demo
+
+    paths = prepare_demo(workdir, quick=quick)
+    typer.echo(json.dumps({k: str(v) for k, v in vars(paths).items() if k != "info"}, indent=2))
+    typer.echo(json.dumps(paths.info, indent=2))
+
+
 if __name__ == "__main__":
     app()

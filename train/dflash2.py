@@ -30,7 +30,6 @@ G channel groups.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

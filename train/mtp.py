@@ -16,15 +16,16 @@ Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervi
 sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
 whose target is IGNORE are invalid. Audio positions' input embeddings come from the dataset's
 ``audio_embeds`` when it stores them; otherwise a row whose input x_{t+k} is an audio frame is
-masked (and counted: the metric ``mtp_rows_audio_masked`` is their share of the supervised rows); its input is then the sentinel id's
-embedding, which later rows still attend to (the only approximation, and only without audio_embeds).
+masked and counted (the metric ``mtp_rows_audio_masked`` is their share of the supervised rows);
+its input is then the sentinel id's embedding, which later rows still attend to (the only
+approximation, and only without audio_embeds).
 
 Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.divergences``):
 lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row t + k (the row that
-predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row projection
-(gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the dataset has
-the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one bin. Only the rows
-a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
+predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row
+projection (gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the
+dataset has the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one
+bin. Only the rows a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
 Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
 
 Training mode: ``head_only`` (the heads train; the embedding, final norm and lm_head from the
@@ -40,14 +41,13 @@ Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.divergences import ADAPTIVE, DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
+from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
 from train.drafter import AcceptanceCounts, Drafter, LossOutput
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding, rms_norm
 from train.teacher import last_hidden, teacher_logits
@@ -189,7 +189,7 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
     )
 
 
-def _chain_metrics(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _chain_metrics(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
     acc = chain_counts(targets, hits)
     out = {}
     for k in range(len(targets)):
@@ -263,7 +263,9 @@ class MTPDrafter(Drafter):
                      "intermediate_size": inter, "rms_norm_eps": self.eps, "rope_theta": float(c["rope_theta"])}
         n_phys = 1 if config.use_repeated_layer else config.num_depths
         self.first_layer = int(layout.num_layers)
-        self.model = _Model({str(self.first_layer + i): MTPHead(H, heads, kv, hd, inter, self.eps) for i in range(n_phys)})
+        self.model = _Model(
+            {str(self.first_layer + i): MTPHead(H, heads, kv, hd, inter, self.eps) for i in range(n_phys)}
+        )
         self.rope = RotaryEmbedding(hd, float(c["rope_theta"]))
         self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
         self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
@@ -275,10 +277,13 @@ class MTPDrafter(Drafter):
             for h in self.model.layers.values():  # start each output norm where the target's is
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
         self.fingerprint = bundle.fingerprint
-        self.last_source = _last_hidden_source(layout)
         self.last_tap = getattr(layout, "last_layer_tap", None)
         self.teacher_kind = self._pick_teacher(config, layout)
-        self.audio_token_id = int(getattr(layout, "audio_token_id", -1))
+
+    def frozen_to(self, dtype: torch.dtype) -> None:
+        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
+        for name in ("embed_tokens", "norm_weight", "lm_head"):
+            setattr(self, name, getattr(self, name).to(dtype))
 
     @staticmethod
     def _pick_teacher(config: MTPConfig, layout: Any) -> str | None:
@@ -371,7 +376,8 @@ class MTPDrafter(Drafter):
             else:
                 trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
                 kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
-                res = lk_loss(kl, tv, torch.ones_like(y, dtype=torch.bool), self.config.lk_lambda, eta=self.config.lk_eta)
+                every = torch.ones_like(y, dtype=torch.bool)
+                res = lk_loss(kl, tv, every, self.config.lk_lambda, eta=self.config.lk_eta)
                 terms[f"mtp_d{k}"] = (res.loss_sum, n, 1.0 / D)
                 metrics[f"kl_d{k}"] = (res.kl_sum, n)
                 metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
@@ -408,7 +414,9 @@ class MTPDrafter(Drafter):
         if "topk_ids" not in batch:
             raise ValueError("LK with teacher 'topk' needs topk_ids/topk_logprobs in the batch (dataset top_k > 0)")
         if not bool(batch["topk_valid"][trow].all()):
-            raise ValueError("a supervised MTP row's teacher row has no stored top-k; the dataset's topk_rows are incomplete")
+            raise ValueError(
+                "a supervised MTP row's teacher row has no stored top-k; the dataset's topk_rows are incomplete"
+            )
         ids, lps = batch["topk_ids"][trow], batch["topk_logprobs"][trow]
 
         def fn(a, i, lp, yy):

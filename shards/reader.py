@@ -131,7 +131,11 @@ class Dataset:
         key = (split, s, b)
         if self._batch_cache is None or self._batch_cache[0] != key:
             self._batch_cache = (key, self.read_record_batch(shard, b))
-        return decode_batch(self._batch_cache[1], self.field_meta, [row - bounds[b]])[0]
+        try:
+            return decode_batch(self._batch_cache[1], self.field_meta, [row - bounds[b]])[0]
+        except ValueError as e:
+            raise ValueError(f"{self.shard_path(shard)}: sample {i} does not match the manifest layout ({e}); "
+                             "run `tapdraft verify`") from e
 
     # ---- streaming -------------------------------------------------------------------------
     def blocks(self, split: str) -> list[tuple[int, int, int]]:
@@ -149,7 +153,14 @@ class Dataset:
         s, b, n = block
         shard = self._split(split)["shards"][s]
         if self.format == "arrow":
-            yield from decode_batch(self.read_record_batch(shard, b), self.field_meta, rows)
+            try:
+                decoded = decode_batch(self.read_record_batch(shard, b), self.field_meta, rows)
+            except ValueError as e:
+                if self.shard_path(shard) in str(e):
+                    raise
+                raise ValueError(f"{self.shard_path(shard)}: record batch {b} does not match the manifest layout "
+                                 f"({e}); run `tapdraft verify`") from e
+            yield from decoded
             return
         path = self.shard_path(shard)
         size = self.fs.size(path)

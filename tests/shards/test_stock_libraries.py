@@ -66,3 +66,11 @@ def test_fsspec_memory_url_roundtrip():
     for i in range(len(LENGTHS)):
         assert_same(ds.sample("train", i), streamed[i])
     assert ds.bundle().fingerprint == ds.fingerprint
+
+
+def test_file_url_roundtrip(tmp_path):
+    layout = tiny_layout()
+    write_dataset(str(tmp_path), layout, ShardConfig(), LENGTHS)
+    ds = open_dataset(f"file://{tmp_path}")
+    assert [ds.sample("train", i)["sample_id"] for i in range(len(LENGTHS))] == [f"s{i}" for i in range(len(LENGTHS))]
+    assert ds.bundle().fingerprint == ds.fingerprint

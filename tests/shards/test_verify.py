@@ -121,10 +121,28 @@ def test_shard_of_another_target_is_caught(good, tmp_path):
         ds.sample("train", 0) if fmt == "arrow" else list(ds.stream("train", seed=0, shuffle=False))
 
 
-def test_wrong_dtype_inside_a_shard_is_reported(tmp_path):
+def test_counts_that_disagree_with_content_are_reported(tmp_path):
     root = tmp_path / "ds"
-    man = write_dataset(str(root), tiny_layout(), CFG, LENGTHS)
+    write_dataset(str(root), tiny_layout(), CFG, LENGTHS)
     _patch_manifest(root, lambda m: m["splits"]["train"]["shards"][0].update(tokens=999))
     rep = verify_dataset(str(root), progress=False)
     assert any("holds tokens=" in p and "manifest says 999" in p for p in rep.problems)
     assert any("split train says tokens" in p for p in rep.problems)
+
+
+def test_wrong_shape_between_manifest_and_shards_is_reported(tmp_path):
+    root = tmp_path / "ds"
+    write_dataset(str(root), tiny_layout(), CFG, LENGTHS)
+
+    def widen(m):  # the manifest claims H=32 while the shards hold H=16
+        m["layout"]["hidden_size"] = 32
+        m["field_meta"]["layout"]["hidden_size"] = 32
+
+    _patch_manifest(root, widen)
+    rep = verify_dataset(str(root), progress=False)
+    text = "\n".join(rep.problems)
+    assert "schema dtypes/layout differ" in text
+    assert "unreadable" in text and "expected 64" in text  # bf16 field bytes vs the claimed shape
+    ds = open_dataset(str(root))
+    with pytest.raises(ValueError, match=r"train-00000-of-\d+\.arrow: sample 0 does not match"):
+        ds.sample("train", 0)

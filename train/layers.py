@@ -36,7 +36,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale by ``weight`` in the input dtype."""
+    """Qwen3 RMSNorm: normalise in (at least) float32, scale by ``weight`` in the input dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Functional RMSNorm (also used with the bundle's frozen final-norm weight)."""
     dtype = x.dtype
-    h = x.float()
+    h = x.to(torch.promote_types(dtype, torch.float32))  # float32 at least; float64 stays float64
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
 
@@ -87,7 +87,7 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """x: [B, heads, L, D]; rope tables [B, L, D]. Computed in float32, returned in x's dtype."""
     cos, sin = rope
     cos, sin = cos[:, None], sin[:, None]
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 

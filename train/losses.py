@@ -1,10 +1,12 @@
 """Draft losses over gathered rows: chunked lm_head + cross-entropy, and optional distillation.
 
-The drafter hands over only the rows that carry a loss (R rows of hidden size H, R << Bs*T*B),
-and this module projects them through the frozen lm_head in chunks of ``chunk_rows``. Each chunk
-runs inside an activation checkpoint (``train.divergences.map_row_chunks``), so neither the
-forward nor the backward ever holds the [R, V] logits whole: at V = 152k, 16k rows of float32
-logits would be 10 GB; a 2048-row chunk is 1.2 GB, freed before the next.
+The drafter hands over only the rows that carry a loss (R rows of hidden size H), and this module
+projects them through the frozen lm_head in chunks of ``chunk_rows``, computing each chunk's
+gradient w.r.t. its rows analytically in the forward (softmax - onehot for CE, q - p for KL), so
+neither the forward nor the backward ever holds the [R, V] logits whole (at V = 152k, 16k rows of
+float32 logits would be 10 GB; a 2048-row chunk is 1.2 GB, freed before the next) and, unlike an
+activation checkpoint per chunk, nothing is computed twice. The lumped-tail KL and its gradient
+follow ``train.divergences.kl_tv_topk`` (tests check the two agree).
 
 Per row i (label y_i, weight w_i):
     ce_i = -log softmax(lm_head(h_i) / scaling)[y_i]
@@ -23,7 +25,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from train.divergences import kl_tv_full, kl_tv_topk, map_row_chunks
 from train.teacher import ExactTeacher, TopKTeacher, teacher_logits
 
 
@@ -38,6 +39,94 @@ def _logits(h: torch.Tensor, lm_head: torch.Tensor, scaling: float) -> torch.Ten
     return z.to(torch.promote_types(z.dtype, torch.float32)) / float(scaling)
 
 
+def _kd_dense(p_logits: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p || q) per row and its gradient w.r.t. the draft logits: q - p."""
+    lp = torch.log_softmax(p_logits.to(lq.dtype), -1)
+    p = lp.exp()
+    return (p * (lp - lq)).sum(-1), q - p
+
+
+def _kd_topk(ids: torch.Tensor, lps: torch.Tensor, z: torch.Tensor, lse: torch.Tensor, lq: torch.Tensor,
+             q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lumped-tail KL over (top-k ids + one tail bin) and its gradient w.r.t. the draft logits.
+
+    KL = sum_k p_k (log p_k - log q_k) + p_t (log p_t - log q_t); d/dz_v = q_v - ptilde_v with
+    ptilde = p_k on the stored ids and p_t * q_v / q_t on the tail (the tail's mass spread as q does).
+    """
+    ids = ids.long()
+    lq_k = lq.gather(-1, ids)
+    lq_t = torch.logsumexp(z.scatter(-1, ids, float("-inf")), -1) - lse[:, 0]
+    lp_k = lps.to(lq.dtype)
+    p_k = lp_k.exp()
+    p_t = (1.0 - p_k.sum(-1)).clamp(min=0.0)
+    has_tail = torch.isfinite(lq_t)
+    p_t = torch.where(has_tail, p_t, torch.zeros_like(p_t))
+    lq_t = torch.where(has_tail, lq_t, torch.zeros_like(lq_t))
+    kl = (p_k * (lp_k - lq_k)).sum(-1) + torch.xlogy(p_t, p_t) - p_t * lq_t
+    ptilde = q * (p_t * torch.exp(-lq_t))[:, None]
+    ptilde = ptilde.scatter(-1, ids, p_k)
+    return kl, q - ptilde
+
+
+class _FusedRowLosses(torch.autograd.Function):
+    """Chunked lm_head + CE (+ KD) whose gradient w.r.t. the rows is computed in the forward.
+
+    Per chunk of c rows: z = lm_head(h) / s; dCE/dz = softmax(z) - onehot(y); dKL/dz = q - p.
+    Only [R, H] gradients are kept (g_ce, g_kd), never [c, V] activations, so the backward is two
+    scaled adds: no recompute (an activation checkpoint would run the chunk twice).
+    """
+
+    @staticmethod
+    def forward(ctx, h, lm_head, labels, scaling, chunk, teacher, want_grad):
+        R = h.shape[0]
+        dev = h.device
+        wd = torch.promote_types(torch.promote_types(h.dtype, lm_head.dtype), torch.float32)
+        ce = torch.empty(R, device=dev, dtype=wd)
+        correct = torch.empty(R, device=dev, dtype=wd)
+        kd = torch.empty(R, device=dev, dtype=wd) if teacher is not None else None
+        g_ce = torch.empty_like(h) if want_grad else None
+        g_kd = torch.empty_like(h) if want_grad and teacher is not None else None
+        step = R if chunk <= 0 else chunk
+        for s in range(0, R, max(step, 1)):
+            e = min(s + step, R)
+            y = labels[s:e]
+            z = _logits(h[s:e], lm_head, scaling)
+            lse = torch.logsumexp(z, -1, keepdim=True)
+            lq = z - lse
+            q = lq.exp()
+            ce[s:e] = -lq.gather(-1, y[:, None])[:, 0]
+            correct[s:e] = (z.argmax(-1) == y).float()
+            if want_grad:
+                dz = q.clone()
+                dz[torch.arange(e - s, device=dev), y] -= 1.0
+                g_ce[s:e] = (F.linear(dz.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
+            if teacher is None:
+                continue
+            if isinstance(teacher, TopKTeacher):
+                k_s, dk = _kd_topk(teacher.ids_Rk[s:e], teacher.logprobs_Rk[s:e], z, lse, lq, q)
+            else:
+                k_s, dk = _kd_dense(teacher.chunk_logits(s, e), lq, q)
+            kd[s:e] = k_s
+            if want_grad:
+                g_kd[s:e] = (F.linear(dk.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
+        ctx.save_for_backward(*(t for t in (g_ce, g_kd) if t is not None))
+        ctx.has_kd = teacher is not None
+        ctx.mark_non_differentiable(correct)
+        if kd is None:
+            return ce, correct
+        return ce, correct, kd
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_correct, grad_kd=None):
+        saved = ctx.saved_tensors
+        grad_h = None
+        if saved:
+            grad_h = grad_ce.to(saved[0].dtype)[:, None] * saved[0]
+            if ctx.has_kd and grad_kd is not None:
+                grad_h = grad_h + grad_kd.to(saved[1].dtype)[:, None] * saved[1]
+        return grad_h, None, None, None, None, None, None
+
+
 def row_losses(
     h_RH: torch.Tensor,
     labels_R: torch.Tensor,
@@ -47,27 +136,17 @@ def row_losses(
     chunk_rows: int = 2048,
     teacher: ExactTeacher | TopKTeacher | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-row (ce [R], correct [R] float 0/1 (argmax == label), kd [R] or None), chunked."""
-    rows: list[torch.Tensor] = [h_RH, labels_R.long()]
-    if isinstance(teacher, ExactTeacher):
-        rows.append(teacher.hidden_RH)
-    elif isinstance(teacher, TopKTeacher):
-        rows += [teacher.ids_Rk.long(), teacher.logprobs_Rk]
-    elif teacher is not None:
+    """Per-row (ce [R], correct [R] float 0/1 (argmax == label), kd [R] or None), chunked.
+
+    ``teacher``: None, :class:`TopKTeacher` (lumped tail), or anything with ``chunk_logits(s, e)``
+    returning the teacher's [e - s, V] logits for rows s..e (:class:`ExactTeacher` projects them
+    from the gathered hidden rows). The lm_head is frozen (no gradient flows to it).
+    """
+    if teacher is not None and not isinstance(teacher, TopKTeacher) and not hasattr(teacher, "chunk_logits"):
         raise TypeError(f"unknown teacher type {type(teacher).__name__}")
-
-    def fn(h, y, *t):
-        z = _logits(h, lm_head_VH, scaling)
-        ce = F.cross_entropy(z, y, reduction="none")
-        correct = (z.detach().argmax(-1) == y).to(z.dtype)
-        if isinstance(teacher, ExactTeacher):
-            p = teacher_logits(t[0], teacher.norm_weight, teacher.eps, teacher.lm_head, teacher.scaling)
-            return ce, correct, kl_tv_full(p.to(z.dtype), z)[0]
-        if isinstance(teacher, TopKTeacher):
-            return ce, correct, kl_tv_topk(t[0], t[1], z)[0]
-        return ce, correct
-
-    out = map_row_chunks(fn, rows, chunk_rows)
+    want_grad = torch.is_grad_enabled() and h_RH.requires_grad
+    out = _FusedRowLosses.apply(h_RH, lm_head_VH.detach(), labels_R.long(), float(scaling), int(chunk_rows),
+                                teacher, want_grad)
     return out[0], out[1], (out[2] if len(out) > 2 else None)
 
 

@@ -36,9 +36,9 @@ class ExactTeacher:
     lm_head: torch.Tensor
     scaling: float = 1.0
 
-    def logits(self, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
-        h = self.hidden_RH if rows is None else self.hidden_RH[rows]
-        return teacher_logits(h, self.norm_weight, self.eps, self.lm_head, self.scaling)
+    def chunk_logits(self, start: int, end: int) -> torch.Tensor:
+        """float32 [end - start, V] teacher logits of rows start..end (projected now, not stored)."""
+        return teacher_logits(self.hidden_RH[start:end], self.norm_weight, self.eps, self.lm_head, self.scaling)
 
 
 @dataclass
@@ -52,10 +52,11 @@ class TopKTeacher:
 def teacher_logits(
     hidden_RH: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_head_VH: torch.Tensor, scaling: float = 1.0
 ) -> torch.Tensor:
-    """[R, H] pre-norm states -> float32 [R, V] teacher logits (no gradient)."""
+    """[R, H] pre-norm states -> [R, V] teacher logits, at least float32 (no gradient)."""
     with torch.no_grad():
         h = rms_norm(hidden_RH.to(lm_head_VH.dtype), norm_weight.to(lm_head_VH.dtype), eps)
-        return F.linear(h, lm_head_VH).float() / float(scaling)
+        z = F.linear(h, lm_head_VH)
+        return z.to(torch.promote_types(z.dtype, torch.float32)) / float(scaling)
 
 
 def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:

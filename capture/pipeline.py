@@ -149,27 +149,37 @@ def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig) -> WindowPl
     return plan
 
 
-def to_host(samples: list[Any]) -> tuple[list[Any], Any]:
-    """Start device-to-host copies (pinned, non_blocking on CUDA); returns the host dicts and an event.
+_COPY_STREAMS: dict[Any, Any] = {}
 
-    Entries that are errors (NonFiniteError) pass through unchanged.
+
+def to_host(samples: list[Any]) -> tuple[list[Any], Any]:
+    """Start device-to-host copies; returns the host dicts and an event the writer waits on.
+
+    On CUDA the copies run on a side stream into pinned buffers (``non_blocking``), so they overlap
+    the next batch's forward on the compute stream; ``record_stream`` keeps the allocator from
+    reusing the source memory early. Entries that are errors (NonFiniteError) pass through.
     """
     tensors = [t for s in samples if isinstance(s, dict) for t in s.values()]
     if all(t.device.type == "cpu" for t in tensors):
         return samples, None
+    dev = tensors[0].device
+    stream = _COPY_STREAMS.setdefault(dev, torch.cuda.Stream(device=dev))
+    stream.wait_stream(torch.cuda.current_stream(dev))
     host: list[Any] = []
-    for s in samples:
-        if not isinstance(s, dict):
-            host.append(s)
-            continue
-        h = {}
-        for k, t in s.items():
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            h[k] = buf
-        host.append(h)
-    ev = torch.cuda.Event()
-    ev.record()
+    with torch.cuda.stream(stream):
+        for s in samples:
+            if not isinstance(s, dict):
+                host.append(s)
+                continue
+            h = {}
+            for k, t in s.items():
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                h[k] = buf
+            host.append(h)
+        ev = torch.cuda.Event()
+        ev.record(stream)
     return host, ev
 
 

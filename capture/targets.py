@@ -340,7 +340,7 @@ def run_batch(
     finally:
         hooks.remove()
     norm, head = target.decoder.norm, target.lm.get_output_embeddings()
-    results = []
+    samples, finite = [], []
     for b, (p, e) in enumerate(zip(batch, exps)):
         T = int(e.input_ids.shape[0])
         if T != p.length:
@@ -362,12 +362,15 @@ def run_batch(
             ids, lps = topk_teacher(last[rows.long()], norm, head, top_k, logits_scaling=target.logits_scaling,
                                     row_chunk=row_chunk)
             s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
-        bad = [n for n, t in s.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        if bad:
-            results.append(NonFiniteError(f"the target produced NaN/Inf in {bad}; not written"))
-            continue
         for name in ("taps", "final_hidden", "audio_embeds"):
             if name in s:
                 s[name] = s[name].to(torch.bfloat16)
-        results.append(s)
+        names = [n for n, t in s.items() if t.is_floating_point()]
+        finite.append(torch.stack([torch.isfinite(s[n]).all() for n in names]))
+        samples.append((s, names))
+    flags = torch.stack(finite).tolist() if finite else []  # one device sync per batch
+    results: list[dict[str, torch.Tensor] | NonFiniteError] = []
+    for (s, names), ok in zip(samples, flags):
+        bad = [n for n, f in zip(names, ok) if not f]
+        results.append(NonFiniteError(f"the target produced NaN/Inf in {bad}; not written") if bad else s)
     return results

@@ -188,3 +188,26 @@ def test_stages_are_pure_functions():
     b = bucket(lengths, batch_tokens=100, max_batch_size=3)
     assert b == [[5], [1, 3], [0, 2, 4]]
     assert bucket(lengths, batch_tokens=100, max_batch_size=3) == b
+
+
+def test_optional_fields_and_lossy_codec(salm_dir, tone_manifest, tmp_path):
+    m = capture(_cfg(salm_dir, tone_manifest, tmp_path / "ds", codec="fp8", final_hidden=True, audio_embeds=True,
+                     taps=(0, 2), max_samples=4))
+    assert m["codec"]["lossy"] and m["layout"]["tap_ids"] == [0, 2]
+    s = _samples(tmp_path / "ds")[0]
+    assert s["final_hidden"].shape == (s["input_ids"].shape[0], s["taps"].shape[-1])
+    assert s["audio_embeds"].shape[0] == int(s["is_audio"].sum())
+    # fp8 taps are close to, not equal to, the lossless last-layer state
+    torch.testing.assert_close(s["taps"][:, 1].float(), s["final_hidden"].float(), rtol=0.15, atol=0.05)
+    with pytest.raises(ValueError, match="out of range"):
+        capture(_cfg(salm_dir, tone_manifest, tmp_path / "bad", taps=(0, 7)))
+
+
+@pytest.mark.gpu
+def test_cuda_capture_matches_cpu(salm_dir, tone_manifest, tmp_path):
+    """Side-stream device-to-host copies deliver the same rows as a CPU capture (float32 both)."""
+    capture(_cfg(salm_dir, tone_manifest, tmp_path / "cpu", device="cpu"))
+    capture(_cfg(salm_dir, tone_manifest, tmp_path / "gpu", device="cuda", dtype="float32"))
+    for a, b in zip(_samples(tmp_path / "cpu"), _samples(tmp_path / "gpu")):
+        assert a["sample_id"] == b["sample_id"] and torch.equal(a["topk_rows"], b["topk_rows"])
+        torch.testing.assert_close(a["taps"].float(), b["taps"].float(), rtol=0.02, atol=0.02)

@@ -40,14 +40,16 @@ def _logits(h: torch.Tensor, lm_head: torch.Tensor, scaling: float) -> torch.Ten
 
 
 def _kd_dense(p_logits: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p || q) per row and its gradient w.r.t. the draft logits: q - p."""
+    """KL(p || q) per row and its gradient w.r.t. the draft logits, q - p (in place: few [c, V] temporaries)."""
     lp = torch.log_softmax(p_logits.to(lq.dtype), -1)
+    del p_logits
     p = lp.exp()
-    return (p * (lp - lq)).sum(-1), q - p
+    kl = lp.sub_(lq).mul_(p).sum(-1)
+    del lp
+    return kl, p.neg_().add_(q)
 
 
-def _kd_topk(ids: torch.Tensor, lps: torch.Tensor, z: torch.Tensor, lse: torch.Tensor, lq: torch.Tensor,
-             q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _kd_topk(ids: torch.Tensor, lps: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lumped-tail KL over (top-k ids + one tail bin) and its gradient w.r.t. the draft logits.
 
     KL = sum_k p_k (log p_k - log q_k) + p_t (log p_t - log q_t); d/dz_v = q_v - ptilde_v with
@@ -55,7 +57,7 @@ def _kd_topk(ids: torch.Tensor, lps: torch.Tensor, z: torch.Tensor, lse: torch.T
     """
     ids = ids.long()
     lq_k = lq.gather(-1, ids)
-    lq_t = torch.logsumexp(z.scatter(-1, ids, float("-inf")), -1) - lse[:, 0]
+    lq_t = torch.logsumexp(lq.scatter(-1, ids, float("-inf")), -1)
     lp_k = lps.to(lq.dtype)
     p_k = lp_k.exp()
     p_t = (1.0 - p_k.sum(-1)).clamp(min=0.0)
@@ -63,9 +65,9 @@ def _kd_topk(ids: torch.Tensor, lps: torch.Tensor, z: torch.Tensor, lse: torch.T
     p_t = torch.where(has_tail, p_t, torch.zeros_like(p_t))
     lq_t = torch.where(has_tail, lq_t, torch.zeros_like(lq_t))
     kl = (p_k * (lp_k - lq_k)).sum(-1) + torch.xlogy(p_t, p_t) - p_t * lq_t
-    ptilde = q * (p_t * torch.exp(-lq_t))[:, None]
-    ptilde = ptilde.scatter(-1, ids, p_k)
-    return kl, q - ptilde
+    grad = q * (1.0 - p_t * torch.exp(-lq_t))[:, None]  # q - p_t * q / q_t on every id ...
+    grad.scatter_(-1, ids, q.gather(-1, ids) - p_k)  # ... and q_k - p_k on the stored ids
+    return kl, grad
 
 
 class _FusedRowLosses(torch.autograd.Function):
@@ -73,7 +75,8 @@ class _FusedRowLosses(torch.autograd.Function):
 
     Per chunk of c rows: z = lm_head(h) / s; dCE/dz = softmax(z) - onehot(y); dKL/dz = q - p.
     Only [R, H] gradients are kept (g_ce, g_kd), never [c, V] activations, so the backward is two
-    scaled adds: no recompute (an activation checkpoint would run the chunk twice).
+    scaled adds: no recompute (an activation checkpoint would run the chunk twice). In-place ops
+    keep about four [c, V] float32 temporaries alive at the peak.
     """
 
     @staticmethod
@@ -90,25 +93,25 @@ class _FusedRowLosses(torch.autograd.Function):
         for s in range(0, R, max(step, 1)):
             e = min(s + step, R)
             y = labels[s:e]
-            z = _logits(h[s:e], lm_head, scaling)
-            lse = torch.logsumexp(z, -1, keepdim=True)
-            lq = z - lse
+            lq = _logits(h[s:e], lm_head, scaling)
+            correct[s:e] = (lq.argmax(-1) == y).to(wd)
+            lq.sub_(torch.logsumexp(lq, -1, keepdim=True))  # log q, in place of the logits
             q = lq.exp()
             ce[s:e] = -lq.gather(-1, y[:, None])[:, 0]
-            correct[s:e] = (z.argmax(-1) == y).float()
+            if teacher is not None:
+                if isinstance(teacher, TopKTeacher):
+                    k_s, dk = _kd_topk(teacher.ids_Rk[s:e], teacher.logprobs_Rk[s:e], lq, q)
+                else:
+                    k_s, dk = _kd_dense(teacher.chunk_logits(s, e), lq, q)
+                kd[s:e] = k_s
+                if want_grad:
+                    g_kd[s:e] = (F.linear(dk.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
+                del dk
+            del lq
             if want_grad:
-                dz = q.clone()
-                dz[torch.arange(e - s, device=dev), y] -= 1.0
-                g_ce[s:e] = (F.linear(dz.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
-            if teacher is None:
-                continue
-            if isinstance(teacher, TopKTeacher):
-                k_s, dk = _kd_topk(teacher.ids_Rk[s:e], teacher.logprobs_Rk[s:e], z, lse, lq, q)
-            else:
-                k_s, dk = _kd_dense(teacher.chunk_logits(s, e), lq, q)
-            kd[s:e] = k_s
-            if want_grad:
-                g_kd[s:e] = (F.linear(dk.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
+                q[torch.arange(e - s, device=dev), y] -= 1.0  # dCE/dz, in place of q
+                g_ce[s:e] = (F.linear(q.to(lm_head.dtype), lm_head.T) / scaling).to(h.dtype)
+            del q
         ctx.save_for_backward(*(t for t in (g_ce, g_kd) if t is not None))
         ctx.has_kd = teacher is not None
         ctx.mark_non_differentiable(correct)

@@ -8,7 +8,7 @@ figure is tau and its gain over that baseline. Training time is wall time on thi
 Writes benchmarks/results/quality.json.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
-    python -m benchmarks.quality --steps 400          # full demo
+    python -m benchmarks.quality                      # full demo, recipes dflash_demo and dflash_b8
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="demo_work", help="demo cache (target, data, dataset) and runs")
     ap.add_argument("--quick", action="store_true", help="tiny demo target and data")
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default 60 quick, 400 full)")
-    ap.add_argument("--recipes", default="dflash_b8,dflash", help="comma-separated recipe names")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
+    ap.add_argument("--recipes", default="dflash_demo,dflash_b8", help="comma-separated recipe names")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -43,12 +43,12 @@ def main() -> None:
     t0 = time.perf_counter()
     paths = prepare_demo(args.workdir, quick=args.quick, progress=False)
     prep_s = time.perf_counter() - t0
-    steps = args.steps or (60 if args.quick else 400)
     runs_root = Path(args.workdir) / "quality_runs"
     rows = []
     for recipe in [r for r in args.recipes.split(",") if r]:
+        steps = args.steps or (40 if args.quick else load_run_config(recipe).train.max_steps)
         sets = [f"max_steps={steps}", "progress=false", f"log_every={max(steps // 10, 1)}", "ckpt_every=100000",
-                f"warmup_steps={max(steps // 20, 1)}", *args.overrides]
+                *args.overrides]
         run = load_run_config(recipe, overrides=sets)
         base_dir, run_dir = runs_root / f"{recipe}-step1", runs_root / f"{recipe}-{steps}"
         for d in (base_dir, run_dir):

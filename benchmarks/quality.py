@@ -8,7 +8,7 @@ figure is tau and its gain over that baseline. Training time is wall time on thi
 Writes benchmarks/results/quality.json.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
-    python -m benchmarks.quality                      # full demo, recipes dflash_demo and dflash_b8
+    python -m benchmarks.quality                      # full demo, recipe dflash_demo
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="demo_work", help="demo cache (target, data, dataset) and runs")
     ap.add_argument("--quick", action="store_true", help="tiny demo target and data")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
-    ap.add_argument("--recipes", default="dflash_demo,dflash_b8", help="comma-separated recipe names")
+    ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

@@ -448,6 +448,32 @@ class MTPDrafter(Drafter):
             hits.append(hit)
         return chain_counts(run["targets"], hits)
 
+    @torch.no_grad()
+    def expected_acceptance(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled-decoding acceptance per depth: (sum over valid rows of sum_v min(p_v, q_v), row count), [D] each.
+
+        p is the exact target distribution at row t + k (the row predicting the same token), q the
+        head's. This is what speculative SAMPLING accepts per draft token (greedy acceptance is
+        ``acceptance``); the LK loss optimises it directly. Rows are teacher-forced per depth.
+        """
+        run = self.run_depths(batch)
+        last = self.last_hidden(batch)
+        sums, counts = [], []
+        for k in range(1, self.config.num_depths + 1):
+            tgt = run["targets"][k - 1]
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+            t_h = last[(rows[0], rows[1] + k)]
+
+            def fn(a, b, k=k):
+                q = self.logits(k, a)
+                p = teacher_logits(b, self.norm_weight, self.eps, self.lm_head, self.logits_scaling)
+                return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
+
+            (alpha,) = map_row_chunks(fn, [run["h"][k - 1][rows], t_h], self.config.chunk_rows)
+            sums.append(alpha.double().sum())
+            counts.append(torch.tensor(float(alpha.numel()), dtype=torch.float64))
+        return torch.stack(sums).cpu(), torch.stack(counts)
+
     # -- export ---------------------------------------------------------------------------
 
     def export_config(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from train.config import load_run_config
 from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import InMemoryData, train
+from train.mtp import sampled_acceptance
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,6 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     else:
         assert cfg["mtp_concat_order"] == "embedding_first"
         assert f"model.layers.{data.layout.num_layers}.eh_proj.weight" in weights
+        sampled = sampled_acceptance(tmp_path / "run", data)
+        D = run.drafter.num_depths
+        assert len(sampled["alpha_sampled"]) == D and 1.0 < sampled["tau_sampled"] <= 1.0 + D

@@ -9,6 +9,8 @@ Writes benchmarks/results/quality.json.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
     python -m benchmarks.quality                      # full demo, recipe dflash_demo
+    python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \
+        --name quality_drafters.json                  # every family on the same budget; MTP rows add tau_sampled
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
     ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
+    ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     from capture.demo import prepare_demo
@@ -70,6 +73,12 @@ def main() -> None:
             "train_seconds": round(train_s, 2), "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
             "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
         }
+        if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
+            from train.mtp import sampled_acceptance
+
+            sampled = sampled_acceptance(run_dir, str(paths.dataset), split="validation")
+            row["tau_sampled"] = round(sampled["tau_sampled"], 4)
+            row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
         rows.append(row)
         print(f"{recipe:10s} B={row['block_size']:2d} steps={steps:4d}  tau {row['tau']:.3f} (untrained "
               f"{row['tau_untrained']:.3f}, +{row['tau_gain']:.3f})  train {row['train_seconds']:.1f}s  "
@@ -85,7 +94,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": "cpu"},
     }
-    name = "quality_quick.json" if args.quick else "quality.json"
+    name = args.name or ("quality_quick.json" if args.quick else "quality.json")
     (RESULTS / name).write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / name}")
 

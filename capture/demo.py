@@ -1,4 +1,4 @@
-"""The demo target: a small SALM trained in about a CPU minute on a synthetic spoken task.
+"""The demo target: a small SALM trained in about 90 CPU seconds on a synthetic spoken task.
 
 Task ("tone-coded digits"): an audio of 2-5 digits, each digit d a 0.24 s tone at 400 + 170*d Hz
 with a random level, slight detuning and noise, separated by 80 ms gaps (so one digit is ~4 encoder
@@ -19,8 +19,11 @@ A random-init target would have none; it is fine for unit tests, never for the d
                     offline acceptance measured on this data is exact for greedy decoding
     DIR/dataset/    the captured dataset (both splits)
 
-Sizes (full demo): LM Qwen3 6 layers x 128 wide, vocab ~60; encoder FastConformer 1 layer x 64;
-~1.2 M parameters. ``quick=True`` shrinks everything to a seconds-long run for tests.
+Sizes (full demo): LM Qwen3 4 layers x 96 wide, vocab ~60; encoder FastConformer 1 layer x 64;
+~0.6 M parameters. Training adds an auxiliary per-frame digit classifier on the adapter output (dense
+supervision for the random-init encoder; discarded afterwards): without it 300 steps learned the
+templates but not which digit a tone is (11% exact replies); with it 58% (repeat/first/last/count
+100%, sums 23%). ``quick=True`` shrinks everything to a seconds-long run for tests.
 """
 
 from __future__ import annotations
@@ -81,8 +84,14 @@ def vocabulary() -> list[str]:
 
 def tone_audio(digits: list[int], rng: np.random.Generator) -> np.ndarray:
     """float32 waveform at 16 kHz: one tone per digit with gaps, random level, detune and noise."""
+    return _tones(digits, rng)[0]
+
+
+def _tones(digits: list[int], rng: np.random.Generator) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """The waveform and each digit's (start sample, end sample, digit)."""
     sr = SAMPLE_RATE
     parts = [np.zeros(int(EDGE_S * sr), np.float32)]
+    spans, pos = [], parts[0].shape[0]
     for d in digits:
         n = int(TONE_S * sr)
         f = (400 + 170 * d) * (1 + rng.uniform(-0.01, 0.01))
@@ -90,9 +99,20 @@ def tone_audio(digits: list[int], rng: np.random.Generator) -> np.ndarray:
         env = np.minimum(1, np.minimum(t, t[::-1]) / 0.01)  # 10 ms ramps
         parts += [(rng.uniform(0.2, 0.6) * env * np.sin(2 * np.pi * f * t)).astype(np.float32),
                   np.zeros(int(GAP_S * sr), np.float32)]
+        spans.append((pos, pos + n, d))
+        pos += n + parts[-1].shape[0]
     parts.append(np.zeros(int(EDGE_S * sr), np.float32))
     wave = np.concatenate(parts)
-    return (wave + rng.normal(0, 0.01, wave.shape)).astype(np.float32)
+    return (wave + rng.normal(0, 0.01, wave.shape)).astype(np.float32), spans
+
+
+def frame_labels(spans: list[tuple[int, int, int]], n_frames: int, frame_samples: int) -> list[int]:
+    """Per encoder frame: the digit whose tone covers the frame's centre, else 10 (silence)."""
+    out = []
+    for k in range(n_frames):
+        c = (k + 0.5) * frame_samples
+        out.append(next((d for a, b, d in spans if a <= c < b), 10))
+    return out
 
 
 def sample_example(rng: np.random.Generator) -> tuple[list[int], str, str, str]:
@@ -110,24 +130,26 @@ def sample_example(rng: np.random.Generator) -> tuple[list[int], str, str, str]:
 class DemoSize:
     """Demo SALM sizes and training budget."""
 
-    lm_hidden: int = 128
-    lm_layers: int = 6
+    lm_hidden: int = 96
+    lm_layers: int = 4
     lm_heads: int = 4
     lm_kv_heads: int = 2
-    lm_intermediate: int = 384
+    lm_intermediate: int = 288
     enc_hidden: int = 64
     enc_layers: int = 1
     enc_channels: int = 32
-    train_seconds: float = 120.0
-    """Wall-clock cap for target training (the step budget usually ends it first on an idle machine)."""
-    max_steps: int = 400
-    batch_size: int = 16
-    lr: float = 3e-3
+    train_seconds: float = 150.0
+    """Wall-clock cap for target training (the step budget ends it first on an idle 2-core machine: ~90 s)."""
+    max_steps: int = 300
+    batch_size: int = 24
+    lr: float = 4e-3
     train_samples: int = 1200
     """Conversations written to the train manifest (captured)."""
     val_samples: int = 120
     pool: int = 768
     """Distinct training audios (featurized once; the question asked about each is drawn per step)."""
+    aux_weight: float = 1.0
+    """Weight of the auxiliary per-frame digit loss during target training."""
     max_new_tokens: int = 32
     """Greedy reply length cap when regenerating assistant turns (templated replies are <= 14 words)."""
 
@@ -164,11 +186,14 @@ class _Pool:
     def __init__(self, salm: SALM, rng: np.random.Generator, n: int):
         self.salm, self.rng = salm, rng
         self.digits = [[int(x) for x in rng.integers(0, 10, size=int(rng.integers(2, 6)))] for _ in range(n)]
-        feats, masks = [], []
+        feats, masks, self.labels = [], [], []
+        hop = salm.config.audio.hop_length * salm.config.audio.subsampling_factor
         for s in range(0, n, 64):
-            f, m = salm.featurize([tone_audio(d, rng) for d in self.digits[s : s + 64]])
+            made = [_tones(d, rng) for d in self.digits[s : s + 64]]
+            f, m = salm.featurize([w for w, _ in made])
             feats += list(f)
             masks += list(m)
+            self.labels += [frame_labels(sp, salm.num_frames(w.shape[0]), hop) for w, sp in made]
         F = max(f.shape[0] for f in feats)
         self.feats = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, F - f.shape[0])) for f in feats])
         self.masks = torch.stack([torch.nn.functional.pad(m, (0, F - m.shape[0])) for m in masks])
@@ -186,11 +211,15 @@ class _Pool:
         return self._tok[key]
 
     def batch(self, n: int):
-        """inputs_embeds [B, T, H], attention mask [B, T], labels [B, T] (-100 where unsupervised)."""
+        """inputs_embeds [B, T, H], attention mask [B, T], labels [B, T] (-100 where unsupervised),
+        audio frames [N, H] and their digit labels [N] (for the auxiliary frame loss)."""
         idx = self.rng.integers(0, len(self.digits), size=n)
         m = self.masks[idx]
         F = int(m.sum(-1).max())
         audio = self.salm.encode_features(self.feats[idx, :F], m[:, :F])
+        frames = torch.cat(audio)
+        frame_y = torch.tensor([y for i in idx for y in self.labels[i]])
+        assert frames.shape[0] == frame_y.shape[0]
         exps = []
         for i, a in zip(idx, audio):
             prompt, reply, _ = TASKS[self.names[self.rng.choice(len(self.names), p=self.p)]]
@@ -205,7 +234,7 @@ class _Pool:
             t = e.input_ids.shape[0]
             emb[b, :t], attn[b, :t] = e.inputs_embeds, 1
             labels[b, :t] = torch.where(e.loss_mask, e.input_ids, torch.full_like(e.input_ids, -100))
-        return emb, attn, labels
+        return emb, attn, labels, frames, frame_y
 
 
 def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool = True) -> dict[str, Any]:
@@ -216,7 +245,10 @@ def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool
     torch.manual_seed(seed)
     pool = _Pool(salm, rng, size.pool)
     salm.train()
-    params = [p for p in salm.parameters() if p.requires_grad]
+    # auxiliary frame classifier (digit or silence per 80 ms frame): dense supervision that teaches the
+    # randomly initialised encoder to tell tones apart within tens of steps; discarded after training
+    aux = torch.nn.Linear(salm.config.adapter.lm_hidden, 11)
+    params = [p for p in salm.parameters() if p.requires_grad] + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=size.lr, weight_decay=0.01, betas=(0.9, 0.98))
     t0, step, ema = time.perf_counter(), 0, None
     with Progress(TextColumn("train demo target"), BarColumn(), TimeElapsedColumn(),
@@ -230,12 +262,13 @@ def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool
             lr = size.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            emb, attn, labels = pool.batch(size.batch_size)
+            emb, attn, labels, frames, frame_y = pool.batch(size.batch_size)
             logits = salm(inputs_embeds=emb, attention_mask=attn).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                      ignore_index=-100)
+            aux_loss = torch.nn.functional.cross_entropy(aux(frames), frame_y)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss + size.aux_weight * aux_loss).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
@@ -243,7 +276,8 @@ def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool
             bar.update(task, completed=min(time.perf_counter() - t0, size.train_seconds),
                        info=f"step {step}  loss {ema:.3f}")
     salm.eval()
-    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss_ema": round(ema or 0.0, 4)}
+    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss_ema": round(ema or 0.0, 4),
+            "final_frame_loss": round(float(aux_loss.detach()), 4) if step else None}
 
 
 # ------------------------------------------------------------------------------------------ data

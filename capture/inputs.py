@@ -20,8 +20,8 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
 - Consecutive turns of the same role are joined with a space into one chat message.
 
 Audio is decoded with soundfile (wav, flac, ogg...), mixed to mono and resampled to the encoder's
-rate with a windowed-sinc resampler in torch (Kaiser-free Hann window, 6 zero crossings, rolloff
-0.99: the same kernel as torchaudio's default), so no extra dependency is needed.
+rate with a windowed-sinc resampler in torch (Hann window, 6 zero crossings, rolloff 0.99: the
+kernel torchaudio uses by default), so no extra dependency is needed.
 
 Every bad input is a :class:`BadInput` with the sample id, the line number and the reason; the
 pipeline decides (``on_error``) whether it stops or skips.

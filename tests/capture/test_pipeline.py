@@ -81,12 +81,17 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
         def dying(*a, **k):
             calls[0] += 1
             if calls[0] == 4:
-                time.sleep(1.0)  # let the writer thread finish what it was given
+                part = PART
+                for _ in range(600):  # wait until the writer thread has finished a shard, then die hard
+                    if os.path.exists(part):
+                        break
+                    time.sleep(0.1)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
         pipeline.run_batch = dying
         pipeline.capture(CaptureConfig(**CFG))
-    """).replace("CFG", repr(dataclasses.asdict(_cfg(salm_dir, tone_manifest, cut_dir, **kw))))
+    """).replace("CFG", repr(dataclasses.asdict(_cfg(salm_dir, tone_manifest, cut_dir, **kw)))).replace(
+        "PART", repr(str(cut_dir / "_parts" / "train-rank00000.json")))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert not (cut_dir / "manifest.json").exists()

@@ -9,6 +9,7 @@ Writes benchmarks/results/quality.json.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
     python -m benchmarks.quality                      # full demo, recipe dflash_demo
+    python -m benchmarks.quality --dataset DIR        # an already captured demo dataset
     python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \
         --name quality_drafters.json                  # every family on the same budget; MTP rows add tau_sampled
 """
@@ -37,14 +38,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny demo target and data")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
     ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
+    ap.add_argument("--dataset", default=None, help="use this already captured demo dataset (skips prepare_demo)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    from capture.demo import prepare_demo
-
     t0 = time.perf_counter()
-    paths = prepare_demo(args.workdir, quick=args.quick, progress=False)
+    if args.dataset:
+        dataset = Path(args.dataset)
+    else:
+        from capture.demo import prepare_demo
+
+        dataset = prepare_demo(args.workdir, quick=args.quick, progress=False).dataset
     prep_s = time.perf_counter() - t0
     runs_root = Path(args.workdir) / "quality_runs"
     rows = []
@@ -59,12 +64,12 @@ def main() -> None:
                 import shutil
 
                 shutil.rmtree(d)
-        train(run, str(paths.dataset), base_dir, stop_at=1)
-        base = evaluate(base_dir, str(paths.dataset), split="validation", plot=False)
+        train(run, str(dataset), base_dir, stop_at=1)
+        base = evaluate(base_dir, str(dataset), split="validation", plot=False)
         t1 = time.perf_counter()
-        summary = train(run, str(paths.dataset), run_dir)
+        summary = train(run, str(dataset), run_dir)
         train_s = time.perf_counter() - t1
-        res = evaluate(run_dir, str(paths.dataset), split="validation")
+        res = evaluate(run_dir, str(dataset), split="validation")
         row = {
             "recipe": recipe, "steps": steps, "block_size": res["block_size"],
             "tau": round(res["tau"], 4), "tau_untrained": round(base["tau"], 4),
@@ -76,7 +81,7 @@ def main() -> None:
         if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
             from train.mtp import sampled_acceptance
 
-            sampled = sampled_acceptance(run_dir, str(paths.dataset), split="validation")
+            sampled = sampled_acceptance(run_dir, str(dataset), split="validation")
             row["tau_sampled"] = round(sampled["tau_sampled"], 4)
             row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
         rows.append(row)
@@ -88,7 +93,7 @@ def main() -> None:
         "benchmark": "quality",
         "what": "offline teacher-forced greedy tau of DFlash drafters on the demo target's validation split",
         "demo": {"quick": args.quick, "workdir": str(args.workdir), "prepare_seconds": round(prep_s, 2),
-                 "dataset": str(paths.dataset)},
+                 "dataset": str(dataset)},
         "results": rows,
         "config": vars(args),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},

@@ -69,6 +69,8 @@ class TrainConfig:
     """Truncate longer samples (None keeps them whole)."""
     shuffle_buffer: int = 0
     """Reader shuffle buffer (samples) on top of its block shuffle."""
+    num_workers: int = 0
+    """DataLoader processes that read, decode and collate (0: in the training process)."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     precision: str = "auto"
@@ -91,6 +93,8 @@ class TrainConfig:
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("need warmup_steps >= 0, lr > 0 and 0 <= min_lr_ratio <= 1")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -35,6 +35,9 @@ STATE_VERSION = 1
 OpenStream = Callable[[int, Any], Iterator[dict[str, Any]]]
 """(epoch, reader_state or None) -> iterator of sample dicts with a ``state_dict()`` method."""
 
+OpenWorkerStream = Callable[[int, int, int, Any], Iterator[dict[str, Any]]]
+"""(worker_id, num_workers, epoch, reader_state or None) -> the same, for one loader worker's partition."""
+
 
 def derive_seed(*parts: Any) -> int:
     """The one seed-derivation rule: a 63-bit int from (base seed, purpose, step, rank, ...)."""
@@ -247,3 +250,64 @@ class BatchStream:
 
     def state_dict(self) -> dict[str, Any] | None:
         return self._state
+
+
+class _WorkerIterable(torch.utils.data.IterableDataset):
+    """One DataLoader worker's endless batch stream; yields (role, batch, state after the batch)."""
+
+    def __init__(self, open_worker_stream: OpenWorkerStream, kwargs: dict[str, Any], states: list[Any],
+                 rotation: int) -> None:
+        self.open_worker_stream, self.kwargs, self.states, self.rotation = open_worker_stream, kwargs, states, rotation
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, W = (info.id, info.num_workers) if info is not None else (0, 1)
+        role = (wid + self.rotation) % W
+        fn = self.open_worker_stream
+        stream = BatchStream(lambda epoch, st: fn(role, W, epoch, st), state=self.states[role], **self.kwargs)
+        for batch in stream:
+            yield role, batch, stream.state_dict()
+
+
+class WorkerBatchStream:
+    """:class:`BatchStream` spread over ``num_workers`` DataLoader processes, still exactly resumable.
+
+    Worker *role* r reads partition r of ``num_workers`` (the reader's ``worker_id``). The
+    DataLoader takes batches from its workers strictly round robin (the streams are endless), so the
+    global batch order is roles ``rotation, rotation + 1, ...``; the state is every role's stream
+    state plus the next role, and a resume starts the round robin there by rotating which role each
+    new worker plays. ``state_dict()``: {"version", "num_workers", "states", "next_role"}.
+    """
+
+    def __init__(self, open_worker_stream: OpenWorkerStream, *, num_workers: int, max_tokens: int,
+                 max_batch_size: int, max_seq_len: int | None = None, state: dict[str, Any] | None = None,
+                 prefetch_factor: int = 2) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if state is not None:
+            if state.get("version") != STATE_VERSION or state.get("num_workers") != num_workers:
+                raise ValueError(f"loader state {({k: state.get(k) for k in ('version', 'num_workers')})} does not "
+                                 f"match version {STATE_VERSION} with {num_workers} workers; resume with the same settings")
+            states, rotation = list(state["states"]), int(state["next_role"])
+        else:
+            states, rotation = [None] * num_workers, 0
+        self._states, self._next = states, rotation
+        self.num_workers = num_workers
+        kwargs = {"max_tokens": max_tokens, "max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
+        ds = _WorkerIterable(open_worker_stream, kwargs, states, rotation)
+        self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers,
+                                                    prefetch_factor=prefetch_factor))
+
+    def __iter__(self) -> "WorkerBatchStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        role, batch, state = next(self._it)
+        assert role == self._next, (role, self._next)
+        self._states[role] = state
+        self._next = (role + 1) % self.num_workers
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "num_workers": self.num_workers, "states": list(self._states),
+                "next_role": self._next}

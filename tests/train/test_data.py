@@ -114,3 +114,22 @@ def test_bad_state_version_refused(data):
     _, _, _, samples = data
     with pytest.raises(ValueError, match="version"):
         _stream(_list_source(samples), state={"version": 99, "epoch": 0, "reader": None})
+
+
+def test_worker_stream_resume_is_exact(data):
+    from train.data import WorkerBatchStream
+
+    _, _, _, samples = data
+    open_w = lambda wid, nw, epoch, st: ListStream(samples, seed=5, epoch=epoch, worker_id=wid, num_workers=nw,
+                                                   state=st)
+    make = lambda state=None: WorkerBatchStream(open_w, num_workers=2, max_tokens=80, max_batch_size=4,
+                                                max_seq_len=25, state=state)
+    full = make()
+    ref = [_ids(next(full)) for _ in range(9)]
+    s = make()
+    for _ in range(5):  # stop mid round (after role 0 of the third round)
+        next(s)
+    resumed = make(s.state_dict())
+    assert [_ids(next(resumed)) for _ in range(4)] == ref[5:]
+    with pytest.raises(ValueError, match="same settings"):
+        WorkerBatchStream(open_w, num_workers=3, max_tokens=80, max_batch_size=4, state=s.state_dict())

@@ -44,6 +44,17 @@ def test_resume_continues_exactly(tmp_path, mem):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_resume_with_loader_workers_continues_exactly(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100", "num_workers=2"])
+    train(run, mem, tmp_path / "full")
+    train(run, mem, tmp_path / "cut", stop_at=3)
+    train(run, mem, tmp_path / "cut")
+    assert _losses(tmp_path / "cut") == pytest.approx(_losses(tmp_path / "full"), rel=1e-6, abs=1e-7)
+    one = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100"])
+    train(one, mem, tmp_path / "one")  # a different (1-worker) partition: a different but valid run
+    assert len(_losses(tmp_path / "one")) == 4
+
+
 def test_resume_with_another_config_is_refused(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
     train(run, mem, tmp_path / "r")

@@ -12,6 +12,10 @@ reader state from BEFORE that lookahead sample was read, so a restored stream re
 per-epoch shuffle, rank/worker partition with equal counts, ``state_dict``), for tests and for
 callers that already hold samples.
 
+:class:`WorkerBatchStream` runs the same pipeline in DataLoader worker processes (worker w reads
+partition w of the reader), keeping exact resume by recording every worker's state and which
+worker is next in the loader's round robin.
+
 Every rank sees the same number of batches per step because the stream is endless (epochs loop)
 and the loop runs a fixed number of steps; filters never make ranks disagree on step counts.
 

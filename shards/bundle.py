@@ -111,6 +111,21 @@ def _read_tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> dict[str, 
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
 
 
+def bundle_fingerprint(
+    *,
+    config: dict[str, Any],
+    audio: dict[str, Any],
+    chat_template: str | None,
+    embed_tokens: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head: torch.Tensor,
+    tokenizer_dir: str | os.PathLike | None,
+) -> str:
+    """The fingerprint ``write_bundle`` would record for these parts (e.g. of a live target)."""
+    weights = {"embed_tokens": embed_tokens, "norm_weight": norm_weight, "lm_head": lm_head}
+    return compute_fingerprint(config, audio, chat_template, weights, _read_tokenizer_files(tokenizer_dir))
+
+
 def write_bundle(
     out_dir: str | os.PathLike,
     *,

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from shards.bundle import CONFIG_KEYS, load_bundle, write_bundle
+from shards.bundle import CONFIG_KEYS, bundle_fingerprint, load_bundle, write_bundle
 from shards.schema import Layout, teacher_rows, validate_sample
 from shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
 
@@ -117,6 +117,7 @@ def test_bundle_round_trip_and_deterministic_fingerprint(tmp_path):
     fp1 = write_bundle(tmp_path / "a", **args)
     fp2 = write_bundle(tmp_path / "b", **args)
     assert fp1 == fp2 and len(fp1) == 64
+    assert bundle_fingerprint(**args) == fp1
     b = load_bundle(tmp_path / "a")
     assert b.fingerprint == fp1 and b.hidden_size == 8 and b.vocab_size == 16
     assert torch.equal(b.lm_head, args["lm_head"]) and b.tokenizer_files["tokenizer.json"] == b'{"model": "toy"}'

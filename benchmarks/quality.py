@@ -39,10 +39,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
     ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
     ap.add_argument("--dataset", default=None, help="use this already captured demo dataset (skips prepare_demo)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared box; 2 threads fighting "
+                    "other processes for 2 cores ran 4x slower here)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.dataset:
         dataset = Path(args.dataset)

@@ -285,16 +285,14 @@ def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarra
         if ref.data is None and (ref.path is None or not Path(ref.path).is_file()):
             raise ValueError(f"audio file {ref.path} does not exist")
         try:
-            info = sf.info(src)
-            sr = int(info.samplerate)
-            if ref.data is not None:
-                src.seek(0)
-            start = int(round(ref.offset * sr))
-            stop = None if ref.duration is None else start + int(round(ref.duration * sr))
-            if start >= info.frames:
-                raise ValueError(f"offset {ref.offset}s is past the end of {ref.path} ({info.frames / sr:.2f}s)")
-            wave, sr = sf.read(src, start=start, stop=stop, dtype="float32", always_2d=True)
-            wave = wave.mean(axis=1)
+            with sf.SoundFile(src) as f:
+                sr, total = int(f.samplerate), f.frames
+                start = int(round(ref.offset * sr))
+                if start >= total:
+                    raise ValueError(f"offset {ref.offset}s is past the end of {ref.path} ({total / sr:.2f}s)")
+                count = -1 if ref.duration is None else int(round(ref.duration * sr))
+                f.seek(start)
+                wave = f.read(frames=count, dtype="float32", always_2d=True).mean(axis=1)
         except (sf.LibsndfileError, RuntimeError, TypeError) as e:
             raise ValueError(f"cannot decode audio {ref.path or '<bytes>'}: {e}") from e
     if sr < min_sr:

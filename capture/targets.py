@@ -42,6 +42,7 @@ class Prepared:
     token_ids: torch.Tensor  # int64 [L]
     assistant_mask: torch.Tensor  # bool [L]
     waveforms: list[np.ndarray] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # per audio [F_i, mel], computed in prepare
     audio_seconds: float = 0.0
     length: int = 0  # expanded T
     line: int | None = None
@@ -178,22 +179,33 @@ class SALMTarget(Target):
         n_ph = int((ids == self.salm.placeholder_id).sum())
         if n_ph != len(conv.audios):
             raise ValueError(f"has {n_ph} audio placeholder(s) after tokenization but {len(conv.audios)} audio(s)")
-        waves, seconds, frames = [], 0.0, 0
+        waves, feats, seconds, frames = [], [], 0.0, 0
         acfg = self.salm.config.audio
         for ref in conv.audios:
             w, s = load_audio(ref, target_sr=acfg.sample_rate, min_sr=acfg.min_sample_rate)
             n = self.salm.num_frames(w.shape[0])
             if n < 1:
                 raise ValueError(f"audio {ref.path or '<array>'} is {s:.3f}s: too short for one encoder frame")
+            # log-mel here, on the prefetch thread (normalisation is per utterance, so this equals batched)
+            f, fm = self.salm.featurize([w])
             waves.append(w)
+            feats.append(f[0, : int(fm[0].sum())])
             seconds += s
             frames += n
-        return Prepared(index, conv.sample_id, conv.source, ids, mask, waves, seconds,
+        return Prepared(index, conv.sample_id, conv.source, ids, mask, waves, feats, seconds,
                         int(ids.shape[0]) - n_ph + frames, conv.line)
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
-        flat = [w for p in batch for w in p.waveforms]
-        audio = self.salm.encode_audio(flat)
+        feats = [f for p in batch for f in p.features]
+        if len(feats) != sum(len(p.waveforms) for p in batch):  # built without prepare(): featurize now
+            audio = self.salm.encode_audio([w for p in batch for w in p.waveforms])
+        elif feats:
+            F = max(f.shape[0] for f in feats)
+            padded = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, F - f.shape[0])) for f in feats])
+            fmask = torch.arange(F)[None, :] < torch.tensor([f.shape[0] for f in feats])[:, None]
+            audio = self.salm.encode_features(padded, fmask)
+        else:
+            audio = []
         out, k = [], 0
         for p in batch:
             n = len(p.waveforms)
@@ -236,7 +248,7 @@ class CausalLMTarget(Target):
         if conv.audios:
             raise ValueError(f"has {len(conv.audios)} audio(s) but the target is a text-only causal LM")
         ids, mask = self._tokenize(conv)
-        return Prepared(index, conv.sample_id, conv.source, ids, mask, [], 0.0, int(ids.shape[0]), conv.line)
+        return Prepared(index, conv.sample_id, conv.source, ids, mask, [], [], 0.0, int(ids.shape[0]), conv.line)
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         emb = self.lm.get_input_embeddings()

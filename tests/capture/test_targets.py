@@ -115,3 +115,14 @@ def test_nonfinite_outputs_are_reported_not_returned(target):
         finally:
             w.copy_(saved)
     assert isinstance(r[0], ValueError) and "NaN" in str(r[0])
+
+
+def test_features_from_prepare_equal_batched_featurization(target):
+    batch = [target.prepare(_conv("a", 20000, 0), 0), target.prepare(_conv("b", 7000, 1), 1)]
+    with torch.no_grad():
+        pre = target.embed(batch)
+        for p in batch:
+            p.features = []
+        direct = target.embed(batch)
+    for a, b in zip(pre, direct):
+        torch.testing.assert_close(a.inputs_embeds, b.inputs_embeds, rtol=1e-5, atol=1e-5)

@@ -309,6 +309,12 @@ def _progress(cfg: CaptureConfig, split: str, total: int):
     )
 
 
+def _rates(stats: Stats, t0: float) -> str:
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return (f"{stats.written / dt:.1f} samples/s  {stats.tokens / dt:,.0f} tok/s  "
+            f"{stats.raw_bytes / dt / 1e6:.1f} MB/s written")
+
+
 def capture_split(
     target: Target, cfg: CaptureConfig, layout: Layout, split: str, spec: str, *, rank: int, world_size: int,
     fingerprint: str,
@@ -354,15 +360,12 @@ def capture_split(
                                         row_chunk=cfg.row_chunk)
                     wt.put(("batch", (batch, *to_host(results))))
                     done += sum(1 for p in batch if p.index >= start)
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.update(task, completed=done, rates=(
-                        f"{stats.written / dt:.1f} samples/s  {stats.tokens / dt:,.0f} tok/s  "
-                        f"{stats.raw_bytes / dt / 1e6:.1f} MB/s"))
+                    bar.update(task, completed=done, rates=_rates(stats, t0))
                 wt.put(("end", None))
                 if fail_at is not None or wt.error is not None or not wt.thread.is_alive():
                     break
             wt.finish()
-            bar.update(task, completed=done)
+            bar.update(task, completed=done, rates=_rates(stats, t0))
     except BaseException:
         wt.finish()
         pool.shutdown(wait=True, cancel_futures=True)

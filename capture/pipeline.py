@@ -28,7 +28,6 @@ partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
@@ -40,12 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from capture.config import CaptureConfig, check_resume
-from capture.inputs import BadInput, Conversation, InputError, read_inputs
+from capture.inputs import BadInput, read_inputs
 from capture.targets import NonFiniteError, Prepared, Target, load_target, run_batch
 from shards.bundle import write_bundle
 from shards.schema import Layout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 from capture import pipeline
 from capture.config import CaptureConfig
 from capture.pipeline import CaptureError, bucket, capture, rank_slice
-from capture.targets import SALMTarget, load_target, run_batch
+from capture.targets import load_target, run_batch
 from shards.reader import open_dataset
 from shards.verify import verify_dataset
 from tests.capture.util import conv_record, write_manifest, write_wav

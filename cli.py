@@ -111,7 +111,7 @@ def capture(
     final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
     audio_embeds: bool = typer.Option(False, "--audio-embeds", help="Also store input embeddings at audio rows."),
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
-    shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size."),
+    shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size (bytes)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""

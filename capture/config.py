@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from shards.schema import TAPS_CODECS
+from shards.writer import ShardConfig
+
+_SHARD_DEFAULTS = ShardConfig()
 
 RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
@@ -64,11 +67,11 @@ class CaptureConfig:
     """Inputs bucketed together by length; also the unit a resume recomputes from."""
     row_chunk: int = 1024
     """Teacher rows per lm_head chunk (bounds the [rows, vocab] buffer)."""
-    shard_bytes: int = 1 << 30
+    shard_bytes: int = _SHARD_DEFAULTS.shard_bytes
     """Roll shards at this size on disk."""
-    zstd_level: int = 3
-    """zstd level of shard buffers/members."""
-    bf16_layout: str = "planes"
+    zstd_level: int = _SHARD_DEFAULTS.zstd_level
+    """zstd level of shard buffers/members (the format's default)."""
+    bf16_layout: str = _SHARD_DEFAULTS.bf16_layout
     """bf16 storage layout: 'planes' or 'raw'."""
     on_error: str = "fail"
     """Bad input: 'fail' stops with sample id, line and reason (dataset stays resumable); 'skip' records it."""

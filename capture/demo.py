@@ -19,11 +19,13 @@ A random-init target would have none; it is fine for unit tests, never for the d
                     offline acceptance measured on this data is exact for greedy decoding
     DIR/dataset/    the captured dataset (both splits)
 
-Sizes (full demo): LM Qwen3 4 layers x 96 wide, vocab ~60; encoder FastConformer 1 layer x 64;
-~0.6 M parameters. Training adds an auxiliary per-frame digit classifier on the adapter output (dense
-supervision for the random-init encoder; discarded afterwards): without it 300 steps learned the
-templates but not which digit a tone is (11% exact replies); with it 58% (repeat/first/last/count
-100%, sums 23%). ``quick=True`` shrinks everything to a seconds-long run for tests.
+Sizes (full demo): LM Qwen3 6 layers x 96 wide, vocab ~60; encoder FastConformer 1 layer x 64;
+~0.8 M parameters; a 2-layer draft's default taps are [1, 3] plus the last layer, 5. Training adds
+an auxiliary per-frame digit classifier on the adapter output (dense supervision for the random-init
+encoder; discarded afterwards): in 300 steps without it the model learned the templates but not
+which digit a tone is (11% of greedy replies equal the templated answer); with it 58% (4-layer
+trial: repeat/first/last/count 100%, sums 23%). ``quick=True`` shrinks everything to a seconds-long
+run for tests.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class DemoSize:
     """Demo SALM sizes and training budget."""
 
     lm_hidden: int = 96
-    lm_layers: int = 4
+    lm_layers: int = 6
     lm_heads: int = 4
     lm_kv_heads: int = 2
     lm_intermediate: int = 288

@@ -12,7 +12,8 @@ def default_tap_ids(num_target_layers: int, draft_layers: int) -> list[int]:
     """DFlash's default context taps for a draft of ``draft_layers`` over ``num_target_layers``.
 
     One draft layer taps the middle of the target; n > 1 spread evenly from layer 1 to L - 3
-    (Qwen3-8B, L=36, n=5: [1, 9, 17, 25, 33]).
+    (Qwen3-8B, L=36, n=5: [1, 9, 17, 25, 33]). Targets too shallow for that spread (the rule
+    would repeat a layer) get n distinct layers spread over all of them instead; at most L taps.
     """
     if num_target_layers < 1 or draft_layers < 1:
         raise ValueError(
@@ -20,9 +21,12 @@ def default_tap_ids(num_target_layers: int, draft_layers: int) -> list[int]:
         )
     if draft_layers == 1:
         return [num_target_layers // 2]
-    span = max(num_target_layers - 4, 0)
-    ids = [int(round(1 + i * span / (draft_layers - 1))) for i in range(draft_layers)]
-    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+    L, n = num_target_layers, draft_layers
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    if L >= 4 and len(set(ids)) == n:
+        return ids
+    n = min(n, L)
+    return sorted({int(round(i * (L - 1) / max(n - 1, 1))) for i in range(n)})
 
 
 def capture_tap_ids(num_target_layers: int, draft_layers: int, *, with_last: bool = True) -> list[int]:

@@ -13,6 +13,11 @@ from shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
 def test_default_taps_follow_the_dflash_rule():
     assert default_tap_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_tap_ids(36, 1) == [18]
+    assert default_tap_ids(6, 2) == [1, 3]
+    for L in range(1, 12):  # shallow targets still get distinct, in-range layers
+        for n in range(1, 8):
+            ids = default_tap_ids(L, n)
+            assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L and len(ids) == min(n, L)
     assert capture_tap_ids(36, 5) == [1, 9, 17, 25, 33, 35]
     assert from_vllm(to_vllm([1, 9, 35])) == [1, 9, 35]
     assert to_vllm([0, 35]) == [1, 36]

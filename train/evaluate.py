@@ -20,6 +20,7 @@ Writes ``eval.json`` and ``acceptance.png`` (matplotlib, Agg) into the output di
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 
 from train.config import RunConfig
 from train.data import BatchStream, to_device
-from train.drafter import AcceptanceCounts, tau_from_alpha
+from train.drafter import AcceptanceCounts, Drafter, tau_from_alpha
 from train.loop import build_drafter, latest_checkpoint, load_checkpoint, open_source
 
 EVAL_SPLITS = ("validation", "test", "eval")
@@ -40,18 +41,23 @@ def _pick_split(src_splits: list[str], train_split: str) -> str:
     return train_split
 
 
-def evaluate(
-    run_dir: str | Path,
-    data: Any,
-    *,
-    split: str | None = None,
-    out_dir: str | Path | None = None,
-    max_samples: int | None = None,
-    device: str = "cpu",
-    max_tokens: int | None = None,
-    plot: bool = True,
-) -> dict[str, Any]:
-    """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result."""
+@dataclass
+class Trained:
+    """A run's latest checkpoint loaded onto a drafter, with the data source it was checked against."""
+
+    model: Drafter
+    src: Any
+    run: RunConfig
+    state: dict[str, Any]
+    checkpoint: Path
+    split: str
+
+
+def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu") -> Trained:
+    """Load the latest checkpoint of ``run_dir`` for ``data`` (an evaluation split by default).
+
+    Refuses a directory that is not a run, a run with no checkpoint, and a dataset of another target.
+    """
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
@@ -68,11 +74,29 @@ def evaluate(
     if state.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(
             f"the draft in {run_dir} was trained for target {state['fingerprint'][:12]}, but {src.where} was "
-            f"captured from {src.fingerprint[:12]}; evaluate on a dataset of the same target"
+            f"captured from {src.fingerprint[:12]}; use a dataset of the same target"
         )
     model = build_drafter(run, src).to(device)
     model.load_state_dict(state["draft"])
     model.eval()
+    return Trained(model, src, run, state, ck, split)
+
+
+def evaluate(
+    run_dir: str | Path,
+    data: Any,
+    *,
+    split: str | None = None,
+    out_dir: str | Path | None = None,
+    max_samples: int | None = None,
+    device: str = "cpu",
+    max_tokens: int | None = None,
+    plot: bool = True,
+) -> dict[str, Any]:
+    """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result."""
+    loaded = load_trained(run_dir, data, split=split, device=device)
+    model, src, run, state, ck, split = loaded.model, loaded.src, loaded.run, loaded.state, loaded.checkpoint, loaded.split
+    run_dir = Path(run_dir)
     tc = run.train
     stream = BatchStream(
         src.opener(seed=tc.seed, rank=0, world_size=1, shuffle=False),

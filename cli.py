@@ -137,17 +137,33 @@ def capture(
 
 @app.command()
 def demo(
-    workdir: str = typer.Option(..., "--workdir", help="Directory for the demo target, data and dataset (cached)."),
-    quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (for smoke tests)."),
+    workdir: str = typer.Option("demo_work", "--workdir", help="Directory for the demo target, data, dataset and runs (reused by later runs)."),
+    quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean nothing)."),
 ) -> None:
-    """Build and train a small speech LLM on tone-coded digits, write its data, and capture a dataset."""
-    import json
+    """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau."""
+    from speculate.demo import format_demo, run_demo
 
-    from capture.demo import prepare_demo
+    typer.echo(format_demo(run_demo(workdir, quick=quick)))
 
-    paths = prepare_demo(workdir, quick=quick)
-    typer.echo(json.dumps({k: str(v) for k, v in vars(paths).items() if k != "info"}, indent=2))
-    typer.echo(json.dumps(paths.info, indent=2))
+
+@app.command()
+def speculate(
+    target: str = typer.Option(..., "--target", help="The target model directory the dataset was captured from."),
+    draft: str = typer.Option(..., "--draft", help="Training run directory (its latest checkpoint is used)."),
+    data: str = typer.Option(..., "--data", help="The dataset the draft was trained on (bundle and tap layout)."),
+    conversations: str = typer.Option(..., "--conversations", help="JSONL conversations to take prompts from (the last assistant reply is regenerated)."),
+    max_samples: int = typer.Option(32, "--max-samples", help="Conversations to decode."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per conversation at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); > 0: rejection sampling."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
+    device: str = typer.Option("cpu", "--device", help="Device for the target and the drafter."),
+) -> None:
+    """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate."""
+    from speculate.run import SpeculateConfig, format_result, run_speculate
+
+    cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
+                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device)
+    typer.echo(format_result(run_speculate(cfg)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""A live proposer drafts exactly what the trained drafter computes offline at the same anchor.
+
+Offline, the drafter sees the whole captured sequence and its visibility rule hides everything at
+or after the anchor; online, the later positions do not exist yet. Both must give the same drafts.
+"""
+
+import pytest
+import torch
+
+from shards.bundle import TargetBundle
+from shards.schema import Layout
+from speculate.proposers import make_proposer
+from train.data import collate
+from train.dflash import DFlashConfig, DFlashDrafter
+from train.dflash2 import DFlash2Config, DFlash2Drafter
+from train.mtp import MTPConfig, MTPDrafter
+
+V, H, L, T = 48, 16, 4, 20
+
+
+def _bundle():
+    g = torch.Generator().manual_seed(0)
+    cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "vocab_size": V, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 32, "rope_theta": 10000.0,
+           "rms_norm_eps": 1e-6, "logits_scaling": 1.0, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0}
+    return TargetBundle(config=cfg, audio={}, chat_template=None, embed_tokens=torch.randn(V, H, generator=g),
+                        norm_weight=1 + 0.1 * torch.randn(H, generator=g), lm_head=torch.randn(V, H, generator=g))
+
+
+def _sample(layout):
+    g = torch.Generator().manual_seed(1)
+    return {"sample_id": "s", "source": "t", "audio_seconds": 0.0,
+            "input_ids": torch.randint(4, V, (T,), generator=g).int(), "is_audio": torch.zeros(T, dtype=torch.bool),
+            "loss_mask": torch.ones(T, dtype=torch.bool),
+            "taps": torch.randn(T, layout.n_taps, H, generator=g).bfloat16()}
+
+
+def _perturb(model):
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))  # away from init: selector and convs not identity
+    return model.eval()
+
+
+LAYOUT = Layout(hidden_size=H, num_layers=L, tap_ids=(1, 2, 3), top_k=0, audio_token_id=3)
+
+
+@pytest.mark.parametrize("cls,cfg", [(DFlashDrafter, DFlashConfig(num_layers=2, block_size=5, target_layer_ids=(1, 2))),
+                                     (DFlash2Drafter, DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2),
+                                                                    ce_chunk_size=0))])
+@pytest.mark.parametrize("anchor", [3, 11, T - 2])
+def test_dflash_family_proposals_equal_offline_blocks(cls, cfg, anchor):
+    model = _perturb(cls.build(cfg, _bundle(), LAYOUT))
+    s = _sample(LAYOUT)
+    batch = collate([s])
+    anchors = torch.tensor([[anchor]])
+    with torch.no_grad():
+        if cls is DFlash2Drafter:
+            want = model.draft_blocks(batch, anchors)[0, 0, 1:]
+        else:
+            h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
+            want = model.logits(h[0, 0, 1:]).argmax(-1)
+    propose = make_proposer(model)
+    got, q = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=0.0)
+    assert got.tolist() == want.tolist() and q is None
+    got_s, q_s = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=1.0,
+                         generator=torch.Generator().manual_seed(0))
+    assert q_s.shape == (cfg.block_size - 1, V) and torch.allclose(q_s.sum(-1), torch.ones(cfg.block_size - 1))
+
+
+@pytest.mark.parametrize("anchor", [2, 9, T - 4])
+def test_mtp_proposals_chain_the_heads_like_the_offline_pass(anchor):
+    layout = Layout(hidden_size=H, num_layers=L, tap_ids=(1, L - 1), top_k=0, audio_token_id=3)
+    model = _perturb(MTPDrafter.build(MTPConfig(num_depths=3), _bundle(), layout))
+    s = _sample(layout)
+    propose = make_proposer(model)
+    got, _ = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=0.0)
+    # offline: put the drafted tokens into the sequence; each depth at row anchor-1 must then predict them
+    ids = s["input_ids"].clone()
+    ids[anchor + 1 : anchor + 1 + len(got)] = got.int()
+    with torch.no_grad():
+        h = model.run_depths(collate([{**s, "input_ids": ids}]))["h"]
+        want = [int(model.logits(k + 1, h[k][0, anchor - 1][None]).argmax()) for k in range(3)]
+    assert got.tolist() == want
+
+
+def test_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="no live proposer"):
+        make_proposer(torch.nn.Linear(2, 2))

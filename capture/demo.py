@@ -346,7 +346,6 @@ def prepare_demo(
     size = QUICK if quick else FULL
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    tdir, ddir, dsdir = root / "target", root / "data", root / "dataset"
     info_path = root / "demo.json"
     info: dict[str, Any] = json.loads(info_path.read_text()) if info_path.is_file() else {}
     if info and info.get("quick") != quick:

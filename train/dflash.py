@@ -353,6 +353,24 @@ class DFlashDrafter(Drafter):
             static=cfg.static_anchors, generator=generator, take_all=take_all,
         )
 
+    def kd_teacher(self, batch: dict[str, Any], valid: torch.Tensor, tpos: torch.Tensor, w: torch.Tensor):
+        """Teacher rows anchor+k-1 of the valid slots and their KD weights; (None, None) without KD.
+
+        ``exact``: gather those rows' last hidden -> bundle final norm -> lm_head; ``topk``: the
+        stored rows (a slot whose row was not stored gets weight 0).
+        """
+        cfg = self.config
+        if cfg.kd == "none":
+            return None, None
+        b_idx = torch.arange(valid.shape[0], device=valid.device)[:, None, None].expand_as(valid)[valid]
+        rows = tpos[valid] - 1
+        if cfg.kd == "exact":
+            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
+                                   eps=self.eps, lm_head=self.lm_head, scaling=self.scaling)
+            return teacher, w
+        teacher, has = gather_topk(batch, b_idx, rows)
+        return teacher, w * has.to(w.dtype)
+
     # -- training ----------------------------------------------------------------------------
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         cfg = self.config
@@ -363,23 +381,9 @@ class DFlashDrafter(Drafter):
         h_rows = h[:, :, 1:][valid]  # [R, H]
         y = labels[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
-        teacher, kd_w = None, None
-        if cfg.kd != "none":
-            b_idx = torch.arange(h.shape[0], device=h.device)[:, None, None].expand_as(valid)[valid]
-            rows = tpos[valid] - 1
-            if cfg.kd == "exact":
-                teacher = gather_exact(
-                    batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm, eps=self.eps,
-                    lm_head=self.lm_head, scaling=self.scaling,
-                )
-                kd_w = w
-            else:
-                teacher, has = gather_topk(batch, b_idx, rows)
-                kd_w = w * has.to(w.dtype)
+        teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
         ce, correct, kd = row_losses(h_rows, y, self.lm_head, scaling=self.scaling, chunk_rows=cfg.ce_chunk_size,
                                      teacher=teacher)
-        if cfg.kd == "none":
-            kd_w = None
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

@@ -43,7 +43,6 @@ from train.drafter import AcceptanceCounts, LossOutput
 from train.layers import DecoderLayer
 from train.losses import weighted_terms
 from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss
-from train.teacher import gather_exact, gather_topk
 
 
 @dataclass(frozen=True)
@@ -173,19 +172,12 @@ class DFlash2Drafter(DFlashDrafter):
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         z = self.logits(h_rows)  # dense [R, V], shared by CE, KD and the selector
         ce = F.cross_entropy(z, y, reduction="none")
-        kd, kd_w = None, None
-        if cfg.kd != "none":
-            b_idx = torch.arange(h.shape[0], device=h.device)[:, None, None].expand_as(valid)[valid]
-            rows = tpos[valid] - 1
-            if cfg.kd == "exact":
-                teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                       eps=self.eps, lm_head=self.lm_head, scaling=self.scaling)
-                kd = kl_tv_full(teacher.logits().to(z.dtype), z)[0]
-                kd_w = w
-            else:
-                teacher, has = gather_topk(batch, b_idx, rows)
-                kd = kl_tv_topk(teacher.ids_Rk, teacher.logprobs_Rk, z)[0]
-                kd_w = w * has.to(w.dtype)
+        teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
+        kd = None
+        if cfg.kd == "exact":
+            kd = kl_tv_full(teacher.logits().to(z.dtype), z)[0]
+        elif cfg.kd == "topk":
+            kd = kl_tv_topk(teacher.ids_Rk, teacher.logprobs_Rk, z)[0]
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         T = batch["input_ids"].shape[1]

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from train.config import RunConfig
 from train.data import BatchStream, to_device

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from train.teacher import ExactTeacher, TopKTeacher, teacher_logits
+from train.teacher import ExactTeacher, TopKTeacher
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -41,6 +41,7 @@ Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -19,8 +19,9 @@ A chain of small stages, composed once in :func:`capture_split`:
 Determinism and resume: the sequence of writer calls is a pure function of the inputs and the
 config (window composition never depends on where a run started), and a forward on the same batch
 gives the same bits. A rerun opens the writer, whose ``next_index`` is the first local index not in
-a finished shard; the run restarts at that index's window, recomputes it, and the writer ignores
-indices it already holds. The resumed dataset equals an uninterrupted run sample by sample.
+a finished shard; the run restarts at that index's window and recomputes every batch that holds an
+unfinished index (whole, so its padding and bits are as before); finished indices are not written
+or counted again. The resumed dataset equals an uninterrupted run sample by sample.
 
 Multi-rank: under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) each rank writes its own shards and
 partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
@@ -198,8 +199,8 @@ class Stats:
 class _WriterThread:
     """Consumes (kind, payload) items in order from a bounded queue and drives the DatasetWriter."""
 
-    def __init__(self, writer: DatasetWriter, start: int, cfg: CaptureConfig, stats: Stats, source: str):
-        self.writer, self.start, self.cfg, self.stats, self.source = writer, start, cfg, stats, source
+    def __init__(self, writer: DatasetWriter, cfg: CaptureConfig, stats: Stats, source: str):
+        self.writer, self.cfg, self.stats, self.source = writer, cfg, stats, source
         self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self.error: BaseException | None = None
         self.failed_on: Skip | None = None
@@ -217,7 +218,7 @@ class _WriterThread:
                 continue
 
     def _skip(self, s: Skip) -> None:
-        if s.index < self.start or self._after_failure(s.index):
+        if self.writer.is_done(s.index) or self._after_failure(s.index):
             return
         if s.kind == "error" and self.cfg.on_error == "fail":
             self.failed_on = s  # keep writing the window's earlier indices, stop at its end
@@ -248,14 +249,15 @@ class _WriterThread:
                 if event is not None:
                     event.synchronize()
                 for p, res in zip(batch, results):
-                    if p.index < self.start or self._after_failure(p.index):
+                    if self.writer.is_done(p.index) or self._after_failure(p.index):
                         continue
                     if isinstance(res, NonFiniteError):
                         self._skip(Skip(p.index, p.sample_id, str(res), "error", p.line, p.source))
                         continue
                     sample = {"sample_id": p.sample_id, "source": p.source, "audio_seconds": float(p.audio_seconds),
                               **res}
-                    self.writer.write(sample, p.index)
+                    if not self.writer.write(sample, p.index):
+                        continue
                     st = self.stats
                     st.written += 1
                     st.tokens += int(res["input_ids"].shape[0])
@@ -331,10 +333,10 @@ def capture_split(
                                       rank, world_size))
     first_window = start // cfg.window
     wins = islice(windows(items, cfg.window), first_window, None)
-    wt = _WriterThread(writer, start, cfg, stats, spec)
+    wt = _WriterThread(writer, cfg, stats, spec)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
-    done = min(start, total)
+    done = min(writer.num_done, total)
     try:
         with _progress(cfg, split, total) as bar:
             task = bar.add_task(split, total=total, completed=done, rates="")
@@ -345,20 +347,24 @@ def capture_split(
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, cfg)
-                errors = [s.index for s in plan.skips if s.kind == "error" and s.index >= start]
+                # finished indices need not be a prefix (bucketing: a shard can hold index 5 while 3 was lost)
+                skips = [s for s in plan.skips if not writer.is_done(s.index)]
+                errors = [s.index for s in skips if s.kind == "error"]
                 fail_at = min(errors) if errors and cfg.on_error == "fail" else None
-                wt.put(("skips", plan.skips))
-                done += sum(1 for s in plan.skips if s.index >= start)
+                wt.put(("skips", skips))
+                done += len(skips)
                 for batch in plan.batches:
                     if wt.error is not None or not wt.thread.is_alive():
                         break
-                    if all(p.index < start for p in batch) or (fail_at is not None and batch[0].index > fail_at):
+                    # a batch is recomputed whole (its padding shapes the bits) unless all of it is done
+                    todo = sum(1 for p in batch if not writer.is_done(p.index))
+                    if not todo or (fail_at is not None and batch[0].index > fail_at):
                         continue
                     results = run_batch(target, batch, tap_ids=layout.tap_ids, top_k=layout.top_k,
                                         final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds,
                                         row_chunk=cfg.row_chunk)
                     wt.put(("batch", (batch, *to_host(results))))
-                    done += sum(1 for p in batch if p.index >= start)
+                    done += todo
                     bar.update(task, completed=done, rates=_rates(stats, t0))
                 wt.put(("end", None))
                 if fail_at is not None or wt.error is not None or not wt.thread.is_alive():

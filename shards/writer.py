@@ -257,6 +257,15 @@ class DatasetWriter:
             i += 1
         return i
 
+    @property
+    def num_done(self) -> int:
+        """Inputs already in finished shards or recorded skips."""
+        return len(self._done)
+
+    def is_done(self, index: int) -> bool:
+        """Whether ``index`` is already in a finished shard or a recorded skip (a resume need not redo it)."""
+        return index in self._done
+
     def _check_index(self, index: int) -> bool:
         if self._closed:
             raise ValueError(f"writer for {self.split} rank {self.rank} is closed; open a new DatasetWriter to resume")

@@ -113,6 +113,10 @@ def capture(
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
     shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size (bytes)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    responses_from_target: bool = typer.Option(
+        None, "--responses-from-target/--responses-from-elsewhere",
+        help="Record whether the assistant turns are the target's own greedy replies (offline tau is then exact "
+             "for greedy decoding). Unrecorded by default."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
@@ -131,6 +135,7 @@ def capture(
         format=format, top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
         audio_embeds=audio_embeds, batch_tokens=batch_tokens, shard_bytes=shard_bytes, device=device,
+        responses_from_target=responses_from_target,
     )
     typer.echo(summary(run_capture(cfg)))
 

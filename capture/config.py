@@ -79,6 +79,9 @@ class CaptureConfig:
     """Batches in flight between compute and the background writer (bounds host memory)."""
     progress: bool = True
     """Show a progress bar."""
+    responses_from_target: bool | None = None
+    """Whether the assistant turns are the target's own greedy replies (then offline tau is exact for
+    greedy decoding); None when unknown. Recorded in the manifest for the evaluator."""
 
     def __post_init__(self) -> None:
         if not self.data:

@@ -385,6 +385,7 @@ def _prepare(root: Path, size: DemoSize, quick: bool, regenerate: bool, seed: in
         target=str(tdir.resolve()), out=str(dsdir),
         data=(("train", str((ddir / "train.jsonl").resolve())), ("validation", str((ddir / "validation.jsonl").resolve()))),
         draft_layers=2, top_k=16 if quick else 32, batch_tokens=4096, window=256, progress=progress,
+        responses_from_target=regenerate,
     )
     if capture_overrides:
         cfg = replace(cfg, **capture_overrides)

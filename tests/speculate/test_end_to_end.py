@@ -14,6 +14,7 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     off, live = r["offline"], r["live"]
     B = off["block_size"]
     assert 1.0 <= off["tau"] <= B and len(off["alpha"]) == B - 1
+    assert off["responses_by_target"] is True  # the demo replies are the target's own; the manifest says so
     assert live["samples"] == 4 and live["matches_greedy"] == "4/4"  # speculative greedy == target greedy
     assert 1.0 <= live["tau"] <= B
     assert (tmp_path / "demo" / "export" / "dflash" / "model.safetensors").is_file()

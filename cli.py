@@ -171,5 +171,14 @@ def speculate(
     typer.echo(format_result(run_speculate(cfg)))
 
 
+def main() -> None:
+    """Console entry point: user errors (bad input, missing files) print one clear line, exit code 2."""
+    try:
+        app()
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -103,18 +103,23 @@ class DecodeResult:
     tokens: list[int]
     """Emitted tokens (eos included when it was produced)."""
     accepted: list[int] = field(default_factory=list)
-    """Drafts accepted in each verification round."""
+    """Accepted drafts that were emitted, per verification round (none past eos or the token limit)."""
+    emitted: list[int] = field(default_factory=list)
+    """Tokens emitted per verification round: accepted drafts + the target's bonus token, except in a
+    round cut short by eos or the token limit."""
+    cut: list[bool] = field(default_factory=list)
+    """Whether the round ended at eos or the token limit (drafts after that were never judged)."""
     proposed: int = 0
     """Drafts proposed per round (block size - 1)."""
 
     @property
     def target_forwards(self) -> int:
-        return len(self.accepted)
+        return len(self.emitted)
 
     @property
     def tau(self) -> float:
-        """Tokens per verifying target forward (accepted drafts + the bonus token)."""
-        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+        """Tokens emitted per verifying target forward."""
+        return sum(self.emitted) / len(self.emitted) if self.emitted else float("nan")
 
 
 def sampled_step(p_V: torch.Tensor, q_V: torch.Tensor, draft: int, generator: torch.Generator | None) -> int | None:
@@ -179,14 +184,36 @@ def speculative_generate(
         if nxt is None:
             nxt = pick(logits[a])
         session.crop(P + a + 1)
-        out.accepted.append(a)
-        emitted = [int(t) for t in drafts[:a]] + [nxt]
-        for t in emitted:
+        n, cut = 0, False
+        for t in [int(t) for t in drafts[:a]] + [nxt]:
             out.tokens.append(t)
+            n += 1
             if t == eos_token_id or len(out.tokens) >= max_new_tokens:
+                cut = True
                 break
+        out.emitted.append(n)
+        out.accepted.append(min(a, n))  # drafts accepted past eos are never emitted: not counted
+        out.cut.append(cut)
         x = out.tokens[-1]
     return out
+
+
+def acceptance_by_position(results: list[DecodeResult], K: int) -> list[float]:
+    """alpha_k = P(draft k accepted | drafts 1..k-1 accepted), over rounds where draft k was judged.
+
+    A round cut short by eos or the token limit after ``m`` emitted tokens never judged the drafts
+    beyond them; those positions are left out rather than counted as rejections.
+    """
+    acc = [0] * K
+    seen = [0] * K
+    for r in results:
+        for a, cut in zip(r.accepted, r.cut):
+            for k in range(1, K + 1):
+                if a < k - 1 or (cut and a < k):
+                    break
+                seen[k - 1] += 1
+                acc[k - 1] += a >= k
+    return [x / n if n else float("nan") for x, n in zip(acc, seen)]
 
 
 def target_greedy(lm: nn.Module, inputs_embeds_TH: torch.Tensor, *, max_new_tokens: int,

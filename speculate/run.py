@@ -5,8 +5,9 @@ before the last supervised run, which is exactly what the chat template's genera
 gives), audio expanded by the target as in capture. The target then decodes with the drafter
 proposing, and the report gives:
 
-    tau                tokens per verifying target forward (accepted drafts + 1), over all rounds
-    alpha@k            P(draft k accepted | drafts 1..k-1 accepted), from the accepted counts
+    tau                tokens emitted per verifying target forward (accepted drafts + the bonus token;
+                       nothing past eos counts), over all rounds
+    alpha@k            P(draft k accepted | drafts 1..k-1 accepted), over rounds that judged draft k
     matches_greedy     greedy only: the output equals the target's own greedy decoding (it must)
     offline_tau        the run's offline estimate (eval.json in the run directory), when present
 
@@ -31,7 +32,7 @@ import torch
 from capture.inputs import BadInput, read_inputs
 from capture.targets import Target, load_target
 from shards.bundle import bundle_fingerprint
-from speculate.decode import TargetSession, speculative_generate, target_greedy
+from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
 from speculate.proposers import make_proposer
 from train.evaluate import load_trained
 
@@ -98,7 +99,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     eos = target.bundle_config().get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     gen = torch.Generator().manual_seed(cfg.seed)
-    accepted: list[int] = []
+    results = []
     K = 0
     n = matches = tokens = 0
     spec_s = plain_s = 0.0
@@ -118,7 +119,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
             max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, temperature=cfg.temperature, generator=gen,
         )
         spec_s += time.perf_counter() - t0
-        accepted += out.accepted
+        results.append(out)
         K = max(K, out.proposed)
         tokens += len(out.tokens)
         if cfg.temperature == 0 and cfg.check_greedy:
@@ -134,19 +135,16 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
         bar.close()
     if n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
-    a = torch.tensor(accepted, dtype=torch.float64)
-    alpha = []
-    for k in range(1, K + 1):
-        reached = int((a >= k - 1).sum())
-        alpha.append(float((a >= k).sum()) / reached if reached else float("nan"))
+    rounds = sum(r.target_forwards for r in results)
+    emitted = sum(sum(r.emitted) for r in results)
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "samples": n,
         "tokens": tokens,
-        "rounds": len(accepted),
+        "rounds": rounds,
         "drafts_per_round": K,
-        "tau": 1.0 + float(a.mean()) if len(accepted) else float("nan"),
-        "alpha": alpha,
+        "tau": emitted / rounds if rounds else float("nan"),
+        "alpha": acceptance_by_position(results, K),
         "seconds_speculative": round(spec_s, 3),
     }
     if cfg.temperature == 0 and cfg.check_greedy:

@@ -1,10 +1,19 @@
 """Speculative decoding with a live target: greedy output is the target's own; sampling keeps its law."""
 
+import math
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from speculate.decode import TargetSession, sampled_step, speculative_generate, target_greedy
+from speculate.decode import (
+    DecodeResult,
+    TargetSession,
+    acceptance_by_position,
+    sampled_step,
+    speculative_generate,
+    target_greedy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +109,23 @@ def test_rejection_step_preserves_the_target_distribution():
         r = sampled_step(p, q, d, g)
         counts[d if r is None else r] += 1
     assert torch.allclose(counts / n, p, atol=0.015), counts / n
+
+
+def test_drafts_accepted_past_eos_are_not_counted(lm):
+    ids, emb = _prompt(lm, seed=3)
+    ref = target_greedy(lm, emb, max_new_tokens=21, eos_token_id=None)
+    eos = ref[3]  # the oracle's first round drafts ref[1..4]; eos is its third draft
+    assert eos not in ref[:3]
+    out = speculative_generate(TargetSession(lm, [1]), emb, ids, _oracle_proposer(lm, 4), max_new_tokens=21,
+                               eos_token_id=eos)
+    assert out.tokens == ref[:4]
+    assert out.emitted == [3] and out.accepted == [3] and out.cut == [True]
+    assert out.tau == 3.0  # 3 tokens for one target forward, not 1 + 4 accepted drafts
+
+
+def test_acceptance_by_position_leaves_out_unjudged_drafts():
+    r = DecodeResult(tokens=[], accepted=[0, 2, 3, 1], emitted=[1, 3, 3, 1], cut=[False, False, True, True])
+    # round 1 rejects draft 1; round 2 accepts 1-2, rejects 3; round 3 accepts 1-3 then stops at eos;
+    # round 4 accepted draft 1 (emitted as the last token), nothing after it was judged
+    alpha = acceptance_by_position([r], 4)
+    assert alpha[:3] == [3 / 4, 2 / 2, 1 / 2] and math.isnan(alpha[3])  # draft 4 was never judged

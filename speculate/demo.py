@@ -33,7 +33,7 @@ QUICK_OVERRIDES = ("max_steps=30", "log_every=10", "ckpt_every=30")
 
 
 def run_demo(workdir: str | Path, *, quick: bool = False, progress: bool = True,
-             live_samples: int = 24) -> dict[str, Any]:
+             live_samples: int = 120) -> dict[str, Any]:
     """Run (or finish) the demo in ``workdir``; returns every figure ``format_demo`` prints."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the demo's models are tiny: one thread is faster than two on 2 cores
@@ -86,6 +86,7 @@ def format_demo(r: dict[str, Any]) -> str:
         f"  loss {r['train_loss'][0]:.3f} -> {r['train_loss'][1]:.3f}",
         f"  offline acceptance length tau = {off['tau']:.3f} (of at most {B}) on {off['samples']} "
         f"{off['split']} samples; plot: {off.get('plot', '-')}",
+        f"  offline replay of decoding rounds: tau = {off['tau_replayed']:.3f} (what live decoding should give)",
         f"  live speculative decoding: tau = {live['tau']:.3f} tokens per target forward over "
         f"{live['samples']} conversations; identical to the target's greedy output: {live.get('matches_greedy')}",
         f"  exported for serving: {r['export']}",

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.dflash import DFlashConfig, DFlashDrafter, _metrics, acceptance_counts
+from train.dflash import DFlashConfig, DFlashDrafter, _metrics, _with_rounds, acceptance_counts
 from train.divergences import kl_tv_full, kl_tv_topk
 from train.drafter import AcceptanceCounts, LossOutput
 from train.layers import DecoderLayer
@@ -219,7 +219,8 @@ class DFlash2Drafter(DFlashDrafter):
         anchors, vblk = self._anchors(batch, generator, take_all=True)
         drafted = self.draft_blocks(batch, anchors)
         labels, valid, _ = self._targets(batch, anchors, vblk)
-        return acceptance_counts(drafted[:, :, 1:] == labels, valid)
+        correct = drafted[:, :, 1:] == labels
+        return _with_rounds(acceptance_counts(correct, valid), batch, anchors, correct, valid)
 
     # -- export ------------------------------------------------------------------------------
     def export_config(self) -> dict[str, Any]:

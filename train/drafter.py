@@ -59,6 +59,10 @@ class AcceptanceCounts:
     exists and is supervised). The conditional acceptance alpha_k = accepted / reached, and
     tau = 1 + sum_k prod_{j<=k} alpha_j.
     ``correct[k-1]`` / ``valid[k-1]``: unconditional per-position accuracy.
+    ``round_tokens`` / ``rounds``: greedy decoding replayed on the dataset (optional, 0 when a family
+    does not replay): each reply decoded round by round from its first token, every round anchored
+    where the previous one stopped, as a live decoder would; tokens emitted per round is then
+    comparable with live decoding (uniform anchors overweight the easy positions inside a reply).
     """
 
     accepted: torch.Tensor
@@ -66,6 +70,8 @@ class AcceptanceCounts:
     correct: torch.Tensor
     valid: torch.Tensor
     blocks: int = 0
+    round_tokens: int = 0
+    rounds: int = 0
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         return AcceptanceCounts(
@@ -74,6 +80,8 @@ class AcceptanceCounts:
             self.correct + other.correct,
             self.valid + other.valid,
             self.blocks + other.blocks,
+            self.round_tokens + other.round_tokens,
+            self.rounds + other.rounds,
         )
 
 

@@ -109,7 +109,8 @@ def evaluate(
             break
         n += len(batch["sample_id"])
         acc = model.acceptance(to_device(batch, device))
-        acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks)
+        acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
+                               acc.round_tokens, acc.rounds)
         total = acc if total is None else total + acc
     if total is None:
         raise ValueError(f"{src.where} split {split!r} gave no samples with supervised tokens to evaluate")
@@ -135,6 +136,7 @@ def evaluate(
         "blocks": int(total.blocks),
         "block_size": int(total.accepted.shape[0]) + 1,
         "tau": tau_from_alpha(alpha),
+        "tau_replayed": total.round_tokens / total.rounds if total.rounds else None,
         "alpha": alpha,
         "accuracy": acc_k,
         "reached": [int(x) for x in total.reached],
@@ -182,6 +184,11 @@ def format_result(result: dict[str, Any]) -> str:
         f"tau = {result['tau']:.3f}  ({result['family']}, step {result['step']}, split {result['split']}, "
         f"{result['samples']} samples, {result['blocks']} blocks)",
         "alpha_k: " + " ".join(f"{a:.2f}" for a in result["alpha"]),
+    ]
+    if result.get("tau_replayed") is not None:
+        lines.append(f"tau replayed round by round from each reply's start (comparable with live decoding) = "
+                     f"{result['tau_replayed']:.3f}")
+    lines += [
         f"note: {result['note']}",
     ]
     if result.get("plot"):

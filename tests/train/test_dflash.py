@@ -186,3 +186,29 @@ def test_config_validation_and_resolve(setup):
         DFlashDrafter.build(DFlashConfig(kd="topk"), bundle, tiny_layout(bundle, top_k=0))
     with pytest.raises(ValueError, match="final_hidden"):
         DFlashDrafter.build(DFlashConfig(kd="exact"), bundle, tiny_layout(bundle, tap_ids=(1, 2)))
+
+
+def test_replay_rounds_walks_a_reply_like_a_live_decoder():
+    from train.dflash import replay_rounds
+
+    # one reply at positions 2..9 (8 tokens); K = 3 drafts per round; anchors at every reply position
+    lm = torch.zeros(1, 12, dtype=torch.bool)
+    lm[0, 2:10] = True
+    anchors = torch.arange(2, 10)[None]
+    T = anchors.shape[1]
+    valid = torch.zeros(1, T, 3, dtype=torch.bool)
+    for n, p in enumerate(range(2, 10)):
+        for k in range(3):
+            valid[0, n, k] = p + k + 1 <= 9  # slot k predicts p + k + 1, supervised up to 9
+    correct = torch.ones(1, T, 3, dtype=torch.bool)
+    correct[0, 0, 1] = False  # at anchor 2: slot 1 right, slot 2 wrong -> emit 2, next anchor 4
+    correct[0, 2, 0] = False  # at anchor 4: slot 0 wrong -> emit 1, next anchor 5
+    # anchor 5: all 3 right and the block is full -> emit 4, next anchor 9: no valid slot -> reply ends
+    tokens, rounds = replay_rounds(lm, anchors, correct, valid)
+    assert (tokens, rounds) == (2 + 1 + 4, 3)
+    # a reply whose last round is cut by its end: anchor 8 has one valid slot, right -> emit 1 and stop
+    correct2 = torch.ones(1, T, 3, dtype=torch.bool)
+    correct2[0, 0, 0] = False  # anchor 2 -> emit 1, next 3
+    correct2[0, 1, 2] = False  # anchor 3: 2 right -> emit 3, next 6
+    correct2[0, 4, 1] = False  # anchor 6: 1 right -> emit 2, next 8; anchor 8: 1 valid, right -> emit 1
+    assert replay_rounds(lm, anchors, correct2, valid) == (1 + 3 + 2 + 1, 4)

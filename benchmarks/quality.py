@@ -76,6 +76,7 @@ def main() -> None:
             "recipe": recipe, "steps": steps, "block_size": res["block_size"],
             "tau": round(res["tau"], 4), "tau_untrained": round(base["tau"], 4),
             "tau_gain": round(res["tau"] - base["tau"], 4),
+            "tau_replayed": None if res.get("tau_replayed") is None else round(res["tau_replayed"], 4),
             "alpha": [round(a, 4) for a in res["alpha"]],
             "train_seconds": round(train_s, 2), "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
             "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
@@ -87,13 +88,14 @@ def main() -> None:
             row["tau_sampled"] = round(sampled["tau_sampled"], 4)
             row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
         rows.append(row)
+        replayed = "" if row["tau_replayed"] is None else f"  replayed {row['tau_replayed']:.3f}"
         print(f"{recipe:10s} B={row['block_size']:2d} steps={steps:4d}  tau {row['tau']:.3f} (untrained "
-              f"{row['tau_untrained']:.3f}, +{row['tau_gain']:.3f})  train {row['train_seconds']:.1f}s  "
+              f"{row['tau_untrained']:.3f}, +{row['tau_gain']:.3f}){replayed}  train {row['train_seconds']:.1f}s  "
               f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "quality",
-        "what": "offline teacher-forced greedy tau of DFlash drafters on the demo target's validation split",
+        "what": "offline teacher-forced greedy tau (uniform anchors; DFlash families also replayed round by round) of drafters on the demo target's validation split",
         "demo": {"quick": args.quick, "workdir": str(args.workdir), "prepare_seconds": round(prep_s, 2),
                  "dataset": str(dataset)},
         "results": rows,

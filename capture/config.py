@@ -32,7 +32,7 @@ class CaptureConfig:
     """One capture run: target, inputs, what to store, how to batch and write it."""
 
     target: str
-    """Target directory: a SALM (salm_config.json) or an HF causal LM (config.json)."""
+    """Target directory: a SALM (salm_config.json), an HF-native speech LLM (Qwen2-Audio) or an HF causal LM."""
     out: str
     """Dataset directory to create or resume."""
     data: tuple[tuple[str, str], ...]

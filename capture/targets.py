@@ -13,7 +13,8 @@ surface here, before any compute) and (2) embed a batch of them into expanded in
   (peak [row_chunk, vocab] float32, 0.6 GB for 1024 x 152k).
 
 Adapters: :class:`SALMTarget` (capture.salm), :class:`CausalLMTarget` (any HF causal LM,
-text-only conversations). Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
+text-only conversations), :class:`capture.hf_native.HFSpeechTarget` (HF-native speech LLMs whose
+processor expands the audio token: Qwen2-Audio). Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
 """
 
 from __future__ import annotations
@@ -97,12 +98,17 @@ class Target(ABC):
         return len(self.layers)
 
     @property
+    def lm_config(self) -> Any:
+        """The decoder's config (the text config of a composite speech-LLM config)."""
+        return self.lm.config.get_text_config()
+
+    @property
     def hidden_size(self) -> int:
-        return int(self.lm.config.hidden_size)
+        return int(self.lm_config.hidden_size)
 
     @property
     def logits_scaling(self) -> float:
-        return float(getattr(self.lm.config, "logits_scaling", None) or 1.0)
+        return float(getattr(self.lm_config, "logits_scaling", None) or 1.0)
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +128,7 @@ class Target(ABC):
         return ids, mask
 
     def bundle_config(self) -> dict[str, Any]:
-        c = self.lm.config
+        c = self.lm_config
         rope = getattr(c, "rope_parameters", None) or {}
         eos = getattr(c, "eos_token_id", None)
         if eos is None:
@@ -263,14 +269,25 @@ class CausalLMTarget(Target):
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """A SALM directory (salm_config.json) or an HF causal-LM directory (config.json + tokenizer files)."""
+    """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
+
+    The kind comes from config.json's ``model_type``: one of ``capture.hf_native.NATIVE_MODEL_TYPES``
+    loads with its processor, anything else as a causal LM with its tokenizer.
+    """
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"target directory {root} does not exist")
     if (root / "salm_config.json").is_file():
         return SALMTarget(SALM.from_pretrained(root, dtype=dtype, device=device), root)
     if (root / "config.json").is_file():
+        import json
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from capture.hf_native import NATIVE_MODEL_TYPES, load_native
+
+        if json.loads((root / "config.json").read_text()).get("model_type") in NATIVE_MODEL_TYPES:
+            return load_native(root, dtype=dtype, device=device)
 
         lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)

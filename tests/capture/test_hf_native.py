@@ -1,0 +1,170 @@
+"""HF-native speech LLM adapter (Qwen2-Audio): processor expansion, the model's own merge, taps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from capture.hf_native import HFSpeechTarget
+from capture.inputs import AudioRef, Conversation
+from capture.salm import build_word_tokenizer
+from capture.targets import load_target, run_batch
+
+AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "."]
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Qwen2-Audio + its processor, built from configs and saved (no downloads)."""
+    from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
+                              WhisperFeatureExtractor)
+
+    tok = build_word_tokenizer(WORDS)
+    tok.add_tokens(AUDIO_TOKENS, special_tokens=True)
+    cfg = Qwen2AudioConfig(
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                          num_mel_bins=128),
+        text_config=dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
+        audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"),
+    )
+    torch.manual_seed(0)
+    model = Qwen2AudioForConditionalGeneration(cfg).eval()
+    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
+    proc = Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok, chat_template=tok.chat_template)
+    d = tmp_path_factory.mktemp("qwen2_audio")
+    model.save_pretrained(d)
+    proc.save_pretrained(d)
+    torch.save(model.state_dict(), d.parent / "qwen2_audio_reference.pt")
+    return d
+
+
+@pytest.fixture()
+def target(qwen2_audio_dir) -> HFSpeechTarget:
+    t = load_target(qwen2_audio_dir)
+    assert isinstance(t, HFSpeechTarget)
+    return t
+
+
+def _conv(sid, n_samples, seed, reply="you said one two ."):
+    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
+    return Conversation(sid, "mem", [{"role": "user", "content": "<|AUDIO|> what did i say ?"},
+                                     {"role": "assistant", "content": reply}],
+                        [AudioRef(array=wave, sample_rate=16000)])
+
+
+def _processor_inputs(target, conv):
+    text = target.tokenizer.apply_chat_template(target._wrap(conv.messages), tokenize=False)
+    waves = [a.array for a in conv.audios]
+    return target.processor(text=text, audio=waves, sampling_rate=16000, return_tensors="pt")
+
+
+def _own_forward(target, inputs):
+    """The model's own forward on the processor's inputs, float32 outputs of every decoder layer."""
+    out: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+             for j, layer in enumerate(target.layers)]
+    try:
+        logits = target.model(**inputs).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, logits
+
+
+def test_load_target_round_trip(qwen2_audio_dir, target):
+    ref = torch.load(qwen2_audio_dir.parent / "qwen2_audio_reference.pt")
+    got = target.model.state_dict()
+    assert set(got) == set(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    assert target.placeholder == "<|AUDIO|>"
+    assert target.audio_token_id == target.tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    assert target.num_layers == 3 and target.hidden_size == 32 and target.tokenizer_dir == qwen2_audio_dir
+    parts = target.bundle_parts()
+    assert parts["config"]["hidden_size"] == 32 and parts["config"]["vocab_size"] == len(target.tokenizer)
+    assert parts["audio"]["audio_token_id"] == target.audio_token_id and parts["audio"]["frame_seconds"] == 0.04
+
+
+def test_taps_equal_the_models_own_forward(target):
+    L = target.num_layers
+    convs = [_conv("a", 20000, 0), _conv("b", 7000, 1, "you said three .")]
+    batch = [target.prepare(c, i) for i, c in enumerate(convs)]
+    assert batch[0].length != batch[1].length  # the batch is padded
+    with torch.no_grad():
+        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4, final_hidden=True)
+        for c, p, r in zip(convs, batch, res):
+            inputs = _processor_inputs(target, c)
+            assert p.length == inputs["input_ids"].shape[1]  # expanded length = the processor's
+            assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()
+            assert r["is_audio"].tolist() == (inputs["input_ids"][0] == target.audio_token_id).tolist()
+            hs, logits = _own_forward(target, inputs)
+            for i in range(L):
+                torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
+                                           rtol=0.02, atol=0.02)
+            torch.testing.assert_close(r["final_hidden"].float(), hs[L - 1][0].to(torch.bfloat16).float(),
+                                       rtol=0.02, atol=0.02)
+            ref = torch.log_softmax(logits[0].double(), dim=-1)[r["topk_rows"].long()]
+            torch.testing.assert_close(r["topk_logprobs"].double(), ref.topk(4, dim=-1).values, rtol=1e-4, atol=1e-4)
+
+
+def test_merge_equals_the_models_inputs_embeds(target):
+    """The adapter's merged embeddings are exactly what the model's forward feeds its decoder."""
+    c = _conv("a", 12000, 3)
+    p = target.prepare(c, 0)
+    seen = {}
+    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]),
+                                                 with_kwargs=True)
+    with torch.no_grad():
+        try:
+            target.model(**_processor_inputs(target, c))
+        finally:
+            h.remove()
+        ex = target.embed([p])[0]
+    torch.testing.assert_close(ex.inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+    assert int(ex.is_audio.sum()) > 1 and (ex.input_ids[ex.is_audio] == target.audio_token_id).all()
+
+
+def test_loss_mask_covers_only_assistant_text(target):
+    p = target.prepare(_conv("a", 16000, 0, "you said two three ."), 0)
+    ex = target.embed([p])[0]
+    assert not (ex.loss_mask & ex.is_audio).any()
+    supervised = target.tokenizer.convert_ids_to_tokens(ex.input_ids[ex.loss_mask].tolist())
+    assert supervised == ["you", "said", "two", "three", ".", "<|im_end|>"]
+    # the supervised tokens are the last turn's: nothing before the assistant header is marked
+    first = int(torch.nonzero(ex.loss_mask)[0])
+    assert target.tokenizer.convert_ids_to_tokens(ex.input_ids[first - 2 : first].tolist()) == ["<|im_start|>", "assistant"]
+
+
+def test_audio_count_mismatch_is_an_input_error(target):
+    c = _conv("a", 16000, 0)
+    c.audios = c.audios * 2
+    with pytest.raises(ValueError, match="audio token"):
+        target.prepare(c, 0)
+
+
+def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest, tmp_path):
+    from capture.config import CaptureConfig
+    from capture.inputs import read_jsonl
+    from capture.pipeline import capture
+    from shards.reader import open_dataset
+    from shards.verify import verify_dataset
+
+    cfg = CaptureConfig(target=str(qwen2_audio_dir), out=str(tmp_path / "ds"), data=(("train", str(tone_manifest)),),
+                        top_k=4, window=4, batch_tokens=400, shard_bytes=20000, progress=False)
+    m = capture(cfg)
+    assert m["complete"] and m["splits"]["train"]["samples"] == 10
+    assert verify_dataset(str(tmp_path / "ds"), progress=False).ok
+    ds = open_dataset(str(tmp_path / "ds"))
+    got = {s["sample_id"]: s for s in (ds.sample("train", i) for i in range(ds.num_samples("train")))}
+    target = load_target(qwen2_audio_dir)
+    conv = list(read_jsonl(tone_manifest, placeholder=target.placeholder))[3]
+    ref = run_batch(target, [target.prepare(conv, 0)], tap_ids=m["layout"]["tap_ids"], top_k=4)[0]
+    s = got["u3"]
+    assert torch.equal(s["input_ids"], ref["input_ids"]) and torch.equal(s["loss_mask"], ref["loss_mask"])
+    assert int(s["is_audio"].sum()) > 0 and m["extra"]["audio_token_id"] == target.audio_token_id
+    torch.testing.assert_close(s["taps"].float(), ref["taps"].float(), rtol=0.02, atol=0.02)

@@ -111,6 +111,10 @@ class HFSpeechTarget(Target):
         waves, seconds = [], 0.0
         for ref in conv.audios:
             w, s = load_audio(ref, target_sr=self.sample_rate, min_sr=MIN_SAMPLE_RATE)
+            limit = int(self.processor.feature_extractor.n_samples)
+            if w.shape[0] > limit:  # the feature extractor would silently cut it
+                raise ValueError(f"audio {ref.path or '<array>'} is {s:.1f}s; the encoder takes at most "
+                                 f"{limit / self.sample_rate:.0f}s per audio: split it")
             waves.append(w)
             seconds += s
         text = self.tokenizer.apply_chat_template(wrapped.messages, tokenize=False)

@@ -145,6 +145,8 @@ def test_audio_count_mismatch_is_an_input_error(target):
     c.audios = c.audios * 2
     with pytest.raises(ValueError, match="audio token"):
         target.prepare(c, 0)
+    with pytest.raises(ValueError, match="at most 30s"):  # never truncated silently
+        target.prepare(_conv("long", 16000 * 31, 0), 0)
 
 
 def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest, tmp_path):

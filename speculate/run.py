@@ -15,7 +15,7 @@ proposing, and the report gives:
 Live tau sits below the uniform-anchor offline tau: rounds start right after a rejection, at the
 hard tokens, and a round near the end of a reply can accept only what is left of it. The offline
 replay (``tau_replayed``) walks the same rounds on the dataset and matches live decoding when the
-replies are the target's own (demo, 120 replies: live 2.827, replay 2.833, uniform anchors 4.366).
+replies are the target's own (demo, 120 replies: live 2.827, replay 2.827, uniform anchors 4.366).
 
 The live target must be the one the dataset was captured from: its bundle fingerprint is
 recomputed from the loaded model and compared with the drafter's.

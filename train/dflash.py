@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from shards.taps import default_tap_ids, to_vllm
-from train.drafter import AcceptanceCounts, Drafter, LossOutput
+from train.drafter import AcceptanceCounts, Drafter, LossOutput, replay_rounds
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask
@@ -216,43 +216,6 @@ def sample_anchors(
         valid = torch.cat([valid, valid.new_zeros(Bs, N - k)], 1)
     dev = loss_mask_BT.device
     return anchors.to(dev), valid.to(dev)
-
-
-def replay_rounds(
-    loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor, correct_BNK: torch.Tensor, valid_BNK: torch.Tensor,
-) -> tuple[int, int]:
-    """Greedy speculative decoding replayed on teacher-forced block outcomes -> (tokens, rounds).
-
-    Every supervised run (a reply) is decoded from its first token: a round at anchor p accepts
-    the leading correct slots a of its valid ones; with a < valid it emits a + 1 tokens (the
-    target's correction) and the next round is anchored at p + a + 1; when every valid slot is
-    right it emits them (+1 when the block was full) and the reply ends unless the block was full.
-    A round needs its anchor among ``anchors`` with a valid slot; otherwise the reply has ended.
-    """
-    K = correct_BNK.shape[-1]
-    ok = (correct_BNK.bool() & valid_BNK).cpu()
-    nvalid = valid_BNK.long().cumprod(-1).sum(-1).cpu()  # leading valid slots
-    lead = ok.long().cumprod(-1).sum(-1)  # leading correct slots
-    lm = loss_mask_BT.bool().cpu()
-    tokens = rounds = 0
-    for b in range(anchors_BN.shape[0]):
-        row = {int(p): n for n, p in enumerate(anchors_BN[b].tolist()) if int(nvalid[b, n]) > 0}
-        starts = [t for t in range(lm.shape[1]) if lm[b, t] and (t == 0 or not lm[b, t - 1])]
-        for p in starts:
-            while p in row:
-                n = row[p]
-                a, v = int(lead[b, n]), int(nvalid[b, n])
-                rounds += 1
-                if a < v:
-                    tokens += a + 1
-                    p += a + 1
-                elif v == K:
-                    tokens += K + 1
-                    p += K + 1
-                else:
-                    tokens += v
-                    break
-    return tokens, rounds
 
 
 def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> AcceptanceCounts:

@@ -219,6 +219,44 @@ def reduce_metrics(
     return {n: (float(flat[i, 0]), float(flat[i, 1])) for i, n in enumerate(names)}
 
 
+def replay_rounds(
+    loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor, correct_BNK: torch.Tensor, valid_BNK: torch.Tensor,
+) -> tuple[int, int]:
+    """Greedy speculative decoding replayed on teacher-forced block outcomes -> (tokens, rounds).
+
+    Every supervised run (a reply) is decoded from its first token: a round at anchor p accepts
+    the leading correct slots a of its valid ones; with a < valid it emits a + 1 tokens (the
+    target's correction) and the next round is anchored at p + a + 1; when every valid slot is
+    right it emits them, plus the target's next token when the reply goes on past the block (then
+    the next round is anchored there), else the reply has ended.
+    A round needs its anchor among ``anchors`` with a valid slot; otherwise the reply has ended.
+    """
+    K = correct_BNK.shape[-1]
+    ok = (correct_BNK.bool() & valid_BNK).cpu()
+    nvalid = valid_BNK.long().cumprod(-1).sum(-1).cpu()  # leading valid slots
+    lead = ok.long().cumprod(-1).sum(-1)  # leading correct slots
+    lm = loss_mask_BT.bool().cpu()
+    tokens = rounds = 0
+    for b in range(anchors_BN.shape[0]):
+        row = {int(p): n for n, p in enumerate(anchors_BN[b].tolist()) if int(nvalid[b, n]) > 0}
+        starts = [t for t in range(lm.shape[1]) if lm[b, t] and (t == 0 or not lm[b, t - 1])]
+        for p in starts:
+            while p in row:
+                n = row[p]
+                a, v = int(lead[b, n]), int(nvalid[b, n])
+                rounds += 1
+                if a < v:
+                    tokens += a + 1
+                    p += a + 1
+                elif v == K and p + K + 1 < lm.shape[1] and lm[b, p + K + 1]:
+                    tokens += K + 1  # a full block and the reply goes on: the target adds its token
+                    p += K + 1
+                else:
+                    tokens += v  # the last draft was the reply's last token (eos): nothing follows
+                    break
+    return tokens, rounds
+
+
 def tau_from_alpha(alpha: list[float]) -> float:
     """Acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j (alpha_k conditional per position)."""
     tau, run = 1.0, 1.0

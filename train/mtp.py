@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
-from train.drafter import AcceptanceCounts, Drafter, LossOutput
+from train.drafter import AcceptanceCounts, Drafter, LossOutput, replay_rounds
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding, rms_norm
 from train.teacher import last_hidden, teacher_logits
 
@@ -447,7 +447,16 @@ class MTPDrafter(Drafter):
                                       self.config.chunk_rows)
                 hit[rows] = p == tgt[rows]
             hits.append(hit)
-        return chain_counts(run["targets"], hits)
+        counts = chain_counts(run["targets"], hits)
+        # replay: a live round anchored at position p (its last token) drafts from row p - 1
+        valid = torch.stack([t != IGNORE for t in run["targets"]], -1)  # [Bs, T, D] by row
+        correct = torch.stack(hits, -1) & valid
+        pad = torch.zeros_like(valid[:, :1])
+        valid_p, correct_p = torch.cat([pad, valid[:, :-1]], 1), torch.cat([pad, correct[:, :-1]], 1)
+        Bs, T = batch["input_ids"].shape
+        anchors = torch.arange(T, device=valid.device)[None].expand(Bs, T)
+        counts.round_tokens, counts.rounds = replay_rounds(batch["loss_mask"], anchors, correct_p, valid_p)
+        return counts
 
     @torch.no_grad()
     def expected_acceptance(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -189,7 +189,7 @@ def test_config_validation_and_resolve(setup):
 
 
 def test_replay_rounds_walks_a_reply_like_a_live_decoder():
-    from train.dflash import replay_rounds
+    from train.drafter import replay_rounds
 
     # one reply at positions 2..9 (8 tokens); K = 3 drafts per round; anchors at every reply position
     lm = torch.zeros(1, 12, dtype=torch.bool)
@@ -212,3 +212,8 @@ def test_replay_rounds_walks_a_reply_like_a_live_decoder():
     correct2[0, 1, 2] = False  # anchor 3: 2 right -> emit 3, next 6
     correct2[0, 4, 1] = False  # anchor 6: 1 right -> emit 2, next 8; anchor 8: 1 valid, right -> emit 1
     assert replay_rounds(lm, anchors, correct2, valid) == (1 + 3 + 2 + 1, 4)
+    # a full block whose last draft is the reply's last token: no bonus after it
+    correct3 = torch.ones(1, T, 3, dtype=torch.bool)
+    correct3[0, 0, 0] = correct3[0, 1, 1] = False  # anchor 2 -> emit 1, next 3; anchor 3 -> emit 2, next 5
+    correct3[0, 3, 0] = False  # anchor 5 -> emit 1, next 6; anchor 6: drafts 7, 8, 9 all right -> emit 3, end
+    assert replay_rounds(lm, anchors, correct3, valid) == (1 + 2 + 1 + 3, 4)

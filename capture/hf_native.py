@@ -65,6 +65,8 @@ def qwen2_audio_features(model: nn.Module, feats_AMF: torch.Tensor, fmask_AF: to
 class HFSpeechTarget(Target):
     """A ``Qwen2AudioForConditionalGeneration`` directory (model + processor files)."""
 
+    tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
+
     def __init__(self, model: nn.Module, processor, path: str | Path | None = None):
         if model.config.model_type not in NATIVE_MODEL_TYPES:
             raise ValueError(f"model type {model.config.model_type!r} is not one of {NATIVE_MODEL_TYPES}")
@@ -83,14 +85,6 @@ class HFSpeechTarget(Target):
             )
         self.sample_rate = int(processor.feature_extractor.sampling_rate)
         self._path = None if path is None else Path(path)
-
-    @property
-    def model_dir(self) -> Path | None:
-        return self._path
-
-    @property
-    def tokenizer_dir(self) -> Path | None:
-        return self._path
 
     def _wrap(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         bos, eos, tok = self.processor.audio_bos_token, self.processor.audio_eos_token, self.placeholder

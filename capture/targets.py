@@ -75,14 +75,20 @@ class Target(ABC):
     def audio_bundle(self) -> dict[str, Any]:
         """The bundle's audio dict (empty for a text-only target)."""
 
+    _path: Path | None = None
+    tokenizer_subdir: str | None = "tokenizer"
+    """Where the tokenizer files sit inside ``model_dir``; None: in ``model_dir`` itself (HF layout)."""
+
     @property
-    @abstractmethod
     def model_dir(self) -> Path | None:
         """Directory the target was loaded from (for the tokenizer files)."""
+        return self._path
 
     @property
     def tokenizer_dir(self) -> Path | None:
-        return None if self.model_dir is None else self.model_dir / "tokenizer"
+        if self._path is None:
+            return None
+        return self._path if self.tokenizer_subdir is None else self._path / self.tokenizer_subdir
 
     # -------------------------------------------------------------- shared
     @property
@@ -176,10 +182,6 @@ class SALMTarget(Target):
         self.sample_rate = salm.config.audio.sample_rate
         self._path = None if path is None else Path(path)
 
-    @property
-    def model_dir(self) -> Path | None:
-        return self._path
-
     def prepare(self, conv: Conversation, index: int) -> Prepared:
         ids, mask = self._tokenize(conv)
         n_ph = int((ids == self.salm.placeholder_id).sum())
@@ -234,6 +236,8 @@ class SALMTarget(Target):
 class CausalLMTarget(Target):
     """Any HF causal LM on text-only conversations (its tokenizer's template must mark assistant turns)."""
 
+    tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
+
     def __init__(self, lm: nn.Module, tokenizer, path: str | Path | None = None):
         self.lm = lm.eval()
         self.tokenizer = tokenizer
@@ -241,14 +245,6 @@ class CausalLMTarget(Target):
             raise ValueError("the tokenizer has no chat template; capture needs one that marks assistant turns")
         self.audio_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._path = None if path is None else Path(path)
-
-    @property
-    def model_dir(self) -> Path | None:
-        return self._path
-
-    @property
-    def tokenizer_dir(self) -> Path | None:
-        return self._path
 
     def prepare(self, conv: Conversation, index: int) -> Prepared:
         if conv.audios:

@@ -14,20 +14,16 @@ Writes benchmarks/results/attention.json.    Run: python -m benchmarks.attention
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_result
 from train.layers import Attention, RotaryEmbedding
 from train.mask import dense_mask, flex_block_mask
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def setup(T: int, N: int, B: int = 16, H: int = 256, seed: int = 0):
@@ -83,17 +79,13 @@ def main() -> None:
         print(f"T={T:5d} N={N:4d}  dense {row['forward_s_median']['dense']:.4f}s  flex "
               f"{row['forward_s_median']['flex']:.4f}s  flex/dense {row['time_ratio_flex_over_dense']:.3f}  "
               f"mask bytes dense {Q * (T + Q)} vs blockmask {bm_bytes}  max|diff| {err:.1e}", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = {
+    write_result("attention.json", {
         "benchmark": "attention",
         "what": "DFlash draft attention forward (mask build + layer), dense SDPA vs FlexAttention eager, CPU",
         "results": rows,
         "config": vars(args),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": 1, "device": "cpu"},
-    }
-    (RESULTS / "attention.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'attention.json'}")
+        "machine_extra": {"threads": 1, "device": "cpu"},
+    })
 
 
 if __name__ == "__main__":

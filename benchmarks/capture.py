@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import shutil
 import statistics
 import tempfile
@@ -32,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.common import write_result
 
 
 def _forward_only(target, plans) -> float:
@@ -118,9 +118,7 @@ def main() -> None:
                            "write": round(write_s, 3)},
         "samples": args.samples, "tokens": tokens, "batches": len(plans), "dataset_bytes": bytes_out,
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "target", "data")},
-        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(), "torch_threads": 1},
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "pyarrow": __import__("pyarrow").__version__},
+        "machine_extra": {"threads": 1},
     }
     print(f"{'side':<10}{'median s':>10}{'tokens/s':>12}")
     print(f"{'capture':<10}{res['capture_s_median']:>10.3f}{tokens / res['capture_s_median']:>12,.0f}")
@@ -130,10 +128,7 @@ def main() -> None:
     sp = res["serial_parts_s"]
     print(f"serial parts (one pass, s): prepare {sp['prepare']:.2f}  tapped forward {sp['tapped_forward']:.2f}  "
           f"write {sp['write']:.2f}  (bare forward {res['forward_s_median']:.2f})")
-    out = Path(__file__).resolve().parent / "results" / "capture.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_result("capture.json", res)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ Writes benchmarks/results/quality.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_result
 from train.config import load_run_config
 from train.evaluate import evaluate
 from train.loop import train
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -92,20 +89,16 @@ def main() -> None:
         print(f"{recipe:10s} B={row['block_size']:2d} steps={steps:4d}  tau {row['tau']:.3f} (untrained "
               f"{row['tau_untrained']:.3f}, +{row['tau_gain']:.3f}){replayed}  train {row['train_seconds']:.1f}s  "
               f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = {
+    name = args.name or ("quality_quick.json" if args.quick else "quality.json")
+    write_result(name, {
         "benchmark": "quality",
         "what": "offline teacher-forced greedy tau (uniform anchors; DFlash families also replayed round by round) of drafters on the demo target's validation split",
         "demo": {"quick": args.quick, "workdir": str(args.workdir), "prepare_seconds": round(prep_s, 2),
                  "dataset": str(dataset)},
         "results": rows,
         "config": vars(args),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": "cpu"},
-    }
-    name = args.name or ("quality_quick.json" if args.quick else "quality.json")
-    (RESULTS / name).write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / name}")
+        "machine_extra": {"threads": args.threads, "device": "cpu"},
+    })
 
 
 if __name__ == "__main__":

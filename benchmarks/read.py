@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,8 +26,9 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from benchmarks.common import write_result
 from benchmarks.baseline_pt import PtDataset, write_pt_dataset
-from benchmarks.storage import RESULTS, gaussian_samples, minilm_samples, write_tapdraft
+from benchmarks.storage import gaussian_samples, minilm_samples, write_tapdraft
 from shards.reader import open_dataset
 from shards.writer import ShardConfig
 
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         # ceilings, hot, in-process
         shards = sorted(_files(tmp_p / "tapdraft" / "data"))
-        raw_out, dec, full, ptl = [], [], [], []
+        raw_out, full, ptl = [], [], []
         for _ in range(args.pairs):
             t0 = time.perf_counter()
             nbytes = 0
@@ -178,11 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("goals:", json.dumps(goals))
     doc = {"benchmark": "read", "content": content, "tokens": tokens, "pairs": args.pairs,
            "bytes": {"tapdraft": tap_bytes, "pt": pt_bytes}, "rows": rows, "ceiling": ceiling, "goals": goals,
-           "config": ShardConfig().to_dict(),
-           "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "pyarrow": pa.__version__},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "read.json").write_text(json.dumps(doc, indent=1))
+           "config": ShardConfig().to_dict()}
+    write_result("read.json", doc, indent=1)
     return doc
 
 

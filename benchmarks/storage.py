@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +29,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import write_result
 from benchmarks.baseline_pt import write_pt_dataset
 from shards.schema import Layout
 from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
 
 TAPS = (1, 2, 4, 5)
-RESULTS = Path(__file__).parent / "results"
 
 
 def layout(codec: str = "bf16") -> Layout:
@@ -166,14 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in notes:
         print("note:", n)
     print("goals:", json.dumps(goals))
-    import pyarrow, zstandard
-
-    doc = {"benchmark": "storage", "tokens_per_kind": args.tokens, "rows": rows, "goals": goals, "notes": notes,
-           "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "pyarrow": pyarrow.__version__,
-                        "zstandard": zstandard.__version__},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "storage.json").write_text(json.dumps(doc, indent=1))
+    doc = {"benchmark": "storage", "tokens_per_kind": args.tokens, "rows": rows, "goals": goals, "notes": notes}
+    write_result("storage.json", doc, indent=1)
     return doc
 
 

@@ -21,23 +21,20 @@ in-process, interleaved per-row/full pairs, median of ``--pairs`` (>= 5). Ratio 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import write_result
 from train.layers import rms_norm
 from train.losses import row_losses
 from train.teacher import ExactTeacher
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def make_inputs(T: int, V: int, H: int, R: int, seed: int = 0) -> dict:
@@ -151,18 +148,13 @@ def main() -> None:
               f"{row['step_s_median']['per_row']:.3f}s full {row['step_s_median']['full']:.3f}s  ratio "
               f"{row['time_ratio_median']:.3f}", flush=True)
         del x
-    RESULTS.mkdir(exist_ok=True)
-    out = {
+    write_result("teacher.json", {
         "benchmark": "teacher",
         "what": "KD loss step (chunked CE + KL, backward): per-row teacher vs full [1, T, V] teacher logits",
         "results": rows,
         "config": vars(args),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "threads": 1, "device": "cpu"},
-    }
-    (RESULTS / "teacher.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'teacher.json'}")
+        "machine_extra": {"threads": 1, "device": "cpu"},
+    })
 
 
 if __name__ == "__main__":

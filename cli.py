@@ -146,7 +146,7 @@ def demo(
     quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean nothing)."),
 ) -> None:
     """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau."""
-    from speculate.demo import format_demo, run_demo
+    from demo.run import format_demo, run_demo
 
     typer.echo(format_demo(run_demo(workdir, quick=quick)))
 

@@ -62,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from capture.config import CaptureConfig
-    from capture.demo import prepare_demo
+    from demo.data import prepare_demo
     from capture.inputs import read_jsonl
     from capture.pipeline import capture, make_layout, plan_window, prepare_window, windows
     from capture.targets import load_target, run_batch

@@ -1,7 +1,7 @@
 """Demo drafter quality: offline acceptance length tau of DFlash on the demo target, and training time.
 
 Builds (or reuses, cached in ``--workdir``) the demo SALM and its captured dataset with
-``capture.demo.prepare_demo``, trains a DFlash drafter per recipe with ``train.loop.train``, and
+``demo.data.prepare_demo``, trains a DFlash drafter per recipe with ``train.loop.train``, and
 evaluates teacher-forced greedy acceptance on the validation split with ``train.evaluate.evaluate``.
 The baseline in the same run is the same drafter after one step (an untrained draft): the
 figure is tau and its gain over that baseline. Training time is wall time on this machine.
@@ -46,7 +46,7 @@ def main() -> None:
     if args.dataset:
         dataset = Path(args.dataset)
     else:
-        from capture.demo import prepare_demo
+        from demo.data import prepare_demo
 
         dataset = prepare_demo(args.workdir, quick=args.quick, progress=False).dataset
     prep_s = time.perf_counter() - t0

@@ -192,7 +192,6 @@ class Stats:
     audio_seconds: float = 0.0
     raw_bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
-    skipped_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -225,7 +224,6 @@ class _WriterThread:
             return
         self.writer.skip(s.index, s.sample_id, s.reason)
         self.stats.skipped[s.kind] += 1
-        self.stats.skipped_ids.append(s.sample_id)
 
     def _after_failure(self, index: int) -> bool:
         return self.failed_on is not None and index > self.failed_on.index

@@ -190,33 +190,6 @@ def expand_placeholders(
     return Expanded(torch.cat(ids), torch.cat(aud), torch.cat(mask), torch.cat(embs))
 
 
-def build_word_tokenizer(words: Sequence[str], *, placeholder: str = DEFAULT_PLACEHOLDER):
-    """A word-level tokenizer over ``words`` (+ ChatML specials + the placeholder) with the chat template.
-
-    Word-level on a closed vocabulary keeps the demo's LM tiny; any HF fast tokenizer works with the
-    SALM as long as its chat template marks assistant turns with ``{% generation %}``.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [t if t != DEFAULT_PLACEHOLDER else placeholder for t in SPECIAL_TOKENS]
-    base = ["user", "assistant", "system"]
-    vocab: dict[str, int] = {}
-    for w in [*specials, *base, *words]:
-        vocab.setdefault(w, len(vocab))
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        unk_token="<|unk|>",
-        pad_token="<|pad|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", placeholder],
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
 def _subsampled_length(n_feat: torch.Tensor, factor: int, kernel: int = 3) -> torch.Tensor:
     """Encoder output frames for ``n_feat`` feature frames (ParakeetEncoder's own rule)."""
     lengths = n_feat.to(torch.float)
@@ -390,55 +363,3 @@ class SALM(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None, **kw):
         return self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kw)
-
-    @torch.no_grad()
-    def generate_batch(
-        self,
-        conversations: Sequence[list[dict[str, str]]],
-        waveforms: Sequence[Sequence[np.ndarray]],
-        *,
-        max_new_tokens: int = 48,
-    ) -> list[str]:
-        """Greedy assistant replies for conversations ending in a user turn (one waveform per placeholder).
-
-        Prompts are left-padded into one batch with explicit position ids, so each reply equals the
-        unbatched greedy reply up to float rounding.
-        """
-        flat = [w for ws in waveforms for w in ws]
-        audio = self.encode_audio(flat)
-        exps, k = [], 0
-        for msgs, ws in zip(conversations, waveforms):
-            ids, mask = self.tokenize(msgs, add_generation_prompt=True)
-            exps.append(self.expand(ids, mask, audio[k : k + len(ws)]))
-            k += len(ws)
-        B, P = len(exps), max(e.input_ids.shape[0] for e in exps)
-        dev, H = self.device, exps[0].inputs_embeds.shape[-1]
-        emb = torch.zeros(B, P, H, dtype=exps[0].inputs_embeds.dtype, device=dev)
-        attn = torch.zeros(B, P, dtype=torch.long, device=dev)
-        for b, e in enumerate(exps):
-            T = e.input_ids.shape[0]
-            emb[b, P - T :], attn[b, P - T :] = e.inputs_embeds, 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        out = self.lm(inputs_embeds=emb, attention_mask=attn, position_ids=pos, use_cache=True)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        nxt = out.logits[:, -1].argmax(-1)
-        new = torch.empty(B, 0, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        last = pos[:, -1]
-        for _ in range(max_new_tokens):
-            done |= nxt == eos
-            new = torch.cat([new, torch.where(done, torch.full_like(nxt, eos), nxt)[:, None]], dim=1)
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], dim=1)
-            last = last + 1
-            out = self.lm(input_ids=nxt[:, None], attention_mask=attn, position_ids=last[:, None], cache=cache,
-                          use_cache=True)
-            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            nxt = out.logits[:, -1].argmax(-1)
-        replies = []
-        for row in new.tolist():
-            row = row[: row.index(eos)] if eos in row else row
-            replies.append(self.tokenizer.decode(row, skip_special_tokens=True))
-        return replies

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.demo import QUICK, build_demo_salm
+from demo.target import QUICK, build_demo_salm
 from capture.salm import SALM
 from tests.capture.util import conv_record, write_manifest, write_wav
 

@@ -10,7 +10,7 @@ import torch
 
 from capture.hf_native import HFSpeechTarget
 from capture.inputs import AudioRef, Conversation
-from capture.salm import build_word_tokenizer
+from demo.target import build_word_tokenizer
 from capture.targets import load_target, run_batch
 
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]

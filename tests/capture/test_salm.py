@@ -83,12 +83,3 @@ def test_from_pretrained_errors(tmp_path, salm_dir):
     shutil.rmtree(broken / "encoder")
     with pytest.raises(FileNotFoundError, match="encoder is missing"):
         SALM.from_pretrained(broken)
-
-
-def test_generate_batch_matches_unbatched(salm):
-    rng = np.random.default_rng(3)
-    waves = [[rng.normal(0, 0.1, n).astype(np.float32)] for n in (8000, 20000)]
-    prompts = [[{"role": "user", "content": "<|audioplaceholder|> what did i say ?"}]] * 2
-    both = salm.generate_batch(prompts, waves, max_new_tokens=6)
-    alone = [salm.generate_batch([p], [w], max_new_tokens=6)[0] for p, w in zip(prompts, waves)]
-    assert both == alone

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from capture.demo import tone_audio
+from demo.task import tone_audio
 
 
 def write_wav(path: Path, digits: list[int], seed: int = 0, sr: int = 16000) -> Path:

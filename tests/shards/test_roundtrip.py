@@ -4,7 +4,7 @@ import torch
 import pytest
 
 from shards.reader import open_dataset
-from shards.synthetic import random_sample, tiny_layout, write_dataset
+from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.writer import ShardConfig
 
 

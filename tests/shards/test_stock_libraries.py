@@ -9,7 +9,7 @@ import webdataset
 
 from shards.arrow_io import decode_row, read_shard_metadata
 from shards.reader import open_dataset
-from shards.synthetic import tiny_layout, write_dataset
+from tests.shards.synthetic import tiny_layout, write_dataset
 from shards.wds_io import decode_wds_sample
 from shards.writer import ShardConfig
 from tests.shards.test_roundtrip import assert_same

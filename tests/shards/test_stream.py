@@ -7,7 +7,7 @@ import pytest
 
 from shards.order import epoch_rng, shuffle_order, worker_range
 from shards.reader import open_dataset
-from shards.synthetic import tiny_layout, write_dataset
+from tests.shards.synthetic import tiny_layout, write_dataset
 from shards.writer import ShardConfig
 
 N = 37

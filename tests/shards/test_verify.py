@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from shards.reader import open_dataset
-from shards.synthetic import random_sample, tiny_layout, write_dataset
+from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.verify import verify_dataset
 from shards.writer import DatasetWriter, ShardConfig
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shards.reader import open_dataset
-from shards.synthetic import random_sample, tiny_bundle, tiny_layout
+from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
 from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)

@@ -1,6 +1,6 @@
 """The built-in demo, end to end: target -> dataset -> DFlash drafter -> offline and live acceptance.
 
-    1. capture.demo.prepare_demo: build and briefly train a small SALM on tone-coded digits (cached
+    1. demo.data.prepare_demo: build and briefly train a small SALM on tone-coded digits (cached
        in WORKDIR/target), write its audio and conversations (replies = its own greedy output) and
        capture WORKDIR/dataset
     2. train the ``dflash_demo`` recipe from the dataset alone (WORKDIR/runs/dflash)
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from capture.demo import prepare_demo
+from demo.data import prepare_demo
 from speculate.run import SpeculateConfig, run_speculate
 from train.config import load_run_config
 from train.evaluate import evaluate

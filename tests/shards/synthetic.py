@@ -1,4 +1,4 @@
-"""Small valid samples, bundles and datasets from a seed: for tests and benchmarks, never for training.
+"""Small valid samples, bundles and datasets from a seed: test scaffolding, never for training.
 
 Random activations have no structure (no outlier channels), so compression figures need real
 ones (benchmarks/storage.py); these only exercise shapes, dtypes and control flow.

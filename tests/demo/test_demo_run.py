@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from speculate.demo import format_demo, run_demo
+from demo.run import format_demo, run_demo
 
 
 @pytest.mark.slow

@@ -62,10 +62,10 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from capture.config import CaptureConfig
-    from demo.data import prepare_demo
     from capture.inputs import read_jsonl
     from capture.pipeline import capture, make_layout, plan_window, prepare_window, windows
     from capture.targets import load_target, run_batch
+    from demo.data import prepare_demo
     from shards.writer import DatasetWriter, ShardConfig
 
     paths = prepare_demo(args.workdir, progress=False)

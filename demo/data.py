@@ -129,6 +129,12 @@ class DemoPaths:
     val_manifest: Path
     dataset: Path
     info: dict[str, Any]
+    """What each step did, as kept in ``workdir/demo.json`` across runs."""
+
+    def record(self, key: str, value: Any) -> None:
+        """Keep ``value`` under ``key`` in ``demo.json`` for later runs."""
+        self.info[key] = value
+        (self.workdir / "demo.json").write_text(json.dumps(self.info, indent=2))
 
 
 def prepare_demo(
@@ -173,6 +179,10 @@ def _prepare(root: Path, size: DemoSize, quick: bool, regenerate: bool, seed: in
             shutil.rmtree(tdir)
         tmp.replace(tdir)
         salm = SALM.from_pretrained(tdir)
+    made = {split: d.get("regenerated") for split, d in info.get("data", {}).items()}
+    if any(r is not None and r != regenerate and (ddir / f"{split}.jsonl").is_file() for split, r in made.items()):
+        raise ValueError(f"{ddir} holds replies {'from' if not regenerate else 'not from'} the target "
+                         f"(regenerate={not regenerate}); use another workdir or the same setting")
     with torch.no_grad():
         for split, n, s in (("train", size.train_samples, seed + 1), ("validation", size.val_samples, seed + 2)):
             if not (ddir / f"{split}.jsonl").is_file():

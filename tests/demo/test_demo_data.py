@@ -37,6 +37,9 @@ def test_quick_demo_builds_caches_and_captures(tmp_path):
     assert (again.target / "salm_config.json").stat().st_mtime_ns == mtime
     assert again.info["capture"] == {"already_complete": True}
     assert json.loads((tmp_path / "demo.json").read_text())["quick"] is True
+    # cached data written in the other reply mode is not valid for this call: refused before any work
+    with pytest.raises(ValueError, match="regenerate=True"):
+        prepare_demo(tmp_path, quick=True, progress=False, regenerate=False)
 
 
 def test_greedy_replies_batched_match_unbatched():

@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import fsspec
 from safetensors.torch import load_file, save_file
+
+from shards.atomic import recover_dir, staged
 
 BUNDLE_FILE = "bundle.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -137,7 +140,7 @@ def write_bundle(
     lm_head: torch.Tensor,
     tokenizer_dir: str | os.PathLike | None,
 ) -> str:
-    """Write ``out_dir`` (created; a temp sibling renamed into place) and return the fingerprint."""
+    """Write ``out_dir`` (staged beside it, swapped in atomically) and return the fingerprint."""
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"bundle config is missing {missing}")
@@ -156,30 +159,25 @@ def write_bundle(
         raise ValueError(f"bundle config hidden_size {config['hidden_size']} != weights' {H}")
     tok = _read_tokenizer_files(tokenizer_dir)
     fp = compute_fingerprint(config, audio, chat_template, weights, tok)
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / TOKENIZER_DIR).mkdir(parents=True)
-    save_file(weights, str(tmp / WEIGHTS_FILE))
-    for name, data in tok.items():
-        (tmp / TOKENIZER_DIR / name).write_bytes(data)
-    doc = {
-        "config": {k: config.get(k) for k in CONFIG_KEYS},
-        "audio": audio,
-        "chat_template": chat_template,
-        "fingerprint": fp,
-    }
-    (tmp / BUNDLE_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with staged(out_dir) as tmp:
+        (tmp / TOKENIZER_DIR).mkdir(parents=True)
+        save_file(weights, str(tmp / WEIGHTS_FILE))
+        for name, data in tok.items():
+            (tmp / TOKENIZER_DIR / name).write_bytes(data)
+        doc = {
+            "config": {k: config.get(k) for k in CONFIG_KEYS},
+            "audio": audio,
+            "chat_template": chat_template,
+            "fingerprint": fp,
+        }
+        (tmp / BUNDLE_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
     return fp
 
 
 def load_bundle(path: str | os.PathLike, *, verify: bool = True) -> TargetBundle:
     """Read a bundle directory; with ``verify`` the fingerprint is recomputed and must match."""
     root = Path(path)
+    recover_dir(root)
     meta_path = root / BUNDLE_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} not found: {root} is not a tapdraft target bundle")
@@ -209,3 +207,24 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = True) -> TargetBundle
                 f"bundle.json says {bundle.fingerprint[:12]}; re-copy the dataset's target/ directory"
             )
     return bundle
+
+
+def stored_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The fingerprint recorded in the bundle at ``path`` (None when there is no bundle there)."""
+    meta = path.rstrip("/") + "/" + BUNDLE_FILE
+    if not fs.exists(meta):
+        return None
+    with fs.open(meta, "rb") as f:
+        return json.loads(f.read()).get("fingerprint")
+
+
+def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = True) -> TargetBundle:
+    """``load_bundle`` on any fsspec filesystem: a remote bundle is first copied to a local temp directory
+    (kept, because ``TargetBundle.tokenizer_dir`` points into it)."""
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{path} not found: the dataset lacks its target bundle; re-run capture")
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return load_bundle(path, verify=verify)
+    local = tempfile.mkdtemp(prefix="tapdraft-bundle-") + "/target"
+    fs.get(path, local, recursive=True)
+    return load_bundle(local, verify=verify)

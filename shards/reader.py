@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import tempfile
 from typing import Any, Iterator
 
 import fsspec
@@ -26,7 +25,7 @@ import pyarrow as pa
 
 from shards import manifest as mf
 from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
-from shards.bundle import TargetBundle, load_bundle
+from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.order import block_order, epoch_rng, shuffle_order, worker_range
 from shards.schema import Layout
@@ -71,14 +70,7 @@ class Dataset:
         """The target bundle in ``target/`` (copied to a local temp dir first for remote URLs)."""
         if self._bundle is None:
             tdir = mf.join(self.root, mf.TARGET_DIR)
-            if not self.fs.exists(tdir):
-                raise FileNotFoundError(f"{tdir} not found: the dataset lacks its target bundle; re-run capture")
-            if "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
-                local = tdir
-            else:
-                local = tempfile.mkdtemp(prefix="tapdraft-bundle-") + "/target"
-                self.fs.get(tdir, local, recursive=True)
-            b = load_bundle(local)
+            b = open_bundle(self.fs, tdir)
             if b.fingerprint != self.fingerprint:
                 raise ValueError(f"{tdir} has fingerprint {b.fingerprint[:12]} but the manifest says "
                                  f"{self.fingerprint[:12]}: the bundle does not belong to these shards")

@@ -35,6 +35,17 @@ from shards.taps import to_vllm
 SCHEMA_VERSION = "1.0"
 """major.minor: readers refuse an unknown major version; minor additions stay readable."""
 
+
+def check_schema_version(version: Any, where: str) -> None:
+    """Refuse a schema major version this code does not know (``where`` names the file in the message)."""
+    major = str(version or "").split(".")[0]
+    if major != SCHEMA_VERSION.split(".")[0]:
+        raise ValueError(
+            f"{where} has schema_version {version!r}, an unknown major: this tapdraft reads major "
+            f"{SCHEMA_VERSION.split('.')[0]}. "
+            "Use a tapdraft release for that major version, or migrate the dataset."
+        )
+
 TAPS_CODECS = ("bf16", "fp8")
 """bf16 is lossless; fp8 is e4m3 with one float32 scale per (token, tap) row, lossy, never default."""
 

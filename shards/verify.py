@@ -19,9 +19,9 @@ import pyarrow as pa
 
 from shards import manifest as mf
 from shards.arrow_io import decode_batch, iter_batches, schema_meta
-from shards.bundle import load_bundle
+from shards.bundle import open_bundle
 from shards.codec import FieldMeta
-from shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from shards.schema import Layout, check_schema_version, validate_sample
 from shards.wds_io import decode_wds_sample, iter_tar_samples
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
@@ -68,10 +68,10 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> Ver
         rep.problems.append(f"{man_path}: lacks keys {missing}; re-run finalize with this tapdraft")
     if m.get("complete") is not True:
         rep.problems.append(f"{man_path}: complete is not true; the capture has not finished (resume it, finalize)")
-    major = str(m.get("schema_version", "")).split(".")[0]
-    if major != SCHEMA_VERSION.split(".")[0]:
-        rep.problems.append(f"{man_path}: schema_version {m.get('schema_version')!r} has an unknown major "
-                            f"(this tapdraft reads {SCHEMA_VERSION.split('.')[0]}.x); use a matching release")
+    try:
+        check_schema_version(m.get("schema_version"), man_path)
+    except ValueError as e:
+        rep.problems.append(str(e))
         return rep
     if missing:
         return rep
@@ -108,19 +108,12 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> Ver
 
 
 def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport) -> None:
-    import tempfile
-
     tdir = mf.join(root, mf.TARGET_DIR)
     if not fs.exists(tdir):
         rep.problems.append(f"{tdir}: missing target bundle; re-copy target/ or re-run capture")
         return
     try:
-        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-            b = load_bundle(tdir)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                fs.get(tdir, tmp + "/target", recursive=True)
-                b = load_bundle(tmp + "/target")
+        b = open_bundle(fs, tdir)
     except (OSError, ValueError, KeyError) as e:
         rep.problems.append(f"{tdir}: {e}")
         return
@@ -180,8 +173,10 @@ def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str,
             data = f.read()
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         smeta = schema_meta(reader.schema, path)
-        if str(smeta.get("schema_version", "")).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-            rep.problems.append(f"{path}: schema version {smeta.get('schema_version')} unknown to this tapdraft")
+        try:
+            check_schema_version(smeta.get("schema_version"), path)
+        except ValueError as e:
+            rep.problems.append(str(e))
         if smeta.get("fingerprint") not in (None, fp):
             rep.problems.append(f"{path}: shard fingerprint {smeta['fingerprint'][:12]} differs from the manifest's "
                                 f"{fp[:12]}; shards of different targets were mixed, re-capture this one")

@@ -32,8 +32,10 @@ import pyarrow as pa
 
 from shards import manifest as mf
 from shards.arrow_io import arrow_schema, make_batch, shard_metadata
+from shards.atomic import commit, temp_name, write_bytes_atomic, write_json_atomic
+from shards.bundle import stored_fingerprint
 from shards.codec import BF16_LAYOUTS, FieldMeta, encode_fields
-from shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from shards.schema import SCHEMA_VERSION, Layout, check_schema_version, validate_sample
 from shards.wds_io import TarShardWriter, sample_key
 
 PART_VERSION = 1
@@ -105,7 +107,7 @@ class _Shard:
                  fingerprint: str | None, rank: int, name: str) -> None:
         self.name = name
         self.fs, self.path, self.cfg, self.meta, self.rank = fs, path, cfg, meta, rank
-        self.tmp = path + ".tmp"
+        self.tmp = temp_name(path)
         self.file = fs.open(self.tmp, "wb")
         self.sink = _HashingSink(self.file)
         self.stats = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0}
@@ -155,7 +157,7 @@ class _Shard:
         self._flush_batch()
         self._writer.close()
         self.file.close()
-        self.fs.mv(self.tmp, self.path)
+        commit(self.fs, self.tmp, self.path)
         entry = {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
                  "indices": _to_ranges(self.indices)}
         if self.cfg.format == "arrow":
@@ -181,14 +183,6 @@ def _to_ranges(indices: list[int]) -> list[list[int]]:
     return out
 
 
-def _read_fingerprint(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
-    path = mf.join(root, f"{mf.TARGET_DIR}/bundle.json")
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read()).get("fingerprint")
-
-
 class DatasetWriter:
     """Writes one (split, rank)'s samples into shards; reopening the same directory resumes.
 
@@ -202,7 +196,7 @@ class DatasetWriter:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.config, self.layout, self.split, self.rank = config, layout, mf.check_split(split), rank
         self.fs, self.root = fsspec.core.url_to_fs(str(out_dir))
-        self.fingerprint = fingerprint if fingerprint is not None else _read_fingerprint(self.fs, self.root)
+        self.fingerprint = fingerprint if fingerprint is not None else stored_fingerprint(self.fs, mf.join(self.root, mf.TARGET_DIR))
         self.meta = FieldMeta(layout, config.bf16_layout)
         self._part_path = mf.join(self.root, mf.part_name(split, rank))
         self.fs.makedirs(mf.join(self.root, mf.DATA_DIR), exist_ok=True)
@@ -322,7 +316,7 @@ class DatasetWriter:
         doc = {"version": PART_VERSION, "split": self.split, "rank": self.rank, "schema_version": SCHEMA_VERSION,
                "shard_config": self.config.to_dict(), "layout": self.layout.to_dict(),
                "fingerprint": self.fingerprint, "shards": self._shards, "skipped": self._skipped, "closed": closed}
-        mf.write_json_atomic(self.fs, self._part_path, doc)
+        write_json_atomic(self.fs, self._part_path, doc)
 
     def close(self) -> None:
         """Finish the last shard and mark this rank's partial index closed."""
@@ -361,12 +355,8 @@ def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dic
     return parts
 
 
-def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
-                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Merge all ranks' partial indexes, give shards final names, write README.md, then manifest.json."""
-    fs, root = fsspec.core.url_to_fs(str(out_dir))
-    parts = _load_parts(fs, root)
-    man_path = mf.join(root, mf.MANIFEST)
+def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Layout, fingerprint: str) -> None:
+    """Every rank closed, with the same shard config, layout, target and a known schema major."""
     problems = []
     cfg0 = parts[0][1]["shard_config"]
     for path, part in parts:
@@ -380,50 +370,52 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
         if part.get("fingerprint") not in (None, fingerprint):
             problems.append(f"{path}: shards carry target fingerprint {part['fingerprint'][:12]}, the dataset's is "
                             f"{fingerprint[:12]}; captures of different targets cannot be merged")
-        if part.get("schema_version", "").split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-            problems.append(f"{path}: schema_version {part.get('schema_version')} != {SCHEMA_VERSION}")
+        try:
+            check_schema_version(part.get("schema_version"), path)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
-    config = ShardConfig(**cfg0)
-    meta = FieldMeta(layout, config.bf16_layout)
-    if fs.exists(man_path):
-        fs.rm(man_path)  # the directory is not a dataset while shards move
 
-    splits: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
-        splits.setdefault(part["split"], []).append((path, part))
-    manifest_splits: dict[str, Any] = {}
-    skipped: dict[str, list[dict[str, Any]]] = {}
-    for split, sparts in splits.items():
-        entries = [e for _, part in sparts for e in part["shards"]]
-        n = len(entries)
-        # two phases so that a new name never lands on a not-yet-moved old one
-        for i, e in enumerate(entries):
-            cur = e.get("final", e["name"])
-            if not fs.exists(mf.join(root, cur)):
-                raise FileNotFoundError(f"{mf.join(root, cur)} is listed in a partial index but missing; "
-                                        "re-run the capture for its rank")
-            e["_moving"] = f"{cur}.finalizing"
-            fs.mv(mf.join(root, cur), mf.join(root, e["_moving"]))
-        for i, e in enumerate(entries):
-            e["final"] = mf.final_shard_name(split, i, n, config.format)
-            fs.mv(mf.join(root, e.pop("_moving")), mf.join(root, e["final"]))
-        for path, part in sparts:
-            mf.write_json_atomic(fs, path, part)
-        shards_out = []
-        for e in entries:
-            s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
-            s["name"] = e["final"]
-            if "batches" in e:
-                s["batches"] = e["batches"]
-            shards_out.append(s)
-        tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
-                                                         "bytes")}
-        manifest_splits[split] = {**tot, "shards": shards_out}
-        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
 
-    fm = shard_metadata(meta, fingerprint)
-    manifest = {
+def _rename_to_final(fs: fsspec.AbstractFileSystem, root: str, split: str, entries: list[dict[str, Any]],
+                     fmt: str) -> None:
+    """Give a split's shards their final names in list order; restartable (``final`` records progress).
+
+    Two phases, so that a new name never lands on a not-yet-moved old one.
+    """
+    n = len(entries)
+    for e in entries:
+        cur = e.get("final", e["name"])
+        if not fs.exists(mf.join(root, cur)):
+            raise FileNotFoundError(f"{mf.join(root, cur)} is listed in a partial index but missing; "
+                                    "re-run the capture for its rank")
+        e["_moving"] = f"{cur}.finalizing"
+        fs.mv(mf.join(root, cur), mf.join(root, e["_moving"]))
+    for i, e in enumerate(entries):
+        e["final"] = mf.final_shard_name(split, i, n, fmt)
+        fs.mv(mf.join(root, e.pop("_moving")), mf.join(root, e["final"]))
+
+
+def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A split's manifest entry: totals plus each shard's final name, size, checksum, counts and batches."""
+    shards_out = []
+    for e in entries:
+        s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
+        s["name"] = e["final"]
+        if "batches" in e:
+            s["batches"] = e["batches"]
+        shards_out.append(s)
+    tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
+                                                     "bytes")}
+    return {**tot, "shards": shards_out}
+
+
+def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
+                    extra: dict[str, Any] | None, splits: dict[str, Any],
+                    skipped: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    fm = shard_metadata(FieldMeta(layout, config.bf16_layout), fingerprint)
+    return {
         "schema_version": SCHEMA_VERSION,
         "format": config.format,
         "complete": True,
@@ -440,9 +432,36 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
         "shard_config": config.to_dict(),
         "capture_config": capture_config,
         "extra": extra or {},
-        "splits": manifest_splits,
+        "splits": splits,
         "skipped": skipped,
     }
-    fs.pipe(mf.join(root, mf.CARD), mf.render_card(manifest).encode())
-    mf.write_json_atomic(fs, man_path, manifest)
+
+
+def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge all ranks' partial indexes, give shards final names, write README.md, then manifest.json."""
+    fs, root = fsspec.core.url_to_fs(str(out_dir))
+    parts = _load_parts(fs, root)
+    _check_parts(parts, root, layout, fingerprint)
+    config = ShardConfig(**parts[0][1]["shard_config"])
+    man_path = mf.join(root, mf.MANIFEST)
+    if fs.exists(man_path):
+        fs.rm(man_path)  # the directory is not a dataset while shards move
+
+    by_split: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
+        by_split.setdefault(part["split"], []).append((path, part))
+    splits: dict[str, Any] = {}
+    skipped: dict[str, list[dict[str, Any]]] = {}
+    for split, sparts in by_split.items():
+        entries = [e for _, part in sparts for e in part["shards"]]
+        _rename_to_final(fs, root, split, entries, config.format)
+        for path, part in sparts:
+            write_json_atomic(fs, path, part)
+        splits[split] = _split_summary(entries)
+        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+
+    manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
+    write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())
+    write_json_atomic(fs, man_path, manifest)
     return manifest

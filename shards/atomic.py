@@ -1,0 +1,135 @@
+"""Atomic replacement of files and directories: a reader sees the old content or the new, never neither.
+
+Every write that must not be seen half-done goes through here (manifest, partial indexes, shards,
+the target bundle, the capture config, checkpoints and exports):
+
+    with staged(dest) as tmp:        # tmp = "<dest>.tmp", a fresh path; write a file or a directory there
+        save_file(tensors, tmp)
+    write_bytes_atomic(fs, url, data)  # any fsspec filesystem
+    commit(fs, tmp, url)             # a file written under temp_name(url) by hand (streamed shards)
+
+Files: the temp file is renamed over the destination, which POSIX rename does atomically; the old
+file is never deleted first. Directories cannot be renamed over a non-empty directory, so a
+directory that already exists is swapped with the new one in one step (Linux ``renameat2`` with
+``RENAME_EXCHANGE``) and the old content, now under the temp name, is deleted afterwards. Where the
+exchange is unavailable the old directory is first renamed aside to ``<dest>.old``; ``recover_dir``
+(called by every ``staged`` and by readers of a bundle) renames it back if a crash fell between the
+two renames, so no sequence of crashes loses both versions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+
+TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def temp_name(path: str) -> str:
+    """Where a file or directory is written before ``commit`` moves it to ``path``."""
+    return str(path) + TMP_SUFFIX
+
+
+def _rename(src: Path | str, dst: Path | str) -> None:
+    os.replace(src, dst)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically; False when the platform or filesystem cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def recover_dir(dest: str | os.PathLike) -> None:
+    """Undo a directory swap that stopped between its two renames (fallback path only)."""
+    dest = Path(dest)
+    old = Path(str(dest) + OLD_SUFFIX)
+    if old.exists() and not dest.exists():
+        _rename(old, dest)
+    elif old.exists():
+        _remove(old)
+
+
+def _commit_local(tmp: Path, dest: Path) -> None:
+    if not tmp.is_dir() or not dest.exists():
+        _rename(tmp, dest)  # a file over a file, or a directory onto a free name: one atomic rename
+        return
+    if _exchange(tmp, dest):
+        _remove(tmp)  # now holds the old content
+        return
+    old = Path(str(dest) + OLD_SUFFIX)
+    _rename(dest, old)
+    _rename(tmp, dest)
+    _remove(old)
+
+
+@contextmanager
+def staged(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh local temp path beside ``dest``; on success it replaces ``dest`` atomically.
+
+    Write either a file or a directory at the yielded path. On an exception the temp path is
+    removed and ``dest`` is left as it was.
+    """
+    dest = Path(dest)
+    recover_dir(dest)
+    tmp = Path(temp_name(str(dest)))
+    _remove(tmp)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    _commit_local(tmp, dest)
+
+
+def commit(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> None:
+    """Move a finished temp file onto ``path``, replacing any old file without deleting it first."""
+    if _is_local(fs):
+        _rename(fs._strip_protocol(tmp), fs._strip_protocol(path))
+    else:
+        fs.mv(tmp, path)  # object stores: the new object becomes visible whole
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` on any fsspec filesystem: temp name, then ``commit``."""
+    tmp = temp_name(path)
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    commit(fs, tmp, path)
+
+
+def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, doc: Any) -> None:
+    """``doc`` as indented, key-sorted JSON, written atomically."""
+    write_bytes_atomic(fs, path, json.dumps(doc, indent=1, sort_keys=True, default=str).encode())

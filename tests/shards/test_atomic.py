@@ -1,0 +1,140 @@
+"""Atomic writes: a crash between any two steps leaves the old or the new file/directory, never neither."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from shards import atomic
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_on_step(monkeypatch, n: int, *, exchange: bool = True) -> list[str]:
+    """Make the n-th filesystem step (rename, exchange, remove) raise before it runs."""
+    steps: list[str] = []
+    real = {"_rename": atomic._rename, "_remove": atomic._remove, "_exchange": atomic._exchange}
+
+    def wrap(name):
+        def fn(*a):
+            steps.append(name)
+            if len(steps) == n:
+                raise Crash(name)
+            if name == "_exchange" and not exchange:
+                return False
+            return real[name](*a)
+
+        return fn
+
+    for name in real:
+        monkeypatch.setattr(atomic, name, wrap(name))
+    return steps
+
+
+def _write_dir(d: Path, tag: str) -> None:
+    d.mkdir()
+    (d / "a.json").write_text(json.dumps({"tag": tag}))
+    (d / "sub").mkdir()
+    (d / "sub" / "b.bin").write_bytes(tag.encode() * 100)
+
+
+def _dir_state(d: Path) -> str | None:
+    """'old' or 'new' when d holds exactly one complete version, else None."""
+    if not d.is_dir():
+        return None
+    try:
+        tag = json.loads((d / "a.json").read_text())["tag"]
+        ok = (d / "sub" / "b.bin").read_bytes() == tag.encode() * 100
+    except (OSError, ValueError):
+        return None
+    files = sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+    return tag if ok and files == ["a.json", "sub", "sub/b.bin"] else None
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_directory_replace_survives_a_crash_at_every_step(tmp_path, monkeypatch, exchange):
+    seen, n = set(), 0
+    while True:
+        n += 1
+        root = tmp_path / f"run{n}"
+        root.mkdir()
+        dest = root / "target"
+        _write_dir(dest, "old")
+        with monkeypatch.context() as m:
+            steps = _crash_on_step(m, n, exchange=exchange)
+            try:
+                with atomic.staged(dest) as tmp:
+                    _write_dir(tmp, "new")
+                crashed = False
+            except Crash:
+                crashed = True
+        if exchange:  # the swap is one step: no recovery needed at any instant
+            assert _dir_state(dest) in ("old", "new"), (n, steps)
+        atomic.recover_dir(dest)  # what the next writer or reader does first
+        state = _dir_state(dest)
+        assert state in ("old", "new"), (n, steps)
+        seen.add(state)
+        if not crashed:
+            assert state == "new"
+            break
+        assert n < 20
+    assert seen == {"old", "new"}  # some crash points come after the switch
+    assert n >= 3
+
+
+def test_staged_directory_onto_a_free_name_and_rewrite(tmp_path):
+    dest = tmp_path / "x" / "target"
+    with atomic.staged(dest) as tmp:
+        _write_dir(tmp, "old")
+    assert _dir_state(dest) == "old"
+    with atomic.staged(dest) as tmp:
+        _write_dir(tmp, "new")
+    assert _dir_state(dest) == "new"
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["target"]
+
+
+def test_failed_body_leaves_old_and_no_temp(tmp_path):
+    dest = tmp_path / "f.json"
+    dest.write_text("old")
+    with pytest.raises(Crash):
+        with atomic.staged(dest) as tmp:
+            tmp.write_text("half")
+            raise Crash("body")
+    assert dest.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_file_write_never_leaves_no_file(tmp_path, monkeypatch):
+    fs = fsspec.filesystem("file")
+    path = str(tmp_path / "manifest.json")
+    atomic.write_json_atomic(fs, path, {"v": "old"})
+
+    def check(*a):  # at every rename the destination still exists (nothing deletes it first)
+        assert Path(path).is_file()
+        real(*a)
+
+    real = atomic._rename
+    monkeypatch.setattr(atomic, "_rename", check)
+    atomic.write_json_atomic(fs, path, {"v": "new"})
+    assert json.loads(Path(path).read_text()) == {"v": "new"}
+
+    for n in (1,):
+        with monkeypatch.context() as m:
+            _crash_on_step(m, n)
+            with pytest.raises(Crash):
+                atomic.write_json_atomic(fs, path, {"v": "newer"})
+        assert json.loads(Path(path).read_text()) == {"v": "new"}
+
+
+def test_memory_filesystem_commit():
+    fs = fsspec.filesystem("memory")
+    atomic.write_bytes_atomic(fs, "/atomic-test/a.bin", b"1")
+    atomic.write_bytes_atomic(fs, "/atomic-test/a.bin", b"2")
+    assert fs.cat_file("/atomic-test/a.bin") == b"2"
+    assert not fs.exists(atomic.temp_name("/atomic-test/a.bin"))
+    fs.rm("/atomic-test", recursive=True)

@@ -124,6 +124,7 @@ def capture(
     from capture.config import CaptureConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
+    from shards.writer import ShardConfig
 
     pairs = []
     for d in data:
@@ -132,9 +133,9 @@ def capture(
         pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
     cfg = CaptureConfig(
         target=str(Path(target).resolve()), out=out, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
-        format=format, top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
+        shard=ShardConfig(format=format, shard_bytes=shard_bytes), top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
-        audio_embeds=audio_embeds, batch_tokens=batch_tokens, shard_bytes=shard_bytes, device=device,
+        audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
         responses_from_target=responses_from_target,
     )
     typer.echo(summary(run_capture(cfg)))

@@ -64,7 +64,8 @@ def main() -> None:
     from capture.config import CaptureConfig
     from capture.inputs import read_jsonl
     from capture.pipeline import capture, make_layout, plan_window, prepare_window, windows
-    from capture.targets import load_target, run_batch
+    from capture.load import load_target
+    from capture.targets import run_batch
     from demo.data import prepare_demo
     from shards.writer import DatasetWriter, ShardConfig
 
@@ -73,7 +74,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="capture-bench-"))
     cfg = CaptureConfig(target=str(paths.target), out="", data=(("train", str(paths.train_manifest)),),
                         max_samples=args.samples, draft_layers=2, top_k=32, batch_tokens=4096, window=args.window,
-                        format=args.format, progress=False)
+                        shard=ShardConfig(format=args.format), progress=False)
     items = list(enumerate(list(read_jsonl(paths.train_manifest, placeholder=target.placeholder))[: args.samples]))
     t0 = time.perf_counter()
     plans = [b for chunk in windows(items, cfg.window) for b in plan_window(prepare_window(target, chunk), cfg).batches]

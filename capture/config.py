@@ -5,6 +5,11 @@ manifest. A rerun into the same directory resumes only when every field outside
 :data:`RUNTIME_FIELDS` matches; otherwise it is refused with the differing field named, because a
 dataset whose first half used other taps, another batch composition or another target is not one
 dataset.
+
+How shards are written is the embedded :class:`shards.writer.ShardConfig` (``shard``); the JSON
+record flattens its fields beside the capture's own (``format``, ``shard_bytes``, ...), as the CLI
+flags name them. Records written before the embedding lack ``batch_bytes``:
+:func:`migrate_capture_record` fills it in with the value those captures used.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any
 from shards.schema import TAPS_CODECS
 from shards.writer import ShardConfig
 
-_SHARD_DEFAULTS = ShardConfig()
+_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20}
+"""What captures recorded before ShardConfig was embedded used for the keys they did not record."""
 
 RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
@@ -41,8 +47,6 @@ class CaptureConfig:
     """Capture only the first N inputs of each split (before rank slicing); None = all."""
     max_length: int | None = None
     """Skip (and count) samples whose expanded length exceeds this; never truncate. None = no limit."""
-    format: str = "arrow"
-    """Shard format: 'arrow' or 'wds'."""
     top_k: int = 64
     """Teacher top-k per supervised row; 0 stores no teacher rows."""
     taps: tuple[int, ...] | None = None
@@ -67,12 +71,8 @@ class CaptureConfig:
     """Inputs bucketed together by length; also the unit a resume recomputes from."""
     row_chunk: int = 1024
     """Teacher rows per lm_head chunk (bounds the [rows, vocab] buffer)."""
-    shard_bytes: int = _SHARD_DEFAULTS.shard_bytes
-    """Roll shards at this size on disk."""
-    zstd_level: int = _SHARD_DEFAULTS.zstd_level
-    """zstd level of shard buffers/members (the format's default)."""
-    bf16_layout: str = _SHARD_DEFAULTS.bf16_layout
-    """bf16 storage layout: 'planes' or 'raw'."""
+    shard: ShardConfig = dataclasses.field(default_factory=ShardConfig)
+    """How samples become shard files (format, shard size, compression)."""
     on_error: str = "fail"
     """Bad input: 'fail' stops with sample id, line and reason (dataset stays resumable); 'skip' records it."""
     queue_size: int = 8
@@ -96,8 +96,6 @@ class CaptureConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"CaptureConfig.{name} must be >= 1 or None, got {v}")
-        if self.format not in ("arrow", "wds"):
-            raise ValueError(f"CaptureConfig.format must be 'arrow' or 'wds', got {self.format!r}")
         if self.top_k < 0:
             raise ValueError(f"CaptureConfig.top_k must be >= 0, got {self.top_k}")
         if self.draft_layers < 1:
@@ -106,14 +104,18 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.codec not in TAPS_CODECS:
             raise ValueError(f"CaptureConfig.codec must be one of {TAPS_CODECS}, got {self.codec!r}")
-        for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "shard_bytes", "queue_size"):
+        for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.shard, ShardConfig):
+            raise ValueError(f"CaptureConfig.shard must be a ShardConfig, got {type(self.shard).__name__}")
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON record: every field, with ``shard``'s fields flattened to the top level."""
         d = dataclasses.asdict(self)
+        d.update(d.pop("shard"))
         d["data"] = [list(p) for p in self.data]
         d["taps"] = None if self.taps is None else list(self.taps)
         return d
@@ -127,7 +129,7 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
     """Refuse to resume into ``path``'s dataset when a recorded field differs from ``current``."""
     if not path.is_file():
         return
-    old = json.loads(path.read_text())
+    old = migrate_capture_record(json.loads(path.read_text()))
     for key in sorted(set(old) | set(current)):
         if key in RUNTIME_FIELDS:
             continue
@@ -136,3 +138,8 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "
                 "Rerun with the original setting to resume, or capture into a new --out directory."
             )
+
+
+def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A capture record as today's ``CaptureConfig.to_dict`` writes it (a new dict)."""
+    return {**{k: v for k, v in _LEGACY_SHARD_DEFAULTS.items() if k not in record}, **record}

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -40,17 +39,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from capture.config import CaptureConfig, check_resume
 from capture.inputs import BadInput, read_inputs
-from capture.targets import NonFiniteError, Prepared, Target, load_target, run_batch
-from shards.bundle import write_bundle
+from capture.load import load_target
+from capture.targets import NonFiniteError, Prepared, Target, run_batch
+from shards.atomic import staged
+from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
 from shards.schema import Layout
 from shards.taps import capture_tap_ids
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.writer import DatasetWriter, finalize_dataset
 
 CONFIG_FILE = "capture_config.json"
 
@@ -314,23 +315,63 @@ def _rates(stats: Stats, t0: float) -> str:
             f"{stats.raw_bytes / dt / 1e6:.1f} MB/s written")
 
 
+def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: WindowPlan, writer: DatasetWriter,
+                wt: "_WriterThread", report: Callable[[int], None], done: int) -> tuple[int, bool]:
+    """Queue one window's skips and forward its batches; returns the updated count of finished inputs and
+    whether the capture stops after this window (a bad input under on_error='fail').
+
+    Finished indices need not be a prefix (bucketing: a shard can hold index 5 while 3 was lost), and a
+    batch is recomputed whole (its padding shapes the bits) unless all of it is done. With
+    on_error='fail' nothing after the window's first bad input is computed.
+    """
+    skips = [s for s in plan.skips if not writer.is_done(s.index)]
+    errors = [s.index for s in skips if s.kind == "error"]
+    fail_at = min(errors) if errors and cfg.on_error == "fail" else None
+    wt.put(("skips", skips))
+    done += len(skips)
+    for batch in plan.batches:
+        if wt.error is not None or not wt.thread.is_alive():
+            break
+        todo = sum(1 for p in batch if not writer.is_done(p.index))
+        if not todo or (fail_at is not None and batch[0].index > fail_at):
+            continue
+        results = run_batch(target, batch, tap_ids=layout.tap_ids, top_k=layout.top_k,
+                            final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds,
+                            row_chunk=cfg.row_chunk)
+        wt.put(("batch", (batch, *to_host(results))))
+        done += todo
+        report(done)
+    return done, fail_at is not None
+
+
+def _raise_if_failed(wt: "_WriterThread") -> None:
+    if wt.error is not None:
+        raise wt.error
+    if wt.failed_on is not None:
+        s = wt.failed_on
+        raise CaptureError(
+            f"bad input {s.sample_id!r} ({s.source}, line {s.line}): {s.reason}. Everything before it is saved; "
+            "fix the input, or rerun the same command with --on-error skip to record and skip bad inputs."
+        )
+
+
+def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_size: int
+               ) -> Iterator[tuple[int, Any]]:
+    """This rank's (local index, Conversation | BadInput) of one split's inputs."""
+    placeholder = target.placeholder or "<|audioplaceholder|>"
+    return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), cfg.max_samples), rank, world_size)
+
+
 def capture_split(
     target: Target, cfg: CaptureConfig, layout: Layout, split: str, spec: str, *, rank: int, world_size: int,
     fingerprint: str,
 ) -> Stats:
     """Capture one split for this rank into ``cfg.out``; resumes what an earlier run left."""
-    writer = DatasetWriter(cfg.out, ShardConfig(format=cfg.format, shard_bytes=cfg.shard_bytes,
-                                                zstd_level=cfg.zstd_level, bf16_layout=cfg.bf16_layout),
-                           layout, split=split, rank=rank, fingerprint=fingerprint)
-    start = writer.next_index
+    writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint)
     stats = Stats()
-    items = rank_slice(numbered(read_inputs(spec, placeholder=target.placeholder or "<|audioplaceholder|>"),
-                                cfg.max_samples), rank, world_size)
-    total = sum(1 for _ in rank_slice(numbered(read_inputs(spec, placeholder=target.placeholder or
-                                                           "<|audioplaceholder|>"), cfg.max_samples),
-                                      rank, world_size))
-    first_window = start // cfg.window
-    wins = islice(windows(items, cfg.window), first_window, None)
+    total = sum(1 for _ in rank_items(target, cfg, spec, rank, world_size))
+    wins = islice(windows(rank_items(target, cfg, spec, rank, world_size), cfg.window),
+                  writer.next_index // cfg.window, None)
     wt = _WriterThread(writer, cfg, stats, spec)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
@@ -344,28 +385,10 @@ def capture_split(
                 prepared = fut.result()
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
-                plan = plan_window(prepared, cfg)
-                # finished indices need not be a prefix (bucketing: a shard can hold index 5 while 3 was lost)
-                skips = [s for s in plan.skips if not writer.is_done(s.index)]
-                errors = [s.index for s in skips if s.kind == "error"]
-                fail_at = min(errors) if errors and cfg.on_error == "fail" else None
-                wt.put(("skips", skips))
-                done += len(skips)
-                for batch in plan.batches:
-                    if wt.error is not None or not wt.thread.is_alive():
-                        break
-                    # a batch is recomputed whole (its padding shapes the bits) unless all of it is done
-                    todo = sum(1 for p in batch if not writer.is_done(p.index))
-                    if not todo or (fail_at is not None and batch[0].index > fail_at):
-                        continue
-                    results = run_batch(target, batch, tap_ids=layout.tap_ids, top_k=layout.top_k,
-                                        final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds,
-                                        row_chunk=cfg.row_chunk)
-                    wt.put(("batch", (batch, *to_host(results))))
-                    done += todo
-                    bar.update(task, completed=done, rates=_rates(stats, t0))
+                done, stop = _run_window(target, cfg, layout, plan_window(prepared, cfg), writer, wt,
+                                   lambda n: bar.update(task, completed=n, rates=_rates(stats, t0)), done)
                 wt.put(("end", None))
-                if fail_at is not None or wt.error is not None or not wt.thread.is_alive():
+                if stop or wt.error is not None or not wt.thread.is_alive():
                     break
             wt.finish()
             bar.update(task, completed=done, rates=_rates(stats, t0))
@@ -376,15 +399,9 @@ def capture_split(
             writer.close()
         raise
     pool.shutdown(wait=True)
-    if wt.error is not None:
-        raise wt.error
-    writer.close()
-    if wt.failed_on is not None:
-        s = wt.failed_on
-        raise CaptureError(
-            f"bad input {s.sample_id!r} ({s.source}, line {s.line}): {s.reason}. Everything before it is saved; "
-            "fix the input, or rerun the same command with --on-error skip to record and skip bad inputs."
-        )
+    if wt.error is None:
+        writer.close()
+    _raise_if_failed(wt)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -406,23 +423,6 @@ def _barrier(world: int) -> None:
     dist.barrier()
 
 
-def _write_or_check_bundle(target: Target, out: Path) -> str:
-    """Write out/target when missing; otherwise make sure it is this target's bundle. Returns the fingerprint."""
-    parts = target.bundle_parts()
-    dest = out / "target"
-    if not (dest / "bundle.json").is_file():
-        return write_bundle(dest, **parts)
-    old = json.loads((dest / "bundle.json").read_text())["fingerprint"]
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        fp = write_bundle(Path(tmp) / "target", **parts)
-    if fp != old:
-        raise ValueError(
-            f"{out} holds a capture of another target (fingerprint {old[:12]}, this target {fp[:12]}); "
-            "capture into a new --out directory"
-        )
-    return fp
-
-
 def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``."""
     rank, world = _dist_env()
@@ -431,24 +431,21 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
     record = {**cfg.to_dict(), "world_size": world}
     cfg_path = out / CONFIG_FILE
     check_resume(cfg_path, record)
-    manifest_path = out / "manifest.json"
-    if manifest_path.is_file() and json.loads(manifest_path.read_text()).get("complete"):
-        doc = json.loads(manifest_path.read_text())
-        doc["run_stats"] = {"already_complete": True}
-        return doc
+    done = complete_manifest(str(out))
+    if done is not None:
+        return {**done, "run_stats": {"already_complete": True}}
     device = resolve_device(cfg)
     if target is None:
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))
     layout = make_layout(cfg, target)
     if rank == 0:
-        fingerprint = _write_or_check_bundle(target, out)
+        fingerprint = write_or_check_bundle(str(out), **target.bundle_parts())
         if not cfg_path.is_file():
-            tmp = cfg_path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-            os.replace(tmp, cfg_path)
+            with staged(cfg_path) as tmp:
+                tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
     _barrier(world)
     if rank != 0:
-        fingerprint = json.loads((out / "target" / "bundle.json").read_text())["fingerprint"]
+        fingerprint = dataset_fingerprint(str(out))
     run_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     with torch.inference_mode():

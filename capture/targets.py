@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from capture.hooks import LayerTaps
 from capture.inputs import Conversation, load_audio
 from capture.salm import SALM, Expanded, expand_placeholders
 from shards.schema import teacher_rows
@@ -264,35 +265,6 @@ class CausalLMTarget(Target):
         return {}
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
-
-    The kind comes from config.json's ``model_type``: one of ``capture.hf_native.NATIVE_MODEL_TYPES``
-    loads with its processor, anything else as a causal LM with its tokenizer.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"target directory {root} does not exist")
-    if (root / "salm_config.json").is_file():
-        return SALMTarget(SALM.from_pretrained(root, dtype=dtype, device=device), root)
-    if (root / "config.json").is_file():
-        import json
-
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from capture.hf_native import NATIVE_MODEL_TYPES, load_native
-
-        if json.loads((root / "config.json").read_text()).get("model_type") in NATIVE_MODEL_TYPES:
-            return load_native(root, dtype=dtype, device=device)
-
-        lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
-        tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
-        return CausalLMTarget(lm, tok, root)
-    raise FileNotFoundError(
-        f"{root} is neither a SALM directory (salm_config.json) nor an HF causal LM (config.json)"
-    )
-
-
 # ------------------------------------------------------------------------------------------ compute
 def topk_teacher(
     last_RH: torch.Tensor, norm: nn.Module, lm_head: nn.Module, k: int, *, logits_scaling: float = 1.0,
@@ -311,24 +283,6 @@ def topk_teacher(
         ids[s : s + row_chunk] = i.to(torch.int32)
         lps[s : s + row_chunk] = v
     return ids, lps
-
-
-class _Taps:
-    """Forward hooks that keep the output of selected decoder layers."""
-
-    def __init__(self, layers: nn.ModuleList, ids: Sequence[int]):
-        self.out: dict[int, torch.Tensor] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in ids]
-
-    def _hook(self, i: int):
-        def fn(_mod, _inp, output):
-            self.out[i] = output[0] if isinstance(output, (tuple, list)) else output
-
-        return fn
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @torch.no_grad()
@@ -359,11 +313,8 @@ def run_batch(
         T = e.input_ids.shape[0]
         emb[b, :T] = e.inputs_embeds
         attn[b, :T] = 1
-    hooks = _Taps(target.layers, sorted(set(tap_ids) | {L - 1}))
-    try:
+    with LayerTaps(target.layers, sorted(set(tap_ids) | {L - 1})) as hooks:
         target.decoder(inputs_embeds=emb, attention_mask=attn, use_cache=False)
-    finally:
-        hooks.remove()
     norm, head = target.decoder.norm, target.lm.get_output_embeddings()
     samples, finite = [], []
     for b, (p, e) in enumerate(zip(batch, exps)):

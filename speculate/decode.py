@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from capture.hooks import LayerTaps
+
 Proposer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """proposer(ids [P+1], taps [P, n, H], temperature, generator) -> (tokens [K], draft probs [K, V] or None)."""
 
@@ -53,26 +55,14 @@ class TargetSession:
 
     @torch.no_grad()
     def _forward(self, **inputs) -> torch.Tensor:
-        out_by_layer: dict[int, torch.Tensor] = {}
-
-        def hook(i):
-            def fn(_m, _inp, output):
-                out_by_layer[i] = output[0] if isinstance(output, (tuple, list)) else output
-
-            return fn
-
-        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.tap_ids]
-        try:
+        with LayerTaps(self.layers, self.tap_ids) as hooks:
             n = next(iter(inputs.values())).shape[1]
             start = self.length
             pos = torch.arange(start, start + n, device=self._device())[None]
             out = self.lm(**inputs, position_ids=pos, cache=self.cache, use_cache=True)
-        finally:
-            for h in handles:
-                h.remove()
         self.forwards += 1
         if self.tap_ids:
-            new_taps = torch.stack([out_by_layer[i][0] for i in self.tap_ids], dim=1).float()  # [n, ntap, H]
+            new_taps = torch.stack([hooks.out[i][0] for i in self.tap_ids], dim=1).float()  # [n, ntap, H]
             self.taps = new_taps if start == 0 else torch.cat([self.taps, new_taps])
         return out.logits[0].float() / self.scaling  # [n, V]
 

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from capture.inputs import BadInput, read_inputs
-from capture.targets import Target, load_target
+from capture.load import load_target
+from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
 from speculate.proposers import make_proposer

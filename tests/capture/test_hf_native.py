@@ -10,8 +10,9 @@ import torch
 
 from capture.hf_native import HFSpeechTarget
 from capture.inputs import AudioRef, Conversation
+from capture.load import load_target
+from capture.targets import run_batch
 from demo.target import build_word_tokenizer
-from capture.targets import load_target, run_batch
 
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "."]
@@ -155,9 +156,10 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
     from capture.pipeline import capture
     from shards.reader import open_dataset
     from shards.verify import verify_dataset
+    from shards.writer import ShardConfig
 
     cfg = CaptureConfig(target=str(qwen2_audio_dir), out=str(tmp_path / "ds"), data=(("train", str(tone_manifest)),),
-                        top_k=4, window=4, batch_tokens=400, shard_bytes=20000, progress=False)
+                        top_k=4, window=4, batch_tokens=400, shard=ShardConfig(shard_bytes=20000), progress=False)
     m = capture(cfg)
     assert m["complete"] and m["splits"]["train"]["samples"] == 10
     assert verify_dataset(str(tmp_path / "ds"), progress=False).ok

@@ -16,8 +16,11 @@ import torch
 from capture import pipeline
 from capture.config import CaptureConfig
 from capture.pipeline import CaptureError, bucket, capture, rank_slice
-from capture.targets import load_target, run_batch
+from capture.load import load_target
+from capture.targets import run_batch
+from shards.manifest import write_or_check_bundle
 from shards.reader import open_dataset
+from shards.writer import ShardConfig
 from shards.verify import verify_dataset
 from tests.capture.util import conv_record, write_manifest, write_wav
 
@@ -26,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _cfg(salm_dir, manifest, out, **kw) -> CaptureConfig:
     base = dict(target=str(salm_dir), out=str(out), data=(("train", str(manifest)),), top_k=4, window=4,
-                batch_tokens=120, shard_bytes=6000, progress=False)
+                batch_tokens=120, progress=False)
     base.update(kw)
+    shard = {k: base.pop(k) for k in ("format", "shard_bytes") if k in base}
+    base["shard"] = ShardConfig(**{"shard_bytes": 6000, **shard})
     return CaptureConfig(**base)
 
 
@@ -88,7 +93,9 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
         pipeline.run_batch = dying
-        pipeline.capture(CaptureConfig(**CFG))
+        from shards.writer import ShardConfig
+        cfg = CFG
+        pipeline.capture(CaptureConfig(**{**cfg, "shard": ShardConfig(**cfg["shard"])}))
     """).replace("CFG", repr(dataclasses.asdict(_cfg(salm_dir, tone_manifest, cut_dir, **kw)))).replace(
         "PART", repr(str(cut_dir / "_parts" / "train-rank00000.json")))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -175,7 +182,7 @@ def test_multi_rank_slices_and_merge(salm_dir, tone_manifest, tmp_path, monkeypa
     monkeypatch.setattr(pipeline, "_barrier", lambda world: None)
     out = tmp_path / "ds"
     out.mkdir()
-    pipeline._write_or_check_bundle(load_target(salm_dir), out)  # what rank 0 does before the first barrier
+    write_or_check_bundle(str(out), **load_target(salm_dir).bundle_parts())  # what rank 0 does before the first barrier
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in (1, 0):  # rank 0 finalizes after both wrote
         monkeypatch.setenv("RANK", str(rank))

@@ -1,0 +1,41 @@
+"""Load a frozen target from its directory: picks the adapter from what the directory holds.
+
+Its own module so that the adapters (capture.targets, capture.hf_native, capture.salm) import
+nothing back: this module sits above all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from capture.hf_native import NATIVE_MODEL_TYPES, load_native
+from capture.salm import SALM
+from capture.targets import CausalLMTarget, SALMTarget, Target
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
+
+    The kind comes from config.json's ``model_type``: one of ``capture.hf_native.NATIVE_MODEL_TYPES``
+    loads with its processor, anything else as a causal LM with its tokenizer.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"target directory {root} does not exist")
+    if (root / "salm_config.json").is_file():
+        return SALMTarget(SALM.from_pretrained(root, dtype=dtype, device=device), root)
+    if (root / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if json.loads((root / "config.json").read_text()).get("model_type") in NATIVE_MODEL_TYPES:
+            return load_native(root, dtype=dtype, device=device)
+
+        lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
+        tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        return CausalLMTarget(lm, tok, root)
+    raise FileNotFoundError(
+        f"{root} is neither a SALM directory (salm_config.json) nor an HF causal LM (config.json)"
+    )

@@ -1,0 +1,117 @@
+"""The package layout: no import circle anywhere (lazy, function-level imports included) and every
+import runs along capture -> shards <- train, with speculate above capture and train, demo above all,
+cli on top, and shards importing no model code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("capture", "shards", "train", "speculate", "demo")
+ALLOWED = {  # package -> project packages it may import
+    "shards": set(),
+    "capture": {"shards"},
+    "train": {"shards"},
+    "speculate": {"capture", "shards", "train"},
+    "demo": {"capture", "shards", "train", "speculate"},
+    "cli": {"capture", "shards", "train", "speculate", "demo"},
+}
+MODEL_CODE = ("transformers", "torch.nn", "capture", "train")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {"cli": ROOT / "cli.py"}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")) if (ROOT / pkg).is_dir() else []:
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Every module (project or not) that ``path`` imports anywhere in its body, lazy imports included."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: {i for i in imports_of(f, known) if i in known} for m, f in mods.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (or a self-import)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_lazy_and_indirect_circles():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+    src = "def f():\n    from shards.writer import x\n"
+    tmp = ROOT / "tests" / "_layout_probe.py"
+    try:
+        tmp.write_text(src)
+        assert "shards.writer" in imports_of(tmp, {"shards.writer"})
+    finally:
+        tmp.unlink()
+
+
+def test_no_import_circle_anywhere():
+    assert not find_cycles(_graph())
+
+
+def test_imports_run_one_way():
+    bad = []
+    for mod, deps in _graph().items():
+        top = mod.split(".")[0]
+        for d in deps:
+            dtop = d.split(".")[0]
+            if dtop != top and dtop not in ALLOWED[top]:
+                bad.append(f"{mod} -> {d}")
+    assert not bad, bad
+
+
+def test_shards_imports_no_model_code():
+    bad = []
+    for mod, f in _modules().items():
+        if mod.split(".")[0] == "shards":
+            bad += [f"{mod} -> {i}" for i in imports_of(f, set()) if i.startswith(MODEL_CODE)]
+    assert not bad, bad

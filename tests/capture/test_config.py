@@ -1,0 +1,34 @@
+"""CaptureConfig embeds ShardConfig; its JSON record stays flat, and older records migrate."""
+
+import json
+
+import pytest
+
+from capture.config import CaptureConfig, check_resume, migrate_capture_record
+from shards.writer import ShardConfig
+
+
+def _cfg(**kw):
+    return CaptureConfig(target="t", out="o", data=(("train", "x.jsonl"),), **kw)
+
+
+def test_record_flattens_the_shard_config():
+    d = _cfg(shard=ShardConfig(format="wds", shard_bytes=123)).to_dict()
+    assert "shard" not in d
+    assert (d["format"], d["shard_bytes"], d["zstd_level"], d["bf16_layout"]) == ("wds", 123, 1, "planes")
+    with pytest.raises(ValueError, match="ShardConfig.format"):
+        _cfg(shard=ShardConfig(format="zip"))
+    with pytest.raises(ValueError, match="must be a ShardConfig"):
+        _cfg(shard={"format": "wds"})
+
+
+def test_a_record_from_before_the_embedding_still_resumes(tmp_path):
+    now = _cfg().to_dict()
+    old = {k: v for k, v in now.items() if k != "batch_bytes"}  # what older captures wrote
+    assert migrate_capture_record(old) == now
+    path = tmp_path / "capture_config.json"
+    path.write_text(json.dumps(old))
+    check_resume(path, now)
+    path.write_text(json.dumps({**old, "batch_bytes": 1}))
+    with pytest.raises(ValueError, match="batch_bytes"):
+        check_resume(path, now)

@@ -23,6 +23,9 @@ a finished shard; the run restarts at that index's window and recomputes every b
 unfinished index (whole, so its padding and bits are as before); finished indices are not written
 or counted again. The resumed dataset equals an uninterrupted run sample by sample.
 
+The dataset directory's layout is shards' business: the bundle is written or checked with
+``shards.manifest.write_or_check_bundle``, a finished dataset is recognised with ``complete_manifest``.
+
 Multi-rank: under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) each rank writes its own shards and
 partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
 """

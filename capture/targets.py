@@ -5,7 +5,7 @@ length (:meth:`Target.prepare`: tokenization, audio decoding, frame counting; al
 surface here, before any compute) and (2) embed a batch of them into expanded input embeddings
 (:meth:`Target.embed`). Everything after that is shared (:func:`run_batch`):
 
-- taps come from forward hooks on the decoder layers: the residual stream BEFORE the final norm,
+- taps come from forward hooks on the decoder layers (capture.hooks): the residual stream BEFORE the final norm,
   for every tapped layer including the last. HF's ``hidden_states[-1]`` is post-norm and is never
   used. Only the base decoder runs, so [B, T, vocab] logits are never built.
 - teacher rows: for each row t with loss_mask[t + 1], the top-k ids and log-probs under the FULL

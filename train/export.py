@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from shards.atomic import staged
+
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
@@ -31,14 +33,12 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(sd, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS)
+    with staged(out / WEIGHTS) as tmp:
+        save_file(sd, str(tmp), metadata={"format": "pt"})
     doc = json.loads(json.dumps(config))
     doc.setdefault("tapdraft", {}).update(meta or {})
-    tmpc = out / (CONFIG + ".tmp")
-    tmpc.write_text(json.dumps(doc, indent=2, sort_keys=True))
-    os.replace(tmpc, out / CONFIG)
+    with staged(out / CONFIG) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
     return out
 
 

@@ -5,7 +5,7 @@ import torch
 
 from shards.bundle import load_bundle
 from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
-from shards.synthetic import tiny_layout, write_dataset
+from tests.shards.synthetic import tiny_layout, write_dataset
 from shards.writer import ShardConfig
 
 

@@ -1,29 +1,34 @@
-"""Adapter for HF-native speech LLMs (Qwen2-Audio today): use the processor, then hook the decoder.
+"""Adapters for HF-native speech LLMs: use the model's own processor, then hook the decoder.
 
-These models keep audio inside the token stream: the processor turns each ``<|AUDIO|>`` into N
-copies of itself (N = the encoder frames of that audio: 40 ms each for Qwen2-Audio, 30 s max) and the
-model scatters its projected encoder frames into those positions. So, unlike the SALM, expansion
-happens in :meth:`HFSpeechTarget.prepare` (the processor's ``input_ids`` ARE the expanded ids) and
-:meth:`HFSpeechTarget.embed` only reproduces the model's own merge:
+These models keep audio inside the token stream: the processor turns each audio token into N copies
+of itself (N = the projected encoder frames of that audio) and the model scatters its projected
+encoder frames into those positions. So, unlike the SALM, expansion happens in
+:meth:`HFSpeechTarget.prepare` (the processor's ``input_ids`` ARE the expanded ids) and
+:meth:`HFSpeechTarget.embed` only reproduces the model's own merge
+(``inputs_embeds.masked_scatter(input_ids == audio_token_id, frames)``). One subclass per family says
+how its processor is called and how its encoder turns features into frames:
 
-    waveform --WhisperFeatureExtractor--> log-mel [M, 3000] (padded to 30 s) + feature mask
-        --audio_tower + multi_modal_projector--> [N, H] --masked_scatter at <|AUDIO|> ids--> [T, H]
+    qwen2_audio     WhisperFeatureExtractor log-mel [128, 3000] (padded to 30 s, the encoder's window:
+                    longer audio is refused) -> audio_tower + projector; 40 ms per frame
+    granite_speech  log-mel [F/2, 160] (capture.granite_speech computes it in torch) -> conformer
+                    -> q-former projector; 100 ms per frame; no window
+
+Which one loads comes from ``config.json``'s ``model_type`` (:data:`NATIVE_MODEL_TYPES`).
 
 The supervised mask comes from the tokenizer's chat template (``{% generation %}``) on the
 unexpanded text, repeated over each audio run; the adapter checks that this expansion equals the
 processor's ids token for token, so the two can never drift apart silently.
-
-A conversation's placeholder is the model's audio token; one not already inside
-``<|audio_bos|> ... <|audio_eos|>`` is wrapped in them, as the model was trained.
 Shapes: A audios, M mel bins, F feature frames, N audio frames, T expanded length, H LM width.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,8 +36,8 @@ from capture.inputs import Conversation, load_audio
 from capture.salm import Expanded
 from capture.targets import Prepared, Target
 
-NATIVE_MODEL_TYPES = ("qwen2_audio",)
-"""``config.json`` model types this adapter loads."""
+NATIVE_MODEL_TYPES = ("qwen2_audio", "granite_speech")
+"""``config.json`` model types loaded with their processor (see :func:`load_native`)."""
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""
@@ -45,31 +50,17 @@ class NativePrepared(Prepared):
     feature_masks: list[torch.Tensor] = field(default_factory=list)  # per audio bool [F]
 
 
-def qwen2_audio_features(model: nn.Module, feats_AMF: torch.Tensor, fmask_AF: torch.Tensor) -> list[torch.Tensor]:
-    """Per-audio projected frames [N_a, H], computed exactly as ``Qwen2AudioModel.forward`` does."""
-    from transformers.masking_utils import create_bidirectional_mask
-
-    inner = model.model
-    tower = inner.audio_tower
-    feat_len, out_len = tower._get_feat_extract_output_lengths(fmask_AF.long().sum(-1))
-    A, _, F = feats_AMF.shape
-    n_max = (F - 2) // 2 + 1
-    valid = (torch.arange(n_max, device=feat_len.device)[None, :] < feat_len[:, None]).long()
-    dummy = torch.zeros(A, n_max, 1, dtype=feats_AMF.dtype, device=feats_AMF.device)
-    mask = create_bidirectional_mask(config=tower.config, inputs_embeds=dummy, attention_mask=valid)
-    hid = tower(feats_AMF, attention_mask=mask).last_hidden_state
-    proj = inner.multi_modal_projector(hid)  # [A, N_max, H]
-    return [proj[a, : int(out_len[a])] for a in range(A)]
-
-
 class HFSpeechTarget(Target):
-    """A ``Qwen2AudioForConditionalGeneration`` directory (model + processor files)."""
+    """A transformers speech LLM directory (model + processor files); subclasses are the families."""
 
     tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
+    model_type: str = ""
+    frame_hop_samples: int = 0
+    """Waveform samples per projected audio frame (set by the subclass from its processor)."""
 
     def __init__(self, model: nn.Module, processor, path: str | Path | None = None):
-        if model.config.model_type not in NATIVE_MODEL_TYPES:
-            raise ValueError(f"model type {model.config.model_type!r} is not one of {NATIVE_MODEL_TYPES}")
+        if model.config.model_type != self.model_type:
+            raise ValueError(f"model type {model.config.model_type!r} is not {self.model_type!r}")
         self.model = model.eval()
         self.lm = self.model
         self.processor = processor
@@ -78,24 +69,41 @@ class HFSpeechTarget(Target):
             raise ValueError("the tokenizer has no chat template; capture needs one that marks assistant turns")
         self.placeholder = processor.audio_token
         self.audio_token_id = int(model.config.audio_token_id)
-        if int(processor.audio_token_id) != self.audio_token_id:
+        tok_id = self.tokenizer.convert_tokens_to_ids(self.placeholder)
+        if tok_id != self.audio_token_id:
             raise ValueError(
-                f"processor audio token id {processor.audio_token_id} != model config audio_token_id "
-                f"{self.audio_token_id}; the processor and the model come from different checkpoints"
+                f"the processor's audio token {self.placeholder!r} is id {tok_id} but the model config's "
+                f"audio_token_id is {self.audio_token_id}; the processor and the model come from different checkpoints"
             )
-        self.sample_rate = int(processor.feature_extractor.sampling_rate)
+        self.sample_rate = int(self.feature_extractor.sampling_rate)
         self._path = None if path is None else Path(path)
 
-    def _wrap(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        bos, eos, tok = self.processor.audio_bos_token, self.processor.audio_eos_token, self.placeholder
-        out = []
-        for m in messages:
-            text = m["content"]
-            if tok in text and bos + tok not in text:
-                text = text.replace(tok, bos + tok + eos)
-            out.append({**m, "content": text})
-        return out
+    @property
+    def feature_extractor(self):
+        return getattr(self.processor, "feature_extractor", None) or self.processor.audio_processor
 
+    # -------------------------------------------------------------- family-specific
+    def _wrap(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """Messages as the model was trained on them (e.g. audio markers around the placeholder)."""
+        return messages
+
+    def max_audio_samples(self) -> int | None:
+        """Longest audio (samples at the encoder rate) the encoder takes whole; None: no limit."""
+        return None
+
+    @abstractmethod
+    def _process(self, text: str, waves: list[np.ndarray]) -> tuple[torch.Tensor, list[int], list, list]:
+        """The processor on the templated text -> (expanded ids [T], frames per audio, features, feature masks)."""
+
+    @abstractmethod
+    def _audio_frames(self, feats: list[torch.Tensor], fmasks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-audio projected frames [N_a, H], exactly as the model's own forward computes them."""
+
+    @abstractmethod
+    def _frame_seconds(self) -> float:
+        """Seconds of audio per projected frame."""
+
+    # -------------------------------------------------------------- shared
     def prepare(self, conv: Conversation, index: int) -> NativePrepared:
         wrapped = Conversation(conv.sample_id, conv.source, self._wrap(conv.messages), conv.audios, conv.line)
         ids, mask = self._tokenize(wrapped)
@@ -103,49 +111,42 @@ class HFSpeechTarget(Target):
         if n_ph != len(conv.audios):
             raise ValueError(f"has {n_ph} audio token(s) {self.placeholder!r} but {len(conv.audios)} audio(s)")
         waves, seconds = [], 0.0
+        limit = self.max_audio_samples()
         for ref in conv.audios:
             w, s = load_audio(ref, target_sr=self.sample_rate, min_sr=MIN_SAMPLE_RATE)
-            limit = int(self.processor.feature_extractor.n_samples)
-            if w.shape[0] > limit:  # the feature extractor would silently cut it
-                raise ValueError(f"audio {ref.path or '<array>'} is {s:.1f}s; the encoder takes at most "
-                                 f"{limit / self.sample_rate:.0f}s per audio: split it")
+            if limit is not None and w.shape[0] > limit:  # the processor would cut it silently
+                raise ValueError(f"audio {ref.path or '<array>'} is {s:.1f}s; the {self.model_type} encoder takes at "
+                                 f"most {limit / self.sample_rate:.0f}s per audio: split it")
             waves.append(w)
             seconds += s
         text = self.tokenizer.apply_chat_template(wrapped.messages, tokenize=False)
-        out = self.processor(text=text, audio=waves or None, sampling_rate=self.sample_rate, return_tensors="pt")
-        exp_ids = out["input_ids"][0]
+        exp_ids, n_frames, feats, fmasks = self._process(text, waves)
         # repeat the template's mask over each audio run; must reproduce the processor's ids exactly
         reps = torch.ones_like(ids)
         if waves:
-            lens = out["feature_attention_mask"].sum(-1)
-            _, n_frames = self.model.model.audio_tower._get_feat_extract_output_lengths(lens)
-            reps[ids == self.audio_token_id] = n_frames.to(reps.dtype)
+            if min(n_frames) < 1:
+                raise ValueError(f"an audio is too short for one {self.model_type} encoder frame")
+            reps[ids == self.audio_token_id] = torch.tensor(n_frames, dtype=reps.dtype)
         if not torch.equal(ids.repeat_interleave(reps), exp_ids):
             raise ValueError(
                 "the processor's expanded tokens differ from the chat template's tokens with audio runs; "
                 "the tokenizer must keep the audio tokens as single special tokens"
             )
         mask = mask.repeat_interleave(reps) & (exp_ids != self.audio_token_id)
-        feats = [out["input_features"][a] for a in range(len(waves))]
-        fmasks = [out["feature_attention_mask"][a].bool() for a in range(len(waves))]
         return NativePrepared(index, conv.sample_id, conv.source, exp_ids, mask, waves, feats, seconds,
                               int(exp_ids.shape[0]), conv.line, fmasks)
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         dev = self.device
         feats = [f for p in batch for f in p.features]
-        if feats:
-            fm = [m for p in batch for m in p.feature_masks]  # type: ignore[attr-defined]
-            audio = qwen2_audio_features(self.model, torch.stack(feats).to(dev, self.lm.dtype),
-                                         torch.stack(fm).to(dev))
-        else:
-            audio = []
+        fmasks = [m for p in batch for m in getattr(p, "feature_masks", [])]
+        audio = self._audio_frames(feats, fmasks) if feats else []
         emb = self.lm.get_input_embeddings()
         out, k = [], 0
         for p in batch:
             ids = p.token_ids.to(dev).long()
             is_audio = ids == self.audio_token_id
-            x = emb(ids)
+            x = emb(torch.where(is_audio, 0, ids))  # audio rows are overwritten (Granite's id is outside the vocab)
             n = len(p.features)
             if n:
                 frames = torch.cat(audio[k : k + n]).to(x.dtype)
@@ -157,21 +158,84 @@ class HFSpeechTarget(Target):
         return out
 
     def audio_bundle(self) -> dict[str, Any]:
-        fe = self.processor.feature_extractor
         return {
             "sample_rate": self.sample_rate,
-            "frame_seconds": fe.hop_length * 4 / self.sample_rate,  # conv stride 2, then avg-pool 2
+            "frame_seconds": self._frame_seconds(),
             "placeholder": self.placeholder,
             "placeholder_token_id": self.audio_token_id,
             "audio_token_id": self.audio_token_id,
-            "encoder": type(self.model.model.audio_tower).__name__,
+            "encoder": type(self._encoder()).__name__,
         }
 
+    def _encoder(self) -> nn.Module:
+        inner = self.model.model
+        return getattr(inner, "audio_tower", None) or inner.encoder
 
-def load_native(root: Path, *, dtype: torch.dtype, device: str) -> HFSpeechTarget:
-    """Model + processor from one local directory (``save_pretrained`` of both)."""
-    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
-    processor = AutoProcessor.from_pretrained(root, local_files_only=True)
-    return HFSpeechTarget(model, processor, root)
+class Qwen2AudioTarget(HFSpeechTarget):
+    """``Qwen2AudioForConditionalGeneration``: Whisper encoder (30 s window), 40 ms frames.
+
+    A conversation's placeholder is the model's audio token; one not already inside
+    ``<|audio_bos|> ... <|audio_eos|>`` is wrapped in them, as the model was trained.
+    """
+
+    model_type = "qwen2_audio"
+
+    def _wrap(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        bos, eos, tok = self.processor.audio_bos_token, self.processor.audio_eos_token, self.placeholder
+        out = []
+        for m in messages:
+            text = m["content"]
+            if tok in text and bos + tok not in text:
+                text = text.replace(tok, bos + tok + eos)
+            out.append({**m, "content": text})
+        return out
+
+    def max_audio_samples(self) -> int | None:
+        return int(self.feature_extractor.n_samples)
+
+    def _process(self, text, waves):
+        out = self.processor(text=text, audio=waves or None, sampling_rate=self.sample_rate, return_tensors="pt")
+        n_frames: list[int] = []
+        if waves:
+            lens = out["feature_attention_mask"].sum(-1)
+            _, n = self.model.model.audio_tower._get_feat_extract_output_lengths(lens)
+            n_frames = [int(v) for v in n]
+        feats = [out["input_features"][a] for a in range(len(waves))]
+        fmasks = [out["feature_attention_mask"][a].bool() for a in range(len(waves))]
+        return out["input_ids"][0], n_frames, feats, fmasks
+
+    def _audio_frames(self, feats, fmasks):
+        """As ``Qwen2AudioModel.forward``: bidirectional mask over the valid encoder frames, then the projector."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        dev, dtype = self.device, self.lm.dtype
+        feats_AMF, fmask_AF = torch.stack(feats).to(dev, dtype), torch.stack(fmasks).to(dev)
+        inner = self.model.model
+        tower = inner.audio_tower
+        feat_len, out_len = tower._get_feat_extract_output_lengths(fmask_AF.long().sum(-1))
+        A, _, F = feats_AMF.shape
+        n_max = (F - 2) // 2 + 1
+        valid = (torch.arange(n_max, device=feat_len.device)[None, :] < feat_len[:, None]).long()
+        dummy = torch.zeros(A, n_max, 1, dtype=feats_AMF.dtype, device=feats_AMF.device)
+        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=dummy, attention_mask=valid)
+        hid = tower(feats_AMF, attention_mask=mask).last_hidden_state
+        proj = inner.multi_modal_projector(hid)  # [A, N_max, H]
+        return [proj[a, : int(out_len[a])] for a in range(A)]
+
+    def _frame_seconds(self) -> float:
+        return self.feature_extractor.hop_length * 4 / self.sample_rate  # conv stride 2, then avg-pool 2
+
+
+def load_native(root: Path, model_type: str, *, dtype: torch.dtype, device: str) -> HFSpeechTarget:
+    """Model + processor from one local directory (``save_pretrained`` of both), by ``model_type``."""
+    if model_type == "qwen2_audio":
+        from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+        model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
+        return Qwen2AudioTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
+    if model_type == "granite_speech":
+        from capture.granite_speech import load_granite_speech
+
+        return load_granite_speech(root, dtype=dtype, device=device)
+    raise ValueError(f"model type {model_type!r} is not one of {NATIVE_MODEL_TYPES}")

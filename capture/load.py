@@ -20,7 +20,8 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
 
     The kind comes from config.json's ``model_type``: one of ``capture.hf_native.NATIVE_MODEL_TYPES``
-    loads with its processor, anything else as a causal LM with its tokenizer.
+    loads with its processor, a causal-LM model type with its tokenizer; anything else is refused in
+    one line that names what is supported.
     """
     root = Path(path)
     if not root.is_dir():
@@ -29,13 +30,19 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
         return SALMTarget(SALM.from_pretrained(root, dtype=dtype, device=device), root)
     if (root / "config.json").is_file():
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        if json.loads((root / "config.json").read_text()).get("model_type") in NATIVE_MODEL_TYPES:
-            return load_native(root, dtype=dtype, device=device)
-
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        if model_type in NATIVE_MODEL_TYPES:
+            return load_native(root, model_type, dtype=dtype, device=device)
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(
+                f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, the speech "
+                f"LLMs {', '.join(NATIVE_MODEL_TYPES)}, or a text causal LM"
+            )
         lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
         return CausalLMTarget(lm, tok, root)
     raise FileNotFoundError(
-        f"{root} is neither a SALM directory (salm_config.json) nor an HF causal LM (config.json)"
+        f"{root} is neither a SALM directory (salm_config.json) nor an HF model directory (config.json)"
     )

@@ -12,35 +12,14 @@ from capture.hf_native import HFSpeechTarget
 from capture.inputs import AudioRef, Conversation
 from capture.load import load_target
 from capture.targets import run_batch
-from demo.target import build_word_tokenizer
-
-AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
-WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "."]
+from tests.capture.speech_models import save_qwen2_audio
 
 
 @pytest.fixture(scope="session")
 def qwen2_audio_dir(tmp_path_factory) -> Path:
     """A tiny random-init Qwen2-Audio + its processor, built from configs and saved (no downloads)."""
-    from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              WhisperFeatureExtractor)
-
-    tok = build_word_tokenizer(WORDS)
-    tok.add_tokens(AUDIO_TOKENS, special_tokens=True)
-    cfg = Qwen2AudioConfig(
-        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
-                          num_mel_bins=128),
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
-        audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"),
-    )
-    torch.manual_seed(0)
-    model = Qwen2AudioForConditionalGeneration(cfg).eval()
-    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
-    proc = Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok, chat_template=tok.chat_template)
     d = tmp_path_factory.mktemp("qwen2_audio")
-    model.save_pretrained(d)
-    proc.save_pretrained(d)
-    torch.save(model.state_dict(), d.parent / "qwen2_audio_reference.pt")
+    torch.save(save_qwen2_audio(d), d.parent / "qwen2_audio_reference.pt")
     return d
 
 

@@ -18,6 +18,9 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
 - Alternatively a text turn may contain placeholders itself and list its audios in ``audio``
   (a path, a dict ``{"path", "offset", "duration"}``, or a list of these), one per placeholder.
 - Consecutive turns of the same role are joined with a space into one chat message.
+- In an HF dataset, an audio turn without a path (and a placeholder in a text turn that lists no
+  audio) takes the next audio of the row's audio column, in order; in a JSONL manifest it is an error.
+- ``offset`` must be >= 0 and ``offset + duration`` inside the file: audio is never cut silently.
 
 Audio is decoded with soundfile (wav, flac, ogg...), mixed to mono and resampled to the encoder's
 rate with a windowed-sinc resampler in torch (Hann window, 6 zero crossings, rolloff 0.99: the
@@ -38,6 +41,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+DURATION_SLACK_S = 0.01
+"""An audio span may end this far past the end of its file (manifests round durations); more is an error."""
 
 ROLES = {
     "user": "user", "human": "user",
@@ -109,8 +115,13 @@ def _audio_refs(spec: Any, base: Path) -> list[AudioRef]:
     return out
 
 
-def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> tuple[str, list[dict], list[AudioRef]]:
-    """One JSON record -> (sample id, messages, audios); ValueError says what is wrong."""
+def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
+                 column_audios: list[AudioRef] | None = None) -> tuple[str, list[dict], list[AudioRef]]:
+    """One JSON record -> (sample id, messages, audios); ValueError says what is wrong.
+
+    ``column_audios`` (an HF dataset row's audio column) fill, in order, the placeholders whose turn
+    names no audio; without it every placeholder needs its own path.
+    """
     if not isinstance(rec, dict):
         raise ValueError(f"a manifest line must be a JSON object, got {type(rec).__name__}")
     sid = rec.get("id", rec.get("sample_id", default_id))
@@ -119,7 +130,7 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> 
     if not isinstance(turns, list) or not turns:
         raise ValueError("needs a non-empty 'conversations' (or 'messages') list of turns")
     messages: list[dict[str, str]] = []
-    audios: list[AudioRef] = []
+    audios: list[AudioRef | None] = []  # None: taken from column_audios
     for j, t in enumerate(turns):
         if not isinstance(t, dict):
             raise ValueError(f"turn {j} must be an object, got {type(t).__name__}")
@@ -130,7 +141,11 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> 
         kind = t.get("type", "text")
         if kind == "audio":
             path = t.get("value", t.get("audio", t.get("audio_filepath")))
-            audios += _audio_refs({"path": path, "offset": t.get("offset", 0.0), "duration": t.get("duration")}, base)
+            if path is None:
+                audios.append(None)
+            else:
+                audios += _audio_refs({"path": path, "offset": t.get("offset", 0.0), "duration": t.get("duration")},
+                                      base)
             text = placeholder
         elif kind == "text":
             text = t.get("value", t.get("content"))
@@ -142,7 +157,7 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> 
                 raise ValueError(
                     f"turn {j} has {n_ph} placeholder(s) {placeholder!r} but lists {len(refs)} audio(s)"
                 )
-            audios += refs
+            audios += refs if refs else [None] * n_ph
         else:
             raise ValueError(f"turn {j} has unknown type {kind!r}; use 'text' or 'audio'")
         if role == "assistant" and not text.strip():
@@ -156,7 +171,16 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str) -> 
     n_ph = sum(m["content"].count(placeholder) for m in messages)
     if n_ph != len(audios):
         raise ValueError(f"has {n_ph} audio placeholder(s) but {len(audios)} audio(s); one placeholder per audio")
-    return sid, messages, audios
+    n_open = sum(a is None for a in audios)
+    column = list(column_audios or [])
+    if column_audios is None and n_open:
+        raise ValueError(f"has {n_open} audio placeholder(s) or audio turn(s) without a path; give each audio turn "
+                         "a 'value' path, or list a text turn's audios in 'audio'")
+    if column_audios is not None and n_open != len(column):
+        raise ValueError(f"has {n_open} audio placeholder(s) without a path but {len(column)} audio(s) in the "
+                         "audio column; one column audio per audio turn that names no file")
+    it = iter(column)
+    return sid, messages, [a if a is not None else next(it) for a in audios]
 
 
 def read_jsonl(path: str | Path, *, placeholder: str) -> Iterator[Conversation | BadInput]:
@@ -220,11 +244,8 @@ def read_hf_dataset(
             refs = [AudioRef(path=a.get("path") if not a.get("bytes") else None, data=a.get("bytes")) for a in auds]
             if "conversations" in row or "messages" in row:
                 rec = {"id": sid, "conversations": row.get("conversations", row.get("messages"))}
-                sid, messages, in_refs = parse_record(rec, base=Path("."), placeholder=placeholder, default_id=sid)
-                n_ph = sum(m["content"].count(placeholder) for m in messages)
-                if n_ph != len(refs) + len(in_refs):
-                    raise ValueError(f"has {n_ph} audio placeholder(s) but {len(refs) + len(in_refs)} audio(s)")
-                refs = in_refs + refs
+                sid, messages, refs = parse_record(rec, base=Path("."), placeholder=placeholder, default_id=sid,
+                                                   column_audios=refs)
             else:
                 text = row.get(text_column)
                 if not isinstance(text, str) or not text.strip():
@@ -274,6 +295,24 @@ def resample(wave: np.ndarray, orig_sr: int, new_sr: int, *, zero_crossings: int
     return y[:target].to(torch.float32).numpy()
 
 
+def _span(ref: AudioRef, sr: int, total: int) -> tuple[int, int]:
+    """(first frame, frame count or -1 for the rest) of ``[offset, offset + duration)`` inside the file."""
+    name = ref.path or "<bytes>"
+    if ref.offset < 0 or (ref.duration is not None and ref.duration <= 0):
+        raise ValueError(f"audio {name}: offset must be >= 0 and duration > 0, got offset {ref.offset}s, "
+                         f"duration {ref.duration}s")
+    start = int(round(ref.offset * sr))
+    if start >= total:
+        raise ValueError(f"offset {ref.offset}s is past the end of {name} ({total / sr:.2f}s)")
+    if ref.duration is None:
+        return start, -1
+    count = int(round(ref.duration * sr))
+    if start + count > total + int(round(DURATION_SLACK_S * sr)):
+        raise ValueError(f"offset {ref.offset}s + duration {ref.duration}s runs past the end of {name} "
+                         f"({total / sr:.2f}s); fix the manifest's offset/duration")
+    return start, min(count, total - start)
+
+
 def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarray, float]:
     """Decode, mix to mono, cut [offset, offset + duration), resample -> (float32 waveform, seconds)."""
     import soundfile as sf
@@ -287,10 +326,7 @@ def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarra
         try:
             with sf.SoundFile(src) as f:
                 sr, total = int(f.samplerate), f.frames
-                start = int(round(ref.offset * sr))
-                if start >= total:
-                    raise ValueError(f"offset {ref.offset}s is past the end of {ref.path} ({total / sr:.2f}s)")
-                count = -1 if ref.duration is None else int(round(ref.duration * sr))
+                start, count = _span(ref, sr, total)
                 f.seek(start)
                 wave = f.read(frames=count, dtype="float32", always_2d=True).mean(axis=1)
         except (sf.LibsndfileError, RuntimeError, TypeError) as e:

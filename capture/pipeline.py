@@ -59,8 +59,10 @@ from shards.writer import DatasetWriter, finalize_dataset
 CONFIG_FILE = "capture_config.json"
 
 
-class CaptureError(RuntimeError):
-    """A capture stopped on a bad input (on_error='fail'); the dataset directory stays resumable."""
+class CaptureError(ValueError):
+    """A capture stopped on a bad input (on_error='fail'); the dataset directory stays resumable.
+
+    A user error: the CLI prints it as one ``error:`` line."""
 
 
 # ------------------------------------------------------------------------------------------ stages

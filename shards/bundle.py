@@ -149,6 +149,8 @@ def write_bundle(
         "norm_weight": norm_weight.detach().cpu().contiguous(),
         "lm_head": lm_head.detach().cpu().contiguous(),
     }
+    if weights["lm_head"].data_ptr() == weights["embed_tokens"].data_ptr():  # tied head: safetensors refuses shared storage
+        weights["lm_head"] = weights["lm_head"].clone()
     V, H = weights["lm_head"].shape
     if weights["embed_tokens"].shape[1] != H or tuple(weights["norm_weight"].shape) != (H,):
         raise ValueError(

@@ -72,6 +72,14 @@ def test_audio_errors_surface_in_prepare(tmp_path, salm):
         {"from": "User", "type": "audio", "value": "ok.wav", "offset": 30.0},
         {"from": "Assistant", "value": "you said one ."}]})
     cases["past"] = "past the end"
+    recs.append({"id": "negative", "conversations": [
+        {"from": "User", "type": "audio", "value": "ok.wav", "offset": -1.0},
+        {"from": "Assistant", "value": "you said one ."}]})
+    cases["negative"] = "offset must be >= 0"
+    recs.append({"id": "overrun", "conversations": [  # never cut silently
+        {"from": "User", "type": "audio", "value": "ok.wav", "offset": 0.25, "duration": 100.0},
+        {"from": "Assistant", "value": "you said one ."}]})
+    cases["overrun"] = r"0.25s \+ duration 100.0s runs past the end"
     for conv in read_jsonl(write_manifest(tmp_path / "m.jsonl", recs), placeholder=PH):
         with pytest.raises(ValueError, match=cases[conv.sample_id]):
             target.prepare(conv, 0)
@@ -112,3 +120,40 @@ def test_hf_dataset_with_audio_column(tmp_path):
     assert isinstance(items[0], Conversation) and items[0].messages[1]["content"] == "four two ."
     assert items[0].audios[0].path or items[0].audios[0].data
     assert isinstance(items[1], BadInput) and "empty assistant" in items[1].reason
+
+
+def test_duration_may_overrun_by_rounding_only(tmp_path, salm):
+    write_wav(tmp_path / "ok.wav", [1, 2])
+    total = sf.info(str(tmp_path / "ok.wav")).frames / 16000
+    recs = [{"id": f"d{i}", "conversations": [{"from": "User", "type": "audio", "value": "ok.wav", "offset": 0.5,
+                                               "duration": round(total - 0.5 + extra, 3)},
+                                              {"from": "Assistant", "value": "one ."}]}
+            for i, extra in enumerate((0.004, 0.05))]
+    convs = list(read_jsonl(write_manifest(tmp_path / "m.jsonl", recs), placeholder=PH))
+    p = SALMTarget(salm).prepare(convs[0], 0)  # a rounded duration: the rest of the file
+    assert p.audio_seconds == pytest.approx(total - 0.5)
+    with pytest.raises(ValueError, match="runs past the end"):
+        SALMTarget(salm).prepare(convs[1], 0)
+
+
+def test_hf_dataset_conversations_take_the_audio_column(tmp_path):
+    """Audio turns without a path (and bare placeholders) take the row's audio column, in order."""
+    import datasets
+
+    write_wav(tmp_path / "a.wav", [4, 2])
+    turns = [{"from": "User", "type": "audio", "value": None}, {"from": "User", "type": "text", "value": "what ?"},
+             {"from": "Assistant", "type": "text", "value": "four two ."}]
+    two = [{"from": "User", "type": "text", "value": f"{PH} and {PH}"}, turns[2]]
+    ds = datasets.Dataset.from_dict({"id": ["c0", "c1"], "audio": [str(tmp_path / "a.wav")] * 2,
+                                     "conversations": [turns, two]})
+    ds.cast_column("audio", datasets.Audio(decode=False)).save_to_disk(str(tmp_path / "hf"))
+    items = list(read_hf_dataset(str(tmp_path / "hf"), placeholder=PH))
+    assert isinstance(items[0], Conversation), items[0]
+    assert items[0].messages == [{"role": "user", "content": f"{PH} what ?"},
+                                 {"role": "assistant", "content": "four two ."}]
+    assert len(items[0].audios) == 1 and (items[0].audios[0].path or items[0].audios[0].data)
+    assert isinstance(items[1], BadInput) and "2 audio placeholder(s) without a path but 1 audio(s)" in items[1].reason
+    # a manifest line has no audio column: an audio turn without a path is that line's error
+    m = write_manifest(tmp_path / "m.jsonl", [{"id": "j", "conversations": turns}])
+    (bad,) = list(read_jsonl(m, placeholder=PH))
+    assert isinstance(bad, BadInput) and "without a path" in bad.reason

@@ -10,6 +10,8 @@ how its processor is called and how its encoder turns features into frames:
 
     qwen2_audio     WhisperFeatureExtractor log-mel [128, 3000] (padded to 30 s, the encoder's window:
                     longer audio is refused) -> audio_tower + projector; 40 ms per frame
+    voxtral         Whisper log-mel in 30 s chunks [chunks, 128, 3000] -> encoder -> projector joining 4
+                    frames (capture.voxtral: the expansion follows mistral-common); 80 ms per frame
     granite_speech  log-mel [F/2, 160] (capture.granite_speech computes it in torch) -> conformer
                     -> q-former projector; 100 ms per frame; no window
 
@@ -36,7 +38,7 @@ from capture.inputs import Conversation, load_audio
 from capture.salm import Expanded
 from capture.targets import Prepared, Target
 
-NATIVE_MODEL_TYPES = ("qwen2_audio", "granite_speech")
+NATIVE_MODEL_TYPES = ("qwen2_audio", "voxtral", "granite_speech")
 """``config.json`` model types loaded with their processor (see :func:`load_native`)."""
 
 MIN_SAMPLE_RATE = 8000
@@ -234,6 +236,10 @@ def load_native(root: Path, model_type: str, *, dtype: torch.dtype, device: str)
 
         model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
         return Qwen2AudioTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
+    if model_type == "voxtral":
+        from capture.voxtral import load_voxtral
+
+        return load_voxtral(root, dtype=dtype, device=device)
     if model_type == "granite_speech":
         from capture.granite_speech import load_granite_speech
 

@@ -14,10 +14,10 @@ from capture.targets import load_target
 from cli import app, main
 from speculate.decode import target_greedy
 from speculate.run import prompt_length
-from tests.capture.speech_models import save_granite_speech, save_qwen2_audio
+from tests.capture.speech_models import own_inputs, save_granite_speech, save_qwen2_audio, save_voxtral
 from tests.capture.util import conv_record, write_manifest, write_wav
 
-BUILDERS = {"qwen2_audio": save_qwen2_audio, "granite_speech": save_granite_speech}
+BUILDERS = {"qwen2_audio": save_qwen2_audio, "voxtral": save_voxtral, "granite_speech": save_granite_speech}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -65,11 +65,7 @@ def test_greedy_decoding_equals_the_models_own_generate(speech_dir, tmp_path):
     with torch.no_grad():
         ours = target_greedy(target.lm, exp.inputs_embeds[:P], max_new_tokens=6, eos_token_id=None,
                              logits_scaling=target.logits_scaling)
-        p = target.prepare(conv, 0)
-        text = target.tokenizer.apply_chat_template(target._wrap(conv.messages[:-1]), tokenize=False,
-                                                    add_generation_prompt=True)
-        inputs = target.processor(text=text, audio=p.waveforms, return_tensors="pt",
-                                  **({"sampling_rate": 16000} if target.model_type == "qwen2_audio" else {}))
+        inputs = own_inputs(target, conv.messages[:-1], target.prepare(conv, 0).waveforms, add_generation_prompt=True)
         assert inputs["input_ids"][0].tolist() == exp.input_ids[:P].tolist()
         gen = target.model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert ours == gen[0, P:].tolist()

@@ -71,3 +71,69 @@ def save_granite_speech(d: Path, seed: int = 0, logits_scaling: float = 4.0) -> 
     (d / "processor_config.json").write_text(json.dumps({"audio_token": "<|audio|>",
                                                          "processor_class": "GraniteSpeechProcessor"}, indent=2))
     return d
+
+
+MISTRAL_SPECIALS = [  # tekken.json's special tokens in rank order (mistral-common's SpecialTokens; [AUDIO] is 24)
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "<SPECIAL_20>", "<SPECIAL_21>",
+    "<SPECIAL_22>", "<SPECIAL_23>", "[AUDIO]", "[BEGIN_AUDIO]",
+]
+MISTRAL_TEMPLATE = (  # Mistral's instruct layout, assistant turns marked for the supervised mask
+    "<s>{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ m['content'] }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% else %}{% generation %}{{ m['content'] }}</s>{% endgeneration %}{% endif %}{% endfor %}"
+)
+
+
+def save_voxtral(d: Path, seed: int = 0, frame_rate: float = 12.5) -> Path:
+    """VoxtralForConditionalGeneration + tekken.json (byte-level: 256 byte tokens after the specials) +
+    preprocessor_config.json (WhisperFeatureExtractor, 128 mels) + chat_template.jinja.
+
+    The encoder keeps the real 1500 positions (the processor cuts audio into 30 s chunks of 3000 mel
+    frames) with a tiny width; 4 encoder frames per projected frame: 375 per chunk.
+    """
+    import base64
+
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
+
+    S = len(MISTRAL_SPECIALS)
+    tekken = {
+        "config": {"pattern": r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+                   "num_vocab_tokens": 256, "default_vocab_size": 256 + S, "default_num_special_tokens": S,
+                   "version": "v7"},
+        "vocab": [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": None}
+                  for i in range(256)],
+        "special_tokens": [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(MISTRAL_SPECIALS)],
+        "audio": {"sampling_rate": 16000, "frame_rate": frame_rate, "chunk_length_s": 30.0,
+                  "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400}},
+    }
+    (d / "tekken.json").write_text(json.dumps(tekken))
+    (d / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    cfg = VoxtralConfig(
+        audio_config=dict(hidden_size=16, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_mel_bins=128, max_source_positions=1500),
+        text_config=dict(vocab_size=256 + S, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=2),
+        audio_token_id=MISTRAL_SPECIALS.index("[AUDIO]"),
+    )
+    torch.manual_seed(seed)
+    VoxtralForConditionalGeneration(cfg).eval().save_pretrained(d)
+    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).save_pretrained(d)
+    pre = json.loads((d / "preprocessor_config.json").read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps({**pre, "processor_class": "VoxtralProcessor"}, indent=2))
+    return d
+
+
+def own_inputs(target, messages: list[dict], waves: list, *, add_generation_prompt: bool = False) -> dict:
+    """What the model's own forward/generate takes for these messages and audio (its processor's output;
+    Voxtral's expansion lives in mistral-common, so there the ids are the adapter's and the features the
+    processor's: the model's own merge checks that their counts agree)."""
+    text = target.tokenizer.apply_chat_template(target._wrap(messages), tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+    if target.model_type == "voxtral":
+        ids, _, feats, _ = target._process(text, waves)
+        return {"input_ids": ids[None], "input_features": torch.cat(feats)}
+    extra = {"sampling_rate": 16000} if target.model_type == "qwen2_audio" else {}
+    return dict(target.processor(text=text, audio=waves, return_tensors="pt", **extra))

@@ -1,0 +1,94 @@
+"""Voxtral adapter: tekken.json tokenizer, 30 s chunks, taps/top-k vs the model's own forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from capture.inputs import AudioRef, Conversation
+from capture.targets import load_target, run_batch
+from capture.voxtral import VoxtralTarget
+from tests.capture.speech_models import own_inputs, save_voxtral
+
+
+@pytest.fixture(scope="session")
+def voxtral_dir(tmp_path_factory) -> Path:
+    return save_voxtral(tmp_path_factory.mktemp("voxtral"))
+
+
+@pytest.fixture()
+def target(voxtral_dir) -> VoxtralTarget:
+    t = load_target(voxtral_dir)
+    assert isinstance(t, VoxtralTarget)
+    return t
+
+
+def _conv(sid, n_samples, seed, reply="you said one two ."):
+    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
+    return Conversation(sid, "mem", [{"role": "user", "content": "[AUDIO] what did i say ?"},
+                                     {"role": "assistant", "content": reply}],
+                        [AudioRef(array=wave, sample_rate=16000)])
+
+
+def _own_forward(target, conv):
+    out: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+             for j, layer in enumerate(target.layers)]
+    inputs = own_inputs(target, conv.messages, [a.array for a in conv.audios])
+    try:
+        logits = target.model(**inputs).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, out, logits
+
+
+def test_tokens_chunks_and_bundle(target):
+    assert target.placeholder == "[AUDIO]" and target.audio_token_id == 24 and target.frames_per_chunk == 375
+    assert target.audio_bundle()["frame_seconds"] == pytest.approx(0.08)
+    short, long = target.prepare(_conv("s", 16000, 0), 0), target.prepare(_conv("l", 16000 * 31, 1), 1)
+    assert int((short.token_ids == 24).sum()) == 375 and int((long.token_ids == 24).sum()) == 750  # 2 chunks, no cut
+    toks = target.tokenizer.convert_ids_to_tokens(short.token_ids.tolist())
+    i = toks.index("[AUDIO]")
+    assert toks[:3] == ["<s>", "[INST]", "[BEGIN_AUDIO]"] and i == 3  # mistral-common's audio chunk layout
+    supervised = target.tokenizer.decode(short.token_ids[short.assistant_mask])
+    assert supervised == "you said one two .</s>"
+
+
+def test_taps_and_teacher_equal_the_models_own_forward(target):
+    L = target.num_layers
+    convs = [_conv("a", 20000, 0), _conv("b", 7000, 1, "you said three .")]
+    batch = [target.prepare(c, i) for i, c in enumerate(convs)]
+    assert batch[0].length != batch[1].length  # the batch is padded
+    with torch.no_grad():
+        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4)
+        for c, r in zip(convs, res):
+            inputs, hs, logits = _own_forward(target, c)  # the model checks audio tokens == projected frames
+            assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()
+            for i in range(L):
+                torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
+                                           rtol=0.02, atol=0.02)
+            ref = torch.log_softmax(logits[0].double(), dim=-1)[r["topk_rows"].long()]
+            torch.testing.assert_close(r["topk_logprobs"].double(), ref.topk(4, dim=-1).values, rtol=1e-4, atol=1e-4)
+
+
+def test_merge_equals_the_models_inputs_embeds(target):
+    c = _conv("a", 12000, 3)
+    seen = {}
+    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]), with_kwargs=True)
+    with torch.no_grad():
+        try:
+            _own_forward(target, c)
+        finally:
+            h.remove()
+        ex = target.embed([target.prepare(c, 0)])[0]
+    torch.testing.assert_close(ex.inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+
+
+def test_tekken_audio_rate_must_match_the_encoder(tmp_path):
+    d = save_voxtral(tmp_path, frame_rate=10.0)
+    with pytest.raises(ValueError, match="300 tokens per 30 s chunk but the model's encoder gives 375"):
+        load_target(d)

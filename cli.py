@@ -95,7 +95,7 @@ def export(
 
 @app.command()
 def capture(
-    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a Qwen2-Audio model+processor, or an HF causal LM."),
+    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), or an HF causal LM."),
     data: list[str] = typer.Option(..., "--data", help="Input for the train split (FILE.jsonl, HF dataset dir, "
                                    "hf:NAME[:split]); SPLIT=INPUT for other splits. Repeatable."),
     out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),

@@ -10,6 +10,7 @@ how its processor is called and how its encoder turns features into frames:
 
     qwen2_audio     WhisperFeatureExtractor log-mel [128, 3000] (padded to 30 s, the encoder's window:
                     longer audio is refused) -> audio_tower + projector; 40 ms per frame
+    qwen3_asr       the same as qwen2_audio with 1 s mel chunks -> 13 frames each; no window; one audio
     voxtral         Whisper log-mel in 30 s chunks [chunks, 128, 3000] -> encoder -> projector joining 4
                     frames (capture.voxtral: the expansion follows mistral-common); 80 ms per frame
     granite_speech  log-mel [F/2, 160] (capture.granite_speech computes it in torch) -> conformer
@@ -38,7 +39,7 @@ from capture.inputs import Conversation, load_audio
 from capture.salm import Expanded
 from capture.targets import Prepared, Target
 
-NATIVE_MODEL_TYPES = ("qwen2_audio", "voxtral", "granite_speech")
+NATIVE_MODEL_TYPES = ("qwen2_audio", "qwen3_asr", "voxtral", "granite_speech")
 """``config.json`` model types loaded with their processor (see :func:`load_native`)."""
 
 MIN_SAMPLE_RATE = 8000
@@ -229,6 +230,45 @@ class Qwen2AudioTarget(HFSpeechTarget):
         return self.feature_extractor.hop_length * 4 / self.sample_rate  # conv stride 2, then avg-pool 2
 
 
+class Qwen3ASRTarget(Qwen2AudioTarget):
+    """``Qwen3ASRForConditionalGeneration``: the same mechanism as Qwen2-Audio (its processor repeats the
+    audio token, the model scatters the projected frames), with an encoder over 1 s mel chunks (13
+    frames each, ~77 ms) and windowed attention, so no length limit. Its processor takes one audio per
+    text, so a conversation holds at most one audio."""
+
+    model_type = "qwen3_asr"
+
+    def max_audio_samples(self) -> int | None:
+        return None
+
+    def _process(self, text, waves):
+        if len(waves) > 1:
+            raise ValueError(f"has {len(waves)} audios; Qwen3-ASR's processor takes one audio per conversation")
+        if not waves:
+            return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"]), [], [], []
+        out = self.processor(text=text, audio=waves, return_tensors="pt")
+        fmask = out["input_features_mask"][0]
+        n = self.processor._get_audio_token_length(fmask.sum()[None], self.model.config.audio_config.n_window)
+        return out["input_ids"][0], [int(n[0])], [out["input_features"][0]], [fmask.bool()]
+
+    def _audio_frames(self, feats, fmasks):
+        """As ``Qwen3ASRModel.forward``: the encoder packs the valid frames of every audio, one after another."""
+        from transformers.models.qwen3_asr.modeling_qwen3_asr import _get_feat_extract_output_lengths
+
+        dev, dtype = self.device, self.lm.dtype
+        F = max(f.shape[-1] for f in feats)  # each is already a multiple of the encoder's chunk
+        x = torch.stack([nn.functional.pad(f, (0, F - f.shape[-1])) for f in feats]).to(dev, dtype)
+        m = torch.stack([nn.functional.pad(k, (0, F - k.shape[-1])) for k in fmasks]).to(dev).long()
+        packed = self.model.model.get_audio_features(x, m, return_dict=True).pooler_output  # [sum N_a, H]
+        n = _get_feat_extract_output_lengths(m.sum(-1), self.model.config.audio_config.n_window)
+        return list(torch.split(packed, [int(v) for v in n]))
+
+    def _frame_seconds(self) -> float:
+        chunk = 2 * self.model.config.audio_config.n_window  # mel frames per encoder chunk
+        per_chunk = int(self._encoder()._post_cnn_length(torch.tensor(chunk)))
+        return chunk * self.feature_extractor.hop_length / self.sample_rate / per_chunk
+
+
 def load_native(root: Path, model_type: str, *, dtype: torch.dtype, device: str) -> HFSpeechTarget:
     """Model + processor from one local directory (``save_pretrained`` of both), by ``model_type``."""
     if model_type == "qwen2_audio":
@@ -236,6 +276,11 @@ def load_native(root: Path, model_type: str, *, dtype: torch.dtype, device: str)
 
         model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
         return Qwen2AudioTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
+    if model_type == "qwen3_asr":
+        from transformers import AutoProcessor, Qwen3ASRForConditionalGeneration
+
+        model = Qwen3ASRForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
+        return Qwen3ASRTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
     if model_type == "voxtral":
         from capture.voxtral import load_voxtral
 

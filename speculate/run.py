@@ -45,7 +45,7 @@ class SpeculateConfig:
     """One live speculative-decoding evaluation."""
 
     target: str
-    """The target model directory (a SALM directory or an HF causal LM)."""
+    """The target model directory (a SALM directory, an HF speech LLM or an HF causal LM)."""
     draft: str
     """A training run directory (its latest checkpoint is used)."""
     data: str

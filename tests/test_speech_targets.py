@@ -14,10 +14,12 @@ from capture.targets import load_target
 from cli import app, main
 from speculate.decode import target_greedy
 from speculate.run import prompt_length
-from tests.capture.speech_models import own_inputs, save_granite_speech, save_qwen2_audio, save_voxtral
+from tests.capture.speech_models import (own_inputs, save_granite_speech, save_qwen2_audio, save_qwen3_asr,
+                                         save_voxtral)
 from tests.capture.util import conv_record, write_manifest, write_wav
 
-BUILDERS = {"qwen2_audio": save_qwen2_audio, "voxtral": save_voxtral, "granite_speech": save_granite_speech}
+BUILDERS = {"qwen2_audio": save_qwen2_audio, "qwen3_asr": save_qwen3_asr, "voxtral": save_voxtral,
+            "granite_speech": save_granite_speech}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

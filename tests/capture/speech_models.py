@@ -137,3 +137,35 @@ def own_inputs(target, messages: list[dict], waves: list, *, add_generation_prom
         return {"input_ids": ids[None], "input_features": torch.cat(feats)}
     extra = {"sampling_rate": 16000} if target.model_type == "qwen2_audio" else {}
     return dict(target.processor(text=text, audio=waves, return_tensors="pt", **extra))
+
+
+def save_qwen3_asr(d: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Qwen3ASRForConditionalGeneration + Qwen3ASRProcessor (128 mels, 1 s encoder chunks); its state dict."""
+    from transformers import (Qwen3ASRConfig, Qwen3ASRFeatureExtractor, Qwen3ASRForConditionalGeneration,
+                              Qwen3ASRProcessor)
+
+    tok = build_word_tokenizer(WORDS)
+    tok.add_tokens(["<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"], special_tokens=True)
+    tok.save_pretrained(d)
+    cfg_path = d / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["extra_special_tokens"] = {"audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>",
+                                       "audio_eos_token": "<|audio_end|>"}
+    cfg_path.write_text(json.dumps(tok_cfg))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d)
+    cfg = Qwen3ASRConfig(
+        audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                          output_dim=32, downsample_hidden_size=8, n_window=50, n_window_infer=200),
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+        audio_token_id=tok.convert_tokens_to_ids("<|audio_pad|>"), pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ASRForConditionalGeneration(cfg).eval()
+    Qwen3ASRProcessor(feature_extractor=Qwen3ASRFeatureExtractor(), tokenizer=tok,
+                      chat_template=tok.chat_template).save_pretrained(d)
+    model.save_pretrained(d)
+    return model.state_dict()

@@ -151,3 +151,46 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
     assert torch.equal(s["input_ids"], ref["input_ids"]) and torch.equal(s["loss_mask"], ref["loss_mask"])
     assert int(s["is_audio"].sum()) > 0 and m["extra"]["audio_token_id"] == target.audio_token_id
     torch.testing.assert_close(s["taps"].float(), ref["taps"].float(), rtol=0.02, atol=0.02)
+
+
+def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path):
+    """Qwen3-ASR rides the same mechanism: its processor's expansion, its model's packed encoder and merge."""
+    from capture.hf_native import Qwen3ASRTarget
+    from tests.capture.speech_models import own_inputs, save_qwen3_asr
+
+    save_qwen3_asr(tmp_path)
+    target = load_target(tmp_path)
+    assert isinstance(target, Qwen3ASRTarget) and target.placeholder == "<|audio_pad|>"
+
+    def conv(sid, n, seed, reply="you said one two ."):
+        wave = np.random.default_rng(seed).normal(0, 0.1, n).astype(np.float32)
+        return Conversation(sid, "mem", [{"role": "user", "content": "<|audio_pad|> what did i say ?"},
+                                         {"role": "assistant", "content": reply}], [AudioRef(array=wave, sample_rate=16000)])
+
+    convs = [conv("a", 37000, 0), conv("b", 5000, 1, "you said three .")]  # 2.3 s (3 chunks) and under min_length
+    batch = [target.prepare(c, i) for i, c in enumerate(convs)]
+    L = target.num_layers
+    with torch.no_grad():
+        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4)
+        for c, p, r in zip(convs, batch, res):
+            inputs = own_inputs(target, c.messages, [a.array for a in c.audios])
+            assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()
+            hs, logits = _own_forward(target, inputs)
+            for i in range(L):
+                torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
+                                           rtol=0.02, atol=0.02)
+            ref = torch.log_softmax(logits[0].double(), dim=-1)[r["topk_rows"].long()]
+            torch.testing.assert_close(r["topk_logprobs"].double(), ref.topk(4, dim=-1).values, rtol=1e-4, atol=1e-4)
+        seen = {}
+        h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]),
+                                                     with_kwargs=True)
+        try:
+            target.model(**own_inputs(target, convs[0].messages, [convs[0].audios[0].array]))
+        finally:
+            h.remove()
+        torch.testing.assert_close(target.embed([batch[0]])[0].inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+    two = conv("two", 16000, 2)
+    two.messages[0]["content"] += " <|audio_pad|>"
+    two.audios = two.audios * 2
+    with pytest.raises(ValueError, match="one audio per conversation"):
+        target.prepare(two, 0)

@@ -128,7 +128,7 @@ def test_features_from_prepare_equal_batched_featurization(target):
         torch.testing.assert_close(a.inputs_embeds, b.inputs_embeds, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["wav2vec2", "qwen2_5_omni", "qwen3_asr"])
+@pytest.mark.parametrize("model_type", ["wav2vec2", "qwen2_5_omni", "voxtral_realtime"])
 def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, model_type):
     import json
 
@@ -139,4 +139,4 @@ def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, m
         load_target(tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and f"{model_type!r} is not supported" in msg
-    assert "qwen2_audio, voxtral, granite_speech" in msg and "SALM" in msg and "causal LM" in msg
+    assert "qwen2_audio, qwen3_asr, voxtral, granite_speech" in msg and "SALM" in msg and "causal LM" in msg

@@ -137,6 +137,10 @@ def _bad_manifest(tmp_path):
         {"id": "empty", "conversations": [{"from": "User", "type": "audio", "value": "ok.wav"},
                                           {"from": "Assistant", "value": ""}]},
         conv_record("toolong", long_audio.name),
+        {"id": "negoffset", "conversations": [{"from": "User", "type": "audio", "value": "ok.wav", "offset": -0.5},
+                                              {"from": "Assistant", "value": "y ."}]},
+        {"id": "overrun", "conversations": [{"from": "User", "type": "audio", "value": "ok.wav", "duration": 60.0},
+                                            {"from": "Assistant", "value": "y ."}]},
         conv_record("good2", "ok.wav"),
     ]
     return write_manifest(tmp_path / "bad.jsonl", recs)
@@ -152,7 +156,9 @@ def test_on_error_fail_stops_resumably_then_skip_finishes(salm_dir, tmp_path):
     m = capture(dataclasses.replace(cfg, on_error="skip"))
     assert m["splits"]["train"]["samples"] == 3
     skipped = {s["sample_id"]: s["reason"] for s in m["skipped"]["train"]}
-    assert set(skipped) == {"missing", "bad-4", "garbage", "lowrate", "mismatch", "empty", "toolong"}
+    assert set(skipped) == {"missing", "bad-4", "garbage", "lowrate", "mismatch", "empty", "toolong", "negoffset",
+                            "overrun"}
+    assert "offset must be >= 0" in skipped["negoffset"] and "runs past the end" in skipped["overrun"]
     assert "malformed JSON" in skipped["bad-4"] and "cannot decode" in skipped["garbage"]
     assert "4000 Hz" in skipped["lowrate"] and "placeholder" in skipped["mismatch"]
     assert "empty assistant" in skipped["empty"] and skipped["toolong"].startswith("too long")

@@ -164,5 +164,3 @@ def load_granite_speech(root: Path, *, dtype: torch.dtype, device: str) -> Grani
     model = GraniteSpeechForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
     return GraniteSpeechTarget(model.to(device), processor, root)
 
-
-__all__ = ["GraniteLogMel", "GraniteSpeechTarget", "htk_mel_filterbank", "load_granite_speech"]

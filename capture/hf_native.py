@@ -58,8 +58,6 @@ class HFSpeechTarget(Target):
 
     tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
     model_type: str = ""
-    frame_hop_samples: int = 0
-    """Waveform samples per projected audio frame (set by the subclass from its processor)."""
 
     def __init__(self, model: nn.Module, processor, path: str | Path | None = None):
         if model.config.model_type != self.model_type:

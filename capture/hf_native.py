@@ -16,7 +16,7 @@ how its processor is called and how its encoder turns features into frames:
     granite_speech  log-mel [F/2, 160] (capture.granite_speech computes it in torch) -> conformer
                     -> q-former projector; 100 ms per frame; no window
 
-Which one loads comes from ``config.json``'s ``model_type`` (:data:`NATIVE_MODEL_TYPES`).
+Which one loads comes from ``config.json``'s ``model_type`` (``capture.load.NATIVE_LOADERS``).
 
 The supervised mask comes from the tokenizer's chat template (``{% generation %}``) on the
 unexpanded text, repeated over each audio run; the adapter checks that this expansion equals the
@@ -38,9 +38,6 @@ from torch import nn
 from capture.inputs import Conversation, load_audio
 from capture.salm import Expanded
 from capture.targets import Prepared, Target
-
-NATIVE_MODEL_TYPES = ("qwen2_audio", "qwen3_asr", "voxtral", "granite_speech")
-"""``config.json`` model types loaded with their processor (see :func:`load_native`)."""
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""
@@ -267,24 +264,17 @@ class Qwen3ASRTarget(Qwen2AudioTarget):
         return chunk * self.feature_extractor.hop_length / self.sample_rate / per_chunk
 
 
-def load_native(root: Path, model_type: str, *, dtype: torch.dtype, device: str) -> HFSpeechTarget:
-    """Model + processor from one local directory (``save_pretrained`` of both), by ``model_type``."""
-    if model_type == "qwen2_audio":
-        from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+def load_qwen2_audio(root: Path, *, dtype: torch.dtype, device: str) -> Qwen2AudioTarget:
+    """``Qwen2AudioForConditionalGeneration`` + its processor from one ``save_pretrained`` directory."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-        model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
-        return Qwen2AudioTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
-    if model_type == "qwen3_asr":
-        from transformers import AutoProcessor, Qwen3ASRForConditionalGeneration
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
+    return Qwen2AudioTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
 
-        model = Qwen3ASRForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
-        return Qwen3ASRTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)
-    if model_type == "voxtral":
-        from capture.voxtral import load_voxtral
 
-        return load_voxtral(root, dtype=dtype, device=device)
-    if model_type == "granite_speech":
-        from capture.granite_speech import load_granite_speech
+def load_qwen3_asr(root: Path, *, dtype: torch.dtype, device: str) -> Qwen3ASRTarget:
+    """``Qwen3ASRForConditionalGeneration`` + its processor from one ``save_pretrained`` directory."""
+    from transformers import AutoProcessor, Qwen3ASRForConditionalGeneration
 
-        return load_granite_speech(root, dtype=dtype, device=device)
-    raise ValueError(f"model type {model_type!r} is not one of {NATIVE_MODEL_TYPES}")
+    model = Qwen3ASRForConditionalGeneration.from_pretrained(root, local_files_only=True, dtype=dtype)
+    return Qwen3ASRTarget(model.to(device), AutoProcessor.from_pretrained(root, local_files_only=True), root)

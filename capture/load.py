@@ -1,7 +1,7 @@
 """Load a frozen target from its directory: picks the adapter from what the directory holds.
 
-Its own module so that the adapters (capture.targets, capture.hf_native, capture.salm) import
-nothing back: this module sits above all of them.
+Its own module so that the adapters (capture.targets, capture.salm, capture.hf_native, capture.voxtral,
+capture.granite_speech) import nothing back: this module sits above all of them.
 """
 
 from __future__ import annotations
@@ -11,15 +11,25 @@ from pathlib import Path
 
 import torch
 
-from capture.hf_native import NATIVE_MODEL_TYPES, load_native
+from capture.granite_speech import load_granite_speech
+from capture.hf_native import load_qwen2_audio, load_qwen3_asr
 from capture.salm import SALM
 from capture.targets import CausalLMTarget, SALMTarget, Target
+from capture.voxtral import load_voxtral
+
+NATIVE_LOADERS = {
+    "qwen2_audio": load_qwen2_audio,
+    "qwen3_asr": load_qwen3_asr,
+    "voxtral": load_voxtral,
+    "granite_speech": load_granite_speech,
+}
+"""``config.json`` model types of the speech LLMs read with their own processor (capture.hf_native)."""
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
     """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
 
-    The kind comes from config.json's ``model_type``: one of ``capture.hf_native.NATIVE_MODEL_TYPES``
+    The kind comes from config.json's ``model_type``: one of :data:`NATIVE_LOADERS`
     loads with its processor, a causal-LM model type with its tokenizer; anything else is refused in
     one line that names what is supported.
     """
@@ -33,12 +43,12 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         model_type = json.loads((root / "config.json").read_text()).get("model_type")
-        if model_type in NATIVE_MODEL_TYPES:
-            return load_native(root, model_type, dtype=dtype, device=device)
+        if model_type in NATIVE_LOADERS:
+            return NATIVE_LOADERS[model_type](root, dtype=dtype, device=device)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ValueError(
                 f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, the speech "
-                f"LLMs {', '.join(NATIVE_MODEL_TYPES)}, or a text causal LM"
+                f"LLMs {', '.join(NATIVE_LOADERS)}, or a text causal LM"
             )
         lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)

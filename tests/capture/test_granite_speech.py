@@ -12,7 +12,8 @@ import torch
 
 from capture.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_filterbank
 from capture.inputs import AudioRef, Conversation
-from capture.targets import load_target, run_batch
+from capture.load import load_target
+from capture.targets import run_batch
 from tests.capture.speech_models import GRANITE_PREPROCESSOR, save_granite_speech
 
 

@@ -132,7 +132,7 @@ def test_features_from_prepare_equal_batched_featurization(target):
 def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, model_type):
     import json
 
-    from capture.targets import load_target
+    from capture.load import load_target
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(ValueError) as e:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from capture.inputs import AudioRef, Conversation
-from capture.targets import load_target, run_batch
+from capture.load import load_target
+from capture.targets import run_batch
 from capture.voxtral import VoxtralTarget
 from tests.capture.speech_models import own_inputs, save_voxtral
 

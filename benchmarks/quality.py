@@ -79,7 +79,7 @@ def main() -> None:
             "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
         }
         if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
-            from train.mtp import sampled_acceptance
+            from train.acceptance import sampled_acceptance
 
             sampled = sampled_acceptance(run_dir, str(dataset), split="validation")
             row["tau_sampled"] = round(sampled["tau_sampled"], 4)

@@ -37,7 +37,7 @@ from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
 from speculate.proposers import make_proposer
-from train.evaluate import load_trained
+from train.run import load_trained
 
 
 @dataclass(frozen=True)

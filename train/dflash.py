@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from shards.taps import default_tap_ids, to_vllm
-from train.drafter import AcceptanceCounts, Drafter, LossOutput, replay_rounds
+from train.acceptance import AcceptanceCounts, replay_rounds
+from train.drafter import Drafter, LossOutput
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask

@@ -39,7 +39,8 @@ from torch import nn
 
 from train.dflash import DFlashConfig, DFlashDrafter, _metrics, _with_rounds, acceptance_counts
 from train.divergences import kl_tv_full, kl_tv_topk
-from train.drafter import AcceptanceCounts, LossOutput
+from train.acceptance import AcceptanceCounts
+from train.drafter import LossOutput
 from train.layers import DecoderLayer
 from train.losses import weighted_terms
 from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -50,41 +49,6 @@ class LossOutput:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-@dataclass
-class AcceptanceCounts:
-    """Teacher-forced acceptance counts by block position k = 1..K (eval hook output).
-
-    ``accepted[k-1]``: blocks whose slots 1..k were all predicted correctly (valid at every slot).
-    ``reached[k-1]``: blocks whose slots 1..k-1 were all correct and slot k is valid (a target
-    exists and is supervised). The conditional acceptance alpha_k = accepted / reached, and
-    tau = 1 + sum_k prod_{j<=k} alpha_j.
-    ``correct[k-1]`` / ``valid[k-1]``: unconditional per-position accuracy.
-    ``round_tokens`` / ``rounds``: greedy decoding replayed on the dataset (optional, 0 when a family
-    does not replay): each reply decoded round by round from its first token, every round anchored
-    where the previous one stopped, as a live decoder would; tokens emitted per round is then
-    comparable with live decoding (uniform anchors overweight the easy positions inside a reply).
-    """
-
-    accepted: torch.Tensor
-    reached: torch.Tensor
-    correct: torch.Tensor
-    valid: torch.Tensor
-    blocks: int = 0
-    round_tokens: int = 0
-    rounds: int = 0
-
-    def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
-        return AcceptanceCounts(
-            self.accepted + other.accepted,
-            self.reached + other.reached,
-            self.correct + other.correct,
-            self.valid + other.valid,
-            self.blocks + other.blocks,
-            self.round_tokens + other.round_tokens,
-            self.rounds + other.rounds,
-        )
-
-
 class Drafter(nn.Module):
     """Base class of every drafter family.
 
@@ -96,7 +60,7 @@ class Drafter(nn.Module):
           (see ``train.data.collate``); ``generator`` drives any sampling (anchors) so runs are
           reproducible and resumable.
       ``acceptance(batch, generator=None) -> AcceptanceCounts``: teacher-forced acceptance (eval).
-      ``export_config() -> dict``: the config serving engines read (``export`` writes it beside the
+      ``export_config() -> dict``: the config serving engines read (``train.export`` writes it beside the
           draft-only weights; checkpoints keep it so export needs no dataset).
     and may override ``check_dataset`` to refuse a mismatched dataset before any step.
     """
@@ -120,18 +84,13 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @torch.no_grad()
-    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None):
+        """Teacher-forced acceptance on one batch: a ``train.acceptance.AcceptanceCounts``."""
         raise NotImplementedError
 
     def export_config(self) -> dict[str, Any]:
         """The serving config (architecture fields, tap ids in both numberings, ...); saved in checkpoints."""
         raise NotImplementedError
-
-    def export(self, out_dir: str | Path, meta: dict[str, Any]) -> None:
-        """Draft-only ``model.safetensors`` (float32) + ``config.json`` (``export_config`` + ``meta``)."""
-        from train.export import write_export
-
-        write_export(out_dir, self.trainable_state_dict(), self.export_config(), meta)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers only (the frozen bundle tensors are not persistent)."""
@@ -217,50 +176,3 @@ def reduce_metrics(
     )
     flat = all_reduce_sum(flat, group)
     return {n: (float(flat[i, 0]), float(flat[i, 1])) for i, n in enumerate(names)}
-
-
-def replay_rounds(
-    loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor, correct_BNK: torch.Tensor, valid_BNK: torch.Tensor,
-) -> tuple[int, int]:
-    """Greedy speculative decoding replayed on teacher-forced block outcomes -> (tokens, rounds).
-
-    Every supervised run (a reply) is decoded from its first token: a round at anchor p accepts
-    the leading correct slots a of its valid ones; with a < valid it emits a + 1 tokens (the
-    target's correction) and the next round is anchored at p + a + 1; when every valid slot is
-    right it emits them, plus the target's next token when the reply goes on past the block (then
-    the next round is anchored there), else the reply has ended.
-    A round needs its anchor among ``anchors`` with a valid slot; otherwise the reply has ended.
-    """
-    K = correct_BNK.shape[-1]
-    ok = (correct_BNK.bool() & valid_BNK).cpu()
-    nvalid = valid_BNK.long().cumprod(-1).sum(-1).cpu()  # leading valid slots
-    lead = ok.long().cumprod(-1).sum(-1)  # leading correct slots
-    lm = loss_mask_BT.bool().cpu()
-    tokens = rounds = 0
-    for b in range(anchors_BN.shape[0]):
-        row = {int(p): n for n, p in enumerate(anchors_BN[b].tolist()) if int(nvalid[b, n]) > 0}
-        starts = [t for t in range(lm.shape[1]) if lm[b, t] and (t == 0 or not lm[b, t - 1])]
-        for p in starts:
-            while p in row:
-                n = row[p]
-                a, v = int(lead[b, n]), int(nvalid[b, n])
-                rounds += 1
-                if a < v:
-                    tokens += a + 1
-                    p += a + 1
-                elif v == K and p + K + 1 < lm.shape[1] and lm[b, p + K + 1]:
-                    tokens += K + 1  # a full block and the reply goes on: the target adds its token
-                    p += K + 1
-                else:
-                    tokens += v  # the last draft was the reply's last token (eos): nothing follows
-                    break
-    return tokens, rounds
-
-
-def tau_from_alpha(alpha: list[float]) -> float:
-    """Acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j (alpha_k conditional per position)."""
-    tau, run = 1.0, 1.0
-    for a in alpha:
-        run *= a
-        tau += run
-    return tau

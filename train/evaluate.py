@@ -20,66 +20,13 @@ Writes ``eval.json`` and ``acceptance.png`` (matplotlib, Agg) into the output di
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
-from train.config import RunConfig
+from train.acceptance import AcceptanceCounts, tau_from_alpha
 from train.data import BatchStream, to_device
-from train.drafter import AcceptanceCounts, Drafter, tau_from_alpha
-from train.loop import build_drafter, latest_checkpoint, load_checkpoint, open_source
-
-EVAL_SPLITS = ("validation", "test", "eval")
-
-
-def _pick_split(src_splits: list[str], train_split: str) -> str:
-    for s in EVAL_SPLITS:
-        if s in src_splits:
-            return s
-    return train_split
-
-
-@dataclass
-class Trained:
-    """A run's latest checkpoint loaded onto a drafter, with the data source it was checked against."""
-
-    model: Drafter
-    src: Any
-    run: RunConfig
-    state: dict[str, Any]
-    checkpoint: Path
-    split: str
-
-
-def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu") -> Trained:
-    """Load the latest checkpoint of ``run_dir`` for ``data`` (an evaluation split by default).
-
-    Refuses a directory that is not a run, a run with no checkpoint, and a dataset of another target.
-    """
-    run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: {run_dir} is not a training run directory")
-    run = RunConfig.load(cfg_path)
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint yet; train first")
-    state = load_checkpoint(ck)
-    probe = open_source(data, run.train.split)
-    splits = getattr(probe.data, "splits", [run.train.split])
-    split = split or _pick_split(list(splits), run.train.split)
-    src = open_source(data, split)
-    if state.get("fingerprint") not in (None, src.fingerprint):
-        raise ValueError(
-            f"the draft in {run_dir} was trained for target {state['fingerprint'][:12]}, but {src.where} was "
-            f"captured from {src.fingerprint[:12]}; use a dataset of the same target"
-        )
-    model = build_drafter(run, src).to(device)
-    model.load_state_dict(state["draft"])
-    model.eval()
-    return Trained(model, src, run, state, ck, split)
-
+from train.run import load_trained
 
 def evaluate(
     run_dir: str | Path,

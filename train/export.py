@@ -42,9 +42,14 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     return out
 
 
+def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Export a drafter in memory: its trainable weights and ``export_config()`` plus ``meta``."""
+    return write_export(out_dir, model.trainable_state_dict(), model.export_config(), meta)
+
+
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None) -> dict[str, Any]:
     """Export a run's latest (or the given) checkpoint; returns a summary dict."""
-    from train.loop import latest_checkpoint, load_checkpoint
+    from train.run import latest_checkpoint, load_checkpoint
 
     run = Path(run_dir)
     ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)

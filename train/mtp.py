@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
-from train.drafter import AcceptanceCounts, Drafter, LossOutput, replay_rounds
+from train.acceptance import AcceptanceCounts, replay_rounds
+from train.drafter import Drafter, LossOutput
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding, rms_norm
 from train.teacher import last_hidden, teacher_logits
 
@@ -523,40 +524,6 @@ def load_exported(export_dir: str | Path, bundle: Any, layout: Any) -> MTPDrafte
     drafter = MTPDrafter(MTPConfig(**cfg["mtp_config"]), bundle, layout)
     drafter.load_state_dict(weights)
     return drafter
-
-
-def sampled_acceptance(run_dir: str | Any, data: Any, *, split: str = "validation", max_tokens: int = 4096) -> dict:
-    """Expected speculative-SAMPLING acceptance of a trained MTP run on a split (no target needed).
-
-    Per depth k: alpha_k = mean over valid rows of sum_v min(p_v, q_v) (p the exact target row).
-    ``tau_sampled`` = 1 + sum_k prod_{j<=k} alpha_j treats depths as independent given acceptance of
-    the earlier ones (an estimate; exact for D = 1). Greedy acceptance is ``train.evaluate``'s.
-    """
-    from train.config import RunConfig
-    from train.data import BatchStream
-    from train.drafter import tau_from_alpha
-    from train.loop import build_drafter, latest_checkpoint, load_checkpoint, open_source
-
-    run = RunConfig.load(f"{run_dir}/config.json")
-    if run.family != "mtp":
-        raise ValueError(f"{run_dir} trained a {run.family!r} drafter; sampled_acceptance reads MTP runs only")
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint yet; train first")
-    src = open_source(data, split)
-    model = build_drafter(run, src)
-    model.load_state_dict(load_checkpoint(ck)["draft"])
-    model.eval()
-    stream = BatchStream(src.opener(seed=run.train.seed, rank=0, world_size=1, shuffle=False),
-                         max_tokens=max_tokens, max_batch_size=run.train.max_batch_size, max_epochs=1)
-    total = None
-    for batch in stream:
-        s, c = model.expected_acceptance(batch)
-        total = (s, c) if total is None else (total[0] + s, total[1] + c)
-    if total is None:
-        raise ValueError(f"split {split!r} gave no samples with supervised tokens")
-    alpha = [float(a / n) if n > 0 else 0.0 for a, n in zip(*total)]
-    return {"alpha_sampled": alpha, "tau_sampled": tau_from_alpha(alpha), "rows": [int(n) for n in total[1]]}
 
 
 CONFIG = MTPConfig

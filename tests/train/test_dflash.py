@@ -189,7 +189,7 @@ def test_config_validation_and_resolve(setup):
 
 
 def test_replay_rounds_walks_a_reply_like_a_live_decoder():
-    from train.drafter import replay_rounds
+    from train.acceptance import replay_rounds
 
     # one reply at positions 2..9 (8 tokens); K = 3 drafts per round; anchors at every reply position
     lm = torch.zeros(1, 12, dtype=torch.bool)

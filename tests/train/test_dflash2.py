@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from train.export import export_drafter
 from train.config import load_run_config
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter
@@ -132,7 +133,7 @@ def test_export_records_dflash2_layout_and_reloads(setup, tmp_path):
     with torch.no_grad():
         for p in d2.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    d2.export(tmp_path, {"run": "test"})
+    export_drafter(d2, tmp_path, {"run": "test"})
     doc = json.loads((tmp_path / "config.json").read_text())
     assert doc["architectures"] == ["DFlash2DraftModel"] and doc["dflash2_config"]["conv"]["kernel"] == 2
     from safetensors.torch import load_file

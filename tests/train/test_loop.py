@@ -11,7 +11,8 @@ from train.config import load_run_config
 from train.dflash import DFlashDrafter
 from train.evaluate import evaluate
 from train.export import export_run, load_export
-from train.loop import InMemoryData, latest_checkpoint, load_checkpoint, train
+from train.loop import train
+from train.run import InMemoryData, latest_checkpoint, load_checkpoint
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]

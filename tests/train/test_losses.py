@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from train.drafter import combine_terms, tau_from_alpha
+from train.acceptance import tau_from_alpha
+from train.drafter import combine_terms
 from train.losses import reference_loss_f64, row_losses, slot_weights, weighted_terms
 from train.teacher import ExactTeacher, TopKTeacher
 

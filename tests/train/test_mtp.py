@@ -8,6 +8,7 @@ import torch
 
 from shards.bundle import TargetBundle
 from shards.schema import Layout, teacher_rows
+from train.export import export_drafter
 from train.data import collate
 from train.drafter import combine_terms
 from train.mtp import (
@@ -265,7 +266,7 @@ def test_export_roundtrip_reproduces_logits(tmp_path):
     with torch.no_grad():
         for p in d.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    d.export(tmp_path, {"source": "test"})
+    export_drafter(d, tmp_path, {"source": "test"})
     import json
 
     from safetensors.torch import load_file

@@ -9,8 +9,9 @@ from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_lay
 from train.config import load_run_config
 from train.evaluate import evaluate
 from train.export import export_run, load_export
-from train.loop import InMemoryData, train
-from train.mtp import sampled_acceptance
+from train.loop import train
+from train.run import InMemoryData
+from train.acceptance import sampled_acceptance
 
 
 @pytest.fixture(scope="module")

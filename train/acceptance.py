@@ -1,0 +1,128 @@
+"""Acceptance bookkeeping: counts by block position, replayed decoding rounds, tau, sampled acceptance.
+
+Every family's ``acceptance()`` returns :class:`AcceptanceCounts`; evaluation sums them and turns
+the conditional rates alpha_k into the acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j.
+:func:`replay_rounds` replays greedy decoding round by round on teacher-forced block outcomes, so
+the offline number is comparable with live decoding. :func:`sampled_acceptance` is MTP's expected
+speculative-SAMPLING acceptance (it loads the run through ``train.run``, imported lazily: the model
+files import this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AcceptanceCounts:
+    """Teacher-forced acceptance counts by block position k = 1..K (eval hook output).
+
+    ``accepted[k-1]``: blocks whose slots 1..k were all predicted correctly (valid at every slot).
+    ``reached[k-1]``: blocks whose slots 1..k-1 were all correct and slot k is valid (a target
+    exists and is supervised). The conditional acceptance alpha_k = accepted / reached, and
+    tau = 1 + sum_k prod_{j<=k} alpha_j.
+    ``correct[k-1]`` / ``valid[k-1]``: unconditional per-position accuracy.
+    ``round_tokens`` / ``rounds``: greedy decoding replayed on the dataset (optional, 0 when a family
+    does not replay): each reply decoded round by round from its first token, every round anchored
+    where the previous one stopped, as a live decoder would; tokens emitted per round is then
+    comparable with live decoding (uniform anchors overweight the easy positions inside a reply).
+    """
+
+    accepted: torch.Tensor
+    reached: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+    blocks: int = 0
+    round_tokens: int = 0
+    rounds: int = 0
+
+    def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        return AcceptanceCounts(
+            self.accepted + other.accepted,
+            self.reached + other.reached,
+            self.correct + other.correct,
+            self.valid + other.valid,
+            self.blocks + other.blocks,
+            self.round_tokens + other.round_tokens,
+            self.rounds + other.rounds,
+        )
+
+
+def replay_rounds(
+    loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor, correct_BNK: torch.Tensor, valid_BNK: torch.Tensor,
+) -> tuple[int, int]:
+    """Greedy speculative decoding replayed on teacher-forced block outcomes -> (tokens, rounds).
+
+    Every supervised run (a reply) is decoded from its first token: a round at anchor p accepts
+    the leading correct slots a of its valid ones; with a < valid it emits a + 1 tokens (the
+    target's correction) and the next round is anchored at p + a + 1; when every valid slot is
+    right it emits them, plus the target's next token when the reply goes on past the block (then
+    the next round is anchored there), else the reply has ended.
+    A round needs its anchor among ``anchors`` with a valid slot; otherwise the reply has ended.
+    """
+    K = correct_BNK.shape[-1]
+    ok = (correct_BNK.bool() & valid_BNK).cpu()
+    nvalid = valid_BNK.long().cumprod(-1).sum(-1).cpu()  # leading valid slots
+    lead = ok.long().cumprod(-1).sum(-1)  # leading correct slots
+    lm = loss_mask_BT.bool().cpu()
+    tokens = rounds = 0
+    for b in range(anchors_BN.shape[0]):
+        row = {int(p): n for n, p in enumerate(anchors_BN[b].tolist()) if int(nvalid[b, n]) > 0}
+        starts = [t for t in range(lm.shape[1]) if lm[b, t] and (t == 0 or not lm[b, t - 1])]
+        for p in starts:
+            while p in row:
+                n = row[p]
+                a, v = int(lead[b, n]), int(nvalid[b, n])
+                rounds += 1
+                if a < v:
+                    tokens += a + 1
+                    p += a + 1
+                elif v == K and p + K + 1 < lm.shape[1] and lm[b, p + K + 1]:
+                    tokens += K + 1  # a full block and the reply goes on: the target adds its token
+                    p += K + 1
+                else:
+                    tokens += v  # the last draft was the reply's last token (eos): nothing follows
+                    break
+    return tokens, rounds
+
+
+def tau_from_alpha(alpha: list[float]) -> float:
+    """Acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j (alpha_k conditional per position)."""
+    tau, run = 1.0, 1.0
+    for a in alpha:
+        run *= a
+        tau += run
+    return tau
+
+
+def sampled_acceptance(run_dir: str | Path, data: Any, *, split: str = "validation", max_tokens: int = 4096) -> dict:
+    """Expected speculative-SAMPLING acceptance of a trained MTP run on a split (no target needed).
+
+    Per depth k: alpha_k = mean over valid rows of sum_v min(p_v, q_v) (p the exact target row).
+    ``tau_sampled`` = 1 + sum_k prod_{j<=k} alpha_j treats depths as independent given acceptance of
+    the earlier ones (an estimate; exact for D = 1). Greedy acceptance is ``train.evaluate``'s.
+    """
+    from train.data import BatchStream
+    from train.run import build_drafter, load_run, open_source
+
+    run, _, state = load_run(run_dir)
+    if run.family != "mtp":
+        raise ValueError(f"{run_dir} trained a {run.family!r} drafter; sampled_acceptance reads MTP runs only")
+    src = open_source(data, split)
+    model = build_drafter(run, src)
+    model.load_state_dict(state["draft"])
+    model.eval()
+    stream = BatchStream(src.opener(seed=run.train.seed, rank=0, world_size=1, shuffle=False),
+                         max_tokens=max_tokens, max_batch_size=run.train.max_batch_size, max_epochs=1)
+    total = None
+    for batch in stream:
+        s, c = model.expected_acceptance(batch)
+        total = (s, c) if total is None else (total[0] + s, total[1] + c)
+    if total is None:
+        raise ValueError(f"split {split!r} gave no samples with supervised tokens")
+    alpha = [float(a / n) if n > 0 else 0.0 for a, n in zip(*total)]
+    return {"alpha_sampled": alpha, "tau_sampled": tau_from_alpha(alpha), "rows": [int(n) for n in total[1]]}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_result
-from train.layers import rms_norm
+from shards.head import HeadSpec, rms_norm
 from train.losses import row_losses
 from train.teacher import ExactTeacher
 
@@ -52,7 +52,7 @@ def make_inputs(T: int, V: int, H: int, R: int, seed: int = 0) -> dict:
 
 def step_per_row(x: dict, chunk: int) -> float:
     h = x["h"].clone().requires_grad_(True)
-    teacher = ExactTeacher(x["final_hidden"][x["rows"]], x["norm"], 1e-6, x["lm_head"])
+    teacher = ExactTeacher(x["final_hidden"][x["rows"]], x["norm"], x["lm_head"], HeadSpec(eps=1e-6))
     ce, _, kd = row_losses(h, x["labels"], x["lm_head"], chunk_rows=chunk, teacher=teacher)
     loss = (x["w"] * (ce + kd)).sum() / x["w"].sum()
     loss.backward()

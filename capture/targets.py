@@ -271,17 +271,20 @@ def topk_teacher(
     row_chunk: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids (int32 [R, k]) and full-softmax log-probs (float32 [R, k]) of the pre-norm rows."""
+    from shards.head import HeadSpec, row_spans, teacher_logits
+
+    if lm_head.bias is not None:
+        raise ValueError("the target's lm_head has a bias, which the bundle's head spec cannot describe yet")
+    spec = HeadSpec(eps=float(norm.variance_epsilon), logits_scaling=logits_scaling)  # HF RMSNorm's epsilon
     R = last_RH.shape[0]
     ids = torch.empty(R, k, dtype=torch.int32, device=last_RH.device)
     lps = torch.empty(R, k, dtype=torch.float32, device=last_RH.device)
-    for s in range(0, R, row_chunk):
-        logits = lm_head(norm(last_RH[s : s + row_chunk])).float()  # [r, V]
-        if logits_scaling != 1.0:
-            logits = logits / logits_scaling
+    for s, e in row_spans(R, row_chunk):
+        logits = teacher_logits(last_RH[s:e], norm.weight, lm_head.weight, spec)  # [r, V]
         logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
         v, i = torch.topk(logp, k, dim=-1)
-        ids[s : s + row_chunk] = i.to(torch.int32)
-        lps[s : s + row_chunk] = v
+        ids[s:e] = i.to(torch.int32)
+        lps[s:e] = v
     return ids, lps
 
 

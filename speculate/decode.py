@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from capture.hooks import LayerTaps
+from shards.head import HeadSpec, scale_logits
 
 Proposer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """proposer(ids [P+1], taps [P, n, H], temperature, generator) -> (tokens [K], draft probs [K, V] or None)."""
@@ -35,16 +36,17 @@ class TargetSession:
     """One sequence on the live target: a KV cache plus the decoder-layer taps of every cached position.
 
     ``lm`` is an HF causal LM; ``tap_ids`` are HF decoder-layer ids (pre-final-norm outputs), in the
-    order the drafter's dataset stores them.
+    order the drafter's dataset stores them. ``head``: the target bundle's head spec; the model's own
+    logits are scaled as it says (``shards.head.scale_logits``).
     """
 
-    def __init__(self, lm: nn.Module, tap_ids: Sequence[int], *, logits_scaling: float = 1.0):
+    def __init__(self, lm: nn.Module, tap_ids: Sequence[int], *, head: HeadSpec = HeadSpec()):
         from transformers import DynamicCache
 
         self.lm = lm
         self.layers = lm.get_decoder().layers
         self.tap_ids = list(tap_ids)
-        self.scaling = float(logits_scaling)
+        self.head = head
         self.cache = DynamicCache()
         self.taps = torch.empty(0)  # [P, n, H]
         self.forwards = 0
@@ -64,7 +66,7 @@ class TargetSession:
         if self.tap_ids:
             new_taps = torch.stack([hooks.out[i][0] for i in self.tap_ids], dim=1).float()  # [n, ntap, H]
             self.taps = new_taps if start == 0 else torch.cat([self.taps, new_taps])
-        return out.logits[0].float() / self.scaling  # [n, V]
+        return scale_logits(out.logits[0], self.head)  # [n, V]
 
     def _device(self) -> torch.device:
         return next(self.lm.parameters()).device
@@ -207,9 +209,9 @@ def acceptance_by_position(results: list[DecodeResult], K: int) -> list[float]:
 
 
 def target_greedy(lm: nn.Module, inputs_embeds_TH: torch.Tensor, *, max_new_tokens: int,
-                  eos_token_id: int | None, logits_scaling: float = 1.0) -> list[int]:
+                  eos_token_id: int | None, head: HeadSpec = HeadSpec()) -> list[int]:
     """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
-    session = TargetSession(lm, [], logits_scaling=logits_scaling)
+    session = TargetSession(lm, [], head=head)
     tokens = [int(session.prefill(inputs_embeds_TH).argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         tokens.append(int(session.extend(torch.tensor([tokens[-1]]))[-1].argmax()))

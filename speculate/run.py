@@ -35,6 +35,7 @@ from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
 from capture.targets import Target
 from shards.bundle import bundle_fingerprint
+from shards.head import head_spec
 from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
 from speculate.proposers import make_proposer
 from train.run import load_trained
@@ -99,6 +100,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
             f"from ({src.fingerprint[:12]}); speculate with the dataset's own target"
         )
     proposer = make_proposer(model)
+    head = head_spec(src.bundle)
     eos = target.bundle_config().get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -118,7 +120,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
         emb, ids = exp.inputs_embeds[:P].float(), exp.input_ids[:P]
         t0 = time.perf_counter()
         out = speculative_generate(
-            TargetSession(target.lm, src.layout.tap_ids, logits_scaling=target.logits_scaling), emb, ids, proposer,
+            TargetSession(target.lm, src.layout.tap_ids, head=head), emb, ids, proposer,
             max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, temperature=cfg.temperature, generator=gen,
         )
         spec_s += time.perf_counter() - t0
@@ -128,7 +130,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
         if cfg.temperature == 0 and cfg.check_greedy:
             t0 = time.perf_counter()
             ref = target_greedy(target.lm, emb, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos,
-                                logits_scaling=target.logits_scaling)
+                                head=head)
             plain_s += time.perf_counter() - t0
             matches += ref == out.tokens
         n += 1

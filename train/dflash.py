@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shards.head import head_spec, project
 from shards.taps import default_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.drafter import Drafter, LossOutput
@@ -244,10 +245,11 @@ class DFlashDrafter(Drafter):
         self.config = cfg
         tc = bundle.config
         H = int(tc["hidden_size"])
-        eps = float(tc.get("rms_norm_eps") or 1e-6)
+        self.head_spec = head_spec(bundle)
+        eps = self.head_spec.eps
         self.eps = eps
         self.hidden_size = H
-        self.scaling = float(tc.get("logits_scaling") or 1.0)
+        self.scaling = self.head_spec.logits_scaling
         self.target_num_layers = layout.num_layers
         self.fingerprint = bundle.fingerprint
         self.rope_theta = float(tc.get("rope_theta") or 10000.0)
@@ -328,7 +330,7 @@ class DFlashDrafter(Drafter):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits for hidden rows (through the frozen lm_head, / logits_scaling)."""
-        return nn.functional.linear(h.to(self.lm_head.dtype), self.lm_head).float() / self.scaling
+        return project(h, self.lm_head, self.head_spec)
 
     # -- targets -----------------------------------------------------------------------------
     def _targets(self, batch: dict[str, Any], anchors: torch.Tensor, valid_blocks: torch.Tensor):
@@ -367,7 +369,7 @@ class DFlashDrafter(Drafter):
         rows = tpos[valid] - 1
         if cfg.kd == "exact":
             teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                   eps=self.eps, lm_head=self.lm_head, scaling=self.scaling)
+                                   lm_head=self.lm_head, head=self.head_spec)
             return teacher, w
         teacher, has = gather_topk(batch, b_idx, rows)
         return teacher, w * has.to(w.dtype)
@@ -383,7 +385,7 @@ class DFlashDrafter(Drafter):
         y = labels[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
-        ce, correct, kd = row_losses(h_rows, y, self.lm_head, scaling=self.scaling, chunk_rows=cfg.ce_chunk_size,
+        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, chunk_rows=cfg.ce_chunk_size,
                                      teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)

@@ -23,9 +23,12 @@ Two teacher forms, both exact for what they see:
   distributions, so by the data-processing inequality both the lumped KL and the lumped TV are lower
   bounds of the exact ones (tested). Renormalising the top-k instead would be biased and is not offered.
 
-Everything is computed per row in at least float32 (float64 inputs stay float64). ``map_row_chunks``
-bounds memory: the caller's per-chunk function builds the [chunk, V] logits inside an activation
-checkpoint, so neither the forward nor the backward ever holds [rows, V] whole.
+Everything is computed per row in at least float32 (float64 inputs stay float64). The values are
+differentiable (autograd); ``kl_grad_full`` / ``kl_grad_topk`` return the KL with its analytic
+gradient w.r.t. the draft logits for the fused chunked loss in ``train.losses``. Memory is bounded
+by the callers' row chunks (``train.chunks.map_row_chunks``), never [rows, V] whole.
+
+The one home of KL / TV in the project.
 
 Shapes: N rows, V vocab, k stored teacher top-k.
 """
@@ -34,12 +37,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 ADAPTIVE = "adaptive"
 """The ``lk_lambda`` value that selects the adaptive mixture."""
@@ -101,38 +102,41 @@ def kl_tv_topk(
     return kl, tv
 
 
+def kl_grad_full(p_logits: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p || q) per row and its gradient w.r.t. the draft logits, q - p, from teacher logits and the draft's
+    log q and q [c, V] (in place: few [c, V] temporaries; the fused loss path computes gradients itself)."""
+    lp = torch.log_softmax(p_logits.to(lq.dtype), -1)
+    del p_logits
+    p = lp.exp()
+    kl = lp.sub_(lq).mul_(p).sum(-1)
+    del lp
+    return kl, p.neg_().add_(q)
+
+
+def kl_grad_topk(ids: torch.Tensor, lps: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lumped-tail KL over (top-k ids + one tail bin) and its gradient w.r.t. the draft logits.
+
+    KL = sum_k p_k (log p_k - log q_k) + p_t (log p_t - log q_t); d/dz_v = q_v - ptilde_v with
+    ptilde = p_k on the stored ids and p_t * q_v / q_t on the tail (the tail's mass spread as q does).
+    """
+    ids = ids.long()
+    lq_k = lq.gather(-1, ids)
+    lq_t = torch.logsumexp(lq.scatter(-1, ids, float("-inf")), -1)
+    lp_k = lps.to(lq.dtype)
+    p_k = lp_k.exp()
+    p_t = (1.0 - p_k.sum(-1)).clamp(min=0.0)
+    has_tail = torch.isfinite(lq_t)
+    p_t = torch.where(has_tail, p_t, torch.zeros_like(p_t))
+    lq_t = torch.where(has_tail, lq_t, torch.zeros_like(lq_t))
+    kl = (p_k * (lp_k - lq_k)).sum(-1) + torch.xlogy(p_t, p_t) - p_t * lq_t
+    grad = q * (1.0 - p_t * torch.exp(-lq_t))[:, None]  # q - p_t * q / q_t on every id ...
+    grad.scatter_(-1, ids, q.gather(-1, ids) - p_k)  # ... and q_k - p_k on the stored ids
+    return kl, grad
+
+
 def acceptance(tv: torch.Tensor) -> torch.Tensor:
     """Per-row expected acceptance alpha = sum_v min(p_v, q_v) = 1 - TV."""
     return 1.0 - tv
-
-
-def map_row_chunks(
-    fn: Callable[..., tuple[torch.Tensor, ...]],
-    rows: Sequence[torch.Tensor],
-    chunk_rows: int,
-) -> tuple[torch.Tensor, ...]:
-    """Apply ``fn`` to row chunks of ``rows`` and concatenate its per-row outputs.
-
-    ``fn(*chunk)`` returns a tuple of [c, ...] tensors (for example per-row KL and TV after building
-    [c, V] logits from [c, H] hidden states). Under autograd each chunk runs inside an activation
-    checkpoint, so only one chunk's [c, V] logits exist at a time, in the backward pass as well.
-    ``chunk_rows <= 0`` runs everything as one chunk.
-    """
-    n = int(rows[0].shape[0])
-    if any(int(r.shape[0]) != n for r in rows):
-        raise ValueError(f"row tensors disagree on the row count: {[tuple(r.shape) for r in rows]}")
-    step = n if chunk_rows <= 0 else int(chunk_rows)
-    if n == 0 or step >= n:
-        return tuple(fn(*rows))
-    needs_grad = torch.is_grad_enabled() and any(r.requires_grad for r in rows)
-    outs: list[tuple[torch.Tensor, ...]] = []
-    for s in range(0, n, step):
-        chunk = [r[s : s + step] for r in rows]
-        if needs_grad:
-            outs.append(tuple(checkpoint(fn, *chunk, use_reentrant=False)))
-        else:
-            outs.append(tuple(fn(*chunk)))
-    return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
 
 
 def parse_lk_lambda(value: float | str) -> float | str:

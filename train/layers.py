@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shards.head import rms_norm
+
 try:  # FlexAttention ships with torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - older torch
@@ -45,14 +47,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Functional RMSNorm (also used with the bundle's frozen final-norm weight)."""
-    dtype = x.dtype
-    h = x.to(torch.promote_types(dtype, torch.float32))  # float32 at least; float64 stays float64
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

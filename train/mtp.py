@@ -48,11 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, map_row_chunks, parse_lk_lambda
+from shards.head import final_norm, head_spec, project, teacher_logits
+from train.chunks import map_row_chunks
+from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.drafter import Drafter, LossOutput
-from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding, rms_norm
-from train.teacher import last_hidden, teacher_logits
+from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from train.teacher import last_hidden
 
 IGNORE = -100
 LOSS_TYPES = ("ce", "lk")
@@ -255,8 +257,9 @@ class MTPDrafter(Drafter):
         super().__init__(config, bundle, layout)
         c = bundle.config
         H = int(c["hidden_size"])
-        self.eps = float(c.get("rms_norm_eps") or 1e-6)
-        self.logits_scaling = float(c.get("logits_scaling") or 1.0)
+        self.head_spec = head_spec(bundle)
+        self.eps = self.head_spec.eps
+        self.logits_scaling = self.head_spec.logits_scaling
         heads = config.num_heads or int(c["num_attention_heads"])
         kv = config.num_kv_heads or int(c.get("num_key_value_heads") or heads)
         hd = config.head_dim or int(c.get("head_dim") or H // heads)
@@ -332,8 +335,7 @@ class MTPDrafter(Drafter):
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
         x = self.head(k).shared_head.norm(h)
-        z = F.linear(x.to(self.lm_head.dtype), self.lm_head)
-        return z.to(torch.promote_types(z.dtype, torch.float32)) / self.logits_scaling
+        return project(x, self.lm_head, self.head_spec)
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
         """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
@@ -345,7 +347,7 @@ class MTPDrafter(Drafter):
         dtype = self.head(1).eh_proj.weight.dtype
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
         rope = self.rope(pos)
-        h = rms_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.eps)  # h^0
+        h = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
             h = self.head(k).step(shift_left(emb, k).to(dtype), h, rope)
@@ -408,7 +410,7 @@ class MTPDrafter(Drafter):
 
             def fn(a, b, yy):
                 q = self.logits(k, a)
-                p = teacher_logits(b, self.norm_weight, self.eps, self.lm_head, self.logits_scaling)
+                p = teacher_logits(b, self.norm_weight, self.lm_head, self.head_spec)
                 kl, tv = kl_tv_full(p.to(q.dtype), q)
                 return kl, tv, q.argmax(-1) == yy
 
@@ -477,7 +479,7 @@ class MTPDrafter(Drafter):
 
             def fn(a, b, k=k):
                 q = self.logits(k, a)
-                p = teacher_logits(b, self.norm_weight, self.eps, self.lm_head, self.logits_scaling)
+                p = teacher_logits(b, self.norm_weight, self.lm_head, self.head_spec)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 
             (alpha,) = map_row_chunks(fn, [run["h"][k - 1][rows], t_h], self.config.chunk_rows)

@@ -3,9 +3,9 @@
 Two sources, both read per row:
 
 - exact: the target's pre-norm last-layer state at the row (``final_hidden``, or the taps entry of
-  the last layer when it was tapped) -> the bundle's final RMSNorm -> the bundle's lm_head ->
-  divided by ``logits_scaling`` (Granite divides; everyone else has 1). This is the target's own
-  distribution for that row, exactly; the projection happens inside the loss's row chunks.
+  the last layer when it was tapped) through the bundle's head (``shards.head.teacher_logits``:
+  final norm -> lm_head -> logits scaling, as the bundle's head spec says). This is the target's
+  own distribution for that row, exactly; the projection happens inside the loss's row chunks.
 - top-k: the stored top-k ids and log-probabilities (under the full softmax) of the row, with the
   tail as one extra bin (``train.divergences.kl_tv_topk``, exact lumped-tail form).
 
@@ -21,24 +21,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from train.layers import rms_norm
+from shards.head import HeadSpec, teacher_logits
 
 
 @dataclass
 class ExactTeacher:
-    """Per-row teacher from pre-norm hidden states: logits = lm_head(norm(h)) / scaling."""
+    """Per-row teacher from pre-norm hidden states, through the bundle's head."""
 
     hidden_RH: torch.Tensor
     norm_weight: torch.Tensor
-    eps: float
     lm_head: torch.Tensor
-    scaling: float = 1.0
+    head: HeadSpec
 
     def chunk_logits(self, start: int, end: int) -> torch.Tensor:
         """float32 [end - start, V] teacher logits of rows start..end (projected now, not stored)."""
-        return teacher_logits(self.hidden_RH[start:end], self.norm_weight, self.eps, self.lm_head, self.scaling)
+        return teacher_logits(self.hidden_RH[start:end], self.norm_weight, self.lm_head, self.head)
+
+    def logits(self) -> torch.Tensor:
+        """float32 [R, V] teacher logits of every row (for losses that hold dense logits anyway)."""
+        return self.chunk_logits(0, self.hidden_RH.shape[0])
 
 
 @dataclass
@@ -47,16 +49,6 @@ class TopKTeacher:
 
     ids_Rk: torch.Tensor
     logprobs_Rk: torch.Tensor
-
-
-def teacher_logits(
-    hidden_RH: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_head_VH: torch.Tensor, scaling: float = 1.0
-) -> torch.Tensor:
-    """[R, H] pre-norm states -> [R, V] teacher logits, at least float32 (no gradient)."""
-    with torch.no_grad():
-        h = rms_norm(hidden_RH.to(lm_head_VH.dtype), norm_weight.to(lm_head_VH.dtype), eps)
-        z = F.linear(h, lm_head_VH)
-        return z.to(torch.promote_types(z.dtype, torch.float32)) / float(scaling)
 
 
 def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
@@ -73,11 +65,11 @@ def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
 
 def gather_exact(
     batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor, *, last_tap: int | None, bundle_norm: torch.Tensor,
-    eps: float, lm_head: torch.Tensor, scaling: float,
+    lm_head: torch.Tensor, head: HeadSpec,
 ) -> ExactTeacher:
     """The exact teacher for rows (b_R[i], row_R[i]): gathers only those [R, H] states."""
     h = last_hidden(batch, last_tap)[b_R, row_R]
-    return ExactTeacher(h, bundle_norm, eps, lm_head, scaling)
+    return ExactTeacher(h, bundle_norm, lm_head, head)
 
 
 def gather_topk(batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor) -> tuple[TopKTeacher, torch.Tensor]:

@@ -84,9 +84,11 @@ def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target, scaling):
 
 
 def test_topk_chunking_is_invisible():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
     torch.manual_seed(0)
     h = torch.randn(37, 8)
-    norm, head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 50, bias=False)
+    norm, head = Qwen3RMSNorm(8, eps=1e-6), torch.nn.Linear(8, 50, bias=False)
     a = topk_teacher(h, norm, head, 4, row_chunk=5)
     b = topk_teacher(h, norm, head, 4, row_chunk=1024)
     assert torch.equal(a[0], b[0])

@@ -144,3 +144,13 @@ def test_export_records_dflash2_layout_and_reloads(setup, tmp_path):
     fresh.load_state_dict(sd)
     anchors, _ = d2._anchors(batch, None, take_all=True)
     torch.testing.assert_close(fresh.draft_blocks(batch, anchors), d2.draft_blocks(batch, anchors))
+
+
+def test_exact_kd_equals_dflash_fused_path(setup):
+    bundle, layout, batch = setup
+    d1, d2 = _pair(bundle, layout, kd="exact")
+    d2.load_state_dict(d1.state_dict(), strict=False)
+    o1 = d1(batch, torch.Generator().manual_seed(5))
+    o2 = d2(batch, torch.Generator().manual_seed(5))
+    assert float(o1.terms["kd"][0]) > 0
+    torch.testing.assert_close(o2.terms["kd"][0], o1.terms["kd"][0], rtol=1e-5, atol=1e-6)

@@ -10,7 +10,6 @@ from train.divergences import (
     kl_tv_full,
     kl_tv_topk,
     lk_loss,
-    map_row_chunks,
     mean_acceptance,
     parse_lk_lambda,
 )
@@ -93,26 +92,6 @@ def test_gradients_match_finite_differences():
     q = q_logits.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: kl_tv_full(p_logits, x), (q,))
     assert torch.autograd.gradcheck(lambda x: kl_tv_topk(ids, lps, x), (q,))
-
-
-def test_row_chunks_equal_one_chunk_values_and_grads():
-    g = torch.Generator().manual_seed(5)
-    H, V, N = 6, 30, 11
-    head = torch.randn(V, H, generator=g, dtype=torch.float64)
-    h_t = torch.randn(N, H, generator=g, dtype=torch.float64)
-
-    def run(chunk):
-        h_s = torch.randn(N, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64).requires_grad_(True)
-        kl, tv = map_row_chunks(lambda a, b: kl_tv_full(a @ head.T, b @ head.T), [h_t, h_s], chunk)
-        (kl.sum() + 2 * tv.sum()).backward()
-        return kl.detach(), tv.detach(), h_s.grad
-
-    one = run(0)
-    for chunk in (1, 4, 11, 50):
-        for a, b in zip(one, run(chunk)):
-            torch.testing.assert_close(a, b)
-    with pytest.raises(ValueError, match="row count"):
-        map_row_chunks(lambda a, b: (a,), [h_t, h_t[:3]], 2)
 
 
 def test_lk_fixed_lambda_against_reference():

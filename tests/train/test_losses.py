@@ -6,8 +6,20 @@ import torch
 
 from train.acceptance import tau_from_alpha
 from train.drafter import combine_terms
-from train.losses import reference_loss_f64, row_losses, slot_weights, weighted_terms
+from shards.head import HeadSpec
+from train.losses import row_losses, slot_weights, weighted_terms
 from train.teacher import ExactTeacher, TopKTeacher
+
+
+def reference_loss_f64(
+    h_RH: torch.Tensor, labels_R: torch.Tensor, w_R: torch.Tensor, lm_head_VH: torch.Tensor, scaling: float = 1.0
+) -> float:
+    """Float64 sum(w * CE) / sum(w), written from the definition (for tests and sanity checks)."""
+    z = (h_RH.double() @ lm_head_VH.double().T) / scaling
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    ce = -logp.gather(-1, labels_R.long()[:, None])[:, 0]
+    w = w_R.double()
+    return float((w * ce).sum() / w.sum()) if float(w.sum()) > 0 else math.nan
 
 
 def _rand(R=37, H=16, V=50, seed=0):
@@ -28,7 +40,7 @@ def test_slot_weights():
 def test_ce_matches_float64_reference():
     h, W, y, w = _rand()
     for scaling in (1.0, 2.5):
-        ce, correct, kd = row_losses(h, y, W, scaling=scaling, chunk_rows=8)
+        ce, correct, kd = row_losses(h, y, W, head=HeadSpec(logits_scaling=scaling), chunk_rows=8)
         assert kd is None
         got = float((w * ce).sum() / w.sum())
         assert abs(got - reference_loss_f64(h, y, w, W, scaling)) < 1e-10
@@ -67,8 +79,8 @@ def test_exact_kd_matches_float64_reference():
     th = torch.randn(h.shape[0], h.shape[1], generator=g, dtype=torch.float64) * 3
     nw = 1 + 0.1 * torch.randn(h.shape[1], generator=g, dtype=torch.float64)
     scaling = 1.7
-    teacher = ExactTeacher(th, nw, 1e-6, W, scaling)
-    _, _, kd = row_losses(h, y, W, scaling=scaling, chunk_rows=7, teacher=teacher)
+    teacher = ExactTeacher(th, nw, W, HeadSpec(eps=1e-6, logits_scaling=scaling))
+    _, _, kd = row_losses(h, y, W, head=HeadSpec(logits_scaling=scaling), chunk_rows=7, teacher=teacher)
     tn = th / torch.sqrt(th.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
     p = torch.log_softmax(tn @ W.T / scaling, -1)
     q = torch.log_softmax(h @ W.T / scaling, -1)
@@ -123,9 +135,9 @@ def test_fused_gradients_match_float64_autograd_reference():
     scaling = 1.3
     for kind in ("none", "topk", "exact"):
         teacher = {"none": None, "topk": TopKTeacher(top.indices, top.values),
-                   "exact": ExactTeacher(th, nw, 1e-6, W, scaling)}[kind]
+                   "exact": ExactTeacher(th, nw, W, HeadSpec(eps=1e-6, logits_scaling=scaling))}[kind]
         hh = h.clone().requires_grad_(True)
-        ce, _, kd = row_losses(hh, y, W, scaling=scaling, chunk_rows=6, teacher=teacher)
+        ce, _, kd = row_losses(hh, y, W, head=HeadSpec(logits_scaling=scaling), chunk_rows=6, teacher=teacher)
         loss = (w * ce).sum() + (0.0 if kd is None else (0.7 * w * kd).sum())
         loss.backward()
         hr = h.clone().requires_grad_(True)

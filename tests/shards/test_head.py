@@ -1,0 +1,50 @@
+"""The bundle's head: hidden rows -> logits, against float64 definitions and a real model's forward."""
+
+import pytest
+import torch
+
+from shards.head import HeadSpec, final_norm, head_spec, project, teacher_logits
+
+
+def test_teacher_logits_match_float64_definition():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 16, generator=g, dtype=torch.float64) * 3
+    w = 1 + 0.1 * torch.randn(16, generator=g, dtype=torch.float64)
+    W = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    for scaling in (1.0, 4.0):
+        spec = HeadSpec(eps=1e-5, logits_scaling=scaling)
+        ref = (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w) @ W.T / scaling
+        torch.testing.assert_close(teacher_logits(h, w, W, spec), ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(project(final_norm(h, w, spec), W, spec), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_teacher_logits_equal_the_models_own_head():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-5))
+    lm.eval()
+    ids = torch.randint(0, 50, (1, 7))
+    pre = {}
+    hook = lm.model.layers[-1].register_forward_hook(lambda m, i, o: pre.update(h=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        logits = lm(ids).logits[0]
+    hook.remove()
+    spec = HeadSpec.from_config(lm.config.to_dict())
+    assert spec.eps == 1e-5 and spec.logits_scaling == 1.0
+    got = teacher_logits(pre["h"][0], lm.model.norm.weight, lm.lm_head.weight, spec)
+    assert torch.equal(got, logits.float())
+
+
+def test_head_spec_from_bundle_config_and_refusals():
+    class Bundle:
+        config = {"rms_norm_eps": 1e-6, "logits_scaling": None}
+
+    assert head_spec(Bundle()) == HeadSpec(eps=1e-6, logits_scaling=1.0)
+    with pytest.raises(ValueError, match="norm kind"):
+        HeadSpec(norm="layernorm")
+    with pytest.raises(ValueError, match="logits_scaling"):
+        HeadSpec(logits_scaling=0.0)
+    with pytest.raises(ValueError, match="eps"):
+        HeadSpec(eps=-1.0)

@@ -37,7 +37,6 @@ from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from shards.head import head_spec
 from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
-from speculate.proposers import make_proposer
 from train.run import load_trained
 
 
@@ -99,7 +98,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
             f"the target in {cfg.target} (fingerprint {live_fp[:12]}) is not the one {cfg.data} was captured "
             f"from ({src.fingerprint[:12]}); speculate with the dataset's own target"
         )
-    proposer = make_proposer(model)
+    proposer = model.propose
     head = head_spec(src.bundle)
     eos = target.bundle_config().get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos

@@ -34,7 +34,7 @@ from torch import nn
 from shards.head import head_spec, project
 from shards.taps import default_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts, replay_rounds
-from train.drafter import Drafter, LossOutput
+from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask
@@ -393,6 +393,21 @@ class DFlashDrafter(Drafter):
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
         corr[valid] = correct.detach().bool()
         return LossOutput(terms=terms, metrics=_metrics(acceptance_counts(corr, valid)))
+
+    @torch.no_grad()
+    def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block anchored at P (slot 0 = ids[P], slots 1..B-1 masked): K = B - 1 drafts."""
+        b, anchors = self._live_block(ids_T, taps_PnH)
+        h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)  # [1, 1, B, H]
+        tokens, q = pick_tokens(self.logits(h[0, 0, 1:]), temperature, generator)
+        return tokens.cpu(), q
+
+    def _live_block(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """The one-sequence batch of a live prefix and its single anchor P [1, 1]."""
+        p = next(self.parameters())
+        b = one_sequence_batch(ids_T, taps_PnH, dtype=p.dtype, device=p.device)
+        return b, torch.tensor([[taps_PnH.shape[0]]], device=p.device)
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:

@@ -215,6 +215,15 @@ class DFlash2Drafter(DFlashDrafter):
         return torch.cat(out).view(Bs, N, B)
 
     @torch.no_grad()
+    def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy: the selector's walk over the block (as eval drafts); sampling: the backbone's distributions."""
+        if temperature != 0:
+            return super().propose(ids_T, taps_PnH, temperature=temperature, generator=generator)
+        b, anchors = self._live_block(ids_T, taps_PnH)
+        return self.draft_blocks(b, anchors)[0, 0, 1:].cpu(), None
+
+    @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
         """Teacher-forced acceptance of the selector's greedy path (every eligible anchor, in order)."""
         anchors, vblk = self._anchors(batch, generator, take_all=True)

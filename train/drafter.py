@@ -60,6 +60,9 @@ class Drafter(nn.Module):
           (see ``train.data.collate``); ``generator`` drives any sampling (anchors) so runs are
           reproducible and resumable.
       ``acceptance(batch, generator=None) -> AcceptanceCounts``: teacher-forced acceptance (eval).
+      ``propose(ids, taps, temperature=0.0, generator=None) -> (tokens [K], q [K, V] or None)``: live
+          drafts for speculative decoding (``speculate`` calls only this), computed through the same
+          methods training and eval use, on a batch of one sequence (:func:`one_sequence_batch`).
       ``export_config() -> dict``: the config serving engines read (``train.export`` writes it beside the
           draft-only weights; checkpoints keep it so export needs no dataset).
     and may override ``check_dataset`` to refuse a mismatched dataset before any step.
@@ -88,6 +91,17 @@ class Drafter(nn.Module):
         """Teacher-forced acceptance on one batch: a ``train.acceptance.AcceptanceCounts``."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Live drafts after a verified prefix.
+
+        ``ids_T``: ids of positions 0..P (position P holds the last emitted token, which the target has
+        not run yet); ``taps_PnH``: the target's taps of positions 0..P-1 in the dataset's tap order.
+        Returns K drafted tokens (CPU) and, when sampling (temperature > 0), their distributions [K, V].
+        """
+        raise NotImplementedError(f"drafter family {self.family!r} has no live proposals")
+
     def export_config(self) -> dict[str, Any]:
         """The serving config (architecture fields, tap ids in both numberings, ...); saved in checkpoints."""
         raise NotImplementedError
@@ -95,6 +109,30 @@ class Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers only (the frozen bundle tensors are not persistent)."""
         return self.state_dict()
+
+
+def one_sequence_batch(ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, dtype: torch.dtype,
+                       device: torch.device) -> dict[str, Any]:
+    """One sequence in the collated layout; taps are zero-padded to the ids' length (never read)."""
+    T, P = ids_T.shape[0], taps_PnH.shape[0]
+    taps = torch.zeros(T, *taps_PnH.shape[1:], dtype=dtype, device=device)
+    taps[:P] = taps_PnH.to(device=device, dtype=dtype)
+    return {
+        "input_ids": ids_T[None].to(device),
+        "taps": taps[None],
+        "loss_mask": torch.ones(1, T, dtype=torch.bool, device=device),
+        "is_audio": torch.zeros(1, T, dtype=torch.bool, device=device),
+        "lengths": torch.tensor([T], device=device),
+    }
+
+
+def pick_tokens(logits_KV: torch.Tensor, temperature: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy (temperature 0: argmax, no distribution) or sampled tokens with their distributions q."""
+    if temperature == 0:
+        return logits_KV.argmax(-1), None
+    q = torch.softmax(logits_KV.float() / temperature, -1)
+    return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
 
 
 def get_family(name: str) -> tuple[type, type[Drafter]]:

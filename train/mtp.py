@@ -52,7 +52,7 @@ from shards.head import final_norm, head_spec, project, teacher_logits
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
 from train.acceptance import AcceptanceCounts, replay_rounds
-from train.drafter import Drafter, LossOutput
+from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.teacher import last_hidden
 
@@ -431,6 +431,23 @@ class MTPDrafter(Drafter):
         return map_row_chunks(fn, [hk, ids, lps, y], self.config.chunk_rows)
 
     # -- eval -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depth k at row P-1 reads the drafted token of depth k-1 as its input: K = num_depths drafts."""
+        P = taps_PnH.shape[0]
+        p = next(self.parameters())
+        drafted, dists = [], []
+        for k in range(1, self.config.num_depths + 1):
+            ids = torch.cat([ids_T, torch.tensor(drafted, dtype=ids_T.dtype)])  # positions 0..P+k-1
+            batch = one_sequence_batch(ids, taps_PnH, dtype=p.dtype, device=p.device)
+            h = self.run_depths(batch)["h"][k - 1][0, P - 1]
+            tok, q = pick_tokens(self.logits(k, h[None]), temperature, generator)
+            drafted.append(int(tok[0]))
+            if q is not None:
+                dists.append(q[0])
+        return torch.tensor(drafted), (torch.stack(dists) if dists else None)
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:

@@ -1,4 +1,4 @@
-"""A live proposer drafts exactly what the trained drafter computes offline at the same anchor.
+"""A drafter's live proposal (``Drafter.propose``) drafts exactly what the trained drafter computes offline at the same anchor.
 
 Offline, the drafter sees the whole captured sequence and its visibility rule hides everything at
 or after the anchor; online, the later positions do not exist yet. Both must give the same drafts.
@@ -9,10 +9,10 @@ import torch
 
 from shards.bundle import TargetBundle
 from shards.schema import Layout
-from speculate.proposers import make_proposer
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter
 from train.dflash2 import DFlash2Config, DFlash2Drafter
+from train.drafter import Drafter
 from train.mtp import MTPConfig, MTPDrafter
 
 V, H, L, T = 48, 16, 4, 20
@@ -61,7 +61,7 @@ def test_dflash_family_proposals_equal_offline_blocks(cls, cfg, anchor):
         else:
             h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
             want = model.logits(h[0, 0, 1:]).argmax(-1)
-    propose = make_proposer(model)
+    propose = model.propose
     got, q = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=0.0)
     assert got.tolist() == want.tolist() and q is None
     got_s, q_s = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=1.0,
@@ -74,7 +74,7 @@ def test_mtp_proposals_chain_the_heads_like_the_offline_pass(anchor):
     layout = Layout(hidden_size=H, num_layers=L, tap_ids=(1, L - 1), top_k=0, audio_token_id=3)
     model = _perturb(MTPDrafter.build(MTPConfig(num_depths=3), _bundle(), layout))
     s = _sample(layout)
-    propose = make_proposer(model)
+    propose = model.propose
     got, _ = propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=0.0)
     # offline: put the drafted tokens into the sequence; each depth at row anchor-1 must then predict them
     ids = s["input_ids"].clone()
@@ -85,6 +85,9 @@ def test_mtp_proposals_chain_the_heads_like_the_offline_pass(anchor):
     assert got.tolist() == want
 
 
-def test_unknown_family_is_refused():
-    with pytest.raises(ValueError, match="no live proposer"):
-        make_proposer(torch.nn.Linear(2, 2))
+def test_a_family_without_proposals_says_so():
+    class Silent(Drafter):
+        family = "silent"
+
+    with pytest.raises(NotImplementedError, match="no live proposals"):
+        Silent(None, None, None).propose(torch.zeros(3, dtype=torch.long), torch.zeros(2, 1, H))

@@ -8,10 +8,6 @@ the reader state at the first sample not yet handed out. Exact resume needs no b
 the batcher looks one sample ahead to decide where a batch ends, and the state it reports is the
 reader state from BEFORE that lookahead sample was read, so a restored stream re-reads it.
 
-:class:`ListStream` is a stand-in reader over an in-memory list with the same contract (seeded
-per-epoch shuffle, rank/worker partition with equal counts, ``state_dict``), for tests and for
-callers that already hold samples.
-
 :class:`WorkerBatchStream` runs the same pipeline in DataLoader worker processes (worker w reads
 partition w of the reader), keeping exact resume by recording every worker's state and which
 worker is next in the loader's round robin.
@@ -47,59 +43,6 @@ def derive_seed(*parts: Any) -> int:
     """The one seed-derivation rule: a 63-bit int from (base seed, purpose, step, rank, ...)."""
     h = hashlib.sha256(repr(tuple(parts)).encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
-class ListStream:
-    """An in-memory reader with the shards stream contract.
-
-    Order: a seeded permutation per epoch (``derive_seed(seed, "order", epoch)``), then slot
-    ``rank * num_workers + worker_id`` of ``world_size * num_workers`` takes every such slot's
-    item, truncated so every slot has the same count. State: ``{"version", "epoch", "pos"}``.
-    """
-
-    def __init__(
-        self,
-        samples: list[dict[str, Any]],
-        *,
-        seed: int,
-        epoch: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        worker_id: int = 0,
-        num_workers: int = 1,
-        shuffle: bool = True,
-        state: dict[str, Any] | None = None,
-    ) -> None:
-        n = len(samples)
-        if shuffle:
-            g = torch.Generator().manual_seed(derive_seed(seed, "order", epoch))
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        slots = world_size * num_workers
-        per = n // slots
-        slot = rank * num_workers + worker_id
-        self._idx = order[slot::slots][:per]
-        self._samples = samples
-        self.epoch = epoch
-        self.pos = 0
-        if state is not None:
-            if state.get("version") != 1 or state.get("epoch") != epoch:
-                raise ValueError(f"ListStream state {state} does not belong to epoch {epoch}")
-            self.pos = int(state["pos"])
-
-    def __iter__(self) -> "ListStream":
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self.pos >= len(self._idx):
-            raise StopIteration
-        s = self._samples[self._idx[self.pos]]
-        self.pos += 1
-        return s
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "epoch": self.epoch, "pos": self.pos}
 
 
 def epochs(open_stream: OpenStream, state: dict[str, Any] | None = None, max_epochs: int | None = None):

@@ -1,7 +1,7 @@
 """The training loop: ``train(config, data, out) -> summary``.
 
-One loop for every drafter family. It opens the data (a dataset path/URL, an opened dataset, or
-:class:`InMemoryData` for tests), refuses bad input before any step (target fingerprint, tap ids
+One loop for every drafter family. It opens the data (a dataset path/URL or an opened dataset,
+through ``train.run.DataSource``), refuses bad input before any step (target fingerprint, tap ids
 and hidden size via the drafter's ``resolve``/``check_dataset``, no supervised tokens, resume from
 a checkpoint of another config), then runs AdamW with linear warmup + cosine decay, gradient
 clipping, bf16 autocast on GPU and gradient accumulation; DDP when launched by torchrun (gloo on
@@ -12,11 +12,7 @@ Anchor sampling draws from a generator seeded by ``derive_seed(seed, "anchors", 
 so a run is a pure function of its config and data, and resume is exact: a checkpoint holds the
 draft, optimizer, scheduler, step and every rank's reader state.
 
-Run directory:
-    config.json                  resolved RunConfig (the resume check compares against it)
-    metrics.jsonl                one line per log step: loss terms, acc@k, alpha@k, tau, lr, throughput
-    checkpoints/step-000100/     state.pt (draft, optimizer, scheduler, step, data states, config)
-    summary.json                 the final summary (also returned)
+The run directory's layout and checkpoint I/O live in ``train.run``.
 """
 
 from __future__ import annotations
@@ -133,7 +129,7 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
           stop_at: int | None = None) -> dict[str, Any]:
     """Train a drafter on ``data`` into run directory ``out``; resumes from its latest checkpoint.
 
-    ``data``: a dataset path/URL, an opened ``shards.reader`` dataset, or :class:`InMemoryData`.
+    ``data``: a dataset path/URL or an opened ``shards.reader`` dataset.
     ``stop_at``: stop after that step (with a checkpoint) as if interrupted; the schedule still
     follows ``max_steps``, so a later call resumes exactly. Returns the summary dict (also written
     to ``out/summary.json``).

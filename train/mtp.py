@@ -58,7 +58,7 @@ from train.teacher import last_hidden
 
 IGNORE = -100
 LOSS_TYPES = ("ce", "lk")
-TRAINING_MODES = ("head_only", "full")
+TRAINING_MODES = ("head_only",)
 TEACHERS = ("auto", "exact", "topk")
 
 
@@ -79,7 +79,7 @@ class MTPConfig:
     intermediate_size: int | None = None
     """SwiGLU width of the block; None = the target's."""
     training_mode: str = "head_only"
-    """head_only: only the heads train (the only mode a dataset can train; 'full' is refused)."""
+    """head_only: only the heads train (a dataset holds no target backbone to train)."""
     loss_type: str = "ce"
     """ce: dataset labels; lk: lambda*KL + (1-lambda)*TV against the frozen target."""
     lk_lambda: float | str = 0.5
@@ -99,17 +99,9 @@ class MTPConfig:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.training_mode not in TRAINING_MODES:
-            raise ValueError(f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}")
-        if self.loss_type == "lk" and self.training_mode != "head_only":
             raise ValueError(
-                "loss_type 'lk' needs training_mode 'head_only': the LK teacher is the frozen target's own "
-                "distribution, which stops being a fixed target once the backbone trains; use loss_type 'ce' "
-                "or set training_mode: head_only"
-            )
-        if self.training_mode != "head_only":
-            raise ValueError(
-                f"training_mode {self.training_mode!r} would train the target backbone, which a dataset does not "
-                "contain (only its frozen embedding, final norm and lm_head); use training_mode: head_only"
+                f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}: a dataset holds only "
+                "the target's frozen embedding, final norm and lm_head, not the backbone; use training_mode: head_only"
             )
         object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
         if not self.init_std > 0:
@@ -130,14 +122,6 @@ class MTPConfig:
 def doc_end_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
     """Padded batch (one sequence per row): exclusive end of each position's sequence, [Bs, T]."""
     return lengths.long()[:, None].expand(-1, T).clone()
-
-
-def doc_end_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """Packed row with boundaries ``cu_seqlens`` [S + 1] (0, ..., T) -> exclusive end per position [T]."""
-    cu = cu_seqlens.long()
-    t = torch.arange(T, device=cu.device)
-    seg = torch.searchsorted(cu[1:], t, right=True)
-    return cu[1:][seg.clamp(max=len(cu) - 2)]
 
 
 def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from shards.manifest import responses_from_target
+from shards.reader import open_dataset
 from train.config import RunConfig
-from train.data import ListStream, derive_seed
+from train.data import derive_seed
 from train.drafter import Drafter, get_family
 
 CONFIG_FILE = "config.json"
@@ -35,54 +36,23 @@ CKPT_VERSION = 1
 EVAL_SPLITS = ("validation", "test", "eval")
 
 
-@dataclass
-class InMemoryData:
-    """Samples held in memory plus their target bundle and layout (tests, small experiments)."""
-
-    samples: list[dict[str, Any]]
-    bundle: Any
-    layout: Any
-    fingerprint: str = ""
-    manifest: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.fingerprint:
-            self.fingerprint = self.bundle.fingerprint
-
-
-
 class DataSource:
-    """What the loop needs from data: bundle, layout, fingerprint, manifest, and a stream opener."""
+    """One split of a dataset (a path/URL or an opened ``shards.reader`` dataset) as the loop needs it:
+    bundle, layout, fingerprint, manifest, and stream openers over the real reader."""
 
     def __init__(self, data: Any, split: str) -> None:
-        self.split = split
-        if isinstance(data, InMemoryData):
-            self.kind, self.data = "memory", data
-            self.bundle, self.layout, self.fingerprint = data.bundle, data.layout, data.fingerprint
-            self.manifest = data.manifest or {}
-            self.supervised = sum(int(s["loss_mask"][1:].sum()) for s in data.samples)
-            self.num_samples = len(data.samples)
-            self.where = "<in-memory samples>"
-        else:
-            from shards.reader import open_dataset
-
-            ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
-            self.kind, self.data = "dataset", ds
-            if split not in ds.splits:
-                raise ValueError(f"dataset {ds.url} has no split {split!r}; it has {ds.splits} (set train.split)")
-            self.bundle, self.layout, self.fingerprint = ds.bundle(), ds.layout, ds.fingerprint
-            self.manifest = ds.manifest
-            self.supervised = int(ds.manifest["splits"][split].get("supervised_tokens", 1))
-            self.num_samples = ds.num_samples(split)
-            self.where = ds.url
+        ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
+        if split not in ds.splits:
+            raise ValueError(f"dataset {ds.url} has no split {split!r}; it has {ds.splits} (set train.split)")
+        self.split, self.data = split, ds
+        self.bundle, self.layout, self.fingerprint = ds.bundle(), ds.layout, ds.fingerprint
+        self.manifest = ds.manifest
+        self.supervised = int(ds.manifest["splits"][split].get("supervised_tokens", 1))
+        self.num_samples = ds.num_samples(split)
+        self.where = ds.url
 
     def worker_opener(self, *, seed: int, rank: int, world_size: int, shuffle_buffer: int = 0, shuffle: bool = True):
         """(worker_id, num_workers, epoch, state) -> this rank's and worker's sample stream."""
-        if self.kind == "memory":
-            samples = self.data.samples
-            return lambda wid, nw, epoch, state: ListStream(
-                samples, seed=seed, epoch=epoch, rank=rank, world_size=world_size, worker_id=wid, num_workers=nw,
-                shuffle=shuffle, state=state)
         ds, split = self.data, self.split
         return lambda wid, nw, epoch, state: ds.stream(
             split, seed=seed, epoch=epoch, rank=rank, world_size=world_size, worker_id=wid, num_workers=nw,
@@ -201,10 +171,8 @@ def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, de
     Refuses a directory that is not a run, a run with no checkpoint, and a dataset of another target.
     """
     run, ck, state = load_run(run_dir)
-    probe = open_source(data, run.train.split)
-    splits = getattr(probe.data, "splits", [run.train.split])
-    split = split or _pick_split(list(splits), run.train.split)
-    src = open_source(data, split)
+    ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
+    src = open_source(ds, split or _pick_split(list(ds.splits), run.train.split))
     if state.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(
             f"the draft in {run_dir} was trained for target {state['fingerprint'][:12]}, but {src.where} was "
@@ -213,4 +181,4 @@ def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, de
     model = build_drafter(run, src).to(device)
     model.load_state_dict(state["draft"])
     model.eval()
-    return Trained(model, src, run, state, ck, split)
+    return Trained(model, src, run, state, ck, src.split)

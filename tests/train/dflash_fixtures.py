@@ -7,6 +7,7 @@ embedding plus noise, and the top-k teacher rows put most mass on the true succe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,3 +101,23 @@ def write_synthetic_dataset(root: Path, bundle, layout: Layout, splits: dict[str
         cap["regenerate"] = regenerated
     finalize_dataset(str(root), layout=layout, fingerprint=bundle.fingerprint, capture_config=cap)
     return str(root)
+
+
+@dataclass
+class InMemoryData:
+    """Samples with their bundle and layout, and the tiny dataset written from them (the loop reads ``path``)."""
+
+    samples: list[dict]
+    bundle: object
+    layout: Layout
+    path: str
+
+
+def tiny_dataset(root: Path, samples: list[dict] | None = None, *, layout: Layout | None = None, n: int = 16,
+                 seed: int = 0, min_len: int = 16, max_len: int = 32, **layout_kw) -> InMemoryData:
+    """A finished one-split ("train") dataset at ``root`` read through the real reader."""
+    bundle = tiny_bundle(root)
+    layout = layout or tiny_layout(bundle, **layout_kw)
+    if samples is None:
+        samples = synthetic_samples(bundle, layout, n, min_len=min_len, max_len=max_len, seed=seed)
+    return InMemoryData(samples, bundle, layout, write_synthetic_dataset(root, bundle, layout, {"train": samples}))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
-from train.data import BatchStream, ListStream, batch_by_tokens, collate, derive_seed, has_targets, truncate
+from train.data import BatchStream, batch_by_tokens, collate, has_targets, truncate
 
 
 @pytest.fixture(scope="module")
@@ -17,18 +17,6 @@ def data(tmp_path_factory):
 
 def _ids(batch):
     return batch["sample_id"]
-
-
-def test_list_stream_partition_and_order():
-    items = [{"sample_id": str(i)} for i in range(10)]
-    parts = [list(ListStream(items, seed=1, rank=r, world_size=3)) for r in range(3)]
-    assert all(len(p) == 3 for p in parts)  # equal counts: collectives never hang
-    seen = [s["sample_id"] for p in parts for s in p]
-    assert len(set(seen)) == 9
-    again = [s["sample_id"] for s in ListStream(items, seed=1, rank=0, world_size=3)]
-    assert again == [s["sample_id"] for s in parts[0]]
-    other = [s["sample_id"] for s in ListStream(items, seed=1, epoch=1, rank=0, world_size=3)]
-    assert other != again or derive_seed(1, "order", 0) != derive_seed(1, "order", 1)
 
 
 def test_batch_by_tokens_budget_and_order():
@@ -75,11 +63,6 @@ def _stream(source, state=None, world=1, rank=0):
     return BatchStream(source(rank, world), max_tokens=80, max_batch_size=4, max_seq_len=25, state=state)
 
 
-def _list_source(samples):
-    return lambda rank, world: (lambda epoch, st: ListStream(samples, seed=5, epoch=epoch, rank=rank,
-                                                              world_size=world, state=st))
-
-
 def _ds_source(path):
     from shards.reader import open_dataset
 
@@ -88,14 +71,14 @@ def _ds_source(path):
                                                             world_size=world, state=st))
 
 
-@pytest.mark.parametrize("kind", ["list", "dataset"])
-def test_resume_gives_the_same_next_batches(data, kind):
+@pytest.fixture(scope="module")
+def dataset(data):
     root, bundle, layout, samples = data
-    if kind == "list":
-        source = _list_source(samples)
-    else:
-        path = write_synthetic_dataset(root, bundle, layout, {"train": samples})
-        source = _ds_source(path)
+    return write_synthetic_dataset(root, bundle, layout, {"train": samples})
+
+
+def test_resume_gives_the_same_next_batches(dataset):
+    source = _ds_source(dataset)
     full = _stream(source)
     ref = [_ids(next(full)) for _ in range(20)]  # crosses epoch boundaries (24 samples, <= 4 a batch)
     s = _stream(source)
@@ -110,18 +93,18 @@ def test_resume_gives_the_same_next_batches(data, kind):
     assert not (r0 & r1)
 
 
-def test_bad_state_version_refused(data):
-    _, _, _, samples = data
+def test_bad_state_version_refused(dataset):
     with pytest.raises(ValueError, match="version"):
-        _stream(_list_source(samples), state={"version": 99, "epoch": 0, "reader": None})
+        _stream(_ds_source(dataset), state={"version": 99, "epoch": 0, "reader": None})
 
 
-def test_worker_stream_resume_is_exact(data):
+def test_worker_stream_resume_is_exact(dataset):
+    from shards.reader import open_dataset
     from train.data import WorkerBatchStream
 
-    _, _, _, samples = data
-    open_w = lambda wid, nw, epoch, st: ListStream(samples, seed=5, epoch=epoch, worker_id=wid, num_workers=nw,
-                                                   state=st)
+    ds = open_dataset(dataset)
+    open_w = lambda wid, nw, epoch, st: ds.stream("train", seed=5, epoch=epoch, worker_id=wid, num_workers=nw,
+                                                  state=st)
     make = lambda state=None: WorkerBatchStream(open_w, num_workers=2, max_tokens=80, max_batch_size=4,
                                                 max_seq_len=25, state=state)
     full = make()

@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
-from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
+from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout, write_synthetic_dataset
 from train.config import load_run_config
 from train.dflash import DFlashDrafter
 from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
-from train.run import InMemoryData, latest_checkpoint, load_checkpoint
+from shards.schema import Layout
+from train.run import latest_checkpoint, load_checkpoint
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]
@@ -20,10 +21,7 @@ FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false"
 
 @pytest.fixture(scope="module")
 def mem(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mem")
-    bundle = tiny_bundle(root)
-    layout = tiny_layout(bundle)
-    return InMemoryData(synthetic_samples(bundle, layout, 16, min_len=16, max_len=32), bundle, layout)
+    return tiny_dataset(tmp_path_factory.mktemp("mem"), n=16, min_len=16, max_len=32)
 
 
 def _losses(run_dir):
@@ -32,10 +30,10 @@ def _losses(run_dir):
 
 def test_resume_continues_exactly(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=6", "ckpt_every=100", "grad_accum=2"])
-    train(run, mem, tmp_path / "full")
-    train(run, mem, tmp_path / "cut", stop_at=3)
+    train(run, mem.path, tmp_path / "full")
+    train(run, mem.path, tmp_path / "cut", stop_at=3)
     assert latest_checkpoint(tmp_path / "cut").name == "step-0000003"
-    s = train(run, mem, tmp_path / "cut")
+    s = train(run, mem.path, tmp_path / "cut")
     assert s["resumed_from_step"] == 3
     full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
     assert len(full) == 6 and len(cut) == 6
@@ -47,39 +45,42 @@ def test_resume_continues_exactly(tmp_path, mem):
 
 def test_resume_with_loader_workers_continues_exactly(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100", "num_workers=2"])
-    train(run, mem, tmp_path / "full")
-    train(run, mem, tmp_path / "cut", stop_at=3)
-    train(run, mem, tmp_path / "cut")
+    train(run, mem.path, tmp_path / "full")
+    train(run, mem.path, tmp_path / "cut", stop_at=3)
+    train(run, mem.path, tmp_path / "cut")
     assert _losses(tmp_path / "cut") == pytest.approx(_losses(tmp_path / "full"), rel=1e-6, abs=1e-7)
     one = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100"])
-    train(one, mem, tmp_path / "one")  # a different (1-worker) partition: a different but valid run
+    train(one, mem.path, tmp_path / "one")  # a different (1-worker) partition: a different but valid run
     assert len(_losses(tmp_path / "one")) == 4
 
 
 def test_resume_with_another_config_is_refused(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
-    train(run, mem, tmp_path / "r")
+    train(run, mem.path, tmp_path / "r")
     other = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "lr=1e-2"])
     with pytest.raises(ValueError, match="another config.*train.lr"):
-        train(other, mem, tmp_path / "r")
+        train(other, mem.path, tmp_path / "r")
     longer = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"])  # max_steps may change
-    assert train(longer, mem, tmp_path / "r")["resumed_from_step"] == 2
+    assert train(longer, mem.path, tmp_path / "r")["resumed_from_step"] == 2
 
 
 def test_bad_inputs_refused_before_any_step(tmp_path, mem):
     base = FAST + ["max_steps=1"]
     with pytest.raises(ValueError, match="captured from target"):
-        train(load_run_config("dflash_b8", overrides=base + ["fingerprint=abc"]), mem, tmp_path / "a")
+        train(load_run_config("dflash_b8", overrides=base + ["fingerprint=abc"]), mem.path, tmp_path / "a")
     with pytest.raises(ValueError, match="did not store"):
-        train(load_run_config("dflash_b8", overrides=base + ["target_layer_ids=[0]"]), mem, tmp_path / "b")
-    wrong_h = InMemoryData(mem.samples, mem.bundle, tiny_layout(mem.bundle).__class__(
-        hidden_size=16, num_layers=4, tap_ids=(1, 3), top_k=8, audio_token_id=3))
+        train(load_run_config("dflash_b8", overrides=base + ["target_layer_ids=[0]"]), mem.path, tmp_path / "b")
+    narrow = Layout(hidden_size=16, num_layers=4, tap_ids=(1, 3), top_k=8, audio_token_id=3)  # bundle is 32 wide
+    wrong_h = tiny_dataset(tmp_path / "wrong_h", [dict(s, taps=s["taps"][..., :16]) for s in mem.samples[:4]],
+                           layout=narrow)
     with pytest.raises(ValueError, match="hidden size"):
-        train(load_run_config("dflash_b8", overrides=base), wrong_h, tmp_path / "c")
-    unsup = InMemoryData([dict(s, loss_mask=torch.zeros_like(s["loss_mask"])) for s in mem.samples],
-                         mem.bundle, mem.layout)
+        train(load_run_config("dflash_b8", overrides=base), wrong_h.path, tmp_path / "c")
+    no_topk = Layout(hidden_size=32, num_layers=4, tap_ids=(1, 3), top_k=0, audio_token_id=3)
+    unsup = tiny_dataset(tmp_path / "unsup", [
+        {k: v for k, v in s.items() if not k.startswith("topk")} | {"loss_mask": torch.zeros_like(s["loss_mask"])}
+        for s in mem.samples[:4]], layout=no_topk)
     with pytest.raises(ValueError, match="no supervised tokens"):
-        train(load_run_config("dflash_b8", overrides=base), unsup, tmp_path / "d")
+        train(load_run_config("dflash_b8", overrides=base), unsup.path, tmp_path / "d")
     for d in "abcd":
         assert not (tmp_path / d / "checkpoints").exists()
 
@@ -127,8 +128,8 @@ def _reference_logits(cfg, w, bundle, taps_TnH, ids_T, anchor):
 
 def test_eval_and_export_round_trip(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "num_layers=2"])
-    train(run, mem, tmp_path / "run")
-    res = evaluate(tmp_path / "run", mem, out_dir=tmp_path / "ev")
+    train(run, mem.path, tmp_path / "run")
+    res = evaluate(tmp_path / "run", mem.path, out_dir=tmp_path / "ev")
     assert (tmp_path / "ev" / "eval.json").is_file() and (tmp_path / "ev" / "acceptance.png").stat().st_size > 1000
     assert len(res["alpha"]) == 7 and 1.0 <= res["tau"] <= 8.0 and "not record" in res["note"]
     summary = export_run(tmp_path / "run", tmp_path / "exp")

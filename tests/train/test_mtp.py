@@ -16,7 +16,6 @@ from train.mtp import (
     MTPConfig,
     MTPDrafter,
     depth_targets,
-    doc_end_from_cu_seqlens,
     doc_end_from_lengths,
     load_exported,
     next_token_labels,
@@ -71,8 +70,7 @@ def batch_of(layout, bundle, lengths=(9, 6), audio_at=((), ())):
 
 def test_alignment_fixture_packed():
     labels = torch.tensor([10, 11, 12, 20, 21])
-    doc_end = doc_end_from_cu_seqlens(torch.tensor([0, 3, 5]), 5)
-    assert doc_end.tolist() == [3, 3, 3, 5, 5]
+    doc_end = torch.tensor([3, 3, 3, 5, 5])  # two packed sequences of lengths 3 and 2
     assert depth_targets(labels, doc_end, 1).tolist() == [11, 12, IGNORE, 21, IGNORE]
     assert depth_targets(labels, doc_end, 2).tolist() == [12, IGNORE, IGNORE, IGNORE, IGNORE]
 

@@ -5,20 +5,17 @@ import json
 import pytest
 import torch
 
-from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from tests.train.dflash_fixtures import tiny_dataset
 from train.config import load_run_config
 from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
-from train.run import InMemoryData
 from train.acceptance import sampled_acceptance
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    bundle = tiny_bundle(tmp_path_factory.mktemp("loop"))
-    layout = tiny_layout(bundle, tap_ids=(1, 3), top_k=8)
-    return InMemoryData(synthetic_samples(bundle, layout, 24, seed=2), bundle, layout)
+    return tiny_dataset(tmp_path_factory.mktemp("loop"), n=24, seed=2, min_len=24, max_len=48, tap_ids=(1, 3), top_k=8)
 
 
 SMALL = ["max_steps=40", "warmup_steps=4", "lr=3e-3", "max_tokens=256", "max_batch_size=4", "log_every=10",
@@ -38,7 +35,7 @@ SMALL = ["max_steps=40", "warmup_steps=4", "lr=3e-3", "max_tokens=256", "max_bat
 def test_train_eval_export(data, tmp_path, recipe, extra):
     torch.set_num_threads(1)
     run = load_run_config(recipe, overrides=SMALL + extra)
-    summary = train(run, data, tmp_path / "run")
+    summary = train(run, data.path, tmp_path / "run")
     assert summary["final_loss"] < summary["first_loss"], summary
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["final_tau_train"] is not None
@@ -46,7 +43,7 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
         assert "selector" in lines[-1] and "selector_candidate_recall" in lines[-1]
     else:
         assert lines[-1]["acc@1"] is not None and lines[-1]["tau"] >= 1.0
-    res = evaluate(tmp_path / "run", data, out_dir=tmp_path / "eval", plot=False)
+    res = evaluate(tmp_path / "run", data.path, out_dir=tmp_path / "eval", plot=False)
     assert res["family"] == run.family and res["tau"] >= 1.0 and res["blocks"] > 0
     ex = export_run(tmp_path / "run", tmp_path / "export")
     cfg, weights = load_export(tmp_path / "export")
@@ -55,6 +52,6 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     else:
         assert cfg["mtp_concat_order"] == "embedding_first"
         assert f"model.layers.{data.layout.num_layers}.eh_proj.weight" in weights
-        sampled = sampled_acceptance(tmp_path / "run", data)
+        sampled = sampled_acceptance(tmp_path / "run", data.path, split="train")
         D = run.drafter.num_depths
         assert len(sampled["alpha_sampled"]) == D and 1.0 < sampled["tau_sampled"] <= 1.0 + D

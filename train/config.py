@@ -3,14 +3,20 @@ recipes (YAML in ``train/recipes/``) and ``key=value`` overrides.
 
 A recipe file:
 
+    base: dflash              # optional: a recipe (or a _shared block in train/recipes/) merged first
     family: dflash            # a name in train.drafter.FAMILIES
     drafter: {block_size: 16, gamma: 7.0, ...}   # fields of the family's config class
     train: {lr: 6.0e-4, max_steps: 2000, ...}    # fields of TrainConfig
 
-``--config FILE.yaml`` is merged on top (same shape); ``--set key=value`` overrides one field:
-``max_steps=100`` (unique names resolve to their section) or ``drafter.gamma=4``. Values are
-parsed as YAML and checked against the field's declared type; an unknown field or a wrong type is
-a ValueError naming the field and the allowed names. The resolved config is saved as JSON in the
+A recipe repeats nothing it shares: ``base:`` names the recipe it extends, merged section by
+section under it (``dflash_b8`` is ``dflash`` with two drafter fields changed); the two training
+budgets live once, in ``_train.yaml`` and ``_demo_train.yaml`` (names starting with ``_`` are
+shared blocks, not recipes). ``--config FILE.yaml`` is merged on top (same shape); ``--set
+key=value`` overrides one field: ``max_steps=100`` (unique names resolve to their section) or
+``drafter.gamma=4``. Values are parsed as YAML and checked against the field's declared type by
+``typed_config`` (a few lines over ``typing``; pydantic was weighed and not taken: see
+docs/LOG.md); an unknown field or a wrong type is a ValueError naming the field and the allowed
+names. The resolved config is saved as JSON in the
 run directory and a resume refuses a checkpoint whose config differs (``RESUME_MUTABLE`` fields
 excepted).
 """
@@ -27,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from train.drafter import config_from_dict, get_family
+from train.drafter import get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -124,8 +130,8 @@ class RunConfig:
             raise ValueError(f"config has unknown top-level keys {sorted(unknown)}; use family, drafter, train")
         family = d.get("family", "dflash")
         cfg_cls, _ = get_family(family)
-        drafter = _typed(cfg_cls, d.get("drafter") or {}, "drafter")
-        train = _typed(TrainConfig, d.get("train") or {}, "train")
+        drafter = typed_config(cfg_cls, d.get("drafter") or {}, "drafter")
+        train = typed_config(TrainConfig, d.get("train") or {}, "train")
         return cls(family, drafter, train)
 
     def save(self, path: str | Path) -> None:
@@ -144,55 +150,42 @@ def _plain(x: Any) -> Any:
     return x
 
 
+_SCALARS: dict[Any, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+"""Declared scalar type -> the YAML/JSON value types it accepts (bool is never an int or a float here)."""
+
+
 def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to the declared type ``tp`` or raise ValueError."""
+    """``value`` as the declared field type ``tp`` (unions, None, tuples from lists, scalars) or ValueError."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errs = []
         for arm in typing.get_args(tp):
             try:
                 return _check_type(value, arm, where)
-            except ValueError as e:
-                errs.append(str(e))
-        raise ValueError(f"{where}: {value!r} does not match {tp}")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ValueError(f"{where}: expected None, got {value!r}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
-        (arm, *_) = typing.get_args(tp)
-        return tuple(_check_type(v, arm, where) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
             except ValueError:
                 pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is Any:
+        raise ValueError(f"{where}: {value!r} does not match {tp}")
+    if origin is tuple and isinstance(value, (list, tuple)):
+        return tuple(_check_type(v, typing.get_args(tp)[0], where) for v in value)
+    if tp is Any or (tp is type(None) and value is None):
         return value
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif tp in _SCALARS and isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+        return float(value) if tp is float else value
     raise ValueError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
 
 
-def _typed(cls: type, d: dict[str, Any], section: str) -> Any:
+def typed_config(cls: type, d: dict[str, Any], section: str) -> Any:
+    """A frozen config dataclass from a dict: unknown keys refused, every value checked against its field's type."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"{section} has no field(s) {unknown}; known: {sorted(names)}")
-    return config_from_dict(cls, {k: _check_type(v, hints[k], f"{section}.{k}") for k, v in d.items()})
+    return cls(**{k: _check_type(v, hints[k], f"{section}.{k}") for k, v in d.items()})
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -209,15 +202,23 @@ def recipe_path(name_or_path: str) -> Path:
     q = RECIPES_DIR / f"{name_or_path}.yaml"
     if q.is_file():
         return q
-    known = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+    known = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml") if not x.stem.startswith("_"))
     raise ValueError(f"unknown recipe {name_or_path!r}: not a YAML file and not one of {known}")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe file with its ``base:`` chain resolved (each base merged first, this file on top)."""
+    if path.resolve() in seen:
+        raise ValueError(f"recipe {path} is its own base (via {[p.name for p in seen]}); break the cycle")
     doc = yaml.safe_load(path.read_text()) or {}
     if not isinstance(doc, dict):
-        raise ValueError(f"{path} must hold a mapping with keys family, drafter, train")
-    return doc
+        raise ValueError(f"{path} must hold a mapping with keys base, family, drafter, train")
+    base = doc.pop("base", None)
+    if base is None:
+        return doc
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: base must be one recipe name (for example base: dflash), got {base!r}")
+    return _merge(_read_yaml(recipe_path(base), (*seen, path.resolve())), doc)
 
 
 def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:

@@ -20,7 +20,6 @@ and ranks, reported as sum / count.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -144,16 +143,6 @@ def get_family(name: str) -> tuple[type, type[Drafter]]:
     except ModuleNotFoundError as e:
         raise ValueError(f"drafter family {name!r} is registered but its module {FAMILIES[name]} is missing: {e}")
     return mod.CONFIG, mod.DRAFTER
-
-
-def config_from_dict(cls: type, d: dict[str, Any]) -> Any:
-    """Build a frozen config dataclass from a dict, refusing unknown keys (tuples from lists)."""
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(names))
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; known fields: {sorted(names)}")
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-    return cls(**kw)
 
 
 def _world(group: Any = None) -> int:

@@ -1,8 +1,11 @@
 """Recipes, --set overrides and their errors."""
 
+import json
+from pathlib import Path
+
 import pytest
 
-from train.config import RunConfig, load_run_config
+from train.config import RECIPES_DIR, RunConfig, load_run_config
 
 
 def test_recipes_load_with_their_defaults():
@@ -42,3 +45,35 @@ def test_bad_overrides_are_clear_errors(bad, msg):
 def test_unknown_recipe():
     with pytest.raises(ValueError, match="unknown recipe"):
         load_run_config("no-such-recipe")
+
+
+RESOLVED = Path(__file__).with_name("recipes_resolved.json")
+
+
+def test_recipes_resolve_to_the_configs_they_always_gave():
+    """Every recipe, with its base chain, resolves to exactly the config it resolved to before bases existed."""
+    want = json.loads(RESOLVED.read_text())
+    have = {p.stem: load_run_config(p.stem).to_dict() for p in sorted(RECIPES_DIR.glob("*.yaml"))
+            if not p.stem.startswith("_")}
+    assert sorted(have) == sorted(want)
+    for name in want:
+        assert json.loads(json.dumps(have[name])) == want[name], name
+
+
+def test_base_chain_merges_sections_and_refuses_cycles(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: dflash_b8\ndrafter:\n  gamma: 2.0\ntrain:\n  seed: 3\n")
+    r = load_run_config(str(tmp_path / "a.yaml"))
+    assert (r.family, r.drafter.block_size, r.drafter.gamma, r.train.seed, r.train.max_steps) == ("dflash", 8, 2.0, 3, 2000)
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'c.yaml'}\n")
+    (tmp_path / "c.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
+    with pytest.raises(ValueError, match="its own base"):
+        load_run_config(str(tmp_path / "b.yaml"))
+    (tmp_path / "d.yaml").write_text("base: [dflash, mtp]\n")
+    with pytest.raises(ValueError, match="one recipe name"):
+        load_run_config(str(tmp_path / "d.yaml"))
+
+
+def test_shared_blocks_are_not_listed_as_recipes():
+    with pytest.raises(ValueError, match="unknown recipe") as e:
+        load_run_config("nope")
+    assert "_train" not in str(e.value) and "dflash_b8" in str(e.value)

@@ -36,8 +36,9 @@ from capture.load import load_target
 from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from shards.head import head_spec
-from speculate.decode import TargetSession, acceptance_by_position, speculative_generate, target_greedy
-from train.run import load_trained
+from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
+                              target_greedy)
+from train.run import Trained, load_trained
 
 
 @dataclass(frozen=True)
@@ -89,77 +90,106 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
 
 
 def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, Any]:
-    target = load_target(cfg.target, device=cfg.device)
-    loaded = load_trained(cfg.draft, cfg.data, device=cfg.device)
-    model, src, run_dir = loaded.model, loaded.src, cfg.draft
-    live_fp = target_fingerprint(target)
-    if live_fp != src.fingerprint:
-        raise ValueError(
-            f"the target in {cfg.target} (fingerprint {live_fp[:12]}) is not the one {cfg.data} was captured "
-            f"from ({src.fingerprint[:12]}); speculate with the dataset's own target"
-        )
-    proposer = model.propose
-    head = head_spec(src.bundle)
-    eos = target.bundle_config().get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    gen = torch.Generator().manual_seed(cfg.seed)
-    results = []
-    K = 0
-    n = matches = tokens = 0
-    spec_s = plain_s = 0.0
+    """Decode up to ``cfg.max_samples`` conversations with the target and the drafter; returns the report."""
+    target, loaded = load_pair(cfg)
+    decoder = _Decoder(cfg, target, loaded)
     items = read_inputs(cfg.conversations, placeholder=target.placeholder or "")
     bar = _bar(progress, cfg.max_samples)
     for conv in items:
-        if n >= cfg.max_samples:
+        if decoder.n >= cfg.max_samples:
             break
         if isinstance(conv, BadInput):
             continue
-        exp = target.embed([target.prepare(conv, n)])[0]
-        P = prompt_length(exp.loss_mask)
-        emb, ids = exp.inputs_embeds[:P].float(), exp.input_ids[:P]
-        t0 = time.perf_counter()
-        out = speculative_generate(
-            TargetSession(target.lm, src.layout.tap_ids, head=head), emb, ids, proposer,
-            max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, temperature=cfg.temperature, generator=gen,
-        )
-        spec_s += time.perf_counter() - t0
-        results.append(out)
-        K = max(K, out.proposed)
-        tokens += len(out.tokens)
-        if cfg.temperature == 0 and cfg.check_greedy:
-            t0 = time.perf_counter()
-            ref = target_greedy(target.lm, emb, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos,
-                                head=head)
-            plain_s += time.perf_counter() - t0
-            matches += ref == out.tokens
-        n += 1
+        decoder.decode(conv)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    if n == 0:
+    if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
-    rounds = sum(r.target_forwards for r in results)
-    emitted = sum(sum(r.emitted) for r in results)
-    result: dict[str, Any] = {
-        "config": asdict(cfg),
-        "samples": n,
-        "tokens": tokens,
-        "rounds": rounds,
-        "drafts_per_round": K,
-        "tau": emitted / rounds if rounds else float("nan"),
-        "alpha": acceptance_by_position(results, K),
-        "seconds_speculative": round(spec_s, 3),
-    }
-    if cfg.temperature == 0 and cfg.check_greedy:
-        result["matches_greedy"] = f"{matches}/{n}"
-        result["seconds_target_alone"] = round(plain_s, 3)
+    return {**decoder.report(), **offline_estimates(cfg.draft)}
+
+
+def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
+    """The live target and the trained drafter; refused when the target is not the dataset's."""
+    target = load_target(cfg.target, device=cfg.device)
+    loaded = load_trained(cfg.draft, cfg.data, device=cfg.device)
+    live_fp = target_fingerprint(target)
+    if live_fp != loaded.src.fingerprint:
+        raise ValueError(
+            f"the target in {cfg.target} (fingerprint {live_fp[:12]}) is not the one {cfg.data} was captured "
+            f"from ({loaded.src.fingerprint[:12]}); speculate with the dataset's own target"
+        )
+    return target, loaded
+
+
+class _Decoder:
+    """Decodes conversations one by one (speculative, plus the target alone when checking greedy) and tallies."""
+
+    def __init__(self, cfg: SpeculateConfig, target: Target, loaded: Trained) -> None:
+        self.cfg, self.target = cfg, target
+        self.propose = loaded.model.propose
+        self.tap_ids = loaded.src.layout.tap_ids
+        self.head = head_spec(loaded.src.bundle)
+        eos = target.bundle_config().get("eos_token_id")
+        self.eos = eos[0] if isinstance(eos, list) else eos
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.results: list[DecodeResult] = []
+        self.K = self.n = self.matches = self.tokens = 0
+        self.spec_s = self.plain_s = 0.0
+
+    @property
+    def greedy_check(self) -> bool:
+        return self.cfg.temperature == 0 and self.cfg.check_greedy
+
+    def decode(self, conv: Any) -> None:
+        cfg, target = self.cfg, self.target
+        exp = target.embed([target.prepare(conv, self.n)])[0]
+        P = prompt_length(exp.loss_mask)
+        emb, ids = exp.inputs_embeds[:P].float(), exp.input_ids[:P]
+        t0 = time.perf_counter()
+        out = speculative_generate(
+            TargetSession(target.lm, self.tap_ids, head=self.head), emb, ids, self.propose,
+            max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos, temperature=cfg.temperature, generator=self.gen,
+        )
+        self.spec_s += time.perf_counter() - t0
+        self.results.append(out)
+        self.K = max(self.K, out.proposed)
+        self.tokens += len(out.tokens)
+        if self.greedy_check:
+            t0 = time.perf_counter()
+            ref = target_greedy(target.lm, emb, max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos,
+                                head=self.head)
+            self.plain_s += time.perf_counter() - t0
+            self.matches += ref == out.tokens
+        self.n += 1
+
+    def report(self) -> dict[str, Any]:
+        rounds = sum(r.target_forwards for r in self.results)
+        emitted = sum(sum(r.emitted) for r in self.results)
+        result: dict[str, Any] = {
+            "config": asdict(self.cfg),
+            "samples": self.n,
+            "tokens": self.tokens,
+            "rounds": rounds,
+            "drafts_per_round": self.K,
+            "tau": emitted / rounds if rounds else float("nan"),
+            "alpha": acceptance_by_position(self.results, self.K),
+            "seconds_speculative": round(self.spec_s, 3),
+        }
+        if self.greedy_check:
+            result["matches_greedy"] = f"{self.matches}/{self.n}"
+            result["seconds_target_alone"] = round(self.plain_s, 3)
+        return result
+
+
+def offline_estimates(run_dir: str | Path) -> dict[str, Any]:
+    """The run's offline tau (uniform anchors, and replayed) from its first eval.json, if it has one."""
     offline = sorted(Path(run_dir).glob("eval-*/eval.json"))
-    if offline:
-        doc = json.loads(offline[0].read_text())
-        result["offline_tau"] = doc.get("tau")
-        result["offline_tau_replayed"] = doc.get("tau_replayed")
-    return result
+    if not offline:
+        return {}
+    doc = json.loads(offline[0].read_text())
+    return {"offline_tau": doc.get("tau"), "offline_tau_replayed": doc.get("tau_replayed")}
 
 
 def _bar(enabled: bool, total: int):

@@ -238,6 +238,7 @@ def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> Acc
 
 class DFlashDrafter(Drafter):
     family = "dflash"
+    frozen = ("embed_tokens", "lm_head", "target_norm")
 
     def __init__(self, config: DFlashConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -289,11 +290,6 @@ class DFlashDrafter(Drafter):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
-
-    def frozen_to(self, dtype: torch.dtype) -> None:
-        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
-        for name in ("embed_tokens", "lm_head", "target_norm"):
-            setattr(self, name, getattr(self, name).to(dtype))
 
     # -- model -------------------------------------------------------------------------------
     def context(self, taps_BTnH: torch.Tensor) -> torch.Tensor:

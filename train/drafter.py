@@ -68,6 +68,8 @@ class Drafter(nn.Module):
     """
 
     family: ClassVar[str] = ""
+    frozen: ClassVar[tuple[str, ...]] = ()
+    """Names of the frozen bundle buffers (embedding, final norm, lm_head) this family holds."""
 
     def __init__(self, config: Any, bundle: Any, layout: Any) -> None:
         super().__init__()
@@ -89,6 +91,11 @@ class Drafter(nn.Module):
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None):
         """Teacher-forced acceptance on one batch: a ``train.acceptance.AcceptanceCounts``."""
         raise NotImplementedError
+
+    def frozen_to(self, dtype: torch.dtype) -> None:
+        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
+        for name in self.frozen:
+            setattr(self, name, getattr(self, name).to(dtype))
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,

@@ -34,8 +34,8 @@ from train.acceptance import tau_from_alpha
 from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafter import Drafter, combine_terms, reduce_metrics
-from train.run import (CKPT_VERSION, DataSource, build_drafter, check_data, latest_checkpoint, load_checkpoint,
-                       open_source, save_checkpoint)
+from train.run import (CKPT_VERSION, CONFIG_FILE, DataSource, build_drafter, check_data, latest_checkpoint,
+                       load_checkpoint, open_source, save_checkpoint)
 
 
 def lr_lambda(tc: Any):
@@ -140,20 +140,7 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     out = Path(out)
     src = open_source(data, tc.split)
     check_data(run, src)
-
-    ckpt_path = latest_checkpoint(out) if resume else None
-    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
-    if ckpt is not None:
-        diffs = _config_diff(ckpt["config"], run.to_dict())
-        if diffs:
-            raise ValueError(
-                f"{ckpt_path} was written by a run with another config ({'; '.join(diffs)}); "
-                f"use a new --out directory or the same config"
-            )
-        if ckpt.get("fingerprint") not in (None, src.fingerprint):
-            raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "
-                             f"{src.fingerprint[:12]}; resume with the dataset it was trained on")
-
+    ckpt = _resumable_checkpoint(run, src, out) if resume else None
     rank, world, device, we_init = _dist_setup(tc)
     try:
         return _train(run, src, out, ckpt, rank, world, device, stop_at)
@@ -162,11 +149,42 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
             dist.destroy_process_group()
 
 
-def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | None, rank: int, world: int,
-           device: torch.device, stop_at: int | None = None) -> dict[str, Any]:
+def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[str, Any] | None:
+    """The latest checkpoint in ``out`` (None: start fresh); refused when another config or target wrote it."""
+    ckpt_path = latest_checkpoint(out)
+    if ckpt_path is None:
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    diffs = _config_diff(ckpt["config"], run.to_dict())
+    if diffs:
+        raise ValueError(
+            f"{ckpt_path} was written by a run with another config ({'; '.join(diffs)}); "
+            f"use a new --out directory or the same config"
+        )
+    if ckpt.get("fingerprint") not in (None, src.fingerprint):
+        raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "
+                         f"{src.fingerprint[:12]}; resume with the dataset it was trained on")
+    return ckpt
+
+
+@dataclass
+class _Trainer:
+    """The pieces one rank trains with (built by :func:`_setup`)."""
+
+    model: Drafter
+    ddp: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    stream: Any
+    start: int
+
+
+def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: int, world: int,
+           device: torch.device) -> _Trainer:
+    """Drafter (restored from ``ckpt``), its DDP wrapper, optimizer + schedule, and the batch stream."""
     tc = run.train
     model = build_drafter(run, src).to(device)
-    if device.type == "cuda" and hasattr(model, "frozen_to"):
+    if device.type == "cuda":
         model.frozen_to(torch.bfloat16)
     if ckpt is not None:
         model.load_state_dict(ckpt["draft"])
@@ -176,8 +194,7 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
         )
     opt, sched = make_optimizer(model, tc)
-    start = 0
-    data_state = None
+    start, data_state = 0, None
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
@@ -187,95 +204,128 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         if len(states) != world:
             raise ValueError(f"checkpoint was written by {len(states)} ranks; resume with the same world size")
         data_state = states[rank]
+    return _Trainer(model, ddp, opt, sched, _batch_stream(src, tc, rank, world, data_state), start)
+
+
+def _batch_stream(src: DataSource, tc: Any, rank: int, world: int, data_state: Any):
+    """This rank's endless batch stream (in-process, or over ``num_workers`` loader processes)."""
     sizes = {"max_tokens": tc.max_tokens, "max_batch_size": tc.max_batch_size, "max_seq_len": tc.max_seq_len}
     if tc.num_workers > 0:
-        stream = WorkerBatchStream(
+        return WorkerBatchStream(
             src.worker_opener(seed=tc.seed, rank=rank, world_size=world, shuffle_buffer=tc.shuffle_buffer),
             num_workers=tc.num_workers, state=data_state, **sizes,
         )
-    else:
-        stream = BatchStream(src.opener(seed=tc.seed, rank=rank, world_size=world, shuffle_buffer=tc.shuffle_buffer),
-                             state=data_state, **sizes)
+    return BatchStream(src.opener(seed=tc.seed, rank=rank, world_size=world, shuffle_buffer=tc.shuffle_buffer),
+                       state=data_state, **sizes)
+
+
+class _Window:
+    """Loss values and metric (sum, count) pairs accumulated over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.vals: dict[str, float] = {}
+        self.mets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps = 0
+
+    def add_metrics(self, metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for n, (s, c) in metrics.items():
+            ps, pc = self.mets.get(n, (0.0, 0.0))
+            self.mets[n] = (ps + s.detach().float().cpu(), pc + c.detach().float().cpu())
+
+    def add_step(self, step_vals: dict[str, float]) -> None:
+        for n, v in step_vals.items():
+            self.vals[n] = self.vals.get(n, 0.0) + v
+        self.steps += 1
+
+    def record(self, done: int, extra: dict[str, Any]) -> dict[str, Any]:
+        """The log line over this window (metrics reduced over ranks)."""
+        mets = reduce_metrics({k: (torch.as_tensor(s), torch.as_tensor(c)) for k, (s, c) in self.mets.items()})
+        return _log_line(done, {k: v / self.steps for k, v in self.vals.items()}, mets, extra)
+
+
+def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, device: torch.device,
+                    window: _Window) -> tuple[dict[str, float], int, torch.Tensor]:
+    """One optimizer step over ``grad_accum`` micro-batches -> (loss values, tokens read, grad norm)."""
+    t.model.train()
+    step_vals: dict[str, float] = {}
+    tokens = 0
+    for micro in range(tc.grad_accum):
+        batch = to_device(next(t.stream), device)
+        tokens += int(batch["lengths"].sum())
+        gen = torch.Generator().manual_seed(derive_seed(tc.seed, "anchors", step, micro, rank))
+        sync = world > 1 and micro < tc.grad_accum - 1
+        with (t.ddp.no_sync() if sync else nullcontext()):
+            with _autocast(device, tc.precision):
+                lo = t.ddp(batch, gen)
+            loss, vals = combine_terms(lo.terms, ddp_averages=world > 1)
+            (loss / tc.grad_accum).backward()
+        total = sum(float(lo.terms[n][2]) * v for n, v in vals.items())
+        step_vals["loss"] = step_vals.get("loss", 0.0) + total / tc.grad_accum
+        for n, v in vals.items():
+            step_vals[n] = step_vals.get(n, 0.0) + v / tc.grad_accum
+        window.add_metrics(lo.metrics)
+    gnorm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+    t.opt.step()
+    t.sched.step()
+    t.opt.zero_grad(set_to_none=True)
+    return step_vals, tokens, gnorm
+
+
+def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | None, rank: int, world: int,
+           device: torch.device, stop_at: int | None = None) -> dict[str, Any]:
+    tc = run.train
+    t = _setup(run, src, ckpt, rank, world, device)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        run.save(out / "config.json")
-    nparams = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        run.save(out / CONFIG_FILE)
     log_f = open(out / "metrics.jsonl", "a") if rank == 0 else None
-    progress = _Progress(tc.max_steps, start, enabled=tc.progress and rank == 0)
+    progress = _Progress(tc.max_steps, t.start, enabled=tc.progress and rank == 0)
     last: dict[str, Any] = {}
     first_loss = None
     t0 = time.perf_counter()
     tokens = 0
-    acc_vals: dict[str, float] = {}
-    acc_mets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    n_acc = 0
+    window = _Window()
     ckpt_dir = None
+    end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
     try:
-        end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
-        for step in range(start, end):
-            model.train()
-            step_vals: dict[str, float] = {}
-            for micro in range(tc.grad_accum):
-                batch = to_device(next(stream), device)
-                tokens += int(batch["lengths"].sum())
-                gen = torch.Generator().manual_seed(derive_seed(tc.seed, "anchors", step, micro, rank))
-                sync = world > 1 and micro < tc.grad_accum - 1
-                with (ddp.no_sync() if sync else nullcontext()):
-                    with _autocast(device, tc.precision):
-                        lo = ddp(batch, gen)
-                    loss, vals = combine_terms(lo.terms, ddp_averages=world > 1)
-                    (loss / tc.grad_accum).backward()
-                total = sum(float(lo.terms[n][2]) * v for n, v in vals.items())
-                step_vals["loss"] = step_vals.get("loss", 0.0) + total / tc.grad_accum
-                for n, v in vals.items():
-                    step_vals[n] = step_vals.get(n, 0.0) + v / tc.grad_accum
-                for n, (s, c) in lo.metrics.items():
-                    ps, pc = acc_mets.get(n, (0.0, 0.0))
-                    acc_mets[n] = (ps + s.detach().float().cpu(), pc + c.detach().float().cpu())
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+        for step in range(t.start, end):
+            step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window)
+            tokens += n_tok
             if first_loss is None:
                 first_loss = step_vals["loss"]
-            for n, v in step_vals.items():
-                acc_vals[n] = acc_vals.get(n, 0.0) + v
-            n_acc += 1
+            window.add_step(step_vals)
             done = step + 1
             if done % tc.log_every == 0 or done == end:
-                mets = reduce_metrics({k: (torch.as_tensor(s), torch.as_tensor(c)) for k, (s, c) in acc_mets.items()})
                 elapsed = time.perf_counter() - t0
-                rec = _log_line(done, {k: v / n_acc for k, v in acc_vals.items()}, mets, {
-                    "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "elapsed_s": round(elapsed, 3),
+                last = window.record(done, {
+                    "lr": t.sched.get_last_lr()[0], "grad_norm": float(gnorm), "elapsed_s": round(elapsed, 3),
                     "tokens_per_s": round(tokens * world / max(elapsed, 1e-9), 1),
                 })
-                last = rec
                 if log_f is not None:
-                    log_f.write(json.dumps(rec) + "\n")
+                    log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
-                progress.update(done, rec)
-                acc_vals, acc_mets, n_acc = {}, {}, 0
+                progress.update(done, last)
+                window = _Window()
             else:
                 progress.update(done, None)
             if done % tc.ckpt_every == 0 or done == end:
-                ckpt_dir = _checkpoint(out, done, run, model, opt, sched, stream, src, rank, world, tc.keep_checkpoints)
+                ckpt_dir = _checkpoint(out, done, run, t, src, rank, world)
     finally:
         progress.close()
         if log_f is not None:
             log_f.close()
-    elapsed = time.perf_counter() - t0
     summary = {
         "family": run.family,
         "steps": end,
         "max_steps": tc.max_steps,
-        "resumed_from_step": start,
+        "resumed_from_step": t.start,
         "first_loss": first_loss,
         "final_loss": last.get("loss"),
         "final_tau_train": last.get("tau"),
         "final_alpha_train": last.get("alpha"),
-        "train_seconds": round(elapsed, 3),
+        "train_seconds": round(time.perf_counter() - t0, 3),
         "tokens_per_s": last.get("tokens_per_s"),
-        "trainable_params": nparams,
+        "trainable_params": sum(p.numel() for p in t.model.parameters() if p.requires_grad),
         "world_size": world,
         "device": str(device),
         "checkpoint": str(ckpt_dir or latest_checkpoint(out)),
@@ -286,11 +336,12 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
     return summary
 
 
-def _checkpoint(out, step, run, model, opt, sched, stream, src, rank, world, keep) -> Path | None:
-    states = [stream.state_dict()]
+def _checkpoint(out: Path, step: int, run: RunConfig, t: _Trainer, src: DataSource, rank: int,
+                world: int) -> Path | None:
+    states = [t.stream.state_dict()]
     if world > 1:
         states = [None] * world
-        dist.all_gather_object(states, stream.state_dict())
+        dist.all_gather_object(states, t.stream.state_dict())
     path = None
     if rank == 0:
         payload = {
@@ -298,13 +349,13 @@ def _checkpoint(out, step, run, model, opt, sched, stream, src, rank, world, kee
             "step": step,
             "config": run.to_dict(),
             "fingerprint": src.fingerprint,
-            "draft": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
+            "draft": {k: v.detach().cpu() for k, v in t.model.state_dict().items()},
+            "optimizer": t.opt.state_dict(),
+            "scheduler": t.sched.state_dict(),
             "data_states": states,
-            "export_config": _export_config(model),
+            "export_config": _export_config(t.model),
         }
-        path = save_checkpoint(out, step, payload, keep)
+        path = save_checkpoint(out, step, payload, run.train.keep_checkpoints)
     if world > 1:
         dist.barrier()
     return path

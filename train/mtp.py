@@ -236,6 +236,7 @@ def _last_hidden_source(layout: Any) -> str | None:
 
 class MTPDrafter(Drafter):
     family = "mtp"
+    frozen = ("embed_tokens", "norm_weight", "lm_head")
 
     def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -268,11 +269,6 @@ class MTPDrafter(Drafter):
         self.fingerprint = bundle.fingerprint
         self.last_tap = getattr(layout, "last_layer_tap", None)
         self.teacher_kind = self._pick_teacher(config, layout)
-
-    def frozen_to(self, dtype: torch.dtype) -> None:
-        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
-        for name in ("embed_tokens", "norm_weight", "lm_head"):
-            setattr(self, name, getattr(self, name).to(dtype))
 
     @staticmethod
     def _pick_teacher(config: MTPConfig, layout: Any) -> str | None:

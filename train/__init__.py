@@ -2,7 +2,23 @@
 
 Entry points (what ``cli.py`` and the demo call):
     run = train.config.load_run_config("dflash_demo", overrides=["max_steps=100"])
-    summary = train.loop.train(run, dataset_path_or_InMemoryData, run_dir)
+    summary = train.loop.train(run, dataset_path, run_dir)
     result = train.evaluate.evaluate(run_dir, dataset_path)        # tau, alpha_k, eval.json + PNG
     info = train.export.export_run(run_dir, export_dir)            # draft-only safetensors + config.json
+
+Homes (each job is written once):
+    config.py      TrainConfig, RunConfig, recipes (``base:`` chains) and overrides
+    drafter.py     the Drafter protocol (forward, acceptance, propose, export_config), family registry,
+                   the loss-normalisation rule
+    dflash.py, dflash2.py, mtp.py   one file per family (model + its losses' wiring)
+    run.py         a run on disk: data source, checkpoints, build_drafter, load_trained
+    acceptance.py  acceptance bookkeeping: counts, replayed rounds, tau, MTP's sampled acceptance
+    teacher.py     teacher rows (exact through ``shards.head``, or stored top-k)
+    divergences.py KL / TV (values, and analytic gradients for the fused loss) and the LK loss
+    losses.py      the fused chunked lm_head + CE (+ KD) over gathered rows
+    chunks.py      row chunking with activation checkpoints (spans from ``shards.head.row_spans``)
+    loop.py        the training loop;  evaluate.py  offline acceptance;  export.py  serving export
+    data.py        the batch pipeline over the shards reader;  layers.py, mask.py, selector.py  model parts
+The teacher head (final norm -> lm_head -> logit scaling) lives in ``shards.head`` because capture,
+train and speculate all apply it.
 """

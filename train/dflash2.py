@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.acceptance import AcceptanceCounts
+from train.chunks import map_row_chunks
 from train.dflash import DFlashConfig, DFlashDrafter, _metrics, _with_rounds, acceptance_counts
 from train.divergences import kl_tv_full, kl_tv_topk
-from train.acceptance import AcceptanceCounts
 from train.drafter import LossOutput
 from train.layers import DecoderLayer
 from train.losses import weighted_terms
@@ -207,12 +208,9 @@ class DFlash2Drafter(DFlashDrafter):
         Bs, N, B, H = h.shape
         first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
         hb = h.reshape(Bs * N, B, H)
-        out = []
         step = max(1, 4096 // B)  # blocks per chunk: [step, B, V] logits at a time
-        for s in range(0, Bs * N, step):
-            hc = hb[s : s + step]
-            out.append(greedy_walk(self.selector, self.logits(hc), hc, first[s : s + step]))
-        return torch.cat(out).view(Bs, N, B)
+        (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.selector, self.logits(hc), hc, fc),), [hb, first], step)
+        return out.view(Bs, N, B)
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,

@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.head import final_norm, head_spec, project, teacher_logits
+from train.acceptance import AcceptanceCounts, replay_rounds
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
-from train.acceptance import AcceptanceCounts, replay_rounds
 from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.teacher import last_hidden

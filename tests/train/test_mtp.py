@@ -8,9 +8,9 @@ import torch
 
 from shards.bundle import TargetBundle
 from shards.schema import Layout, teacher_rows
-from train.export import export_drafter
 from train.data import collate
 from train.drafter import combine_terms
+from train.export import export_drafter
 from train.mtp import (
     IGNORE,
     MTPConfig,

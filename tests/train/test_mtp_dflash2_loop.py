@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import tiny_dataset
+from train.acceptance import sampled_acceptance
 from train.config import load_run_config
 from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
-from train.acceptance import sampled_acceptance
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,15 @@ Run directory:
     checkpoints/step-000100/     state.pt (draft, optimizer, scheduler, step, data states, config)
     summary.json                 the final summary (also returned)
 
-A checkpoint directory is written under a temp name and renamed, so a crash leaves only whole
-checkpoints; ``latest_checkpoint`` ignores anything without ``state.pt``.
+A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``), so a
+crash leaves the old checkpoint or the new one, never neither; ``latest_checkpoint`` reads only
+finished ``step-N`` directories.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shards.atomic import recover_dir, staged
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from train.config import RunConfig
@@ -32,6 +35,7 @@ from train.drafter import Drafter, get_family
 CONFIG_FILE = "config.json"
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
+CKPT_NAME = re.compile(r"step-\d+")
 CKPT_VERSION = 1
 EVAL_SPLITS = ("validation", "test", "eval")
 
@@ -100,11 +104,18 @@ def build_drafter(run: RunConfig, src: DataSource) -> Drafter:
     return cls.build(run.drafter, src.bundle, src.layout)
 
 
+def _checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoint directories (``step-NNNNNNN``, never a ``.tmp``/``.old`` leftover), oldest first."""
+    return sorted(p for p in root.glob("step-*") if CKPT_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file())
+
+
 def latest_checkpoint(out: str | Path) -> Path | None:
     root = Path(out) / CKPT_DIR
     if not root.is_dir():
         return None
-    cands = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    for old in root.glob("step-*.old"):
+        recover_dir(old.with_suffix(""))  # a directory swap a crash interrupted
+    cands = _checkpoints(root)
     return cands[-1] if cands else None
 
 
@@ -116,18 +127,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``."""
     root = out / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
-    tmp = root / f".tmp-step-{step:07d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(payload, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    olds = sorted(p for p in root.glob("step-*") if p != final)
+    with staged(final) as tmp:
+        tmp.mkdir()
+        torch.save(payload, tmp / STATE_FILE)
+    olds = [p for p in _checkpoints(root) if p != final]
     for p in olds[: max(len(olds) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)
     return final

@@ -95,7 +95,8 @@ def export(
 
 @app.command()
 def capture(
-    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), or an HF causal LM."),
+    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint (config.json + model.safetensors), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), or an HF causal LM."),
+    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."),
     data: list[str] = typer.Option(..., "--data", help="Input for the train split (FILE.jsonl, HF dataset dir, "
                                    "hf:NAME[:split]); SPLIT=INPUT for other splits. Repeatable."),
     out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),
@@ -137,6 +138,7 @@ def capture(
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
         audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
         responses_from_target=responses_from_target,
+        llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
     )
     typer.echo(summary(run_capture(cfg)))
 
@@ -163,12 +165,14 @@ def speculate(
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); > 0: rejection sampling."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
     device: str = typer.Option("cpu", "--device", help="Device for the target and the drafter."),
+    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."),
 ) -> None:
     """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate."""
     from speculate.run import SpeculateConfig, format_result, run_speculate
 
     cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
-                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device)
+                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
+                          llm_config=llm_config)
     typer.echo(format_result(run_speculate(cfg)))
 
 

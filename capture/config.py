@@ -38,7 +38,8 @@ class CaptureConfig:
     """One capture run: target, inputs, what to store, how to batch and write it."""
 
     target: str
-    """Target directory: a SALM (salm_config.json), an HF-native speech LLM (Qwen2-Audio) or an HF causal LM."""
+    """Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint, an HF-native speech LLM (Qwen2-Audio)
+    or an HF causal LM."""
     out: str
     """Dataset directory to create or resume."""
     data: tuple[tuple[str, str], ...]
@@ -79,6 +80,9 @@ class CaptureConfig:
     """Batches in flight between compute and the background writer (bounds host memory)."""
     progress: bool = True
     """Show a progress bar."""
+    llm_config: str | None = None
+    """NeMo SALM checkpoints only: a local directory with the LLM's config.json and tokenizer, for a checkpoint
+    that only names its LLM (``pretrained_llm``)."""
     responses_from_target: bool | None = None
     """Whether the assistant turns are the target's own greedy replies (then offline tau is exact for
     greedy decoding); None when unknown. Recorded in the manifest for the evaluator."""

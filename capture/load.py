@@ -1,7 +1,7 @@
 """Load a frozen target from its directory: picks the adapter from what the directory holds.
 
 Its own module so that the adapters (capture.targets, capture.salm, capture.hf_native, capture.voxtral,
-capture.granite_speech) import nothing back: this module sits above all of them.
+capture.granite_speech, capture.nemo) import nothing back: this module sits above all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from capture.granite_speech import load_granite_speech
 from capture.hf_native import load_qwen2_audio, load_qwen3_asr
+from capture.nemo import is_nemo_salm, load_nemo_target
 from capture.salm import SALM
 from capture.targets import CausalLMTarget, SALMTarget, Target
 from capture.voxtral import load_voxtral
@@ -26,12 +27,14 @@ NATIVE_LOADERS = {
 """``config.json`` model types of the speech LLMs read with their own processor (capture.hf_native)."""
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """A SALM directory (salm_config.json), an HF-native speech LLM or an HF causal LM (config.json).
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                llm_config: str | Path | None = None) -> Target:
+    """A SALM directory (salm_config.json), a NeMo SALM checkpoint, an HF-native speech LLM or an HF causal LM.
 
-    The kind comes from config.json's ``model_type``: one of :data:`NATIVE_LOADERS`
-    loads with its processor, a causal-LM model type with its tokenizer; anything else is refused in
-    one line that names what is supported.
+    A NeMo speechlm2 SALM is recognised by config.json's content (:func:`capture.nemo.is_nemo_salm`), its
+    LLM config and tokenizer taken from the checkpoint or ``llm_config``. Otherwise the kind comes from
+    ``model_type``: one of :data:`NATIVE_LOADERS` loads with its processor, a causal-LM model type with its
+    tokenizer; anything else is refused in one line that names what is supported.
     """
     root = Path(path)
     if not root.is_dir():
@@ -42,13 +45,16 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        config = json.loads((root / "config.json").read_text())
+        if is_nemo_salm(config):
+            return load_nemo_target(root, llm_config=llm_config, dtype=dtype, device=device)
+        model_type = config.get("model_type")
         if model_type in NATIVE_LOADERS:
             return NATIVE_LOADERS[model_type](root, dtype=dtype, device=device)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ValueError(
-                f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, the speech "
-                f"LLMs {', '.join(NATIVE_LOADERS)}, or a text causal LM"
+                f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, a NeMo SALM "
+                f"checkpoint, the speech LLMs {', '.join(NATIVE_LOADERS)}, or a text causal LM"
             )
         lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)

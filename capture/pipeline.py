@@ -441,7 +441,8 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
         return {**done, "run_stats": {"already_complete": True}}
     device = resolve_device(cfg)
     if target is None:
-        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
+                             llm_config=cfg.llm_config)
     layout = make_layout(cfg, target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), **target.bundle_parts())

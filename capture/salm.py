@@ -202,12 +202,14 @@ def _subsampled_length(n_feat: torch.Tensor, factor: int, kernel: int = 3) -> to
 class SALM(nn.Module):
     """Speech LLM = feature extractor + ParakeetEncoder + ModalityAdapter + causal LM + tokenizer."""
 
-    def __init__(self, config: SALMConfig, lm: nn.Module, encoder: nn.Module, tokenizer, feature_extractor):
+    def __init__(self, config: SALMConfig, lm: nn.Module, encoder: nn.Module, tokenizer, feature_extractor,
+                 adapter: nn.Module | None = None):
         super().__init__()
         self.config = config
         self.lm = lm
         self.encoder = encoder
-        self.adapter = ModalityAdapter(config.adapter)
+        # an imported SALM brings its own adapter (same call: frames [B, N, He] + validity [B, N] -> [B, N, H])
+        self.adapter = ModalityAdapter(config.adapter) if adapter is None else adapter
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
         if tokenizer.chat_template is None:

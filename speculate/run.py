@@ -65,6 +65,8 @@ class SpeculateConfig:
     """Greedy only: also decode with the target alone and check the outputs are identical."""
     device: str = "cpu"
     """Where the target and the drafter run."""
+    llm_config: str | None = None
+    """NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."""
 
     def __post_init__(self) -> None:
         if self.max_samples < 1 or self.max_new_tokens < 1:
@@ -112,7 +114,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
 
 def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
     """The live target and the trained drafter; refused when the target is not the dataset's."""
-    target = load_target(cfg.target, device=cfg.device)
+    target = load_target(cfg.target, device=cfg.device, llm_config=cfg.llm_config)
     loaded = load_trained(cfg.draft, cfg.data, device=cfg.device)
     live_fp = target_fingerprint(target)
     if live_fp != loaded.src.fingerprint:

@@ -154,7 +154,8 @@ def _tokenizer(tok_dir: Path, tag: str, prompt_format: str):
     from transformers import AutoTokenizer
 
     if prompt_format not in PROMPT_TEMPLATES:
-        raise ValueError(f"NeMo prompt format {prompt_format!r} is not supported (supported: {sorted(PROMPT_TEMPLATES)})")
+        raise ValueError(f"NeMo prompt format {prompt_format!r} is not supported "
+                         f"(supported: {sorted(PROMPT_TEMPLATES)})")
     tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     if tag not in tok.get_vocab():
         tok.add_tokens([tag], special_tokens=True)  # NeMo: add_special_tokens({'additional_special_tokens': [tag]})

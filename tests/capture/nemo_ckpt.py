@@ -101,15 +101,20 @@ def _mel_buffers() -> dict[str, torch.Tensor]:
             "perception.preprocessor.featurizer.window": torch.hann_window(400, periodic=False)}
 
 
-def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: bool = True) -> tuple[Path, Path]:
-    """Checkpoint dir (config.json + model.safetensors) and LLM dir (config.json + tokenizer files)."""
+def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: bool = True,
+                    tied: bool = True) -> tuple[Path, Path]:
+    """Checkpoint dir (config.json + model.safetensors) and LLM dir (config.json + tokenizer files).
+
+    ``tied``: the LLM ties its head to the embedding (as Qwen3-1.7B does), so there is no lm_head key;
+    otherwise ``llm.base_model.model.lm_head.weight`` is stored.
+    """
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     g = torch.Generator().manual_seed(seed)
     tok = build_word_tokenizer(WORDS, placeholder="<|unused|>")  # NeMo adds the locator tag itself
     lm_cfg = Qwen3Config(vocab_size=len(tok) + 6, hidden_size=LLM_HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
                          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
                          bos_token_id=None)
     torch.manual_seed(seed)
@@ -121,8 +126,8 @@ def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: boo
     w: dict[str, torch.Tensor] = {"embed_tokens.weight": lm.model.embed_tokens.weight.detach().clone()}
     r = LORA["r"]
     for key, value in lm.state_dict().items():
-        if key in ("lm_head.weight", "model.embed_tokens.weight"):
-            continue  # tied head: no key; the embedding was moved out of the LLM
+        if key == "model.embed_tokens.weight" or (tied and key == "lm_head.weight"):
+            continue  # the embedding was moved out of the LLM; a tied head has no key
         module, _, leaf = key.rpartition(".")
         if module.endswith(("q_proj", "v_proj")) and leaf == "weight":
             base = f"llm.base_model.model.{module}"

@@ -92,8 +92,9 @@ def _nemo_reference(ckpt: Path, llm_dir: Path, conv: Conversation) -> tuple[torc
             if k.startswith(prefix) and ".lora_" not in k}
     base["model.embed_tokens.weight"] = w["embed_tokens.weight"]
     missing, unexpected = lm.load_state_dict(base, strict=False)
-    assert set(missing) == {"lm_head.weight"} and not unexpected
-    lm.tie_weights()
+    assert set(missing) == ({"lm_head.weight"} if lm.config.tie_word_embeddings else set()) and not unexpected
+    if lm.config.tie_word_embeddings:
+        lm.tie_weights()
     for i, layer in enumerate(lm.model.layers):
         for name in LORA["target_modules"]:
             form = ".default" if i == 0 else ""
@@ -124,8 +125,12 @@ def _nemo_frames(n_samples: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("n_samples", [16000, 23456])
-def test_logits_equal_nemo_forward(nemo_dirs, target, n_samples):
+@pytest.mark.parametrize("n_samples,tied", [(16000, True), (23456, True), (16000, False)])
+def test_logits_equal_nemo_forward(nemo_dirs, target, n_samples, tied, tmp_path):
+    if not tied:  # a checkpoint whose LLM has its own head (llm.base_model.model.lm_head.weight)
+        nemo_dirs = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", seed=1, tied=False)
+        target = load_target(nemo_dirs[0], llm_config=nemo_dirs[1])
+        assert target.lm.get_output_embeddings().weight.data_ptr() != target.lm.get_input_embeddings().weight.data_ptr()
     conv = _conv(n_samples, seed=n_samples)
     ref, ids, n_audio = _nemo_reference(*nemo_dirs, conv)
     p = target.prepare(conv, 0)
@@ -204,3 +209,31 @@ def test_system_turn_is_refused(target):
     conv = Conversation("s", "mem", [{"role": "system", "content": "be brief"}, *conv.messages], conv.audios)
     with pytest.raises(Exception, match="only user and assistant"):
         target.prepare(conv, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_capture_verify_train_eval_speculate(tied, nemo_dirs, tone_manifest, tmp_path):
+    """The whole chain on the tiny checkpoint, through the command line, with --llm-config."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    ckpt, llm = nemo_dirs if tied else write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", tied=False)
+    ds, run = str(tmp_path / "ds"), str(tmp_path / "run")
+    cli = CliRunner()
+    r = cli.invoke(app, ["capture", "--target", str(ckpt), "--llm-config", str(llm), "--data", str(tone_manifest),
+                         "--data", f"validation={tone_manifest}", "--out", ds, "--taps", "0,1", "--top-k", "8"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    r = cli.invoke(app, ["verify", ds])
+    assert r.exit_code == 0 and "OK" in r.output, r.output
+    r = cli.invoke(app, ["train", "--data", ds, "--recipe", "dflash_b8", "--out", run, "--set", "max_steps=2",
+                         "--set", "progress=false"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    r = cli.invoke(app, ["eval", "--draft", run, "--data", ds])
+    assert r.exit_code == 0 and "tau = " in r.output, (r.output, r.exception)
+    r = cli.invoke(app, ["speculate", "--target", str(ckpt), "--llm-config", str(llm), "--draft", run, "--data", ds,
+                         "--conversations", str(tone_manifest), "--max-samples", "3", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "output identical to the target's greedy decoding: 3/3" in r.output

@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from capture.inputs import Conversation
 from capture.nemo_audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
                                 no_init)
 from capture.salm import SALM, AdapterConfig, AudioConfig, SALMConfig
-from capture.targets import SALMTarget
+from capture.targets import Prepared, SALMTarget
 
 WEIGHTS_FILE = "model.safetensors"
 LLM_BACKBONE_DIR = "llm_backbone"
@@ -250,6 +251,12 @@ class NeMoSALMTarget(SALMTarget):
     @property
     def tokenizer_dir(self) -> Path:
         return self._tokenizer_dir
+
+    def prepare(self, conv: Conversation, index: int) -> Prepared:
+        roles = sorted({m["role"] for m in conv.messages} - {"user", "assistant"})
+        if roles:
+            raise ValueError(f"has {roles} turn(s): NeMo's qwen prompt format has only user and assistant turns")
+        return super().prepare(conv, index)
 
 
 def load_nemo_target(root: str | Path, *, llm_config: str | Path | None = None, dtype: torch.dtype = torch.float32,

@@ -207,7 +207,7 @@ def test_unsupported_settings_are_refused(nemo_dirs, tmp_path):
 def test_system_turn_is_refused(target):
     conv = _conv(16000)
     conv = Conversation("s", "mem", [{"role": "system", "content": "be brief"}, *conv.messages], conv.audios)
-    with pytest.raises(Exception, match="only user and assistant"):
+    with pytest.raises(ValueError, match="only user and assistant"):
         target.prepare(conv, 0)
 
 

@@ -246,7 +246,9 @@ def parakeet_config(d: dict[str, Any], *, what: str):
         hidden_size=d_model, num_hidden_layers=int(d["n_layers"]), num_attention_heads=int(d.get("n_heads", 4)),
         intermediate_size=d_model * int(d.get("ff_expansion_factor", 4)), attention_bias=use_bias,
         convolution_bias=use_bias, conv_kernel_size=int(d.get("conv_kernel_size", 31)), subsampling_factor=factor,
-        subsampling_conv_channels=d_model if channels == -1 else channels, num_mel_bins=int(d["feat_in"]),
+        # no subsampling: build_conformer swaps in a Linear, so keep the unused conv stack minimal
+        subsampling_conv_channels=1 if factor == 1 else d_model if channels == -1 else channels,
+        num_mel_bins=int(d["feat_in"]),
         max_position_embeddings=int(d.get("pos_emb_max_len", 5000)), scale_input=bool(d.get("xscaling", True)),
         dropout=0.0, dropout_positions=0.0, layerdrop=0.0, activation_dropout=0.0, attention_dropout=0.0,
     )
@@ -278,7 +280,8 @@ def build_conformer(d: dict[str, Any], state: dict[str, torch.Tensor], *, what: 
 
 def load_exactly(module: nn.Module, state: dict[str, torch.Tensor], *, what: str, may_miss: Sequence[str] = ()) -> None:
     """``load_state_dict`` that names every missing or unexpected key instead of loading half a model."""
-    res = module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    res = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                 strict=False)
     missing = [k for k in res.missing_keys if k not in may_miss]
     if missing or res.unexpected_keys:
         raise ValueError(f"{what}: the checkpoint does not match the architecture its config describes "

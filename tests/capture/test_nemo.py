@@ -39,19 +39,19 @@ def _conv(n_samples: int, seed: int = 0, reply: str = "you said one two .") -> C
 
 
 # ------------------------------------------------------------------ the reference: NeMo's forward, re-written
-def _nemo_mel(wave: np.ndarray, fb: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+def _nemo_mel(wave: np.ndarray, fb: torch.Tensor, window: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """FilterbankFeatures at eval: preemphasis, centred zero-padded STFT by explicit framing, power, mel,
     log(x + 2^-24), per-feature normalisation over the n // hop valid frames -> [F, M]."""
     n_fft, hop, win = 512, 160, 400
-    x = torch.as_tensor(wave, dtype=torch.float32)
+    x = torch.as_tensor(wave).to(dtype)
     x = torch.cat([x[:1], x[1:] - 0.97 * x[:-1]])
     x = torch.nn.functional.pad(x, (n_fft // 2, n_fft // 2))
-    w = torch.zeros(n_fft)
-    w[(n_fft - win) // 2 : (n_fft - win) // 2 + win] = window.float()
+    w = torch.zeros(n_fft, dtype=dtype)
+    w[(n_fft - win) // 2 : (n_fft - win) // 2 + win] = window.to(dtype)
     n_valid = len(wave) // hop
     frames = torch.stack([x[k * hop : k * hop + n_fft] * w for k in range(n_valid)])  # [F, n_fft]
     power = torch.fft.rfft(frames).abs().pow(2)  # [F, n_fft/2+1]
-    mel = torch.log(power @ fb[0].float().T + 2.0**-24)  # [F, M]
+    mel = torch.log(power @ fb[0].to(dtype).T + 2.0**-24)  # [F, M]
     mean = mel.mean(0)
     std = ((mel - mean).pow(2).sum(0) / (n_valid - 1)).sqrt() + 1e-5
     return (mel - mean) / std
@@ -143,6 +143,19 @@ def test_logits_equal_nemo_forward(nemo_dirs, target, n_samples, tied, tmp_path)
     # the supervised rows are the reply and its <|im_end|>
     sup = exp.input_ids[exp.loss_mask].tolist()
     assert target.tokenizer.decode(sup) == "you said one two . <|im_end|>"
+
+
+def test_mel_front_end_equals_float64_reference(target):
+    """A padded batch of three lengths: each row equals NeMo's features of that clip alone, in float64."""
+    fe = target.salm.feature_extractor
+    waves = [np.random.default_rng(n).normal(0, 0.1, n).astype(np.float32) for n in (4000, 16000, 9999)]
+    out = fe(waves, sampling_rate=16000)
+    for b, wave in enumerate(waves):
+        ref = _nemo_mel(wave, fe.fb[None].double(), fe.window.double(), dtype=torch.float64)
+        n = int(out["attention_mask"][b].sum())
+        assert n == ref.shape[0] == len(wave) // 160
+        torch.testing.assert_close(out["input_features"][b, :n].double(), ref, atol=5e-5, rtol=0)  # measured 1e-5
+        assert not out["input_features"][b, n:].any()
 
 
 def test_frame_count_follows_nemo_rule(target):

@@ -49,10 +49,10 @@ import torch
 from capture.config import CaptureConfig, check_resume
 from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
-from capture.targets import NonFiniteError, Prepared, Target, run_batch
+from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
-from shards.schema import Layout
+from shards.schema import Layout, NonFiniteError
 from shards.taps import capture_tap_ids
 from shards.writer import DatasetWriter, finalize_dataset
 
@@ -163,7 +163,7 @@ def to_host(samples: list[Any]) -> tuple[list[Any], Any]:
 
     On CUDA the copies run on a side stream into pinned buffers (``non_blocking``), so they overlap
     the next batch's forward on the compute stream; ``record_stream`` keeps the allocator from
-    reusing the source memory early. Entries that are errors (NonFiniteError) pass through.
+    reusing the source memory early.
     """
     tensors = [t for s in samples if isinstance(s, dict) for t in s.values()]
     if all(t.device.type == "cpu" for t in tensors):
@@ -255,12 +255,14 @@ class _WriterThread:
                 for p, res in zip(batch, results):
                     if self.writer.is_done(p.index) or self._after_failure(p.index):
                         continue
-                    if isinstance(res, NonFiniteError):
-                        self._skip(Skip(p.index, p.sample_id, str(res), "error", p.line, p.source))
-                        continue
                     sample = {"sample_id": p.sample_id, "source": p.source, "audio_seconds": float(p.audio_seconds),
                               **res}
-                    if not self.writer.write(sample, p.index):
+                    try:
+                        if not self.writer.write(sample, p.index):
+                            continue
+                    except NonFiniteError as e:
+                        self._skip(Skip(p.index, p.sample_id, f"the target produced NaN/Inf: {e}", "error", p.line,
+                                        p.source))
                         continue
                     st = self.stats
                     st.written += 1

@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shards.taps import to_vllm
@@ -137,6 +138,27 @@ def teacher_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(loss_mask[1:], as_tuple=False).flatten().to(torch.int32)
 
 
+class NonFiniteError(ValueError):
+    """A sample whose floating-point fields hold NaN or Inf: never written (capture counts it as a skip)."""
+
+
+_EXPONENT_MASK = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
+                  torch.float32: (np.uint32, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf, read from the exponent bits (all ones = not finite).
+
+    One integer pass on the raw words: on CPU about 14x faster than ``torch.isfinite`` on bf16
+    (2.7 vs 0.2 GB/s, one thread), which made the check a third of the writer's time.
+    """
+    if t.device.type != "cpu" or t.dtype not in _EXPONENT_MASK or t.numel() == 0:
+        return bool(torch.isfinite(t).all())
+    np_dtype, mask = _EXPONENT_MASK[t.dtype]
+    words = t.detach().contiguous().view(-1).view(torch.int16 if np_dtype is np.uint16 else torch.int32)
+    return int(np.bitwise_and(words.numpy().view(np_dtype), mask).max()) != mask
+
+
 def validate_sample(sample: dict[str, Any], layout: Layout) -> None:
     """Raise ValueError naming the sample and field when anything breaks the schema."""
     sid = sample.get("sample_id", "<no sample_id>")
@@ -168,8 +190,8 @@ def validate_sample(sample: dict[str, Any], layout: Layout) -> None:
         want = tuple(dims[s] if isinstance(s, str) else s for s in shape)
         if tuple(t.shape) != want:
             raise ValueError(f"sample {sid!r}: field {name!r} has shape {tuple(t.shape)}, expected {want}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"sample {sid!r}: field {name!r} contains NaN or Inf; refusing to write it")
+        if t.is_floating_point() and not all_finite(t):
+            raise NonFiniteError(f"sample {sid!r}: field {name!r} contains NaN or Inf; refusing to write it")
     if T < 1:
         raise ValueError(f"sample {sid!r}: empty sequence")
     if layout.top_k > 0:

@@ -282,7 +282,7 @@ class DatasetWriter:
         try:
             validate_sample(sample, self.layout)
         except ValueError as e:
-            raise ValueError(f"{e} (input index {index}, split {self.split}, rank {self.rank})") from e
+            raise type(e)(f"{e} (input index {index}, split {self.split}, rank {self.rank})") from e
         if self._shard is None:
             name = mf.rank_shard_name(self.split, self.rank, len(self._shards), self.config.format)
             self._shard = _Shard(self.fs, mf.join(self.root, name), self.config, self.meta, self.fingerprint,

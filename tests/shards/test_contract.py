@@ -146,3 +146,20 @@ def test_bundle_rejects_inconsistent_weights(tmp_path):
     args["norm_weight"] = torch.ones(7)
     with pytest.raises(ValueError, match="disagree"):
         write_bundle(tmp_path / "a", **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_reads_exponent_bits_like_isfinite(dtype):
+    from shards.schema import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, generator=g) * 1e3).to(dtype)
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in (0, 1234, 4095):
+            y = x.clone()
+            y[pos] = bad
+            assert all_finite(y) == bool(torch.isfinite(y).all()) is False
+    big = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny, 0.0], dtype=dtype)
+    assert all_finite(big)
+    assert all_finite(x.view(64, 64).t())  # non-contiguous input

@@ -1,0 +1,92 @@
+"""Random-initialised targets at real model shapes, for benchmarks that the demo's 0.8M parameters hide.
+
+A shape names the decoder's widths and vocabulary, not its knowledge: activations of a random model
+have no outlier channels, so compression figures also need a trained model (the demo target); time
+and memory figures need the real widths, which is what this module builds.
+
+    qwen3-1024x8   Qwen3ForCausalLM, hidden 1024, 8 layers, 16 heads (8 KV, head_dim 128), MLP 3072,
+                   vocab 151,936, untied lm_head: 437M parameters (Qwen3-0.6B's widths, fewer layers)
+
+The directory is an ordinary HF causal-LM directory (``save_pretrained`` of the model and a
+tokenizer with a ChatML template), so ``capture`` loads it through its real path. Conversations are
+user -> assistant turns of random words, 512-2048 tokens each, deterministic in the seed.
+
+    python -m benchmarks.shapes qwen3-1024x8 DIR    # build once; later runs reuse DIR
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+SHAPES = {"qwen3-1024x8": Shape(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=3072, vocab=151_936)}
+WORDS = 4000
+"""Tokenizer words (the model's vocabulary stays the shape's: ids above the tokenizer are never fed)."""
+
+
+def shape_facts(name: str) -> dict[str, int]:
+    """hidden_size, num_layers, vocab_size of a named shape (written beside every figure)."""
+    s = SHAPES[name]
+    return {"hidden_size": s.hidden, "num_layers": s.layers, "vocab_size": s.vocab}
+
+
+def _words() -> list[str]:
+    return [f"w{i}" for i in range(WORDS)]
+
+
+def synthetic_target(name: str, out: str | Path, *, seed: int = 0) -> Path:
+    """Build (or reuse) the random-init target ``name`` in ``out``; returns the directory."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from demo.target import build_word_tokenizer
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    s = SHAPES[name]
+    tok = build_word_tokenizer(_words())
+    cfg = Qwen3Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      head_dim=s.hidden // s.heads, max_position_embeddings=4096, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)  # checkpoints ship bf16; capture computes in fp32 on CPU
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def conversations(path: str | Path, n: int, *, seed: int = 0, min_tokens: int = 512, max_tokens: int = 2048) -> Path:
+    """``n`` user -> assistant conversations of about min..max tokens, as capture's JSONL."""
+    rng = random.Random(seed)
+    words = _words()
+    path = Path(path)
+    with path.open("w") as f:
+        for i in range(n):
+            total = rng.randint(min_tokens, max_tokens) - 12  # ChatML framing adds about a dozen tokens
+            user = rng.randint(total // 4, total // 2)
+            turns = [{"role": "user", "content": " ".join(rng.choices(words, k=user))},
+                     {"role": "assistant", "content": " ".join(rng.choices(words, k=total - user))}]
+            f.write(json.dumps({"id": f"conv-{i}", "conversations": turns}) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    print(synthetic_target(sys.argv[1], sys.argv[2]))

@@ -92,9 +92,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from capture.config import CaptureConfig
-    from capture.inputs import read_jsonl
     from capture.load import load_target
-    from capture.pipeline import capture, make_layout, plan_window, prepare_window, windows
+    from capture.pipeline import capture, make_layout, plan_window, prepare_window, rank_items, windows
     from capture.targets import run_batch
     from shards.writer import DatasetWriter
 
@@ -102,7 +101,7 @@ def main() -> None:
     target = load_target(target_dir)
     cfg = CaptureConfig(target=str(target_dir), out="", data=(("train", str(data)),), max_samples=args.samples,
                         progress=False)  # everything else: the CLI's defaults
-    items = list(enumerate(list(read_jsonl(data, placeholder=target.placeholder))[: args.samples]))
+    items = list(rank_items(target, cfg, str(data), 0, 1))  # the capture's own input stage
     plans = [b for chunk in windows(items, cfg.window) for b in plan_window(prepare_window(target, chunk), cfg).batches]
     tokens = sum(p.length for b in plans for p in b)
     scratch = Path(tempfile.mkdtemp(prefix="capture-bench-"))

@@ -277,10 +277,9 @@ def topk_teacher(
     lps = torch.empty(R, k, dtype=torch.float32, device=last_RH.device)
     for s, e in row_spans(R, row_chunk):
         logits = teacher_logits(last_RH[s:e], norm.weight, lm_head.weight, spec)  # [r, V]
-        logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-        v, i = torch.topk(logp, k, dim=-1)
+        v, i = torch.topk(logits, k, dim=-1)  # top-k of the logits = top-k of the log-probs: no [r, V] log_softmax
         ids[s:e] = i.to(torch.int32)
-        lps[s:e] = v
+        lps[s:e] = v - torch.logsumexp(logits, dim=-1, keepdim=True)
     return ids, lps
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
@@ -49,8 +50,15 @@ def arrow_schema(meta: FieldMeta, fingerprint: str | None) -> pa.Schema:
     return pa.schema(fields, metadata={META_KEY: json.dumps(shard_metadata(meta, fingerprint), sort_keys=True)})
 
 
-def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, bytes]]]) -> pa.RecordBatch:
-    """rows: (sample scalars, encoded fields) -> one record batch with the declared schema."""
+def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any]]],
+               scratch: dict[str, np.ndarray] | None = None) -> pa.RecordBatch:
+    """rows: (sample scalars, encoded fields) -> one record batch with the declared schema.
+
+    Each binary column is laid out once, straight into one data buffer (``scratch`` keeps those
+    buffers between calls: the IPC writer has compressed a batch by the time ``write_batch``
+    returns, so the memory is reused instead of freshly faulted in for every batch), and wrapped
+    without a copy; ``pa.array`` of the cells would copy every cell through a growing builder.
+    """
     cols = []
     for f in schema:
         if f.name == "num_tokens":
@@ -58,8 +66,25 @@ def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, byt
         elif f.name in ("sample_id", "source", "audio_seconds"):
             cols.append(pa.array([s[f.name] for s, _ in rows], f.type))
         else:
-            cols.append(pa.array([enc[f.name] for _, enc in rows], pa.binary()))
+            cols.append(_binary_column([enc[f.name] for _, enc in rows], f.name, {} if scratch is None else scratch))
     return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def _binary_column(cells: list[Any], name: str, scratch: dict[str, np.ndarray]) -> pa.Array:
+    views = [np.frombuffer(c, dtype=np.uint8) for c in cells]
+    offsets = np.zeros(len(views) + 1, dtype=np.int64)
+    np.cumsum([v.size for v in views], out=offsets[1:])
+    total = int(offsets[-1])
+    if total >= 1 << 31:
+        raise ValueError(f"column {name!r} of one record batch holds {total} bytes; Arrow binary columns stop at "
+                         "2 GiB: capture shorter sequences or fewer taps")
+    buf = scratch.get(name)
+    if buf is None or buf.size < total:
+        buf = scratch[name] = np.empty(total, dtype=np.uint8)
+    for v, start in zip(views, offsets[:-1]):
+        buf[start : start + v.size] = v
+    return pa.BinaryArray.from_buffers(pa.binary(), len(views),
+                                       [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(buf[:total])])
 
 
 def schema_meta(schema: pa.Schema, where: str) -> dict[str, Any]:

@@ -142,6 +142,7 @@ class NonFiniteError(ValueError):
     """A sample whose floating-point fields hold NaN or Inf: never written (capture counts it as a skip)."""
 
 
+_FINITE_CHUNK = 1 << 16
 _EXPONENT_MASK = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
                   torch.float32: (np.uint32, 0x7F800000)}
 
@@ -156,7 +157,15 @@ def all_finite(t: torch.Tensor) -> bool:
         return bool(torch.isfinite(t).all())
     np_dtype, mask = _EXPONENT_MASK[t.dtype]
     words = t.detach().contiguous().view(-1).view(torch.int16 if np_dtype is np.uint16 else torch.int32)
-    return int(np.bitwise_and(words.numpy().view(np_dtype), mask).max()) != mask
+    words = words.numpy().view(np_dtype)
+    scratch = np.empty(min(words.size, _FINITE_CHUNK), dtype=np_dtype)  # cache-sized: no large temporary
+    for s in range(0, words.size, _FINITE_CHUNK):
+        chunk = words[s : s + _FINITE_CHUNK]
+        out = scratch[: chunk.size]
+        np.bitwise_and(chunk, mask, out=out)
+        if int(out.max()) == mask:
+            return False
+    return True
 
 
 def validate_sample(sample: dict[str, Any], layout: Layout) -> None:

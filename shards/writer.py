@@ -115,6 +115,7 @@ class _Shard:
         self.batches: list[list[int]] = []
         self._pending: list[tuple[dict[str, Any], dict[str, bytes]]] = []
         self._pending_bytes = 0
+        self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
         if cfg.format == "arrow":
             self.schema = arrow_schema(meta, fingerprint)
             opts = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=cfg.zstd_level))
@@ -144,7 +145,7 @@ class _Shard:
         if not self._pending:
             return
         start = self.sink.n
-        self._writer.write_batch(make_batch(self.schema, self._pending))
+        self._writer.write_batch(make_batch(self.schema, self._pending, self._scratch))
         self.batches.append([start, self.sink.n, len(self._pending)])
         self._pending, self._pending_bytes = [], 0
 

@@ -18,8 +18,9 @@ how its processor is called and how its encoder turns features into frames:
 
 Which one loads comes from ``config.json``'s ``model_type`` (``capture.load.NATIVE_LOADERS``).
 
-The supervised mask comes from the tokenizer's chat template (``{% generation %}``) on the
-unexpanded text, repeated over each audio run; the adapter checks that this expansion equals the
+The supervised mask comes from the chat template (capture.template: prefix rendering, or the
+``{% generation %}`` markers where the template has them) on the unexpanded text, repeated over each
+audio run; the adapter checks that this expansion equals the
 processor's ids token for token, so the two can never drift apart silently.
 Shapes: A audios, M mel bins, F feature frames, N audio frames, T expanded length, H LM width.
 """
@@ -63,8 +64,6 @@ class HFSpeechTarget(Target):
         self.lm = self.model
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        if self.tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template; capture needs one that marks assistant turns")
         self.placeholder = processor.audio_token
         self.audio_token_id = int(model.config.audio_token_id)
         tok_id = self.tokenizer.convert_tokens_to_ids(self.placeholder)
@@ -104,7 +103,8 @@ class HFSpeechTarget(Target):
     # -------------------------------------------------------------- shared
     def prepare(self, conv: Conversation, index: int) -> NativePrepared:
         wrapped = Conversation(conv.sample_id, conv.source, self._wrap(conv.messages), conv.audios, conv.line)
-        ids, mask = self._tokenize(wrapped)
+        tok = self._tokenize(wrapped)
+        ids, mask = tok.ids, tok.mask
         n_ph = int((ids == self.audio_token_id).sum())
         if n_ph != len(conv.audios):
             raise ValueError(f"has {n_ph} audio token(s) {self.placeholder!r} but {len(conv.audios)} audio(s)")
@@ -117,7 +117,7 @@ class HFSpeechTarget(Target):
                                  f"most {limit / self.sample_rate:.0f}s per audio: split it")
             waves.append(w)
             seconds += s
-        text = self.tokenizer.apply_chat_template(wrapped.messages, tokenize=False)
+        text = self.template.render(wrapped.messages)
         exp_ids, n_frames, feats, fmasks = self._process(text, waves)
         # repeat the template's mask over each audio run; must reproduce the processor's ids exactly
         reps = torch.ones_like(ids)
@@ -132,7 +132,7 @@ class HFSpeechTarget(Target):
             )
         mask = mask.repeat_interleave(reps) & (exp_ids != self.audio_token_id)
         return NativePrepared(index, conv.sample_id, conv.source, exp_ids, mask, waves, feats, seconds,
-                              int(exp_ids.shape[0]), conv.line, fmasks)
+                              int(exp_ids.shape[0]), conv.line, len(tok.unsupervised), feature_masks=fmasks)
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         dev = self.device

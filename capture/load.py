@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,15 +29,22 @@ NATIVE_LOADERS = {
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                llm_config: str | Path | None = None) -> Target:
+                llm_config: str | Path | None = None, template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> Target:
     """A SALM directory (salm_config.json), a NeMo SALM checkpoint, an HF-native speech LLM or an HF causal LM.
 
     A NeMo speechlm2 SALM is recognised by config.json's content (:func:`capture.nemo.is_nemo_salm`), its
     LLM config and tokenizer taken from the checkpoint or ``llm_config``. Otherwise the kind comes from
     ``model_type``: one of :data:`NATIVE_LOADERS` loads with its processor, a causal-LM model type with its
-    tokenizer; anything else is refused in one line that names what is supported.
+    tokenizer; anything else is refused in one line that names what is supported. ``template``: chat-template
+    text replacing the tokenizer's; ``template_kwargs``: the variables it is rendered with (``Target.use_template``).
     """
-    root = Path(path)
+    target = _load(Path(path), dtype=dtype, device=device, llm_config=llm_config)
+    target.use_template(template, template_kwargs)  # a tokenizer without a template is refused here, at load
+    return target
+
+
+def _load(root: Path, *, dtype: torch.dtype, device: str, llm_config: str | Path | None) -> Target:
     if not root.is_dir():
         raise FileNotFoundError(f"target directory {root} does not exist")
     if (root / "salm_config.json").is_file():

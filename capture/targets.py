@@ -31,6 +31,7 @@ from torch import nn
 from capture.hooks import LayerTaps
 from capture.inputs import Conversation, load_audio
 from capture.salm import SALM, Expanded, expand_placeholders
+from capture.template import ChatTemplate, Tokenized
 from shards.schema import teacher_rows
 
 
@@ -48,6 +49,7 @@ class Prepared:
     audio_seconds: float = 0.0
     length: int = 0  # expanded T
     line: int | None = None
+    unsupervised_turns: int = 0  # assistant turns the chat template leaves unsupervised (capture.template)
 
 
 class Target(ABC):
@@ -55,6 +57,7 @@ class Target(ABC):
 
     lm: nn.Module
     tokenizer: Any
+    _template: ChatTemplate | None = None
     placeholder: str | None = None
     audio_token_id: int = 0
     sample_rate: int | None = None
@@ -117,18 +120,30 @@ class Target(ABC):
     def device(self) -> torch.device:
         return next(self.lm.parameters()).device
 
-    def _tokenize(self, conv: Conversation) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.tokenizer.apply_chat_template(
-            conv.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids = torch.tensor(out["input_ids"], dtype=torch.long)
-        mask = torch.tensor(out["assistant_masks"], dtype=torch.bool)
-        if not bool(mask.any()):
-            raise ValueError(
-                "no supervised tokens: the assistant turns are empty or the chat template does not mark them "
-                "with {% generation %}"
-            )
-        return ids, mask
+    @property
+    def template(self) -> ChatTemplate:
+        """How conversations become tokens and which are supervised: the tokenizer's own chat template unless
+        :meth:`use_template` set another (or kwargs)."""
+        if self._template is None:
+            self.use_template()
+        assert self._template is not None
+        return self._template
+
+    def use_template(self, text: str | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        """Tokenize with ``text`` (None: the tokenizer's own template) rendered with ``kwargs``."""
+        self._template = ChatTemplate(self.tokenizer, text, kwargs, end_ids=self.end_token_ids())
+
+    def end_token_ids(self) -> list[int]:
+        """Ids that end an assistant turn: the tokenizer's eos and the model's (config and generation config)."""
+        ids: list[int] = []
+        gen = getattr(self.lm, "generation_config", None)
+        for v in (self.tokenizer.eos_token_id, getattr(self.lm_config, "eos_token_id", None),
+                  getattr(gen, "eos_token_id", None)):
+            ids += [int(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if x is not None]
+        return sorted(set(ids))
+
+    def _tokenize(self, conv: Conversation) -> Tokenized:
+        return self.template.tokenize(conv.messages)
 
     def bundle_config(self) -> dict[str, Any]:
         c = self.lm_config
@@ -159,7 +174,8 @@ class Target(ABC):
         return {
             "config": self.bundle_config(),
             "audio": self.audio_bundle(),
-            "chat_template": self.tokenizer.chat_template,
+            "chat_template": self.template.text,
+            "template_kwargs": self.template.kwargs,
             "embed_tokens": self.lm.get_input_embeddings().weight,
             "norm_weight": self.decoder.norm.weight,
             "lm_head": self.lm.get_output_embeddings().weight,
@@ -180,7 +196,8 @@ class SALMTarget(Target):
         self._path = None if path is None else Path(path)
 
     def prepare(self, conv: Conversation, index: int) -> Prepared:
-        ids, mask = self._tokenize(conv)
+        tok = self._tokenize(conv)
+        ids, mask = tok.ids, tok.mask
         n_ph = int((ids == self.salm.placeholder_id).sum())
         if n_ph != len(conv.audios):
             raise ValueError(f"has {n_ph} audio placeholder(s) after tokenization but {len(conv.audios)} audio(s)")
@@ -198,7 +215,7 @@ class SALMTarget(Target):
             seconds += s
             frames += n
         return Prepared(index, conv.sample_id, conv.source, ids, mask, waves, feats, seconds,
-                        int(ids.shape[0]) - n_ph + frames, conv.line)
+                        int(ids.shape[0]) - n_ph + frames, conv.line, len(tok.unsupervised))
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         feats = [f for p in batch for f in p.features]
@@ -231,23 +248,22 @@ class SALMTarget(Target):
 
 
 class CausalLMTarget(Target):
-    """Any HF causal LM on text-only conversations (its tokenizer's template must mark assistant turns)."""
+    """Any HF causal LM on text-only conversations, with its tokenizer's chat template (or an override)."""
 
     tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
 
     def __init__(self, lm: nn.Module, tokenizer, path: str | Path | None = None):
         self.lm = lm.eval()
         self.tokenizer = tokenizer
-        if tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template; capture needs one that marks assistant turns")
         self.audio_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._path = None if path is None else Path(path)
 
     def prepare(self, conv: Conversation, index: int) -> Prepared:
         if conv.audios:
             raise ValueError(f"has {len(conv.audios)} audio(s) but the target is a text-only causal LM")
-        ids, mask = self._tokenize(conv)
-        return Prepared(index, conv.sample_id, conv.source, ids, mask, [], [], 0.0, int(ids.shape[0]), conv.line)
+        tok = self._tokenize(conv)
+        return Prepared(index, conv.sample_id, conv.source, tok.ids, tok.mask, [], [], 0.0, int(tok.ids.shape[0]),
+                        conv.line, len(tok.unsupervised))
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         emb = self.lm.get_input_embeddings()

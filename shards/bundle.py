@@ -1,13 +1,14 @@
 """The target bundle: the frozen pieces of the target a drafter needs, so training never loads it.
 
     target/
-      bundle.json            config (below) + audio front-end config + chat template + fingerprint
+      bundle.json            config (below) + audio front-end config + chat template + template kwargs + fingerprint
       weights.safetensors    embed_tokens [V, H], norm_weight [H], lm_head [V, H]
       tokenizer/             the tokenizer's own files (tokenizer.json, tokenizer_config.json, ...)
 
-Fingerprint = sha256 over canonical JSON of (config, audio, chat template, sha256 of every
-tokenizer file, sha256 of every weight tensor's bytes). It is a pure function of the content: two
-captures of the same target agree, any change to weights, tokenizer or template changes it.
+Fingerprint = sha256 over canonical JSON of (config, audio, chat template, template kwargs when any,
+sha256 of every tokenizer file, sha256 of every weight tensor's bytes). It is a pure function of the
+content: two captures of the same target agree, any change to weights, tokenizer, template or its
+kwargs changes it (bundles without kwargs hash as they did before kwargs were recorded).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fsspec
 from safetensors.torch import load_file, save_file
 
 from shards.atomic import recover_dir, staged
+from shards.template import template_kwargs as canonical_kwargs
 
 BUNDLE_FILE = "bundle.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -63,6 +65,13 @@ class TargetBundle:
     fingerprint: str = ""
     path: Path | None = None
     tokenizer_files: dict[str, bytes] = field(default_factory=dict, repr=False)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Kwargs the chat template was rendered with at capture (``enable_thinking``, ...); shards.template."""
+
+    @property
+    def template_settings(self) -> tuple[str | None, dict[str, Any]]:
+        """(chat template text, kwargs) the dataset's conversations were tokenized with."""
+        return self.chat_template, self.template_kwargs
 
     @property
     def hidden_size(self) -> int:
@@ -93,6 +102,7 @@ def compute_fingerprint(
     chat_template: str | None,
     weights: dict[str, torch.Tensor],
     tokenizer_files: dict[str, bytes],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     doc = {
         "config": {k: config.get(k) for k in CONFIG_KEYS},
@@ -101,6 +111,8 @@ def compute_fingerprint(
         "tokenizer": {name: _sha(data) for name, data in sorted(tokenizer_files.items())},
         "weights": {name: _tensor_sha(weights[name]) for name in WEIGHT_NAMES},
     }
+    if template_kwargs:  # absent when empty, so bundles written before kwargs existed keep their fingerprint
+        doc["template_kwargs"] = canonical_kwargs(template_kwargs)
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return _sha(canonical.encode())
 
@@ -123,10 +135,12 @@ def bundle_fingerprint(
     norm_weight: torch.Tensor,
     lm_head: torch.Tensor,
     tokenizer_dir: str | os.PathLike | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The fingerprint ``write_bundle`` would record for these parts (e.g. of a live target)."""
     weights = {"embed_tokens": embed_tokens, "norm_weight": norm_weight, "lm_head": lm_head}
-    return compute_fingerprint(config, audio, chat_template, weights, _read_tokenizer_files(tokenizer_dir))
+    return compute_fingerprint(config, audio, chat_template, weights, _read_tokenizer_files(tokenizer_dir),
+                               template_kwargs)
 
 
 def write_bundle(
@@ -139,6 +153,7 @@ def write_bundle(
     norm_weight: torch.Tensor,
     lm_head: torch.Tensor,
     tokenizer_dir: str | os.PathLike | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Write ``out_dir`` (staged beside it, swapped in atomically) and return the fingerprint."""
     missing = [k for k in CONFIG_KEYS if k not in config]
@@ -160,7 +175,8 @@ def write_bundle(
     if H != int(config["hidden_size"]):
         raise ValueError(f"bundle config hidden_size {config['hidden_size']} != weights' {H}")
     tok = _read_tokenizer_files(tokenizer_dir)
-    fp = compute_fingerprint(config, audio, chat_template, weights, tok)
+    kwargs = canonical_kwargs(template_kwargs)
+    fp = compute_fingerprint(config, audio, chat_template, weights, tok, kwargs)
     with staged(out_dir) as tmp:
         (tmp / TOKENIZER_DIR).mkdir(parents=True)
         save_file(weights, str(tmp / WEIGHTS_FILE))
@@ -170,6 +186,7 @@ def write_bundle(
             "config": {k: config.get(k) for k in CONFIG_KEYS},
             "audio": audio,
             "chat_template": chat_template,
+            "template_kwargs": kwargs,
             "fingerprint": fp,
         }
         (tmp / BUNDLE_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
@@ -200,9 +217,11 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = True) -> TargetBundle
         fingerprint=doc["fingerprint"],
         path=root,
         tokenizer_files=tok,
+        template_kwargs=canonical_kwargs(doc.get("template_kwargs")),
     )
     if verify:
-        fp = compute_fingerprint(bundle.config, bundle.audio, bundle.chat_template, weights, tok)
+        fp = compute_fingerprint(bundle.config, bundle.audio, bundle.chat_template, weights, tok,
+                                 bundle.template_kwargs)
         if fp != bundle.fingerprint:
             raise ValueError(
                 f"target bundle {root} is corrupted or was edited: its content hashes to {fp[:12]}, "

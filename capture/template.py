@@ -1,0 +1,186 @@
+"""Chat templates as they are: render a conversation, tokenize it, and derive which tokens are supervised.
+
+Most HF chat templates carry no ``{% generation %}`` markers, so the assistant mask is derived from
+the template itself by prefix rendering. For the assistant message at index i:
+
+    P_i = tokens of render(messages[:i], add_generation_prompt=True)    what the model is prompted with
+    Q_i = tokens of render(messages[:i + 1])                           the conversation through the turn
+    F   = tokens of render(messages)                                   the sample
+
+The turn is supervised on F[len(P_i):len(Q_i)] when P_i and Q_i are both token prefixes of F: those
+are the tokens the model produces after its prompt, as the sample holds them. Tokens after the last
+end-of-turn token of that span (the newline a template writes between turns) stay unsupervised:
+decoding stops at the end-of-turn token and never emits them.
+
+When a check fails, the turn is left unsupervised and the reason kept (capture counts such turns):
+- Q_i is not a prefix of F: the template renders the turn differently once later turns follow (Qwen3
+  drops the reasoning block of turns before the last user message), so the tokens the model produced
+  are not in the sample; supervising what is there would teach the drafter text the target never wrote.
+- P_i is not a prefix of F: the sample does not hold the generation prompt (Qwen3 with thinking off
+  prompts with an empty think block that earlier turns lack), or the tokenizer merges text across the
+  turn boundary (the prompt's last tokens differ from the sample's at that place).
+A conversation left with no supervised token is refused with the first reason (capture's on_error).
+
+A template with ``{% generation %}`` markers keeps them: the mask is HF's ``return_assistant_tokens_mask``,
+and on every turn prefix rendering could check, both must agree (a disagreement refuses the sample:
+the markers and the template say different things). Turns prefix rendering cannot check follow the
+markers.
+
+Template text and kwargs (``enable_thinking``, a system prompt...) are fixed per capture and recorded
+in the target bundle; ``shards.template`` holds their canonical form and the drift check.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from shards.template import template_kwargs
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+MASK_BY_MARKERS = "generation markers"
+MASK_BY_PREFIX = "prefix rendering"
+
+
+def read_template_file(path: str | Path) -> str:
+    """The Jinja text of a ``--chat-template`` file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"chat template file {p} does not exist; pass a Jinja file to --chat-template")
+    text = p.read_text()
+    if not text.strip():
+        raise ValueError(f"chat template file {p} is empty")
+    return text
+
+
+@dataclass
+class Tokenized:
+    """A conversation as tokens: ids int64 [L], supervised mask bool [L], and the turns left unsupervised."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    unsupervised: list[str] = field(default_factory=list)
+    """One reason per assistant turn that is not supervised."""
+
+
+class ChatTemplate:
+    """A tokenizer's chat template (or an override) rendered with fixed kwargs."""
+
+    def __init__(self, tokenizer: Any, text: str | None = None, kwargs: Mapping[str, Any] | None = None, *,
+                 end_ids: Iterable[int] = ()):
+        text = text if text is not None else tokenizer.chat_template
+        if isinstance(text, dict):  # named templates: the default one is the chat template
+            text = text.get("default")
+        if not text:
+            raise ValueError("the tokenizer has no chat template; give one with --chat-template FILE")
+        self.tokenizer = tokenizer
+        self.text: str = text
+        self.kwargs: dict[str, Any] = template_kwargs(kwargs)
+        self.end_ids = frozenset(int(i) for i in end_ids)
+        self.has_markers = GENERATION_MARKER.search(text) is not None
+
+    @property
+    def mask_source(self) -> str:
+        return MASK_BY_MARKERS if self.has_markers else MASK_BY_PREFIX
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text (the template writes its own special tokens)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """int64 [L] ids of ``messages`` followed by the generation prompt."""
+        return torch.tensor(self.encode(self.render(messages, add_generation_prompt=True)), dtype=torch.long)
+
+    def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
+        """Ids and supervised mask of a conversation; ValueError when no token is supervised."""
+        full = self.encode(self.render(messages))
+        spans, reasons, known = self._prefix_spans(messages, full)
+        derived = torch.zeros(len(full), dtype=torch.bool)
+        for s, e in spans:
+            derived[s:e] = True
+        if self.has_markers:
+            mask = self._marker_mask(messages, full)
+            bad = [j for j in known if bool(mask[j]) != bool(derived[j])]
+            if bad:
+                j = bad[0]
+                raise ValueError(
+                    f"the chat template's {{% generation %}} markers and its prefix rendering disagree at token {j} "
+                    f"({self._show(full, j)}: markers say {'' if mask[j] else 'not '}supervised); fix the markers or "
+                    "pass a template without them with --chat-template"
+                )
+            reasons = []  # turns prefix rendering cannot check follow the markers
+            if not bool(mask.any()):
+                raise ValueError("no supervised tokens: the template's {% generation %} markers mark none (are the "
+                                 "assistant turns empty?)")
+        else:
+            mask = derived
+            if not bool(mask.any()):
+                raise ValueError(f"no supervised tokens: {reasons[0] if reasons else 'the conversation has no assistant turn'}")
+        return Tokenized(torch.tensor(full, dtype=torch.long), mask, reasons)
+
+    # ------------------------------------------------------------------ derivation
+    def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], full: list[int]
+                      ) -> tuple[list[tuple[int, int]], list[str], list[int]]:
+        """Checked spans [start, end) of F, reasons for unchecked turns, positions whose truth is known."""
+        spans: list[tuple[int, int]] = []
+        reasons: list[str] = []
+        known: list[int] = []
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        for n, i in enumerate(turns):
+            where = f"assistant turn {n + 1} of {len(turns)}"
+            if i == 0:
+                reasons.append(f"{where} opens the conversation: there is no prompt to render before it")
+                continue
+            prompt = self.encode(self.render(messages[:i], add_generation_prompt=True))
+            through = self.encode(self.render(messages[: i + 1]))
+            j = _mismatch(prompt, full)
+            if j is not None:
+                reasons.append(f"{where}: its generation prompt is not a prefix of the conversation's tokens "
+                               f"(token {j}: prompt {self._show(prompt, j)}, conversation {self._show(full, j)}); "
+                               "the template renders the prompt differently from the conversation, or the tokenizer "
+                               "merges text across the turn boundary")
+                continue
+            j = _mismatch(through, full)
+            if j is not None:
+                reasons.append(f"{where}: rendered as the last turn it differs from the conversation "
+                               f"(token {j}: {self._show(through, j)} vs {self._show(full, j)}); the template renders "
+                               "it differently once later turns follow, so its produced tokens are not in the sample")
+                continue
+            start, end = len(prompt), len(through)
+            last_end = max((k for k in range(start, end) if full[k] in self.end_ids), default=None)
+            if last_end is not None:
+                end = last_end + 1
+            if end <= start:
+                reasons.append(f"{where} is empty")
+                continue
+            spans.append((start, end))
+            known.extend(range(start, len(through)))
+            if n == 0:
+                known.extend(range(start))  # nothing before the first assistant turn is supervised
+        return spans, reasons, known
+
+    def _marker_mask(self, messages: Sequence[Mapping[str, Any]], full: list[int]) -> torch.Tensor:
+        out = self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=True,
+                                                 return_dict=True, return_assistant_tokens_mask=True, **self.kwargs)
+        if list(out["input_ids"]) != full:
+            raise AssertionError("apply_chat_template tokenized the conversation differently from render + encode")
+        return torch.tensor(out["assistant_masks"], dtype=torch.bool)
+
+    def _show(self, ids: list[int], j: int) -> str:
+        return repr(self.tokenizer.decode([ids[j]])) if j < len(ids) else "<end>"
+
+
+def _mismatch(prefix: list[int], full: list[int]) -> int | None:
+    """First index where ``prefix`` is not ``full``'s prefix (None when it is one)."""
+    for j, t in enumerate(prefix):
+        if j >= len(full) or full[j] != t:
+            return j
+    return None

@@ -118,6 +118,9 @@ def capture(
         None, "--responses-from-target/--responses-from-elsewhere",
         help="Record whether the assistant turns are the target's own greedy replies (offline tau is then exact "
              "for greedy decoding). Unrecorded by default."),
+    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
+                                             "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
@@ -125,6 +128,7 @@ def capture(
     from capture.config import CaptureConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
+    from shards.template import parse_template_kwargs
     from shards.writer import ShardConfig
 
     pairs = []
@@ -139,6 +143,8 @@ def capture(
         audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
         responses_from_target=responses_from_target,
         llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
+        chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
+        template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
     )
     typer.echo(summary(run_capture(cfg)))
 

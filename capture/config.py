@@ -8,8 +8,9 @@ dataset.
 
 How shards are written is the embedded :class:`shards.writer.ShardConfig` (``shard``); the JSON
 record flattens its fields beside the capture's own (``format``, ``shard_bytes``, ...), as the CLI
-flags name them. Records written before the embedding lack ``batch_bytes``:
-:func:`migrate_capture_record` fills it in with the value those captures used.
+flags name them. Records written before the embedding lack ``batch_bytes``, records written before
+chat-template settings existed lack ``chat_template`` and ``template_kwargs``:
+:func:`migrate_capture_record` fills them in with the values those captures used.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from shards.schema import TAPS_CODECS
+from shards.template import template_kwargs
 from shards.writer import ShardConfig
 
 _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20}
 """What captures recorded before ShardConfig was embedded used for the keys they did not record."""
+_LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
+"""What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
 
 RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
@@ -86,6 +90,11 @@ class CaptureConfig:
     responses_from_target: bool | None = None
     """Whether the assistant turns are the target's own greedy replies (then offline tau is exact for
     greedy decoding); None when unknown. Recorded in the manifest for the evaluator."""
+    chat_template: str | None = None
+    """Jinja file replacing the target tokenizer's chat template; None uses the tokenizer's own."""
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Variables the chat template is rendered with (enable_thinking, a system prompt...), as (key, value) pairs
+    or a dict; recorded in the bundle and its fingerprint."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -113,6 +122,9 @@ class CaptureConfig:
                 raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.shard, ShardConfig):
             raise ValueError(f"CaptureConfig.shard must be a ShardConfig, got {type(self.shard).__name__}")
+        object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
+        if self.chat_template is not None and not str(self.chat_template).strip():
+            raise ValueError("CaptureConfig.chat_template must be a file path or None")
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
@@ -122,6 +134,7 @@ class CaptureConfig:
         d.update(d.pop("shard"))
         d["data"] = [list(p) for p in self.data]
         d["taps"] = None if self.taps is None else list(self.taps)
+        d["template_kwargs"] = dict(self.template_kwargs)
         return d
 
     def identity(self) -> dict[str, Any]:
@@ -146,4 +159,5 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
 
 def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
     """A capture record as today's ``CaptureConfig.to_dict`` writes it (a new dict)."""
-    return {**{k: v for k, v in _LEGACY_SHARD_DEFAULTS.items() if k not in record}, **record}
+    legacy = {**_LEGACY_SHARD_DEFAULTS, **_LEGACY_TEMPLATE_DEFAULTS}
+    return {**{k: v for k, v in legacy.items() if k not in record}, **record}

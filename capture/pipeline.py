@@ -49,10 +49,12 @@ import torch
 from capture.config import CaptureConfig, check_resume
 from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
+from capture.template import read_template_file
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
 from shards.schema import Layout, NonFiniteError
+from shards.template import template_sha
 from shards.taps import capture_tap_ids
 from shards.writer import DatasetWriter, finalize_dataset
 
@@ -199,6 +201,8 @@ class Stats:
     raw_bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    unsupervised_turns: int = 0
+    """Assistant turns of written samples that the chat template leaves unsupervised (capture.template)."""
 
 
 class _WriterThread:
@@ -269,6 +273,7 @@ class _WriterThread:
                     st.tokens += int(res["input_ids"].shape[0])
                     st.supervised += int(res["loss_mask"].sum())
                     st.audio_seconds += p.audio_seconds
+                    st.unsupervised_turns += p.unsupervised_turns
                     st.raw_bytes += sum(t.numel() * t.element_size() for t in res.values())
         except BaseException as e:  # surfaced by the main thread
             self.error = e
@@ -442,9 +447,12 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}
     device = resolve_device(cfg)
+    template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
-                             llm_config=cfg.llm_config)
+                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
+    elif template is not None or cfg.template_kwargs:
+        target.use_template(template, dict(cfg.template_kwargs))
     layout = make_layout(cfg, target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), **target.bundle_parts())
@@ -461,17 +469,24 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
             st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint)
             run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
                                 "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
-                                "skipped": dict(st.skipped), "seconds": round(st.seconds, 3)}
+                                "skipped": dict(st.skipped), "seconds": round(st.seconds, 3),
+                                "unsupervised_turns": st.unsupervised_turns}
     _barrier(world)
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
     manifest = finalize_dataset(
         str(out), layout=layout, fingerprint=fingerprint, capture_config=record,
         extra={"audio_token_id": layout.audio_token_id, "placeholder": target.placeholder,
-               "target_kind": type(target).__name__},
+               "target_kind": type(target).__name__, "chat_template": template_record(target)},
     )
     manifest["run_stats"] = {**run_stats, "seconds": round(time.perf_counter() - t0, 3)}
     return manifest
+
+
+def template_record(target: Target) -> dict[str, Any]:
+    """The manifest's note on how conversations became tokens (the text itself is in the bundle)."""
+    t = target.template
+    return {"sha256": template_sha(t.text), "kwargs": t.kwargs, "assistant_mask": t.mask_source}
 
 
 def summary(manifest: dict[str, Any]) -> str:
@@ -488,9 +503,11 @@ def summary(manifest: dict[str, Any]) -> str:
                 if secs else "")
         skipped = manifest.get("skipped", {}).get(split, [])
         reasons = Counter("too long" if x["reason"].startswith("too long") else "bad input" for x in skipped)
+        turns = (f"\n  {r['unsupervised_turns']} assistant turn(s) left unsupervised: rendered as the last turn they "
+                 "differ from the conversation's tokens (capture/template.py says why)" if r.get("unsupervised_turns") else "")
         lines.append(
             f"{split}: {s['samples']} samples, {s['tokens']:,} tokens ({s['supervised_tokens']:,} supervised), "
             f"{s['audio_seconds']:.1f}s audio, {len(s['shards'])} shard(s), {s['bytes'] / 1e6:.2f} MB"
-            f"; skipped {dict(reasons) or 0}\n{rate}"
+            f"; skipped {dict(reasons) or 0}\n{rate}{turns}"
         )
     return "\n".join(lines)

@@ -4,7 +4,7 @@ Checks: manifest present, valid, complete, known schema major, required keys; ta
 fingerprint; per shard: present, size, sha256, readable to the end, schema metadata (version,
 fingerprint, dtypes), row counts and record-batch byte ranges, every sample re-validated against
 the layout (dtype, shape, finite values) and the manifest's token/supervised/audio counts; split
-totals; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
+totals; no empty split; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
 """
 
 from __future__ import annotations
@@ -98,7 +98,14 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> Ver
         task = bar.add_task(str(url), total=total)
         for split, sh in shards:
             _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, lambda n: bar.advance(task, n))
+    if not m["splits"]:
+        rep.problems.append(f"{man_path}: lists no split; the dataset holds nothing (re-capture it)")
     for split, d in m["splits"].items():
+        if not d.get("samples"):
+            skipped = m.get("skipped", {}).get(split, [])
+            why = f"; first skip reason: {skipped[0]['sample_id']!r}: {skipped[0]['reason']}" if skipped else ""
+            rep.problems.append(f"{man_path}: split {split} has no samples ({len(skipped)} skipped){why}; "
+                                "re-capture it with inputs the target can use")
         for k in COUNT_KEYS + ("bytes",):
             got = sum(sh.get(k, 0) for sh in d["shards"])
             if abs(got - d.get(k, 0)) > 1e-6 * max(1.0, abs(got)):

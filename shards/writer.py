@@ -13,8 +13,9 @@ only truth on resume: reopening picks up its shards, deletes a leftover ``.tmp``
 renamed but not yet indexed), and ``next_index`` says where to continue. Shards roll when their
 size reaches ``shard_bytes`` (they overshoot by at most one record batch / one sample).
 
-``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint,
-renames shards to ``data/<split>-00000-of-00012.<ext>`` in (rank, seq) order, writes the card,
+``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint and that
+every split holds at least one sample (a split whose every input was skipped is refused, naming the
+first reasons, and no manifest is written), renames shards to ``data/<split>-00000-of-00012.<ext>`` in (rank, seq) order, writes the card,
 then ``manifest.json`` last.
 """
 
@@ -379,6 +380,21 @@ def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Lay
         raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
 
 
+def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root: str) -> None:
+    """A split in which no sample was written is not a dataset: refuse it, naming the first skip reasons."""
+    problems = []
+    for split, sparts in by_split.items():
+        if any(e["samples"] for _, part in sparts for e in part["shards"]):
+            continue
+        skips = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+        first = "; ".join(f"{s['sample_id']!r}: {s['reason']}" for s in skips[:3])
+        problems.append(f"split {split!r} has no samples: all {len(skips)} input(s) were skipped (first: {first})"
+                        if skips else f"split {split!r} has no samples: its input held none")
+    if problems:
+        raise ValueError(f"cannot finalize {root}: " + "; ".join(problems) + ". Fix the inputs or the target's chat "
+                         "template, then capture into a new --out directory")
+
+
 def _rename_to_final(fs: fsspec.AbstractFileSystem, root: str, split: str, entries: list[dict[str, Any]],
                      fmt: str) -> None:
     """Give a split's shards their final names in list order; restartable (``final`` records progress).
@@ -452,6 +468,7 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
     by_split: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
         by_split.setdefault(part["split"], []).append((path, part))
+    _check_not_empty(by_split, root)
     splits: dict[str, Any] = {}
     skipped: dict[str, list[dict[str, Any]]] = {}
     for split, sparts in by_split.items():

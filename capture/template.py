@@ -88,8 +88,14 @@ class ChatTemplate:
         return MASK_BY_MARKERS if self.has_markers else MASK_BY_PREFIX
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+        """The template's text for ``messages``; ValueError when the template refuses them (``raise_exception``)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **self.kwargs)
+        except TemplateError as e:
+            raise ValueError(f"the chat template refuses this conversation: {e}") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (the template writes its own special tokens)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ def summary(ds: Dataset) -> dict[str, Any]:
         "tap_ids_hf": list(lay.tap_ids), "tap_ids_vllm": lay.vllm_tap_ids, "hidden_size": lay.hidden_size,
         "num_layers": lay.num_layers, "top_k": lay.top_k, "dtypes": m["dtypes"], "codec": m["codec"],
         "skipped": sum(len(v) for v in m.get("skipped", {}).values()),
+        "chat_template": (m.get("extra") or {}).get("chat_template"),
     }
 
 
@@ -39,6 +41,7 @@ def render_summary(info: dict[str, Any]) -> str:
         f"codec        taps {info['codec']['taps_codec']}{' (LOSSY)' if info['codec']['lossy'] else ''}, "
         f"bf16 {info['codec']['bf16_layout']}, {info['codec']['container']} level {info['codec']['zstd_level']}",
         "dtypes       " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()),
+        "template     " + _template_line(info.get("chat_template")),
         "",
         f"{'split':<10}{'samples':>10}{'tokens':>12}{'supervised':>12}{'audio s':>10}{'shards':>8}{'size':>12}"
         f"{'B/token':>10}",
@@ -49,6 +52,14 @@ def render_summary(info: dict[str, Any]) -> str:
                      f"{d['bytes_per_token']:>10.1f}")
     lines.append(f"skipped inputs: {info['skipped']}")
     return "\n".join(lines)
+
+
+def _template_line(t: dict[str, Any] | None) -> str:
+    if not t:
+        return "not recorded (captured before template settings were: the bundle's template, no kwargs)"
+    sha = t.get("sha256") or ""
+    return (f"chat template sha256 {sha[:12]}, kwargs {json.dumps(t.get('kwargs') or {}, sort_keys=True)} "
+            f"(--template-kwarg), assistant mask from {t.get('assistant_mask')}")
 
 
 def describe_sample(sample: dict[str, Any]) -> str:

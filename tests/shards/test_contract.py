@@ -132,6 +132,30 @@ def test_bundle_round_trip_and_deterministic_fingerprint(tmp_path):
     assert write_bundle(tmp_path / "d", **args) != fp1
 
 
+def test_template_kwargs_are_in_the_bundle_and_its_fingerprint(tmp_path):
+    args = _bundle_args(tmp_path)
+    plain = write_bundle(tmp_path / "a", **args)
+    thinking_off = write_bundle(tmp_path / "b", **args, template_kwargs={"enable_thinking": False})
+    assert thinking_off != plain
+    assert write_bundle(tmp_path / "c", **args, template_kwargs={"enable_thinking": True}) not in (plain, thinking_off)
+    b = load_bundle(tmp_path / "b")
+    assert b.template_settings == ("{{ messages }}", {"enable_thinking": False})
+    assert bundle_fingerprint(**args, template_kwargs={"enable_thinking": False}) == thinking_off
+    # a bundle written before kwargs were recorded (no key in bundle.json) keeps its fingerprint
+    meta = tmp_path / "a" / "bundle.json"
+    doc = json.loads(meta.read_text())
+    assert doc.pop("template_kwargs") == {}
+    meta.write_text(json.dumps(doc))
+    old = load_bundle(tmp_path / "a")
+    assert old.fingerprint == plain and old.template_kwargs == {}
+    # editing the recorded kwargs is caught like any other edit
+    doc = json.loads((tmp_path / "b" / "bundle.json").read_text())
+    doc["template_kwargs"] = {"enable_thinking": True}
+    (tmp_path / "b" / "bundle.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="corrupted or was edited"):
+        load_bundle(tmp_path / "b")
+
+
 def test_bundle_detects_tampering_and_missing_dirs(tmp_path):
     write_bundle(tmp_path / "a", **_bundle_args(tmp_path))
     (tmp_path / "a" / "tokenizer" / "tokenizer.json").write_text('{"model": "edited"}')

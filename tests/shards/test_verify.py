@@ -57,6 +57,20 @@ def test_missing_and_incomplete_manifest(good):
     assert r.exit_code == 1 and "manifest.json: missing" in r.output
 
 
+def test_an_empty_split_is_a_problem(good):
+    root, _ = good
+
+    def add_empty(m):  # as an older tapdraft finalized a split whose every input was skipped
+        m["splits"]["validation"] = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0,
+                                     "bytes": 0, "shards": []}
+        m["skipped"]["validation"] = [{"index": 0, "sample_id": "v0", "reason": "no supervised tokens", "rank": 0}]
+
+    _patch_manifest(root, add_empty)
+    rep = verify_dataset(str(root), progress=False)
+    assert rep.problems == [f"{root}/manifest.json: split validation has no samples (1 skipped); first skip reason: "
+                            "'v0': no supervised tokens; re-capture it with inputs the target can use"]
+
+
 def test_unknown_schema_major(good):
     root, _ = good
     _patch_manifest(root, lambda m: m.update(schema_version="2.0"))

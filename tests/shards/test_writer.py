@@ -132,3 +132,17 @@ def test_shards_roll_by_bytes(tmp_path):
     assert all(b >= 20_000 for b in sizes[:-1]) and all(b < 20_000 + 8000 for b in sizes)
     for s in man["splits"]["train"]["shards"]:
         assert (tmp_path / s["name"]).stat().st_size == s["bytes"]
+
+
+def test_a_split_whose_every_input_was_skipped_is_not_finalized(tmp_path):
+    layout = tiny_layout()
+    fp = tiny_bundle(str(tmp_path / "target"), layout)
+    with DatasetWriter(str(tmp_path), CFG, layout, split="train") as w:
+        _write(w, range(3), layout)
+    with DatasetWriter(str(tmp_path), CFG, layout, split="validation") as w:
+        for i in range(4):
+            w.skip(i, f"v{i}", f"no supervised tokens: reason {i}")
+    with pytest.raises(ValueError, match=r"split 'validation' has no samples: all 4 input\(s\) were skipped \(first: "
+                                         r"'v0': no supervised tokens: reason 0; 'v1': .*; 'v2': .*\)\. Fix the inputs"):
+        finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
+    assert not (tmp_path / "manifest.json").exists()

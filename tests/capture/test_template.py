@@ -1,0 +1,158 @@
+"""The assistant mask from real chat-template formats (Qwen3 with thinking, Llama-3, Gemma) by prefix
+rendering, the {% generation %} cross-check, tokenisation boundaries, and template kwargs."""
+
+from __future__ import annotations
+
+import pytest
+
+from capture.salm import CHAT_TEMPLATE
+from capture.template import MASK_BY_MARKERS, MASK_BY_PREFIX, ChatTemplate
+from demo.target import build_word_tokenizer
+from shards.template import check_template, parse_template_kwargs
+from tests.capture.chat_templates import end_ids, make_tokenizer, supervised_runs
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+Q1 = {"role": "user", "content": "What is the capital of France?"}
+A1 = {"role": "assistant", "content": "Paris is the capital."}
+Q2 = {"role": "user", "content": "How many people live there?"}
+A2 = {"role": "assistant", "content": "About two million."}
+A2_THINK = {"role": "assistant", "content": "<think>\nLet me think.\n</think>\n\nAbout two million."}
+Q3 = {"role": "user", "content": "thanks"}
+A3 = {"role": "assistant", "content": "good question, bye"}
+
+
+def _template(family, **kwargs):
+    tok = make_tokenizer(family)
+    return tok, ChatTemplate(tok, kwargs=kwargs, end_ids=end_ids(tok, family))
+
+
+def _runs(family, messages, **kwargs):
+    tok, ct = _template(family, **kwargs)
+    t = ct.tokenize(messages)
+    assert ct.mask_source == MASK_BY_PREFIX and t.ids.shape == t.mask.shape
+    return supervised_runs(tok, t.ids, t.mask), t.unsupervised
+
+
+def test_llama3_every_turn_up_to_its_eot_and_nothing_else():
+    runs, dropped = _runs("llama3", [SYSTEM, Q1, A1, Q2, A2, Q3, A3])
+    assert runs == ["Paris is the capital.<|eot_id|>", "About two million.<|eot_id|>", "good question, bye<|eot_id|>"]
+    assert dropped == []
+    runs, _ = _runs("llama3", [Q1, A1])  # no system message: the template writes its default header
+    assert runs == ["Paris is the capital.<|eot_id|>"]
+
+
+def test_llama3_date_kwarg_changes_the_tokens_not_the_turns():
+    tok, plain = _template("llama3")
+    _, dated = _template("llama3", date_string="1 Jan 2026")
+    a, b = plain.tokenize([SYSTEM, Q1, A1]), dated.tokenize([SYSTEM, Q1, A1])
+    assert "Today Date: 1 Jan 2026" in dated.render([Q1]) and "26 Jul 2024" in plain.render([Q1])
+    assert a.ids.tolist() != b.ids.tolist()
+    assert supervised_runs(tok, a.ids, a.mask) == supervised_runs(tok, b.ids, b.mask)
+
+
+def test_gemma_system_prompt_goes_into_the_first_user_turn_and_is_not_supervised():
+    tok, ct = _template("gemma")
+    t = ct.tokenize([SYSTEM, Q1, A1, Q2, A2])
+    assert supervised_runs(tok, t.ids, t.mask) == ["Paris is the capital.<end_of_turn>",
+                                                   "About two million.<end_of_turn>"]
+    text = ct.render([SYSTEM, Q1, A1])
+    assert text.startswith("<bos><start_of_turn>user\nYou are a helpful assistant.\n\nWhat is")
+    assert not t.mask[t.ids == tok.convert_tokens_to_ids("<start_of_turn>")].any()
+
+
+def test_a_conversation_the_template_refuses_is_a_value_error():
+    _, ct = _template("gemma")
+    with pytest.raises(ValueError, match="refuses this conversation: Conversation roles must alternate"):
+        ct.tokenize([Q1, Q2, A1])
+
+
+def test_qwen3_thinking_on_supervises_the_think_block_of_the_last_turn():
+    runs, dropped = _runs("qwen3", [SYSTEM, Q1, A1])
+    assert runs == ["<think>\n\n</think>\n\nParis is the capital.<|im_end|>"]
+    runs, dropped = _runs("qwen3", [SYSTEM, Q1, A1, Q2, A2_THINK])
+    assert runs == ["<think>\nLet me think.\n</think>\n\nAbout two million.<|im_end|>"]
+    # the first reply loses its think block once a user turn follows: what the model wrote is not in the sample
+    assert len(dropped) == 1 and dropped[0].startswith("assistant turn 1 of 2: rendered as the last turn it differs")
+
+
+def test_qwen3_thinking_off_supervises_the_reply_after_the_empty_think_block():
+    runs, dropped = _runs("qwen3", [SYSTEM, Q1, A1], enable_thinking=False)
+    assert runs == ["Paris is the capital.<|im_end|>"]
+    runs, dropped = _runs("qwen3", [Q1, A1, Q2, A2, Q3, A3], enable_thinking=False)
+    assert runs == ["good question, bye<|im_end|>"]
+    assert len(dropped) == 2 and all("generation prompt is not a prefix" in r for r in dropped)
+    with pytest.raises(ValueError, match="no supervised tokens: assistant turn 1 of 1: its generation prompt"):
+        _runs("qwen3", [Q1, A2_THINK], enable_thinking=False)  # a reply with reasoning under thinking off
+
+
+def test_generation_markers_are_used_and_agree_with_prefix_rendering():
+    tok = build_word_tokenizer(["what", "did", "i", "say", "?", "you", "said", "one", "two", "."])
+    ct = ChatTemplate(tok, end_ids=[tok.eos_token_id])
+    assert ct.has_markers and ct.mask_source == MASK_BY_MARKERS
+    msgs = [{"role": "user", "content": "what did i say ?"}, {"role": "assistant", "content": "you said one ."},
+            {"role": "user", "content": "say ?"}, {"role": "assistant", "content": "two ."}]
+    t = ct.tokenize(msgs)
+    assert supervised_runs(tok, t.ids, t.mask) == ["you said one . <|im_end|>", "two . <|im_end|>"]
+    plain = ChatTemplate(tok, CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
+                         end_ids=[tok.eos_token_id])
+    assert not plain.has_markers and plain.tokenize(msgs).mask.tolist() == t.mask.tolist()
+
+
+def test_markers_that_contradict_the_template_refuse_the_sample():
+    tok = build_word_tokenizer(["what", "did", "i", "say", "?", "you", "said", "one", "."])
+    wrong = CHAT_TEMPLATE.replace("{% else %}{{ m['content'] + '<|im_end|>' }}",
+                                  "{% else %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}")
+    ct = ChatTemplate(tok, wrong, end_ids=[tok.eos_token_id])
+    with pytest.raises(ValueError, match="markers and its prefix rendering disagree at token 2"):
+        ct.tokenize([{"role": "user", "content": "what did i say ?"}, {"role": "assistant", "content": "you said one ."}])
+
+
+QWEN3_MARKED_HISTORY = (  # ChatML whose history turns are marked; the last turn's think block is marked too
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}{{- '<|im_start|>user\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- elif loop.last %}{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{- '<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_turns_prefix_rendering_cannot_check_follow_the_markers():
+    tok = make_tokenizer("qwen3")
+    ct = ChatTemplate(tok, QWEN3_MARKED_HISTORY, end_ids=end_ids(tok, "qwen3"))
+    t = ct.tokenize([Q1, A1, Q2, A2])
+    assert supervised_runs(tok, t.ids, t.mask) == ["Paris is the capital.<|im_end|>",
+                                                   "<think>\n\n</think>\n\nAbout two million.<|im_end|>"]
+    assert t.unsupervised == []
+
+
+def test_a_tokenizer_merge_across_the_turn_boundary_is_refused_with_the_reason():
+    tok = make_tokenizer("llama3")
+    colon = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    ct = ChatTemplate(tok, colon, end_ids=end_ids(tok, "llama3"))
+    # the prompt ends in a lone space token; the conversation has it merged into " Paris"
+    with pytest.raises(ValueError, match="no supervised tokens: assistant turn 1 of 1: its generation prompt is not a "
+                                         "prefix .* merges text across the turn boundary"):
+        ct.tokenize([Q1, A1])
+
+
+def test_template_kwargs_parse_validate_and_compare():
+    kw = parse_template_kwargs(["enable_thinking=false", "system_prompt=Be brief.", "n=3", 'tags=["a"]'])
+    assert kw == {"enable_thinking": False, "n": 3, "system_prompt": "Be brief.", "tags": ["a"]}
+    assert list(kw) == sorted(kw)
+    for bad, msg in (("add_generation_prompt=true", "set by tapdraft"), ("no-equals", "key=value"),
+                     ("2x=1", "identifier")):
+        with pytest.raises(ValueError, match=msg):
+            parse_template_kwargs([bad])
+    dataset = ("TEMPLATE", {"enable_thinking": False})
+    check_template(dataset, template="TEMPLATE", kwargs={"enable_thinking": False}, where="ds", given_by="x")
+    check_template(dataset, where="ds", given_by="x")  # no expectation: nothing to refuse
+    with pytest.raises(ValueError, match=r"^ds was captured with other chat-template settings: speculate has "
+                                         r"template kwargs \{\} \(the dataset's are \{\"enable_thinking\": false\}\)"):
+        check_template(dataset, template="TEMPLATE", kwargs={}, where="ds", given_by="speculate")
+    with pytest.raises(ValueError, match=r"train has chat template sha256 \w+ \(the dataset's is sha256 \w+\); use") as e:
+        check_template(dataset, template="OTHER", where="ds", given_by="train")
+    assert "\n" not in str(e.value)

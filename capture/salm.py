@@ -9,7 +9,7 @@
 Expansion replaces each placeholder token by its audio's N frame embeddings, so the expanded length
 is T = tokens - placeholders + sum(N). Audio positions carry the sentinel id ``audio_token_id``
 (the placeholder's own id unless configured), are marked in ``is_audio`` and are never supervised;
-``loss_mask`` covers assistant turns as the chat template marks them (``{% generation %}`` blocks).
+``loss_mask`` covers assistant turns as the chat template gives them (capture.template).
 
 Everything lives in ONE local directory, each part in the format its library loads natively:
 
@@ -49,8 +49,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""ChatML with the assistant content (and its end token) inside ``{% generation %}``, which is how
-``apply_chat_template(return_assistant_tokens_mask=True)`` learns which tokens are supervised."""
+"""ChatML with the assistant content (and its end token) inside ``{% generation %}``: capture takes the
+supervised mask from these markers and checks it against prefix rendering (capture.template)."""
 
 SPECIAL_TOKENS = ("<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>", DEFAULT_PLACEHOLDER)
 

@@ -60,7 +60,7 @@ def build_word_tokenizer(words: Sequence[str], *, placeholder: str = DEFAULT_PLA
     """A word-level tokenizer over ``words`` (+ ChatML specials + the placeholder) with the chat template.
 
     Word-level on a closed vocabulary keeps the demo's LM tiny; any HF fast tokenizer works with the
-    SALM as long as its chat template marks assistant turns with ``{% generation %}``.
+    SALM with a chat template (capture.template derives the supervised tokens from any template).
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -107,8 +107,9 @@ class ChatTemplate:
 
     def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
         """Ids and supervised mask of a conversation; ValueError when no token is supervised."""
-        full = self.encode(self.render(messages))
-        spans, reasons, known = self._prefix_spans(messages, full)
+        text = self.render(messages)
+        full = self.encode(text)
+        spans, reasons, known = self._prefix_spans(messages, text, full)
         derived = torch.zeros(len(full), dtype=torch.bool)
         for s, e in spans:
             derived[s:e] = True
@@ -133,9 +134,11 @@ class ChatTemplate:
         return Tokenized(torch.tensor(full, dtype=torch.long), mask, reasons)
 
     # ------------------------------------------------------------------ derivation
-    def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], full: list[int]
+    def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], text: str, full: list[int]
                       ) -> tuple[list[tuple[int, int]], list[str], list[int]]:
-        """Checked spans [start, end) of F, reasons for unchecked turns, positions whose truth is known."""
+        """Checked spans [start, end) of F, reasons for unchecked turns, positions whose truth is known.
+
+        Texts are compared first (cheap), tokens only for the turns whose texts are prefixes."""
         spans: list[tuple[int, int]] = []
         reasons: list[str] = []
         known: list[int] = []
@@ -145,20 +148,32 @@ class ChatTemplate:
             if i == 0:
                 reasons.append(f"{where} opens the conversation: there is no prompt to render before it")
                 continue
-            prompt = self.encode(self.render(messages[:i], add_generation_prompt=True))
-            through = self.encode(self.render(messages[: i + 1]))
+            p_text = self.render(messages[:i], add_generation_prompt=True)
+            q_text = self.render(messages[: i + 1])
+            if not text.startswith(p_text):
+                c = _text_mismatch(p_text, text)
+                reasons.append(f"{where}: its generation prompt is not a prefix of the conversation (character {c}: "
+                               f"prompt {p_text[c:c + 16]!r}, conversation {text[c:c + 16]!r}); the template renders "
+                               "the prompt differently from the conversation")
+                continue
+            if not text.startswith(q_text):
+                c = _text_mismatch(q_text, text)
+                reasons.append(f"{where}: rendered as the last turn it differs from the conversation (character {c}: "
+                               f"{q_text[c:c + 16]!r} vs {text[c:c + 16]!r}); the template renders it differently once "
+                               "later turns follow, so its produced tokens are not in the sample")
+                continue
+            prompt, through = self.encode(p_text), self.encode(q_text)
             j = _mismatch(prompt, full)
             if j is not None:
                 reasons.append(f"{where}: its generation prompt is not a prefix of the conversation's tokens "
                                f"(token {j}: prompt {self._show(prompt, j)}, conversation {self._show(full, j)}); "
-                               "the template renders the prompt differently from the conversation, or the tokenizer "
-                               "merges text across the turn boundary")
+                               "the tokenizer merges text across the turn boundary")
                 continue
             j = _mismatch(through, full)
             if j is not None:
-                reasons.append(f"{where}: rendered as the last turn it differs from the conversation "
-                               f"(token {j}: {self._show(through, j)} vs {self._show(full, j)}); the template renders "
-                               "it differently once later turns follow, so its produced tokens are not in the sample")
+                reasons.append(f"{where}: its tokens are not a prefix of the conversation's (token {j}: "
+                               f"{self._show(through, j)} vs {self._show(full, j)}); the tokenizer merges text across "
+                               "the end of the turn")
                 continue
             start, end = len(prompt), len(through)
             last_end = max((k for k in range(start, end) if full[k] in self.end_ids), default=None)
@@ -182,6 +197,11 @@ class ChatTemplate:
 
     def _show(self, ids: list[int], j: int) -> str:
         return repr(self.tokenizer.decode([ids[j]])) if j < len(ids) else "<end>"
+
+
+def _text_mismatch(prefix: str, text: str) -> int:
+    """First character where ``prefix`` and ``text`` differ."""
+    return next((c for c, (a, b) in enumerate(zip(prefix, text)) if a != b), min(len(prefix), len(text)))
 
 
 def _mismatch(prefix: list[int], full: list[int]) -> int | None:

@@ -194,3 +194,15 @@ def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path)
     two.audios = two.audios * 2
     with pytest.raises(ValueError, match="one audio per conversation"):
         target.prepare(two, 0)
+
+
+def test_a_template_without_generation_markers_gives_the_same_expanded_mask(target):
+    """Published speech-LLM templates carry no {% generation %} markers: prefix rendering finds the same turns."""
+    conv = _conv("a", 16000, 0, "you said two three .")
+    marked = target.prepare(conv, 0)
+    assert target.template.has_markers
+    target.use_template(target.template.text.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    assert not target.template.has_markers
+    plain = target.prepare(conv, 0)
+    assert torch.equal(plain.token_ids, marked.token_ids) and torch.equal(plain.assistant_mask, marked.assistant_mask)
+    assert int(plain.assistant_mask.sum()) == 6 and plain.unsupervised_turns == 0

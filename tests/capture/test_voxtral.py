@@ -93,3 +93,13 @@ def test_tekken_audio_rate_must_match_the_encoder(tmp_path):
     d = save_voxtral(tmp_path, frame_rate=10.0)
     with pytest.raises(ValueError, match="300 tokens per 30 s chunk but the model's encoder gives 375"):
         load_target(d)
+
+
+def test_mistral_layout_without_generation_markers_gives_the_same_mask(target):
+    """Mistral's [INST] ... [/INST] reply</s> layout as published (no markers): prefix rendering finds the reply."""
+    conv = _conv("a", 16000, 0)
+    marked = target.prepare(conv, 0)
+    target.use_template(target.template.text.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    plain = target.prepare(conv, 0)
+    assert torch.equal(plain.token_ids, marked.token_ids) and torch.equal(plain.assistant_mask, marked.assistant_mask)
+    assert target.tokenizer.decode(plain.token_ids[plain.assistant_mask]) == "you said one two .</s>"

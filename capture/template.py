@@ -108,16 +108,17 @@ class ChatTemplate:
     def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
         """Ids and supervised mask of a conversation; ValueError when no token is supervised."""
         text = self.render(messages)
-        full = self.encode(text)
-        spans, reasons, known = self._prefix_spans(messages, text, full)
+        enc = _Encoded(self, text)
+        full = enc.ids
+        spans, reasons, known = self._prefix_spans(messages, text, enc)
         derived = torch.zeros(len(full), dtype=torch.bool)
         for s, e in spans:
             derived[s:e] = True
         if self.has_markers:
             mask = self._marker_mask(messages, full)
-            bad = [j for j in known if bool(mask[j]) != bool(derived[j])]
-            if bad:
-                j = bad[0]
+            bad = torch.nonzero((mask != derived) & known).flatten()
+            if bad.numel():
+                j = int(bad[0])
                 raise ValueError(
                     f"the chat template's {{% generation %}} markers and its prefix rendering disagree at token {j} "
                     f"({self._show(full, j)}: markers say {'' if mask[j] else 'not '}supervised); fix the markers or "
@@ -134,14 +135,15 @@ class ChatTemplate:
         return Tokenized(torch.tensor(full, dtype=torch.long), mask, reasons)
 
     # ------------------------------------------------------------------ derivation
-    def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], text: str, full: list[int]
-                      ) -> tuple[list[tuple[int, int]], list[str], list[int]]:
+    def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], text: str, enc: "_Encoded"
+                      ) -> tuple[list[tuple[int, int]], list[str], torch.Tensor]:
         """Checked spans [start, end) of F, reasons for unchecked turns, positions whose truth is known.
 
         Texts are compared first (cheap), tokens only for the turns whose texts are prefixes."""
+        full = enc.ids
         spans: list[tuple[int, int]] = []
         reasons: list[str] = []
-        known: list[int] = []
+        known = torch.zeros(len(full), dtype=torch.bool)  # positions whose truth prefix rendering knows
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         for n, i in enumerate(turns):
             where = f"assistant turn {n + 1} of {len(turns)}"
@@ -162,7 +164,7 @@ class ChatTemplate:
                                f"{q_text[c:c + 16]!r} vs {text[c:c + 16]!r}); the template renders it differently once "
                                "later turns follow, so its produced tokens are not in the sample")
                 continue
-            prompt, through = self.encode(p_text), self.encode(q_text)
+            prompt, through = enc.prefix_ids(p_text), enc.prefix_ids(q_text)
             j = _mismatch(prompt, full)
             if j is not None:
                 reasons.append(f"{where}: its generation prompt is not a prefix of the conversation's tokens "
@@ -183,9 +185,9 @@ class ChatTemplate:
                 reasons.append(f"{where} is empty")
                 continue
             spans.append((start, end))
-            known.extend(range(start, len(through)))
+            known[start : len(through)] = True
             if n == 0:
-                known.extend(range(start))  # nothing before the first assistant turn is supervised
+                known[:start] = True  # nothing before the first assistant turn is supervised
         return spans, reasons, known
 
     def _marker_mask(self, messages: Sequence[Mapping[str, Any]], full: list[int]) -> torch.Tensor:
@@ -204,8 +206,45 @@ def _text_mismatch(prefix: str, text: str) -> int:
     return next((c for c, (a, b) in enumerate(zip(prefix, text)) if a != b), min(len(prefix), len(text)))
 
 
+class _Encoded:
+    """A rendered conversation's tokens, and the tokens of any prefix of its text without encoding it whole.
+
+    HF tokenizers (fast and slow) first split a text on its added tokens (the specials a template
+    writes) and encode the pieces between them independently. So a text prefix that ends after added
+    token a of the conversation encodes as the conversation's tokens before a, then the encoding of
+    the prefix's text from a on; starting that re-encoding at the added token itself keeps a piece
+    that is not the text's first one from being treated as first (Metaspace's prepend scheme "first").
+    This turns the quadratic cost of encoding every turn's prefix into encoding the last turn of each.
+    ``tests/capture/test_template.py`` checks it against whole encodings at every cut of several tokenizers.
+    """
+
+    def __init__(self, ct: ChatTemplate, text: str):
+        self.ct = ct
+        tok = ct.tokenizer
+        self.anchors: list[tuple[int, int, int]] = []  # (end char, start char, token index) of each added token
+        if getattr(tok, "is_fast", False):
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            self.ids = list(enc["input_ids"])
+            added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
+            self.anchors = [(e, s, k) for k, (t, (s, e)) in enumerate(zip(self.ids, enc["offset_mapping"]))
+                            if t in added and added[t] in text[s:e]]  # matched in the text (not an <unk> output)
+        else:
+            self.ids = ct.encode(text)
+
+    def prefix_ids(self, prefix: str) -> list[int]:
+        """The token ids ``prefix`` (a prefix of the text) encodes to."""
+        start_char = start_tok = 0
+        for end, s, k in self.anchors:
+            if end > len(prefix):
+                break
+            start_char, start_tok = s, k
+        return self.ids[:start_tok] + self.ct.encode(prefix[start_char:])
+
+
 def _mismatch(prefix: list[int], full: list[int]) -> int | None:
     """First index where ``prefix`` is not ``full``'s prefix (None when it is one)."""
+    if full[: len(prefix)] == prefix:
+        return None
     for j, t in enumerate(prefix):
         if j >= len(full) or full[j] != t:
             return j

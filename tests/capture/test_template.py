@@ -156,3 +156,47 @@ def test_template_kwargs_parse_validate_and_compare():
     with pytest.raises(ValueError, match=r"train has chat template sha256 \w+ \(the dataset's is sha256 \w+\); use") as e:
         check_template(dataset, template="OTHER", where="ds", given_by="train")
     assert "\n" not in str(e.value)
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style BPE (Metaspace, prepend scheme "first": only the text's first piece gets a ▁), whose
+    end-of-turn token absorbs the whitespace around it (lstrip/rstrip)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.capture.chat_templates import _CORPUS
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=[
+        "<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]))
+    tk.add_special_tokens([AddedToken("<end_of_turn>", lstrip=True, rstrip=True, special=True)])  # eats spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = GEMMA_TEMPLATE
+    assert tok(" <end_of_turn>\n", add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids("<end_of_turn>")]
+    return tok
+
+
+from tests.capture.chat_templates import GEMMA as GEMMA_TEMPLATE  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma", "metaspace", "words"])
+def test_prefix_tokens_from_the_conversation_equal_encoding_the_prefix_whole(family):
+    """The shortcut capture.template takes (re-encode only after the last special token) at every cut."""
+    from capture.template import _Encoded
+
+    if family == "metaspace":
+        tok = _metaspace_tokenizer()
+    elif family == "words":
+        tok = build_word_tokenizer(["what", "is", "the", "capital", "of", "france", "?", "paris", "."])
+    else:
+        tok = make_tokenizer(family)
+    ct = ChatTemplate(tok, end_ids=[tok.eos_token_id])
+    msgs = [SYSTEM, Q1, A1, Q2, A2] if family not in ("words",) else [
+        {"role": "user", "content": "what is the capital of france ?"}, {"role": "assistant", "content": "paris ."}]
+    text = ct.render(msgs)
+    enc = _Encoded(ct, text)
+    assert enc.ids == ct.encode(text) and (family == "words" or len(enc.anchors) >= 5)
+    for c in range(len(text) + 1):
+        assert enc.prefix_ids(text[:c]) == ct.encode(text[:c]), (c, text[:c][-20:])

@@ -112,3 +112,23 @@ def test_a_split_whose_every_sample_is_refused_fails_and_leaves_no_dataset(qwen3
     assert complete_manifest(str(out)) is None and not (out / "manifest.json").exists()
     with pytest.raises(ValueError, match="has no samples"):  # a rerun does not turn it into a dataset either
         capture(cfg)
+
+
+def test_cli_options_reach_the_dataset_and_inspect_shows_them(qwen3_dir, inputs, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    data, tpl = inputs
+    out = tmp_path / "ds"
+    r = CliRunner().invoke(app, ["capture", "--target", str(qwen3_dir), "--data", str(data), "--out", str(out),
+                                 "--top-k", "4", "--chat-template", str(tpl), "--template-kwarg",
+                                 "enable_thinking=false", "--template-kwarg", "date_string=1 Jan 2026"])
+    assert r.exit_code == 0, r.output
+    assert "1 assistant turn(s) left unsupervised" in r.output
+    kw = {"date_string": "1 Jan 2026", "enable_thinking": False}
+    assert open_dataset(str(out)).bundle().template_settings == (QWEN3, kw)
+    r = CliRunner().invoke(app, ["inspect", str(out)])
+    assert r.exit_code == 0 and (f"chat template sha256 {template_sha(QWEN3)[:12]}, kwargs "
+                                 '{"date_string": "1 Jan 2026", "enable_thinking": false}') in r.output
+    assert "assistant mask from prefix rendering" in r.output

@@ -73,11 +73,20 @@ def eval_(
     split: str = typer.Option(None, "--split", help="Split to evaluate (default: validation/test if present, else the training split)."),
     out: str = typer.Option(None, "--out", help="Where eval.json and acceptance.png go (default RUN/eval-SPLIT)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Evaluate at most this many samples."),
+    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file the drafter will be served with: a "
+                                      "dataset captured with another template is refused."),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value the "
+                                             "drafter will be served with (repeatable); a dataset captured with "
+                                             "other kwargs is refused."),
 ) -> None:
     """Offline teacher-forced acceptance per block position and tau, with a PNG plot beside the JSON."""
+    from shards.template import parse_template_kwargs, read_template_file
     from train.evaluate import evaluate, format_result
 
-    typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples)))
+    template = None if chat_template is None else read_template_file(chat_template)
+    kwargs = parse_template_kwargs(template_kwarg) if template_kwarg else None
+    typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples,
+                                      template=template, template_kwargs=kwargs)))
 
 
 @app.command()
@@ -172,13 +181,19 @@ def speculate(
     seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
     device: str = typer.Option("cpu", "--device", help="Device for the target and the drafter."),
     llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."),
+    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template "
+                                      "(must be the one the dataset was captured with)."),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value "
+                                             "(repeatable; must equal the capture's)."),
 ) -> None:
     """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate."""
+    from shards.template import parse_template_kwargs
     from speculate.run import SpeculateConfig, format_result, run_speculate
 
     cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
-                          llm_config=llm_config)
+                          llm_config=llm_config, chat_template=chat_template,
+                          template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()))
     typer.echo(format_result(run_speculate(cfg)))
 
 

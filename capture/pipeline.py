@@ -49,12 +49,11 @@ import torch
 from capture.config import CaptureConfig, check_resume
 from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
-from capture.template import read_template_file
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
 from shards.schema import Layout, NonFiniteError
-from shards.template import template_sha
+from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
 from shards.writer import DatasetWriter, finalize_dataset
 
@@ -370,7 +369,7 @@ def _raise_if_failed(wt: "_WriterThread") -> None:
 def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_size: int
                ) -> Iterator[tuple[int, Any]]:
     """This rank's (local index, Conversation | BadInput) of one split's inputs."""
-    placeholder = target.placeholder or "<|audioplaceholder|>"
+    placeholder = target.input_placeholder
     return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), cfg.max_samples), rank, world_size)
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from capture.hooks import LayerTaps
 from capture.inputs import Conversation, load_audio
-from capture.salm import SALM, Expanded, expand_placeholders
+from capture.salm import DEFAULT_PLACEHOLDER, SALM, Expanded, expand_placeholders
 from capture.template import ChatTemplate, Tokenized
 from shards.schema import teacher_rows
 
@@ -119,6 +119,12 @@ class Target(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.lm.parameters()).device
+
+    @property
+    def input_placeholder(self) -> str:
+        """The string that marks an audio in input conversations (a text-only target: the default, so that
+        audio in its inputs is counted and refused rather than every text taken for placeholders)."""
+        return self.placeholder or DEFAULT_PLACEHOLDER
 
     @property
     def template(self) -> ChatTemplate:

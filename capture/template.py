@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -44,17 +43,6 @@ from shards.template import template_kwargs
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MASK_BY_MARKERS = "generation markers"
 MASK_BY_PREFIX = "prefix rendering"
-
-
-def read_template_file(path: str | Path) -> str:
-    """The Jinja text of a ``--chat-template`` file."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"chat template file {p} does not exist; pass a Jinja file to --chat-template")
-    text = p.read_text()
-    if not text.strip():
-        raise ValueError(f"chat template file {p} is empty")
-    return text
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 RESERVED_KWARGS = frozenset({
@@ -57,6 +58,17 @@ def parse_template_kwargs(pairs: Iterable[str]) -> dict[str, Any]:
     return template_kwargs(out)
 
 
+def read_template_file(path: str | Path) -> str:
+    """The Jinja text of a ``--chat-template`` file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"chat template file {p} does not exist; pass a Jinja file to --chat-template")
+    text = p.read_text()
+    if not text.strip():
+        raise ValueError(f"chat template file {p} is empty")
+    return text
+
+
 def template_sha(text: str | None) -> str | None:
     """sha256 of a template's text (None for no template)."""
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
@@ -76,6 +88,8 @@ def check_template(
     kwargs: Mapping[str, Any] | None = None,
     where: str,
     given_by: str,
+    hint: str = "use the capture's --chat-template/--template-kwarg settings (tapdraft inspect shows them) or a "
+                "dataset captured with yours",
 ) -> None:
     """Refuse (one-line ValueError) when the given template text or kwargs differ from the dataset's.
 
@@ -90,11 +104,8 @@ def check_template(
         diffs.append(f"template kwargs {json.dumps(template_kwargs(kwargs), sort_keys=True)} (the dataset's are "
                      f"{json.dumps(d_kw, sort_keys=True)})")
     if diffs:
-        raise ValueError(
-            f"{where} was captured with other chat-template settings: {given_by} has " + " and ".join(diffs)
-            + "; use the capture's --chat-template/--template-kwarg settings (tapdraft inspect shows them) or a "
-            "dataset captured with yours"
-        )
+        raise ValueError(f"{where} was captured with other chat-template settings: {given_by} has "
+                         + " and ".join(diffs) + f"; {hint}")
 
 
 def _short(text: str | None) -> str:

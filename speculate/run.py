@@ -17,8 +17,11 @@ hard tokens, and a round near the end of a reply can accept only what is left of
 replay (``tau_replayed``) walks the same rounds on the dataset and matches live decoding when the
 replies are the target's own (demo, 120 replies: live 2.827, replay 2.827, uniform anchors 4.366).
 
-The live target must be the one the dataset was captured from: its bundle fingerprint is
-recomputed from the loaded model and compared with the drafter's.
+The live target must be the one the dataset was captured from, tokenizing with the same chat
+template and kwargs: the target is loaded with the template settings given (its own template, or
+``chat_template``; ``template_kwargs``), which are compared with the dataset's first (one line naming
+what differs), then its bundle fingerprint is recomputed from the loaded model and compared with the
+drafter's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from capture.load import load_target
 from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from shards.head import head_spec
+from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
                               target_greedy)
 from train.run import Trained, load_trained
@@ -67,8 +71,13 @@ class SpeculateConfig:
     """Where the target and the drafter run."""
     llm_config: str | None = None
     """NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."""
+    chat_template: str | None = None
+    """Jinja file replacing the target's chat template (as served); None: the target's own."""
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Chat-template kwargs as served (e.g. enable_thinking=False), as (key, value) pairs or a dict."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
         if self.max_samples < 1 or self.max_new_tokens < 1:
             raise ValueError("max_samples and max_new_tokens must be >= 1")
         if self.temperature < 0:
@@ -95,7 +104,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     """Decode up to ``cfg.max_samples`` conversations with the target and the drafter; returns the report."""
     target, loaded = load_pair(cfg)
     decoder = _Decoder(cfg, target, loaded)
-    items = read_inputs(cfg.conversations, placeholder=target.placeholder or "")
+    items = read_inputs(cfg.conversations, placeholder=target.input_placeholder)
     bar = _bar(progress, cfg.max_samples)
     for conv in items:
         if decoder.n >= cfg.max_samples:
@@ -113,9 +122,15 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
 
 
 def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
-    """The live target and the trained drafter; refused when the target is not the dataset's."""
-    target = load_target(cfg.target, device=cfg.device, llm_config=cfg.llm_config)
+    """The live target and the trained drafter; refused when the target or its template settings are not the
+    dataset's."""
+    template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
+    target = load_target(cfg.target, device=cfg.device, llm_config=cfg.llm_config, template=template,
+                         template_kwargs=dict(cfg.template_kwargs))
     loaded = load_trained(cfg.draft, cfg.data, device=cfg.device)
+    check_template(loaded.src.bundle.template_settings, template=target.template.text, kwargs=target.template.kwargs,
+                   where=str(cfg.data), given_by="speculate's target (its own template or --chat-template, and "
+                   "--template-kwarg)")
     live_fp = target_fingerprint(target)
     if live_fp != loaded.src.fingerprint:
         raise ValueError(

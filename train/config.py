@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from shards.template import template_kwargs as canonical_template_kwargs
 from train.drafter import get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -89,6 +90,12 @@ class TrainConfig:
     """Checkpoints kept on disk (older ones deleted)."""
     fingerprint: str | None = None
     """Expected target fingerprint; a dataset of another target is refused (None: accept the dataset's)."""
+    chat_template: str | None = None
+    """Jinja file of the chat template the drafter will be served with; a dataset captured with another is
+    refused (None: accept the dataset's)."""
+    template_kwargs: dict[str, Any] | None = None
+    """Chat-template kwargs it will be served with, e.g. {enable_thinking: false}; a dataset captured with
+    others is refused (None: accept the dataset's)."""
     num_threads: int | None = None
     """torch CPU threads (None leaves torch's default)."""
     progress: bool = True
@@ -109,6 +116,8 @@ class TrainConfig:
             raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"train.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.template_kwargs is not None:
+            object.__setattr__(self, "template_kwargs", canonical_template_kwargs(self.template_kwargs))
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,9 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         raise ValueError(f"{where}: {value!r} does not match {tp}")
     if origin is tuple and isinstance(value, (list, tuple)):
         return tuple(_check_type(v, typing.get_args(tp)[0], where) for v in value)
+    if origin is dict and isinstance(value, dict):
+        key_tp, value_tp = typing.get_args(tp)
+        return {_check_type(k, key_tp, where): _check_type(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     if tp is Any or (tp is type(None) and value is None):
         return value
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string

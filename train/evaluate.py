@@ -38,9 +38,14 @@ def evaluate(
     device: str = "cpu",
     max_tokens: int | None = None,
     plot: bool = True,
+    template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result."""
-    loaded = load_trained(run_dir, data, split=split, device=device)
+    """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result.
+
+    ``template`` (Jinja text) / ``template_kwargs``: the chat-template settings the drafter is meant for;
+    a dataset captured with others is refused (None: no expectation)."""
+    loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
     model, src, run, state, ck, split = loaded.model, loaded.src, loaded.run, loaded.state, loaded.checkpoint, loaded.split
     run_dir = Path(run_dir)
     tc = run.train

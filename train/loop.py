@@ -34,8 +34,8 @@ from train.acceptance import tau_from_alpha
 from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafter import Drafter, combine_terms, reduce_metrics
-from train.run import (CKPT_VERSION, CONFIG_FILE, DataSource, build_drafter, check_data, latest_checkpoint,
-                       load_checkpoint, open_source, save_checkpoint)
+from train.run import (CKPT_VERSION, CONFIG_FILE, DataSource, build_drafter, check_data, check_trained_template,
+                       latest_checkpoint, load_checkpoint, open_source, save_checkpoint, template_state)
 
 
 def lr_lambda(tc: Any):
@@ -161,6 +161,7 @@ def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[st
             f"{ckpt_path} was written by a run with another config ({'; '.join(diffs)}); "
             f"use a new --out directory or the same config"
         )
+    check_trained_template(ckpt, src, out)
     if ckpt.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "
                          f"{src.fingerprint[:12]}; resume with the dataset it was trained on")
@@ -349,6 +350,7 @@ def _checkpoint(out: Path, step: int, run: RunConfig, t: _Trainer, src: DataSour
             "step": step,
             "config": run.to_dict(),
             "fingerprint": src.fingerprint,
+            "template": template_state(src),
             "draft": {k: v.detach().cpu() for k, v in t.model.state_dict().items()},
             "optimizer": t.opt.state_dict(),
             "scheduler": t.sched.state_dict(),

@@ -28,6 +28,7 @@ import torch
 from shards.atomic import recover_dir, staged
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
+from shards.template import check_template, read_template_file
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafter import Drafter, get_family
@@ -94,8 +95,30 @@ def check_data(run: RunConfig, src: DataSource) -> None:
         )
     if src.supervised <= 0:
         raise ValueError(f"dataset {src.where} split {src.split!r} has no supervised tokens: nothing to train on")
+    tc = run.train
+    if tc.chat_template is not None or tc.template_kwargs is not None:
+        check_template(src.bundle.template_settings,
+                       template=None if tc.chat_template is None else read_template_file(tc.chat_template),
+                       kwargs=tc.template_kwargs, where=f"dataset {src.where}",
+                       given_by="this run (train.chat_template / train.template_kwargs)")
     _, cls = get_family(run.family)
     cls.check_dataset(run.drafter, src.bundle, src.layout)
+
+
+def template_state(src: DataSource) -> dict[str, Any]:
+    """The chat-template settings a checkpoint records: those of the dataset it was trained on."""
+    text, kwargs = src.bundle.template_settings
+    return {"text": text, "kwargs": kwargs}
+
+
+def check_trained_template(state: dict[str, Any], src: DataSource, run_dir: str | Path) -> None:
+    """Refuse a dataset whose chat-template settings differ from those the checkpoint was trained with
+    (checkpoints written before the settings were recorded pass: the fingerprint still covers them)."""
+    t = state.get("template")
+    if t is not None:
+        check_template(src.bundle.template_settings, template=t["text"], kwargs=t["kwargs"],
+                       where=f"dataset {src.where}", given_by=f"the draft in {run_dir} was trained on a dataset that",
+                       hint="use a dataset captured with the settings the draft was trained with")
 
 
 def build_drafter(run: RunConfig, src: DataSource) -> Drafter:
@@ -171,14 +194,20 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, dict[str, Any]]:
     return run, ck, load_checkpoint(ck)
 
 
-def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu") -> Trained:
+def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu",
+                 template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> Trained:
     """Load the latest checkpoint of ``run_dir`` for ``data`` (an evaluation split by default).
 
-    Refuses a directory that is not a run, a run with no checkpoint, and a dataset of another target.
+    Refuses a directory that is not a run, a run with no checkpoint, a dataset of another target or with
+    other chat-template settings than the draft was trained with, and one that differs from the given
+    ``template`` text / ``template_kwargs`` (None: no expectation).
     """
     run, ck, state = load_run(run_dir)
     ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
     src = open_source(ds, split or _pick_split(list(ds.splits), run.train.split))
+    check_trained_template(state, src, run_dir)
+    check_template(src.bundle.template_settings, template=template, kwargs=template_kwargs,
+                   where=f"dataset {src.where}", given_by="the settings given (--chat-template/--template-kwarg)")
     if state.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(
             f"the draft in {run_dir} was trained for target {state['fingerprint'][:12]}, but {src.where} was "

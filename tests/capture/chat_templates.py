@@ -141,3 +141,22 @@ def supervised_runs(tok, ids, mask) -> list[str]:
     if cur:
         runs.append(cur)
     return [tok.decode(r) for r in runs]
+
+
+def save_qwen3(d, *, with_template: bool = False, layers: int = 2, seed: int = 0):
+    """A tiny random-init Qwen3ForCausalLM + the qwen3 tokenizer saved with ``save_pretrained`` (HF layout);
+    the tokenizer carries the QWEN3 template only when ``with_template``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = make_tokenizer("qwen3")
+    if not with_template:
+        tok.chat_template = None
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from capture.config import CaptureConfig
 from capture.load import load_target
@@ -17,7 +16,7 @@ from shards.manifest import complete_manifest
 from shards.reader import open_dataset
 from shards.template import template_sha
 from shards.writer import ShardConfig
-from tests.capture.chat_templates import QWEN3, end_ids, make_tokenizer
+from tests.capture.chat_templates import QWEN3, end_ids, make_tokenizer, save_qwen3
 
 CONVS = [
     [("System", "You are a helpful assistant."), ("User", "What is the capital of France?"),
@@ -30,19 +29,7 @@ CONVS = [
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = make_tokenizer("qwen3")
-    tok.chat_template = None  # the template comes from --chat-template
-    eot = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
-                      eos_token_id=eot, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("qwen3")
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_qwen3(tmp_path_factory.mktemp("qwen3"))  # its tokenizer has no template: --chat-template gives it
 
 
 @pytest.fixture()

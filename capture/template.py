@@ -89,10 +89,6 @@ class ChatTemplate:
         """Token ids of rendered text (the template writes its own special tokens)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> torch.Tensor:
-        """int64 [L] ids of ``messages`` followed by the generation prompt."""
-        return torch.tensor(self.encode(self.render(messages, add_generation_prompt=True)), dtype=torch.long)
-
     def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
         """Ids and supervised mask of a conversation; ValueError when no token is supervised."""
         text = self.render(messages)
@@ -119,7 +115,8 @@ class ChatTemplate:
         else:
             mask = derived
             if not bool(mask.any()):
-                raise ValueError(f"no supervised tokens: {reasons[0] if reasons else 'the conversation has no assistant turn'}")
+                why = reasons[0] if reasons else "the conversation has no assistant turn"
+                raise ValueError(f"no supervised tokens: {why}")
         return Tokenized(torch.tensor(full, dtype=torch.long), mask, reasons)
 
     # ------------------------------------------------------------------ derivation

@@ -69,8 +69,9 @@ def test_train_refuses_a_dataset_against_its_expectation(chain, tmp_path):
     _, _, off, _, _ = chain
     tpl = tmp_path / "qwen3.jinja"
     tpl.write_text(QWEN3 + "\n")  # one byte more than the captured template
-    for overrides, msg in ((["template_kwargs={enable_thinking: true}"], r"template kwargs \{\"enable_thinking\": true\}"),
-                           ([f"chat_template={tpl}"], r"chat template sha256 \w+ \(the dataset's is sha256 \w+\)")):
+    cases = ((["template_kwargs={enable_thinking: true}"], r'template kwargs \{"enable_thinking": true\}'),
+             ([f"chat_template={tpl}"], r"chat template sha256 \w+ \(the dataset's is sha256 \w+\)"))
+    for overrides, msg in cases:
         cfg = load_run_config("dflash_demo", overrides=["max_steps=1", "progress=false", *overrides])
         with pytest.raises(ValueError, match="was captured with other chat-template settings: this run "
                                              r"\(train.chat_template / train.template_kwargs\) has " + msg):
@@ -88,7 +89,8 @@ def test_eval_refuses_other_settings_than_the_draft_was_trained_with_or_was_give
     assert err.startswith(f"error: dataset {on} was captured with other chat-template settings: the draft in {run} "
                           'was trained on a dataset that has template kwargs {"enable_thinking": false} (the '
                           "dataset's are {}); use a dataset captured with the settings the draft was trained with")
-    err = _cli_error(monkeypatch, capsys, "eval", "--draft", run, "--data", off, "--template-kwarg", "enable_thinking=true")
+    err = _cli_error(monkeypatch, capsys, "eval", "--draft", run, "--data", off,
+                     "--template-kwarg", "enable_thinking=true")
     assert "the settings given (--chat-template/--template-kwarg) has template kwargs" in err
     assert evaluate(run, off, template=QWEN3, template_kwargs={"enable_thinking": False}, plot=False)["tau"] >= 1.0
 

@@ -104,7 +104,8 @@ def test_markers_that_contradict_the_template_refuse_the_sample():
                                   "{% else %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}")
     ct = ChatTemplate(tok, wrong, end_ids=[tok.eos_token_id])
     with pytest.raises(ValueError, match="markers and its prefix rendering disagree at token 2"):
-        ct.tokenize([{"role": "user", "content": "what did i say ?"}, {"role": "assistant", "content": "you said one ."}])
+        ct.tokenize([{"role": "user", "content": "what did i say ?"},
+                     {"role": "assistant", "content": "you said one ."}])
 
 
 QWEN3_MARKED_HISTORY = (  # ChatML whose history turns are marked; the last turn's think block is marked too
@@ -153,7 +154,8 @@ def test_template_kwargs_parse_validate_and_compare():
     with pytest.raises(ValueError, match=r"^ds was captured with other chat-template settings: speculate has "
                                          r"template kwargs \{\} \(the dataset's are \{\"enable_thinking\": false\}\)"):
         check_template(dataset, template="TEMPLATE", kwargs={}, where="ds", given_by="speculate")
-    with pytest.raises(ValueError, match=r"train has chat template sha256 \w+ \(the dataset's is sha256 \w+\); use") as e:
+    with pytest.raises(ValueError, match=r"train has chat template sha256 \w+ \(the dataset's is sha256 \w+\); "
+                                         r"use") as e:
         check_template(dataset, template="OTHER", where="ds", given_by="train")
     assert "\n" not in str(e.value)
 
@@ -174,7 +176,8 @@ def _metaspace_tokenizer():
     tk.add_special_tokens([AddedToken("<end_of_turn>", lstrip=True, rstrip=True, special=True)])  # eats spaces
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
     tok.chat_template = GEMMA_TEMPLATE
-    assert tok(" <end_of_turn>\n", add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids("<end_of_turn>")]
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert tok(" <end_of_turn>\n", add_special_tokens=False)["input_ids"] == [eot]
     return tok
 
 

@@ -22,9 +22,10 @@ When a check fails, the turn is left unsupervised and the reason kept (capture c
 A conversation left with no supervised token is refused with the first reason (capture's on_error).
 
 A template with ``{% generation %}`` markers keeps them: the mask is HF's ``return_assistant_tokens_mask``,
-and on every turn prefix rendering could check, both must agree (a disagreement refuses the sample:
-the markers and the template say different things). Turns prefix rendering cannot check follow the
-markers.
+and wherever prefix rendering knows the answer (the turns it could check, up to their end-of-turn
+token, and the prompts between them) both must agree; a disagreement refuses the sample (the markers
+and the template say different things). Turns it cannot check, and whether the newline after an
+end-of-turn token is supervised, follow the markers.
 
 Template text and kwargs (``enable_thinking``, a system prompt...) are fixed per capture and recorded
 in the target bundle; ``shards.template`` holds their canonical form and the drift check.
@@ -128,52 +129,61 @@ class ChatTemplate:
         full = enc.ids
         spans: list[tuple[int, int]] = []
         reasons: list[str] = []
-        known = torch.zeros(len(full), dtype=torch.bool)  # positions whose truth prefix rendering knows
+        # positions whose truth prefix rendering knows: checked spans (the tokens a template writes after a
+        # turn's end-of-turn token are left to the markers) and the stretches between checked turns
+        known = torch.zeros(len(full), dtype=torch.bool)
+        prev_end: int | None = 0  # where the last checked turn ended (None: after an unchecked turn)
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         for n, i in enumerate(turns):
-            where = f"assistant turn {n + 1} of {len(turns)}"
-            if i == 0:
-                reasons.append(f"{where} opens the conversation: there is no prompt to render before it")
+            got = self._check_turn(messages, i, f"assistant turn {n + 1} of {len(turns)}", text, enc)
+            if isinstance(got, str):
+                reasons.append(got)
+                prev_end = None
                 continue
-            p_text = self.render(messages[:i], add_generation_prompt=True)
-            q_text = self.render(messages[: i + 1])
-            if not text.startswith(p_text):
-                c = _text_mismatch(p_text, text)
-                reasons.append(f"{where}: its generation prompt is not a prefix of the conversation (character {c}: "
-                               f"prompt {p_text[c:c + 16]!r}, conversation {text[c:c + 16]!r}); the template renders "
-                               "the prompt differently from the conversation")
-                continue
-            if not text.startswith(q_text):
-                c = _text_mismatch(q_text, text)
-                reasons.append(f"{where}: rendered as the last turn it differs from the conversation (character {c}: "
-                               f"{q_text[c:c + 16]!r} vs {text[c:c + 16]!r}); the template renders it differently once "
-                               "later turns follow, so its produced tokens are not in the sample")
-                continue
-            prompt, through = enc.prefix_ids(p_text), enc.prefix_ids(q_text)
-            j = _mismatch(prompt, full)
-            if j is not None:
-                reasons.append(f"{where}: its generation prompt is not a prefix of the conversation's tokens "
-                               f"(token {j}: prompt {self._show(prompt, j)}, conversation {self._show(full, j)}); "
-                               "the tokenizer merges text across the turn boundary")
-                continue
-            j = _mismatch(through, full)
-            if j is not None:
-                reasons.append(f"{where}: its tokens are not a prefix of the conversation's (token {j}: "
-                               f"{self._show(through, j)} vs {self._show(full, j)}); the tokenizer merges text across "
-                               "the end of the turn")
-                continue
-            start, end = len(prompt), len(through)
-            last_end = max((k for k in range(start, end) if full[k] in self.end_ids), default=None)
-            if last_end is not None:
-                end = last_end + 1
-            if end <= start:
-                reasons.append(f"{where} is empty")
-                continue
+            start, end, through = got
             spans.append((start, end))
-            known[start : len(through)] = True
-            if n == 0:
-                known[:start] = True  # nothing before the first assistant turn is supervised
+            known[start:end] = True
+            if prev_end is not None:
+                known[prev_end:start] = True  # the prompt since the previous turn: never supervised
+            prev_end = through
         return spans, reasons, known
+
+    def _check_turn(self, messages: Sequence[Mapping[str, Any]], i: int, where: str, text: str, enc: "_Encoded"
+                    ) -> tuple[int, int, int] | str:
+        """(start, end, end of the turn's rendering) in F's tokens of assistant message i, or why it is unchecked."""
+        full = enc.ids
+        if i == 0:
+            return f"{where} opens the conversation: there is no prompt to render before it"
+        p_text = self.render(messages[:i], add_generation_prompt=True)
+        q_text = self.render(messages[: i + 1])
+        if not text.startswith(p_text):
+            c = _text_mismatch(p_text, text)
+            return (f"{where}: its generation prompt is not a prefix of the conversation (character {c}: "
+                    f"prompt {p_text[c:c + 16]!r}, conversation {text[c:c + 16]!r}); the template renders "
+                    "the prompt differently from the conversation")
+        if not text.startswith(q_text):
+            c = _text_mismatch(q_text, text)
+            return (f"{where}: rendered as the last turn it differs from the conversation (character {c}: "
+                    f"{q_text[c:c + 16]!r} vs {text[c:c + 16]!r}); the template renders it differently once "
+                    "later turns follow, so its produced tokens are not in the sample")
+        prompt, through = enc.prefix_ids(p_text), enc.prefix_ids(q_text)
+        j = _mismatch(prompt, full)
+        if j is not None:
+            return (f"{where}: its generation prompt is not a prefix of the conversation's tokens "
+                    f"(token {j}: prompt {self._show(prompt, j)}, conversation {self._show(full, j)}); "
+                    "the tokenizer merges text across the turn boundary")
+        j = _mismatch(through, full)
+        if j is not None:
+            return (f"{where}: its tokens are not a prefix of the conversation's (token {j}: "
+                    f"{self._show(through, j)} vs {self._show(full, j)}); the tokenizer merges text across "
+                    "the end of the turn")
+        start, end = len(prompt), len(through)
+        last_end = max((k for k in range(start, end) if full[k] in self.end_ids), default=None)
+        if last_end is not None:
+            end = last_end + 1
+        if end <= start:
+            return f"{where} is empty"
+        return start, end, len(through)
 
     def _marker_mask(self, messages: Sequence[Mapping[str, Any]], full: list[int]) -> torch.Tensor:
         out = self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=True,

@@ -111,11 +111,13 @@ def test_markers_that_contradict_the_template_refuse_the_sample():
 def test_what_follows_the_end_of_turn_token_is_left_to_the_markers_but_a_marked_user_turn_is_not():
     tok = make_tokenizer("qwen3")
     chatml = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
-              "{%- if m['role'] == 'assistant' %}{% generation %}{{- m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+              "{%- if m['role'] == 'assistant' %}"
+              "{% generation %}{{- m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
               "{%- else %}{{- m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     t = ChatTemplate(tok, chatml, end_ids=end_ids(tok, "qwen3")).tokenize([Q1, A1, Q2, A2])
-    assert supervised_runs(tok, t.ids, t.mask) == ["Paris is the capital.<|im_end|>\n", "About two million.<|im_end|>\n"]
+    assert supervised_runs(tok, t.ids, t.mask) == ["Paris is the capital.<|im_end|>\n",
+                                                   "About two million.<|im_end|>\n"]
     marks_q2 = chatml.replace("{%- else %}{{- m['content'] + '<|im_end|>\\n' }}",
                               "{%- elif loop.index0 > 0 %}{% generation %}{{- m['content'] + '<|im_end|>\\n' }}"
                               "{% endgeneration %}{%- else %}{{- m['content'] + '<|im_end|>\\n' }}")

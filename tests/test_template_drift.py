@@ -100,3 +100,13 @@ def test_resume_refuses_a_dataset_with_other_settings(chain):
     same = load_run_config("dflash_demo", overrides=["max_steps=2", "log_every=2", "ckpt_every=2", "progress=false"])
     with pytest.raises(ValueError, match=f"the draft in {run} was trained on a dataset that has template kwargs"):
         train(same, on, run)
+
+
+def test_the_export_names_the_template_settings_serving_must_use(chain, tmp_path):
+    from shards.template import template_sha
+    from train.export import export_run, load_export
+
+    _, _, _, _, run = chain
+    export_run(run, tmp_path / "export")
+    cfg, _ = load_export(tmp_path / "export")
+    assert cfg["tapdraft"]["chat_template"] == {"sha256": template_sha(QWEN3), "kwargs": {"enable_thinking": False}}

@@ -4,7 +4,8 @@ The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT 
 engines share the target's own. ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
 and ``target_layer_ids_vllm`` (= i + 1), plus ``dflash_config`` in the reference release's layout
-and a ``tapdraft`` section (family, target fingerprint, source checkpoint).
+and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
+settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
 The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``,
 and :func:`load_export` reads an export back with nothing but json and safetensors.
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from shards.atomic import staged
+from shards.template import template_sha
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -59,7 +61,11 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     cfg = state.get("export_config")
     if not cfg:
         raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")
-    out = write_export(out_dir, state["draft"], cfg, {"source_checkpoint": str(ck), "step": int(state["step"])})
+    meta: dict[str, Any] = {"source_checkpoint": str(ck), "step": int(state["step"])}
+    if state.get("template") is not None:  # checkpoints written before template settings were recorded lack it
+        meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
+                                 "kwargs": state["template"]["kwargs"]}
+    out = write_export(out_dir, state["draft"], cfg, meta)
     n = sum(v.numel() for v in state["draft"].values())
     return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(state["draft"]),
             "block_size": cfg.get("block_size"), "target_layer_ids": cfg.get("target_layer_ids"),

@@ -10,7 +10,8 @@ How shards are written is the embedded :class:`shards.writer.ShardConfig` (``sha
 record flattens its fields beside the capture's own (``format``, ``shard_bytes``, ...), as the CLI
 flags name them. Records written before the embedding lack ``batch_bytes``, records written before
 chat-template settings existed lack ``chat_template`` and ``template_kwargs``:
-:func:`migrate_capture_record` fills them in with the values those captures used.
+:func:`migrate_capture_record` fills them in with the values those captures used, and makes the
+absolute paths older records hold portable (a name relative to its root, as records are written now).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from capture.inputs import stored_source
 from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
 from shards.writer import ShardConfig
@@ -129,10 +131,13 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON record: every field, with ``shard``'s fields flattened to the top level."""
+        """The JSON record: every field, with ``shard``'s fields flattened to the top level and paths
+        made portable (:func:`portable_path`), so a shared dataset does not carry one machine's layout."""
         d = dataclasses.asdict(self)
         d.update(d.pop("shard"))
-        d["data"] = [list(p) for p in self.data]
+        d["target"] = portable_path(self.target)
+        d["out"] = portable_path(self.out)
+        d["data"] = [[split, portable_path(spec)] for split, spec in self.data]
         d["taps"] = None if self.taps is None else list(self.taps)
         d["template_kwargs"] = dict(self.template_kwargs)
         return d
@@ -140,6 +145,16 @@ class CaptureConfig:
     def identity(self) -> dict[str, Any]:
         """The fields a resume must match."""
         return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
+
+def portable_path(spec: str) -> str:
+    """A recorded path relative to its root: a file or directory by its name (``train.jsonl``, the
+    target directory's name), ``hf:`` specs with a local directory likewise, hub names unchanged.
+    The target's identity is its fingerprint and an input's its content, not where they sat."""
+    if spec.startswith("hf:"):
+        name, sep, split = spec[3:].partition(":")
+        return "hf:" + stored_source(name, None) + sep + split
+    return stored_source(spec, None)
 
 
 def check_resume(path: Path, current: dict[str, Any]) -> None:
@@ -158,6 +173,15 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
 
 
 def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A capture record as today's ``CaptureConfig.to_dict`` writes it (a new dict)."""
+    """A capture record as today's ``CaptureConfig.to_dict`` writes it (a new dict).
+
+    Records written before paths were made portable hold absolute paths: they become portable too.
+    """
     legacy = {**_LEGACY_SHARD_DEFAULTS, **_LEGACY_TEMPLATE_DEFAULTS}
-    return {**{k: v for k, v in legacy.items() if k not in record}, **record}
+    out = {**{k: v for k, v in legacy.items() if k not in record}, **record}
+    for key in ("target", "out"):
+        if isinstance(out.get(key), str):
+            out[key] = portable_path(out[key])
+    if isinstance(out.get("data"), list):
+        out["data"] = [[split, portable_path(spec)] for split, spec in out["data"]]
+    return out

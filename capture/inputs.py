@@ -21,6 +21,7 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
 - In an HF dataset, an audio turn without a path (and a placeholder in a text turn that lists no
   audio) takes the next audio of the row's audio column, in order; in a JSONL manifest it is an error.
 - ``offset`` must be >= 0 and ``offset + duration`` inside the file: audio is never cut silently.
+- A conversation needs a user turn and an assistant turn; one without is a bad input.
 
 Audio is decoded with soundfile (wav, flac, ogg...), mixed to mono and resampled to the encoder's
 rate with a windowed-sinc resampler in torch (Hann window, 6 zero crossings, rolloff 0.99: the
@@ -42,6 +43,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from shards.errors import InputError
+
 DURATION_SLACK_S = 0.01
 """An audio span may end this far past the end of its file (manifests round durations); more is an error."""
 
@@ -50,15 +53,6 @@ ROLES = {
     "assistant": "assistant", "gpt": "assistant", "model": "assistant",
     "system": "system",
 }
-
-
-class InputError(ValueError):
-    """A conversation or its audio cannot be used; carries where it came from."""
-
-    def __init__(self, reason: str, *, sample_id: str = "", line: int | None = None, source: str = ""):
-        self.reason, self.sample_id, self.line, self.source = reason, sample_id, line, source
-        where = f"{source}:{line}" if line is not None else source
-        super().__init__(f"sample {sample_id!r} ({where}): {reason}")
 
 
 @dataclass
@@ -168,6 +162,8 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
             messages.append({"role": role, "content": text})
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("has no assistant turn: nothing would be supervised")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError("has no user turn: the assistant would answer nothing (a drafter learns prompt -> reply)")
     n_ph = sum(m["content"].count(placeholder) for m in messages)
     if n_ph != len(audios):
         raise ValueError(f"has {n_ph} audio placeholder(s) but {len(audios)} audio(s); one placeholder per audio")
@@ -269,6 +265,16 @@ def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Co
     if p.is_dir():
         return read_hf_dataset(spec, placeholder=placeholder, **hf_kwargs)
     return read_jsonl(p, placeholder=placeholder)
+
+
+def stored_source(source: str, line: int | None) -> str:
+    """A sample's ``source`` as datasets store it: the input's name relative to its root (the directory
+    of a JSONL manifest or the HF dataset directory) plus the line or row, e.g. ``train.jsonl:12``.
+    A hub name (``org/name``) is kept whole. Absolute paths would leak one machine's layout into a
+    shared dataset."""
+    p = Path(source)
+    name = p.name if p.is_absolute() or p.exists() else source
+    return name if line is None else f"{name}:{line}"
 
 
 # ------------------------------------------------------------------------------------------ audio

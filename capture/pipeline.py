@@ -37,6 +37,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,23 +48,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from capture.config import CaptureConfig, check_resume
-from capture.inputs import BadInput, read_inputs
+from capture.inputs import BadInput, read_inputs, stored_source
 from capture.load import load_target
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
-from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
+from shards.errors import CaptureError, Interrupted
+from shards.manifest import complete_manifest, dataset_fingerprint, foreign_directory, write_or_check_bundle
 from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
 from shards.writer import DatasetWriter, finalize_dataset
 
 CONFIG_FILE = "capture_config.json"
-
-
-class CaptureError(ValueError):
-    """A capture stopped on a bad input (on_error='fail'); the dataset directory stays resumable.
-
-    A user error: the CLI prints it as one ``error:`` line."""
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -138,7 +134,10 @@ def prepare_window(target: Target, chunk: list[tuple[int, Any]]) -> list[Prepare
     return out
 
 
-def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig) -> WindowPlan:
+def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig, *, max_positions: int | None = None
+                ) -> WindowPlan:
+    """Skips (bad inputs; samples longer than ``cfg.max_length`` or the target's ``max_positions``,
+    whose states past that length the target was never trained for) and length-bucketed batches."""
     plan = WindowPlan()
     ok: dict[int, Prepared] = {}
     for p in prepared:
@@ -147,6 +146,9 @@ def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig) -> WindowPl
         elif cfg.max_length is not None and p.length > cfg.max_length:
             plan.skips.append(Skip(p.index, p.sample_id, f"too long: {p.length} positions > max_length "
                                    f"{cfg.max_length}", "too_long", p.line, p.source))
+        elif max_positions is not None and p.length > max_positions:
+            plan.skips.append(Skip(p.index, p.sample_id, f"too long: {p.length} positions > the target's "
+                                   f"max_position_embeddings {max_positions}", "too_long", p.line, p.source))
         else:
             ok[p.index] = p
     plan.skips.sort(key=lambda s: s.index)
@@ -198,6 +200,7 @@ class Stats:
     supervised: int = 0
     audio_seconds: float = 0.0
     raw_bytes: int = 0
+    supervised_unk: int = 0
     skipped: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     unsupervised_turns: int = 0
@@ -207,8 +210,10 @@ class Stats:
 class _WriterThread:
     """Consumes (kind, payload) items in order from a bounded queue and drives the DatasetWriter."""
 
-    def __init__(self, writer: DatasetWriter, cfg: CaptureConfig, stats: Stats, source: str):
+    def __init__(self, writer: DatasetWriter, cfg: CaptureConfig, stats: Stats, source: str,
+                 unk_token_id: int | None = None):
         self.writer, self.cfg, self.stats, self.source = writer, cfg, stats, source
+        self.unk_token_id = unk_token_id
         self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self.error: BaseException | None = None
         self.failed_on: Skip | None = None
@@ -258,8 +263,8 @@ class _WriterThread:
                 for p, res in zip(batch, results):
                     if self.writer.is_done(p.index) or self._after_failure(p.index):
                         continue
-                    sample = {"sample_id": p.sample_id, "source": p.source, "audio_seconds": float(p.audio_seconds),
-                              **res}
+                    sample = {"sample_id": p.sample_id, "source": stored_source(p.source, p.line),
+                              "audio_seconds": float(p.audio_seconds), **res}
                     try:
                         if not self.writer.write(sample, p.index):
                             continue
@@ -271,6 +276,8 @@ class _WriterThread:
                     st.written += 1
                     st.tokens += int(res["input_ids"].shape[0])
                     st.supervised += int(res["loss_mask"].sum())
+                    if self.unk_token_id is not None:
+                        st.supervised_unk += int((res["input_ids"][res["loss_mask"]] == self.unk_token_id).sum())
                     st.audio_seconds += p.audio_seconds
                     st.unsupervised_turns += p.unsupervised_turns
                     st.raw_bytes += sum(t.numel() * t.element_size() for t in res.values())
@@ -303,10 +310,12 @@ def make_layout(cfg: CaptureConfig, target: Target) -> Layout:
     taps = list(cfg.taps) if cfg.taps is not None else capture_tap_ids(L, cfg.draft_layers)
     if any(t < 0 or t >= L for t in taps):
         raise ValueError(f"--taps {taps} out of range: the target has {L} decoder layers (ids 0..{L - 1})")
-    vocab = target.lm.get_output_embeddings().weight.shape[0]
-    if cfg.top_k > vocab:
-        raise ValueError(f"--top-k {cfg.top_k} exceeds the target's vocabulary of {vocab}")
-    return Layout(hidden_size=target.hidden_size, num_layers=L, tap_ids=tuple(taps), top_k=cfg.top_k,
+    vocab = int(target.lm.get_output_embeddings().weight.shape[0])
+    top_k = min(cfg.top_k, vocab)
+    if top_k < cfg.top_k:
+        warnings.warn(f"--top-k {cfg.top_k} exceeds the target's vocabulary of {vocab}: storing the whole "
+                      f"distribution (k = {vocab}, recorded in the manifest's top_k)", stacklevel=2)
+    return Layout(hidden_size=target.hidden_size, num_layers=L, tap_ids=tuple(taps), top_k=top_k,
                   audio_token_id=target.audio_token_id, has_final_hidden=cfg.final_hidden,
                   has_audio_embeds=cfg.audio_embeds, taps_codec=cfg.codec)
 
@@ -383,7 +392,7 @@ def capture_split(
     total = sum(1 for _ in rank_items(target, cfg, spec, rank, world_size))
     wins = islice(windows(rank_items(target, cfg, spec, rank, world_size), cfg.window),
                   writer.next_index // cfg.window, None)
-    wt = _WriterThread(writer, cfg, stats, spec)
+    wt = _WriterThread(writer, cfg, stats, spec, unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
     done = min(writer.num_done, total)
@@ -396,25 +405,42 @@ def capture_split(
                 prepared = fut.result()
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
-                done, stop = _run_window(target, cfg, layout, plan_window(prepared, cfg), writer, wt,
+                plan = plan_window(prepared, cfg, max_positions=target.max_positions)
+                done, stop = _run_window(target, cfg, layout, plan, writer, wt,
                                    lambda n: bar.update(task, completed=n, rates=_rates(stats, t0)), done)
                 wt.put(("end", None))
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
             wt.finish()
             bar.update(task, completed=done, rates=_rates(stats, t0))
-    except BaseException:
+    except BaseException as e:
         wt.finish()
         pool.shutdown(wait=True, cancel_futures=True)
-        if wt.error is None:
-            writer.close()
+        _close_or_abort(writer, wt)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(
+                f"capture interrupted: split {split!r} has {writer.num_done} of {total} inputs done and kept in finished "
+                f"shards of {cfg.out} ({stats.written} written by this run); rerun the same command to resume"
+            ) from None
         raise
     pool.shutdown(wait=True)
-    if wt.error is None:
-        writer.close()
+    _close_or_abort(writer, wt)
     _raise_if_failed(wt)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _close_or_abort(writer: DatasetWriter, wt: "_WriterThread") -> None:
+    """Keep what the writer holds (close: its open shard becomes a finished one), unless writing itself
+    failed (a full disk): then drop the open shard's temp file, which a resume would redo anyway."""
+    if wt.error is None:
+        try:
+            writer.close()
+            return
+        except OSError:
+            writer.abort()
+            raise
+    writer.abort()
 
 
 def _dist_env() -> tuple[int, int]:
@@ -438,6 +464,9 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
     """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``."""
     rank, world = _dist_env()
     out = Path(cfg.out)
+    if foreign_directory(str(out), own=(CONFIG_FILE,)):
+        raise ValueError(f"--out {out} is a non-empty directory that is not a tapdraft dataset; capture into a new "
+                         "or empty directory (nothing in it was changed)")
     out.mkdir(parents=True, exist_ok=True)
     record = {**cfg.to_dict(), "world_size": world}
     cfg_path = out / CONFIG_FILE
@@ -468,6 +497,7 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, An
             st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint)
             run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
                                 "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
+                                "supervised_unk": st.supervised_unk,
                                 "skipped": dict(st.skipped), "seconds": round(st.seconds, 3),
                                 "unsupervised_turns": st.unsupervised_turns}
     _barrier(world)
@@ -509,4 +539,7 @@ def summary(manifest: dict[str, Any]) -> str:
             f"{s['audio_seconds']:.1f}s audio, {len(s['shards'])} shard(s), {s['bytes'] / 1e6:.2f} MB"
             f"; skipped {dict(reasons) or 0}\n{rate}{turns}"
         )
+        if r.get("supervised_unk"):
+            lines.append(f"  WARNING: {r['supervised_unk']:,} supervised tokens are <unk> (this run): the tokenizer "
+                         "cannot encode part of the replies, and drafters will learn to predict <unk>")
     return "\n".join(lines)

@@ -113,6 +113,13 @@ class Target(ABC):
         return int(self.lm_config.hidden_size)
 
     @property
+    def max_positions(self) -> int | None:
+        """The decoder's ``max_position_embeddings`` (None when its config has none): longer samples are
+        skipped and counted, since the target's states past it are outside what it was trained on."""
+        v = getattr(self.lm_config, "max_position_embeddings", None)
+        return int(v) if v else None
+
+    @property
     def logits_scaling(self) -> float:
         return float(getattr(self.lm_config, "logits_scaling", None) or 1.0)
 

@@ -9,7 +9,10 @@ the target bundle, the capture config, checkpoints and exports):
     commit(fs, tmp, url)             # a file written under temp_name(url) by hand (streamed shards)
 
 Files: the temp file is renamed over the destination, which POSIX rename does atomically; the old
-file is never deleted first. Directories cannot be renamed over a non-empty directory, so a
+file is never deleted first. A staged file gets the ordinary mode of a new file (0666 less the
+umask) whatever wrote it: safetensors creates its files 0600, which made exported weights and the
+bundle unreadable to the team they are shared with. A failed write removes its temp file (a full
+disk must not stay full of temp files). Directories cannot be renamed over a non-empty directory, so a
 directory that already exists is swapped with the new one in one step (Linux ``renameat2`` with
 ``RENAME_EXCHANGE``) and the old content, now under the temp name, is deleted afterwards. Where the
 exchange is unavailable the old directory is first renamed aside to ``<dest>.old``; ``recover_dir``
@@ -77,7 +80,20 @@ def recover_dir(dest: str | os.PathLike) -> None:
         _remove(old)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (Linux /proc); 0o022 where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def _commit_local(tmp: Path, dest: Path) -> None:
+    if tmp.is_file():
+        os.chmod(tmp, 0o666 & ~_umask())
     if not tmp.is_dir() or not dest.exists():
         _rename(tmp, dest)  # a file over a file, or a directory onto a free name: one atomic rename
         return
@@ -125,8 +141,13 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` on any fsspec filesystem: temp name, then ``commit``."""
     tmp = temp_name(path)
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
     commit(fs, tmp, path)
 
 

@@ -150,6 +150,24 @@ def complete_manifest(url: str) -> dict[str, Any] | None:
     return read_manifest(fs, root)
 
 
+def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
+    """Whether ``url`` is a non-empty directory that is not a tapdraft dataset (finished or being written),
+    so that a capture must not write into it (it would overwrite a README.md, for one).
+
+    A dataset directory holds one of manifest.json, data/, _parts/, target/ or a name in ``own``
+    (the caller's own files), possibly under a temp or old name (a crash mid-write). Hidden entries
+    (lock files, ``.git``) are not counted: a directory holding only those is treated as empty.
+    """
+    fs, root = fsspec.core.url_to_fs(str(url))
+    if not fs.exists(root) or not fs.isdir(root):
+        return False
+    names = [p.rstrip("/").split("/")[-1] for p in fs.ls(root, detail=False)]
+    names = [n for n in names if not n.startswith(".")]
+    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, *own}
+    base = {n.removesuffix(".tmp").removesuffix(".old") for n in names}
+    return bool(names) and not (base & marks)
+
+
 def dataset_fingerprint(url: str) -> str | None:
     """The target fingerprint recorded in the dataset's bundle (None before the bundle is written)."""
     fs, root = fsspec.core.url_to_fs(str(url))

@@ -27,6 +27,7 @@ from shards import manifest as mf
 from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
+from shards.errors import SampleIndexError
 from shards.order import block_order, epoch_rng, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.wds_io import decode_wds_sample, iter_tar_samples
@@ -104,10 +105,12 @@ class Dataset:
             raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
         return batch
 
-    def _locate(self, split: str, i: int) -> tuple[int, int]:
+    def locate(self, split: str, i: int) -> tuple[int, int]:
+        """(shard index, row in that shard) of sample ``i`` of ``split``; SampleIndexError outside the split."""
         n = self.num_samples(split)
         if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range for split {split!r} with {n} samples")
+            raise SampleIndexError(f"sample {i} is out of range: split {split!r} of {self.url} has {n} samples "
+                                   f"(indices 0..{n - 1})")
         s = bisect.bisect_right(self._cum[split], i) - 1
         return s, i - self._cum[split][s]
 
@@ -116,7 +119,7 @@ class Dataset:
         if self.format != "arrow":
             raise ValueError(f"{self.url} is a WebDataset ({self.format}); random access needs the Arrow "
                              "format: use stream(), or re-shard with ShardConfig(format='arrow')")
-        s, row = self._locate(split, i)
+        s, row = self.locate(split, i)
         shard = self._split(split)["shards"][s]
         bounds = np.cumsum([0] + [b[2] for b in shard["batches"]]).tolist()
         b = bisect.bisect_right(bounds, row) - 1

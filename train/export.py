@@ -72,6 +72,15 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
             "target_layer_ids_vllm": cfg.get("target_layer_ids_vllm"), "mask_token_id": cfg.get("mask_token_id")}
 
 
+def format_export(res: dict[str, Any]) -> str:
+    """One readable screen for ``tapdraft export`` (``--json`` prints ``res`` itself)."""
+    return "\n".join([
+        f"exported step {res['step']} to {res['out']}: {res['parameters']:,} parameters in {res['tensors']} tensors",
+        f"  target layers (HF) {res['target_layer_ids']}  vLLM {res['target_layer_ids_vllm']}"
+        + (f"  block size {res['block_size']}  mask token {res['mask_token_id']}" if res.get("block_size") else ""),
+    ])
+
+
 def load_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config dict, weights) of an export directory: json + safetensors only, no trainer code."""
     from safetensors.torch import load_file

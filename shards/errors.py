@@ -1,0 +1,80 @@
+"""The project's error types and exit codes, defined once.
+
+Every package imports ``shards``, so its error types live here; ``cli.main`` turns any of them (and
+the standard user-error types below) into ONE line ``error: <what happened and what to do>`` and
+the exit code the type carries. ``tapdraft --debug COMMAND ...`` prints the traceback as well.
+
+Exit codes (the README's table repeats them):
+
+    0    success
+    1    ``verify`` found problems; or an unexpected internal error (full traceback: a bug to report)
+    2    a user's mistake or an environment problem the user fixes: bad input or option, missing or
+         foreign files, a full disk or a read-only output (the message names the file and what to do)
+    130  interrupted (Ctrl-C / SIGTERM) after saving what could be saved (the message says what)
+
+User errors raised as plain ``ValueError`` / ``FileNotFoundError`` (the house convention for a bad
+setting or a missing file) map to exit 2 as well; :func:`classify` is the one mapping.
+"""
+
+from __future__ import annotations
+
+import errno
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USER = 2
+EXIT_INTERRUPTED = 130
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted"}
+
+
+class TapdraftError(Exception):
+    """Base of the project's own errors: a message that says what to do, and an exit code."""
+
+    exit_code = EXIT_USER
+
+
+class InputError(TapdraftError, ValueError):
+    """A conversation or its audio cannot be used; carries where it came from."""
+
+    def __init__(self, reason: str, *, sample_id: str = "", line: int | None = None, source: str = ""):
+        self.reason, self.sample_id, self.line, self.source = reason, sample_id, line, source
+        where = f"{source}:{line}" if line is not None else source
+        super().__init__(f"sample {sample_id!r} ({where}): {reason}")
+
+
+class CaptureError(TapdraftError, ValueError):
+    """A capture stopped on a bad input (on_error='fail'); the dataset directory stays resumable."""
+
+
+class SampleIndexError(TapdraftError, IndexError):
+    """A sample index outside a split (``inspect --sample``, ``Dataset.sample``)."""
+
+
+class Interrupted(TapdraftError):
+    """Ctrl-C or SIGTERM stopped a command after it saved what it could; the message says what was kept."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+def classify(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one-line message) for an error a user can act on; None for a bug (show the traceback)."""
+    if isinstance(exc, TapdraftError):
+        return exc.exit_code, _one_line(str(exc))
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        what = _DISK_ERRNOS[exc.errno]
+        todo = ("free space (or raise the quota) and rerun the same command: finished work is kept and resumed"
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location, or fix its permissions")
+        return EXIT_USER, f"{what}{where}; {todo}"
+    if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return EXIT_USER, _one_line(str(exc))
+    return None
+
+
+def _one_line(msg: str) -> str:
+    """Messages with several problems (one per line) are joined with '; ' so the contract stays one line."""
+    parts = [p.strip() for p in msg.strip().splitlines() if p.strip()]
+    return "; ".join(parts) if parts else "(no message)"

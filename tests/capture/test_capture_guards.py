@@ -1,0 +1,151 @@
+"""What capture refuses, caps, skips, counts and keeps: foreign --out, top-k above the vocabulary,
+samples past max_position_embeddings, conversations without a user turn, <unk> replies, portable
+paths, a full disk (no temp files left) and Ctrl-C (what was kept is said and resumed)."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from capture import pipeline
+from capture.config import CaptureConfig, migrate_capture_record
+from capture.inputs import BadInput, Conversation, read_jsonl
+from capture.load import load_target
+from capture.pipeline import capture
+from shards.errors import Interrupted
+from shards.manifest import foreign_directory
+from shards.reader import open_dataset
+from shards.verify import verify_dataset
+from shards.writer import ShardConfig
+from tests.capture.util import conv_record, write_manifest
+
+
+def _cfg(salm_dir, manifest, out, **kw) -> CaptureConfig:
+    base = dict(target=str(salm_dir), out=str(out), data=(("train", str(manifest)),), top_k=4, window=4,
+                batch_tokens=120, progress=False)
+    base.update(kw)
+    return CaptureConfig(shard=ShardConfig(shard_bytes=6000), **base)
+
+
+def _leftovers(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith((".tmp", ".old")))
+
+
+def test_conversation_without_user_turn_is_a_bad_input(tmp_path):
+    man = write_manifest(tmp_path / "m.jsonl", [
+        {"id": "a", "conversations": [{"from": "System", "value": "be brief"}, {"from": "Assistant", "value": "hi ."}]},
+        {"id": "b", "conversations": [{"from": "User", "value": "hello"}, {"from": "Assistant", "value": "hi ."}]},
+    ])
+    items = list(read_jsonl(man, placeholder="<|audioplaceholder|>"))
+    assert isinstance(items[0], BadInput) and "no user turn" in items[0].reason
+    assert isinstance(items[1], Conversation)
+
+
+def test_foreign_directory(tmp_path):
+    assert not foreign_directory(str(tmp_path / "missing")) and not foreign_directory(str(tmp_path))
+    (tmp_path / ".lock").write_text("1")
+    assert not foreign_directory(str(tmp_path))  # hidden entries do not count
+    (tmp_path / "target.tmp").mkdir()  # a capture that crashed while writing its bundle
+    assert not foreign_directory(str(tmp_path))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "README.md").write_text("my project")
+    assert foreign_directory(str(other))
+    (other / "capture_config.json").write_text("{}")
+    assert not foreign_directory(str(other), own=("capture_config.json",))
+
+
+def test_capture_refuses_a_foreign_out_directory(salm_dir, tone_manifest, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.md").write_text("my project")
+    with pytest.raises(ValueError, match="not a tapdraft dataset"):
+        capture(_cfg(salm_dir, tone_manifest, out))
+    assert (out / "README.md").read_text() == "my project" and sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+def test_top_k_capped_at_vocab_long_samples_skipped_unk_counted_paths_portable(salm_dir, tmp_path):
+    from tests.capture.util import write_wav
+
+    write_wav(tmp_path / "audio" / "a.wav", [1, 2])
+    write_wav(tmp_path / "audio" / "long.wav", [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4])
+    man = write_manifest(tmp_path / "train.jsonl", [
+        conv_record("ok", "audio/a.wav"),
+        conv_record("unk", "audio/a.wav", reply="you said zebra giraffe ."),
+        conv_record("long", "audio/long.wav"),
+    ])
+    target = load_target(salm_dir)
+    vocab = target.lm.get_output_embeddings().weight.shape[0]
+    lengths = {c.sample_id: target.prepare(c, 0).length for c in read_jsonl(man, placeholder=target.placeholder)}
+    limit = lengths["long"] - 1
+    assert max(lengths["ok"], lengths["unk"]) <= limit
+    target.lm_config.max_position_embeddings = limit
+    with pytest.warns(UserWarning, match=f"k = {vocab}"):
+        m = capture(_cfg(salm_dir, man, tmp_path / "ds", top_k=vocab + 10), target=target)
+    assert m["layout"]["top_k"] == vocab and m["capture_config"]["top_k"] == vocab + 10
+    assert [(s["sample_id"], "max_position_embeddings" in s["reason"]) for s in m["skipped"]["train"]] == [("long", True)]
+    assert m["run_stats"]["train"]["skipped"] == {"too_long": 1}
+    assert m["run_stats"]["train"]["supervised_unk"] == 2
+    assert "2 supervised tokens are <unk>" in pipeline.summary(m)
+    ds = open_dataset(str(tmp_path / "ds"))
+    assert sorted(ds.sample("train", i)["source"] for i in range(2)) == ["train.jsonl:1", "train.jsonl:2"]
+    assert ds.sample("train", 0)["topk_ids"].shape[1] == vocab
+    assert m["capture_config"]["target"] == salm_dir.name and m["capture_config"]["data"] == [["train", "train.jsonl"]]
+    for name in ("manifest.json", "README.md", "capture_config.json"):
+        text = (tmp_path / "ds" / name).read_text()
+        assert str(tmp_path) not in text and str(salm_dir) not in text, name
+    assert verify_dataset(str(tmp_path / "ds"), progress=False).ok
+
+
+def test_old_absolute_records_resume_as_portable(salm_dir, tone_manifest, tmp_path):
+    rec = _cfg(salm_dir, tone_manifest, tmp_path / "ds").to_dict()
+    old = {**rec, "target": str(salm_dir), "data": [["train", str(tone_manifest)]], "out": str(tmp_path / "ds")}
+    assert migrate_capture_record(old) == {**rec, "out": "ds"}
+
+
+def test_full_disk_leaves_no_temp_files_and_resumes(salm_dir, tone_manifest, tmp_path, monkeypatch):
+    from shards import writer as writer_mod
+
+    real = writer_mod._HashingSink.write
+    budget = {"bytes": 9000}  # the first shard fits, the second hits the "full disk"
+
+    def write(self, data):
+        budget["bytes"] -= memoryview(data).nbytes
+        if budget["bytes"] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device", "data/train-rank00000-00001.arrow.tmp")
+        return real(self, data)
+
+    monkeypatch.setattr(writer_mod._HashingSink, "write", write)
+    out = tmp_path / "ds"
+    with pytest.raises(OSError) as e:
+        capture(_cfg(salm_dir, tone_manifest, out))
+    assert e.value.errno == errno.ENOSPC
+    assert _leftovers(out) == [] and not (out / "manifest.json").exists()
+    assert json.loads((out / "_parts" / "train-rank00000.json").read_text())["shards"]  # the first shard is kept
+    monkeypatch.setattr(writer_mod._HashingSink, "write", real)
+    m = capture(_cfg(salm_dir, tone_manifest, out))
+    assert m["splits"]["train"]["samples"] == 10 and verify_dataset(str(out), progress=False).ok
+
+
+def test_ctrl_c_keeps_finished_work_and_says_so(salm_dir, tone_manifest, tmp_path, monkeypatch):
+    real = pipeline.run_batch
+    calls = {"n": 0}
+
+    def run_batch(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "run_batch", run_batch)
+    out = tmp_path / "ds"
+    with pytest.raises(Interrupted, match=r"split 'train' has \d+ of 10 inputs done and kept.*rerun the same") as e:
+        capture(_cfg(salm_dir, tone_manifest, out))
+    kept = int(str(e.value).split(" has ")[1].split(" of ")[0])
+    assert kept > 0 and _leftovers(out) == []
+    monkeypatch.setattr(pipeline, "run_batch", real)
+    m = capture(_cfg(salm_dir, tone_manifest, out))
+    assert m["run_stats"]["train"]["written"] == 10 - kept and m["splits"]["train"]["samples"] == 10
+    assert verify_dataset(str(out), progress=False).ok

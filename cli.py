@@ -126,13 +126,13 @@ def inspect(
     split: str = typer.Option("train", help="Split for --sample."),
 ) -> None:
     """One screen about a dataset: splits, counts, taps, dtypes and codecs, size, fingerprint."""
-    from shards.inspect import describe_sample, render_summary, sample_at, summary
+    from shards.inspect import describe_sample, render_summary, summary
     from shards.reader import open_dataset
 
     ds = open_dataset(dataset)
     typer.echo(render_summary(summary(ds)))
     if sample is not None:
-        typer.echo(f"\n{split}[{sample}]\n" + describe_sample(sample_at(ds, split, sample)))
+        typer.echo(f"\n{split}[{sample}]\n" + describe_sample(ds.sample(split, sample)))
 
 
 @app.command()

@@ -62,15 +62,6 @@ def _template_line(t: dict[str, Any] | None) -> str:
             f"(--template-kwarg), assistant mask from {t.get('assistant_mask')}")
 
 
-def sample_at(ds: Dataset, split: str, i: int) -> dict[str, Any]:
-    """Sample ``i`` of ``split`` in file order, for either format (WebDataset: reads only its shard)."""
-    if ds.format == "arrow":
-        return ds.sample(split, i)
-    s, row = ds.locate(split, i)
-    shard = ds.manifest["splits"][split]["shards"][s]
-    return next(iter(ds.read_block_rows(split, (s, -1, shard["samples"]), [row])))
-
-
 def describe_sample(sample: dict[str, Any]) -> str:
     """Each field with dtype, shape and a few values."""
     lines = []

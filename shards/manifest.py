@@ -199,7 +199,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def render_card(m: dict[str, Any]) -> str:
-    """The dataset card: what target, which data, how to load it three ways."""
+    """The dataset card: what target, which data, how to load it three ways.
+
+    The snippets name the dataset through one ``DATASET`` path, so they run from any working directory
+    once it points at the dataset (the card cannot know where the dataset will be copied)."""
     lay = m["layout"]
     fmt = m["format"]
     rows = "\n".join(
@@ -213,16 +216,18 @@ def render_card(m: dict[str, Any]) -> str:
         stock = f"""```python
 import datasets, json
 from shards.arrow_io import decode_row
-manifest = json.load(open("manifest.json"))
-ds = datasets.load_dataset("arrow", data_files={{"{first}": "data/{first}-*.arrow"}}, split="{first}")
-# or, memory-mapped without a copy: datasets.Dataset.from_file("data/{first}-00000-of-....arrow")
+DATASET = "path/to/this/directory"
+manifest = json.load(open(f"{{DATASET}}/manifest.json"))
+ds = datasets.load_dataset("arrow", data_files={{"{first}": f"{{DATASET}}/data/{first}-*.arrow"}}, split="{first}")
+# or, memory-mapped without a copy: datasets.Dataset.from_file(f"{{DATASET}}/data/{first}-00000-of-....arrow")
 sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft returns them
 ```"""
     else:
         stock = f"""```python
 import glob, webdataset as wds
 from shards.wds_io import decode_wds_sample
-ds = wds.WebDataset(sorted(glob.glob("data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
+DATASET = "path/to/this/directory"
+ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
 ```"""
     codec = lay["taps_codec"]
@@ -249,8 +254,8 @@ Skipped inputs: {sum(len(v) for v in m.get('skipped', {}).values())} (listed in 
 
 ```python
 from shards.reader import open_dataset
-ds = open_dataset("path/or/fsspec-url")
-ds.sample("{first}", 0)                                       # random access (Arrow)
+ds = open_dataset("path/to/this/directory")                   # or any fsspec URL of it
+ds.sample("{first}", 0)                                       # one sample (random access with Arrow)
 for s in ds.stream("{first}", seed=0, rank=0, world_size=1): ...   # streaming, resumable
 bundle = ds.bundle()                                          # embeddings, final norm, lm_head, tokenizer
 ```

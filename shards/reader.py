@@ -1,7 +1,8 @@
 """Open a finished dataset (local path or fsspec URL): random access and resumable streaming.
 
     ds = open_dataset("s3://bucket/ds")     # refuses missing/incomplete manifest, unknown schema major
-    ds.sample("train", 17)                   # Arrow: seeks to one record batch (byte range in the manifest)
+    ds.sample("train", 17)                   # Arrow: seeks to one record batch (byte range in the manifest);
+                                             # WebDataset: reads its tar shard up to the sample
     it = ds.stream("train", seed=0, epoch=0, rank=r, world_size=w, worker_id=i, num_workers=n,
                    shuffle_buffer=1024)
     ...; state = it.state_dict()             # a few scalars + version
@@ -115,12 +116,12 @@ class Dataset:
         return s, i - self._cum[split][s]
 
     def sample(self, split: str, i: int) -> dict[str, Any]:
-        """Random access to sample ``i`` of ``split`` (Arrow only)."""
-        if self.format != "arrow":
-            raise ValueError(f"{self.url} is a WebDataset ({self.format}); random access needs the Arrow "
-                             "format: use stream(), or re-shard with ShardConfig(format='arrow')")
+        """Sample ``i`` of ``split`` in file order. Arrow seeks to its record batch; a WebDataset tar has no
+        index, so its shard is read up to the sample (fine for a look, slow as a training access path)."""
         s, row = self.locate(split, i)
         shard = self._split(split)["shards"][s]
+        if self.format != "arrow":
+            return next(iter(self.read_block_rows(split, (s, -1, shard["samples"]), [row])))
         bounds = np.cumsum([0] + [b[2] for b in shard["batches"]]).tolist()
         b = bisect.bisect_right(bounds, row) - 1
         key = (split, s, b)

@@ -3,7 +3,8 @@
 Checks: manifest present, valid, complete, known schema major, required keys; target bundle
 fingerprint; per shard: present, size, sha256, readable to the end, schema metadata (version,
 fingerprint, dtypes), row counts and record-batch byte ranges, every sample re-validated against
-the layout (dtype, shape, finite values) and the manifest's token/supervised/audio counts; split
+the layout (dtype, shape, finite values) and the manifest's token/supervised/audio counts; sample
+ids unique within a split (a duplicate means an input listed twice or shards merged twice); split
 totals; no empty split; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
 """
 
@@ -94,10 +95,11 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> Ver
                 rep.problems.append(f"{mf.join(root, name)}: not listed in the manifest (a leftover temp shard or a "
                                     "foreign file); delete it or re-run finalize")
     total = sum(int(sh.get("bytes", 0)) for _, sh in shards)
+    seen: dict[str, dict[str, str]] = {s: {} for s in m["splits"]}  # split -> sample id -> first shard holding it
     with _progress(progress) as bar:
         task = bar.add_task(str(url), total=total)
         for split, sh in shards:
-            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, lambda n: bar.advance(task, n))
+            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, lambda n: bar.advance(task, n), seen[split])
     if not m["splits"]:
         rep.problems.append(f"{man_path}: lists no split; the dataset holds nothing (re-capture it)")
     for split, d in m["splits"].items():
@@ -129,7 +131,7 @@ def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: Verify
                             "bundle belongs to another target")
 
 
-def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance) -> None:
+def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen: dict[str, str]) -> None:
     path = mf.join(root, sh["name"])
     if not fs.exists(path):
         rep.problems.append(f"{path}: missing; re-copy it or re-capture its samples")
@@ -161,6 +163,12 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance) -> No
                 validate_sample(sample, layout)
             except ValueError as e:
                 rep.problems.append(f"{path}: {e}")
+            sid = str(sample["sample_id"])
+            if sid in seen:
+                rep.problems.append(f"{path}: sample_id {sid!r} of split {split} is also in {seen[sid]}; an input was "
+                                    "listed twice: deduplicate the inputs and re-capture")
+            else:
+                seen[sid] = path
             counts["samples"] += 1
             counts["tokens"] += int(sample["input_ids"].shape[0])
             counts["supervised_tokens"] += int(sample["loss_mask"].sum())

@@ -74,3 +74,27 @@ def test_file_url_roundtrip(tmp_path):
     ds = open_dataset(f"file://{tmp_path}")
     assert [ds.sample("train", i)["sample_id"] for i in range(len(LENGTHS))] == [f"s{i}" for i in range(len(LENGTHS))]
     assert ds.bundle().fingerprint == ds.fingerprint
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_dataset_card_snippets_run_from_any_directory(tmp_path, monkeypatch, fmt):
+    import re
+
+    root = tmp_path / "ds"
+    write_dataset(str(root), tiny_layout(), ShardConfig(format=fmt, shard_bytes=2500), LENGTHS)
+    card = (root / "README.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", card, re.S)
+    assert len(snippets) == 2 and all("path/to/this/directory" in s for s in snippets)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    want = open_dataset(str(root)).stream("train", seed=0, shuffle=False)
+    first = next(iter(want))
+    for code in snippets:
+        ns: dict = {}
+        exec(code.replace("path/to/this/directory", str(root)).replace(": ...", ": break"), ns)
+        got = ns.get("sample")
+        if got is not None:
+            assert_same({k: v for k, v in got.items() if not k.startswith("__")}, first)
+    assert "sample" in ns

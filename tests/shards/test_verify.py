@@ -160,3 +160,31 @@ def test_wrong_shape_between_manifest_and_shards_is_reported(tmp_path):
     ds = open_dataset(str(root))
     with pytest.raises(ValueError, match=r"train-00000-of-\d+\.arrow: sample 0 does not match"):
         ds.sample("train", 0)
+
+
+def test_duplicate_sample_ids_fail_verify(tmp_path):
+    from shards.writer import finalize_dataset
+    from tests.shards.synthetic import tiny_bundle
+
+    layout = tiny_layout()
+    fp = tiny_bundle(str(tmp_path / "target"), layout)
+    w = DatasetWriter(str(tmp_path), ShardConfig(shard_bytes=1500), layout)
+    for i, sid in enumerate(["a", "dup", "b", "dup"]):
+        w.write(random_sample(layout, 6, i, sample_id=sid), i)
+    w.close()
+    finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
+    problems = verify_dataset(str(tmp_path), progress=False).problems
+    assert len(problems) == 1 and "sample_id 'dup' of split train is also in" in problems[0], problems
+
+
+def test_sample_any_format_and_out_of_range(good):
+    from shards.errors import SampleIndexError
+
+    root, man = good
+    ds = open_dataset(str(root))
+    in_order = [s["sample_id"] for s in ds.stream("train", seed=0, shuffle=False)]
+    assert [ds.sample("train", i)["sample_id"] for i in range(len(LENGTHS))] == in_order
+    with pytest.raises(SampleIndexError, match=r"sample 99999 is out of range: split 'train' .* has 7 samples"):
+        ds.sample("train", 99999)
+    with pytest.raises(SampleIndexError):
+        ds.sample("train", -1)

@@ -224,12 +224,18 @@ def read_hf_dataset(
     import datasets
 
     p = Path(name_or_path)
-    if p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split]
-    else:
-        ds = datasets.load_dataset(name_or_path, split=split)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the capture shows its own progress
+    try:
+        if p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name_or_path, split=split)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if audio_column in ds.column_names:
         ds = ds.cast_column(audio_column, datasets.Audio(decode=False))
     for i, row in enumerate(ds):

@@ -7,8 +7,9 @@ capture.granite_speech, capture.nemo) import nothing back: this module sits abov
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -28,6 +29,21 @@ NATIVE_LOADERS = {
 """``config.json`` model types of the speech LLMs read with their own processor (capture.hf_native)."""
 
 
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights") off while a target loads, then as they were:
+    the command shows its own progress, and a second bar only adds noise to logs."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 llm_config: str | Path | None = None, template: str | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> Target:
@@ -39,7 +55,8 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     tokenizer; anything else is refused in one line that names what is supported. ``template``: chat-template
     text replacing the tokenizer's; ``template_kwargs``: the variables it is rendered with (``Target.use_template``).
     """
-    target = _load(Path(path), dtype=dtype, device=device, llm_config=llm_config)
+    with quiet_loading():
+        target = _load(Path(path), dtype=dtype, device=device, llm_config=llm_config)
     target.use_template(template, template_kwargs)  # a tokenizer without a template is refused here, at load
     return target
 

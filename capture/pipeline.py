@@ -54,6 +54,7 @@ from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
 from shards.manifest import complete_manifest, dataset_fingerprint, foreign_directory, write_or_check_bundle
+from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
@@ -320,15 +321,6 @@ def make_layout(cfg: CaptureConfig, target: Target) -> Layout:
                   has_audio_embeds=cfg.audio_embeds, taps_codec=cfg.codec)
 
 
-def _progress(cfg: CaptureConfig, split: str, total: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn(f"capture {split}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[rates]}"), disable=not cfg.progress, transient=False,
-    )
-
-
 def _rates(stats: Stats, t0: float) -> str:
     dt = max(time.perf_counter() - t0, 1e-9)
     return (f"{stats.written / dt:.1f} samples/s  {stats.tokens / dt:,.0f} tok/s  "
@@ -397,8 +389,7 @@ def capture_split(
     t0 = time.perf_counter()
     done = min(writer.num_done, total)
     try:
-        with _progress(cfg, split, total) as bar:
-            task = bar.add_task(split, total=total, completed=done, rates="")
+        with Progress(f"capture {split}", total, done=done, enabled=cfg.progress) as bar:
             nxt = next(wins, None)
             fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
             while fut is not None:
@@ -407,12 +398,12 @@ def capture_split(
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, cfg, max_positions=target.max_positions)
                 done, stop = _run_window(target, cfg, layout, plan, writer, wt,
-                                   lambda n: bar.update(task, completed=n, rates=_rates(stats, t0)), done)
+                                   lambda n: bar.update(n, _rates(stats, t0)), done)
                 wt.put(("end", None))
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
             wt.finish()
-            bar.update(task, completed=done, rates=_rates(stats, t0))
+            bar.update(done, _rates(stats, t0))
     except BaseException as e:
         wt.finish()
         pool.shutdown(wait=True, cancel_futures=True)

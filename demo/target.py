@@ -21,6 +21,7 @@ import torch
 
 from capture.salm import CHAT_TEMPLATE, DEFAULT_PLACEHOLDER, SALM, SPECIAL_TOKENS, AudioConfig
 from demo.task import SAMPLE_RATE, TASKS, _tones, frame_labels, vocabulary
+from shards.progress import Progress
 
 @dataclass(frozen=True)
 class DemoSize:
@@ -162,8 +163,6 @@ class _Pool:
 
 def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Teacher-forced CE on assistant tokens, AdamW + cosine, until ``train_seconds`` or ``max_steps``."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     pool = _Pool(salm, rng, size.pool)
@@ -174,9 +173,7 @@ def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool
     params = [p for p in salm.parameters() if p.requires_grad] + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=size.lr, weight_decay=0.01, betas=(0.9, 0.98))
     t0, step, ema = time.perf_counter(), 0, None
-    with Progress(TextColumn("train demo target"), BarColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[info]}"), disable=not progress) as bar:
-        task = bar.add_task("train", total=size.train_seconds, info="")
+    with Progress("train demo target", size.train_seconds, enabled=progress, fmt_count=lambda x: f"{x:.0f}s") as bar:
         while step < size.max_steps:
             elapsed = time.perf_counter() - t0
             if elapsed >= size.train_seconds:
@@ -196,8 +193,7 @@ def train_demo_salm(salm: SALM, size: DemoSize, *, seed: int = 0, progress: bool
             opt.step()
             step += 1
             ema = float(loss.detach()) if ema is None else 0.95 * ema + 0.05 * float(loss.detach())
-            bar.update(task, completed=min(time.perf_counter() - t0, size.train_seconds),
-                       info=f"step {step}  loss {ema:.3f}")
+            bar.update(min(time.perf_counter() - t0, size.train_seconds), f"step {step}  loss {ema:.3f}")
     salm.eval()
     return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss_ema": round(ema or 0.0, 4),
             "final_frame_loss": round(float(aux_loss.detach()), 4) if step else None}

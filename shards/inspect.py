@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from shards.manifest import _fmt_bytes
+from shards.manifest import fmt_bytes
 from shards.reader import Dataset
 
 
@@ -48,7 +48,7 @@ def render_summary(info: dict[str, Any]) -> str:
     ]
     for s, d in info["splits"].items():
         lines.append(f"{s:<10}{d['samples']:>10}{d['tokens']:>12}{d['supervised_tokens']:>12}"
-                     f"{d['audio_seconds']:>10.1f}{d['shards']:>8}{_fmt_bytes(d['bytes']):>12}"
+                     f"{d['audio_seconds']:>10.1f}{d['shards']:>8}{fmt_bytes(d['bytes']):>12}"
                      f"{d['bytes_per_token']:>10.1f}")
     lines.append(f"skipped inputs: {info['skipped']}")
     return "\n".join(lines)

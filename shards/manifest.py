@@ -190,7 +190,7 @@ def write_or_check_bundle(url: str, **parts: Any) -> str:
     return fp
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -207,7 +207,7 @@ def render_card(m: dict[str, Any]) -> str:
     fmt = m["format"]
     rows = "\n".join(
         f"| {s} | {d['samples']} | {d['tokens']} | {d['supervised_tokens']} | {d['audio_seconds']:.1f} | "
-        f"{len(d['shards'])} | {_fmt_bytes(d['bytes'])} |"
+        f"{len(d['shards'])} | {fmt_bytes(d['bytes'])} |"
         for s, d in m["splits"].items()
     )
     first = next(iter(m["splits"]), "train")

@@ -22,6 +22,7 @@ from shards import manifest as mf
 from shards.arrow_io import decode_batch, iter_batches, schema_meta
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
+from shards.progress import Progress
 from shards.schema import Layout, check_schema_version, validate_sample
 from shards.wds_io import decode_wds_sample, iter_tar_samples
 
@@ -41,13 +42,6 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("verify {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                    disable=not enabled, transient=True)
 
 
 def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> VerifyReport:
@@ -96,10 +90,9 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> Ver
                                     "foreign file); delete it or re-run finalize")
     total = sum(int(sh.get("bytes", 0)) for _, sh in shards)
     seen: dict[str, dict[str, str]] = {s: {} for s in m["splits"]}  # split -> sample id -> first shard holding it
-    with _progress(progress) as bar:
-        task = bar.add_task(str(url), total=total)
+    with Progress(f"verify {url}", total, enabled=progress, transient=True, fmt_count=mf.fmt_bytes) as bar:
         for split, sh in shards:
-            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, lambda n: bar.advance(task, n), seen[split])
+            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, bar.advance, seen[split])
     if not m["splits"]:
         rep.problems.append(f"{man_path}: lists no split; the dataset holds nothing (re-capture it)")
     for split, d in m["splits"].items():

@@ -149,3 +149,12 @@ def test_ctrl_c_keeps_finished_work_and_says_so(salm_dir, tone_manifest, tmp_pat
     m = capture(_cfg(salm_dir, tone_manifest, out))
     assert m["run_stats"]["train"]["written"] == 10 - kept and m["splits"]["train"]["samples"] == 10
     assert verify_dataset(str(out), progress=False).ok
+
+
+def test_loading_a_target_prints_no_library_progress_bar(salm_dir, capfd):
+    from transformers.utils import logging as hf_logging
+
+    load_target(salm_dir)
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err, err
+    assert hf_logging.is_progress_bar_enabled()  # restored for the caller

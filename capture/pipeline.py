@@ -403,7 +403,9 @@ def capture_split(
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
             wt.finish()
+            _close_or_abort(writer, wt)
             bar.update(done, _rates(stats, t0))
+            bar.close(final_line=wt.error is None and wt.failed_on is None)  # a failure's error line says enough
     except BaseException as e:
         wt.finish()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -415,7 +417,6 @@ def capture_split(
             ) from None
         raise
     pool.shutdown(wait=True)
-    _close_or_abort(writer, wt)
     _raise_if_failed(wt)
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -423,7 +424,8 @@ def capture_split(
 
 def _close_or_abort(writer: DatasetWriter, wt: "_WriterThread") -> None:
     """Keep what the writer holds (close: its open shard becomes a finished one), unless writing itself
-    failed (a full disk): then drop the open shard's temp file, which a resume would redo anyway."""
+    failed (a full disk): then drop the open shard's temp file, which a resume would redo anyway.
+    A second call does nothing (the writer is closed either way)."""
     if wt.error is None:
         try:
             writer.close()

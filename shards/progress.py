@@ -76,19 +76,19 @@ class Progress:
         print(f"{self.label}: {self.fmt_count(self.done)}{total}{pct} {_clock(time.perf_counter() - self.t0)}{info}",
               file=self.stream, flush=True)
 
-    def close(self) -> None:
-        """Stop the bar, or print the final plain line."""
+    def close(self, final_line: bool = True) -> None:
+        """Stop the bar, or print the final plain line (not when the work failed: its error says enough)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        else:
+        elif final_line:
             self._line()
         self.enabled = False
 
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(final_line=exc_type is None)

@@ -1,23 +1,32 @@
-"""The command line's face: help for every command, and user errors as one line with exit code 2."""
+"""The command line's face: commands in pipeline order, help for every command, and each user mistake
+as ONE ``error:`` line with exit code 2 (``--debug`` adds the traceback)."""
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
-from cli import app
+from cli import app, main
+from shards.writer import ShardConfig
+from tests.capture.util import conv_record, write_manifest, write_wav
+from tests.shards.synthetic import tiny_layout, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("demo", "capture", "inspect", "verify", "train", "eval", "export", "speculate")
+COMMANDS = ("capture", "verify", "inspect", "train", "eval", "speculate", "export", "demo")
 
 
-def test_every_command_has_help():
+def test_every_command_has_help_in_pipeline_order():
     runner = CliRunner()
     top = runner.invoke(app, ["--help"])
     assert top.exit_code == 0
+    rows = [line[2:].split()[0] for line in top.output.splitlines() if line.startswith("│ ") and line[2:3].strip()]
+    listed = [r for r in rows if r in COMMANDS]
+    assert tuple(listed) == COMMANDS, listed
     for name in COMMANDS:
-        assert name in top.output
         res = runner.invoke(app, [name, "--help"])
         assert res.exit_code == 0 and "Usage" in res.output, name
 
@@ -31,3 +40,104 @@ def test_user_error_is_one_clear_line(tmp_path):
     assert proc.stderr.startswith("error: ") and "manifest.json not found" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+# ------------------------------------------------------------------ every user mistake: one line, exit 2
+@pytest.fixture(scope="module")
+def salm_dir(tmp_path_factory) -> Path:
+    from demo.target import QUICK, build_demo_salm
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("salm")
+    build_demo_salm(QUICK, seed=0).save_pretrained(d)
+    return d
+
+
+@pytest.fixture()
+def inputs(tmp_path) -> Path:
+    write_wav(tmp_path / "a.wav", [1, 2, 3])
+    return write_manifest(tmp_path / "train.jsonl", [conv_record(f"u{i}", "a.wav") for i in range(4)])
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def run(args: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    return e.value.code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, *, contains: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and contains in lines[0], (code, err)
+
+
+def capture_args(salm_dir, data, out, *extra):
+    return ["capture", "--target", salm_dir, "--data", data, "--out", out, "--top-k", "4", "--threads", "1", *extra]
+
+
+def test_bad_input_is_one_line(salm_dir, tmp_path, capsys):
+    man = write_manifest(tmp_path / "bad.jsonl", [conv_record("u0", "missing.wav")])
+    code, err = run(capture_args(salm_dir, man, tmp_path / "ds"), capsys)
+    assert_one_line(code, err, contains="bad input 'u0'")
+    code, err = run(["--debug", *capture_args(salm_dir, man, tmp_path / "ds")], capsys)
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: bad input 'u0'")
+
+
+def test_full_disk_is_one_line_and_leaves_no_temp_files(salm_dir, inputs, tmp_path, capsys, monkeypatch):
+    from shards import writer as writer_mod
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device", "data/x.arrow.tmp")
+
+    monkeypatch.setattr(writer_mod._HashingSink, "write", full)
+    out = tmp_path / "ds"
+    code, err = run(capture_args(salm_dir, inputs, out), capsys)
+    assert_one_line(code, err, contains="no space left on the device writing data/x.arrow.tmp; free space")
+    assert [p for p in out.rglob("*") if p.name.endswith(".tmp")] == []
+
+
+def test_out_into_a_foreign_directory_is_one_line(salm_dir, inputs, tmp_path, capsys):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    code, err = run(capture_args(salm_dir, inputs, out), capsys)
+    assert_one_line(code, err, contains="not a tapdraft dataset")
+    assert (out / "README.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_inspect_sample_out_of_range_is_one_line(tmp_path, capsys, fmt):
+    root = tmp_path / "ds"
+    write_dataset(str(root), tiny_layout(), ShardConfig(format=fmt, shard_bytes=2500), [5, 6, 7])
+    code, err = run(["inspect", root, "--sample", 99999], capsys)
+    assert_one_line(code, err, contains="sample 99999 is out of range")
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(root), "--sample", "2"])
+    assert e.value.code == 0 and "train[2]" in capsys.readouterr().out
+
+
+def test_missing_and_foreign_paths_are_one_line(tmp_path, capsys):
+    code, err = run(["inspect", tmp_path / "nope"], capsys)
+    assert_one_line(code, err, contains="manifest.json not found")
+    code, err = run(["export", "--draft", tmp_path, "--out", tmp_path / "exp"], capsys)
+    assert_one_line(code, err, contains="has no checkpoint")
+    code, err = run(["capture", "--target", tmp_path / "none", "--data", tmp_path / "x.jsonl", "--out",
+                     tmp_path / "ds", "--threads", "1"], capsys)
+    assert_one_line(code, err, contains="does not exist")
+
+
+def test_a_bug_still_shows_its_traceback(monkeypatch, capsys, tmp_path):
+    import shards.reader
+
+    def boom(*a, **k):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(shards.reader, "open_dataset", boom)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        main(["inspect", str(tmp_path)])

@@ -138,3 +138,18 @@ def test_memory_filesystem_commit():
     assert fs.cat_file("/atomic-test/a.bin") == b"2"
     assert not fs.exists(atomic.temp_name("/atomic-test/a.bin"))
     fs.rm("/atomic-test", recursive=True)
+
+
+def test_staged_file_gets_the_ordinary_mode(tmp_path):
+    import os
+
+    from shards.atomic import staged
+
+    dest = tmp_path / "w.bin"
+    with staged(dest) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)  # as safetensors creates its files
+        os.write(fd, b"x")
+        os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dest.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -25,6 +25,11 @@ def test_train_eval_export_commands(tmp_path):
     assert (tmp_path / "run" / "eval-validation" / "acceptance.png").is_file()
     r = CliRunner().invoke(app, ["export", "--draft", run, "--out", str(tmp_path / "exp")])
     assert r.exit_code == 0, r.output
+    assert r.output.startswith("exported step 2 to ") and "vLLM" in r.output  # readable; --json for the dict
+    modes = {f: (tmp_path / "exp" / f).stat().st_mode & 0o777 for f in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"] and modes["config.json"] & 0o044, modes
+    r = CliRunner().invoke(app, ["export", "--draft", run, "--out", str(tmp_path / "exp"), "--json"])
+    assert json.loads(r.output)["step"] == 2
     cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert cfg["block_size"] == 8 and cfg["target_layer_ids_vllm"] == [i + 1 for i in cfg["target_layer_ids"]]
     r = CliRunner().invoke(app, ["train", "--data", ds, "--out", run, "--set", "no_such_field=1"])

@@ -145,16 +145,17 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
-    """Train a drafter from a dataset; the resolved config is saved as RUN/config.json."""
+    """Train a drafter from a dataset (Ctrl-C saves a checkpoint; rerun to resume); config in RUN/config.json."""
     import json
 
     from train.config import load_run_config
     from train.loop import train as run_training
+    from train.run import format_summary
 
     _threads(threads)
     run = load_run_config(recipe, config_file=config, overrides=set_)
     summary = run_training(run, data, out)
-    typer.echo(json.dumps(summary, indent=2))
+    typer.echo(json.dumps(summary, indent=2) if json_out else format_summary(summary))
 
 
 @app.command("eval")

@@ -83,7 +83,7 @@ def _train_drafter(run: RunConfig, paths: DemoPaths, run_dir: Path) -> list[floa
     is complete, so the losses of the calls that trained are kept in ``demo.json`` for later runs.
     """
     summary = train(run, paths.dataset, run_dir)
-    if summary["first_loss"] is not None:
+    if summary["first_loss"] is not None and not summary.get("already_complete"):
         first = summary["first_loss"]
         kept = paths.info.get("drafter")
         if summary["resumed_from_step"] and kept and kept.get("first_loss") is not None:

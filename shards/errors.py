@@ -19,6 +19,9 @@ setting or a missing file) map to exit 2 as well; :func:`classify` is the one ma
 from __future__ import annotations
 
 import errno
+import signal
+import threading
+from typing import Any
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -57,6 +60,43 @@ class Interrupted(TapdraftError):
     """Ctrl-C or SIGTERM stopped a command after it saved what it could; the message says what was kept."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM ask the work to stop at its next safe point instead of killing it
+    mid-write: ``requested`` turns true (and ``signal_name`` says which). A second signal raises
+    KeyboardInterrupt (the user insists). Handlers are installed only in the main thread and restored
+    on exit.
+
+        with StopSignals() as stop:
+            for step in ...:
+                ...
+                if stop.requested: save, then raise Interrupted(...)
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
 
 
 def classify(exc: BaseException) -> tuple[int, str] | None:

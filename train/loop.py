@@ -12,15 +12,22 @@ Anchor sampling draws from a generator seeded by ``derive_seed(seed, "anchors", 
 so a run is a pure function of its config and data, and resume is exact: a checkpoint holds the
 draft, optimizer, scheduler, step and every rank's reader state.
 
+Interrupts: SIGINT/SIGTERM stop the run after the current optimizer step (every rank at the same
+step), write a checkpoint, and raise ``shards.errors.Interrupted`` saying where it was saved (a
+second signal aborts at once). A rerun prints "resuming from step N" before anything else and
+drops metrics.jsonl lines past that step (they are recomputed); a finished run returns its summary
+marked ``already_complete`` and rewrites nothing.
+
 The run directory's layout and checkpoint I/O live in ``train.run``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,12 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shards.errors import Interrupted, StopSignals
+from shards.progress import Progress
 from train.acceptance import tau_from_alpha
 from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafter import Drafter, combine_terms, reduce_metrics
-from train.run import (CKPT_VERSION, CONFIG_FILE, DataSource, build_drafter, check_data, check_trained_template,
-                       latest_checkpoint, load_checkpoint, open_source, save_checkpoint, template_state)
+from train.run import (CKPT_VERSION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, DataSource, build_drafter, check_data,
+                       check_trained_template, finished_summary, latest_checkpoint, load_checkpoint, open_source,
+                       save_checkpoint, template_state, trim_metrics)
 
 
 def lr_lambda(tc: Any):
@@ -141,9 +151,15 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     src = open_source(data, tc.split)
     check_data(run, src)
     ckpt = _resumable_checkpoint(run, src, out) if resume else None
+    end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
+    if ckpt is not None and int(ckpt["step"]) >= end:
+        return finished_summary(out, int(ckpt["step"]), complete=end == tc.max_steps)
     rank, world, device, we_init = _dist_setup(tc)
+    if ckpt is not None and rank == 0:
+        print(f"resuming from step {int(ckpt['step'])} of {tc.max_steps} ({latest_checkpoint(out)})", file=sys.stderr,
+              flush=True)
     try:
-        return _train(run, src, out, ckpt, rank, world, device, stop_at)
+        return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
         if we_init:
             dist.destroy_process_group()
@@ -273,21 +289,23 @@ def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, devi
 
 
 def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | None, rank: int, world: int,
-           device: torch.device, stop_at: int | None = None) -> dict[str, Any]:
+           device: torch.device, end: int) -> dict[str, Any]:
     tc = run.train
     t = _setup(run, src, ckpt, rank, world, device)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        run.save(out / CONFIG_FILE)
-    log_f = open(out / "metrics.jsonl", "a") if rank == 0 else None
-    progress = _Progress(tc.max_steps, t.start, enabled=tc.progress and rank == 0)
+        # the drafter's resolved config (tap ids chosen, sizes from the bundle): what this run trains
+        dataclasses.replace(run, drafter=t.model.config).save(out / CONFIG_FILE)
+        trim_metrics(out, t.start)
+    log_f = open(out / METRICS_FILE, "a") if rank == 0 else None
+    progress = Progress("train", tc.max_steps, done=t.start, enabled=tc.progress and rank == 0)
     last: dict[str, Any] = {}
     first_loss = None
     t0 = time.perf_counter()
     tokens = 0
     window = _Window()
     ckpt_dir = None
-    end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
+    stop = StopSignals().__enter__()
     try:
         for step in range(t.start, end):
             step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window)
@@ -305,13 +323,20 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
                 if log_f is not None:
                     log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
-                progress.update(done, last)
+                progress.update(done, f"loss {last['loss']:.4f}" + (f"  tau {last['tau']:.3f}" if last.get("tau") else ""))
                 window = _Window()
             else:
-                progress.update(done, None)
-            if done % tc.ckpt_every == 0 or done == end:
+                progress.update(done)
+            stopping = _stop_requested(stop, world, device)
+            if done % tc.ckpt_every == 0 or done == end or stopping:
                 ckpt_dir = _checkpoint(out, done, run, t, src, rank, world)
+            if stopping and done < end:
+                progress.close(final_line=False)
+                raise Interrupted(f"training stopped by {stop.signal_name or 'a signal'} after step {done} of "
+                                  f"{tc.max_steps}; checkpoint saved to {ckpt_dir or out}: rerun the same command to "
+                                  "resume")
     finally:
+        stop.__exit__()
         progress.close()
         if log_f is not None:
             log_f.close()
@@ -333,8 +358,17 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         "run_dir": str(out),
     }
     if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _stop_requested(stop: StopSignals, world: int, device: torch.device) -> bool:
+    """Whether any rank was asked to stop (one all-reduce a step under DDP, so all stop at the same step)."""
+    if world == 1:
+        return stop.requested
+    flag = torch.tensor([float(stop.requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _checkpoint(out: Path, step: int, run: RunConfig, t: _Trainer, src: DataSource, rank: int,
@@ -368,30 +402,3 @@ def _export_config(model: Drafter) -> dict[str, Any] | None:
         return model.export_config()
     except NotImplementedError:
         return None
-
-
-class _Progress:
-    """A rich progress bar with the latest loss/tau; silent when disabled."""
-
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        self.bar = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.fields[info]}"), transient=False)
-        self.bar.start()
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, done: int, rec: dict[str, Any] | None) -> None:
-        if self.bar is None:
-            return
-        info = None
-        if rec is not None:
-            info = f"loss {rec['loss']:.4f}" + (f"  tau {rec['tau']:.3f}" if rec.get("tau") is not None else "")
-        self.bar.update(self.task, completed=done, **({"info": info} if info else {}))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -6,8 +6,9 @@ MTP's sampled acceptance and live speculative decoding read through it.
 Run directory:
     config.json                  resolved RunConfig (the resume check compares against it)
     metrics.jsonl                one line per log step: loss terms, acc@k, alpha@k, tau, lr, throughput
+                                 (a resume drops lines past its checkpoint: no step is logged twice)
     checkpoints/step-000100/     state.pt (draft, optimizer, scheduler, step, data states, config)
-    summary.json                 the final summary (also returned)
+    summary.json                 the final summary (also returned; ``format_summary`` renders it)
 
 A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``), so a
 crash leaves the old checkpoint or the new one, never neither; ``latest_checkpoint`` reads only
@@ -16,6 +17,7 @@ finished ``step-N`` directories.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,6 +36,8 @@ from train.data import derive_seed
 from train.drafter import Drafter, get_family
 
 CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
 CKPT_NAME = re.compile(r"step-\d+")
@@ -160,6 +164,58 @@ def save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) ->
     for p in olds[: max(len(olds) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def trim_metrics(out: Path, step: int) -> None:
+    """Drop metrics.jsonl lines logged after ``step`` (a resume from that step recomputes them)."""
+    path = out / METRICS_FILE
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        with staged(path) as tmp:
+            tmp.write_text("".join(keep))
+
+
+def finished_summary(out: Path, step: int, *, complete: bool) -> dict[str, Any]:
+    """The summary of a run whose checkpoint is already at its last step, marked ``already_complete``;
+    nothing is rewritten. Without summary.json (a crash after the last checkpoint) it is rebuilt from
+    metrics.jsonl and written."""
+    path = out / SUMMARY_FILE
+    if path.is_file():
+        summary = json.loads(path.read_text())
+    else:
+        recs = [json.loads(ln) for ln in (out / METRICS_FILE).read_text().splitlines() if ln.strip()] \
+            if (out / METRICS_FILE).is_file() else []
+        last = recs[-1] if recs else {}
+        summary = {"steps": step, "first_loss": recs[0].get("loss") if recs else None, "final_loss": last.get("loss"),
+                   "final_tau_train": last.get("tau"), "final_alpha_train": last.get("alpha"),
+                   "checkpoint": str(latest_checkpoint(out)), "run_dir": str(out)}
+        if complete:
+            path.write_text(json.dumps(summary, indent=2))
+    return {**summary, "already_complete": complete, "stopped_at_step": step}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """One readable screen for ``tapdraft train`` (``--json`` prints the dict itself)."""
+    if s.get("already_complete"):
+        head = f"already complete: {s.get('run_dir')} is at step {s.get('stopped_at_step')}; nothing to do"
+    else:
+        resumed = f", resumed from step {s['resumed_from_step']}" if s.get("resumed_from_step") else ""
+        head = (f"trained {s.get('family', 'drafter')} to step {s.get('steps')} of {s.get('max_steps')}{resumed} in "
+                f"{s.get('train_seconds', 0):.1f}s ({s.get('tokens_per_s') or 0:,.0f} tokens/s, "
+                f"{s.get('trainable_params') or 0:,} trainable parameters, {s.get('device')})")
+    lines = [head]
+    if s.get("final_loss") is not None:
+        first = f"{s['first_loss']:.4f} -> " if s.get("first_loss") is not None else ""
+        lines.append(f"  loss {first}{s['final_loss']:.4f}")
+    if s.get("final_tau_train") is not None:
+        alpha = " ".join(f"{a:.3f}" for a in s.get("final_alpha_train") or [])
+        lines.append(f"  training-batch tau {s['final_tau_train']:.3f} (alpha by position: {alpha}); "
+                     "`tapdraft eval` gives held-out figures")
+    lines.append(f"  checkpoint {s.get('checkpoint')}")
+    return "\n".join(lines)
 
 
 @dataclass

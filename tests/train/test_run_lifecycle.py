@@ -1,0 +1,88 @@
+"""A run's life on disk: Ctrl-C / SIGTERM save a checkpoint and say so, a rerun says where it resumes,
+a finished run is left alone, metrics.jsonl never logs a step twice, a tap substitution is loud and
+recorded."""
+
+import json
+import shutil
+import signal
+
+import pytest
+
+from dflash_fixtures import tiny_dataset
+from shards.errors import Interrupted
+from train import loop
+from train.config import load_run_config
+from train.loop import train
+from train.run import format_summary, latest_checkpoint
+
+FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
+        "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]"]
+
+
+@pytest.fixture(scope="module")
+def mem(tmp_path_factory):
+    return tiny_dataset(tmp_path_factory.mktemp("mem"), n=12, min_len=16, max_len=28)
+
+
+def _steps(run_dir):
+    return [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_saves_a_checkpoint_and_the_rerun_resumes_exactly(tmp_path, mem, monkeypatch, capsys, sig):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=5", "ckpt_every=100"])
+    train(run, mem.path, tmp_path / "full")
+    real = loop._optimizer_step
+
+    def step(t, tc, step, *a, **kw):
+        out = real(t, tc, step, *a, **kw)
+        if step == 2:  # the signal lands during step 3: that step finishes, then the run stops
+            signal.raise_signal(sig)
+        return out
+
+    monkeypatch.setattr(loop, "_optimizer_step", step)
+    with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 3 of 5; checkpoint saved to .*step-0000003"):
+        train(run, mem.path, tmp_path / "cut")
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000003"
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
+    monkeypatch.setattr(loop, "_optimizer_step", real)
+    capsys.readouterr()
+    s = train(run, mem.path, tmp_path / "cut")
+    assert capsys.readouterr().err.splitlines()[0].startswith("resuming from step 3 of 5 (")
+    assert s["resumed_from_step"] == 3 and _steps(tmp_path / "cut") == [1, 2, 3, 4, 5]
+    assert _losses(tmp_path / "cut") == pytest.approx(_losses(tmp_path / "full"), rel=1e-6, abs=1e-7)
+
+
+def test_finished_run_is_left_alone(tmp_path, mem, capsys):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
+    first = train(run, mem.path, tmp_path / "r")
+    before = (tmp_path / "r" / "summary.json").read_text()
+    again = train(run, mem.path, tmp_path / "r")
+    assert again["already_complete"] and again["final_loss"] == first["final_loss"] is not None
+    assert (tmp_path / "r" / "summary.json").read_text() == before and _steps(tmp_path / "r") == [1, 2]
+    assert format_summary(again).startswith("already complete: ")
+    assert format_summary(first).startswith("trained dflash to step 2 of 2")
+
+
+def test_metrics_never_repeat_a_step_after_a_resume(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=2", "keep_checkpoints=5"])
+    train(run, mem.path, tmp_path / "full")
+    shutil.copytree(tmp_path / "full", tmp_path / "crash")
+    shutil.rmtree(tmp_path / "crash" / "checkpoints" / "step-0000004")  # killed after logging steps 3-4
+    (tmp_path / "crash" / "summary.json").unlink()
+    train(run, mem.path, tmp_path / "crash")
+    assert _steps(tmp_path / "crash") == [1, 2, 3, 4]
+    assert _losses(tmp_path / "crash") == pytest.approx(_losses(tmp_path / "full"), rel=1e-6, abs=1e-7)
+
+
+def test_tap_substitution_is_loud_and_recorded(tmp_path, mem):
+    over = [o for o in FAST if not o.startswith("target_layer_ids")] + ["max_steps=1"]
+    run = load_run_config("dflash_b8", overrides=over)  # the rule wants taps the dataset lacks
+    with pytest.warns(UserWarning, match=r"dataset stores taps \[1, 3\]: training on \[1\] instead"):
+        train(run, mem.path, tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["drafter"]["target_layer_ids"] == [1]

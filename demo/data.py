@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from capture.config import CaptureConfig
+from capture.load import quiet_loading
 from capture.salm import SALM
 from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
 from demo.task import SAMPLE_RATE, sample_example, tone_audio
@@ -158,7 +159,8 @@ def prepare_demo(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 1 M-parameter model gains little from more, and loses a lot on shared cores
     try:
-        return _prepare(root, size, quick, regenerate, seed, progress, capture_overrides, info, info_path)
+        with quiet_loading():  # the demo's own progress only: no "Loading weights" / "Writing model shards" bars
+            return _prepare(root, size, quick, regenerate, seed, progress, capture_overrides, info, info_path)
     finally:
         torch.set_num_threads(threads)
 

@@ -9,8 +9,10 @@ proposing, and the report gives:
                        nothing past eos counts), over all rounds
     alpha@k            P(draft k accepted | drafts 1..k-1 accepted), over rounds that judged draft k
     matches_greedy     greedy only: the output equals the target's own greedy decoding (it must)
-    offline_tau        the run's offline estimates (eval.json in the run directory), when present:
-                       uniform anchors, and replayed round by round (the one live decoding should match)
+    offline_tau        the offline estimates on the SAME conversations, found by sample id in the dataset:
+                       uniform anchors, and replayed round by round (the one live decoding should match);
+                       when none of them is in the dataset, the run's eval.json figures, labelled with
+                       the split and sample count they cover
 
 Live tau sits below the uniform-anchor offline tau: rounds start right after a rejection, at the
 hard tokens, and a round near the end of a reply can accept only what is left of it. The offline
@@ -39,9 +41,11 @@ from capture.load import load_target
 from capture.targets import Target
 from shards.bundle import bundle_fingerprint
 from shards.head import head_spec
+from shards.progress import Progress
 from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
                               target_greedy)
+from train.evaluate import acceptance_of
 from train.run import Trained, load_trained
 
 
@@ -105,20 +109,17 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     target, loaded = load_pair(cfg)
     decoder = _Decoder(cfg, target, loaded)
     items = read_inputs(cfg.conversations, placeholder=target.input_placeholder)
-    bar = _bar(progress, cfg.max_samples)
-    for conv in items:
-        if decoder.n >= cfg.max_samples:
-            break
-        if isinstance(conv, BadInput):
-            continue
-        decoder.decode(conv)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    with Progress("speculate", cfg.max_samples, enabled=progress) as bar:
+        for conv in items:
+            if decoder.n >= cfg.max_samples:
+                break
+            if isinstance(conv, BadInput):
+                continue
+            decoder.decode(conv)
+            bar.update(decoder.n)
     if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
-    return {**decoder.report(), **offline_estimates(cfg.draft)}
+    return {**decoder.report(), **offline_estimates(loaded, decoder.sample_ids, cfg)}
 
 
 def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
@@ -152,6 +153,7 @@ class _Decoder:
         self.eos = eos[0] if isinstance(eos, list) else eos
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.results: list[DecodeResult] = []
+        self.sample_ids: list[str] = []
         self.K = self.n = self.matches = self.tokens = 0
         self.spec_s = self.plain_s = 0.0
 
@@ -171,6 +173,7 @@ class _Decoder:
         )
         self.spec_s += time.perf_counter() - t0
         self.results.append(out)
+        self.sample_ids.append(conv.sample_id)
         self.K = max(self.K, out.proposed)
         self.tokens += len(out.tokens)
         if self.greedy_check:
@@ -200,21 +203,32 @@ class _Decoder:
         return result
 
 
-def offline_estimates(run_dir: str | Path) -> dict[str, Any]:
-    """The run's offline tau (uniform anchors, and replayed) from its first eval.json, if it has one."""
-    offline = sorted(Path(run_dir).glob("eval-*/eval.json"))
+def dataset_samples(loaded: Trained, sample_ids: list[str]) -> list[dict[str, Any]]:
+    """The dataset's samples with these ids (evaluation split first, then the others), in ``sample_ids`` order."""
+    ds, want, found = loaded.src.data, set(sample_ids), {}
+    for split in [loaded.split] + [s for s in ds.splits if s != loaded.split]:
+        for s in ds.stream(split, seed=0, shuffle=False):
+            if s["sample_id"] in want and s["sample_id"] not in found:
+                found[s["sample_id"]] = s
+        if len(found) == len(want):
+            break
+    return [found[i] for i in sample_ids if i in found]
+
+
+def offline_estimates(loaded: Trained, sample_ids: list[str], cfg: SpeculateConfig) -> dict[str, Any]:
+    """Offline tau (uniform anchors, and replayed) over the decoded conversations' own dataset samples;
+    without any of them in the dataset, the run's first eval.json, labelled with what it covers."""
+    res = acceptance_of(loaded, dataset_samples(loaded, sample_ids), device=cfg.device)
+    if res is not None:
+        return {"offline_tau": res["tau"], "offline_tau_replayed": res["tau_replayed"],
+                "offline_over": f"the same {res['samples']} conversations"}
+    offline = sorted(Path(cfg.draft).glob("eval-*/eval.json"))
     if not offline:
         return {}
     doc = json.loads(offline[0].read_text())
-    return {"offline_tau": doc.get("tau"), "offline_tau_replayed": doc.get("tau_replayed")}
-
-
-def _bar(enabled: bool, total: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="speculate", unit="conv")
+    return {"offline_tau": doc.get("tau"), "offline_tau_replayed": doc.get("tau_replayed"),
+            "offline_over": f"{doc.get('samples')} {doc.get('split')} samples of eval.json (the decoded conversations "
+                            "are not in the dataset)"}
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -226,8 +240,9 @@ def format_result(r: dict[str, Any]) -> str:
     ]
     if "matches_greedy" in r:
         lines.append(f"output identical to the target's greedy decoding: {r['matches_greedy']}")
+    over = r.get("offline_over", "the dataset")
     if r.get("offline_tau") is not None:
-        lines.append(f"offline estimate from the dataset: tau = {r['offline_tau']:.3f} (uniform anchors)")
+        lines.append(f"offline estimate over {over}: tau = {r['offline_tau']:.3f} (uniform anchors)")
     if r.get("offline_tau_replayed") is not None:
-        lines.append(f"offline replay of the same decoding rounds: tau = {r['offline_tau_replayed']:.3f}")
+        lines.append(f"offline replay of the same decoding rounds over {over}: tau = {r['offline_tau_replayed']:.3f}")
     return "\n".join(lines)

@@ -25,8 +25,9 @@ from typing import Any
 
 
 from train.acceptance import AcceptanceCounts, tau_from_alpha
-from train.data import BatchStream, to_device
-from train.run import load_trained
+from train.data import BatchStream, collate, has_targets, to_device, truncate
+from train.run import Trained, load_trained
+
 
 def evaluate(
     run_dir: str | Path,
@@ -103,6 +104,30 @@ def evaluate(
         result["plot"] = str(plot_acceptance(result, out / "acceptance.png"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def acceptance_of(loaded: Trained, samples: list[dict[str, Any]], device: str = "cpu") -> dict[str, Any] | None:
+    """Teacher-forced acceptance of a loaded run over the given dataset samples, one sequence at a time
+    (truncated as training and ``evaluate`` truncate them): ``samples``, ``tau`` (uniform anchors) and
+    ``tau_replayed`` (decoding rounds replayed). None when none of them has a supervised target.
+    ``speculate`` uses it to put the offline figure on exactly the conversations it decoded."""
+    max_len = loaded.run.train.max_seq_len
+    total: AcceptanceCounts | None = None
+    n = 0
+    for s in samples:
+        s = truncate(s, max_len) if max_len else s
+        if not has_targets(s):
+            continue
+        acc = loaded.model.acceptance(to_device(collate([s]), device))
+        acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
+                               acc.round_tokens, acc.rounds)
+        total = acc if total is None else total + acc
+        n += 1
+    if total is None:
+        return None
+    alpha = [float(a / r) if r > 0 else 0.0 for a, r in zip(total.accepted, total.reached)]
+    return {"samples": n, "tau": tau_from_alpha(alpha),
+            "tau_replayed": total.round_tokens / total.rounds if total.rounds else None}
 
 
 def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:

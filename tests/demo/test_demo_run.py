@@ -32,6 +32,16 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert again["train_loss"] == r["train_loss"] and None not in r["train_loss"]
     text_again = format_demo(again)
     assert text_again.splitlines()[1:] == text.splitlines()[1:]  # all but the timings line
+    # speculate's offline figures cover exactly the conversations it decoded (here 5 training ones, not the
+    # validation split eval.json holds), so the replay matches live decoding on them too
+    from speculate.run import SpeculateConfig, run_speculate
+
+    d = tmp_path / "demo"
+    other = run_speculate(SpeculateConfig(target=str(d / "target"), draft=str(d / "runs" / "dflash"),
+                                          data=str(d / "dataset"), conversations=str(d / "data" / "train.jsonl"),
+                                          max_samples=5, max_new_tokens=32), progress=False)
+    assert other["offline_over"] == "the same 5 conversations"
+    assert abs(other["tau"] - other["offline_tau_replayed"]) <= 0.02 * other["tau"], other
 
 
 def _result(tau_uniform: float, tau_replayed: float, tau_live: float) -> dict:

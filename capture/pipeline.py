@@ -454,7 +454,19 @@ def _barrier(world: int) -> None:
 
 
 def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, Any]:
-    """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``."""
+    """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``.
+
+    Ctrl-C is ``shards.errors.Interrupted`` saying what was kept: inside a split's sample loop the open
+    shard is finished and counted; elsewhere (loading, finalizing) finished shards are kept as they are.
+    """
+    try:
+        return _capture(cfg, target)
+    except KeyboardInterrupt:
+        raise Interrupted(f"capture interrupted outside its sample loop (loading the target or finalizing): the "
+                          f"finished shards in {cfg.out} are kept; rerun the same command to resume") from None
+
+
+def _capture(cfg: CaptureConfig, target: Target | None) -> dict[str, Any]:
     rank, world = _dist_env()
     out = Path(cfg.out)
     if foreign_directory(str(out), own=(CONFIG_FILE,)):

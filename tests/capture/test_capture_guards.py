@@ -158,3 +158,12 @@ def test_loading_a_target_prints_no_library_progress_bar(salm_dir, capfd):
     err = capfd.readouterr().err
     assert "Loading weights" not in err, err
     assert hf_logging.is_progress_bar_enabled()  # restored for the caller
+
+
+def test_ctrl_c_while_loading_says_nothing_was_lost(salm_dir, tone_manifest, tmp_path, monkeypatch):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "load_target", interrupted)
+    with pytest.raises(Interrupted, match="outside its sample loop.*rerun the same command"):
+        capture(_cfg(salm_dir, tone_manifest, tmp_path / "ds"))

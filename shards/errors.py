@@ -117,4 +117,9 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
 def _one_line(msg: str) -> str:
     """Messages with several problems (one per line) are joined with '; ' so the contract stays one line."""
     parts = [p.strip() for p in msg.strip().splitlines() if p.strip()]
-    return "; ".join(parts) if parts else "(no message)"
+    if not parts:
+        return "(no message)"
+    out = parts[0]
+    for p in parts[1:]:
+        out += (" " if out.endswith(":") else "; ") + p
+    return out

@@ -36,6 +36,9 @@ RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
 handled): they do not change what is written."""
 
+PATH_FIELDS = ("target", "out", "llm_config", "chat_template")
+"""Fields holding one local path; recorded by name (:func:`portable_path`), like each input in ``data``."""
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -135,8 +138,8 @@ class CaptureConfig:
         made portable (:func:`portable_path`), so a shared dataset does not carry one machine's layout."""
         d = dataclasses.asdict(self)
         d.update(d.pop("shard"))
-        d["target"] = portable_path(self.target)
-        d["out"] = portable_path(self.out)
+        for key in PATH_FIELDS:
+            d[key] = None if d[key] is None else portable_path(d[key])
         d["data"] = [[split, portable_path(spec)] for split, spec in self.data]
         d["taps"] = None if self.taps is None else list(self.taps)
         d["template_kwargs"] = dict(self.template_kwargs)
@@ -179,7 +182,7 @@ def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
     """
     legacy = {**_LEGACY_SHARD_DEFAULTS, **_LEGACY_TEMPLATE_DEFAULTS}
     out = {**{k: v for k, v in legacy.items() if k not in record}, **record}
-    for key in ("target", "out"):
+    for key in PATH_FIELDS:
         if isinstance(out.get(key), str):
             out[key] = portable_path(out[key])
     if isinstance(out.get("data"), list):

@@ -1,24 +1,38 @@
-"""Demo drafter quality: offline acceptance length tau of DFlash on the demo target, and training time.
+"""Drafter quality: acceptance length tau of each drafter family on a target, greedy and sampled,
+offline and live.
 
-Builds (or reuses, cached in ``--workdir``) the demo SALM and its captured dataset with
-``demo.data.prepare_demo``, trains a DFlash drafter per recipe with ``train.loop.train``, and
-evaluates teacher-forced greedy acceptance on the validation split with ``train.evaluate.evaluate``.
-The baseline in the same run is the same drafter after one step (an untrained draft): the
-figure is tau and its gain over that baseline. Training time is wall time on this machine.
-Writes benchmarks/results/quality.json.
+Builds (or reuses, cached in ``--workdir``) a target and its captured dataset: ``--target demo`` is
+the demo SALM (``demo.data.prepare_demo``, a 54-word vocabulary), ``--target bpe`` a Qwen3 causal LM
+with an 8,192-token BPE vocabulary trained on the Python docs (``demo.bpe.prepare_bpe``, captured
+with the CLI's defaults). Both datasets hold the target's own greedy replies, so the offline greedy
+figures are exact. Each recipe trains with ``train.loop.train`` on the same data and steps; per run:
+
+    tau                 teacher-forced greedy tau over uniform anchors (a training metric)
+    tau_replayed        greedy decoding replayed round by round on the dataset (what live T=0 gives)
+    tau_sampled         MTP only: expected speculative-SAMPLING tau from the exact target rows (T=1);
+                        no offline sampled figure exists for the block drafters
+    live                ``speculate.run.run_speculate`` on validation prompts at each ``--temperatures``
+                        (T=0: output must equal the target's greedy output; T=1: rejection sampling)
+
+The baseline in the same run is the same drafter after one step (tau_untrained). Writes
+benchmarks/results/NAME.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
     python -m benchmarks.quality                      # full demo, recipe dflash_demo
-    python -m benchmarks.quality --dataset DIR        # an already captured demo dataset
+    python -m benchmarks.quality --dataset DIR        # an already captured dataset (no live decoding)
     python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \
-        --name quality_drafters.json                  # every family on the same budget; MTP rows add tau_sampled
+        --name quality_drafters.json                  # every family on the same budget
+    python -m benchmarks.quality --target bpe --workdir bpe_work --steps 200 \
+        --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --name quality_bpe.json
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,73 +42,129 @@ from train.evaluate import evaluate
 from train.loop import train
 
 
+def prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """The dataset (and, when built here, the target and held-out conversations for live decoding)."""
+    if args.dataset:
+        return {"dataset": Path(args.dataset), "target": None, "conversations": None, "info": {}}
+    if args.target == "bpe":
+        from demo.bpe import prepare_bpe
+
+        p = prepare_bpe(args.workdir, quick=args.quick, progress=False)
+    else:
+        from demo.data import prepare_demo
+
+        p = prepare_demo(args.workdir, quick=args.quick, progress=False)
+    return {"dataset": p.dataset, "target": p.target, "conversations": p.val_manifest, "info": p.info}
+
+
+def live(target: Path, run_dir: Path, dataset: Path, conversations: Path, *, temperature: float, samples: int,
+         max_new_tokens: int) -> dict[str, Any]:
+    """Real speculative decoding with the live target (``tapdraft speculate``'s function)."""
+    from speculate.run import SpeculateConfig, run_speculate
+
+    t0 = time.perf_counter()
+    r = run_speculate(SpeculateConfig(target=str(target), draft=str(run_dir), data=str(dataset),
+                                      conversations=str(conversations), max_samples=samples,
+                                      max_new_tokens=max_new_tokens, temperature=temperature), progress=False)
+    out = {"tau": round(r["tau"], 4), "alpha": [round(a, 4) for a in r["alpha"]], "samples": r["samples"],
+           "tokens": r["tokens"], "rounds": r["rounds"], "seconds": round(time.perf_counter() - t0, 2)}
+    if "matches_greedy" in r:
+        out["matches_greedy"] = r["matches_greedy"]
+    return out
+
+
+def run_recipe(recipe: str, steps: int, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
+               temperatures: list[float]) -> dict[str, Any]:
+    dataset = str(prep["dataset"])
+    sets = [f"max_steps={steps}", "progress=false", f"log_every={max(steps // 10, 1)}", "ckpt_every=100000",
+            *args.overrides]
+    run = load_run_config(recipe, overrides=sets)
+    base_dir, run_dir = runs_root / f"{recipe}-step1", runs_root / f"{recipe}-{steps}"
+    for d in (base_dir, run_dir):
+        if d.exists():
+            shutil.rmtree(d)
+    train(run, dataset, base_dir, stop_at=1)
+    base = evaluate(base_dir, dataset, split="validation", plot=False)
+    t1 = time.perf_counter()
+    summary = train(run, dataset, run_dir)
+    train_s = time.perf_counter() - t1
+    res = evaluate(run_dir, dataset, split="validation")
+    row: dict[str, Any] = {
+        "recipe": recipe, "family": run.family, "steps": steps, "block_size": res["block_size"],
+        "tau": round(res["tau"], 4), "tau_untrained": round(base["tau"], 4),
+        "tau_gain": round(res["tau"] - base["tau"], 4),
+        "tau_replayed": None if res.get("tau_replayed") is None else round(res["tau_replayed"], 4),
+        "alpha": [round(a, 4) for a in res["alpha"]],
+        "tau_sampled": None,
+        "train_seconds": round(train_s, 2), "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
+        "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
+    }
+    if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
+        from train.acceptance import sampled_acceptance
+
+        sampled = sampled_acceptance(run_dir, dataset, split="validation")
+        row["tau_sampled"] = round(sampled["tau_sampled"], 4)
+        row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
+    if prep["target"] is not None and args.live > 0:
+        row["live"] = {f"T={t:g}": live(prep["target"], run_dir, prep["dataset"], prep["conversations"],
+                                         temperature=t, samples=args.live, max_new_tokens=args.max_new_tokens)
+                       for t in temperatures}
+    return row
+
+
+def format_row(row: dict[str, Any]) -> str:
+    opt = lambda x: "    -" if x is None else f"{x:5.3f}"  # noqa: E731
+    lv = row.get("live", {})
+    live_s = "  ".join(f"live {k} {v['tau']:.3f}" + (f" ({v['matches_greedy']} exact)" if "matches_greedy" in v else "")
+                       for k, v in lv.items())
+    return (f"{row['recipe']:13s} B={row['block_size']:2d} steps={row['steps']:4d}  tau {row['tau']:.3f} "
+            f"(untrained {row['tau_untrained']:.3f})  replayed {opt(row['tau_replayed'])}  sampled "
+            f"{opt(row['tau_sampled'])}  {live_s}  train {row['train_seconds']:.0f}s  "
+            f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", default="demo_work", help="demo cache (target, data, dataset) and runs")
-    ap.add_argument("--quick", action="store_true", help="tiny demo target and data")
+    ap.add_argument("--target", choices=("demo", "bpe"), default="demo",
+                    help="demo: the demo SALM (54 words); bpe: Qwen3 causal LM with an 8k BPE vocabulary")
+    ap.add_argument("--workdir", default="demo_work", help="target, data, dataset and runs cache")
+    ap.add_argument("--quick", action="store_true", help="tiny target and data")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
     ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
-    ap.add_argument("--dataset", default=None, help="use this already captured demo dataset (skips prepare_demo)")
+    ap.add_argument("--dataset", default=None, help="use this already captured dataset (no target build, no live)")
+    ap.add_argument("--temperatures", default="0,1", help="live decoding temperatures (comma-separated)")
+    ap.add_argument("--live", type=int, default=64, help="validation conversations decoded live per temperature "
+                    "(0: no live decoding)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="live decoding reply cap")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared box; 2 threads fighting "
                     "other processes for 2 cores ran 4x slower here)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     t0 = time.perf_counter()
-    if args.dataset:
-        dataset = Path(args.dataset)
-    else:
-        from demo.data import prepare_demo
-
-        dataset = prepare_demo(args.workdir, quick=args.quick, progress=False).dataset
+    prep = prepare(args)
     prep_s = time.perf_counter() - t0
+    torch.set_num_threads(args.threads)
     runs_root = Path(args.workdir) / "quality_runs"
     rows = []
     for recipe in [r for r in args.recipes.split(",") if r]:
         steps = args.steps or (40 if args.quick else load_run_config(recipe).train.max_steps)
-        sets = [f"max_steps={steps}", "progress=false", f"log_every={max(steps // 10, 1)}", "ckpt_every=100000",
-                *args.overrides]
-        run = load_run_config(recipe, overrides=sets)
-        base_dir, run_dir = runs_root / f"{recipe}-step1", runs_root / f"{recipe}-{steps}"
-        for d in (base_dir, run_dir):
-            if d.exists():
-                import shutil
+        rows.append(run_recipe(recipe, steps, args, prep, runs_root, temperatures))
+        print(format_row(rows[-1]), flush=True)
+    from shards.reader import open_dataset
 
-                shutil.rmtree(d)
-        train(run, str(dataset), base_dir, stop_at=1)
-        base = evaluate(base_dir, str(dataset), split="validation", plot=False)
-        t1 = time.perf_counter()
-        summary = train(run, str(dataset), run_dir)
-        train_s = time.perf_counter() - t1
-        res = evaluate(run_dir, str(dataset), split="validation")
-        row = {
-            "recipe": recipe, "steps": steps, "block_size": res["block_size"],
-            "tau": round(res["tau"], 4), "tau_untrained": round(base["tau"], 4),
-            "tau_gain": round(res["tau"] - base["tau"], 4),
-            "tau_replayed": None if res.get("tau_replayed") is None else round(res["tau_replayed"], 4),
-            "alpha": [round(a, 4) for a in res["alpha"]],
-            "train_seconds": round(train_s, 2), "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
-            "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
-        }
-        if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
-            from train.acceptance import sampled_acceptance
-
-            sampled = sampled_acceptance(run_dir, str(dataset), split="validation")
-            row["tau_sampled"] = round(sampled["tau_sampled"], 4)
-            row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
-        rows.append(row)
-        replayed = "" if row["tau_replayed"] is None else f"  replayed {row['tau_replayed']:.3f}"
-        print(f"{recipe:10s} B={row['block_size']:2d} steps={steps:4d}  tau {row['tau']:.3f} (untrained "
-              f"{row['tau_untrained']:.3f}, +{row['tau_gain']:.3f}){replayed}  train {row['train_seconds']:.1f}s  "
-              f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}", flush=True)
+    cfg = open_dataset(str(prep["dataset"])).bundle().config
     name = args.name or ("quality_quick.json" if args.quick else "quality.json")
     write_result(name, {
         "benchmark": "quality",
-        "what": "offline teacher-forced greedy tau (uniform anchors; DFlash families also replayed round by round) of drafters on the demo target's validation split",
-        "demo": {"quick": args.quick, "workdir": str(args.workdir), "prepare_seconds": round(prep_s, 2),
-                 "dataset": str(dataset)},
+        "what": "tau of drafters on the target's validation split: offline greedy (uniform anchors; replayed "
+                "round by round), offline sampled (MTP, exact target rows), live speculative decoding at T=0 and T=1",
+        "target": {"kind": "dataset" if args.dataset else args.target, "quick": args.quick,
+                   "workdir": str(args.workdir), "dataset": str(prep["dataset"]),
+                   "prepare_seconds": round(prep_s, 2), "build": prep["info"],
+                   **{k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}},
         "results": rows,
         "config": vars(args),
         "machine_extra": {"threads": args.threads, "device": "cpu"},

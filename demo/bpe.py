@@ -9,8 +9,12 @@ plus the tokenizer and a ChatML template that marks assistant turns), so capture
 
 Conversations: the user asks to continue a passage (``prompt_words`` words of the docs); the
 assistant reply is the TARGET'S OWN greedy continuation (so offline greedy tau is exact). The LM is
-trained on the same conversation shape with the real continuation. Passages from every tenth topic
-are held out of LM training and make up the validation split.
+trained on the same conversation shape with the real continuation, on windows at random offsets of
+the first ``corpus_words`` words of the topics. A corpus it can largely memorise in the budget is
+deliberate: trained on all 75k words for 3 minutes (loss 4.1) its greedy replies were one phrase
+repeated for every prompt ('the "x" is a "x" is ...'); on 3,000 words (loss 1.1) they are
+prompt-dependent documentation prose. Drafter-train prompts start in the first 85% of each topic,
+validation prompts in the rest, so the drafters are evaluated on continuations they never saw.
 
 :func:`prepare_bpe` builds (or reuses), each step cached in a work directory:
 
@@ -19,8 +23,8 @@ are held out of LM training and make up the validation split.
     DIR/dataset/    captured with the CLI's defaults
     DIR/bpe.json    what each step did (LM training, data, capture)
 
-Full size: 6 layers x 128 wide, ~3 M parameters (2.1 M of them the untied embedding and lm_head);
-about three CPU minutes on one thread (see docs/LOG.md for measured figures).
+Full size: 6 layers x 128 wide, 3.3 M parameters (2.1 M of them the untied embedding and lm_head);
+240 LM steps took 264 s on one thread of a loaded 2-core machine, replies 52 s, capture 25 s.
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ import time
 import traceback
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,30 +40,8 @@ import torch
 from benchmarks.common import write_result
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A target shape: width, depth, vocabulary, heads."""
-
-    hidden: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-
-    def __post_init__(self) -> None:
-        if min(self.hidden, self.layers, self.vocab, self.heads, self.kv_heads, self.intermediate) < 1:
-            raise ValueError(f"every Shape field must be >= 1: {self}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden must divide by heads and heads by kv_heads: {self}")
-
-    def as_dict(self) -> dict[str, int]:
-        return {"hidden_size": self.hidden, "num_layers": self.layers, "vocab_size": self.vocab}
-
-
-QWEN = Shape(1024, 8, 151_936, 16, 8, 3072)
-PARITY = Shape(256, 4, 8192, 4, 2, 768)
-TINY = Shape(64, 2, 2048, 2, 1, 128)
+QWEN, PARITY, TINY = "qwen3-1024x8", "qwen3-256x4", "qwen3-64x2"
+"""Shapes of ``benchmarks.shapes`` used here: the real one, the parity check's, and ``--tiny``'s."""
 
 
 class Clock:
@@ -106,43 +83,15 @@ def interleaved(fns: dict[str, Callable[[], Any]], pairs: int, device: torch.dev
 
 
 # ------------------------------------------------------------------------------------------ targets
-def save_target(root: Path, shape: Shape, *, dtype: torch.dtype, seed: int = 0) -> Path:
-    """A random-init Qwen3ForCausalLM of ``shape`` saved with save_pretrained, with a BPE tokenizer and chat
-    template (ids < the tokenizer's size, which may be below the model's vocabulary as in Qwen)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build(name: str, root: Path, *, conversations: int, tokens: tuple[int, int], seed: int = 0) -> tuple[Path, Path]:
+    """The random-init target ``name`` (``benchmarks.shapes``, bf16 weights, HF layout) and its conversations."""
+    from benchmarks.shapes import conversations as write_conversations
+    from benchmarks.shapes import synthetic_target
 
-    from demo.bpe import build_bpe_tokenizer, corpus_text
-
-    tok = build_bpe_tokenizer(corpus_text(), min(shape.vocab, 8192))
-    cfg = Qwen3Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                      num_key_value_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
-                      max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(seed)
-    lm = Qwen3ForCausalLM(cfg).to(dtype)
-    lm.save_pretrained(root)
-    tok.save_pretrained(root)
-    return root
-
-
-def write_conversations(path: Path, n: int, words: tuple[int, int], seed: int = 0) -> Path:
-    """n text conversations from the Python docs of ``words`` words each: a question of up to 48 words (a
-    third at most), the rest as the reply."""
-    from demo.bpe import corpus_text
-
-    text = " ".join(corpus_text()).split()
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        w = int(torch.randint(words[0], words[1] + 1, (1,), generator=g))
-        s = int(torch.randint(0, len(text) - w, (1,), generator=g))
-        q = min(48, w // 3)
-        rows.append({"id": f"conv-{i:05d}", "conversations": [
-            {"from": "User", "type": "text", "value": " ".join(text[s : s + q])},
-            {"from": "Assistant", "type": "text", "value": " ".join(text[s + q : s + w])}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    target = synthetic_target(name, root / name)
+    data = write_conversations(root / f"{name}-{conversations}.jsonl", conversations, seed=seed,
+                               min_tokens=tokens[0], max_tokens=tokens[1])
+    return target, data
 
 
 def run_capture(target: Path, data: Path, out: Path, *, device: str, dtype: str, **kw: Any) -> dict[str, Any]:
@@ -183,12 +132,14 @@ def compare_datasets(ref: Path, other: Path) -> dict[str, Any]:
 
 
 def part_parity(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
+    from benchmarks.shapes import shape_facts
+
     shape = TINY if args.tiny else PARITY
-    target = save_target(scratch / "parity-target", shape, dtype=torch.float32)
-    data = write_conversations(scratch / "parity.jsonl", 8 if args.tiny else 32, (60, 120) if args.tiny else (300, 900))
+    target, data = build(shape, scratch, conversations=8 if args.tiny else 32,
+                         tokens=(64, 160) if args.tiny else (512, 1024))
     with Clock(torch.device("cpu")) as c:
         m = run_capture(target, data, scratch / "parity-cpu", device="cpu", dtype="float32")
-    out: dict[str, Any] = {"shape": shape.as_dict(), "cpu": {"seconds": round(c.seconds, 3),
+    out: dict[str, Any] = {"shape": shape, **shape_facts(shape), "cpu": {"seconds": round(c.seconds, 3),
                            "tokens": m["splits"]["train"].get("tokens"), "samples": m["splits"]["train"].get("samples")}}
     if device.type != "cuda":
         out["cuda"] = {"skipped": "no CUDA device"}
@@ -207,20 +158,20 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
     import dataclasses
 
     from capture.config import CaptureConfig
-    from capture.inputs import read_jsonl
-    from capture.pipeline import capture, plan_window, prepare_window, windows
-    from capture.targets import load_target
+    from benchmarks.shapes import shape_facts
+    from capture.load import load_target
+    from capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
     from shards.schema import teacher_rows
 
     shape = TINY if args.tiny else QWEN
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target_dir = save_target(scratch / "qwen-target", shape, dtype=dtype)
-    n, words = (8, (40, 80)) if args.tiny else (args.capture_samples, (400, 1560))
-    data = write_conversations(scratch / "qwen.jsonl", n, words, seed=1)
+    n = 8 if args.tiny else args.capture_samples
+    target_dir, data = build(shape, scratch, conversations=n, tokens=(64, 160) if args.tiny else (512, 2048), seed=1)
     target = load_target(target_dir, dtype=dtype, device=str(device))
+    hidden = shape_facts(shape)["hidden_size"]
     cfg = CaptureConfig(target=str(target_dir), out="", data=(("train", str(data)),), device=str(device),
                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32", progress=False)
-    items = list(enumerate(read_jsonl(data, placeholder="<|audioplaceholder|>")))
+    items = list(rank_items(target, cfg, str(data), 0, 1))  # the capture's own input stage
     plans = [b for chunk in windows(items, cfg.window) for b in plan_window(prepare_window(target, chunk), cfg).batches]
     tokens = sum(p.length for b in plans for p in b)
     lm_head = target.lm.get_output_embeddings()
@@ -230,7 +181,7 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
             for batch in plans:
                 exps = target.embed(batch)
                 B, T = len(exps), max(e.input_ids.shape[0] for e in exps)
-                emb = torch.zeros(B, T, shape.hidden, dtype=dtype, device=device)
+                emb = torch.zeros(B, T, hidden, dtype=dtype, device=device)
                 attn = torch.zeros(B, T, dtype=torch.long, device=device)
                 for b, e in enumerate(exps):
                     emb[b, : e.input_ids.shape[0]], attn[b, : e.input_ids.shape[0]] = e.inputs_embeds, 1
@@ -248,16 +199,18 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
     res = interleaved({"capture": full, "minimal": minimal}, args.pairs, device)
     ratios = [a / b for a, b in zip(res["capture"]["seconds"], res["minimal"]["seconds"])]
-    return {"shape": shape.as_dict(), "dtype": str(dtype).replace("torch.", ""), "samples": n, "tokens": tokens,
+    return {"shape": shape, **shape_facts(shape), "dtype": str(dtype).replace("torch.", ""), "samples": n, "tokens": tokens,
             "batches": len(plans), "overhead_ratio_median": round(statistics.median(ratios), 4),
             "ratios": [round(r, 4) for r in ratios], **res,
             "capture_tokens_per_s": round(tokens / res["capture"]["seconds_median"]),
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "target", "data")}}
 
 
-def _bundle(root: Path, shape: Shape) -> Any:
+def _bundle(root: Path, name: str) -> Any:
+    from benchmarks.shapes import SHAPES
     from shards.bundle import load_bundle, write_bundle
 
+    shape = SHAPES[name]
     g = torch.Generator().manual_seed(0)
     config = {"model_type": "qwen3", "hidden_size": shape.hidden, "num_hidden_layers": shape.layers,
               "vocab_size": shape.vocab, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
@@ -272,14 +225,16 @@ def _bundle(root: Path, shape: Shape) -> Any:
 
 
 def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
+    from benchmarks.shapes import SHAPES, shape_facts
     from shards.schema import Layout
     from shards.taps import capture_tap_ids
     from train.dflash import DFlashConfig, DFlashDrafter
     from train.drafter import combine_terms
 
-    shape = TINY if args.tiny else QWEN
+    name = TINY if args.tiny else QWEN
+    shape = SHAPES[name]
     Bs, T, anchors = (2, 256, 16) if args.tiny else (2, 2048, 512)
-    bundle = _bundle(scratch / "bundle", shape)
+    bundle = _bundle(scratch / "bundle", name)
     layout = Layout(hidden_size=shape.hidden, num_layers=shape.layers, tap_ids=tuple(capture_tap_ids(shape.layers, 5)),
                     top_k=0, audio_token_id=1)
     g = torch.Generator().manual_seed(0)
@@ -290,7 +245,7 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
              "lengths": torch.full((Bs,), T, device=device)}
     batch["loss_mask"][:, :64] = False
     cuda = device.type == "cuda"
-    steps, out = {}, {"shape": shape.as_dict(), "sequences": Bs, "seq_len": T, "anchors_per_seq": anchors,
+    steps, out = {}, {"shape": name, **shape_facts(name), "sequences": Bs, "seq_len": T, "anchors_per_seq": anchors,
                       "block_size": 16, "draft_layers": 1}
     for attn in ("dense", "flex"):
         cfg = DFlashConfig(num_layers=1, block_size=16, num_anchors=anchors, max_total_anchors=Bs * anchors,
@@ -327,9 +282,11 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
 
 
 def part_fused_ce(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
+    from benchmarks.shapes import SHAPES
     from train.losses import row_losses
 
-    V, H, R = (TINY.vocab, TINY.hidden, 512) if args.tiny else (QWEN.vocab, QWEN.hidden, args.ce_rows)
+    shape = SHAPES[TINY if args.tiny else QWEN]
+    V, H, R = shape.vocab, shape.hidden, 512 if args.tiny else args.ce_rows
     g = torch.Generator().manual_seed(0)
     W = (0.02 * torch.randn(V, H, generator=g)).to(device=device, dtype=torch.bfloat16 if device.type == "cuda"
                                                   else torch.float32)

@@ -66,7 +66,9 @@ def live(target: Path, run_dir: Path, dataset: Path, conversations: Path, *, tem
     r = run_speculate(SpeculateConfig(target=str(target), draft=str(run_dir), data=str(dataset),
                                       conversations=str(conversations), max_samples=samples,
                                       max_new_tokens=max_new_tokens, temperature=temperature), progress=False)
-    out = {"tau": round(r["tau"], 4), "alpha": [round(a, 4) for a in r["alpha"]], "samples": r["samples"],
+    # alpha@k is NaN where no round judged draft k: null in the JSON
+    out = {"tau": round(r["tau"], 4), "alpha": [None if a != a else round(a, 4) for a in r["alpha"]],
+           "samples": r["samples"],
            "tokens": r["tokens"], "rounds": r["rounds"], "seconds": round(time.perf_counter() - t0, 2)}
     if "matches_greedy" in r:
         out["matches_greedy"] = r["matches_greedy"]

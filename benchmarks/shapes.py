@@ -6,6 +6,7 @@ and memory figures need the real widths, which is what this module builds.
 
     qwen3-1024x8   Qwen3ForCausalLM, hidden 1024, 8 layers, 16 heads (8 KV, head_dim 128), MLP 3072,
                    vocab 151,936, untied lm_head: 437M parameters (Qwen3-0.6B's widths, fewer layers)
+    qwen3-256x4    hidden 256, 4 layers, vocab 8,192; qwen3-64x2: hidden 64, 2 layers, vocab 4,096 (checks)
 
 The directory is an ordinary HF causal-LM directory (``save_pretrained`` of the model and a
 tokenizer with a ChatML template), so ``capture`` loads it through its real path. Conversations are
@@ -33,7 +34,12 @@ class Shape:
     vocab: int
 
 
-SHAPES = {"qwen3-1024x8": Shape(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=3072, vocab=151_936)}
+SHAPES = {
+    "qwen3-1024x8": Shape(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=3072, vocab=151_936),
+    # small shapes for checks that need a real model but not real costs (benchmarks/gpu.py's CPU/GPU parity)
+    "qwen3-256x4": Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, vocab=8192),
+    "qwen3-64x2": Shape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=4096),
+}
 WORDS = 4000
 """Tokenizer words (the model's vocabulary stays the shape's: ids above the tokenizer are never fed)."""
 

@@ -41,7 +41,7 @@ def test_cpu_check_runs_the_gpu_parts_code(tmp_path):
     doc = json.loads(out.read_text())
     assert rc == 0, {k: v.get("error") for k, v in doc["results"].items()}
     cap = doc["results"]["capture"]
-    assert cap["tokens"] > 0 and cap["overhead_ratio_median"] > 0 and cap["shape"]["vocab_size"] == gpu.TINY.vocab
+    assert cap["tokens"] > 0 and cap["overhead_ratio_median"] > 0 and cap["vocab_size"] == 4096
     att = doc["results"]["attention"]
     assert att["dense_backward"] is True and att["flex_backward"] is False  # no Flex backward on CPU
     ce = doc["results"]["fused_ce"]
@@ -50,10 +50,9 @@ def test_cpu_check_runs_the_gpu_parts_code(tmp_path):
 
 
 def test_compare_datasets_flags_a_difference(tmp_path):
-    from benchmarks.gpu import TINY, compare_datasets, run_capture, save_target, write_conversations
+    from benchmarks.gpu import TINY, build, compare_datasets, run_capture
 
-    target = save_target(tmp_path / "t", TINY, dtype=torch.float32)
-    data = write_conversations(tmp_path / "c.jsonl", 3, (60, 80))
+    target, data = build(TINY, tmp_path, conversations=3, tokens=(64, 96))
     run_capture(target, data, tmp_path / "a", device="cpu", dtype="float32")
     run_capture(target, data, tmp_path / "b", device="cpu", dtype="float32")
     same = compare_datasets(tmp_path / "a", tmp_path / "b")

@@ -22,8 +22,9 @@ benchmarks/results/NAME.
     python -m benchmarks.quality --dataset DIR        # an already captured dataset (no live decoding)
     python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \
         --name quality_drafters.json                  # every family on the same budget
-    python -m benchmarks.quality --target bpe --workdir bpe_work --steps 200 \
-        --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --name quality_bpe.json
+    python -m benchmarks.quality --target bpe --workdir bpe_work --steps 150 --set train.max_tokens=768 \
+        --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --live 64 --name quality_bpe.json
+                                                      # 8k-vocabulary target, T=0 and T=1 (~30 min, 1 thread)
 """
 
 from __future__ import annotations

@@ -139,8 +139,9 @@ def part_parity(args: argparse.Namespace, device: torch.device, scratch: Path) -
                          tokens=(64, 160) if args.tiny else (512, 1024))
     with Clock(torch.device("cpu")) as c:
         m = run_capture(target, data, scratch / "parity-cpu", device="cpu", dtype="float32")
-    out: dict[str, Any] = {"shape": shape, **shape_facts(shape), "cpu": {"seconds": round(c.seconds, 3),
-                           "tokens": m["splits"]["train"].get("tokens"), "samples": m["splits"]["train"].get("samples")}}
+    split = m["splits"]["train"]
+    out: dict[str, Any] = {"shape": shape, **shape_facts(shape), "cpu": {
+        "seconds": round(c.seconds, 3), "tokens": split.get("tokens"), "samples": split.get("samples")}}
     if device.type != "cuda":
         out["cuda"] = {"skipped": "no CUDA device"}
         return out
@@ -157,8 +158,8 @@ def part_parity(args: argparse.Namespace, device: torch.device, scratch: Path) -
 def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
     import dataclasses
 
-    from capture.config import CaptureConfig
     from benchmarks.shapes import shape_facts
+    from capture.config import CaptureConfig
     from capture.load import load_target
     from capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
     from shards.schema import teacher_rows
@@ -199,8 +200,8 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
     res = interleaved({"capture": full, "minimal": minimal}, args.pairs, device)
     ratios = [a / b for a, b in zip(res["capture"]["seconds"], res["minimal"]["seconds"])]
-    return {"shape": shape, **shape_facts(shape), "dtype": str(dtype).replace("torch.", ""), "samples": n, "tokens": tokens,
-            "batches": len(plans), "overhead_ratio_median": round(statistics.median(ratios), 4),
+    return {"shape": shape, **shape_facts(shape), "dtype": str(dtype).replace("torch.", ""), "samples": n,
+            "tokens": tokens, "batches": len(plans), "overhead_ratio_median": round(statistics.median(ratios), 4),
             "ratios": [round(r, 4) for r in ratios], **res,
             "capture_tokens_per_s": round(tokens / res["capture"]["seconds_median"]),
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "target", "data")}}

@@ -23,7 +23,8 @@ def test_tiny_run_records_cpu_parity_and_skips_gpu_parts(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env_bin = str(Path(sys.executable).parent)
     r = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--tiny", "--pairs", "1", "--name", str(out)],
-                       capture_output=True, text=True, env={**os.environ, "PATH": f"{env_bin}:{os.environ.get('PATH', '')}"})
+                       capture_output=True, text=True,
+                       env={**os.environ, "PATH": f"{env_bin}:{os.environ.get('PATH', '')}"})
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     parity = doc["results"]["parity"]
@@ -37,7 +38,8 @@ def test_tiny_run_records_cpu_parity_and_skips_gpu_parts(tmp_path):
 @pytest.mark.slow
 def test_cpu_check_runs_the_gpu_parts_code(tmp_path):
     out = tmp_path / "gpu.json"
-    rc = gpu.main(["--tiny", "--cpu-check", "--pairs", "1", "--parts", "capture,attention,fused_ce", "--name", str(out)])
+    rc = gpu.main(["--tiny", "--cpu-check", "--pairs", "1", "--parts", "capture,attention,fused_ce",
+                   "--name", str(out)])
     doc = json.loads(out.read_text())
     assert rc == 0, {k: v.get("error") for k, v in doc["results"].items()}
     cap = doc["results"]["capture"]

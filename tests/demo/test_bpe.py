@@ -18,7 +18,8 @@ def test_windows_split_each_text_by_offset():
     start = lambda p: int(p[0].split()[0][1:])  # noqa: E731
     tr = windows(texts, size, 400, part="train", generator=g)
     va = windows(texts, size, 400, part="validation", generator=g)
-    for pairs, ok in ((tr, lambda t, s: s <= int(0.85 * (len(t) - 4))), (va, lambda t, s: s > int(0.85 * (len(t) - 4)))):
+    cut = lambda t: int(0.85 * (len(t) - 4))  # noqa: E731
+    for pairs, ok in ((tr, lambda t, s: s <= cut(t)), (va, lambda t, s: s > cut(t))):
         for p in pairs:
             t = texts[0] if p[0].startswith("a") else texts[1]
             assert ok(t, start(p)) and len(p[0].split()) == 2 and len(p[1].split()) == 2
@@ -67,7 +68,8 @@ def test_quick_bpe_target_captures_with_cli_defaults_and_decodes_live(tmp_path):
     r = run_speculate(SpeculateConfig(target=str(p.target), draft=str(tmp_path / "run"), data=str(p.dataset),
                                       conversations=str(p.val_manifest), max_samples=2, max_new_tokens=8),
                       progress=False)
-    assert r["samples"] == min(2, ds.num_samples("validation")) and r["matches_greedy"] == f"{r['samples']}/{r['samples']}"
+    n = min(2, ds.num_samples("validation"))
+    assert r["samples"] == n and r["matches_greedy"] == f"{n}/{n}"
     # a second call reuses everything
     again = prepare_bpe(tmp_path, quick=True, progress=False)
     assert again.info["capture"]["already_complete"] is True

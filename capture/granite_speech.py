@@ -22,8 +22,8 @@ The adapter: ``GraniteSpeechProcessor`` expands ``<|audio|>``, the model's own
 ``get_audio_features`` (conformer + q-former) gives the frames, and the text rows embed id 0 where
 the audio token sits (its id lies outside the vocabulary), as ``GraniteSpeechModel.forward`` does.
 Granite LMs divide their logits by ``logits_scaling`` (``GraniteForCausalLM``; the checkpoint's
-``language_model.lm_head`` is that model's head): the teacher does too, through
-``Target.logits_scaling``; transformers 5.24's composite ``GraniteSpeechForConditionalGeneration``
+``language_model.lm_head`` is that model's head): the teacher does too, through the
+derived head spec (``Target.head``); transformers 5.24's composite ``GraniteSpeechForConditionalGeneration``
 applies the head without it, which changes log-probs but not the greedy token.
 """
 
@@ -119,6 +119,7 @@ class GraniteSpeechTarget(HFSpeechTarget):
     """``GraniteSpeechForConditionalGeneration``: conformer + q-former, 100 ms frames, no window."""
 
     model_type = "granite_speech"
+    forward_scales_logits = False  # the composite's forward applies lm_head without the LM's logits_scaling
 
     def _process(self, text, waves):
         out = self.processor(text=text, audio=waves or None, return_tensors="pt")

@@ -28,6 +28,44 @@ NATIVE_LOADERS = {
 }
 """``config.json`` model types of the speech LLMs read with their own processor (capture.hf_native)."""
 
+TESTED_LM_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi",
+                      "granite", "qwen3_moe", "olmoe")
+"""Causal-LM model types tested end to end (tests/capture/test_families.py). Any other type transformers
+loads as a causal LM is accepted when its head passes ``capture.head.check_head``."""
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(root: Path) -> torch.dtype | None:
+    """The dtype a saved model stores its weights in: config.json's ``dtype``/``torch_dtype`` (or its text
+    config's), else the first floating tensor's in ``model.safetensors`` (a NeMo checkpoint's config does
+    not say); None when neither tells."""
+    doc = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+    for d in (doc, doc.get("text_config") or {}):
+        name = d.get("dtype") or d.get("torch_dtype")
+        if isinstance(name, str) and name in _DTYPES:
+            return _DTYPES[name]
+    weights = root / "model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype in ("F32", "BF16", "F16"):
+                    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+    return None
+
+
+def _unsupported(root: Path, model_type: Any) -> ValueError:
+    return ValueError(
+        f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, a NeMo SALM "
+        f"checkpoint, the speech LLMs "
+        f"{', '.join(NATIVE_LOADERS)}, or a text causal LM that transformers loads (tested: "
+        f"{', '.join(TESTED_LM_FAMILIES)}). To add a speech LLM, register its loader in capture.load.NATIVE_LOADERS; "
+        "a causal LM needs a transformers release that knows its model type"
+    )
+
 
 @contextmanager
 def quiet_loading() -> Iterator[None]:
@@ -52,12 +90,17 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     A NeMo speechlm2 SALM is recognised by config.json's content (:func:`capture.nemo.is_nemo_salm`), its
     LLM config and tokenizer taken from the checkpoint or ``llm_config``. Otherwise the kind comes from
     ``model_type``: one of :data:`NATIVE_LOADERS` loads with its processor, a causal-LM model type with its
-    tokenizer; anything else is refused in one line that names what is supported. ``template``: chat-template
-    text replacing the tokenizer's; ``template_kwargs``: the variables it is rendered with (``Target.use_template``).
+    tokenizer; anything else is refused in one line that names what is supported and how to add it.
+    ``template``: chat-template text replacing the tokenizer's; ``template_kwargs``: the variables it is
+    rendered with (``Target.use_template``). The target's head is derived and proven here
+    (``Target.head``), so a head the bundle cannot describe is refused at load, not mid-capture.
     """
+    root = Path(path)
     with quiet_loading():
-        target = _load(Path(path), dtype=dtype, device=device, llm_config=llm_config)
+        target = _load(root, dtype=dtype, device=device, llm_config=llm_config)
     target.use_template(template, template_kwargs)  # a tokenizer without a template is refused here, at load
+    target.checkpoint_dtype = checkpoint_dtype(root / "lm" if (root / "salm_config.json").is_file() else root)
+    target.head  # derive and check now
     return target
 
 
@@ -77,10 +120,7 @@ def _load(root: Path, *, dtype: torch.dtype, device: str, llm_config: str | Path
         if model_type in NATIVE_LOADERS:
             return NATIVE_LOADERS[model_type](root, dtype=dtype, device=device)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ValueError(
-                f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, a NeMo SALM "
-                f"checkpoint, the speech LLMs {', '.join(NATIVE_LOADERS)}, or a text causal LM"
-            )
+            raise _unsupported(root, model_type)
         lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
         return CausalLMTarget(lm, tok, root)

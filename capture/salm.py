@@ -212,6 +212,18 @@ class SALM(nn.Module):
         self.adapter = ModalityAdapter(config.adapter) if adapter is None else adapter
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
+        lm_hidden = int(lm.config.get_text_config().hidden_size)
+        if config.adapter.lm_hidden != lm_hidden:
+            raise ValueError(
+                f"the SALM's adapter outputs {config.adapter.lm_hidden}-wide frames but its LM's hidden size is "
+                f"{lm_hidden}; salm_config.json's adapter.lm_hidden must equal lm/config.json's hidden_size"
+            )
+        enc_hidden = getattr(getattr(encoder, "config", None), "hidden_size", None)
+        if enc_hidden is not None and config.adapter.encoder_hidden != int(enc_hidden):
+            raise ValueError(
+                f"the SALM's adapter takes {config.adapter.encoder_hidden}-wide encoder frames but its encoder's "
+                f"hidden size is {enc_hidden}; salm_config.json's adapter.encoder_hidden must equal encoder/config.json's"
+            )
         if tokenizer.chat_template is None:
             raise ValueError("the SALM's tokenizer has no chat template; set tokenizer.chat_template first")
         pid = tokenizer.convert_tokens_to_ids(config.audio.placeholder)

@@ -9,8 +9,9 @@ surface here, before any compute) and (2) embed a batch of them into expanded in
   for every tapped layer including the last. HF's ``hidden_states[-1]`` is post-norm and is never
   used. Only the base decoder runs, so [B, T, vocab] logits are never built.
 - teacher rows: for each row t with loss_mask[t + 1], the top-k ids and log-probs under the FULL
-  softmax of final_norm(h_t) @ lm_head^T / logits_scaling, computed ``row_chunk`` rows at a time
-  (peak [row_chunk, vocab] float32, 0.6 GB for 1024 x 152k).
+  softmax of the target's head applied to h_t (``Target.head``: derived from the model and checked
+  against its own forward when the target loads, capture.head), computed ``row_chunk`` rows at a
+  time (peak [row_chunk, vocab] float32, 0.6 GB for 1024 x 152k).
 
 Adapters: :class:`SALMTarget` (capture.salm), :class:`CausalLMTarget` (any HF causal LM,
 text-only conversations), :class:`capture.hf_native.HFSpeechTarget` (HF-native speech LLMs whose
@@ -28,10 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from capture.head import LiveHead, check_head, derive_head
 from capture.hooks import LayerTaps
 from capture.inputs import Conversation, load_audio
 from capture.salm import DEFAULT_PLACEHOLDER, SALM, Expanded, expand_placeholders
 from capture.template import ChatTemplate, Tokenized
+from shards.head import row_spans
 from shards.schema import teacher_rows
 
 
@@ -76,6 +79,11 @@ class Target(ABC):
         """The bundle's audio dict (empty for a text-only target)."""
 
     _path: Path | None = None
+    _head: LiveHead | None = None
+    checkpoint_dtype: torch.dtype | None = None
+    """The dtype the checkpoint stores its weights in (the bundle keeps it); None: the loaded dtype."""
+    forward_scales_logits: bool = True
+    """Whether the model's own forward applies its LM's ``logits_scaling`` (for :func:`capture.head.check_head`)."""
     tokenizer_subdir: str | None = "tokenizer"
     """Where the tokenizer files sit inside ``model_dir``; None: in ``model_dir`` itself (HF layout)."""
 
@@ -120,8 +128,18 @@ class Target(ABC):
         return int(v) if v else None
 
     @property
+    def head(self) -> LiveHead:
+        """The target's head, derived from the model and proven on its own forward (once; raises
+        ``capture.head.UnsupportedHead`` for a head the bundle cannot describe)."""
+        if self._head is None:
+            h = derive_head(self.lm)
+            check_head(self.lm, h, forward_scales_logits=self.forward_scales_logits)
+            self._head = h
+        return self._head
+
+    @property
     def logits_scaling(self) -> float:
-        return float(getattr(self.lm_config, "logits_scaling", None) or 1.0)
+        return self.head.spec.logits_scaling
 
     @property
     def device(self) -> torch.device:
@@ -174,7 +192,7 @@ class Target(ABC):
             "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),
             "intermediate_size": int(c.intermediate_size),
             "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-            "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
+            "rms_norm_eps": float(getattr(c, "rms_norm_eps", None) or self.head.spec.eps),
             "logits_scaling": self.logits_scaling,
             "bos_token_id": getattr(c, "bos_token_id", None),
             "eos_token_id": eos,
@@ -189,10 +207,9 @@ class Target(ABC):
             "audio": self.audio_bundle(),
             "chat_template": self.template.text,
             "template_kwargs": self.template.kwargs,
-            "embed_tokens": self.lm.get_input_embeddings().weight,
-            "norm_weight": self.decoder.norm.weight,
-            "lm_head": self.lm.get_output_embeddings().weight,
             "tokenizer_dir": self.tokenizer_dir,
+            "dtype": self.checkpoint_dtype,
+            **self.head.bundle_parts(),
         }
 
 
@@ -292,20 +309,14 @@ class CausalLMTarget(Target):
 
 # ------------------------------------------------------------------------------------------ compute
 def topk_teacher(
-    last_RH: torch.Tensor, norm: nn.Module, lm_head: nn.Module, k: int, *, logits_scaling: float = 1.0,
-    row_chunk: int = 1024,
+    last_RH: torch.Tensor, head: LiveHead, k: int, *, row_chunk: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids (int32 [R, k]) and full-softmax log-probs (float32 [R, k]) of the pre-norm rows."""
-    from shards.head import HeadSpec, row_spans, teacher_logits
-
-    if lm_head.bias is not None:
-        raise ValueError("the target's lm_head has a bias, which the bundle's head spec cannot describe yet")
-    spec = HeadSpec(eps=float(norm.variance_epsilon), logits_scaling=logits_scaling)  # HF RMSNorm's epsilon
     R = last_RH.shape[0]
     ids = torch.empty(R, k, dtype=torch.int32, device=last_RH.device)
     lps = torch.empty(R, k, dtype=torch.float32, device=last_RH.device)
     for s, e in row_spans(R, row_chunk):
-        logits = teacher_logits(last_RH[s:e], norm.weight, lm_head.weight, spec)  # [r, V]
+        logits = head.logits(last_RH[s:e])  # [r, V]
         v, i = torch.topk(logits, k, dim=-1)  # top-k of the logits = top-k of the log-probs: no [r, V] log_softmax
         ids[s:e] = i.to(torch.int32)
         lps[s:e] = v - torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -343,7 +354,7 @@ def run_batch(
         attn[b, :T] = 1
     with LayerTaps(target.layers, sorted(set(tap_ids) | {L - 1})) as hooks:
         target.decoder(inputs_embeds=emb, attention_mask=attn, use_cache=False)
-    norm, head = target.decoder.norm, target.lm.get_output_embeddings()
+    head = target.head
     samples = []
     for b, (p, e) in enumerate(zip(batch, exps)):
         T = int(e.input_ids.shape[0])
@@ -363,8 +374,7 @@ def run_batch(
             s["audio_embeds"] = e.inputs_embeds[e.is_audio]
         if top_k > 0:
             rows = teacher_rows(e.loss_mask.cpu()).to(dev)
-            ids, lps = topk_teacher(last[rows.long()], norm, head, top_k, logits_scaling=target.logits_scaling,
-                                    row_chunk=row_chunk)
+            ids, lps = topk_teacher(last[rows.long()], head, top_k, row_chunk=row_chunk)
             s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
         for name in ("taps", "final_hidden", "audio_embeds"):
             if name in s:

@@ -1,18 +1,28 @@
 """The target bundle: the frozen pieces of the target a drafter needs, so training never loads it.
 
     target/
-      bundle.json            config (below) + audio front-end config + chat template + template kwargs + fingerprint
-      weights.safetensors    embed_tokens [V, H], norm_weight [H], lm_head [V, H]
-      tokenizer/             the tokenizer's own files (tokenizer.json, tokenizer_config.json, ...)
+      bundle.json            schema version, config, head spec, audio front-end config, chat template,
+                             template kwargs, fingerprint, and the sha256 and size of every file below
+      weights.safetensors    embed_tokens [V, H], norm_weight [H], lm_head [V, H] (absent when the head is
+                             tied: it IS embed_tokens), norm_bias [H] (LayerNorm heads), lm_head_bias [V]
+                             (heads with a bias); in the checkpoint's dtype, not the compute dtype
+      tokenizer/             the tokenizer's own files, by an allow-list (TOKENIZER_FILES): never weights
 
-Fingerprint = sha256 over canonical JSON of (config, audio, chat template, template kwargs when any,
-sha256 of every tokenizer file, sha256 of every weight tensor's bytes). It is a pure function of the
-content: two captures of the same target agree, any change to weights, tokenizer, template or its
-kwargs changes it (bundles without kwargs hash as they did before kwargs were recorded).
+The head spec (``shards.head.HeadSpec``) says how those weights turn hidden rows into logits and ids
+into input embeddings. Bundles written before it was declared (schema 1.0: no ``head`` key, lm_head
+always stored) are read through :func:`migrate_bundle_doc`.
+
+Fingerprint = sha256 over canonical JSON of (config, head spec, audio, chat template, template kwargs
+when any, sha256 of every tokenizer file, sha256 of every stored weight tensor's bytes). It is a pure
+function of the content: two captures of the same target agree, any change to weights, tokenizer,
+template or its kwargs, or head changes it (bundles without kwargs hash as they did before kwargs were
+recorded). It is computed once, when the bundle is written; opening a bundle reads it (and checks each
+file's size), ``load_bundle(verify=True)`` re-hashes every file against bundle.json (``tapdraft verify``).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -26,13 +36,23 @@ import fsspec
 from safetensors.torch import load_file, save_file
 
 from shards.atomic import recover_dir, staged
+from shards.head import HeadSpec
+from shards.schema import SCHEMA_VERSION, check_schema_version
 from shards.template import template_kwargs as canonical_kwargs
 
 BUNDLE_FILE = "bundle.json"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
-WEIGHT_NAMES = ("embed_tokens", "norm_weight", "lm_head")
+WEIGHT_NAMES = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
+"""Every tensor a bundle may store; which ones it does store follows from its head spec (:func:`stored_names`)."""
 
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "*.tiktoken", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "processor_config.json", "preprocessor_config.json",
+)
+"""What of a tokenizer directory goes into the bundle (fnmatch patterns): tokenizer, special tokens, chat
+template, processor configs. Model weights and configs never do, even when the tokenizer sits beside them."""
 CONFIG_KEYS = (
     "model_type",
     "hidden_size",
@@ -52,6 +72,7 @@ CONFIG_KEYS = (
 """What a drafter reads of the target. ``logits_scaling``: the teacher divides logits by it (Granite)."""
 
 
+
 @dataclass
 class TargetBundle:
     config: dict[str, Any]
@@ -62,6 +83,10 @@ class TargetBundle:
     embed_tokens: torch.Tensor
     norm_weight: torch.Tensor
     lm_head: torch.Tensor
+    """The lm_head [V, H]; the very tensor ``embed_tokens`` when ``head.tied``."""
+    head: HeadSpec = field(default_factory=HeadSpec)
+    norm_bias: torch.Tensor | None = None
+    lm_head_bias: torch.Tensor | None = None
     fingerprint: str = ""
     path: Path | None = None
     tokenizer_files: dict[str, bytes] = field(default_factory=dict, repr=False)
@@ -90,10 +115,30 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _tensor_sha(t: torch.Tensor) -> str:
     t = t.detach().cpu().contiguous()
     raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
     return _sha(raw.numpy().tobytes() + f"{t.dtype}{tuple(t.shape)}".encode())
+
+
+def stored_names(head: HeadSpec) -> tuple[str, ...]:
+    """The tensors a bundle with this head stores (a tied lm_head is not stored again)."""
+    names = ["embed_tokens", "norm_weight"]
+    if not head.tied:
+        names.append("lm_head")
+    if head.norm_bias:
+        names.append("norm_bias")
+    if head.lm_head_bias:
+        names.append("lm_head_bias")
+    return tuple(names)
 
 
 def compute_fingerprint(
@@ -103,27 +148,66 @@ def compute_fingerprint(
     weights: dict[str, torch.Tensor],
     tokenizer_files: dict[str, bytes],
     template_kwargs: dict[str, Any] | None = None,
+    head: HeadSpec | None = None,
 ) -> str:
+    """sha256 of the bundle's content; ``head`` None is a bundle written before heads were declared."""
     doc = {
         "config": {k: config.get(k) for k in CONFIG_KEYS},
         "audio": audio,
         "chat_template": chat_template,
         "tokenizer": {name: _sha(data) for name, data in sorted(tokenizer_files.items())},
-        "weights": {name: _tensor_sha(weights[name]) for name in WEIGHT_NAMES},
+        "weights": {name: _tensor_sha(t) for name, t in sorted(weights.items())},
     }
     if template_kwargs:  # absent when empty, so bundles written before kwargs existed keep their fingerprint
         doc["template_kwargs"] = canonical_kwargs(template_kwargs)
+    if head is not None:
+        doc["head"] = head.to_dict()
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return _sha(canonical.encode())
 
 
 def _read_tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> dict[str, bytes]:
+    """The allow-listed files (TOKENIZER_FILES) of a tokenizer directory."""
     if tokenizer_dir is None:
         return {}
     root = Path(tokenizer_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())
+            if p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in TOKENIZER_FILES)}
+
+
+def _bundle_weights(
+    config: dict[str, Any], head: HeadSpec, embed_tokens: torch.Tensor, norm_weight: torch.Tensor,
+    lm_head: torch.Tensor, norm_bias: torch.Tensor | None, lm_head_bias: torch.Tensor | None,
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor]:
+    """The tensors to store, on CPU, in ``dtype`` (the checkpoint's; None keeps theirs), checked against the head."""
+    given = {"embed_tokens": embed_tokens, "norm_weight": norm_weight, "lm_head": lm_head,
+             "norm_bias": norm_bias, "lm_head_bias": lm_head_bias}
+    names = stored_names(head)
+    extra = [n for n in ("norm_bias", "lm_head_bias") if given[n] is not None and n not in names]
+    absent = [n for n in names if given[n] is None]
+    if extra or absent:
+        raise ValueError(f"bundle weights disagree with the head spec {head}: given {extra} it does not declare, "
+                         f"missing {absent}")
+    if head.tied and not torch.equal(lm_head.detach().cpu(), embed_tokens.detach().cpu()):
+        raise ValueError("the head spec says the lm_head is tied, but it differs from embed_tokens")
+    weights = {}
+    for n in names:
+        t = given[n].detach().cpu()
+        weights[n] = (t if dtype is None else t.to(dtype)).contiguous()
+    E, H = weights["embed_tokens"].shape
+    V = int(lm_head.shape[0])
+    bad = (tuple(lm_head.shape) != (V, H) or tuple(weights["norm_weight"].shape) != (H,)
+           or ("norm_bias" in weights and tuple(weights["norm_bias"].shape) != (H,))
+           or ("lm_head_bias" in weights and tuple(weights["lm_head_bias"].shape) != (V,)))
+    if bad:
+        raise ValueError(f"bundle weights disagree: " + ", ".join(
+            f"{n} {tuple(t.shape)}" for n, t in given.items() if t is not None))
+    if H != int(config["hidden_size"]):
+        raise ValueError(f"bundle config hidden_size {config['hidden_size']} != weights' {H}")
+    return weights
 
 
 def bundle_fingerprint(
@@ -136,11 +220,15 @@ def bundle_fingerprint(
     lm_head: torch.Tensor,
     tokenizer_dir: str | os.PathLike | None,
     template_kwargs: dict[str, Any] | None = None,
+    head: HeadSpec = HeadSpec(),
+    norm_bias: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """The fingerprint ``write_bundle`` would record for these parts (e.g. of a live target)."""
-    weights = {"embed_tokens": embed_tokens, "norm_weight": norm_weight, "lm_head": lm_head}
+    weights = _bundle_weights(config, head, embed_tokens, norm_weight, lm_head, norm_bias, lm_head_bias, dtype)
     return compute_fingerprint(config, audio, chat_template, weights, _read_tokenizer_files(tokenizer_dir),
-                               template_kwargs)
+                               template_kwargs, head=head)
 
 
 def write_bundle(
@@ -154,74 +242,109 @@ def write_bundle(
     lm_head: torch.Tensor,
     tokenizer_dir: str | os.PathLike | None,
     template_kwargs: dict[str, Any] | None = None,
+    head: HeadSpec = HeadSpec(),
+    norm_bias: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
-    """Write ``out_dir`` (staged beside it, swapped in atomically) and return the fingerprint."""
+    """Write ``out_dir`` (staged beside it, swapped in atomically) and return the fingerprint.
+
+    ``head`` describes the weights (a tied lm_head is stored once, as embed_tokens); ``dtype`` is the
+    checkpoint's, which the weights are stored in (None: as given).
+    """
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"bundle config is missing {missing}")
-    weights = {
-        "embed_tokens": embed_tokens.detach().cpu().contiguous(),
-        "norm_weight": norm_weight.detach().cpu().contiguous(),
-        "lm_head": lm_head.detach().cpu().contiguous(),
-    }
-    if weights["lm_head"].data_ptr() == weights["embed_tokens"].data_ptr():  # tied head: safetensors refuses shared storage
-        weights["lm_head"] = weights["lm_head"].clone()
-    V, H = weights["lm_head"].shape
-    if weights["embed_tokens"].shape[1] != H or tuple(weights["norm_weight"].shape) != (H,):
-        raise ValueError(
-            f"bundle weights disagree: embed {tuple(weights['embed_tokens'].shape)}, "
-            f"norm {tuple(weights['norm_weight'].shape)}, lm_head {(V, H)}"
-        )
-    if H != int(config["hidden_size"]):
-        raise ValueError(f"bundle config hidden_size {config['hidden_size']} != weights' {H}")
+    weights = _bundle_weights(config, head, embed_tokens, norm_weight, lm_head, norm_bias, lm_head_bias, dtype)
     tok = _read_tokenizer_files(tokenizer_dir)
     kwargs = canonical_kwargs(template_kwargs)
-    fp = compute_fingerprint(config, audio, chat_template, weights, tok, kwargs)
+    fp = compute_fingerprint(config, audio, chat_template, weights, tok, kwargs, head=head)
     with staged(out_dir) as tmp:
         (tmp / TOKENIZER_DIR).mkdir(parents=True)
         save_file(weights, str(tmp / WEIGHTS_FILE))
         for name, data in tok.items():
             (tmp / TOKENIZER_DIR / name).write_bytes(data)
+        files = {WEIGHTS_FILE: _file_sha(tmp / WEIGHTS_FILE)} | {f"{TOKENIZER_DIR}/{n}": _sha(d) for n, d in tok.items()}
+        sizes = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size} | {f"{TOKENIZER_DIR}/{n}": len(d) for n, d in tok.items()}
         doc = {
+            "schema_version": SCHEMA_VERSION,
             "config": {k: config.get(k) for k in CONFIG_KEYS},
+            "head": head.to_dict(),
             "audio": audio,
             "chat_template": chat_template,
             "template_kwargs": kwargs,
             "fingerprint": fp,
+            "files": {n: {"sha256": files[n], "bytes": sizes[n]} for n in sorted(files)},
         }
         (tmp / BUNDLE_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
     return fp
 
 
-def load_bundle(path: str | os.PathLike, *, verify: bool = True) -> TargetBundle:
-    """Read a bundle directory; with ``verify`` the fingerprint is recomputed and must match."""
+def migrate_bundle_doc(doc: dict[str, Any]) -> dict[str, Any]:
+    """Bring a bundle.json written before heads were declared (schema 1.0) to today's keys; ``doc`` is not changed.
+
+    Such a bundle has no ``head``: its head is an untied RMSNorm with ``rms_norm_eps`` whose logits are
+    divided by ``logits_scaling`` (all that could be captured then), and it stores lm_head always.
+    Its fingerprint was computed without a head and stays as recorded; it records no per-file hashes.
+    """
+    if "head" in doc:
+        return dict(doc)
+    return {**doc, "schema_version": doc.get("schema_version", "1.0"),
+            "head": HeadSpec.from_config(doc.get("config", {})).to_dict(), "files": doc.get("files", {})}
+
+
+def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) -> None:
+    for name, rec in files.items():
+        p = root / name
+        bad = (not p.is_file() or p.stat().st_size != rec["bytes"]
+               or (rehash and _file_sha(p) != rec["sha256"]))
+        if bad:
+            raise ValueError(
+                f"target bundle {root} is corrupted or was edited: {name} does not match what bundle.json "
+                "records; re-copy the dataset's target/ directory"
+            )
+
+
+def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundle:
+    """Read a bundle directory. Its fingerprint is read, not recomputed, and every file's size is checked;
+    with ``verify`` every file is re-hashed against bundle.json and the fingerprint recomputed."""
     root = Path(path)
     recover_dir(root)
     meta_path = root / BUNDLE_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} not found: {root} is not a tapdraft target bundle")
     doc = json.loads(meta_path.read_text())
+    check_schema_version(doc.get("schema_version", "1.0"), str(meta_path))
+    legacy = "head" not in doc
+    doc = migrate_bundle_doc(doc)
+    head = HeadSpec.from_dict(doc["head"])
+    _check_files(root, doc["files"], rehash=verify)
     weights = load_file(str(root / WEIGHTS_FILE))
-    missing = [n for n in WEIGHT_NAMES if n not in weights]
+    names = ("embed_tokens", "norm_weight", "lm_head") if legacy else stored_names(head)
+    missing = [n for n in names if n not in weights]
     if missing:
         raise ValueError(f"{root / WEIGHTS_FILE} lacks tensors {missing}")
     tok_dir = root / TOKENIZER_DIR
-    tok = _read_tokenizer_files(tok_dir) if tok_dir.is_dir() else {}
+    tok = ({p.name: p.read_bytes() for p in sorted(tok_dir.iterdir()) if p.is_file()}
+           if tok_dir.is_dir() else {})
     bundle = TargetBundle(
         config=doc["config"],
         audio=doc.get("audio", {}),
         chat_template=doc.get("chat_template"),
         embed_tokens=weights["embed_tokens"],
         norm_weight=weights["norm_weight"],
-        lm_head=weights["lm_head"],
+        lm_head=weights["embed_tokens"] if head.tied else weights["lm_head"],
+        head=head,
+        norm_bias=weights.get("norm_bias"),
+        lm_head_bias=weights.get("lm_head_bias"),
         fingerprint=doc["fingerprint"],
         path=root,
         tokenizer_files=tok,
         template_kwargs=canonical_kwargs(doc.get("template_kwargs")),
     )
-    if verify:
+    if verify:  # bundle.json's own fields (config, head, template) are covered by the fingerprint only
         fp = compute_fingerprint(bundle.config, bundle.audio, bundle.chat_template, weights, tok,
-                                 bundle.template_kwargs)
+                                 bundle.template_kwargs, head=None if legacy else head)
         if fp != bundle.fingerprint:
             raise ValueError(
                 f"target bundle {root} is corrupted or was edited: its content hashes to {fp[:12]}, "
@@ -239,7 +362,7 @@ def stored_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
         return json.loads(f.read()).get("fingerprint")
 
 
-def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = True) -> TargetBundle:
+def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = False) -> TargetBundle:
     """``load_bundle`` on any fsspec filesystem: a remote bundle is first copied to a local temp directory
     (kept, because ``TargetBundle.tokenizer_dir`` points into it)."""
     if not fs.exists(path):

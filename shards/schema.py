@@ -33,7 +33,7 @@ import torch
 
 from shards.taps import to_vllm
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 """major.minor: readers refuse an unknown major version; minor additions stay readable."""
 
 

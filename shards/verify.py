@@ -115,7 +115,7 @@ def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: Verify
         rep.problems.append(f"{tdir}: missing target bundle; re-copy target/ or re-run capture")
         return
     try:
-        b = open_bundle(fs, tdir)
+        b = open_bundle(fs, tdir, verify=True)  # verify re-hashes every bundle file; readers only check sizes
     except (OSError, ValueError, KeyError) as e:
         rep.problems.append(f"{tdir}: {e}")
         return

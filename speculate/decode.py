@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from capture.head import LiveHead, derive_head
 from capture.hooks import LayerTaps
-from shards.head import HeadSpec, scale_logits
 
 Proposer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """proposer(ids [P+1], taps [P, n, H], temperature, generator) -> (tokens [K], draft probs [K, V] or None)."""
@@ -36,17 +36,20 @@ class TargetSession:
     """One sequence on the live target: a KV cache plus the decoder-layer taps of every cached position.
 
     ``lm`` is an HF causal LM; ``tap_ids`` are HF decoder-layer ids (pre-final-norm outputs), in the
-    order the drafter's dataset stores them. ``head``: the target bundle's head spec; the model's own
-    logits are scaled as it says (``shards.head.scale_logits``).
+    order the drafter's dataset stores them. Only the decoder runs; logits come from its last layer's
+    output through the target's head (``head``, default ``capture.head.derive_head(lm)``), exactly as
+    capture computed the stored teacher, never from the model's own logits, which some families scale
+    and some composites do not.
     """
 
-    def __init__(self, lm: nn.Module, tap_ids: Sequence[int], *, head: HeadSpec = HeadSpec()):
+    def __init__(self, lm: nn.Module, tap_ids: Sequence[int], *, head: LiveHead | None = None):
         from transformers import DynamicCache
 
         self.lm = lm
-        self.layers = lm.get_decoder().layers
+        self.decoder = lm.get_decoder()
+        self.layers = self.decoder.layers
         self.tap_ids = list(tap_ids)
-        self.head = head
+        self.head = head if head is not None else derive_head(lm)
         self.cache = DynamicCache()
         self.taps = torch.empty(0)  # [P, n, H]
         self.forwards = 0
@@ -57,16 +60,17 @@ class TargetSession:
 
     @torch.no_grad()
     def _forward(self, **inputs) -> torch.Tensor:
-        with LayerTaps(self.layers, self.tap_ids) as hooks:
+        last = len(self.layers) - 1
+        with LayerTaps(self.layers, sorted(set(self.tap_ids) | {last})) as hooks:
             n = next(iter(inputs.values())).shape[1]
             start = self.length
             pos = torch.arange(start, start + n, device=self._device())[None]
-            out = self.lm(**inputs, position_ids=pos, cache=self.cache, use_cache=True)
+            self.decoder(**inputs, position_ids=pos, cache=self.cache, use_cache=True)
         self.forwards += 1
         if self.tap_ids:
             new_taps = torch.stack([hooks.out[i][0] for i in self.tap_ids], dim=1).float()  # [n, ntap, H]
             self.taps = new_taps if start == 0 else torch.cat([self.taps, new_taps])
-        return scale_logits(out.logits[0], self.head)  # [n, V]
+        return self.head.logits(hooks.out[last][0])  # [n, V]
 
     def _device(self) -> torch.device:
         return next(self.lm.parameters()).device
@@ -209,7 +213,7 @@ def acceptance_by_position(results: list[DecodeResult], K: int) -> list[float]:
 
 
 def target_greedy(lm: nn.Module, inputs_embeds_TH: torch.Tensor, *, max_new_tokens: int,
-                  eos_token_id: int | None, head: HeadSpec = HeadSpec()) -> list[int]:
+                  eos_token_id: int | None, head: LiveHead | None = None) -> list[int]:
     """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
     session = TargetSession(lm, [], head=head)
     tokens = [int(session.prefill(inputs_embeds_TH).argmax())]

@@ -40,7 +40,6 @@ from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
 from capture.targets import Target
 from shards.bundle import bundle_fingerprint
-from shards.head import head_spec
 from shards.progress import Progress
 from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
@@ -148,7 +147,7 @@ class _Decoder:
         self.cfg, self.target = cfg, target
         self.propose = loaded.model.propose
         self.tap_ids = loaded.src.layout.tap_ids
-        self.head = head_spec(loaded.src.bundle)
+        self.head = target.head  # the live target's; its spec is the bundle's (the fingerprints agree)
         eos = target.bundle_config().get("eos_token_id")
         self.eos = eos[0] if isinstance(eos, list) else eos
         self.gen = torch.Generator().manual_seed(cfg.seed)

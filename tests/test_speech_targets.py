@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from capture.inputs import read_jsonl
 from capture.load import load_target
 from cli import app, main
-from shards.head import HeadSpec
 from speculate.decode import target_greedy
 from speculate.run import prompt_length
 from tests.capture.speech_models import (own_inputs, save_granite_speech, save_qwen2_audio, save_qwen3_asr,
@@ -67,7 +66,7 @@ def test_greedy_decoding_equals_the_models_own_generate(speech_dir, tmp_path):
     P = prompt_length(exp.loss_mask)
     with torch.no_grad():
         ours = target_greedy(target.lm, exp.inputs_embeds[:P], max_new_tokens=6, eos_token_id=None,
-                             head=HeadSpec.from_config(target.bundle_config()))
+                             head=target.head)
         inputs = own_inputs(target, conv.messages[:-1], target.prepare(conv, 0).waveforms, add_generation_prompt=True)
         assert inputs["input_ids"][0].tolist() == exp.input_ids[:P].tolist()
         gen = target.model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)

@@ -6,7 +6,8 @@ Model (DESIGN section 4):
              embedded with the target's FROZEN embedding
     n Qwen3-style pre-norm layers, NON-causal within a block; each layer projects the context with
              its own k/v and prepends it to the block's K/V (context rows are never queried)
-    final RMSNorm -> the target's FROZEN lm_head (/ logits_scaling) -> slot k predicts input_ids[a + k]
+    final RMSNorm -> the target's FROZEN head (lm_head, bias, scaling, soft cap: shards.head) -> slot k
+             predicts input_ids[a + k]; block tokens are embedded as the target embeds them (embed_scale)
 Visibility (``train.mask``): block j sees context positions < anchor_j and its own block.
 
 Anchors: positions p with loss_mask[p] and room for the block (``full_blocks_only``: p + B <= len;
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shards.head import head_spec, project
+from shards.head import embed, head_spec, project
 from shards.taps import default_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
@@ -244,7 +245,7 @@ def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> Acc
 
 class DFlashDrafter(Drafter):
     family = "dflash"
-    frozen = ("embed_tokens", "lm_head", "target_norm")
+    frozen = ("embed_tokens", "lm_head", "target_norm", "target_norm_bias", "lm_head_bias")
 
     def __init__(self, config: DFlashConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -276,8 +277,11 @@ class DFlashDrafter(Drafter):
         self.rotary = RotaryEmbedding(cfg.head_dim, self.rope_theta)
         # frozen target pieces: buffers, never trained, checkpointed or exported
         self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
-        self.register_buffer("lm_head", bundle.lm_head.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied
+                             else bundle.lm_head.detach().float().clone(), persistent=False)
         self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
+        for name, t in (("target_norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
+            self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
         self.register_buffer("weights_k", slot_weights(cfg.block_size, cfg.gamma), persistent=False)
         self._init_weights(cfg.init_std)
         self._stack = self._run_layers
@@ -319,7 +323,7 @@ class DFlashDrafter(Drafter):
         dev = input_ids_BT.device
         ids = torch.full((Bs, N, B), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = input_ids_BT.gather(1, anchors_BN.clamp(max=T - 1))
-        x = nn.functional.embedding(ids.view(Bs, N * B), self.embed_tokens).to(ctx_BTH.dtype)
+        x = embed(ids.view(Bs, N * B), self.embed_tokens, self.head_spec).to(ctx_BTH.dtype)
         pos = (anchors_BN[:, :, None] + torch.arange(B, device=dev)).view(Bs, N * B)
         rope = self.rotary(pos)
         ctx_rope = self.rotary(torch.arange(T, device=dev)[None].expand(Bs, T))
@@ -331,8 +335,8 @@ class DFlashDrafter(Drafter):
         return h.view(Bs, N, B, -1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits for hidden rows (through the frozen lm_head, / logits_scaling)."""
-        return project(h, self.lm_head, self.head_spec)
+        """Draft logits for hidden rows (through the target's frozen head)."""
+        return project(h, self.lm_head, self.head_spec, self.lm_head_bias)
 
     # -- targets -----------------------------------------------------------------------------
     def _targets(self, batch: dict[str, Any], anchors: torch.Tensor, valid_blocks: torch.Tensor):
@@ -371,7 +375,8 @@ class DFlashDrafter(Drafter):
         rows = tpos[valid] - 1
         if cfg.kd == "exact":
             teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                   lm_head=self.lm_head, head=self.head_spec)
+                                   lm_head=self.lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
+                                   lm_head_bias=self.lm_head_bias)
             return teacher, w
         teacher, has = gather_topk(batch, b_idx, rows)
         return teacher, w * has.to(w.dtype)
@@ -387,7 +392,7 @@ class DFlashDrafter(Drafter):
         y = labels[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
-        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, chunk_rows=cfg.ce_chunk_size,
+        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, lm_head_bias=self.lm_head_bias, chunk_rows=cfg.ce_chunk_size,
                                      teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
@@ -449,6 +454,7 @@ class DFlashDrafter(Drafter):
             "target_layer_ids_vllm": to_vllm(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "logits_scaling": self.scaling,
+            "target_head": self.head_spec.to_dict(),
             "dflash_config": {
                 "mask_token_id": cfg.mask_token_id,
                 "target_layer_ids": list(cfg.target_layer_ids),

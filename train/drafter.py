@@ -95,7 +95,9 @@ class Drafter(nn.Module):
     def frozen_to(self, dtype: torch.dtype) -> None:
         """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
         for name in self.frozen:
-            setattr(self, name, getattr(self, name).to(dtype))
+            t = getattr(self, name)
+            if t is not None:  # absent biases are None buffers
+                setattr(self, name, t.to(dtype))
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,

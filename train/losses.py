@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shards.head import HeadSpec, project, project_backward, row_spans
+from shards.head import HeadSpec, project, project_backward, row_spans, softcap_jacobian
 from train.divergences import kl_grad_full, kl_grad_topk
 from train.teacher import ExactTeacher, TopKTeacher
 
@@ -43,7 +43,7 @@ class _FusedRowLosses(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, lm_head, labels, head, chunk, teacher, want_grad):
+    def forward(ctx, h, lm_head, labels, head, chunk, teacher, want_grad, bias):
         R = h.shape[0]
         dev = h.device
         wd = torch.promote_types(torch.promote_types(h.dtype, lm_head.dtype), torch.float32)
@@ -54,7 +54,8 @@ class _FusedRowLosses(torch.autograd.Function):
         g_kd = torch.empty_like(h) if want_grad and teacher is not None else None
         for s, e in row_spans(R, chunk):
             y = labels[s:e]
-            lq = project(h[s:e], lm_head, head)
+            lq = project(h[s:e], lm_head, head, bias)
+            jac = softcap_jacobian(lq, head) if want_grad else None  # soft-capped heads only
             correct[s:e] = (lq.argmax(-1) == y).to(wd)
             lq.sub_(torch.logsumexp(lq, -1, keepdim=True))  # log q, in place of the logits
             q = lq.exp()
@@ -66,12 +67,12 @@ class _FusedRowLosses(torch.autograd.Function):
                     k_s, dk = kl_grad_full(teacher.chunk_logits(s, e), lq, q)
                 kd[s:e] = k_s
                 if want_grad:
-                    g_kd[s:e] = project_backward(dk, lm_head, head).to(h.dtype)
+                    g_kd[s:e] = project_backward(dk, lm_head, head, jac).to(h.dtype)
                 del dk
             del lq
             if want_grad:
                 q[torch.arange(e - s, device=dev), y] -= 1.0  # dCE/dz, in place of q
-                g_ce[s:e] = project_backward(q, lm_head, head).to(h.dtype)
+                g_ce[s:e] = project_backward(q, lm_head, head, jac).to(h.dtype)
             del q
         ctx.save_for_backward(*(t for t in (g_ce, g_kd) if t is not None))
         ctx.has_kd = teacher is not None
@@ -88,7 +89,7 @@ class _FusedRowLosses(torch.autograd.Function):
             grad_h = grad_ce.to(saved[0].dtype)[:, None] * saved[0]
             if ctx.has_kd and grad_kd is not None:
                 grad_h = grad_h + grad_kd.to(saved[1].dtype)[:, None] * saved[1]
-        return grad_h, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None
 
 
 def row_losses(
@@ -97,6 +98,7 @@ def row_losses(
     lm_head_VH: torch.Tensor,
     *,
     head: HeadSpec = HeadSpec(),
+    lm_head_bias: torch.Tensor | None = None,
     chunk_rows: int = 2048,
     teacher: ExactTeacher | TopKTeacher | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -104,14 +106,14 @@ def row_losses(
 
     ``teacher``: None, :class:`TopKTeacher` (lumped tail), or anything with ``chunk_logits(s, e)``
     returning the teacher's [e - s, V] logits for rows s..e (:class:`ExactTeacher` projects them
-    from the gathered hidden rows). ``head``: the bundle's head spec (logits scaling). The lm_head is
-    frozen (no gradient flows to it).
+    from the gathered hidden rows). ``head``: the bundle's head spec (bias, scaling, soft cap), with
+    ``lm_head_bias`` when it declares one. The lm_head is frozen (no gradient flows to it).
     """
     if teacher is not None and not isinstance(teacher, TopKTeacher) and not hasattr(teacher, "chunk_logits"):
         raise TypeError(f"unknown teacher type {type(teacher).__name__}")
     want_grad = torch.is_grad_enabled() and h_RH.requires_grad
     out = _FusedRowLosses.apply(h_RH, lm_head_VH.detach(), labels_R.long(), head, int(chunk_rows),
-                                teacher, want_grad)
+                                teacher, want_grad, None if lm_head_bias is None else lm_head_bias.detach())
     return out[0], out[1], (out[2] if len(out) > 2 else None)
 
 

@@ -6,7 +6,7 @@ Depth k = 1..D at position t predicts the token at t + k + 1 from
     e       = RMSNorm_k(Emb(x_{t+k}))                                (frozen target embedding)
     h       = RMSNorm_k(h^{k-1}_t)
     h^k     = Block_k(W_k [e ; h])                                   (embedding FIRST, 2H -> H)
-    logits  = lm_head(FinalNorm_k(h^k)) / logits_scaling            (frozen target lm_head)
+    logits  = head(FinalNorm_k(h^k))        (the frozen target head: lm_head, bias, scaling, soft cap)
 
 with one causal Qwen3 decoder block per depth (``train.layers.DecoderLayer``), or one physical
 head serving every depth (``use_repeated_layer``). The recursion feeds h^k (the block's output,
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.head import final_norm, head_spec, project, teacher_logits
+from shards.head import embed, final_norm, head_spec, project, teacher_logits
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
@@ -236,7 +236,7 @@ def _last_hidden_source(layout: Any) -> str | None:
 
 class MTPDrafter(Drafter):
     family = "mtp"
-    frozen = ("embed_tokens", "norm_weight", "lm_head")
+    frozen = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
 
     def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -259,7 +259,10 @@ class MTPDrafter(Drafter):
         self.rope = RotaryEmbedding(hd, float(c["rope_theta"]))
         self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
         self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", bundle.lm_head.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied else bundle.lm_head.detach().clone(),
+                             persistent=False)
+        for name, t in (("norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
+            self.register_buffer(name, None if t is None else t.detach().clone(), persistent=False)
         with torch.no_grad():
             for m in self.model.modules():
                 if isinstance(m, nn.Linear):
@@ -305,17 +308,22 @@ class MTPDrafter(Drafter):
     def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embedding at every position [Bs, T, H] and a bool [Bs, T]: position's embedding unknown."""
         ids = batch["input_ids"]
-        emb = F.embedding(ids, self.embed_tokens)
+        emb = embed(ids, self.embed_tokens, self.head_spec)
         is_audio = batch["is_audio"]
         if "audio_embeds" in batch:
             emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
             return emb, torch.zeros_like(is_audio)
         return emb, is_audio
 
+    def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
+        """The target's logits of pre-norm last-layer rows (the exact teacher)."""
+        return teacher_logits(h_RH, self.norm_weight, self.lm_head, self.head_spec, norm_bias_H=self.norm_bias,
+                              lm_head_bias_V=self.lm_head_bias)
+
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
         x = self.head(k).shared_head.norm(h)
-        return project(x, self.lm_head, self.head_spec)
+        return project(x, self.lm_head, self.head_spec, self.lm_head_bias)
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
         """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
@@ -327,7 +335,8 @@ class MTPDrafter(Drafter):
         dtype = self.head(1).eh_proj.weight.dtype
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
         rope = self.rope(pos)
-        h = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec)  # h^0
+        nb = None if self.norm_bias is None else self.norm_bias.to(dtype)
+        h = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec, nb)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
             h = self.head(k).step(shift_left(emb, k).to(dtype), h, rope)
@@ -390,7 +399,7 @@ class MTPDrafter(Drafter):
 
             def fn(a, b, yy):
                 q = self.logits(k, a)
-                p = teacher_logits(b, self.norm_weight, self.lm_head, self.head_spec)
+                p = self.teacher(b)
                 kl, tv = kl_tv_full(p.to(q.dtype), q)
                 return kl, tv, q.argmax(-1) == yy
 
@@ -476,7 +485,7 @@ class MTPDrafter(Drafter):
 
             def fn(a, b, k=k):
                 q = self.logits(k, a)
-                p = teacher_logits(b, self.norm_weight, self.lm_head, self.head_spec)
+                p = self.teacher(b)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 
             (alpha,) = map_row_chunks(fn, [run["h"][k - 1][rows], t_h], self.config.chunk_rows)
@@ -508,6 +517,7 @@ class MTPDrafter(Drafter):
             "h0": "the target's final norm applied to its last decoder layer output",
             "shared_weights": {"embed_tokens": "target embed_tokens", "shared_head.head": "target lm_head"},
             "logits_scaling": self.logits_scaling,
+            "target_head": self.head_spec.to_dict(),
             "mtp_config": asdict(self.config),
             "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint},
         }

@@ -33,10 +33,13 @@ class ExactTeacher:
     norm_weight: torch.Tensor
     lm_head: torch.Tensor
     head: HeadSpec
+    norm_bias: torch.Tensor | None = None
+    lm_head_bias: torch.Tensor | None = None
 
     def chunk_logits(self, start: int, end: int) -> torch.Tensor:
         """float32 [end - start, V] teacher logits of rows start..end (projected now, not stored)."""
-        return teacher_logits(self.hidden_RH[start:end], self.norm_weight, self.lm_head, self.head)
+        return teacher_logits(self.hidden_RH[start:end], self.norm_weight, self.lm_head, self.head,
+                              norm_bias_H=self.norm_bias, lm_head_bias_V=self.lm_head_bias)
 
     def logits(self) -> torch.Tensor:
         """float32 [R, V] teacher logits of every row (for losses that hold dense logits anyway)."""
@@ -65,11 +68,11 @@ def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
 
 def gather_exact(
     batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor, *, last_tap: int | None, bundle_norm: torch.Tensor,
-    lm_head: torch.Tensor, head: HeadSpec,
+    lm_head: torch.Tensor, head: HeadSpec, norm_bias: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None,
 ) -> ExactTeacher:
     """The exact teacher for rows (b_R[i], row_R[i]): gathers only those [R, H] states."""
     h = last_hidden(batch, last_tap)[b_R, row_R]
-    return ExactTeacher(h, bundle_norm, lm_head, head)
+    return ExactTeacher(h, bundle_norm, lm_head, head, norm_bias, lm_head_bias)
 
 
 def gather_topk(batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor) -> tuple[TopKTeacher, torch.Tensor]:

@@ -64,15 +64,13 @@ def test_last_tap_is_prenorm_and_bundle_reproduces_logits(target):
     torch.testing.assert_close(last, x, rtol=0.01, atol=0.01)  # the stored one is that state in bf16
 
 
-@pytest.mark.parametrize("scaling", [1.0, 2.5])
-def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target, scaling):
-    target.lm.config.logits_scaling = scaling
+def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target):
     L, k = target.num_layers, 5
     p = target.prepare(_conv("a", 16000, 0), 0)
     with torch.no_grad():
         r = run_batch(target, [p], tap_ids=[L - 1], top_k=k, final_hidden=True)[0]
         ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
-        logits = target.lm(inputs_embeds=ex.inputs_embeds[None]).logits[0].double() / scaling
+        logits = target.lm(inputs_embeds=ex.inputs_embeds[None]).logits[0].double()
     rows = teacher_rows(r["loss_mask"])
     assert torch.equal(r["topk_rows"], rows)
     assert rows.numel() == int(r["loss_mask"][1:].sum()) and rows.numel() < r["loss_mask"].numel() - 1
@@ -83,16 +81,25 @@ def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target, scaling):
     assert (r["topk_logprobs"].exp().sum(-1) < 1 + 1e-5).all()
 
 
-def test_topk_chunking_is_invisible():
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
+def test_topk_chunking_is_invisible(target):
     torch.manual_seed(0)
-    h = torch.randn(37, 8)
-    norm, head = Qwen3RMSNorm(8, eps=1e-6), torch.nn.Linear(8, 50, bias=False)
-    a = topk_teacher(h, norm, head, 4, row_chunk=5)
-    b = topk_teacher(h, norm, head, 4, row_chunk=1024)
+    h = torch.randn(37, target.hidden_size)
+    a = topk_teacher(h, target.head, 4, row_chunk=5)
+    b = topk_teacher(h, target.head, 4, row_chunk=1024)
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
+
+
+def test_a_head_config_the_forward_ignores_is_refused(target):
+    from capture.head import UnsupportedHead
+
+    target.lm.config.logits_scaling = 2.5  # Qwen3's forward never reads it: the derived head would be wrong
+    try:
+        with pytest.raises(UnsupportedHead, match="logits differ") as e:
+            target.head
+        assert "\n" not in str(e.value)
+    finally:
+        target.lm.config.logits_scaling = None
 
 
 def test_causal_lm_target_text_only(salm):

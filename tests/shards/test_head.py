@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shards.head import HeadSpec, final_norm, head_spec, project, teacher_logits
+from shards.head import HeadSpec, final_norm, project, teacher_logits
 
 
 def test_teacher_logits_match_float64_definition():
@@ -37,13 +37,16 @@ def test_teacher_logits_equal_the_models_own_head():
     assert torch.equal(got, logits.float())
 
 
-def test_head_spec_from_bundle_config_and_refusals():
-    class Bundle:
-        config = {"rms_norm_eps": 1e-6, "logits_scaling": None}
-
-    assert head_spec(Bundle()) == HeadSpec(eps=1e-6, logits_scaling=1.0)
+def test_head_spec_from_legacy_config_round_trip_and_refusals():
+    assert HeadSpec.from_config({"rms_norm_eps": 1e-6, "logits_scaling": None}) == HeadSpec(eps=1e-6, logits_scaling=1.0)
+    spec = HeadSpec(norm="layer", eps=1e-5, embed_scale=8.0, lm_head_bias=True, final_logit_softcap=30.0, tied=True)
+    assert HeadSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="does not know"):
+        HeadSpec.from_dict({**spec.to_dict(), "rope_in_head": True})
     with pytest.raises(ValueError, match="norm kind"):
         HeadSpec(norm="layernorm")
+    with pytest.raises(ValueError, match="softcap"):
+        HeadSpec(final_logit_softcap=0.0)
     with pytest.raises(ValueError, match="logits_scaling"):
         HeadSpec(logits_scaling=0.0)
     with pytest.raises(ValueError, match="eps"):

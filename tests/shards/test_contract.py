@@ -4,8 +4,12 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from shards.bundle import CONFIG_KEYS, bundle_fingerprint, load_bundle, write_bundle
+from shards.bundle import (CONFIG_KEYS, bundle_fingerprint, compute_fingerprint, load_bundle, migrate_bundle_doc,
+                           write_bundle)
+from shards.head import HeadSpec
 from shards.schema import Layout, teacher_rows, validate_sample
 from shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
 
@@ -158,11 +162,62 @@ def test_template_kwargs_are_in_the_bundle_and_its_fingerprint(tmp_path):
 
 def test_bundle_detects_tampering_and_missing_dirs(tmp_path):
     write_bundle(tmp_path / "a", **_bundle_args(tmp_path))
-    (tmp_path / "a" / "tokenizer" / "tokenizer.json").write_text('{"model": "edited"}')
+    tok = tmp_path / "a" / "tokenizer" / "tokenizer.json"
+    tok.write_text('{"model": "tay"}')  # same size: only a re-hash sees it
+    load_bundle(tmp_path / "a")  # opening reads the fingerprint, checks sizes only
+    with pytest.raises(ValueError, match="corrupted or was edited"):
+        load_bundle(tmp_path / "a", verify=True)
+    tok.write_text('{"model": "edited"}')
     with pytest.raises(ValueError, match="corrupted or was edited"):
         load_bundle(tmp_path / "a")
     with pytest.raises(FileNotFoundError, match="not a tapdraft target bundle"):
         load_bundle(tmp_path / "nowhere")
+
+
+def test_tied_head_is_stored_once_and_read_as_the_embedding(tmp_path):
+    args = _bundle_args(tmp_path)
+    args["lm_head"] = args["embed_tokens"]  # the same tensor, as a tied model holds it
+    args["head"] = HeadSpec(tied=True)
+    fp = write_bundle(tmp_path / "a", **args)
+    assert not (tmp_path / "a.tmp").exists()
+    b = load_bundle(tmp_path / "a", verify=True)
+    assert b.fingerprint == fp and b.head.tied and b.lm_head is b.embed_tokens
+    assert torch.equal(b.lm_head, args["embed_tokens"])
+    assert sorted(safe_open(str(tmp_path / "a" / "weights.safetensors"), "pt").keys()) == ["embed_tokens", "norm_weight"]
+    args["lm_head"] = args["embed_tokens"] + 1
+    with pytest.raises(ValueError, match="tied"):
+        write_bundle(tmp_path / "b", **args)
+
+
+def test_bundle_keeps_only_allow_listed_tokenizer_files_in_the_given_dtype(tmp_path):
+    args = _bundle_args(tmp_path)
+    for name in ("model.safetensors", "config.json", "pytorch_model.bin", "chat_template.jinja", "special_tokens_map.json"):
+        (args["tokenizer_dir"] / name).write_text("x")
+    write_bundle(tmp_path / "a", **args, dtype=torch.bfloat16)
+    b = load_bundle(tmp_path / "a")
+    assert sorted(b.tokenizer_files) == ["chat_template.jinja", "special_tokens_map.json", "tokenizer.json"]
+    assert b.embed_tokens.dtype == b.lm_head.dtype == b.norm_weight.dtype == torch.bfloat16
+
+
+def test_bundle_before_head_specs_reads_through_the_named_migration(tmp_path):
+    """A schema-1.0 bundle (no head, lm_head always stored, fingerprint without a head) still opens."""
+    args = _bundle_args(tmp_path)
+    weights = {n: args[n] for n in ("embed_tokens", "norm_weight", "lm_head")}
+    args["config"]["rms_norm_eps"], args["config"]["logits_scaling"] = 1e-5, 2.0
+    root = tmp_path / "old"
+    (root / "tokenizer").mkdir(parents=True)
+    save_file(weights, str(root / "weights.safetensors"))
+    (root / "tokenizer" / "tokenizer.json").write_text('{"model": "toy"}')
+    fp = compute_fingerprint(args["config"], args["audio"], args["chat_template"], weights,
+                             {"tokenizer.json": b'{"model": "toy"}'})
+    doc = {"config": {k: args["config"].get(k) for k in CONFIG_KEYS}, "audio": args["audio"],
+           "chat_template": args["chat_template"], "fingerprint": fp}
+    (root / "bundle.json").write_text(json.dumps(doc))
+    assert migrate_bundle_doc(doc)["head"] == HeadSpec(eps=1e-5, logits_scaling=2.0).to_dict()
+    assert "head" not in doc  # the input is not changed
+    b = load_bundle(root, verify=True)
+    assert b.fingerprint == fp and b.head == HeadSpec(eps=1e-5, logits_scaling=2.0)
+    assert torch.equal(b.lm_head, args["lm_head"])
 
 
 def test_bundle_rejects_inconsistent_weights(tmp_path):

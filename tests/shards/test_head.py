@@ -51,3 +51,30 @@ def test_head_spec_from_legacy_config_round_trip_and_refusals():
         HeadSpec(logits_scaling=0.0)
     with pytest.raises(ValueError, match="eps"):
         HeadSpec(eps=-1.0)
+
+
+def test_every_head_kind_matches_its_float64_definition():
+    from shards.head import embed
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(9, 16, generator=g, dtype=torch.float64) * 3
+    w = 0.2 * torch.randn(16, generator=g, dtype=torch.float64)
+    nb = torch.randn(16, generator=g, dtype=torch.float64)
+    W = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    b = torch.randn(40, generator=g, dtype=torch.float64)
+    rms = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    layer = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + 1e-5) * w + nb
+    cases = [  # (spec, normalised rows, lm_head bias, logits from raw z)
+        (HeadSpec(norm="rms_offset", eps=1e-5, final_logit_softcap=3.0), rms * (1 + w), None,
+         lambda z: 3.0 * torch.tanh(z / 3.0)),
+        (HeadSpec(norm="layer", eps=1e-5, lm_head_bias=True), layer, b, lambda z: z),
+        (HeadSpec(norm="rms", eps=1e-5, logits_scaling=4.0), rms * w, None, lambda z: z / 4.0),
+    ]
+    for spec, x, bias, post in cases:
+        ref = post(x @ W.T + (0 if bias is None else bias))
+        got = teacher_logits(h, w, W, spec, norm_bias_H=nb if spec.norm == "layer" else None, lm_head_bias_V=bias)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="bias"):
+        teacher_logits(h, w, W, HeadSpec(lm_head_bias=True))  # a declared bias must be given
+    ids = torch.tensor([[3, 0, 39]])
+    torch.testing.assert_close(embed(ids, W, HeadSpec(embed_scale=4.0)), W[ids] * 4.0)

@@ -129,3 +129,22 @@ def test_acceptance_by_position_leaves_out_unjudged_drafts():
     # round 4 accepted draft 1 (emitted as the last token), nothing after it was judged
     alpha = acceptance_by_position([r], 4)
     assert alpha[:3] == [3 / 4, 2 / 2, 1 / 2] and math.isnan(alpha[3])  # draft 4 was never judged
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2", "phi"])
+def test_live_probabilities_are_the_models_own(family, tmp_path):
+    """Live logits go through the target's head once: Granite's division (its forward already divides)
+    is not applied twice, Gemma2's soft cap and Phi's biases are applied; sampling sees the model's law."""
+    from capture.load import load_target
+    from tests.capture.lm_families import save_family
+
+    torch.manual_seed(0)
+    target = load_target(save_family(family, tmp_path))
+    lm = target.lm
+    ids = torch.randint(0, 60, (9,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        own = torch.softmax(lm(input_ids=ids[None]).logits[0].float() / 0.7, -1)
+        s = TargetSession(lm, [0])
+        live = torch.cat([s.prefill(lm.get_input_embeddings()(ids[:5]))[None], s.extend(ids[5:])])
+    live = torch.softmax(live / 0.7, -1)  # rows: the prompt's last position, then each fed token
+    torch.testing.assert_close(live, own[4:], rtol=1e-5, atol=1e-6)

@@ -167,3 +167,31 @@ def test_topk_kd_agrees_with_divergences_module():
     top = torch.log_softmax(torch.randn(9, W.shape[0], dtype=torch.float64), -1).topk(3, -1)
     _, _, kd = row_losses(h, y, W, teacher=TopKTeacher(top.indices, top.values))
     assert torch.allclose(kd, kl_tv_topk(top.indices, top.values, h @ W.T)[0], atol=1e-12)
+
+
+def test_ce_kd_and_gradients_through_a_soft_capped_biased_head_match_autograd():
+    """The fused loss computes dL/dh itself: through the soft cap's tanh and past the lm_head bias."""
+    h, W, y, w = _rand(R=23, H=12, V=40, seed=3)
+    g = torch.Generator().manual_seed(4)
+    b = torch.randn(40, generator=g, dtype=torch.float64)
+    th = torch.randn(23, 12, generator=g, dtype=torch.float64)
+    spec = HeadSpec(logits_scaling=1.5, final_logit_softcap=0.7, lm_head_bias=True)
+
+    def z_of(x):  # the definition: softcap(scale(x W^T + b))
+        return 0.7 * torch.tanh((x @ W.T + b) / 1.5 / 0.7)
+
+    teacher = ExactTeacher(th, torch.ones(12, dtype=torch.float64), W, HeadSpec(eps=1e-6, **{
+        k: getattr(spec, k) for k in ("logits_scaling", "final_logit_softcap", "lm_head_bias")}), lm_head_bias=b)
+    x = h.clone().requires_grad_(True)
+    ce, _, kd = row_losses(x, y, W, head=spec, lm_head_bias=b, chunk_rows=5, teacher=teacher)
+    ((w * ce).sum() + (w * kd).sum()).backward()
+    ref_x = h.clone().requires_grad_(True)
+    logq = torch.log_softmax(z_of(ref_x), -1)
+    tn = th * torch.rsqrt(th.pow(2).mean(-1, keepdim=True) + 1e-6)
+    logp = torch.log_softmax(z_of(tn), -1)
+    ref_ce = -logq.gather(1, y[:, None])[:, 0]
+    ref_kd = (logp.exp() * (logp - logq)).sum(-1)
+    ((w * ref_ce).sum() + (w * ref_kd).sum()).backward()
+    torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kd, ref_kd.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-10)

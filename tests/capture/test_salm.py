@@ -83,3 +83,22 @@ def test_from_pretrained_errors(tmp_path, salm_dir):
     shutil.rmtree(broken / "encoder")
     with pytest.raises(FileNotFoundError, match="encoder is missing"):
         SALM.from_pretrained(broken)
+
+
+def test_an_lm_narrower_than_the_adapter_is_refused_at_load(tmp_path, salm_dir):
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    broken = tmp_path / "wide"
+    shutil.copytree(salm_dir, broken)
+    cfg = AutoConfig.from_pretrained(broken / "lm")
+    lm_hidden = json.loads((broken / "salm_config.json").read_text())["adapter"]["lm_hidden"]
+    cfg.hidden_size, cfg.head_dim = lm_hidden + 16, (lm_hidden + 16) // cfg.num_attention_heads
+    shutil.rmtree(broken / "lm")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(broken / "lm")
+    with pytest.raises(ValueError, match=f"adapter outputs {lm_hidden}-wide frames but its LM's hidden size is "
+                                         f"{lm_hidden + 16}") as e:
+        SALM.from_pretrained(broken)
+    assert "\n" not in str(e.value)

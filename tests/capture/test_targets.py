@@ -151,3 +151,21 @@ def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, m
     msg = str(e.value)
     assert "\n" not in msg and f"{model_type!r} is not supported" in msg
     assert "qwen2_audio, qwen3_asr, voxtral, granite_speech" in msg and "SALM" in msg and "causal LM" in msg
+    assert "tested: qwen3, qwen2, llama" in msg and "To add a speech LLM, register its loader" in msg
+
+
+def test_a_final_norm_of_no_known_kind_is_refused_in_one_line():
+    from capture.head import UnsupportedHead, describe_norm
+
+    class ScaleNorm(torch.nn.Module):  # normalises by the L2 norm, not the RMS: no HeadSpec kind
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return self.weight * x / (x.norm(dim=-1, keepdim=True) + self.eps)
+
+    with pytest.raises(UnsupportedHead, match="ScaleNorm is none of the kinds") as e:
+        describe_norm(ScaleNorm())
+    assert "\n" not in str(e.value)

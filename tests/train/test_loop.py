@@ -136,6 +136,7 @@ def test_eval_and_export_round_trip(tmp_path, mem):
     cfg, w = load_export(tmp_path / "exp")
     assert summary["target_layer_ids_vllm"] == [i + 1 for i in cfg["target_layer_ids"]]
     assert cfg["block_size"] == 8 and cfg["dflash_config"]["mask_token_id"] == cfg["mask_token_id"]
+    assert cfg["target_head"] == mem.bundle.head.to_dict()  # serving applies the target's head as training did
     assert not any(k.startswith(("embed", "lm_head")) for k in w)
     cfg["tapdraft_layout_tap_ids"] = list(mem.layout.tap_ids)
     # the trainer's drafter with the checkpoint weights vs the independent reference on the export

@@ -20,6 +20,7 @@ def summary(ds: Dataset) -> dict[str, Any]:
         splits[s]["shards"] = len(d["shards"])
         splits[s]["bytes_per_token"] = d["bytes"] / d["tokens"] if d["tokens"] else 0.0
     lay = ds.layout
+    b = ds.bundle()
     return {
         "path": ds.url, "format": m["format"], "schema_version": m["schema_version"], "fingerprint": ds.fingerprint,
         "code_version": m.get("code_version"), "splits": splits,
@@ -27,7 +28,25 @@ def summary(ds: Dataset) -> dict[str, Any]:
         "num_layers": lay.num_layers, "top_k": lay.top_k, "dtypes": m["dtypes"], "codec": m["codec"],
         "skipped": sum(len(v) for v in m.get("skipped", {}).values()),
         "chat_template": (m.get("extra") or {}).get("chat_template"),
+        "target": {"model_type": b.config.get("model_type"), "vocab_size": b.vocab_size, "head": b.head.to_dict(),
+                   "weights_dtype": str(b.embed_tokens.dtype).removeprefix("torch.")},
     }
+
+
+def _head_line(t: dict[str, Any]) -> str:
+    h = t["head"]
+    parts = [f"{h['norm']} eps={h['eps']:g}"]
+    if h["embed_scale"] != 1.0:
+        parts.append(f"embeddings x{h['embed_scale']:g}")
+    if h["lm_head_bias"]:
+        parts.append("lm_head bias")
+    if h["logits_scaling"] != 1.0:
+        parts.append(f"logits / {h['logits_scaling']:g}")
+    if h["final_logit_softcap"] is not None:
+        parts.append(f"soft cap {h['final_logit_softcap']:g}")
+    parts.append("tied" if h["tied"] else "untied")
+    return (f"target       {t['model_type']}, vocab {t['vocab_size']}, {t['weights_dtype']} weights; head: "
+            + ", ".join(parts))
 
 
 def render_summary(info: dict[str, Any]) -> str:
@@ -35,6 +54,7 @@ def render_summary(info: dict[str, Any]) -> str:
         f"dataset      {info['path']}",
         f"format       {info['format']}  schema {info['schema_version']}  written by tapdraft {info['code_version']}",
         f"fingerprint  {info['fingerprint']}",
+        _head_line(info["target"]),
         f"taps         HF {info['tap_ids_hf']}  vLLM {info['tap_ids_vllm']}  (pre-final-norm)  "
         f"H={info['hidden_size']} of {info['num_layers']} layers",
         f"top-k        k={info['top_k']} on rows t with loss_mask[t+1]",

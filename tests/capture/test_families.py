@@ -132,6 +132,16 @@ def test_capture_verify_train_eval(family, tmp_path):
     ds, run = str(tmp_path / "ds"), str(tmp_path / "run")
     _ok("capture", "--target", str(d), "--data", str(man), "--out", ds, "--top-k", "4", "--draft-layers", "2")
     assert "0 problem(s), OK" in _ok("verify", ds)
+    norm = EXPECTED_HEAD.get(name, {}).get("norm", "rms")
+    assert f"head: {norm} eps=" in _ok("inspect", ds)
     _ok("train", "--data", ds, "--recipe", "dflash_demo", "--set", "max_steps=5", "--set", "log_every=5",
         "--set", "ckpt_every=5", "--set", "drafter.kd=exact", "--out", run)
     assert "tau =" in _ok("eval", "--draft", run, "--data", ds)
+
+
+def test_the_head_proof_holds_when_the_target_runs_in_bf16(family):
+    """Capture on a GPU loads the target in bf16: the derived head must still pass its proof there."""
+    name, d = family
+    target = load_target(d, dtype=torch.bfloat16)
+    assert target.lm.dtype == torch.bfloat16
+    assert target.head.spec == load_target(d).head.spec

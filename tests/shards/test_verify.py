@@ -42,6 +42,7 @@ def test_good_dataset_verifies_and_inspects(good):
     r = CliRunner().invoke(app, ["inspect", str(root), "--sample", "2"])
     assert r.exit_code == 0, r.output
     assert "fingerprint" in r.output and "taps" in r.output and "[3, 2, 16]" in r.output
+    assert "head: rms eps=1e-06, untied" in r.output
 
 
 def test_missing_and_incomplete_manifest(good):

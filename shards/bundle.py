@@ -191,19 +191,20 @@ def _bundle_weights(
     if extra or absent:
         raise ValueError(f"bundle weights disagree with the head spec {head}: given {extra} it does not declare, "
                          f"missing {absent}")
-    if head.tied and not torch.equal(lm_head.detach().cpu(), embed_tokens.detach().cpu()):
+    same = lm_head.data_ptr() == embed_tokens.data_ptr() and lm_head.shape == embed_tokens.shape
+    if head.tied and not (same or torch.equal(lm_head.detach().cpu(), embed_tokens.detach().cpu())):
         raise ValueError("the head spec says the lm_head is tied, but it differs from embed_tokens")
     weights = {}
     for n in names:
         t = given[n].detach().cpu()
         weights[n] = (t if dtype is None else t.to(dtype)).contiguous()
-    E, H = weights["embed_tokens"].shape
+    H = int(weights["embed_tokens"].shape[1])
     V = int(lm_head.shape[0])
     bad = (tuple(lm_head.shape) != (V, H) or tuple(weights["norm_weight"].shape) != (H,)
            or ("norm_bias" in weights and tuple(weights["norm_bias"].shape) != (H,))
            or ("lm_head_bias" in weights and tuple(weights["lm_head_bias"].shape) != (V,)))
     if bad:
-        raise ValueError(f"bundle weights disagree: " + ", ".join(
+        raise ValueError("bundle weights disagree: " + ", ".join(
             f"{n} {tuple(t.shape)}" for n, t in given.items() if t is not None))
     if H != int(config["hidden_size"]):
         raise ValueError(f"bundle config hidden_size {config['hidden_size']} != weights' {H}")

@@ -16,8 +16,10 @@ Fingerprint = sha256 over canonical JSON of (config, head spec, audio, chat temp
 when any, sha256 of every tokenizer file, sha256 of every stored weight tensor's bytes). It is a pure
 function of the content: two captures of the same target agree, any change to weights, tokenizer,
 template or its kwargs, or head changes it (bundles without kwargs hash as they did before kwargs were
-recorded). It is computed once, when the bundle is written; opening a bundle reads it (and checks each
-file's size), ``load_bundle(verify=True)`` re-hashes every file against bundle.json (``tapdraft verify``).
+recorded). Content is hashed once, when the bundle is written, and bundle.json records every file's and
+tensor's sha256; opening a bundle recomputes the fingerprint from those records (canonical JSON, no
+weight read) and checks each file's size; ``load_bundle(verify=True)`` re-hashes every file (``tapdraft
+verify``).
 """
 
 from __future__ import annotations
@@ -141,6 +143,31 @@ def stored_names(head: HeadSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
+def fingerprint_of(
+    config: dict[str, Any],
+    audio: dict[str, Any],
+    chat_template: str | None,
+    tokenizer_sha: dict[str, str],
+    tensor_sha: dict[str, str],
+    template_kwargs: dict[str, Any] | None = None,
+    head: HeadSpec | None = None,
+) -> str:
+    """The fingerprint from the content's hashes (what bundle.json records): canonical JSON, sha256."""
+    doc = {
+        "config": {k: config.get(k) for k in CONFIG_KEYS},
+        "audio": audio,
+        "chat_template": chat_template,
+        "tokenizer": dict(sorted(tokenizer_sha.items())),
+        "weights": dict(sorted(tensor_sha.items())),
+    }
+    if template_kwargs:  # absent when empty, so bundles written before kwargs existed keep their fingerprint
+        doc["template_kwargs"] = canonical_kwargs(template_kwargs)
+    if head is not None:
+        doc["head"] = head.to_dict()
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return _sha(canonical.encode())
+
+
 def compute_fingerprint(
     config: dict[str, Any],
     audio: dict[str, Any],
@@ -151,19 +178,8 @@ def compute_fingerprint(
     head: HeadSpec | None = None,
 ) -> str:
     """sha256 of the bundle's content; ``head`` None is a bundle written before heads were declared."""
-    doc = {
-        "config": {k: config.get(k) for k in CONFIG_KEYS},
-        "audio": audio,
-        "chat_template": chat_template,
-        "tokenizer": {name: _sha(data) for name, data in sorted(tokenizer_files.items())},
-        "weights": {name: _tensor_sha(t) for name, t in sorted(weights.items())},
-    }
-    if template_kwargs:  # absent when empty, so bundles written before kwargs existed keep their fingerprint
-        doc["template_kwargs"] = canonical_kwargs(template_kwargs)
-    if head is not None:
-        doc["head"] = head.to_dict()
-    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return _sha(canonical.encode())
+    return fingerprint_of(config, audio, chat_template, {n: _sha(d) for n, d in tokenizer_files.items()},
+                          {n: _tensor_sha(t) for n, t in weights.items()}, template_kwargs, head)
 
 
 def _read_tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> dict[str, bytes]:
@@ -259,7 +275,8 @@ def write_bundle(
     weights = _bundle_weights(config, head, embed_tokens, norm_weight, lm_head, norm_bias, lm_head_bias, dtype)
     tok = _read_tokenizer_files(tokenizer_dir)
     kwargs = canonical_kwargs(template_kwargs)
-    fp = compute_fingerprint(config, audio, chat_template, weights, tok, kwargs, head=head)
+    tensor_sha = {n: _tensor_sha(t) for n, t in weights.items()}
+    fp = fingerprint_of(config, audio, chat_template, {n: _sha(d) for n, d in tok.items()}, tensor_sha, kwargs, head)
     with staged(out_dir) as tmp:
         (tmp / TOKENIZER_DIR).mkdir(parents=True)
         save_file(weights, str(tmp / WEIGHTS_FILE))
@@ -276,6 +293,7 @@ def write_bundle(
             "template_kwargs": kwargs,
             "fingerprint": fp,
             "files": {n: {"sha256": files[n], "bytes": sizes[n]} for n in sorted(files)},
+            "tensor_sha256": tensor_sha,
         }
         (tmp / BUNDLE_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
     return fp
@@ -307,8 +325,9 @@ def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) 
 
 
 def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundle:
-    """Read a bundle directory. Its fingerprint is read, not recomputed, and every file's size is checked;
-    with ``verify`` every file is re-hashed against bundle.json and the fingerprint recomputed."""
+    """Read a bundle directory without hashing its weights: every file's size is checked and the recorded
+    fingerprint is recomputed from bundle.json's fields and recorded hashes (any edit of bundle.json shows);
+    with ``verify`` every file is also re-hashed against what bundle.json records."""
     root = Path(path)
     recover_dir(root)
     meta_path = root / BUNDLE_FILE
@@ -320,6 +339,13 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
     doc = migrate_bundle_doc(doc)
     head = HeadSpec.from_dict(doc["head"])
     _check_files(root, doc["files"], rehash=verify)
+    if not legacy:  # bundle.json's own fields against its fingerprint, from the recorded hashes: no weight read
+        tok_sha = {n.split("/", 1)[1]: r["sha256"] for n, r in doc["files"].items() if n.startswith(TOKENIZER_DIR + "/")}
+        fp = fingerprint_of(doc["config"], doc.get("audio", {}), doc.get("chat_template"), tok_sha,
+                            doc["tensor_sha256"], doc.get("template_kwargs"), head)
+        if fp != doc["fingerprint"]:
+            raise ValueError(f"target bundle {root} is corrupted or was edited: bundle.json's fields hash to "
+                             f"{fp[:12]}, it says {doc['fingerprint'][:12]}; re-copy the dataset's target/ directory")
     weights = load_file(str(root / WEIGHTS_FILE))
     names = ("embed_tokens", "norm_weight", "lm_head") if legacy else stored_names(head)
     missing = [n for n in names if n not in weights]
@@ -343,9 +369,9 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
         tokenizer_files=tok,
         template_kwargs=canonical_kwargs(doc.get("template_kwargs")),
     )
-    if verify:  # bundle.json's own fields (config, head, template) are covered by the fingerprint only
+    if verify and legacy:  # no per-file hashes recorded: recompute the fingerprint from the content
         fp = compute_fingerprint(bundle.config, bundle.audio, bundle.chat_template, weights, tok,
-                                 bundle.template_kwargs, head=None if legacy else head)
+                                 bundle.template_kwargs)
         if fp != bundle.fingerprint:
             raise ValueError(
                 f"target bundle {root} is corrupted or was edited: its content hashes to {fp[:12]}, "

@@ -164,12 +164,19 @@ def test_bundle_detects_tampering_and_missing_dirs(tmp_path):
     write_bundle(tmp_path / "a", **_bundle_args(tmp_path))
     tok = tmp_path / "a" / "tokenizer" / "tokenizer.json"
     tok.write_text('{"model": "tay"}')  # same size: only a re-hash sees it
-    load_bundle(tmp_path / "a")  # opening reads the fingerprint, checks sizes only
+    load_bundle(tmp_path / "a")  # opening hashes no file: it checks sizes and bundle.json against its fingerprint
     with pytest.raises(ValueError, match="corrupted or was edited"):
         load_bundle(tmp_path / "a", verify=True)
     tok.write_text('{"model": "edited"}')
     with pytest.raises(ValueError, match="corrupted or was edited"):
         load_bundle(tmp_path / "a")
+    write_bundle(tmp_path / "b", **_bundle_args(tmp_path))
+    meta = tmp_path / "b" / "bundle.json"
+    doc = json.loads(meta.read_text())
+    doc["head"]["eps"] = 1e-5  # a head edited by hand would make the teacher silently different
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="corrupted or was edited"):
+        load_bundle(tmp_path / "b")
     with pytest.raises(FileNotFoundError, match="not a tapdraft target bundle"):
         load_bundle(tmp_path / "nowhere")
 

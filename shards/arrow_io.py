@@ -9,11 +9,13 @@ One row = one sample. Columns, all declared (never inferred):
 
     sample_id string | source string | audio_seconds float64 | num_tokens int32
     <one binary column per encoded field of shards.codec, in stored_fields(layout) order>
+    checksum uint64   shards.integrity.row_checksum of the row (schema >= 1.1)
 
 The schema metadata carries, under the key ``tapdraft``, JSON with the schema version, the layout
 (tap ids HF + vLLM, shapes, codec), dtypes, the bf16 byte layout and the target fingerprint.
 ``datasets`` replaces schema metadata with its own, so ``decode_row`` takes that JSON explicitly
-(``read_shard_metadata`` or the manifest's ``field_meta``).
+(``read_shard_metadata`` or the manifest's ``field_meta``). ``decode_row`` checks each row against
+its ``checksum``; tapdraft's own reader checks whole record batches instead (shards.integrity).
 """
 
 from __future__ import annotations
@@ -25,29 +27,34 @@ import numpy as np
 import pyarrow as pa
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
-from shards.schema import SCHEMA_VERSION, field_specs
+from shards.integrity import ROW_COLUMN, CorruptShardError, check_row, row_checksum
+from shards.schema import SCHEMA_VERSION, field_specs, has_checksums
 
 META_KEY = b"tapdraft"
 SCALAR_COLUMNS = (("sample_id", pa.string()), ("source", pa.string()), ("audio_seconds", pa.float64()),
                   ("num_tokens", pa.int32()))
 
 
-def shard_metadata(meta: FieldMeta, fingerprint: str | None) -> dict[str, Any]:
-    """The JSON stored under ``tapdraft`` in every shard's schema (and in the manifest)."""
+def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> dict[str, Any]:
+    """The JSON stored under ``tapdraft`` in every shard's schema (and, without ``lineage``, in the manifest)."""
     dtypes = {name: str(dt).replace("torch.", "") for name, (dt, _) in field_specs(meta.layout).items()}
     shapes = {name: list(shape) for name, (_, shape) in field_specs(meta.layout).items()}
     if meta.layout.taps_codec == "fp8":
         dtypes["taps_stored"] = "float8_e4m3fn"
         dtypes["taps_scale"] = "float32"
         shapes["taps_scale"] = ["T", meta.layout.n_taps]
-    return {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
-            "fingerprint": fingerprint}
+    out = {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
+           "fingerprint": fingerprint}
+    if lineage is not None:
+        out["lineage"] = lineage
+    return out
 
 
-def arrow_schema(meta: FieldMeta, fingerprint: str | None) -> pa.Schema:
+def arrow_schema(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> pa.Schema:
     fields = [pa.field(n, t, nullable=False) for n, t in SCALAR_COLUMNS]
     fields += [pa.field(n, pa.binary(), nullable=False) for n in stored_fields(meta.layout)]
-    return pa.schema(fields, metadata={META_KEY: json.dumps(shard_metadata(meta, fingerprint), sort_keys=True)})
+    fields.append(pa.field(ROW_COLUMN, pa.uint64(), nullable=False))
+    return pa.schema(fields, metadata={META_KEY: json.dumps(shard_metadata(meta, fingerprint, lineage), sort_keys=True)})
 
 
 def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any]]],
@@ -60,8 +67,11 @@ def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any
     without a copy; ``pa.array`` of the cells would copy every cell through a growing builder.
     """
     cols = []
+    names = [f.name for f in schema if f.type == pa.binary()]  # the encoded fields, in stored order
     for f in schema:
-        if f.name == "num_tokens":
+        if f.name == ROW_COLUMN:
+            cols.append(pa.array([row_checksum(s, enc, names) for s, enc in rows], pa.uint64()))
+        elif f.name == "num_tokens":
             cols.append(pa.array([len(enc["input_ids"]) // 4 for _, enc in rows], pa.int32()))
         elif f.name in ("sample_id", "source", "audio_seconds"):
             cols.append(pa.array([s[f.name] for s, _ in rows], f.type))
@@ -119,20 +129,37 @@ def decode_row(row: dict[str, Any], field_meta: dict[str, Any] | FieldMeta) -> d
 
     ``field_meta``: the shard's ``tapdraft`` schema metadata (``read_shard_metadata``) or the
     manifest's ``field_meta``.
+    The row is checked against its ``checksum`` column (CorruptShardError on a mismatch); a row
+    without one is refused unless ``field_meta`` is a dict of schema 1.0 (written before checksums).
     """
     meta = field_meta if isinstance(field_meta, FieldMeta) else FieldMeta.from_dict(field_meta)
-    return decode_fields({n: row[n] for n in stored_fields(meta.layout)}, row, meta)
+    names = stored_fields(meta.layout)
+    fields = {n: row[n] for n in names}
+    if row.get(ROW_COLUMN) is not None:
+        check_row(row, fields, names, row[ROW_COLUMN], "decode_row")
+    elif isinstance(field_meta, FieldMeta) or has_checksums(field_meta.get("schema_version")):
+        raise CorruptShardError(f"row {row.get('sample_id')!r} has no {ROW_COLUMN!r} column but its dataset "
+                                "stores one: the shard is damaged or not read whole; pass every column to decode_row")
+    return decode_fields(fields, row, meta)
 
 
-def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int] | None = None) -> list[dict[str, Any]]:
-    """Decode selected rows of a record batch without copying the binary columns to Python lists."""
+def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int] | None = None, *,
+                 check_rows: str | None = None) -> list[dict[str, Any]]:
+    """Decode selected rows of a record batch without copying the binary columns to Python lists.
+
+    ``check_rows``: a place name (the shard) to check each row against its ``checksum`` column;
+    None when the batch's stored bytes were already checked as a block.
+    """
     names = stored_fields(meta.layout)
     cols = {n: batch.column(n) for n in names}
     sid, src, secs = batch.column("sample_id"), batch.column("source"), batch.column("audio_seconds")
+    sums = batch.column(ROW_COLUMN) if check_rows is not None and ROW_COLUMN in batch.schema.names else None
     out = []
     for i in rows if rows is not None else range(batch.num_rows):
         fields = {n: memoryview(cols[n][i].as_buffer()) for n in names}
         scalars = {"sample_id": sid[i].as_py(), "source": src[i].as_py(), "audio_seconds": secs[i].as_py()}
+        if sums is not None:
+            check_row(scalars, fields, names, sums[i].as_py(), check_rows)
         out.append(decode_fields(fields, scalars, meta))
     return out
 

@@ -24,6 +24,7 @@ from typing import Any
 import fsspec
 
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
+from shards.integrity import NO_INTEGRITY
 from shards.schema import check_schema_version
 
 MANIFEST = "manifest.json"
@@ -92,7 +93,6 @@ def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
         )
     check_schema_version(doc.get("schema_version"), where)
     return migrate_manifest(doc)
-    return doc
 
 
 RESPONSES_KEY = "responses_from_target"
@@ -107,6 +107,10 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     ``regenerate``, in ``extra`` or in ``capture_config``; the first non-null of
     (extra, capture_config) x (responses_from_target, regenerated, regenerate) becomes
     ``extra.responses_from_target``.
+
+    Manifests without ``integrity`` (schema 1.0, written before checksums) get ``NO_INTEGRITY``:
+    readers then check each shard's size and fingerprint but not its bytes (``tapdraft verify``
+    still checks every shard's sha256).
     """
     value = None
     for section in ("extra", "capture_config"):
@@ -117,7 +121,7 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     extra = dict(doc.get("extra") or {})
     if value is not None:
         extra[RESPONSES_KEY] = bool(value)
-    return {**doc, "extra": extra}
+    return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY))}
 
 
 def responses_from_target(doc: dict[str, Any]) -> bool | None:

@@ -8,6 +8,10 @@
     ...; state = it.state_dict()             # a few scalars + version
     it = ds.stream("train", ..., state=state)  # continues exactly where it stopped
 
+Integrity (shards.integrity): opening checks every shard's size and head checksum against the
+manifest, so a missing, truncated or foreign shard is refused before the first sample; each record
+batch (Arrow) or tar member (WebDataset) is checked against its checksum as it is decoded.
+
 Order: see shards.order (a pure function of seed, epoch, world_size, num_workers; every rank gets
 N // world_size samples per epoch). Streaming reads each block (record batch / tar shard) once,
 decoding only the rows this worker needs; the shuffle buffer holds at most ``shuffle_buffer``
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from typing import Any, Iterator
 
 import fsspec
@@ -29,6 +34,7 @@ from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import SampleIndexError
+from shards.integrity import CorruptShardError, check_block
 from shards.order import block_order, epoch_rng, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.wds_io import decode_wds_sample, iter_tar_samples
@@ -52,6 +58,36 @@ class Dataset:
         self._schemas: dict[str, pa.Schema] = {}
         self._batch_cache: tuple[Any, list[Any]] | None = None
         self._bundle: TargetBundle | None = None
+        self.integrity: dict[str, Any] = self.manifest["integrity"]
+        if not self.integrity["blocks"]:
+            warnings.warn(f"{self.url} was written before checksums (schema {self.manifest['schema_version']}): its "
+                          "shards' sizes and fingerprints are checked, their bytes are not; run `tapdraft verify` "
+                          "once (sha256 of every shard) after copying it", stacklevel=3)
+        self.check_shards()
+
+    def check_shards(self) -> None:
+        """Every shard present with the manifest's size and head checksum (cheap: one listing of each
+        directory and one small read per shard); raises naming the first bad shard."""
+        sizes: dict[str, int] = {}
+        shards = [sh for d in self.manifest["splits"].values() for sh in d["shards"]]
+        for parent in sorted({self.shard_path(sh).rsplit("/", 1)[0] for sh in shards}):
+            if self.fs.exists(parent):
+                sizes.update({self.fs._strip_protocol(e["name"]): int(e["size"])
+                              for e in self.fs.ls(parent, detail=True)})
+        for sh in shards:
+            path = self.shard_path(sh)
+            size = sizes.get(self.fs._strip_protocol(path))
+            if size is None:
+                raise FileNotFoundError(f"{path} is listed in the manifest but missing: re-copy the dataset "
+                                        "(or re-capture it)")
+            if size != sh["bytes"]:
+                raise CorruptShardError(f"{path} has {size} bytes, the manifest says {sh['bytes']}: it is truncated "
+                                        "or not this dataset's shard; re-copy it (or re-capture it)")
+            if "head" in sh:
+                n, want = sh["head"]
+                check_block(self.fs.cat_file(path, start=0, end=n), want, f"{path} (head)")
+            if self.format == "arrow":
+                self._schema(sh)
 
     @property
     def splits(self) -> list[str]:
@@ -83,8 +119,8 @@ class Dataset:
     def _schema(self, shard: dict[str, Any]) -> pa.Schema:
         name = shard["name"]
         if name not in self._schemas:
-            first = shard["batches"][0]
-            schema = read_schema(self.fs.cat_file(self.shard_path(shard), start=0, end=first[1]))
+            end = shard["head"][0] if "head" in shard else shard["batches"][0][1]
+            schema = read_schema(self.fs.cat_file(self.shard_path(shard), start=0, end=end))
             fp = schema_meta(schema, self.shard_path(shard)).get("fingerprint")
             if fp is not None and fp != self.fingerprint:
                 raise ValueError(f"{self.shard_path(shard)} holds target fingerprint {fp[:12]}, the manifest "
@@ -93,11 +129,17 @@ class Dataset:
         return self._schemas[name]
 
     def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
-        start, end, n = shard["batches"][b]
+        start, end, n, *h = shard["batches"][b]
         path = self.shard_path(shard)
-        data = self.fs.cat_file(path, start=start, end=end)
-        if len(data) != end - start:
-            raise ValueError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); run `tapdraft verify`")
+        tail = shard.get("tail") if b == len(shard["batches"]) - 1 else None
+        data = self.fs.cat_file(path, start=start, end=tail[1] if tail else end)
+        if len(data) != (tail[1] if tail else end) - start:
+            raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); run `tapdraft verify`")
+        if tail:
+            check_block(memoryview(data)[end - start:], tail[2], f"{path} (end of stream)")
+            data = data[: end - start]
+        if h:
+            check_block(data, h[0], f"{path} record batch {b}")
         try:
             batch = read_batch(data, self._schema(shard))
         except (pa.ArrowInvalid, OSError) as e:
@@ -164,13 +206,17 @@ class Dataset:
             raise ValueError(f"{path} has {size} bytes, the manifest says {shard['bytes']} (truncated or replaced); "
                              "run `tapdraft verify` and re-copy or re-capture the shard")
         wanted = set(rows)
+        seen = 0
         with self.fs.open(path, "rb") as f:
             for r, raw in enumerate(iter_tar_samples(f, path)):
+                seen = r + 1
                 if r > rows[-1]:
                     break
                 if r in wanted:
                     try:
                         sample = decode_wds_sample(raw)
+                    except CorruptShardError:
+                        raise  # names the shard (iter_tar_samples sets __url__)
                     except (ValueError, KeyError) as e:
                         raise ValueError(f"{path}: sample {r} is unreadable ({e}); run `tapdraft verify`") from e
                     meta = json.loads(raw["meta.json"])
@@ -178,6 +224,8 @@ class Dataset:
                         raise ValueError(f"{path}: sample {sample['sample_id']!r} has target fingerprint "
                                          f"{meta['fingerprint'][:12]}, the manifest {self.fingerprint[:12]}")
                     yield sample
+        if seen <= rows[-1]:
+            raise CorruptShardError(f"{path} holds {seen} samples, the manifest says {n}: re-copy or re-capture it")
 
     def stream(self, split: str, *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
                worker_id: int = 0, num_workers: int = 1, shuffle_buffer: int = 0, shuffle: bool = True,

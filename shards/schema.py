@@ -33,8 +33,19 @@ import torch
 
 from shards.taps import to_vllm
 
-SCHEMA_VERSION = "1.1"
-"""major.minor: readers refuse an unknown major version; minor additions stay readable."""
+SCHEMA_VERSION = "1.2"
+"""major.minor: readers refuse an unknown major version; minor additions stay readable.
+1.1 added the declared head spec to the bundle (``migrate_bundle_doc`` reads 1.0 bundles);
+1.2 added checksums (shards.integrity); older datasets read without them (``migrate_manifest``)."""
+
+
+def has_checksums(version: Any) -> bool:
+    """Whether a dataset of this schema version stores checksums (1.2 and later)."""
+    try:
+        major, minor = (int(x) for x in str(version).split(".")[:2])
+    except ValueError:
+        return True  # unparseable: assume the stricter reading
+    return (major, minor) >= (1, 2)
 
 
 def check_schema_version(version: Any, where: str) -> None:

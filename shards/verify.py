@@ -2,10 +2,10 @@
 
 Checks: manifest present, valid, complete, known schema major, required keys; target bundle
 fingerprint; per shard: present, size, sha256, readable to the end, schema metadata (version,
-fingerprint, dtypes), row counts and record-batch byte ranges, every sample re-validated against
-the layout (dtype, shape, finite values) and the manifest's token/supervised/audio counts; sample
-ids unique within a split (a duplicate means an input listed twice or shards merged twice); split
-totals; no empty split; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
+fingerprint, dtypes), row counts and record-batch byte ranges, every block and row checksum
+(shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
+the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
+input listed twice or shards merged twice); split totals; no empty split; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from shards import manifest as mf
 from shards.arrow_io import decode_batch, iter_batches, schema_meta
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
+from shards.integrity import CorruptShardError, check_block
 from shards.progress import Progress
 from shards.schema import Layout, check_schema_version, validate_sample
 from shards.wds_io import decode_wds_sample, iter_tar_samples
@@ -191,13 +192,28 @@ def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str,
         if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
             rep.problems.append(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
         batches = sh.get("batches", [])
+        blocks = [(f"record batch {b}", bt[0], bt[1], bt[3]) for b, bt in enumerate(batches) if len(bt) > 3]
+        if "head" in sh:
+            blocks.append(("head", 0, sh["head"][0], sh["head"][1]))
+        if "tail" in sh:
+            blocks.append(("end of stream", *sh["tail"]))
+        for what, start, end, h in blocks:
+            try:
+                check_block(memoryview(data)[start:end], h, f"{path} {what}")
+            except CorruptShardError as e:
+                rep.problems.append(str(e))
         for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
             if b < len(batches) and batches[b][2] != batch.num_rows:
                 rep.problems.append(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {batches[b][2]}")
-            yield from decode_batch(batch, meta)
+            yield from decode_batch(batch, meta, check_rows=path)
         if batches and batches[-1][1] > len(data):
             rep.problems.append(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")
     else:
+        if "head" in sh:
+            try:
+                check_block(fs.cat_file(path, start=0, end=sh["head"][0]), sh["head"][1], f"{path} head")
+            except CorruptShardError as e:
+                rep.problems.append(str(e))
         with fs.open(path, "rb") as f:
             for raw in iter_tar_samples(f, path):
                 doc = json.loads(raw.get("meta.json", b"{}"))

@@ -1,17 +1,24 @@
 """WebDataset tar shards: one zstd-compressed member per field, plus a small JSON member per sample.
 
-    <key>.meta.json          {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"} (plain JSON)
+    <key>.meta.json          {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint",
+                              "lineage" (optional), "checksums": {member: xxh3}, "checksum"} (plain JSON; shards.integrity)
     <key>.<field>.zst        zstd(encoded bytes of shards.codec) for every stored field
 
 ``key`` is ``r<rank>-<input index>`` (no dots, as webdataset splits keys at the first dot). Each
 sample is self-describing (``field_meta`` carries the layout and byte layout), so
 ``webdataset.WebDataset(urls).map(decode_wds_sample)`` needs nothing else. Member headers have
 fixed mtime/owner so that the same samples always give the same bytes.
+
+``decode_wds_sample`` checks every member against ``checksums`` and the meta document against its
+own ``checksum``. ``iter_tar_samples`` (tapdraft's reader and ``verify``) also checks the framing
+that a member checksum cannot see: each header's tar checksum, zero padding, and zero end blocks
+with nothing after them, so a flip anywhere in the file is an error. The writer emits the tar
+bytes itself (USTAR headers from ``tarfile.TarInfo``, the same bytes ``tarfile`` writes) so that it
+knows where the first member ends: that head is what the manifest hashes for the open-time check.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import tarfile
 from typing import Any, BinaryIO, Iterator
@@ -19,8 +26,13 @@ from typing import Any, BinaryIO, Iterator
 import zstandard
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
+from shards.integrity import CorruptShardError, check_block, check_sealed, digest, seal_doc
 
 META_MEMBER = "meta.json"
+META_KEYS = {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"}
+"""Keys of a meta.json written before checksums (schema 1.0); today's add ``checksums`` and ``checksum``."""
+_BLOCK = tarfile.BLOCKSIZE
+_RECORD = tarfile.RECORDSIZE
 
 
 def sample_key(rank: int, index: int) -> str:
@@ -30,72 +42,127 @@ def sample_key(rank: int, index: int) -> str:
 class TarShardWriter:
     """Appends samples to an open binary stream as tar members (streaming, no seeks)."""
 
-    def __init__(self, sink: BinaryIO, meta: FieldMeta, zstd_level: int, fingerprint: str | None = None) -> None:
-        self._fingerprint = fingerprint
-        self._tar = tarfile.open(fileobj=sink, mode="w|", format=tarfile.USTAR_FORMAT)
+    def __init__(self, sink: BinaryIO, meta: FieldMeta, zstd_level: int, fingerprint: str | None = None,
+                 lineage: str | None = None) -> None:
+        self._fingerprint, self._lineage = fingerprint, lineage
+        self._sink = sink
+        self._offset = 0
         self._meta = meta
         self._zstd = zstandard.ZstdCompressor(level=zstd_level)
+        self.head_bytes: int | None = None
+        """Where the first member (the first sample's meta.json) ends: the manifest hashes [0, head_bytes)."""
 
     def _add(self, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
         info.size = len(data)
         info.mtime = 0
         info.mode = 0o644
-        self._tar.addfile(info, io.BytesIO(data))
+        pad = -len(data) % _BLOCK
+        for chunk in (info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"), data, b"\0" * pad):
+            self._sink.write(chunk)
+            self._offset += len(chunk)
 
     def add(self, key: str, scalars: dict[str, Any], fields: dict[str, bytes]) -> None:
+        members = {f"{name}.zst": self._zstd.compress(fields[name]) for name in stored_fields(self._meta.layout)}
         meta = {k: scalars[k] for k in ("sample_id", "source", "audio_seconds")}
         meta["field_meta"] = self._meta.to_dict()
         meta["fingerprint"] = self._fingerprint
-        self._add(f"{key}.{META_MEMBER}", json.dumps(meta, sort_keys=True).encode())
-        for name in stored_fields(self._meta.layout):
-            self._add(f"{key}.{name}.zst", self._zstd.compress(fields[name]))
+        if self._lineage is not None:
+            meta["lineage"] = self._lineage
+        meta["checksums"] = {m: digest(b) for m, b in members.items()}
+        self._add(f"{key}.{META_MEMBER}", json.dumps(seal_doc(meta), sort_keys=True).encode())
+        if self.head_bytes is None:
+            self.head_bytes = self._offset
+        for m, blob in members.items():
+            self._add(f"{key}.{m}", blob)
 
     def close(self) -> None:
-        self._tar.close()
+        """Two zero blocks, then zeros up to a whole record, as tarfile ends an archive."""
+        end = self._offset + 2 * _BLOCK
+        self._sink.write(b"\0" * (2 * _BLOCK + (-end % _RECORD)))
 
 
 def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
-    """Decoder for ``webdataset.WebDataset(urls).map(decode_wds_sample)``: raw members -> sample dict."""
+    """Decoder for ``webdataset.WebDataset(urls).map(decode_wds_sample)``: raw members -> sample dict.
+
+    Checks the meta document and every member against their checksums (CorruptShardError naming
+    the shard, from webdataset's ``__url__``); a meta.json of schema 1.0 has none and is not checked.
+    """
+    where = f"{sample.get('__url__', '<tar>')}: sample {sample.get('__key__')!r}"
     if META_MEMBER not in sample:
-        raise ValueError(f"webdataset sample {sample.get('__key__')!r} has no {META_MEMBER}; not a tapdraft shard")
+        raise CorruptShardError(f"{where} has no {META_MEMBER}; not a tapdraft shard, or a damaged member name")
     meta_doc = sample[META_MEMBER]
-    meta_doc = json.loads(meta_doc) if isinstance(meta_doc, (bytes, str)) else meta_doc
+    try:
+        meta_doc = json.loads(meta_doc) if isinstance(meta_doc, (bytes, str)) else meta_doc
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptShardError(f"{where}: {META_MEMBER} is not valid JSON ({e}); the shard is damaged") from e
+    if not isinstance(meta_doc, dict):
+        raise CorruptShardError(f"{where}: {META_MEMBER} is not a JSON object; the shard is damaged")
+    sums = meta_doc.get("checksums")
+    if sums is not None or "checksum" in meta_doc:
+        check_sealed(meta_doc, where)
+    elif set(meta_doc) != META_KEYS:
+        raise CorruptShardError(f"{where}: {META_MEMBER} has keys {sorted(meta_doc)}; the shard is damaged")
     fm = FieldMeta.from_dict(meta_doc["field_meta"])
     dz = zstandard.ZstdDecompressor()
     fields = {}
     for name in stored_fields(fm.layout):
         blob = sample.get(f"{name}.zst")
         if blob is None:
-            raise ValueError(f"webdataset sample {sample.get('__key__')!r} lacks member {name}.zst")
+            raise CorruptShardError(f"{where} lacks member {name}.zst; the shard is damaged")
+        if sums is not None:
+            check_block(blob, sums.get(f"{name}.zst", ""), f"{where} member {name}.zst")
         try:
             fields[name] = dz.decompress(blob)
         except zstandard.ZstdError as e:
-            raise ValueError(f"webdataset sample {sample.get('__key__')!r}: member {name}.zst is corrupted ({e})") from e
+            raise CorruptShardError(f"{where}: member {name}.zst is corrupted ({e})") from e
     return decode_fields(fields, meta_doc, fm)
 
 
+def _zero(data: bytes) -> bool:
+    return not data.strip(b"\0")
+
+
 def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>") -> Iterator[dict[str, Any]]:
-    """Group a tar stream's members by key into raw webdataset-style dicts (no webdataset needed)."""
+    """Group a tar stream's members by key into raw webdataset-style dicts (no webdataset needed).
+
+    Strict: every header's tar checksum, zero padding after each member, and an end of two or more
+    zero blocks with only zeros after them; anything else raises CorruptShardError naming ``where``.
+    """
+    def damaged(what: str) -> CorruptShardError:
+        return CorruptShardError(f"{where}: {what}; the shard is truncated or damaged: re-copy or re-capture it "
+                                 "(`tapdraft verify` lists every damaged shard)")
+
     current: dict[str, Any] | None = None
-    try:
-        with tarfile.open(fileobj=fileobj, mode="r|") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                key, _, ext = info.name.partition(".")
-                f = tar.extractfile(info)
-                data = f.read() if f is not None else b""
-                if len(data) != info.size:
-                    raise ValueError(f"{where}: member {info.name} is truncated")
-                if current is not None and current["__key__"] != key:
-                    yield current
-                    current = None
-                if current is None:
-                    current = {"__key__": key}
-                current[ext] = data
-    except tarfile.ReadError as e:
-        raise ValueError(f"{where} is not a readable tar ({e}); it is probably truncated or corrupted: "
-                         "run `tapdraft verify` and re-capture the shard") from e
+    offset = 0
+    while True:
+        header = fileobj.read(_BLOCK)
+        if len(header) < _BLOCK:
+            raise damaged(f"ends at byte {offset + len(header)} without the tar end blocks")
+        if _zero(header):
+            rest = fileobj.read()
+            if not _zero(rest):
+                raise damaged(f"non-zero bytes after the tar end block at {offset}")
+            break
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as e:
+            raise damaged(f"tar header at byte {offset} is invalid ({e})") from e
+        pad = -info.size % _BLOCK
+        data = fileobj.read(info.size + pad)
+        if len(data) != info.size + pad:
+            raise damaged(f"member {info.name} is truncated")
+        if pad and not _zero(data[info.size:]):
+            raise damaged(f"padding after member {info.name} is not zero")
+        offset += _BLOCK + info.size + pad
+        if not info.isfile():
+            continue
+        key, _, ext = info.name.partition(".")
+        if current is not None and current["__key__"] != key:
+            yield current
+            current = None
+        if current is None:
+            current = {"__key__": key, "__url__": where}
+        current[ext] = data[: info.size]
     if current is not None:
         yield current

@@ -36,6 +36,7 @@ from shards.arrow_io import arrow_schema, make_batch, shard_metadata
 from shards.atomic import commit, temp_name, write_bytes_atomic, write_json_atomic
 from shards.bundle import stored_fingerprint
 from shards.codec import BF16_LAYOUTS, FieldMeta, encode_fields
+from shards.integrity import INTEGRITY, BlockHasher, digest
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version, validate_sample
 from shards.wds_io import TarShardWriter, sample_key
 
@@ -76,20 +77,36 @@ class ShardConfig:
 
 
 class _HashingSink:
-    """File-like wrapper: counts and hashes every byte on its way to the underlying file."""
+    """File-like wrapper: counts and hashes every byte on its way to the underlying file.
+
+    ``sha``: the whole file (manifest ``sha256``, checked by ``verify``); ``blocks``: consecutive
+    blocks cut by the shard (record batches); ``prefix``: the first bytes, for the head checksum.
+    """
+
+    PREFIX = 1 << 16
 
     def __init__(self, f: Any) -> None:
         self.f = f
         self.sha = hashlib.sha256()
+        self.blocks = BlockHasher()
+        self.prefix = bytearray()
         self.n = 0
         self.closed = False
 
     def write(self, data: Any) -> int:
-        mv = memoryview(data)
+        mv = memoryview(data).cast("B")
         self.sha.update(mv)
+        self.blocks.update(mv)
+        if len(self.prefix) < self.PREFIX:
+            self.prefix += mv[: self.PREFIX - len(self.prefix)]
         self.n += mv.nbytes
         self.f.write(mv)
         return mv.nbytes
+
+    def head(self, n: int) -> list[Any]:
+        """[n, checksum of bytes [0, n)] for the manifest."""
+        assert 0 < n <= len(self.prefix), f"shard head of {n} bytes is not in the kept prefix"
+        return [n, digest(bytes(self.prefix[:n]))]
 
     def tell(self) -> int:
         return self.n
@@ -105,7 +122,7 @@ class _Shard:
     """One shard being written under its temp name."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, cfg: ShardConfig, meta: FieldMeta,
-                 fingerprint: str | None, rank: int, name: str) -> None:
+                 fingerprint: str | None, rank: int, name: str, lineage: str | None) -> None:
         self.name = name
         self.fs, self.path, self.cfg, self.meta, self.rank = fs, path, cfg, meta, rank
         self.tmp = temp_name(path)
@@ -118,11 +135,11 @@ class _Shard:
         self._pending_bytes = 0
         self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
         if cfg.format == "arrow":
-            self.schema = arrow_schema(meta, fingerprint)
+            self.schema = arrow_schema(meta, fingerprint, lineage)
             opts = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=cfg.zstd_level))
             self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
         else:
-            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint)
+            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint, lineage)
 
     def add(self, sample: dict[str, Any], index: int) -> None:
         enc = encode_fields(sample, self.meta)
@@ -145,9 +162,10 @@ class _Shard:
     def _flush_batch(self) -> None:
         if not self._pending:
             return
-        start = self.sink.n
+        self.sink.blocks.cut()
         self._writer.write_batch(make_batch(self.schema, self._pending, self._scratch))
-        self.batches.append([start, self.sink.n, len(self._pending)])
+        start, end, h = self.sink.blocks.cut()
+        self.batches.append([start, end, len(self._pending), h])
         self._pending, self._pending_bytes = [], 0
 
     @property
@@ -164,6 +182,10 @@ class _Shard:
                  "indices": _to_ranges(self.indices)}
         if self.cfg.format == "arrow":
             entry["batches"] = self.batches
+            entry["head"] = self.sink.head(len(self.schema.serialize()))
+            entry["tail"] = list(self.sink.blocks.cut())
+        else:
+            entry["head"] = self.sink.head(self._writer.head_bytes)
         return entry
 
     def abort(self) -> None:
@@ -190,16 +212,20 @@ class DatasetWriter:
 
     ``fingerprint``: the target fingerprint stamped into every shard; by default read from
     ``out_dir/target/bundle.json`` when the bundle is already there (write it first).
+    ``lineage``: what the samples were made from (capture: a hash of its settings and its inputs'
+    content), stamped into every shard's head so that a shard of another capture is refused when
+    a dataset is opened; a resume with another lineage is refused.
     """
 
     def __init__(self, out_dir: str, config: ShardConfig, layout: Layout, split: str = "train", rank: int = 0,
-                 *, fingerprint: str | None = None) -> None:
+                 *, fingerprint: str | None = None, lineage: str | None = None) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.config, self.layout, self.split, self.rank = config, layout, mf.check_split(split), rank
         self.fs, self.root = fsspec.core.url_to_fs(str(out_dir))
         self.fingerprint = fingerprint if fingerprint is not None else stored_fingerprint(self.fs, mf.join(self.root, mf.TARGET_DIR))
         self.meta = FieldMeta(layout, config.bf16_layout)
+        self.lineage = lineage
         self._part_path = mf.join(self.root, mf.part_name(split, rank))
         self.fs.makedirs(mf.join(self.root, mf.DATA_DIR), exist_ok=True)
         self.fs.makedirs(mf.join(self.root, mf.PARTS_DIR), exist_ok=True)
@@ -233,6 +259,10 @@ class DatasetWriter:
             raise ValueError(f"{self._part_path} holds shards of target {part['fingerprint'][:12]}, this writer's "
                              f"target is {self.fingerprint[:12]}: write to a new directory")
         self.fingerprint = self.fingerprint or part.get("fingerprint")
+        if part.get("lineage") != self.lineage:
+            raise ValueError(f"{self._part_path} holds shards made from other inputs (lineage "
+                             f"{str(part.get('lineage'))[:12]}, this writer's {str(self.lineage)[:12]}): resume with "
+                             "the original inputs, or write to a new directory")
         self._shards, self._skipped = part["shards"], part["skipped"]
 
     def _clean_leftovers(self) -> None:
@@ -288,7 +318,7 @@ class DatasetWriter:
         if self._shard is None:
             name = mf.rank_shard_name(self.split, self.rank, len(self._shards), self.config.format)
             self._shard = _Shard(self.fs, mf.join(self.root, name), self.config, self.meta, self.fingerprint,
-                                 self.rank, name)
+                                 self.rank, name, self.lineage)
         self._shard.add(sample, index)
         self._pending_idx.add(index)
         if self._shard.full:
@@ -317,7 +347,7 @@ class DatasetWriter:
     def _write_part(self, closed: bool) -> None:
         doc = {"version": PART_VERSION, "split": self.split, "rank": self.rank, "schema_version": SCHEMA_VERSION,
                "shard_config": self.config.to_dict(), "layout": self.layout.to_dict(),
-               "fingerprint": self.fingerprint, "shards": self._shards, "skipped": self._skipped, "closed": closed}
+               "fingerprint": self.fingerprint, "lineage": self.lineage, "shards": self._shards, "skipped": self._skipped, "closed": closed}
         write_json_atomic(self.fs, self._part_path, doc)
 
     def close(self) -> None:
@@ -420,8 +450,9 @@ def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
     for e in entries:
         s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
         s["name"] = e["final"]
-        if "batches" in e:
-            s["batches"] = e["batches"]
+        for key in ("batches", "head", "tail"):
+            if key in e:
+                s[key] = e[key]
         shards_out.append(s)
     tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
                                                      "bytes")}
@@ -446,6 +477,7 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
                   "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
                   "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16"},
         "field_meta": fm,
+        "integrity": INTEGRITY,
         "shard_config": config.to_dict(),
         "capture_config": capture_config,
         "extra": extra or {},

@@ -88,7 +88,7 @@ def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int],
         fp = tiny_bundle(tmp + "/target", layout)
         fs.put(tmp + "/target", root.rstrip("/") + "/target", recursive=True)
     for r in range(ranks):
-        w = DatasetWriter(out_dir, config, layout, split=split, rank=r)
+        w = DatasetWriter(out_dir, config, layout, split=split, rank=r, lineage=f"synthetic seed {seed}")
         for i, T in enumerate(lengths[r::ranks]):
             w.write(random_sample(layout, T, seed * 100003 + i * ranks + r, audio_frames=T // 4), i)
         w.close()

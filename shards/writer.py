@@ -15,8 +15,11 @@ size reaches ``shard_bytes`` (they overshoot by at most one record batch / one s
 
 ``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint and that
 every split holds at least one sample (a split whose every input was skipped is refused, naming the
-first reasons, and no manifest is written), renames shards to ``data/<split>-00000-of-00012.<ext>`` in (rank, seq) order, writes the card,
-then ``manifest.json`` last.
+first reasons, and no manifest is written), removes ``manifest.json``, records each shard's final
+name ``data/<split>-00000-of-00012.<ext>`` ((rank, seq) order) in the partial indexes (the journal),
+renames the shards, writes the card, then ``manifest.json`` last. Every step is idempotent and the
+journal is written before any rename, so a finalize killed at any instant is finished by running it
+again (the capture's rerun does).
 """
 
 from __future__ import annotations
@@ -266,9 +269,12 @@ class DatasetWriter:
         self._shards, self._skipped = part["shards"], part["skipped"]
 
     def _clean_leftovers(self) -> None:
-        """Delete this rank's temp shards and shards not in its index (renamed just before a crash)."""
+        """Delete this rank's temp shards and shards not in its index (renamed just before a crash).
+
+        A shard that an older finalize left under ``<name>.finalizing`` is indexed: it is kept, and
+        the next finalize moves it on (``_locate``)."""
         prefix = f"{self.split}-rank{self.rank:05d}-"
-        known = {e["name"] for e in self._shards}
+        known = {n for e in self._shards for n in (e["name"], e["name"] + _LEGACY_MOVING)}
         data = mf.join(self.root, mf.DATA_DIR)
         for path in self.fs.ls(data, detail=False):
             name = path.rstrip("/").split("/")[-1]
@@ -425,23 +431,46 @@ def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root
                          "template, then capture into a new --out directory")
 
 
-def _rename_to_final(fs: fsspec.AbstractFileSystem, root: str, split: str, entries: list[dict[str, Any]],
-                     fmt: str) -> None:
-    """Give a split's shards their final names in list order; restartable (``final`` records progress).
+_LEGACY_MOVING = ".finalizing"
+"""Older finalizes moved a shard to ``<name>.finalizing`` between its two names; such files are found and moved on."""
 
-    Two phases, so that a new name never lands on a not-yet-moved old one.
+
+def _plan_final_names(split: str, entries: list[dict[str, Any]], fmt: str) -> None:
+    """Record each shard's final name (``final``) in list order: the journal a restarted finalize replays.
+
+    Final names (``<split>-00003-of-00012``) and rank names (``<split>-rank00000-00003``) never
+    collide, and a name that two finalizes plan alike holds the same shard, so one rename per shard
+    suffices; an earlier final name (a finalize of fewer shards) is kept as ``was`` to be found again.
     """
     n = len(entries)
-    for e in entries:
-        cur = e.get("final", e["name"])
-        if not fs.exists(mf.join(root, cur)):
-            raise FileNotFoundError(f"{mf.join(root, cur)} is listed in a partial index but missing; "
-                                    "re-run the capture for its rank")
-        e["_moving"] = f"{cur}.finalizing"
-        fs.mv(mf.join(root, cur), mf.join(root, e["_moving"]))
     for i, e in enumerate(entries):
-        e["final"] = mf.final_shard_name(split, i, n, fmt)
-        fs.mv(mf.join(root, e.pop("_moving")), mf.join(root, e["final"]))
+        final = mf.final_shard_name(split, i, n, fmt)
+        if e.get("final") not in (None, final):
+            e["was"] = e["final"]
+        e["final"] = final
+
+
+def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any]) -> str | None:
+    """Where the shard of ``e`` is now, None when it is already at its final name."""
+    if fs.exists(mf.join(root, e["final"])):
+        return None
+    names = [x for x in (e["name"], e.get("was"), e["final"]) if x]
+    for cand in names[:-1] + [x + _LEGACY_MOVING for x in names]:
+        if fs.exists(mf.join(root, cand)):
+            return cand
+    raise FileNotFoundError(f"{mf.join(root, e['name'])} is listed in a partial index but missing (nor is it at "
+                            f"{e['final']}); re-run the capture for its rank")
+
+
+def _move_to_final(fs: fsspec.AbstractFileSystem, root: str, entries: list[dict[str, Any]]) -> None:
+    """Replay the journal: every shard not yet at its ``final`` name is renamed there (idempotent)."""
+    for e in entries:
+        cur = _locate(fs, root, e)
+        if cur is not None:
+            commit(fs, mf.join(root, cur), mf.join(root, e["final"]))
+        for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
+            if old and old != e["final"] and fs.exists(mf.join(root, old)):
+                fs.rm(mf.join(root, old))
 
 
 def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -503,11 +532,13 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
     _check_not_empty(by_split, root)
     splits: dict[str, Any] = {}
     skipped: dict[str, list[dict[str, Any]]] = {}
-    for split, sparts in by_split.items():
-        entries = [e for _, part in sparts for e in part["shards"]]
-        _rename_to_final(fs, root, split, entries, config.format)
+    for split, sparts in by_split.items():  # journal first: every part records its shards' final names
+        _plan_final_names(split, [e for _, part in sparts for e in part["shards"]], config.format)
         for path, part in sparts:
             write_json_atomic(fs, path, part)
+    for split, sparts in by_split.items():
+        entries = [e for _, part in sparts for e in part["shards"]]
+        _move_to_final(fs, root, entries)
         splits[split] = _split_summary(entries)
         skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
 

@@ -12,12 +12,19 @@ flags name them. Records written before the embedding lack ``batch_bytes``, reco
 chat-template settings existed lack ``chat_template`` and ``template_kwargs``:
 :func:`migrate_capture_record` fills them in with the values those captures used, and makes the
 absolute paths older records hold portable (a name relative to its root, as records are written now).
+
+The record also holds ``inputs``: each split's input (by its portable name) and the sha256 of its
+content (``capture.inputs.input_digest``). A resume over an input whose content changed is refused
+naming the file (:class:`InputChangedError`): reordering or editing a manifest between a kill and
+the rerun would otherwise give duplicated and missing samples. Records written before inputs were
+hashed have no ``inputs``; their resume is allowed with a warning that the content is not checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,12 @@ PATH_FIELDS = ("target", "out", "llm_config", "chat_template")
 """Fields holding one local path; recorded by name (:func:`portable_path`), like each input in ``data``."""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+INPUTS_KEY = "inputs"
+"""Record key: {split: {"input": spec, "sha256": content hash or None}}."""
+
+
+class InputChangedError(ValueError):
+    """A resume's input file no longer has the content the capture started from."""
 
 
 @dataclass(frozen=True)
@@ -166,12 +179,30 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
         return
     old = migrate_capture_record(json.loads(path.read_text()))
     for key in sorted(set(old) | set(current)):
-        if key in RUNTIME_FIELDS:
+        if key in RUNTIME_FIELDS or key == INPUTS_KEY:
             continue
         if old.get(key) != current.get(key):
             raise ValueError(
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "
                 "Rerun with the original setting to resume, or capture into a new --out directory."
+            )
+    _check_inputs(path, old.get(INPUTS_KEY), current.get(INPUTS_KEY) or {})
+
+
+def _check_inputs(path: Path, old: dict[str, Any] | None, now: dict[str, Any]) -> None:
+    if old is None:
+        warnings.warn(f"{path} predates input hashing: the content of the inputs is not checked on this resume; "
+                      "make sure they are unchanged since the capture began", stacklevel=3)
+        return
+    for split, cur in now.items():
+        was = old.get(split) or {}
+        if was.get("sha256") is None or cur.get("sha256") is None:
+            continue
+        if was["sha256"] != cur["sha256"]:
+            raise InputChangedError(
+                f"input {cur['input']} (split {split}) changed since the capture in {path.parent} began (sha256 "
+                f"{was['sha256'][:12]} then, {cur['sha256'][:12]} now): resuming would duplicate and lose samples. "
+                "Restore the original file to resume, or capture into a new --out directory."
             )
 
 

@@ -33,6 +33,7 @@ pipeline decides (``on_error``) whether it stops or skips.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -260,6 +261,26 @@ def read_hf_dataset(
             yield BadInput(sid, name_or_path, str(e), i)
             continue
         yield Conversation(sid, name_or_path, messages, refs, i)
+
+
+def input_digest(spec: str) -> str | None:
+    """sha256 of an input's content: a JSONL file's bytes, or every file of a local dataset directory
+    (relative names and bytes, in sorted order); None for a hub dataset (``hf:NAME`` not on disk),
+    whose content ``datasets`` resolves. Audio files a manifest points to are not included."""
+    name = spec[3:].partition(":")[0] if spec.startswith("hf:") else spec
+    p = Path(name)
+    if p.is_file():
+        files, root = [p], p.parent
+    elif p.is_dir():
+        files, root = sorted(f for f in p.rglob("*") if f.is_file()), p
+    else:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0")
+        with f.open("rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
 
 
 def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Conversation | BadInput]:

@@ -32,6 +32,7 @@ partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -47,13 +48,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from capture.config import CaptureConfig, check_resume
-from capture.inputs import BadInput, read_inputs, stored_source
+from capture.config import INPUTS_KEY, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
+from capture.inputs import BadInput, input_digest, read_inputs, stored_source
 from capture.load import load_target
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
-from shards.manifest import complete_manifest, dataset_fingerprint, foreign_directory, write_or_check_bundle
+from shards.manifest import (complete_manifest, dataset_fingerprint, foreign_directory, write_or_check_bundle,
+                             writer_lock)
 from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
@@ -376,10 +378,11 @@ def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_s
 
 def capture_split(
     target: Target, cfg: CaptureConfig, layout: Layout, split: str, spec: str, *, rank: int, world_size: int,
-    fingerprint: str,
+    fingerprint: str, lineage: str | None = None,
 ) -> Stats:
     """Capture one split for this rank into ``cfg.out``; resumes what an earlier run left."""
-    writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint)
+    writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint,
+                           lineage=lineage)
     stats = Stats()
     total = sum(1 for _ in rank_items(target, cfg, spec, rank, world_size))
     wins = islice(windows(rank_items(target, cfg, spec, rank, world_size), cfg.window),
@@ -453,11 +456,20 @@ def _barrier(world: int) -> None:
     dist.barrier()
 
 
+def lineage(record: dict[str, Any], split: str) -> str:
+    """What a split's shards are made from: the capture's settings (less those a resume may change) and the
+    input's hash."""
+    ident = {k: v for k, v in record.items() if k not in RUNTIME_FIELDS and k != INPUTS_KEY}
+    doc = {"capture": ident, "split": split, "input": record[INPUTS_KEY][split]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
 def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``.
 
     Ctrl-C is ``shards.errors.Interrupted`` saying what was kept: inside a split's sample loop the open
     shard is finished and counted; elsewhere (loading, finalizing) finished shards are kept as they are.
+    This rank holds its exclusive lock on ``cfg.out`` throughout (a second capture is refused).
     """
     try:
         return _capture(cfg, target)
@@ -473,7 +485,13 @@ def _capture(cfg: CaptureConfig, target: Target | None) -> dict[str, Any]:
         raise ValueError(f"--out {out} is a non-empty directory that is not a tapdraft dataset; capture into a new "
                          "or empty directory (nothing in it was changed)")
     out.mkdir(parents=True, exist_ok=True)
-    record = {**cfg.to_dict(), "world_size": world}
+    with writer_lock(str(out), rank):
+        return _capture_locked(cfg, target, out, rank, world)
+
+
+def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int) -> dict[str, Any]:
+    inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
+    record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE
     check_resume(cfg_path, record)
     done = complete_manifest(str(out))
@@ -499,7 +517,8 @@ def _capture(cfg: CaptureConfig, target: Target | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for split, spec in cfg.data:
-            st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint)
+            st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint,
+                               lineage=lineage(record, split))
             run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
                                 "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
                                 "supervised_unk": st.supervised_unk,

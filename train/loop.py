@@ -45,7 +45,7 @@ from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafter import Drafter, combine_terms, reduce_metrics
 from train.run import (CKPT_VERSION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, DataSource, build_drafter, check_data,
                        check_trained_template, finished_summary, latest_checkpoint, load_checkpoint, open_source,
-                       save_checkpoint, template_state, trim_metrics)
+                       run_lock, save_checkpoint, template_state, trim_metrics)
 
 
 def lr_lambda(tc: Any):
@@ -142,7 +142,8 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     ``data``: a dataset path/URL or an opened ``shards.reader`` dataset.
     ``stop_at``: stop after that step (with a checkpoint) as if interrupted; the schedule still
     follows ``max_steps``, so a later call resumes exactly. Returns the summary dict (also written
-    to ``out/summary.json``).
+    to ``out/summary.json``). Each rank holds its lock on ``out`` throughout (``train.run.run_lock``):
+    a second training on the same directory is refused before it reads a checkpoint.
     """
     tc = run.train
     if tc.num_threads:
@@ -150,16 +151,17 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     out = Path(out)
     src = open_source(data, tc.split)
     check_data(run, src)
-    ckpt = _resumable_checkpoint(run, src, out) if resume else None
-    end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
-    if ckpt is not None and int(ckpt["step"]) >= end:
-        return finished_summary(out, int(ckpt["step"]), complete=end == tc.max_steps)
     rank, world, device, we_init = _dist_setup(tc)
-    if ckpt is not None and rank == 0:
-        print(f"resuming from step {int(ckpt['step'])} of {tc.max_steps} ({latest_checkpoint(out)})", file=sys.stderr,
-              flush=True)
     try:
-        return _train(run, src, out, ckpt, rank, world, device, end)
+        with run_lock(out, rank):
+            ckpt = _resumable_checkpoint(run, src, out) if resume else None
+            end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
+            if ckpt is not None and int(ckpt["step"]) >= end:
+                return finished_summary(out, int(ckpt["step"]), complete=end == tc.max_steps)
+            if ckpt is not None and rank == 0:
+                print(f"resuming from step {int(ckpt['step'])} of {tc.max_steps} ({latest_checkpoint(out)})",
+                      file=sys.stderr, flush=True)
+            return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
         if we_init:
             dist.destroy_process_group()

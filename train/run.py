@@ -9,6 +9,7 @@ Run directory:
                                  (a resume drops lines past its checkpoint: no step is logged twice)
     checkpoints/step-000100/     state.pt (draft, optimizer, scheduler, step, data states, config)
     summary.json                 the final summary (also returned; ``format_summary`` renders it)
+    train-rank00000.lock         held by the training writing the run (one per rank; ``run_lock``)
 
 A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``), so a
 crash leaves the old checkpoint or the new one, never neither; ``latest_checkpoint`` reads only
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from shards.atomic import recover_dir, staged
+from shards.lock import exclusive_lock
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from shards.template import check_template, read_template_file
@@ -129,6 +131,13 @@ def build_drafter(run: RunConfig, src: DataSource) -> Drafter:
     _, cls = get_family(run.family)
     torch.manual_seed(derive_seed(run.train.seed, "init"))
     return cls.build(run.drafter, src.bundle, src.layout)
+
+
+def run_lock(out: str | Path, rank: int):
+    """Context manager: rank ``rank``'s exclusive lock on run directory ``out`` (created if missing); a second
+    training on the same directory is refused at once with ``shards.lock.LockedError`` on every rank."""
+    out = Path(out)
+    return exclusive_lock(out / f"train-rank{rank:05d}.lock", f"a training (rank {rank})", guards=out)
 
 
 def _checkpoints(root: Path) -> list[Path]:

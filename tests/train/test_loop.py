@@ -13,7 +13,8 @@ from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
 from shards.schema import Layout
-from train.run import latest_checkpoint, load_checkpoint
+from shards.lock import LockedError
+from train.run import latest_checkpoint, load_checkpoint, run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]
@@ -62,6 +63,15 @@ def test_resume_with_another_config_is_refused(tmp_path, mem):
         train(other, mem.path, tmp_path / "r")
     longer = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"])  # max_steps may change
     assert train(longer, mem.path, tmp_path / "r")["resumed_from_step"] == 2
+
+
+def test_a_second_training_on_the_same_run_dir_is_refused(tmp_path, mem):
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=1"])
+    with run_lock(tmp_path / "r", 0):  # another training holds the directory
+        with pytest.raises(LockedError, match=r"r is in use by a training \(rank 0\) \(pid \d+ on .*one writer"):
+            train(run, mem.path, tmp_path / "r")
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert train(run, mem.path, tmp_path / "r")["steps"] == 1  # released: the next run proceeds
 
 
 def test_bad_inputs_refused_before_any_step(tmp_path, mem):

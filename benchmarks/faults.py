@@ -228,7 +228,7 @@ def changed_input(target: Path, manifest: Path, n: int, work: Path) -> dict[str,
     verify = _cli("verify", str(out))
     lines = refused.stderr.strip().splitlines()
     res = {"killed_after_first_shard": started, "refused_exit": refused.returncode, "refused_stderr": lines,
-           "one_line_naming_file": len(lines) == 1 and str(manifest) in lines[0],
+           "one_line_naming_file": len(lines) == 1 and manifest.name in lines[0],
            "resumed_exit": resumed.returncode, "samples": len(ids), "distinct": len(set(ids)), "inputs": n,
            "verify_exit": verify.returncode}
     print(f"changed input: refused exit {res['refused_exit']} one line naming the file {res['one_line_naming_file']};"

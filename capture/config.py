@@ -15,7 +15,7 @@ absolute paths older records hold portable (a name relative to its root, as reco
 
 The record also holds ``inputs``: each split's input (by its portable name) and the sha256 of its
 content (``capture.inputs.input_digest``). A resume over an input whose content changed is refused
-naming the file (:class:`InputChangedError`): reordering or editing a manifest between a kill and
+naming the file (``shards.errors.InputChangedError``): reordering or editing a manifest between a kill and
 the rerun would otherwise give duplicated and missing samples. Records written before inputs were
 hashed have no ``inputs``; their resume is allowed with a warning that the content is not checked.
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.inputs import stored_source
+from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
 from shards.writer import ShardConfig
@@ -48,11 +49,7 @@ PATH_FIELDS = ("target", "out", "llm_config", "chat_template")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 INPUTS_KEY = "inputs"
-"""Record key: {split: {"input": spec, "sha256": content hash or None}}."""
-
-
-class InputChangedError(ValueError):
-    """A resume's input file no longer has the content the capture started from."""
+"""Record key: {split: {"input": portable name, "sha256": content hash or None}}."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
-from shards.integrity import ROW_COLUMN, CorruptShardError, check_row, row_checksum
+from shards.errors import CorruptShardError
+from shards.integrity import ROW_COLUMN, check_row, row_checksum
 from shards.schema import SCHEMA_VERSION, field_specs, has_checksums
 
 META_KEY = b"tapdraft"

@@ -56,6 +56,18 @@ class SampleIndexError(TapdraftError, IndexError):
     """A sample index outside a split (``inspect --sample``, ``Dataset.sample``)."""
 
 
+class CorruptShardError(TapdraftError, ValueError):
+    """Stored bytes do not match their checksum (``shards.integrity``): a shard is damaged or not this dataset's."""
+
+
+class LockedError(TapdraftError, ValueError):
+    """Another live process holds an output directory's lock (``shards.lock``): one writer per directory."""
+
+
+class InputChangedError(TapdraftError, ValueError):
+    """A resumed capture's input no longer has the content the capture started from."""
+
+
 class Interrupted(TapdraftError):
     """Ctrl-C or SIGTERM stopped a command after it saved what it could; the message says what was kept."""
 

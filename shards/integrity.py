@@ -1,4 +1,5 @@
-"""Checksums that every reader verifies: the one home of what is hashed, how, and the error it raises.
+"""Checksums that every reader verifies: the one home of what is hashed and how (the error,
+``CorruptShardError``, lives with the project's others in ``shards.errors``).
 
 Every byte a reader decodes is covered by a checksum written beside it, so a flipped bit on a disk,
 a bad copy or a foreign file is an error naming the shard, never different activations:
@@ -35,6 +36,8 @@ from typing import Any, Iterable
 
 import xxhash
 
+from shards.errors import CorruptShardError
+
 HASH_NAME = "xxh3_64"
 INTEGRITY = {"hash": HASH_NAME, "blocks": True, "rows": True}
 """The manifest's ``integrity`` entry for datasets written by this code."""
@@ -42,10 +45,6 @@ NO_INTEGRITY = {"hash": None, "blocks": False, "rows": False}
 """What ``migrate_manifest`` records for datasets written before checksums (schema 1.0)."""
 ROW_COLUMN = "checksum"
 """Arrow column holding ``row_checksum`` of each row."""
-
-
-class CorruptShardError(ValueError):
-    """Stored bytes do not match their checksum: the shard is damaged or is not this dataset's."""
 
 
 def digest(data: Any) -> str:

@@ -26,11 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from shards.errors import LockedError
+
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-
-
-class LockedError(ValueError):
-    """Another live process holds the output's lock."""
 
 
 def _holder(path: Path) -> dict[str, Any]:

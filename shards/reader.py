@@ -33,8 +33,8 @@ from shards import manifest as mf
 from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
-from shards.errors import SampleIndexError
-from shards.integrity import CorruptShardError, check_block
+from shards.errors import CorruptShardError, SampleIndexError
+from shards.integrity import check_block
 from shards.order import block_order, epoch_rng, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.wds_io import decode_wds_sample, iter_tar_samples

@@ -22,7 +22,8 @@ from shards import manifest as mf
 from shards.arrow_io import decode_batch, iter_batches, schema_meta
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
-from shards.integrity import CorruptShardError, check_block
+from shards.errors import CorruptShardError
+from shards.integrity import check_block
 from shards.progress import Progress
 from shards.schema import Layout, check_schema_version, validate_sample
 from shards.wds_io import decode_wds_sample, iter_tar_samples

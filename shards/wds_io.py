@@ -26,7 +26,8 @@ from typing import Any, BinaryIO, Iterator
 import zstandard
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
-from shards.integrity import CorruptShardError, check_block, check_sealed, digest, seal_doc
+from shards.errors import CorruptShardError
+from shards.integrity import check_block, check_sealed, digest, seal_doc
 
 META_MEMBER = "meta.json"
 META_KEYS = {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"}

@@ -14,9 +14,8 @@ import pytest
 
 import shards.atomic as atomic
 from capture import pipeline
-from capture.config import InputChangedError
 from capture.pipeline import capture
-from shards.lock import LockedError
+from shards.errors import InputChangedError, LockedError
 from shards.manifest import writer_lock
 from tests.capture.test_pipeline import _cfg
 
@@ -52,7 +51,7 @@ def test_resume_over_a_changed_input_is_refused_naming_it(salm_dir, tone_manifes
     monkeypatch.undo()
     lines = tone_manifest.read_text().splitlines(keepends=True)
     tone_manifest.write_text("".join(reversed(lines)))  # same file, same samples, another order
-    with pytest.raises(InputChangedError, match=rf"input {tone_manifest} \(split train\) changed"):
+    with pytest.raises(InputChangedError, match=rf"input {tone_manifest.name} \(split train\) changed"):
         capture(cfg)
     tone_manifest.write_text("".join(lines))  # the original content resumes and completes
     m = capture(cfg)

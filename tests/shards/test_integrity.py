@@ -15,7 +15,8 @@ import pytest
 import webdataset
 
 from shards.arrow_io import META_KEY, decode_row
-from shards.integrity import ROW_COLUMN, CorruptShardError
+from shards.errors import CorruptShardError
+from shards.integrity import ROW_COLUMN
 from shards.reader import open_dataset
 from shards.wds_io import TarShardWriter, decode_wds_sample
 from shards.writer import ShardConfig

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import shards.lock as lk
-from shards.lock import LockedError, exclusive_lock
+from shards.errors import LockedError
+from shards.lock import exclusive_lock
 
 
 def test_second_holder_is_refused_and_release_frees_it(tmp_path):

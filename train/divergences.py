@@ -53,6 +53,12 @@ def _work(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _zero_where_p_is(p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """log p with 0 where p == 0: a zero teacher probability (a masked id, log p = -inf) contributes
+    0 * (anything) = 0 to KL, never 0 * -inf = NaN (the convention 0 log 0 = 0)."""
+    return torch.where(p > 0, lp, torch.zeros_like(lp))
+
+
 def kl_tv_full(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact per-row KL(p || q) and TV(p, q) from full logits [N, V] -> ([N], [N]).
 
@@ -63,7 +69,7 @@ def kl_tv_full(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Te
     lp = F.log_softmax(_work(p_logits), dim=-1)
     lq = F.log_softmax(_work(q_logits), dim=-1)
     p, q = lp.exp(), lq.exp()
-    kl = (p * (lp - lq)).sum(-1)
+    kl = (p * (_zero_where_p_is(p, lp) - lq)).sum(-1)
     tv = 0.5 * (p - q).abs().sum(-1)
     return kl, tv
 
@@ -91,6 +97,7 @@ def kl_tv_topk(
     lq_tail = torch.logsumexp(z.scatter(-1, ids, float("-inf")), dim=-1) - lse.squeeze(-1)  # [N]
     lp_k = topk_logprobs.to(z.dtype)
     p_k = lp_k.exp()
+    lp_k = _zero_where_p_is(p_k, lp_k)
     p_tail = (1.0 - p_k.sum(-1)).clamp(min=0.0)
     q_k, q_tail = lq_k.exp(), lq_tail.exp()
     # k == V leaves no tail bin: its p_tail is rounding noise and must not meet log(0)
@@ -108,7 +115,7 @@ def kl_grad_full(p_logits: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> t
     lp = torch.log_softmax(p_logits.to(lq.dtype), -1)
     del p_logits
     p = lp.exp()
-    kl = lp.sub_(lq).mul_(p).sum(-1)
+    kl = lp.masked_fill_(p == 0, 0.0).sub_(lq).mul_(p).sum(-1)
     del lp
     return kl, p.neg_().add_(q)
 
@@ -124,6 +131,7 @@ def kl_grad_topk(ids: torch.Tensor, lps: torch.Tensor, lq: torch.Tensor, q: torc
     lq_t = torch.logsumexp(lq.scatter(-1, ids, float("-inf")), -1)
     lp_k = lps.to(lq.dtype)
     p_k = lp_k.exp()
+    lp_k = _zero_where_p_is(p_k, lp_k)
     p_t = (1.0 - p_k.sum(-1)).clamp(min=0.0)
     has_tail = torch.isfinite(lq_t)
     p_t = torch.where(has_tail, p_t, torch.zeros_like(p_t))

@@ -141,3 +141,35 @@ def test_lk_lambda_parsing():
     for bad in (1.5, -0.1, "often", float("nan")):
         with pytest.raises(ValueError, match="lk_lambda"):
             parse_lk_lambda(bad)
+
+
+def test_a_zero_teacher_probability_contributes_nothing():
+    """Masked vocabulary (teacher logit or stored log-prob -inf): KL and its gradient stay finite and exact."""
+    from train.divergences import kl_grad_full, kl_grad_topk
+
+    p_logits, q_logits = _random(N=5, V=40, seed=7)
+    p_logits[:, ::3] = float("-inf")  # a third of the vocabulary is impossible for the teacher
+    q_logits = q_logits.requires_grad_(True)
+    kl, tv = kl_tv_full(p_logits, q_logits)
+    rkl, rtv = _ref_kl_tv(p_logits.softmax(-1), q_logits.detach().softmax(-1))
+    torch.testing.assert_close(kl.detach(), rkl, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(tv.detach(), rtv, rtol=1e-10, atol=1e-12)
+    kl.sum().backward()
+    assert torch.isfinite(q_logits.grad).all()
+    torch.testing.assert_close(q_logits.grad, q_logits.detach().softmax(-1) - p_logits.softmax(-1))
+    lq = q_logits.detach().log_softmax(-1)
+    kl_f, grad_f = kl_grad_full(p_logits.clone(), lq, lq.exp())
+    torch.testing.assert_close(kl_f, rkl)
+    torch.testing.assert_close(grad_f, q_logits.grad)
+    # stored top-k where some of the k log-probs are -inf (the teacher had fewer than k possible ids)
+    ids = torch.stack([torch.randperm(40, generator=torch.Generator().manual_seed(i))[:8] for i in range(5)])
+    p = p_logits.softmax(-1)
+    lps = p.gather(-1, ids).log()
+    assert torch.isinf(lps).any()
+    kl_k, tv_k = kl_tv_topk(ids, lps, q_logits.detach())
+    rkl_k, rtv_k = _ref_kl_tv(_lump(p, ids), _lump(q_logits.detach().softmax(-1), ids))
+    torch.testing.assert_close(kl_k, rkl_k, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(tv_k, rtv_k, rtol=1e-9, atol=1e-12)
+    kl_g, grad_g = kl_grad_topk(ids, lps, lq, lq.exp())
+    torch.testing.assert_close(kl_g, rkl_k, rtol=1e-9, atol=1e-12)
+    assert torch.isfinite(grad_g).all()

@@ -40,7 +40,7 @@ from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask
-from train.teacher import gather_exact, gather_topk
+from train.teacher import exact_last_tap, gather_exact, gather_topk, require_last_hidden
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
@@ -262,7 +262,7 @@ class DFlashDrafter(Drafter):
         self.fingerprint = bundle.fingerprint
         self.rope_theta = float(tc.get("rope_theta") or 10000.0)
         self.vocab_size = int(bundle.lm_head.shape[0])
-        self.last_tap = layout.last_layer_tap
+        self.last_tap = exact_last_tap(layout)
         self.register_buffer(
             "tap_index", torch.tensor([layout.tap_ids.index(i) for i in cfg.target_layer_ids]), persistent=False
         )
@@ -291,8 +291,8 @@ class DFlashDrafter(Drafter):
     @classmethod
     def check_dataset(cls, config: DFlashConfig, bundle: Any, layout: Any) -> None:
         cfg = config.resolve(bundle, layout)
-        if cfg.kd == "exact" and not layout.has_final_hidden and layout.last_layer_tap is None:
-            raise ValueError("kd='exact' needs final_hidden or the last layer among the dataset's taps")
+        if cfg.kd == "exact":
+            require_last_hidden(layout, "kd='exact'")
         if cfg.kd == "topk" and layout.top_k == 0:
             raise ValueError("kd='topk' needs a dataset with top-k teacher rows (captured with top_k > 0)")
 

@@ -54,7 +54,7 @@ from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
 from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from train.teacher import last_hidden
+from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 
 IGNORE = -100
 LOSS_TYPES = ("ce", "lk")
@@ -226,14 +226,6 @@ class _Model(nn.Module):
         self.layers = nn.ModuleDict(heads)
 
 
-def _last_hidden_source(layout: Any) -> str | None:
-    if getattr(layout, "has_final_hidden", False):
-        return "final_hidden"
-    if getattr(layout, "last_layer_tap", None) is not None:
-        return "tap"
-    return None
-
-
 class MTPDrafter(Drafter):
     family = "mtp"
     frozen = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
@@ -270,26 +262,21 @@ class MTPDrafter(Drafter):
             for h in self.model.layers.values():  # start each output norm where the target's is
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
         self.fingerprint = bundle.fingerprint
-        self.last_tap = getattr(layout, "last_layer_tap", None)
+        self.last_tap = exact_last_tap(layout)
         self.teacher_kind = self._pick_teacher(config, layout)
 
     @staticmethod
     def _pick_teacher(config: MTPConfig, layout: Any) -> str | None:
         if config.loss_type != "lk":
             return None
-        exact_ok = _last_hidden_source(layout) is not None
+        exact_ok = last_hidden_source(layout) is not None
         if config.teacher == "exact" or (config.teacher == "auto" and exact_ok):
             return "exact"
         return "topk"
 
     @classmethod
     def check_dataset(cls, config: MTPConfig, bundle: Any, layout: Any) -> None:
-        if _last_hidden_source(layout) is None:
-            raise ValueError(
-                f"MTP heads start from the target's last hidden state, but this dataset has neither final_hidden "
-                f"nor a tap of the last layer ({layout.num_layers - 1}; taps are {list(layout.tap_ids)}); "
-                "capture again with the last layer tapped or with final_hidden"
-            )
+        require_last_hidden(layout, "MTP heads (h^0 is the target's last hidden state)")
         if int(bundle.config["hidden_size"]) != layout.hidden_size:
             raise ValueError(f"bundle hidden_size {bundle.config['hidden_size']} != dataset's {layout.hidden_size}")
         if config.loss_type == "lk" and config.teacher == "topk" and layout.top_k <= 0:

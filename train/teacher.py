@@ -54,8 +54,49 @@ class TopKTeacher:
     logprobs_Rk: torch.Tensor
 
 
+LOSSLESS_TAPS_CODECS = ("bf16",)
+"""Taps codecs that keep the target's states as it computed them (bf16); fp8 is lossy."""
+
+
+def exact_last_tap(layout: Any) -> int | None:
+    """Index of the last-layer tap when it can serve as the exact last hidden state, else None.
+
+    The exact teacher and MTP's h^0 promise the target's own distribution: a last layer stored
+    through a lossy taps codec (fp8) would silently break that promise, so it does not count.
+    """
+    if getattr(layout, "taps_codec", "bf16") not in LOSSLESS_TAPS_CODECS:
+        return None
+    return getattr(layout, "last_layer_tap", None)
+
+
+def last_hidden_source(layout: Any) -> str | None:
+    """Where the exact last hidden state comes from: 'final_hidden', 'tap' (lossless), or None."""
+    if getattr(layout, "has_final_hidden", False):
+        return "final_hidden"
+    return "tap" if exact_last_tap(layout) is not None else None
+
+
+def require_last_hidden(layout: Any, what: str) -> None:
+    """ValueError (saying what to do) when ``what`` needs the exact last hidden state and the dataset lacks it."""
+    if last_hidden_source(layout) is not None:
+        return
+    last = layout.num_layers - 1
+    if getattr(layout, "last_layer_tap", None) is not None:
+        raise ValueError(
+            f"{what} needs the target's last hidden state losslessly, but this dataset stores it only as a tap "
+            f"through the lossy {layout.taps_codec!r} taps codec; capture again with final_hidden (stored in bf16 "
+            "whatever the taps codec) or with the bf16 codec"
+        )
+    raise ValueError(
+        f"{what} needs the target's last hidden state, but this dataset has neither final_hidden nor a tap of the "
+        f"last layer ({last}; taps are {list(layout.tap_ids)}); capture again with final_hidden or the last layer tapped"
+    )
+
+
 def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
-    """[Bs, T, H] pre-norm last-layer states: ``final_hidden`` if stored, else the last-layer tap."""
+    """[Bs, T, H] pre-norm last-layer states: ``final_hidden`` if stored, else the last-layer tap.
+
+    ``last_tap`` comes from :func:`exact_last_tap` (None under a lossy codec)."""
     if "final_hidden" in batch:
         return batch["final_hidden"]
     if last_tap is None:

@@ -145,8 +145,15 @@ class _Decoder:
 
     def __init__(self, cfg: SpeculateConfig, target: Target, loaded: Trained) -> None:
         self.cfg, self.target = cfg, target
-        self.propose = loaded.model.propose
-        self.tap_ids = loaded.src.layout.tap_ids
+        self.model, self.layout = loaded.model, loaded.src.layout
+        # the session taps the dataset's layers, plus the last one when the dataset stored final_hidden apart
+        self.tap_ids = list(self.layout.tap_ids)
+        self.final_col = None
+        if self.layout.has_final_hidden:
+            last = self.layout.num_layers - 1
+            if last not in self.tap_ids:
+                self.tap_ids.append(last)
+            self.final_col = self.tap_ids.index(last)
         self.head = target.head  # the live target's; its spec is the bundle's (the fingerprints agree)
         eos = target.bundle_config().get("eos_token_id")
         self.eos = eos[0] if isinstance(eos, list) else eos
@@ -160,6 +167,22 @@ class _Decoder:
     def greedy_check(self) -> bool:
         return self.cfg.temperature == 0 and self.cfg.check_greedy
 
+    def proposer(self, is_audio_P: torch.Tensor, embeds_PH: torch.Tensor):
+        """The drafter's ``propose`` fed like the dataset fed it in training: the dataset's taps, the prompt's
+        audio rows (and their merged embeddings when the dataset stored ``audio_embeds``) and ``final_hidden``."""
+        n = len(self.layout.tap_ids)
+        prompt = {"is_audio": is_audio_P.bool()}
+        if self.layout.has_audio_embeds:
+            prompt["audio_embeds"] = embeds_PH * is_audio_P[:, None].to(embeds_PH.dtype)
+
+        def propose(seq: torch.Tensor, taps: torch.Tensor, *, temperature: float, generator: Any):
+            extras = dict(prompt)
+            if self.final_col is not None:
+                extras["final_hidden"] = taps[:, self.final_col]
+            return self.model.propose(seq, taps[:, :n], temperature=temperature, generator=generator, extras=extras)
+
+        return propose
+
     def decode(self, conv: Any) -> None:
         cfg, target = self.cfg, self.target
         exp = target.embed([target.prepare(conv, self.n)])[0]
@@ -167,7 +190,8 @@ class _Decoder:
         emb, ids = exp.inputs_embeds[:P].float(), exp.input_ids[:P]
         t0 = time.perf_counter()
         out = speculative_generate(
-            TargetSession(target.lm, self.tap_ids, head=self.head), emb, ids, self.propose,
+            TargetSession(target.lm, self.tap_ids, head=self.head), emb, ids,
+            self.proposer(exp.is_audio[:P], emb),
             max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos, temperature=cfg.temperature, generator=self.gen,
         )
         self.spec_s += time.perf_counter() - t0

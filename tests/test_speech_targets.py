@@ -86,3 +86,19 @@ def test_audio_past_the_encoder_window_is_one_error_line(monkeypatch, capsys, tm
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: bad input 'long'") and "at most 30s per audio" in err
+
+
+@pytest.mark.slow
+def test_live_mtp_on_final_hidden_and_audio_embeds(tmp_path):
+    """MTP trained on a dataset that stores final_hidden (last layer not tapped) and the audio frames' embeddings:
+    live decoding gives the head both, and stays exact."""
+    target = tmp_path / "qwen2_audio"
+    save_qwen2_audio(target)
+    man, ds, run = _manifest(tmp_path, 4), str(tmp_path / "ds"), str(tmp_path / "run")
+    _ok("capture", "--target", str(target), "--data", str(man), "--out", ds, "--taps", "0,1", "--final-hidden",
+        "--audio-embeds", "--top-k", "4", "--batch-tokens", "400")
+    _ok("train", "--data", ds, "--recipe", "mtp_demo", "--set", "drafter.num_depths=2", "--set", "max_steps=2",
+        "--set", "log_every=2", "--set", "ckpt_every=2", "--out", run)
+    out = _ok("speculate", "--target", str(target), "--draft", run, "--data", ds, "--conversations", str(man),
+              "--max-samples", "2", "--max-new-tokens", "6")
+    assert "output identical to the target's greedy decoding: 2/2" in out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -403,7 +403,8 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                generator: torch.Generator | None = None,
+                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block anchored at P (slot 0 = ids[P], slots 1..B-1 masked): K = B - 1 drafts."""
         b, anchors = self._live_block(ids_T, taps_PnH)
         h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)  # [1, 1, B, H]

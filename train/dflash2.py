@@ -22,7 +22,8 @@ injection, anchors, visibility mask, slot weights, KD, checkpointing, export lay
 
 The selector reads the full [rows, V] draft logits, so DFlash2 computes them densely (once, shared
 by the backbone CE, the KD term and the selector) and refuses the chunked lm_head + CE path
-(``ce_chunk_size`` must be <= 0). Drafting at eval walks the selector greedily from slot 0.
+(``ce_chunk_size`` must be <= 0). Drafting walks the selector from slot 0: greedily at eval and in
+greedy decoding, by sampling its candidate distribution in sampled decoding (``train.selector.walk``).
 
 Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows,
 G channel groups.
@@ -31,7 +32,7 @@ G channel groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ from train.divergences import kl_tv_full, kl_tv_topk
 from train.drafter import LossOutput
 from train.layers import DecoderLayer
 from train.losses import weighted_terms
-from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss
+from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss, walk
 
 
 @dataclass(frozen=True)
@@ -214,12 +215,15 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy: the selector's walk over the block (as eval drafts); sampling: the backbone's distributions."""
-        if temperature != 0:
-            return super().propose(ids_T, taps_PnH, temperature=temperature, generator=generator)
+                generator: torch.Generator | None = None,
+                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The selector's walk over the block from slot 0 = ids[P]: greedy (as eval drafts) or sampled from
+        the selector's distribution over each slot's candidates (which is then the drafts' q)."""
         b, anchors = self._live_block(ids_T, taps_PnH)
-        return self.draft_blocks(b, anchors)[0, 0, 1:].cpu(), None
+        h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)[0]  # [1, B, H]
+        first = b["input_ids"][0, anchors[0]]
+        tokens, q = walk(self.selector, self.logits(h), h, first, temperature=temperature, generator=generator)
+        return tokens[0, 1:].cpu(), (q[0, 1:] if q is not None else None)
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.distributed as dist
@@ -101,11 +101,13 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                generator: torch.Generator | None = None,
+                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Live drafts after a verified prefix.
 
         ``ids_T``: ids of positions 0..P (position P holds the last emitted token, which the target has
-        not run yet); ``taps_PnH``: the target's taps of positions 0..P-1 in the dataset's tap order.
+        not run yet); ``taps_PnH``: the target's taps of positions 0..P-1 in the dataset's tap order;
+        ``extras``: the prefix's other dataset fields the live target gives (:data:`LIVE_FIELDS`).
         Returns K drafted tokens (CPU) and, when sampling (temperature > 0), their distributions [K, V].
         """
         raise NotImplementedError(f"drafter family {self.family!r} has no live proposals")
@@ -119,19 +121,35 @@ class Drafter(nn.Module):
         return self.state_dict()
 
 
-def one_sequence_batch(ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, dtype: torch.dtype,
-                       device: torch.device) -> dict[str, Any]:
-    """One sequence in the collated layout; taps are zero-padded to the ids' length (never read)."""
-    T, P = ids_T.shape[0], taps_PnH.shape[0]
-    taps = torch.zeros(T, *taps_PnH.shape[1:], dtype=dtype, device=device)
-    taps[:P] = taps_PnH.to(device=device, dtype=dtype)
-    return {
+LIVE_FIELDS = ("final_hidden", "is_audio", "audio_embeds")
+"""Per-position dataset fields a live decoder can give a proposal besides the taps, each for a prefix of the
+positions, in the collated layout: ``final_hidden`` [P, H] (the last layer's pre-norm output), ``is_audio`` [n]
+and ``audio_embeds`` [n, H] (the merged input embedding at audio rows, zeros elsewhere)."""
+
+
+def one_sequence_batch(ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, dtype: torch.dtype, device: torch.device,
+                       extras: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """One sequence in the collated layout; taps and ``extras`` (:data:`LIVE_FIELDS`) are padded to the ids' length
+    with zeros / False (positions past the prefix are never read)."""
+    T = ids_T.shape[0]
+
+    def padded(x: torch.Tensor, fill_dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(T, *x.shape[1:], dtype=fill_dtype, device=device)
+        out[: x.shape[0]] = x[:T].to(device=device, dtype=fill_dtype)
+        return out[None]
+
+    batch = {
         "input_ids": ids_T[None].to(device),
-        "taps": taps[None],
+        "taps": padded(taps_PnH, dtype),
         "loss_mask": torch.ones(1, T, dtype=torch.bool, device=device),
         "is_audio": torch.zeros(1, T, dtype=torch.bool, device=device),
         "lengths": torch.tensor([T], device=device),
     }
+    for name, x in (extras or {}).items():
+        if name not in LIVE_FIELDS:
+            raise ValueError(f"unknown live field {name!r}; known: {list(LIVE_FIELDS)}")
+        batch[name] = padded(x, torch.bool if name == "is_audio" else dtype)
+    return batch
 
 
 def pick_tokens(logits_KV: torch.Tensor, temperature: float,

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +263,7 @@ class MTPDrafter(Drafter):
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
         self.fingerprint = bundle.fingerprint
         self.last_tap = exact_last_tap(layout)
+        self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         self.teacher_kind = self._pick_teacher(config, layout)
 
     @staticmethod
@@ -410,14 +411,26 @@ class MTPDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Depth k at row P-1 reads the drafted token of depth k-1 as its input: K = num_depths drafts."""
+                generator: torch.Generator | None = None,
+                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depth k at row P-1 reads the drafted token of depth k-1 as its input: K = num_depths drafts.
+
+        ``extras``: the prefix's ``is_audio`` / ``audio_embeds`` (used as training used them: the frame
+        embeddings when the dataset stored them, else the sentinel id's embedding) and ``final_hidden``
+        (h^0's source when the dataset stored it instead of tapping the last layer).
+        """
         P = taps_PnH.shape[0]
         p = next(self.parameters())
+        extras = dict(extras or {})
+        if not self.uses_audio_embeds:
+            extras.pop("audio_embeds", None)
+        if self.last_tap is None and "final_hidden" not in extras:
+            raise ValueError("this MTP head reads h^0 from final_hidden: the live decoder must give the target's "
+                             "last-layer states as extras['final_hidden']")
         drafted, dists = [], []
         for k in range(1, self.config.num_depths + 1):
             ids = torch.cat([ids_T, torch.tensor(drafted, dtype=ids_T.dtype)])  # positions 0..P+k-1
-            batch = one_sequence_batch(ids, taps_PnH, dtype=p.dtype, device=p.device)
+            batch = one_sequence_batch(ids, taps_PnH, dtype=p.dtype, device=p.device, extras=extras)
             h = self.run_depths(batch)["h"][k - 1][0, P - 1]
             tok, q = pick_tokens(self.logits(k, h[None]), temperature, generator)
             drafted.append(int(tok[0]))

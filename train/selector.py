@@ -15,7 +15,8 @@ slot k-1 will commit to. The selector adds that dependency cheaply. For every sl
 - W_h: [H -> r] without bias, applied to the draft's final (normed) hidden state h of the slot.
 - a: the predecessor token. Training is teacher-forced (a = the gold token at the previous
   position; slot 1's predecessor is the anchor token in slot 0); drafting walks greedily from
-  slot 0, feeding each chosen token to the next slot (``greedy_walk``).
+  slot 0, feeding each chosen token to the next slot (``walk``; sampled decoding draws from the
+  selector's softmax over the candidates instead, and that is the draft's q).
 
 Loss: CE over the K candidates' scores, target = the gold token's candidate index. When gold is
 not among the top-K the ``gold_miss`` policy decides: ``drop`` (default) leaves the row out of the
@@ -152,18 +153,34 @@ def selector_loss(
 
 
 @torch.no_grad()
-def greedy_walk(selector: PathSelector, logits: torch.Tensor, h: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Draft a block by walking the selector greedily from slot 0.
+def walk(selector: PathSelector, logits: torch.Tensor, h: torch.Tensor, first: torch.Tensor, *,
+         temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft a block by walking the selector from slot 0, greedily or by sampling.
 
     ``logits`` [N, Bk, V] and ``h`` [N, Bk, H] of N blocks of Bk slots; ``first`` [N] the token in
-    slot 0 (the anchor, known). Returns tokens int64 [N, Bk] with column 0 = ``first`` and column
-    k = argmax_b S(token_{k-1}, b) over slot k's top-K candidates.
+    slot 0 (the anchor, known). Slot k's choice is among its top-K candidates, scored by
+    S(token_{k-1}, b): temperature 0 takes argmax S; temperature t > 0 draws from softmax(S / t) over
+    the candidates (the selector's own distribution, the one its CE trains), and that distribution,
+    scattered over the vocabulary (zero off the candidates), is slot k's q for rejection sampling.
+    Returns tokens int64 [N, Bk] (column 0 = ``first``) and q float32 [N, Bk, V] (row 0 zero) or None.
     """
-    N, Bk, _ = logits.shape
+    N, Bk, V = logits.shape
     out = torch.empty(N, Bk, dtype=torch.long, device=logits.device)
     out[:, 0] = first.long()
+    q = None if temperature == 0 else torch.zeros(N, Bk, V, dtype=torch.float32, device=logits.device)
     for k in range(1, Bk):
         cand, U = selector.candidates(logits[:, k])
         S = selector.scores(out[:, k - 1], h[:, k], cand, U)
-        out[:, k] = cand.gather(-1, S.argmax(-1, keepdim=True)).squeeze(-1)
-    return out
+        if q is None:
+            pick = S.argmax(-1, keepdim=True)
+        else:
+            probs = torch.softmax(S.float() / temperature, -1)  # [N, K]
+            pick = torch.multinomial(probs.cpu(), 1, generator=generator).to(cand.device)
+            q[:, k].scatter_(-1, cand, probs)
+        out[:, k] = cand.gather(-1, pick).squeeze(-1)
+    return out, q
+
+
+def greedy_walk(selector: PathSelector, logits: torch.Tensor, h: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Tokens [N, Bk] of the greedy :func:`walk` (column k = argmax_b S(token_{k-1}, b))."""
+    return walk(selector, logits, h, first)[0]

@@ -91,3 +91,80 @@ def test_a_family_without_proposals_says_so():
 
     with pytest.raises(NotImplementedError, match="no live proposals"):
         Silent(None, None, None).propose(torch.zeros(3, dtype=torch.long), torch.zeros(2, 1, H))
+
+
+def _audio_sample(layout, n_audio=5):
+    s = _sample(layout)
+    g = torch.Generator().manual_seed(5)
+    s["is_audio"][:n_audio] = True
+    s["input_ids"][:n_audio] = layout.audio_token_id
+    if layout.has_audio_embeds:
+        s["audio_embeds"] = torch.randn(n_audio, H, generator=g).bfloat16()
+    if layout.has_final_hidden:
+        s["final_hidden"] = torch.randn(T, H, generator=g).bfloat16()
+    return s
+
+
+def _live_extras(s, anchor):
+    """What the live decoder gives: the prompt's audio rows and embeddings, and final_hidden of the prefix."""
+    ex = {"is_audio": s["is_audio"][:anchor]}
+    if "audio_embeds" in s:
+        emb = torch.zeros(anchor, H)
+        emb[s["is_audio"][:anchor]] = s["audio_embeds"].float()
+        ex["audio_embeds"] = emb
+    if "final_hidden" in s:
+        ex["final_hidden"] = s["final_hidden"][:anchor].float()
+    return ex
+
+
+@pytest.mark.parametrize("audio_embeds,tap_ids,final_hidden", [(True, (1, L - 1), False), (False, (1, 2), True),
+                                                               (True, (1, 2), True)])
+def test_live_mtp_reads_audio_frames_and_final_hidden_as_training_did(audio_embeds, tap_ids, final_hidden):
+    layout = Layout(hidden_size=H, num_layers=L, tap_ids=tap_ids, top_k=0, audio_token_id=3,
+                    has_audio_embeds=audio_embeds, has_final_hidden=final_hidden)
+    model = _perturb(MTPDrafter.build(MTPConfig(num_depths=2), _bundle(), layout))
+    s = _audio_sample(layout)
+    anchor = 9
+    got, _ = model.propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float(), temperature=0.0,
+                           extras=_live_extras(s, anchor))
+    ids = s["input_ids"].clone()
+    ids[anchor + 1: anchor + 1 + len(got)] = got.int()
+    with torch.no_grad():
+        h = model.run_depths(collate([{**s, "input_ids": ids}]))["h"]
+        want = [int(model.logits(k + 1, h[k][0, anchor - 1][None]).argmax()) for k in range(2)]
+    assert got.tolist() == want
+    if audio_embeds:  # the frame embeddings matter: the placeholder's embedding would draft otherwise
+        with torch.no_grad():
+            plain = {k: v for k, v in s.items() if k != "audio_embeds"}
+            h0 = model.run_depths(collate([{**plain, "input_ids": ids}]))["h"]
+        assert not torch.allclose(h0[0][0, anchor - 1], h[0][0, anchor - 1])
+    if final_hidden and L - 1 not in tap_ids:
+        with pytest.raises(ValueError, match="final_hidden"):
+            model.propose(s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float())
+
+
+def test_dflash2_sampled_proposal_samples_through_the_selector():
+    cfg = DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2), ce_chunk_size=0, selector_candidates=4)
+    model = _perturb(DFlash2Drafter.build(cfg, _bundle(), LAYOUT))
+    s = _sample(LAYOUT)
+    anchor = 11
+    args = (s["input_ids"][: anchor + 1].long(), s["taps"][:anchor].float())
+    tok, q = model.propose(*args, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    # q of slot k is softmax(S(drafted_{k-1}, .)) over slot k's top-4 candidates, zero elsewhere
+    b = collate([s])
+    h = model.block_hidden(b["input_ids"], model.context(b["taps"]), torch.tensor([[anchor]]))[0, 0]
+    z = model.logits(h)
+    prev = torch.cat([s["input_ids"][anchor: anchor + 1].long(), tok[:-1]])
+    for k in range(1, 5):
+        cand, U = model.selector.candidates(z[k][None])
+        S = model.selector.scores(prev[k - 1: k], h[k][None], cand, U)[0]
+        want = torch.zeros(V).index_put_((cand[0],), torch.softmax(S, -1))
+        torch.testing.assert_close(q[k - 1], want)
+        assert int(tok[k - 1]) in cand[0].tolist()
+    assert ((q > 0).sum(-1) <= 4).all() and torch.allclose(q.sum(-1), torch.ones(4))
+    # the backbone alone would put mass on every id: the selector's re-ranking changed the distribution
+    assert not torch.allclose(q[0], torch.softmax(z[1], -1), atol=1e-3)
+    # a near-zero temperature is the greedy walk
+    greedy, _ = model.propose(*args, temperature=0.0)
+    cold, _ = model.propose(*args, temperature=1e-4, generator=torch.Generator().manual_seed(0))
+    assert cold.tolist() == greedy.tolist()

@@ -26,6 +26,7 @@ Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V 
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -65,7 +66,8 @@ class DFlashConfig:
     gamma: float = 7.0
     """Slot k weighs exp(-(k-1)/gamma)."""
     mask_token_id: int | None = None
-    """Token id of the mask slots (default: the target's pad_token_id, else vocab_size - 1)."""
+    """Token id of the mask slots (default: a dedicated id, the first row of the embedding table past the
+    tokenizer's ids, as the reference drafters add ``<|MASK|>``; the pad id, with a warning, when there is none)."""
     target_layer_ids: tuple[int, ...] | None = None
     """HF decoder-layer ids fused as context (default: the DFlash tap rule if stored, else all non-last taps)."""
     num_anchors: int = 512
@@ -132,8 +134,7 @@ class DFlashConfig:
         V = int(bundle.lm_head.shape[0])
         mask_id = self.mask_token_id
         if mask_id is None:
-            pad = tc.get("pad_token_id")
-            mask_id = int(pad) if pad is not None else V - 1
+            mask_id = default_mask_id(bundle, layout)
         if not 0 <= mask_id < V:
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
         ids = self.target_layer_ids
@@ -159,6 +160,45 @@ class DFlashConfig:
             self, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
             mask_token_id=mask_id, target_layer_ids=tuple(ids),
         )
+
+
+MASK_TOKEN = "<|MASK|>"
+"""The mask token's name in the reference DFlash releases (engines add it to the tokenizer when they need a name)."""
+
+
+def tokenizer_ids(bundle: Any) -> set[int] | None:
+    """Every id the bundle's tokenizer can produce (``tokenizer.json``: its vocab and added tokens), or None."""
+    raw = getattr(bundle, "tokenizer_files", {}).get("tokenizer.json")
+    if raw is None:
+        return None
+    doc = json.loads(raw)
+    vocab = (doc.get("model") or {}).get("vocab") or {}
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))  # WordPiece/BPE dict, Unigram list
+    ids |= {int(t["id"]) for t in doc.get("added_tokens") or []}
+    return ids
+
+
+def default_mask_id(bundle: Any, layout: Any) -> int:
+    """A dedicated mask id: the first embedding row past every id the tokenizer (and the audio sentinel) uses.
+
+    This is the id ``<|MASK|>`` gets when added to the tokenizer, as the reference DFlash drafters do; it
+    never collides with a token the target reads or emits. Targets whose embedding table has no such row
+    (vocab_size == tokenizer size) fall back to the pad id with a warning: the mask then shares its input
+    embedding with padding.
+    """
+    V = int(bundle.lm_head.shape[0])
+    used = tokenizer_ids(bundle)
+    if used is not None:
+        first_free = max(used | {int(layout.audio_token_id)}) + 1
+        if first_free < V:
+            return first_free
+    tc = bundle.config
+    pad = tc.get("pad_token_id")
+    fallback = int(pad) if pad is not None else V - 1
+    why = "has no tokenizer.json" if used is None else f"uses every embedding row (vocab {V})"
+    warnings.warn(f"the target's tokenizer {why}: no dedicated mask id, the mask slots use id {fallback} "
+                  "(set drafter.mask_token_id to choose one)", stacklevel=3)
+    return fallback
 
 
 def allocate_anchor_counts(eligible_B: torch.Tensor, per_seq: int, total: int) -> torch.Tensor:
@@ -262,6 +302,9 @@ class DFlashDrafter(Drafter):
         self.fingerprint = bundle.fingerprint
         self.rope_theta = float(tc.get("rope_theta") or 10000.0)
         self.vocab_size = int(bundle.lm_head.shape[0])
+        used = tokenizer_ids(bundle)
+        # named <|MASK|> when the id is the one adding that token to the tokenizer gives
+        self.mask_token = MASK_TOKEN if used is not None and cfg.mask_token_id == max(used) + 1 else None
         self.last_tap = exact_last_tap(layout)
         self.register_buffer(
             "tap_index", torch.tensor([layout.tap_ids.index(i) for i in cfg.target_layer_ids]), persistent=False
@@ -458,6 +501,7 @@ class DFlashDrafter(Drafter):
             "target_head": self.head_spec.to_dict(),
             "dflash_config": {
                 "mask_token_id": cfg.mask_token_id,
+                **({"mask_token": self.mask_token} if self.mask_token else {}),
                 "target_layer_ids": list(cfg.target_layer_ids),
             },
             "tapdraft": {

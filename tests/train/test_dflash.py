@@ -6,6 +6,7 @@ import torch
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter, acceptance_counts, allocate_anchor_counts, sample_anchors
+from train.export import export_drafter
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +218,32 @@ def test_replay_rounds_walks_a_reply_like_a_live_decoder():
     correct3[0, 0, 0] = correct3[0, 1, 1] = False  # anchor 2 -> emit 1, next 3; anchor 3 -> emit 2, next 5
     correct3[0, 3, 0] = False  # anchor 5 -> emit 1, next 6; anchor 6: drafts 7, 8, 9 all right -> emit 3, end
     assert replay_rounds(lm, anchors, correct3, valid) == (1 + 2 + 1 + 3, 4)
+
+
+def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
+    """The mask id is the first embedding row past the tokenizer's ids (what adding <|MASK|> gives), never pad."""
+    import dataclasses as dc
+    import json as js
+
+    from train.dflash import default_mask_id
+
+    bundle, layout, _ = setup
+    V = bundle.vocab_size
+    tok = {"model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(V - 8)}},
+           "added_tokens": [{"id": V - 8, "content": "<|im_end|>"}, {"id": V - 7, "content": "<|pad|>"}]}
+    with_tok = dc.replace(bundle, tokenizer_files={"tokenizer.json": js.dumps(tok).encode()})
+    assert default_mask_id(with_tok, layout) == V - 6
+    model = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=4), with_tok, layout)
+    assert model.config.mask_token_id == V - 6 != bundle.config["pad_token_id"]
+    export_drafter(model, tmp_path / "exp", {})
+    cfg = js.loads((tmp_path / "exp" / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == V - 6 and cfg["dflash_config"]["mask_token"] == "<|MASK|>"
+    ids = torch.full((1, 4), V - 6)
+    assert torch.equal(model.embed_tokens[ids], bundle.embed_tokens[ids].float())  # the target's own row
+    # a table the tokenizer fills has no spare row: the pad id, said out loud
+    full = dc.replace(bundle, tokenizer_files={"tokenizer.json": js.dumps(
+        {"model": {"vocab": {f"w{i}": i for i in range(V)}}}).encode()})
+    with pytest.warns(UserWarning, match="no dedicated mask id"):
+        assert default_mask_id(full, layout) == bundle.config["pad_token_id"]
+    # an explicit id always wins and is recorded as given
+    assert DFlashConfig(mask_token_id=5).resolve(with_tok, layout).mask_token_id == 5

@@ -460,17 +460,37 @@ class DFlashDrafter(Drafter):
         b = one_sequence_batch(ids_T, taps_PnH, dtype=p.dtype, device=p.device)
         return b, torch.tensor([[taps_PnH.shape[0]]], device=p.device)
 
+    def eval_anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every eligible anchor of every sequence, in order [Bs, N] (evaluation measures all of them: the
+        training caps ``num_anchors`` / ``max_total_anchors`` bound memory, not what is measured)."""
+        Bs, T = batch["input_ids"].shape
+        cfg = self.config
+        return sample_anchors(batch["loss_mask"], batch["lengths"], block_size=cfg.block_size, num_anchors=T,
+                              max_total_anchors=Bs * T, full_blocks_only=cfg.full_blocks_only, take_all=True)
+
+    def anchor_chunks(self, anchors_BN: torch.Tensor) -> list[slice]:
+        """Column slices of the anchors holding at most ``max_total_anchors`` blocks each (bounded eval memory)."""
+        Bs, N = anchors_BN.shape
+        step = max(1, self.config.max_total_anchors // max(Bs, 1))
+        return [slice(s, s + step) for s in range(0, N, step)]
+
+    @torch.no_grad()
+    def draft_slots(self, batch: dict[str, Any], ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts long [Bs, N, B-1] of slots 1..B-1 for blocks at ``anchors`` (argmax of the draft logits)."""
+        h = self.block_hidden(batch["input_ids"], ctx_BTH, anchors_BN)[:, :, 1:]
+        rows = h.reshape(-1, h.shape[-1])
+        step = max(self.config.ce_chunk_size, 1) if self.config.ce_chunk_size > 0 else max(rows.shape[0], 1)
+        pred = [self.logits(r).argmax(-1) for r in rows.split(step)]
+        return (torch.cat(pred) if pred else rows.new_zeros(0, dtype=torch.long)).view(h.shape[:3])
+
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
-        """Teacher-forced greedy acceptance: every eligible anchor (up to the caps), in order."""
-        anchors, vblk = self._anchors(batch, generator, take_all=True)
-        h = self.block_hidden(batch["input_ids"], self.context(batch["taps"]), anchors)
+        """Teacher-forced greedy acceptance at every eligible anchor, in order, ``max_total_anchors`` blocks at a time."""
+        anchors, vblk = self.eval_anchors(batch)
+        ctx = self.context(batch["taps"])
+        pred = torch.cat([self.draft_slots(batch, ctx, anchors[:, c]) for c in self.anchor_chunks(anchors)], 1)
         labels, valid, _ = self._targets(batch, anchors, vblk)
-        corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
-        rows = h[:, :, 1:][valid]
-        step = max(self.config.ce_chunk_size, 1)
-        pred = torch.cat([self.logits(r).argmax(-1) for r in rows.split(step)]) if rows.shape[0] else labels[valid]
-        corr[valid] = pred == labels[valid]
+        corr = (pred == labels) & valid
         return _with_rounds(acceptance_counts(corr, valid), batch, anchors, corr, valid)
 
     # -- export ------------------------------------------------------------------------------

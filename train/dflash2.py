@@ -38,9 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.acceptance import AcceptanceCounts
 from train.chunks import map_row_chunks
-from train.dflash import DFlashConfig, DFlashDrafter, _metrics, _with_rounds, acceptance_counts
+from train.dflash import DFlashConfig, DFlashDrafter, _metrics, acceptance_counts
 from train.divergences import kl_tv_full, kl_tv_topk
 from train.drafter import LossOutput
 from train.layers import DecoderLayer
@@ -202,16 +201,21 @@ class DFlash2Drafter(DFlashDrafter):
 
     # -- eval --------------------------------------------------------------------------------
     @torch.no_grad()
-    def draft_blocks(self, batch: dict[str, Any], anchors: torch.Tensor) -> torch.Tensor:
+    def draft_blocks(self, batch: dict[str, Any], anchors: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
         """Drafted tokens long [Bs, N, B]: slot 0 = the anchor token, then the selector's greedy walk."""
         ids = batch["input_ids"]
-        h = self.block_hidden(ids, self.context(batch["taps"]), anchors)
+        h = self.block_hidden(ids, self.context(batch["taps"]) if ctx is None else ctx, anchors)
         Bs, N, B, H = h.shape
         first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
         hb = h.reshape(Bs * N, B, H)
         step = max(1, 4096 // B)  # blocks per chunk: [step, B, V] logits at a time
         (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.selector, self.logits(hc), hc, fc),), [hb, first], step)
         return out.view(Bs, N, B)
+
+    @torch.no_grad()
+    def draft_slots(self, batch: dict[str, Any], ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [Bs, N, B-1]: the selector's walk (what DFlash2 drafts), not the backbone's argmax."""
+        return self.draft_blocks(batch, anchors_BN, ctx_BTH)[:, :, 1:]
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
@@ -224,15 +228,6 @@ class DFlash2Drafter(DFlashDrafter):
         first = b["input_ids"][0, anchors[0]]
         tokens, q = walk(self.selector, self.logits(h), h, first, temperature=temperature, generator=generator)
         return tokens[0, 1:].cpu(), (q[0, 1:] if q is not None else None)
-
-    @torch.no_grad()
-    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
-        """Teacher-forced acceptance of the selector's greedy path (every eligible anchor, in order)."""
-        anchors, vblk = self._anchors(batch, generator, take_all=True)
-        drafted = self.draft_blocks(batch, anchors)
-        labels, valid, _ = self._targets(batch, anchors, vblk)
-        correct = drafted[:, :, 1:] == labels
-        return _with_rounds(acceptance_counts(correct, valid), batch, anchors, correct, valid)
 
     # -- export ------------------------------------------------------------------------------
     def export_config(self) -> dict[str, Any]:

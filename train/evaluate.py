@@ -2,8 +2,8 @@
 
 ``evaluate(run_dir, data) -> result`` loads a run's latest checkpoint and the dataset's target
 bundle (the fingerprints must agree), walks the evaluation split in file order, and at every
-eligible anchor (up to the drafter's per-sequence cap, first ones first) asks the drafter for its
-greedy block. Per block position k:
+eligible anchor of every sequence (batched ``max_total_anchors`` blocks at a time; the training caps
+bound memory, never what is measured) asks the drafter for its greedy block. Per block position k:
 
     alpha_k = #blocks whose slots 1..k were all correct / #blocks whose slots 1..k-1 were correct and
               whose slot k has a supervised target inside the sequence

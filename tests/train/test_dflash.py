@@ -247,3 +247,31 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
         assert default_mask_id(full, layout) == bundle.config["pad_token_id"]
     # an explicit id always wins and is recorded as given
     assert DFlashConfig(mask_token_id=5).resolve(with_tok, layout).mask_token_id == 5
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
+    """Offline acceptance walks every eligible anchor of every sequence (not the training cap), and chunking the
+    anchors to bound memory changes nothing."""
+    from train.dflash2 import DFlash2Config, DFlash2Drafter
+
+    bundle, layout, samples = setup
+    batch = collate(samples)
+    cls, cfg = (DFlashDrafter, DFlashConfig) if family == "dflash" else (DFlash2Drafter, DFlash2Config)
+    extra = {} if family == "dflash" else {"ce_chunk_size": 0, "selector_candidates": 5, "selector_rank": 8,
+                                           "conv_group_size": 8}
+    torch.manual_seed(0)
+    small = cls.build(cfg(num_layers=1, block_size=4, num_anchors=3, max_total_anchors=5, **extra), bundle, layout)
+    torch.manual_seed(0)
+    big = cls.build(cfg(num_layers=1, block_size=4, num_anchors=10_000, max_total_anchors=10_000, **extra), bundle,
+                    layout)
+    L = batch["lengths"][:, None]
+    pos = torch.arange(batch["input_ids"].shape[1])[None]
+    eligible = int((batch["loss_mask"] & (pos + 1 < L)).sum())
+    assert eligible > 3 * batch["input_ids"].shape[0]  # far more than the per-sequence training cap
+    a_small, a_big = small.eval().acceptance(batch), big.eval().acceptance(batch)
+    assert a_small.blocks == a_big.blocks == eligible
+    assert len(small.anchor_chunks(small.eval_anchors(batch)[0])) > 1
+    for f in ("accepted", "reached", "correct", "valid"):
+        assert torch.equal(getattr(a_small, f), getattr(a_big, f)), f
+    assert (a_small.round_tokens, a_small.rounds) == (a_big.round_tokens, a_big.rounds)

@@ -198,6 +198,10 @@ class Target(ABC):
             "eos_token_id": eos,
             "pad_token_id": getattr(c, "pad_token_id", None) if getattr(c, "pad_token_id", None) is not None
             else self.tokenizer.pad_token_id,
+            # serving facts (shards.bundle.SERVING_KEYS), repeated in draft exports
+            "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+            "rope_parameters": dict(rope) or None,
+            "layer_types": list(getattr(c, "layer_types", None) or []) or None,
         }
 
     def bundle_parts(self) -> dict[str, Any]:

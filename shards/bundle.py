@@ -72,6 +72,10 @@ CONFIG_KEYS = (
     "pad_token_id",
 )
 """What a drafter reads of the target. ``logits_scaling``: the teacher divides logits by it (Granite)."""
+SERVING_KEYS = ("max_position_embeddings", "rope_parameters", "layer_types")
+"""Target facts a draft's serving config repeats (context length, RoPE type and scaling, attention kind per
+layer). Recorded when the target has them, outside the fingerprint: no tensor a drafter trains on depends
+on them, and bundles written before they were recorded keep their fingerprint."""
 
 
 
@@ -286,7 +290,8 @@ def write_bundle(
         sizes = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size} | {f"{TOKENIZER_DIR}/{n}": len(d) for n, d in tok.items()}
         doc = {
             "schema_version": SCHEMA_VERSION,
-            "config": {k: config.get(k) for k in CONFIG_KEYS},
+            "config": {**{k: config.get(k) for k in CONFIG_KEYS},
+                       **{k: config[k] for k in SERVING_KEYS if config.get(k) is not None}},
             "head": head.to_dict(),
             "audio": audio,
             "chat_template": chat_template,

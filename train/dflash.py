@@ -301,6 +301,12 @@ class DFlashDrafter(Drafter):
         self.target_num_layers = layout.num_layers
         self.fingerprint = bundle.fingerprint
         self.rope_theta = float(tc.get("rope_theta") or 10000.0)
+        rope = tc.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"the target uses {rope.get('rope_type')!r} RoPE scaling; the drafters implement plain RoPE "
+                             "(rope_theta) only, so their positions would not mean the target's")
+        self.max_positions = int(tc.get("max_position_embeddings") or 32768)
+        self.target_layer_types = tc.get("layer_types")  # the draft itself attends its whole context
         self.vocab_size = int(bundle.lm_head.shape[0])
         used = tokenizer_ids(bundle)
         # named <|MASK|> when the id is the one adding that token to the tokenizer gives
@@ -493,12 +499,25 @@ class DFlashDrafter(Drafter):
         corr = (pred == labels) & valid
         return _with_rounds(acceptance_counts(corr, valid), batch, anchors, corr, valid)
 
+    def _logits_rule(self) -> dict[str, Any]:
+        """How an engine turns the exported draft's output into tapdraft's logits. Engines apply the target's
+        lm_head only, so a pure division (logits_scaling) is folded into ``norm.weight`` at export; a head
+        with an lm_head bias cannot take the fold (the bias would be divided too) and says so instead."""
+        if self.head_spec.lm_head_bias:
+            return {"logits": "target lm_head(draft output) with its bias, then the target head's logits_scaling "
+                              "and softcap (target_head); nothing is folded into norm.weight"}
+        cap = " then the target head's final_logit_softcap" if self.head_spec.final_logit_softcap else ""
+        return {"logits_scaling_folded_into": "norm.weight",
+                "logits": f"target lm_head(draft output){cap}: the target's logits_scaling is folded into "
+                          "norm.weight (exported norm.weight = trained norm.weight / logits_scaling)"}
+
     # -- export ------------------------------------------------------------------------------
     def export_config(self) -> dict[str, Any]:
         cfg = self.config
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
+            "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
             "hidden_size": self.hidden_size,
             "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads,
@@ -508,6 +527,12 @@ class DFlashDrafter(Drafter):
             "hidden_act": "silu",
             "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_positions,
+            "layer_types": ["full_attention"] * cfg.num_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
             "vocab_size": self.vocab_size,
             "attention_bias": False,
             "tie_word_embeddings": False,
@@ -519,6 +544,7 @@ class DFlashDrafter(Drafter):
             "mask_token_id": cfg.mask_token_id,
             "logits_scaling": self.scaling,
             "target_head": self.head_spec.to_dict(),
+            **self._logits_rule(),
             "dflash_config": {
                 "mask_token_id": cfg.mask_token_id,
                 **({"mask_token": self.mask_token} if self.mask_token else {}),
@@ -530,6 +556,7 @@ class DFlashDrafter(Drafter):
                 "tap_numbering": "target_layer_ids: HF decoder-layer ids (output of layer i, pre-norm); "
                 "target_layer_ids_vllm = ids + 1",
                 "uses_target_embedding_and_lm_head": True,
+                "target_layer_types": self.target_layer_types,
             },
         }
 

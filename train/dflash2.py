@@ -234,6 +234,10 @@ class DFlash2Drafter(DFlashDrafter):
         doc = super().export_config()
         cfg = self.config
         doc["architectures"] = ["DFlash2DraftModel"]
+        # the selector reads the normed hidden state too, so the scaling stays a division of the logits
+        for key in ("auto_map", "logits_scaling_folded_into"):
+            doc.pop(key, None)
+        doc["logits"] = "target lm_head(draft output) / logits_scaling"
         doc["dflash2_config"] = {
             "conv": {"kernel": 2, "type": "dynamic_depthwise", "group_size": cfg.conv_group_size,
                      "placement": "attn_conv_in/attn_conv_out/mlp_conv_in/mlp_conv_out: on each sublayer's normed "

@@ -1,7 +1,10 @@
 """Export a trained draft for serving: draft-only ``model.safetensors`` + ``config.json``.
 
 The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT exported: serving
-engines share the target's own. ``config.json`` carries the architecture fields (Qwen3 names),
+engines share the target's own. Engines compute draft logits with the target's lm_head ONLY; a config
+with ``logits_scaling_folded_into`` names the draft's last norm weight, which is exported divided by
+the target's ``logits_scaling`` so those logits are exactly tapdraft's. A config with ``auto_map`` gets
+its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter). ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
 and ``target_layer_ids_vllm`` (= i + 1), plus ``dflash_config`` in the reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
@@ -23,6 +26,9 @@ import torch
 from shards.atomic import staged
 from shards.template import template_sha
 
+SERVING_DIR = Path(__file__).parent / "serving"
+"""Self-contained modeling files (torch + transformers only) copied into exports whose config names them in
+``auto_map``, so ``AutoModel.from_pretrained(export, trust_remote_code=True)`` builds the exact drafter."""
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
@@ -35,6 +41,13 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    fold = config.get("logits_scaling_folded_into")
+    if fold:  # engines apply the target's lm_head only: the logits' divisor moves into the last norm
+        sd[fold] = sd[fold] / float(config["logits_scaling"])
+    for module in sorted({ref.split(".")[0] for ref in (config.get("auto_map") or {}).values()}):
+        src = SERVING_DIR / f"{module}.py"
+        with staged(out / src.name) as tmp:
+            tmp.write_bytes(src.read_bytes())
     with staged(out / WEIGHTS) as tmp:
         save_file(sd, str(tmp), metadata={"format": "pt"})
     doc = json.loads(json.dumps(config))

@@ -1,0 +1,85 @@
+"""A DFlash export is a model repository: ``AutoModel.from_pretrained(export, trust_remote_code=True)`` builds
+the exact drafter (shipped modeling file), and an engine's logits (target lm_head only) equal tapdraft's, for
+argmax and for sampling, on a target that scales its logits."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModel, DynamicCache
+
+from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from train.dflash import DFlashConfig, DFlashDrafter
+from train.export import export_drafter
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    bundle = tiny_bundle(root, scaling=1.7)
+    layout = tiny_layout(bundle, tap_ids=(1, 2, 3))
+    torch.manual_seed(0)
+    model = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=B, target_layer_ids=(1, 2)), bundle, layout)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    model.eval()
+    export_drafter(model, root / "export", {})
+    sample = synthetic_samples(bundle, layout, 1, min_len=30, max_len=30, seed=3)[0]
+    return model, bundle, root / "export", sample
+
+
+def _engine_inputs(model, bundle, sample, start, end):
+    """What an engine feeds: the target's states at the draft's layers for context rows start..end-1, the block's
+    target embeddings (anchor token at position end, then mask tokens) and their positions."""
+    taps = sample["taps"].float()[start:end][:, list(model.tap_index)]  # [C, n, H]
+    ids = torch.full((B,), model.config.mask_token_id)
+    ids[0] = int(sample["input_ids"][end])
+    return dict(target_hidden=taps.reshape(1, end - start, -1), noise_embedding=bundle.embed_tokens[ids][None].float(),
+                position_ids=torch.cat([torch.arange(start, end), torch.arange(end, end + B)])[None])
+
+
+def test_automodel_loads_the_exact_drafter(exported):
+    model, bundle, export, sample = exported
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert (export / "modeling_dflash.py").is_file()
+    for key in ("max_position_embeddings", "rope_parameters", "layer_types"):
+        assert key in cfg
+    auto, info = AutoModel.from_pretrained(export, trust_remote_code=True, output_loading_info=True)
+    assert type(auto).__name__ == "DFlashDraftModel"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    auto.eval()
+    lm_head = bundle.lm_head.float()
+    for P in (6, 17, 25):
+        with torch.no_grad():
+            h = auto(**_engine_inputs(model, bundle, sample, 0, P))[0, 1:]
+            engine_logits = h @ lm_head.T  # engines: the target's lm_head, nothing else
+            ids = sample["input_ids"][: P + 1].long()
+            b, anchors = model._live_block(ids, sample["taps"].float()[:P])
+            ours = model.logits(model.block_hidden(b["input_ids"], model.context(b["taps"]), anchors)[0, 0, 1:])
+        torch.testing.assert_close(engine_logits, ours, rtol=1e-5, atol=1e-5)
+        # sampling, not only argmax: the distributions a sampled decode draws from are tapdraft's q
+        for T in (0.6, 1.0):
+            _, q = model.propose(ids, sample["taps"].float()[:P], temperature=T, generator=torch.Generator())
+            torch.testing.assert_close(torch.softmax(engine_logits / T, -1), q, rtol=1e-5, atol=1e-6)
+        assert engine_logits.argmax(-1).tolist() == model.propose(ids, sample["taps"].float()[:P])[0].tolist()
+
+
+def test_the_reference_loops_draft_cache_gives_the_same_blocks(exported):
+    """The reference decoding loop keeps the draft's context K/V in a cache, cropped to the verified length,
+    and feeds only the new context rows each round: blocks equal a fresh full-context call."""
+    model, bundle, export, sample = exported
+    auto = AutoModel.from_pretrained(export, trust_remote_code=True).eval()
+    cache = DynamicCache()
+    with torch.no_grad():
+        start = 0
+        for P in (5, 9, 16):
+            h_cached = auto(**_engine_inputs(model, bundle, sample, start, P), past_key_values=cache, use_cache=True)
+            cache.crop(P - cache.get_seq_length())  # transformers 5 crops by a negative count
+            start = P
+            h_fresh = auto(**_engine_inputs(model, bundle, sample, 0, P))
+            torch.testing.assert_close(h_cached, h_fresh, rtol=1e-5, atol=1e-5)

@@ -83,3 +83,29 @@ def test_the_reference_loops_draft_cache_gives_the_same_blocks(exported):
             start = P
             h_fresh = auto(**_engine_inputs(model, bundle, sample, 0, P))
             torch.testing.assert_close(h_cached, h_fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_serving_facts_come_from_the_target(exported, tmp_path):
+    """The bundle records the target's context length, RoPE and layer kinds (outside the fingerprint) and the
+    export repeats them; a RoPE scaling the drafter does not implement is refused, not silently dropped."""
+    import dataclasses
+
+    from shards.bundle import load_bundle, write_bundle
+    from tests.train.dflash_fixtures import tiny_layout
+
+    model, bundle, export, _ = exported
+    facts = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+             "layer_types": ["full_attention"] * 4}
+    parts = dict(audio=bundle.audio, chat_template=None, embed_tokens=bundle.embed_tokens,
+                 norm_weight=bundle.norm_weight, lm_head=bundle.lm_head, tokenizer_dir=None)
+    fp = write_bundle(tmp_path / "t", config={**bundle.config, **facts}, **parts)
+    assert fp == bundle.fingerprint  # bundles written before these facts were recorded keep their fingerprint
+    b2 = load_bundle(tmp_path / "t")
+    assert {k: b2.config[k] for k in facts} == facts
+    layout = tiny_layout(b2, tap_ids=(1, 2, 3))
+    d = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=B, target_layer_ids=(1,)), b2, layout)
+    cfg = d.export_config()
+    assert cfg["max_position_embeddings"] == 4096 and cfg["tapdraft"]["target_layer_types"] == facts["layer_types"]
+    yarn = dataclasses.replace(b2, config={**b2.config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="yarn"):
+        DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=B, target_layer_ids=(1,)), yarn, layout)

@@ -218,13 +218,15 @@ def export(
     draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
     out: str = typer.Option(..., "--out", help="Export directory (model.safetensors + config.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
+    layout: str = typer.Option(None, "--layout", help="MTP heads only: deepseek (default), vllm-qwen3-next or "
+                               "nemo-salm (the loader the export is for; README says which engine loads which)."),
 ) -> None:
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
 
     from train.export import export_run, format_export
 
-    res = export_run(draft, out)
+    res = export_run(draft, out, layout=layout)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
 
 

@@ -25,6 +25,7 @@ import torch
 
 from shards.atomic import staged
 from shards.template import template_sha
+from train.mtp_layouts import convert
 
 SERVING_DIR = Path(__file__).parent / "serving"
 """Self-contained modeling files (torch + transformers only) copied into exports whose config names them in
@@ -57,13 +58,28 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     return out
 
 
-def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any]) -> Path:
+def in_layout(weights: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str | None
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Weights and config in the requested loader layout (MTP heads: ``train.mtp_layouts``; others have one)."""
+    family = cfg.get("tapdraft", {}).get("family")
+    if layout is not None and family != "mtp":
+        raise ValueError(f"--layout selects an MTP layout; a {family!r} draft has one export layout (drop --layout)")
+    if family != "mtp":
+        return weights, cfg
+    return convert(weights, cfg, layout or "deepseek")
+
+
+def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any], *, layout: str | None = None) -> Path:
     """Export a drafter in memory: its trainable weights and ``export_config()`` plus ``meta``."""
-    return write_export(out_dir, model.trainable_state_dict(), model.export_config(), meta)
+    return write_export(out_dir, *in_layout(model.trainable_state_dict(), model.export_config(), layout), meta)
 
 
-def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None) -> dict[str, Any]:
-    """Export a run's latest (or the given) checkpoint; returns a summary dict."""
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
+               layout: str | None = None) -> dict[str, Any]:
+    """Export a run's latest (or the given) checkpoint; returns a summary dict.
+
+    ``layout``: for MTP heads, the loader's layout (``train.mtp_layouts.LAYOUTS``; default ``deepseek``);
+    other families have one layout and refuse the option."""
     from train.run import latest_checkpoint, load_checkpoint
 
     run = Path(run_dir)
@@ -78,9 +94,11 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     if state.get("template") is not None:  # checkpoints written before template settings were recorded lack it
         meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
                                  "kwargs": state["template"]["kwargs"]}
-    out = write_export(out_dir, state["draft"], cfg, meta)
-    n = sum(v.numel() for v in state["draft"].values())
-    return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(state["draft"]),
+    weights, cfg = in_layout(state["draft"], cfg, layout)
+    out = write_export(out_dir, weights, cfg, meta)
+    n = sum(v.numel() for v in weights.values())
+    return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
+            "layout": cfg.get("mtp_layout"),
             "block_size": cfg.get("block_size"), "target_layer_ids": cfg.get("target_layer_ids"),
             "target_layer_ids_vllm": cfg.get("target_layer_ids_vllm"), "mask_token_id": cfg.get("mask_token_id")}
 

@@ -9,8 +9,11 @@ Depth k = 1..D at position t predicts the token at t + k + 1 from
     logits  = head(FinalNorm_k(h^k))        (the frozen target head: lm_head, bias, scaling, soft cap)
 
 with one causal Qwen3 decoder block per depth (``train.layers.DecoderLayer``), or one physical
-head serving every depth (``use_repeated_layer``). The recursion feeds h^k (the block's output,
-before FinalNorm_k) to depth k + 1, as DeepSeek-V3 does.
+head serving every depth (``use_repeated_layer``). The recursion (``recursion``) feeds depth k + 1
+either h^k (the block's output, before FinalNorm_k) as DeepSeek-V3 does (``pre_norm``, default), or
+FinalNorm_k(h^k) as the Qwen3-Next / NeMo Automodel MTP modules do (``post_norm``); a head with more
+than one depth exports to those layouts only when it was trained with their recursion
+(``train.mtp_layouts``).
 
 Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervised or past the
 sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
@@ -60,6 +63,7 @@ IGNORE = -100
 LOSS_TYPES = ("ce", "lk")
 TRAINING_MODES = ("head_only",)
 TEACHERS = ("auto", "exact", "topk")
+RECURSIONS = ("pre_norm", "post_norm")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class MTPConfig:
     """Per-head width; None = the target's."""
     intermediate_size: int | None = None
     """SwiGLU width of the block; None = the target's."""
+    recursion: str = "pre_norm"
+    """What depth k + 1 reads of depth k: pre_norm (h^k, DeepSeek-V3) or post_norm (FinalNorm_k(h^k), Qwen3-Next)."""
     training_mode: str = "head_only"
     """head_only: only the heads train (a dataset holds no target backbone to train)."""
     loss_type: str = "ce"
@@ -98,6 +104,8 @@ class MTPConfig:
             raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.recursion not in RECURSIONS:
+            raise ValueError(f"recursion must be one of {RECURSIONS}, got {self.recursion!r}")
         if self.training_mode not in TRAINING_MODES:
             raise ValueError(
                 f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}: a dataset holds only "
@@ -262,6 +270,7 @@ class MTPDrafter(Drafter):
             for h in self.model.layers.values():  # start each output norm where the target's is
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
         self.fingerprint = bundle.fingerprint
+        self.max_positions = int(c.get("max_position_embeddings") or 32768)
         self.last_tap = exact_last_tap(layout)
         self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         self.teacher_kind = self._pick_teacher(config, layout)
@@ -324,10 +333,11 @@ class MTPDrafter(Drafter):
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
         rope = self.rope(pos)
         nb = None if self.norm_bias is None else self.norm_bias.to(dtype)
-        h = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec, nb)  # h^0
+        h_in = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec, nb)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
-            h = self.head(k).step(shift_left(emb, k).to(dtype), h, rope)
+            h = self.head(k).step(shift_left(emb, k).to(dtype), h_in, rope)
+            h_in = h if self.config.recursion == "pre_norm" else self.head(k).shared_head.norm(h)
             tgt = depth_targets(labels, doc_end, k)
             unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
             audio_masked.append(unknown.sum())
@@ -508,8 +518,10 @@ class MTPDrafter(Drafter):
             **self.arch,
             "vocab_size": int(self.lm_head.shape[0]),
             "num_hidden_layers": self.first_layer,
-            "num_nextn_predict_layers": self.config.num_depths,
+            "num_nextn_predict_layers": len(self.model.layers),  # the layers exported, never more
+            "num_speculative_steps": self.config.num_depths,
             "use_repeated_layer": self.config.use_repeated_layer,
+            "mtp_recursion": self.config.recursion,
             "num_physical_mtp_layers": len(self.model.layers),
             "first_mtp_layer_index": self.first_layer,
             "mtp_concat_order": "embedding_first",
@@ -518,6 +530,7 @@ class MTPDrafter(Drafter):
             "shared_weights": {"embed_tokens": "target embed_tokens", "shared_head.head": "target lm_head"},
             "logits_scaling": self.logits_scaling,
             "target_head": self.head_spec.to_dict(),
+            "max_position_embeddings": self.max_positions,
             "mtp_config": asdict(self.config),
             "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint},
         }

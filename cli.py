@@ -171,8 +171,10 @@ def eval_(
                                              "drafter will be served with (repeatable); a dataset captured with "
                                              "other kwargs is refused."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+    temperature: float = typer.Option(1.0, "--temperature", help="Also measure speculative sampling at this "
+                                      "temperature (sum_v min(p, q) against the exact target rows); 0 = greedy only."),
 ) -> None:
-    """Offline teacher-forced acceptance per block position and tau, with a PNG plot beside the JSON."""
+    """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot."""
     from shards.template import parse_template_kwargs, read_template_file
     from train.evaluate import evaluate, format_result
 
@@ -180,7 +182,7 @@ def eval_(
     template = None if chat_template is None else read_template_file(chat_template)
     kwargs = parse_template_kwargs(template_kwarg) if template_kwarg else None
     typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples,
-                                      template=template, template_kwargs=kwargs)))
+                                      template=template, template_kwargs=kwargs, temperature=temperature)))
 
 
 @app.command()

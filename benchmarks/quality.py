@@ -9,8 +9,8 @@ figures are exact. Each recipe trains with ``train.loop.train`` on the same data
 
     tau                 teacher-forced greedy tau over uniform anchors (a training metric)
     tau_replayed        greedy decoding replayed round by round on the dataset (what live T=0 gives)
-    tau_sampled         MTP only: expected speculative-SAMPLING tau from the exact target rows (T=1);
-                        no offline sampled figure exists for the block drafters
+    tau_sampled         expected speculative-SAMPLING tau at T=1 from the exact target rows, every family
+                        (``evaluate``: sum_v min(p, q) per draft position, teacher-forced)
     live                ``speculate.run.run_speculate`` on validation prompts at each ``--temperatures``
                         (T=0: output must equal the target's greedy output; T=1: rejection sampling)
 
@@ -102,12 +102,9 @@ def run_recipe(recipe: str, steps: int, args: argparse.Namespace, prep: dict[str
         "train_seconds": round(train_s, 2), "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
         "eval_samples": res["samples"], "eval_blocks": res["blocks"], "note": res["note"], "plot": res.get("plot"),
     }
-    if run.family == "mtp":  # speculative SAMPLING acceptance, what the LK loss optimises
-        from train.acceptance import sampled_acceptance
-
-        sampled = sampled_acceptance(run_dir, dataset, split="validation")
-        row["tau_sampled"] = round(sampled["tau_sampled"], 4)
-        row["alpha_sampled"] = [round(a, 4) for a in sampled["alpha_sampled"]]
+    if res.get("tau_sampled") is not None:  # speculative SAMPLING at T=1 (what the LK loss optimises), every family
+        row["tau_sampled"] = round(res["tau_sampled"], 4)
+        row["alpha_sampled"] = [round(a, 4) for a in res["alpha_sampled"]]
     if prep["target"] is not None and args.live > 0:
         row["live"] = {f"T={t:g}": live(prep["target"], run_dir, prep["dataset"], prep["conversations"],
                                          temperature=t, samples=args.live, max_new_tokens=args.max_new_tokens)
@@ -163,7 +160,7 @@ def main() -> None:
     write_result(name, {
         "benchmark": "quality",
         "what": "tau of drafters on the target's validation split: offline greedy (uniform anchors; replayed "
-                "round by round), offline sampled (MTP, exact target rows), live speculative decoding at T=0 and T=1",
+                "round by round), offline sampled (exact target rows, every family), live speculative decoding at T=0 and T=1",
         "target": {"kind": "dataset" if args.dataset else args.target, "quick": args.quick,
                    "workdir": str(args.workdir), "dataset": str(prep["dataset"]),
                    "prepare_seconds": round(prep_s, 2), "build": prep["info"],

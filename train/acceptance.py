@@ -3,15 +3,14 @@
 Every family's ``acceptance()`` returns :class:`AcceptanceCounts`; evaluation sums them and turns
 the conditional rates alpha_k into the acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j.
 :func:`replay_rounds` replays greedy decoding round by round on teacher-forced block outcomes, so
-the offline number is comparable with live decoding. :func:`sampled_acceptance` is MTP's expected
-speculative-SAMPLING acceptance (it loads the run through ``train.run``, imported lazily: the model
-files import this module).
+the offline number is comparable with live decoding. Sampled decoding's acceptance is each family's
+``sampled_acceptance`` (sum_v min(p, q) per draft position), summed by ``train.evaluate`` and turned into
+tau by the same :func:`tau_from_alpha`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,32 +96,3 @@ def tau_from_alpha(alpha: list[float]) -> float:
         run *= a
         tau += run
     return tau
-
-
-def sampled_acceptance(run_dir: str | Path, data: Any, *, split: str = "validation", max_tokens: int = 4096) -> dict:
-    """Expected speculative-SAMPLING acceptance of a trained MTP run on a split (no target needed).
-
-    Per depth k: alpha_k = mean over valid rows of sum_v min(p_v, q_v) (p the exact target row).
-    ``tau_sampled`` = 1 + sum_k prod_{j<=k} alpha_j treats depths as independent given acceptance of
-    the earlier ones (an estimate; exact for D = 1). Greedy acceptance is ``train.evaluate``'s.
-    """
-    from train.data import BatchStream
-    from train.run import build_drafter, load_run, open_source
-
-    run, _, state = load_run(run_dir)
-    if run.family != "mtp":
-        raise ValueError(f"{run_dir} trained a {run.family!r} drafter; sampled_acceptance reads MTP runs only")
-    src = open_source(data, split)
-    model = build_drafter(run, src)
-    model.load_state_dict(state["draft"])
-    model.eval()
-    stream = BatchStream(src.opener(seed=run.train.seed, rank=0, world_size=1, shuffle=False),
-                         max_tokens=max_tokens, max_batch_size=run.train.max_batch_size, max_epochs=1)
-    total = None
-    for batch in stream:
-        s, c = model.expected_acceptance(batch)
-        total = (s, c) if total is None else (total[0] + s, total[1] + c)
-    if total is None:
-        raise ValueError(f"split {split!r} gave no samples with supervised tokens")
-    alpha = [float(a / n) if n > 0 else 0.0 for a, n in zip(*total)]
-    return {"alpha_sampled": alpha, "tau_sampled": tau_from_alpha(alpha), "rows": [int(n) for n in total[1]]}

@@ -34,14 +34,16 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from shards.head import embed, head_spec, project
+from shards.head import embed, head_spec, project, teacher_logits
 from shards.taps import default_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
 from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask
-from train.teacher import exact_last_tap, gather_exact, gather_topk, require_last_hidden
+from train.chunks import map_row_chunks
+from train.divergences import kl_tv_full
+from train.teacher import exact_last_tap, gather_exact, gather_topk, last_hidden, require_last_hidden
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
@@ -510,6 +512,46 @@ class DFlashDrafter(Drafter):
         return {"logits_scaling_folded_into": "norm.weight",
                 "logits": f"target lm_head(draft output){cap}: the target's logits_scaling is folded into "
                           "norm.weight (exported norm.weight = trained norm.weight / logits_scaling)"}
+
+    def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Tempered draft logits [R, V] of slots whose hidden rows are ``h_RH``: softmax of them is what
+        sampled drafting draws from (``prev_R``, each slot's predecessor token, is unused by DFlash)."""
+        return self.logits(h_RH) / temperature
+
+    @torch.no_grad()
+    def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """sum_v min(p_v, q_v) per slot k (p: the target's exact row a + k - 1; q: the slot's sampling distribution),
+        summed over every eligible anchor's valid slots, teacher-forced; ([B-1], [B-1]) float64."""
+        if temperature <= 0:
+            raise ValueError(f"sampled acceptance needs a temperature > 0, got {temperature}")
+        ids = batch["input_ids"]
+        Bs, T = ids.shape
+        K = self.config.block_size - 1
+        anchors, vblk = self.eval_anchors(batch)
+        _, valid, tpos = self._targets(batch, anchors, vblk)
+        last = last_hidden(batch, self.last_tap)
+        ctx = self.context(batch["taps"])
+        sums, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+        for c in self.anchor_chunks(anchors):
+            v, tp = valid[:, c], tpos[:, c]
+            if not bool(v.any()):
+                continue
+            h = self.block_hidden(ids, ctx, anchors[:, c])[:, :, 1:][v]  # [R, H]
+            b = torch.arange(Bs, device=ids.device)[:, None, None].expand_as(v)[v]
+            row = tp[v] - 1  # the target row predicting the slot's token
+            prev = ids[b, row]  # the slot's teacher-forced predecessor
+
+            def alpha(hq, ht, pv):
+                p = teacher_logits(ht, self.target_norm, self.lm_head, self.head_spec, norm_bias_H=self.target_norm_bias,
+                                   lm_head_bias_V=self.lm_head_bias) / temperature
+                q = self.slot_logits(hq, pv, temperature)
+                return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
+
+            (a,) = map_row_chunks(alpha, [h, last[b, row], prev], max(self.config.ce_chunk_size, 0) or 2048)
+            slot = torch.arange(K, device=ids.device).expand_as(v)[v]
+            sums.index_add_(0, slot.cpu(), a.double().cpu())
+            counts.index_add_(0, slot.cpu(), torch.ones_like(a, dtype=torch.float64).cpu())
+        return sums, counts
 
     # -- export ------------------------------------------------------------------------------
     def export_config(self) -> dict[str, Any]:

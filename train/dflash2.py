@@ -229,6 +229,14 @@ class DFlash2Drafter(DFlashDrafter):
         tokens, q = walk(self.selector, self.logits(h), h, first, temperature=temperature, generator=generator)
         return tokens[0, 1:].cpu(), (q[0, 1:] if q is not None else None)
 
+    def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The selector's tempered scores S(prev, b) / T on each slot's candidates, -inf elsewhere: sampled
+        drafting draws from their softmax (``train.selector.walk``)."""
+        z = self.logits(h_RH)
+        cand, U = self.selector.candidates(z)
+        S = self.selector.scores(prev_R, h_RH, cand, U)
+        return torch.full_like(z, float("-inf")).scatter_(-1, cand, (S / temperature).to(z.dtype))
+
     # -- export ------------------------------------------------------------------------------
     def export_config(self) -> dict[str, Any]:
         doc = super().export_config()

@@ -92,6 +92,16 @@ class Drafter(nn.Module):
         """Teacher-forced acceptance on one batch: a ``train.acceptance.AcceptanceCounts``."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative-SAMPLING acceptance by draft position: (sum over rows of sum_v min(p_v, q_v), rows), [K] each.
+
+        p is the target's exact row (its last hidden state through the head) at ``temperature``, q the
+        distribution the drafter's ``propose`` samples from at that temperature, every draft position
+        teacher-forced on the dataset's tokens (an estimate of live sampled decoding; greedy is ``acceptance``).
+        """
+        raise NotImplementedError(f"drafter family {self.family!r} has no sampled acceptance")
+
     def frozen_to(self, dtype: torch.dtype) -> None:
         """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
         for name in self.frozen:

@@ -27,6 +27,7 @@ from typing import Any
 from train.acceptance import AcceptanceCounts, tau_from_alpha
 from train.data import BatchStream, collate, has_targets, to_device, truncate
 from train.run import Trained, load_trained
+from train.teacher import last_hidden_source
 
 
 def evaluate(
@@ -41,11 +42,14 @@ def evaluate(
     plot: bool = True,
     template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result.
 
     ``template`` (Jinja text) / ``template_kwargs``: the chat-template settings the drafter is meant for;
-    a dataset captured with others is refused (None: no expectation)."""
+    a dataset captured with others is refused (None: no expectation). ``temperature`` > 0 also measures
+    speculative SAMPLING at that temperature (``tau_sampled``) when the dataset holds the target's exact
+    last hidden state; 0 measures greedy decoding only."""
     loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
     model, src, run, state, ck, split = loaded.model, loaded.src, loaded.run, loaded.state, loaded.checkpoint, loaded.split
     run_dir = Path(run_dir)
@@ -56,18 +60,28 @@ def evaluate(
         max_epochs=1,
     )
     total: AcceptanceCounts | None = None
+    sampled_note = None
+    if temperature > 0 and last_hidden_source(src.layout) is None:
+        sampled_note = ("sampled acceptance needs the target's exact last hidden state (final_hidden or a lossless "
+                        "last-layer tap), which this dataset lacks")
+    sampled = None
     n = 0
     for batch in stream:
         if max_samples is not None and n >= max_samples:
             break
         n += len(batch["sample_id"])
-        acc = model.acceptance(to_device(batch, device))
+        batch = to_device(batch, device)
+        if temperature > 0 and sampled_note is None:
+            s, c = model.sampled_acceptance(batch, temperature)
+            sampled = (s, c) if sampled is None else (sampled[0] + s, sampled[1] + c)
+        acc = model.acceptance(batch)
         acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
                                acc.round_tokens, acc.rounds)
         total = acc if total is None else total + acc
     if total is None:
         raise ValueError(f"{src.where} split {split!r} gave no samples with supervised tokens to evaluate")
     alpha = [float(a / r) if r > 0 else 0.0 for a, r in zip(total.accepted, total.reached)]
+    alpha_s = [float(a / c) if c > 0 else 0.0 for a, c in zip(*sampled)] if sampled is not None else None
     acc_k = [float(c / v) if v > 0 else None for c, v in zip(total.correct, total.valid)]
     by_target = src.responses_by_target()
     if by_target is True:
@@ -90,6 +104,13 @@ def evaluate(
         "block_size": int(total.accepted.shape[0]) + 1,
         "tau": tau_from_alpha(alpha),
         "tau_replayed": total.round_tokens / total.rounds if total.rounds else None,
+        "temperature": temperature if sampled is not None else None,
+        "tau_sampled": tau_from_alpha(alpha_s) if sampled is not None else None,
+        "alpha_sampled": alpha_s if sampled is not None else None,
+        "sampled_note": sampled_note or (
+            "sampled tau = 1 + sum_k prod_{j<=k} alpha_k with alpha_k = mean over draft position k of sum_v "
+            "min(p_v, q_v), every position teacher-forced (an estimate of live rejection sampling)"
+            if sampled is not None else None),
         "alpha": alpha,
         "accuracy": acc_k,
         "reached": [int(x) for x in total.reached],
@@ -158,10 +179,15 @@ def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:
 def format_result(result: dict[str, Any]) -> str:
     """A one-screen text summary for the CLI."""
     lines = [
-        f"tau = {result['tau']:.3f}  ({result['family']}, step {result['step']}, split {result['split']}, "
+        f"tau = {result['tau']:.3f}  (greedy; {result['family']}, step {result['step']}, split {result['split']}, "
         f"{result['samples']} samples, {result['blocks']} blocks)",
         "alpha_k: " + " ".join(f"{a:.2f}" for a in result["alpha"]),
     ]
+    if result.get("tau_sampled") is not None:
+        lines.append(f"tau sampled at T={result['temperature']:g} (rejection sampling, teacher-forced) = "
+                     f"{result['tau_sampled']:.3f}  alpha_k: " + " ".join(f"{a:.2f}" for a in result["alpha_sampled"]))
+    elif result.get("sampled_note"):
+        lines.append(f"no sampled tau: {result['sampled_note']}")
     if result.get("tau_replayed") is not None:
         lines.append(f"tau replayed round by round from each reply's start (comparable with live decoding) = "
                      f"{result['tau_replayed']:.3f}")

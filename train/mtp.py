@@ -478,13 +478,15 @@ class MTPDrafter(Drafter):
         return counts
 
     @torch.no_grad()
-    def expected_acceptance(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled-decoding acceptance per depth: (sum over valid rows of sum_v min(p_v, q_v), row count), [D] each.
 
         p is the exact target distribution at row t + k (the row predicting the same token), q the
-        head's. This is what speculative SAMPLING accepts per draft token (greedy acceptance is
-        ``acceptance``); the LK loss optimises it directly. Rows are teacher-forced per depth.
+        head's, both at ``temperature``. This is what speculative SAMPLING accepts per draft token (greedy
+        acceptance is ``acceptance``); at T = 1 the LK loss optimises it directly. Rows are teacher-forced.
         """
+        if temperature <= 0:
+            raise ValueError(f"sampled acceptance needs a temperature > 0, got {temperature}")
         run = self.run_depths(batch)
         last = self.last_hidden(batch)
         sums, counts = [], []
@@ -494,8 +496,8 @@ class MTPDrafter(Drafter):
             t_h = last[(rows[0], rows[1] + k)]
 
             def fn(a, b, k=k):
-                q = self.logits(k, a)
-                p = self.teacher(b)
+                q = self.logits(k, a) / temperature
+                p = self.teacher(b) / temperature
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 
             (alpha,) = map_row_chunks(fn, [run["h"][k - 1][rows], t_h], self.config.chunk_rows)

@@ -275,3 +275,33 @@ def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
     for f in ("accepted", "reached", "correct", "valid"):
         assert torch.equal(getattr(a_small, f), getattr(a_big, f)), f
     assert (a_small.round_tokens, a_small.rounds) == (a_big.round_tokens, a_big.rounds)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_acceptance_is_the_overlap_of_the_live_proposal_with_the_exact_target_row(tmp_path, temperature):
+    """Offline sampled acceptance at slot k = sum_v min(p, q): q what ``propose`` samples from at that anchor,
+    p the target's exact row a + k - 1 at the same temperature; a float64 loop over every anchor gives the same sums."""
+    from shards.head import teacher_logits
+
+    bundle = tiny_bundle(tmp_path, scaling=1.3)
+    layout = tiny_layout(bundle, tap_ids=(1, 3))  # the last layer (3) tapped: the exact teacher exists
+    s = synthetic_samples(bundle, layout, 1, min_len=20, max_len=20, seed=4)[0]
+    torch.manual_seed(0)
+    model = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=4, target_layer_ids=(1,), max_total_anchors=5),
+                                bundle, layout).eval()
+    got_s, got_c = model.sampled_acceptance(collate([s]), temperature)
+    ids, lm, taps = s["input_ids"].long(), s["loss_mask"], s["taps"].float()
+    sums, counts = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for a in range(len(ids) - 1):
+        if not lm[a]:
+            continue
+        _, q = model.propose(ids[: a + 1], taps[:a], temperature=temperature, generator=torch.Generator())
+        for k in range(1, 4):
+            if a + k >= len(ids) or not lm[a + k]:
+                continue
+            z = teacher_logits(taps[a + k - 1, 1][None], model.target_norm, model.lm_head, model.head_spec)[0]
+            p = torch.softmax(z.double() / temperature, -1)
+            sums[k - 1] += torch.minimum(p, q[k - 1].double()).sum()
+            counts[k - 1] += 1
+    assert torch.equal(got_c, counts) and counts.sum() > 20
+    torch.testing.assert_close(got_s, sums, rtol=1e-5, atol=1e-5)

@@ -306,12 +306,12 @@ def test_batch_without_supervised_rows_still_reaches_every_parameter():
     assert all(p.grad is not None for p in d.parameters())
 
 
-def test_expected_acceptance_is_one_minus_tv_of_exact_rows():
+def test_sampled_acceptance_is_one_minus_tv_of_exact_rows():
     torch.manual_seed(7)
     bundle, layout = tiny_bundle(), tiny_layout()
     d = MTPDrafter.build(MTPConfig(num_depths=2, loss_type="lk", lk_lambda=0.0), bundle, layout)
     batch = batch_of(layout, bundle)
-    s, c = d.expected_acceptance(batch)
+    s, c = d.sampled_acceptance(batch)
     out = d(batch)  # lambda 0: the LK term is the sum of TV over the same rows
     for k in (1, 2):
         tv_sum, n = out.terms[f"mtp_d{k}"][0].item(), int(out.terms[f"mtp_d{k}"][1])

@@ -162,6 +162,8 @@ def test_dflash2_sampled_proposal_samples_through_the_selector():
         torch.testing.assert_close(q[k - 1], want)
         assert int(tok[k - 1]) in cand[0].tolist()
     assert ((q > 0).sum(-1) <= 4).all() and torch.allclose(q.sum(-1), torch.ones(4))
+    # the offline sampled acceptance reads the same distributions (given the same predecessors)
+    torch.testing.assert_close(torch.softmax(model.slot_logits(h[1:], prev, 1.0), -1), q)
     # the backbone alone would put mass on every id: the selector's re-ranking changed the distribution
     assert not torch.allclose(q[0], torch.softmax(z[1], -1), atol=1e-3)
     # a near-zero temperature is the greedy walk

@@ -487,8 +487,7 @@ class DFlashDrafter(Drafter):
         """Greedy drafts long [Bs, N, B-1] of slots 1..B-1 for blocks at ``anchors`` (argmax of the draft logits)."""
         h = self.block_hidden(batch["input_ids"], ctx_BTH, anchors_BN)[:, :, 1:]
         rows = h.reshape(-1, h.shape[-1])
-        step = max(self.config.ce_chunk_size, 1) if self.config.ce_chunk_size > 0 else max(rows.shape[0], 1)
-        pred = [self.logits(r).argmax(-1) for r in rows.split(step)]
+        pred = [self.logits(r).argmax(-1) for r in rows.split(self.logits_chunk_rows())]
         return (torch.cat(pred) if pred else rows.new_zeros(0, dtype=torch.long)).view(h.shape[:3])
 
     @torch.no_grad()
@@ -512,6 +511,10 @@ class DFlashDrafter(Drafter):
         return {"logits_scaling_folded_into": "norm.weight",
                 "logits": f"target lm_head(draft output){cap}: the target's logits_scaling is folded into "
                           "norm.weight (exported norm.weight = trained norm.weight / logits_scaling)"}
+
+    def logits_chunk_rows(self) -> int:
+        """Rows whose [rows, V] logits evaluation builds at a time (``ce_chunk_size``; <= 0: 2048)."""
+        return self.config.ce_chunk_size if self.config.ce_chunk_size > 0 else 2048
 
     def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
         """Tempered draft logits [R, V] of slots whose hidden rows are ``h_RH``: softmax of them is what
@@ -547,7 +550,7 @@ class DFlashDrafter(Drafter):
                 q = self.slot_logits(hq, pv, temperature)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 
-            (a,) = map_row_chunks(alpha, [h, last[b, row], prev], max(self.config.ce_chunk_size, 0) or 2048)
+            (a,) = map_row_chunks(alpha, [h, last[b, row], prev], self.logits_chunk_rows())
             slot = torch.arange(K, device=ids.device).expand_as(v)[v]
             sums.index_add_(0, slot.cpu(), a.double().cpu())
             counts.index_add_(0, slot.cpu(), torch.ones_like(a, dtype=torch.float64).cpu())

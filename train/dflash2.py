@@ -20,9 +20,10 @@ injection, anchors, visibility mask, slot weights, KD, checkpointing, export lay
     total = backbone (CE [+ KD]) + selector_loss_weight x selector, each normalised by its own
     count over the data-parallel group (``train.drafter.combine_terms``).
 
-The selector reads the full [rows, V] draft logits, so DFlash2 computes them densely (once, shared
-by the backbone CE, the KD term and the selector) and refuses the chunked lm_head + CE path
-(``ce_chunk_size`` must be <= 0). Drafting walks the selector from slot 0: greedily at eval and in
+The selector reads each row's full draft logits, so DFlash2 computes them densely, shared by the
+backbone CE, the KD term and the selector, but one checkpointed chunk of rows at a time
+(``train.chunks.map_row_chunks``): at V = 152k the recipe's 4096 anchors x 15 slots would otherwise
+hold ~37 GB of float32 logits; a chunk is sized from the vocabulary (``logits_budget_mib``). Drafting walks the selector from slot 0: greedily at eval and in
 greedy decoding, by sampling its candidate distribution in sampled decoding (``train.selector.walk``).
 
 Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows,
@@ -40,6 +41,7 @@ from torch import nn
 
 from train.chunks import map_row_chunks
 from train.dflash import DFlashConfig, DFlashDrafter, _metrics, acceptance_counts
+from shards.head import teacher_logits
 from train.divergences import kl_tv_full, kl_tv_topk
 from train.drafter import LossOutput
 from train.layers import DecoderLayer
@@ -52,7 +54,10 @@ class DFlash2Config(DFlashConfig):
     """DFlash settings plus the convolutions and the path selector."""
 
     ce_chunk_size: int = 0
-    """Must stay <= 0: the selector needs the dense draft logits (the chunked CE path is refused)."""
+    """Rows per checkpointed chunk of draft logits (CE, KD and the selector see a chunk's dense logits);
+    0 = derived from the vocabulary size and ``logits_budget_mib``."""
+    logits_budget_mib: int = 1024
+    """With ce_chunk_size 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
     conv_group_size: int = 16
     """Channels per group sharing one pair of dynamic conv taps (must divide the hidden size)."""
     selector_candidates: int = 16
@@ -66,12 +71,8 @@ class DFlash2Config(DFlashConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.ce_chunk_size > 0:
-            raise ValueError(
-                f"DFlash2 cannot use the fused/chunked lm_head + CE path (ce_chunk_size={self.ce_chunk_size}): its "
-                "path selector needs the dense draft logits of every slot to take their top candidates; set "
-                "ce_chunk_size: 0 (or train the 'dflash' recipe for the memory-bounded chunked path)"
-            )
+        if self.logits_budget_mib < 1:
+            raise ValueError(f"logits_budget_mib must be >= 1, got {self.logits_budget_mib}")
         if self.conv_group_size < 1:
             raise ValueError(f"conv_group_size must be >= 1, got {self.conv_group_size}")
         if self.selector_candidates < 1 or self.selector_rank < 1:
@@ -172,32 +173,54 @@ class DFlash2Drafter(DFlashDrafter):
         h_rows = h[:, :, 1:][valid]  # [R, H]
         y = labels[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
-        z = self.logits(h_rows)  # dense [R, V], shared by CE, KD and the selector
-        ce = F.cross_entropy(z, y, reduction="none")
         teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
-        kd = None
-        if cfg.kd == "exact":
-            kd = kl_tv_full(teacher.logits().to(z.dtype), z)[0]
-        elif cfg.kd == "topk":
-            kd = kl_tv_topk(teacher.ids_Rk, teacher.logprobs_Rk, z)[0]
-        terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
-        terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         T = batch["input_ids"].shape[1]
         prev_pos = (tpos - 1).clamp(max=T - 1).view(tpos.shape[0], -1)
         prev = batch["input_ids"].gather(1, prev_pos).view_as(tpos)[valid]  # teacher-forced predecessor
-        sel = selector_loss(self.selector, z, h_rows, prev, y, torch.ones_like(y, dtype=torch.bool),
-                            gold_miss=cfg.selector_gold_miss)
+        extra = [] if teacher is None else (
+            [teacher.hidden_RH] if cfg.kd == "exact" else [teacher.ids_Rk, teacher.logprobs_Rk])
+        ce, kd, sel_sum, sel_n, path, gold_in, sel_ok, bb_ok = map_row_chunks(
+            self._row_losses, [h_rows, y, prev, *extra], self.logits_chunk_rows())
+        terms = weighted_terms(ce, w, kd if cfg.kd != "none" else None, kd_w, ce_weight=cfg.ce_weight,
+                               kd_weight=cfg.kd_weight)
+        terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         # 0 * sum(params) keeps the codebooks in the graph on a rank whose rows all missed
         anchor = 0.0 * sum(p.sum() for p in self.selector.parameters())
-        terms["selector"] = (sel.loss_sum + anchor, sel.count, cfg.selector_loss_weight)
+        n_rows = torch.tensor(int(y.numel()), device=y.device)
+        terms["selector"] = (sel_sum.sum() + anchor, sel_n.sum(), cfg.selector_loss_weight)
         # acc@k / alpha@k follow the selector's path (teacher-forced predecessor), as drafting does
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
-        corr[valid] = sel.path == y
+        corr[valid] = path == y
         metrics = _metrics(acceptance_counts(corr, valid))
-        metrics["selector_candidate_recall"] = (sel.gold_in_candidates, sel.valid)
-        metrics["selector_path_acc"] = (sel.selector_correct, sel.valid)
-        metrics["backbone_argmax_acc"] = (sel.backbone_correct, sel.valid)
+        metrics["selector_candidate_recall"] = (gold_in.sum(), n_rows)
+        metrics["selector_path_acc"] = (sel_ok.sum(), n_rows)
+        metrics["backbone_argmax_acc"] = (bb_ok.sum(), n_rows)
         return LossOutput(terms=terms, metrics=metrics)
+
+    def logits_chunk_rows(self) -> int:
+        """Rows per checkpointed chunk of the dense loss: ``ce_chunk_size``, or (0) as many as keep a chunk's
+        [rows, V] float32 logits and their ~3 same-sized temporaries within ``logits_budget_mib``."""
+        if self.config.ce_chunk_size > 0:
+            return self.config.ce_chunk_size
+        return max(1, (self.config.logits_budget_mib << 20) // (4 * 4 * self.vocab_size))
+
+    def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, *teacher: torch.Tensor):
+        """Per-row CE and KD, the selector's summed CE and counts, for one chunk of rows (logits built here only)."""
+        cfg = self.config
+        z = self.logits(h)
+        ce = F.cross_entropy(z, y, reduction="none")
+        if cfg.kd == "exact":
+            p = teacher_logits(teacher[0], self.target_norm, self.lm_head, self.head_spec,
+                               norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias)
+            kd = kl_tv_full(p.to(z.dtype), z)[0]
+        elif cfg.kd == "topk":
+            kd = kl_tv_topk(teacher[0], teacher[1], z)[0]
+        else:
+            kd = torch.zeros_like(ce)
+        sel = selector_loss(self.selector, z, h, prev, y, torch.ones_like(y, dtype=torch.bool),
+                            gold_miss=cfg.selector_gold_miss)
+        return (ce, kd, sel.loss_sum.reshape(1), sel.count.reshape(1), sel.path, sel.gold_in_candidates.reshape(1),
+                sel.selector_correct.reshape(1), sel.backbone_correct.reshape(1))
 
     # -- eval --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -208,7 +231,7 @@ class DFlash2Drafter(DFlashDrafter):
         Bs, N, B, H = h.shape
         first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
         hb = h.reshape(Bs * N, B, H)
-        step = max(1, 4096 // B)  # blocks per chunk: [step, B, V] logits at a time
+        step = max(1, self.logits_chunk_rows() // B)  # blocks per chunk: [step, B, V] logits at a time
         (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.selector, self.logits(hc), hc, fc),), [hb, first], step)
         return out.view(Bs, N, B)
 

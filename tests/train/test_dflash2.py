@@ -115,11 +115,42 @@ def test_block_conv_reference_and_never_crosses_blocks():
         BlockConv(10, block_size=3, group_size=4)
 
 
-def test_chunked_ce_refused_with_reason():
-    with pytest.raises(ValueError, match="dense draft logits"):
-        DFlash2Config(ce_chunk_size=2048)
-    with pytest.raises(ValueError, match="dense draft logits"):
-        load_run_config("dflash2", overrides=["ce_chunk_size=1024"])
+@pytest.mark.parametrize("kd", ["none", "exact", "topk"])
+def test_chunked_dense_loss_equals_one_chunk_values_and_gradients(setup, kd):
+    """The loss's [rows, V] logits are built one checkpointed chunk at a time; chunking changes nothing."""
+    bundle, layout, batch = setup
+    models = []
+    for chunk, budget in ((0, 1 << 20), (7, 1024)):
+        torch.manual_seed(0)
+        cfg = DFlash2Config(num_layers=1, block_size=4, num_anchors=6, kd=kd, ce_chunk_size=chunk,
+                            logits_budget_mib=budget, selector_candidates=5, selector_rank=8, conv_group_size=8)
+        m = DFlash2Drafter.build(cfg, bundle, layout)
+        with torch.no_grad():
+            for p in m.selector.parameters():
+                p.add_(0.1)  # selector terms non-trivial
+        models.append(m)
+    one, chunked = models
+    assert one.logits_chunk_rows() > 200 and chunked.logits_chunk_rows() == 7
+    outs = [m(batch, torch.Generator().manual_seed(5)) for m in models]
+    for name in outs[0].terms:
+        torch.testing.assert_close(outs[1].terms[name][0], outs[0].terms[name][0], rtol=1e-5, atol=1e-6)
+        assert int(outs[1].terms[name][1]) == int(outs[0].terms[name][1])
+    for name in outs[0].metrics:
+        assert float(outs[1].metrics[name][0]) == float(outs[0].metrics[name][0]), name
+    for m, o in zip(models, outs):
+        combine_terms(o.terms)[0].backward()
+    for (n, p1), p2 in zip(one.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_chunk_rows_follow_the_vocabulary_and_config_is_validated():
+    from types import SimpleNamespace
+
+    cfg = DFlash2Config()
+    fake = SimpleNamespace(config=cfg, vocab_size=151_936)
+    assert DFlash2Drafter.logits_chunk_rows(fake) == 441  # 1 GiB / (4 copies x 4 bytes x 151,936)
+    with pytest.raises(ValueError, match="logits_budget_mib"):
+        DFlash2Config(logits_budget_mib=0)
     with pytest.raises(ValueError, match="selector_gold_miss"):
         DFlash2Config(selector_gold_miss="skip")
     cfg = load_run_config("dflash2", overrides=["max_steps=3"])

@@ -117,7 +117,8 @@ def main() -> None:
                "peak_mem_MiB": {k: round(v / 2**20, 1) for k, v in mem.items()},
                "mem_ratio": round(mem["chunked"] / mem["dense"], 4),
                "step_s_median": {k: round(statistics.median(v), 3) for k, v in times.items()},
-               "time_ratio_median": round(statistics.median(c / d for c, d in zip(times["chunked"], times["dense"])), 3),
+               "time_ratio_median": round(statistics.median(
+                   c / d for c, d in zip(times["chunked"], times["dense"])), 3),
                "loss": round(losses["dense"], 6), "pairs": args.pairs, "load_avg": os.getloadavg()[0]}
         rows.append(row)
         print(f"N={N:4d} R={R:5d}  peak dense {row['peak_mem_MiB']['dense']:8.1f} MiB  chunked "

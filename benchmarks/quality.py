@@ -160,7 +160,8 @@ def main() -> None:
     write_result(name, {
         "benchmark": "quality",
         "what": "tau of drafters on the target's validation split: offline greedy (uniform anchors; replayed "
-                "round by round), offline sampled (exact target rows, every family), live speculative decoding at T=0 and T=1",
+                "round by round), offline sampled (exact target rows, every family), live speculative decoding "
+                "at T=0 and T=1",
         "target": {"kind": "dataset" if args.dataset else args.target, "quick": args.quick,
                    "workdir": str(args.workdir), "dataset": str(prep["dataset"]),
                    "prepare_seconds": round(prep_s, 2), "build": prep["info"],

@@ -305,8 +305,8 @@ class DFlashDrafter(Drafter):
         self.rope_theta = float(tc.get("rope_theta") or 10000.0)
         rope = tc.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"the target uses {rope.get('rope_type')!r} RoPE scaling; the drafters implement plain RoPE "
-                             "(rope_theta) only, so their positions would not mean the target's")
+            raise ValueError(f"the target uses {rope.get('rope_type')!r} RoPE scaling; the drafters implement "
+                             "plain RoPE (rope_theta) only, so their positions would not mean the target's")
         self.max_positions = int(tc.get("max_position_embeddings") or 32768)
         self.target_layer_types = tc.get("layer_types")  # the draft itself attends its whole context
         self.vocab_size = int(bundle.lm_head.shape[0])
@@ -492,7 +492,8 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
-        """Teacher-forced greedy acceptance at every eligible anchor, in order, ``max_total_anchors`` blocks at a time."""
+        """Teacher-forced greedy acceptance at every eligible anchor, in order, ``max_total_anchors`` blocks
+        at a time."""
         anchors, vblk = self.eval_anchors(batch)
         ctx = self.context(batch["taps"])
         pred = torch.cat([self.draft_slots(batch, ctx, anchors[:, c]) for c in self.anchor_chunks(anchors)], 1)
@@ -545,8 +546,8 @@ class DFlashDrafter(Drafter):
             prev = ids[b, row]  # the slot's teacher-forced predecessor
 
             def alpha(hq, ht, pv):
-                p = teacher_logits(ht, self.target_norm, self.lm_head, self.head_spec, norm_bias_H=self.target_norm_bias,
-                                   lm_head_bias_V=self.lm_head_bias) / temperature
+                p = teacher_logits(ht, self.target_norm, self.lm_head, self.head_spec,
+                                   norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias) / temperature
                 q = self.slot_logits(hq, pv, temperature)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 

@@ -23,8 +23,9 @@ injection, anchors, visibility mask, slot weights, KD, checkpointing, export lay
 The selector reads each row's full draft logits, so DFlash2 computes them densely, shared by the
 backbone CE, the KD term and the selector, but one checkpointed chunk of rows at a time
 (``train.chunks.map_row_chunks``): at V = 152k the recipe's 4096 anchors x 15 slots would otherwise
-hold ~37 GB of float32 logits; a chunk is sized from the vocabulary (``logits_budget_mib``). Drafting walks the selector from slot 0: greedily at eval and in
-greedy decoding, by sampling its candidate distribution in sampled decoding (``train.selector.walk``).
+hold ~37 GB of float32 logits; a chunk is sized from the vocabulary (``logits_budget_mib``).
+Drafting walks the selector from slot 0: greedily at eval and in greedy decoding, by sampling its
+candidate distribution in sampled decoding (``train.selector.walk``).
 
 Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows,
 G channel groups.
@@ -224,7 +225,8 @@ class DFlash2Drafter(DFlashDrafter):
 
     # -- eval --------------------------------------------------------------------------------
     @torch.no_grad()
-    def draft_blocks(self, batch: dict[str, Any], anchors: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
+    def draft_blocks(self, batch: dict[str, Any], anchors: torch.Tensor,
+                     ctx: torch.Tensor | None = None) -> torch.Tensor:
         """Drafted tokens long [Bs, N, B]: slot 0 = the anchor token, then the selector's greedy walk."""
         ids = batch["input_ids"]
         h = self.block_hidden(ids, self.context(batch["taps"]) if ctx is None else ctx, anchors)

@@ -69,8 +69,8 @@ def _check(config: dict[str, Any], layout: str) -> float:
             "export one depth, or use --layout deepseek"
         )
     if layout == "vllm-qwen3-next" and int(config["num_nextn_predict_layers"]) > 1:
-        raise ValueError("vLLM's Qwen3-Next MTP shares one fc, pre-fc norms and output norm across its layers; this head "
-                         f"has {config['num_nextn_predict_layers']} physical depths with their own: train "
+        raise ValueError("vLLM's Qwen3-Next MTP shares one fc, pre-fc norms and output norm across its layers; "
+                         f"this head has {config['num_nextn_predict_layers']} physical depths with their own: train "
                          "use_repeated_layer: true (or one depth) for --layout vllm-qwen3-next")
     if layout != "deepseek" and (config.get("target_head") or {}).get("lm_head_bias"):
         raise ValueError(f"the target's lm_head has a bias: {layout!r} loaders apply the lm_head alone and the logits "

@@ -154,7 +154,8 @@ def selector_loss(
 
 @torch.no_grad()
 def walk(selector: PathSelector, logits: torch.Tensor, h: torch.Tensor, first: torch.Tensor, *,
-         temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+         temperature: float = 0.0,
+         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft a block by walking the selector from slot 0, greedily or by sampling.
 
     ``logits`` [N, Bk, V] and ``h`` [N, Bk, H] of N blocks of Bk slots; ``first`` [N] the token in

@@ -89,7 +89,8 @@ def require_last_hidden(layout: Any, what: str) -> None:
         )
     raise ValueError(
         f"{what} needs the target's last hidden state, but this dataset has neither final_hidden nor a tap of the "
-        f"last layer ({last}; taps are {list(layout.tap_ids)}); capture again with final_hidden or the last layer tapped"
+        f"last layer ({last}; taps are {list(layout.tap_ids)}); capture again with final_hidden or the last layer "
+        "tapped"
     )
 
 

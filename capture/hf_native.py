@@ -27,6 +27,7 @@ Shapes: A audios, M mel bins, F feature frames, N audio frames, T expanded lengt
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,7 +103,7 @@ class HFSpeechTarget(Target):
 
     # -------------------------------------------------------------- shared
     def prepare(self, conv: Conversation, index: int) -> NativePrepared:
-        wrapped = Conversation(conv.sample_id, conv.source, self._wrap(conv.messages), conv.audios, conv.line)
+        wrapped = dataclasses.replace(conv, messages=self._wrap(conv.messages))
         tok = self._tokenize(wrapped)
         ids, mask = tok.ids, tok.mask
         n_ph = int((ids == self.audio_token_id).sum())
@@ -117,7 +118,7 @@ class HFSpeechTarget(Target):
                                  f"most {limit / self.sample_rate:.0f}s per audio: split it")
             waves.append(w)
             seconds += s
-        text = self.template.render(wrapped.messages)
+        text = self.template.render(wrapped.messages, add_generation_prompt=conv.generation_prompt)
         exp_ids, n_frames, feats, fmasks = self._process(text, waves)
         # repeat the template's mask over each audio run; must reproduce the processor's ids exactly
         reps = torch.ones_like(ids)

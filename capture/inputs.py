@@ -77,6 +77,10 @@ class Conversation:
     messages: list[dict[str, str]]
     audios: list[AudioRef] = field(default_factory=list)
     line: int | None = None
+    generation_prompt: bool = False
+    """Render with the chat template's generation prompt (the conversation ends before the reply to write)."""
+    record: dict[str, Any] | None = None
+    """The JSONL record it was parsed from (regeneration keeps its other fields)."""
 
 
 @dataclass
@@ -202,7 +206,7 @@ def read_jsonl(path: str | Path, *, placeholder: str) -> Iterator[Conversation |
             except ValueError as e:
                 yield BadInput(sid, str(path), str(e), lineno)
                 continue
-            yield Conversation(sid, str(path), messages, audios, lineno)
+            yield Conversation(sid, str(path), messages, audios, lineno, record=rec)
 
 
 def read_hf_dataset(

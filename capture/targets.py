@@ -20,6 +20,7 @@ processor expands the audio token: Qwen2-Audio, Granite Speech). Shapes: B batch
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,8 +174,38 @@ class Target(ABC):
             ids += [int(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if x is not None]
         return sorted(set(ids))
 
+    def prepare_prompt(self, conv: Conversation, index: int) -> Prepared:
+        """:meth:`prepare` for a conversation that ends before the reply to generate: rendered with the
+        template's generation prompt; earlier assistant turns keep their supervision."""
+        return self.prepare(dataclasses.replace(conv, generation_prompt=True), index)
+
+    def reply_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The supervised ids of the last assistant turn as the template renders it (content + end of turn):
+        a generated reply survives the text round trip when these equal the ids it was generated as."""
+        tok = self.template.tokenize(messages)
+        ids, mask = tok.ids.tolist(), tok.mask.tolist()
+        if not any(mask):
+            return []
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        return ids[start:end]
+
     def _tokenize(self, conv: Conversation) -> Tokenized:
-        return self.template.tokenize(conv.messages)
+        if not conv.generation_prompt:
+            return self.template.tokenize(conv.messages)
+        ids = self.template.encode(self.template.render(conv.messages, add_generation_prompt=True))
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        if any(m["role"] == "assistant" for m in conv.messages):  # earlier turns stay supervised where they can
+            try:
+                done = self.template.tokenize(conv.messages)
+            except ValueError:  # none of them can be: the prompt is all unsupervised
+                done = None
+            n = 0 if done is None else int(done.ids.shape[0])
+            if done is not None and ids[:n] == done.ids.tolist():
+                mask[:n] = done.mask
+        return Tokenized(torch.tensor(ids, dtype=torch.long), mask)
 
     def bundle_config(self) -> dict[str, Any]:
         c = self.lm_config
@@ -358,27 +389,49 @@ def run_batch(
         attn[b, :T] = 1
     with LayerTaps(target.layers, sorted(set(tap_ids) | {L - 1})) as hooks:
         target.decoder(inputs_embeds=emb, attention_mask=attn, use_cache=False)
-    head = target.head
-    samples = []
+    states = []
     for b, (p, e) in enumerate(zip(batch, exps)):
         T = int(e.input_ids.shape[0])
         if T != p.length:
             raise AssertionError(f"expanded length {T} != predicted {p.length} for {p.sample_id}")
-        taps = torch.stack([hooks.out[i][b, :T] for i in tap_ids], dim=1)  # [T, n, H]
-        last = hooks.out[L - 1][b, :T]  # [T, H]
+        states.append((torch.stack([hooks.out[i][b, :T] for i in tap_ids], dim=1), hooks.out[L - 1][b, :T]))
+    return sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden, audio_embeds=audio_embeds,
+                         row_chunk=row_chunk)
+
+
+def sample_fields(
+    target: Target,
+    exps: Sequence[Expanded],
+    states: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    top_k: int,
+    final_hidden: bool = False,
+    audio_embeds: bool = False,
+    row_chunk: int = 1024,
+) -> list[dict[str, torch.Tensor]]:
+    """Per-sample stored fields from each sample's (taps [T, n, H], last layer pre-norm [T, H]).
+
+    The one home of what a sample holds (teacher rows, bf16 casts), shared by the padded forward
+    (:func:`run_batch`) and fused capture (states gathered during generation). Finiteness is the
+    writer's check.
+    """
+    head = target.head
+    dev = target.device
+    samples = []
+    for e, (tap_TnH, last_TH) in zip(exps, states):
         s: dict[str, torch.Tensor] = {
             "input_ids": e.input_ids.to(torch.int32),
             "is_audio": e.is_audio,
             "loss_mask": e.loss_mask,
-            "taps": taps,
+            "taps": tap_TnH,
         }
         if final_hidden:
-            s["final_hidden"] = last
+            s["final_hidden"] = last_TH
         if audio_embeds:
             s["audio_embeds"] = e.inputs_embeds[e.is_audio]
         if top_k > 0:
             rows = teacher_rows(e.loss_mask.cpu()).to(dev)
-            ids, lps = topk_teacher(last[rows.long()], head, top_k, row_chunk=row_chunk)
+            ids, lps = topk_teacher(last_TH[rows.long()], head, top_k, row_chunk=row_chunk)
             s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
         for name in ("taps", "final_hidden", "audio_embeds"):
             if name in s:

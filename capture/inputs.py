@@ -288,12 +288,16 @@ def input_digest(spec: str) -> str | None:
 
 
 def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Conversation | BadInput]:
-    """``*.jsonl`` -> :func:`read_jsonl`; ``hf:NAME_OR_DIR[:split]`` or a dataset dir -> :func:`read_hf_dataset`."""
+    """``*.jsonl`` -> :func:`read_jsonl`; a directory of ``*.jsonl`` shards -> each in name order;
+    ``hf:NAME_OR_DIR[:split]`` or an HF dataset dir -> :func:`read_hf_dataset`."""
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
         return read_hf_dataset(name, split=split or "train", placeholder=placeholder, **hf_kwargs)
     p = Path(spec)
     if p.is_dir():
+        shards = sorted(p.glob("*.jsonl"))
+        if shards and not any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            return (c for s in shards for c in read_jsonl(s, placeholder=placeholder))
         return read_hf_dataset(spec, placeholder=placeholder, **hf_kwargs)
     return read_jsonl(p, placeholder=placeholder)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import threading
 import time
@@ -44,13 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from capture.config import INPUTS_KEY, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
 from capture.inputs import BadInput, input_digest, read_inputs, stored_source
 from capture.load import load_target
+from capture.stages import barrier as _barrier
+from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from capture.stages import dist_env as _dist_env
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
@@ -66,46 +68,6 @@ CONFIG_FILE = "capture_config.json"
 
 
 # ------------------------------------------------------------------------------------------ stages
-def numbered(items: Iterable[Any], max_samples: int | None) -> Iterator[tuple[int, Any]]:
-    """(global index, item) for the first ``max_samples`` items."""
-    return enumerate(islice(items, max_samples))
-
-
-def rank_slice(items: Iterable[tuple[int, Any]], rank: int, world_size: int) -> Iterator[tuple[int, Any]]:
-    """This rank's items (global index % world_size == rank), renumbered 0, 1, ... (local index)."""
-    local = 0
-    for gi, item in items:
-        if gi % world_size == rank:
-            yield local, item
-            local += 1
-
-
-def windows(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
-    """Consecutive lists of ``size`` items (window w holds local indices [w*size, (w+1)*size))."""
-    it = iter(items)
-    while chunk := list(islice(it, size)):
-        yield chunk
-
-
-def bucket(lengths: dict[int, int], *, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Group indices into batches of similar length: longest first, B * max_len <= batch_tokens.
-
-    A single sample longer than ``batch_tokens`` still gets its own batch.
-    """
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and ((len(cur) + 1) * longest > batch_tokens or len(cur) >= max_batch_size):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return [sorted(b) for b in batches]
-
-
 @dataclass
 class Skip:
     index: int
@@ -294,20 +256,6 @@ class _WriterThread:
 
 
 # ------------------------------------------------------------------------------------------ orchestration
-def resolve_dtype(cfg: CaptureConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
-
-
-def resolve_device(cfg: CaptureConfig) -> torch.device:
-    if cfg.device != "auto":
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def make_layout(cfg: CaptureConfig, target: Target) -> Layout:
     L = target.num_layers
     taps = list(cfg.taps) if cfg.taps is not None else capture_tap_ids(L, cfg.draft_layers)
@@ -438,22 +386,6 @@ def _close_or_abort(writer: DatasetWriter, wt: "_WriterThread") -> None:
             raise
     writer.abort()
 
-
-def _dist_env() -> tuple[int, int]:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return rank, world
-
-
-def _barrier(world: int) -> None:
-    if world == 1:
-        return
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    dist.barrier()
 
 
 def lineage(record: dict[str, Any], split: str) -> str:

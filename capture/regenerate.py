@@ -20,7 +20,8 @@ written whole or not at all, so nothing is duplicated or lost.
 Dropped, counted by reason (``--keep-truncated`` keeps truncated replies, marked ``truncated``):
 ``truncated`` (max_new_tokens without an end of turn), ``empty``, ``retokenized`` (the reply's text
 renders to other ids than were generated, so a capture of the text would not see the target's
-tokens), ``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
+tokens), ``placeholder`` (the reply holds the audio placeholder, which would read back as an audio),
+``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
 audio that fails to decode, ``too_long`` for the context) is skipped and counted, or stops the run
 with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the
 output shards (atomically), then the sidecar (:mod:`capture.provenance`), then removes the parts.
@@ -35,15 +36,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.generate import Generation, GenerationConfig, context_length, generate, row_seed
+from capture.generate import Generation, context_length, generate, row_seed
 from capture.inputs import BadInput, Conversation, read_inputs
-from capture.pipeline import _barrier, _dist_env, bucket, numbered, rank_slice, resolve_device, windows
+from capture.stages import barrier, bucket, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from capture.salm import DEFAULT_PLACEHOLDER
 from capture.provenance import sidecar_path, target_fingerprint
-from capture.replies import output_record, prefix_key, regenerated_turns
+from capture.replies import ReplyConfig, output_record, prefix_key, regenerated_turns
 from capture.targets import Prepared, Target
 from shards.atomic import staged
 
@@ -64,14 +66,8 @@ class RegenerateConfig:
     """Input conversations: a JSONL manifest, a directory of JSONL shards, an HF dataset dir or ``hf:NAME[:split]``."""
     out: str
     """``FILE.jsonl``, or a directory that receives JSONL shards."""
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """Greedy or seeded sampling, and the reply length cap."""
-    last_turn_only: bool = False
-    """Replace only the last assistant turn (earlier ones stay as given)."""
-    keep_truncated: bool = False
-    """Keep replies that hit max_new_tokens, marked ``"truncated": true``, instead of dropping them."""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Chat-template variables (``enable_thinking``, ...), applied to every prompt and recorded."""
+    replies: ReplyConfig = field(default_factory=ReplyConfig)
+    """Which turns are rewritten and how they are decoded."""
     max_samples: int | None = None
     """Only the first N conversations of the input."""
     batch_tokens: int = 16384
@@ -92,8 +88,8 @@ class RegenerateConfig:
     """Show a progress bar with replies/s and tokens/s."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.generation, GenerationConfig):
-            raise ValueError("RegenerateConfig.generation must be a GenerationConfig")
+        if not isinstance(self.replies, ReplyConfig):
+            raise ValueError("RegenerateConfig.replies must be a ReplyConfig")
         for name in ("batch_tokens", "max_batch_size", "window", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -103,14 +99,10 @@ class RegenerateConfig:
             raise ValueError(f"RegenerateConfig.on_error must be 'skip' or 'fail', got {self.on_error!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"RegenerateConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.template_kwargs, dict):
-            raise ValueError("RegenerateConfig.template_kwargs must be a dict")
 
     def identity(self) -> dict[str, Any]:
         """What decides the output: a resume must match it exactly."""
-        return {"data": self.data, "generation": self.generation.to_dict(), "last_turn_only": self.last_turn_only,
-                "keep_truncated": self.keep_truncated, "template_kwargs": self.template_kwargs,
-                "max_samples": self.max_samples, "batch_tokens": self.batch_tokens,
+        return {"data": self.data, **self.replies.to_dict(), "max_samples": self.max_samples, "batch_tokens": self.batch_tokens,
                 "max_batch_size": self.max_batch_size, "window": self.window, "dtype": self.dtype}
 
 
@@ -134,6 +126,7 @@ class _Live:
     conv: Conversation
     messages: list[dict[str, str]]
     turns: list[int]
+    placeholder: str
     truncated: bool = False
 
 
@@ -143,19 +136,21 @@ def _drop(lv_or_key: Any, gi: int, sample_id: str, reason: str, message: str) ->
 
 def _prompt(target: Target, lv: _Live, turn: int) -> Prepared:
     msgs = lv.messages[:turn]
-    n_audio = sum(m["content"].count(target.placeholder) for m in msgs) if target.placeholder else 0
+    n_audio = sum(m["content"].count(lv.placeholder) for m in msgs)
     return target.prepare_prompt(replace(lv.conv, messages=msgs, audios=lv.conv.audios[:n_audio]), lv.li)
 
 
-def _check(target: Target, cfg: RegenerateConfig, lv: _Live, turn: int, g: Generation) -> tuple[str, str] | None:
+def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Generation) -> tuple[str, str] | None:
     """Why a reply is dropped, or None; on success the reply replaces the turn in ``lv.messages``."""
     if g.error:
         return "generation_error", "the target produced NaN/Inf logits"
     if not g.tokens:
         return "empty", "the target ended its turn at once"
-    if g.truncated and not cfg.keep_truncated:
-        return "truncated", f"no end of turn within max_new_tokens={cfg.generation.max_new_tokens}"
+    if g.truncated and not replies.keep_truncated:
+        return "truncated", f"no end of turn within max_new_tokens={replies.generation.max_new_tokens}"
     text = target.tokenizer.decode(g.tokens, skip_special_tokens=False)
+    if lv.placeholder in text:
+        return "placeholder", f"the reply contains the audio placeholder {lv.placeholder!r}, which reads back as audio"
     msgs = lv.messages[:turn] + [{"role": "assistant", "content": text}]
     rendered = target.reply_ids(msgs)
     if (rendered[: len(g.tokens)] if g.truncated else rendered) != g.ids:
@@ -165,71 +160,87 @@ def _check(target: Target, cfg: RegenerateConfig, lv: _Live, turn: int, g: Gener
     return None
 
 
-def process_window(target: Target, cfg: RegenerateConfig, chunk: list[tuple[int, int, Any, str]], fingerprint: str,
-                   out_dir: Path, stats: RunStats, report=lambda: None) -> list[dict[str, Any]]:
-    """Regenerate one window's conversations ((local index, global index, item, key)) -> part entries."""
+BAD_INPUT_REASONS = ("bad_input", "no_user_turn", "too_long")
+
+
+def process_window(
+    target: Target, replies: ReplyConfig, chunk: list[tuple[int, int, Any, str]], *, batch_tokens: int,
+    max_batch_size: int, on_error: str, stats: RunStats, fingerprint: str = "", out_dir: Path | None = None,
+    tap_ids: list[int] | None = None, report: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """Regenerate one window's conversations ((local index, global index, item, key)) -> one entry each:
+    ``status`` 'ok' or the drop reason, plus the output ``record`` (when ``out_dir`` is given) and, with
+    ``tap_ids``, the final reply's :class:`Generation` (its states, for fused capture) and ``conversation``."""
     entries: dict[int, dict[str, Any]] = {}
     live: list[_Live] = []
     ctx = context_length(target)
-    max_new = cfg.generation.max_new_tokens
+    max_new = replies.generation.max_new_tokens
 
-    def bad(lv: _Live | None, li: int, gi: int, key: str, sid: str, reason: str, msg: str, line=None, src="") -> None:
-        if cfg.on_error == "fail":
+    def bad(li: int, gi: int, key: str, sid: str, reason: str, msg: str, line=None, src="") -> None:
+        if on_error == "fail":
             raise RegenerateError(f"bad input {sid!r} ({src}, line {line}): {msg}. Finished windows are kept; fix "
                                   "the input, or rerun the same command with --on-error skip to count and skip it.")
         entries[li] = _drop(key, gi, sid, reason, msg)
 
     for li, gi, item, key in chunk:
         if isinstance(item, BadInput):
-            bad(None, li, gi, key, item.sample_id, "bad_input", item.reason, item.line, item.source)
+            bad(li, gi, key, item.sample_id, "bad_input", item.reason, item.line, item.source)
             continue
-        turns = regenerated_turns(item.messages, cfg.last_turn_only)
+        turns = regenerated_turns(item.messages, replies.last_turn_only)
         if not all(any(m["role"] == "user" for m in item.messages[:t]) for t in turns):
-            bad(None, li, gi, key, item.sample_id, "no_user_turn", "an assistant turn to regenerate has no user turn "
+            bad(li, gi, key, item.sample_id, "no_user_turn", "an assistant turn to regenerate has no user turn "
                 "before it", item.line, item.source)
             continue
-        live.append(_Live(li, gi, key, item, [dict(m) for m in item.messages], turns))
+        live.append(_Live(li, gi, key, item, [dict(m) for m in item.messages], turns,
+                          target.placeholder or DEFAULT_PLACEHOLDER))
     r = 0
     while live:
         prompts: dict[int, Prepared] = {}
         for lv in live:
+            c = lv.conv
             try:
                 p = _prompt(target, lv, lv.turns[r])
             except (ValueError, OSError) as e:
-                bad(lv, lv.li, lv.gi, lv.key, lv.conv.sample_id, "bad_input", str(e), lv.conv.line, lv.conv.source)
+                bad(lv.li, lv.gi, lv.key, c.sample_id, "bad_input", str(e), c.line, c.source)
                 continue
             if ctx is not None and p.length + max_new > ctx:
-                bad(lv, lv.li, lv.gi, lv.key, lv.conv.sample_id, "too_long", f"too long: prompt of {p.length} positions "
-                    f"+ max_new_tokens {max_new} > the target's context of {ctx}", lv.conv.line, lv.conv.source)
+                bad(lv.li, lv.gi, lv.key, c.sample_id, "too_long", f"too long: prompt of {p.length} positions + "
+                    f"max_new_tokens {max_new} > the target's context of {ctx}", c.line, c.source)
                 continue
             prompts[lv.li] = p
         by_li = {lv.li: lv for lv in live}
-        groups = bucket({li: p.length + max_new for li, p in prompts.items()}, batch_tokens=cfg.batch_tokens,
-                        max_batch_size=cfg.max_batch_size)
-        for g in groups:
-            seeds = [row_seed(cfg.generation.seed, by_li[li].conv.sample_id, r) for li in g]
-            for li, gen in zip(g, generate(target, [prompts[li] for li in g], cfg.generation, seeds=seeds)):
+        finals: dict[int, Generation] = {}
+        for g in bucket({li: p.length + max_new for li, p in prompts.items()}, batch_tokens=batch_tokens,
+                        max_batch_size=max_batch_size):
+            seeds = [row_seed(replies.generation.seed, by_li[li].conv.sample_id, r) for li in g]
+            gens = generate(target, [prompts[li] for li in g], replies.generation, seeds=seeds, tap_ids=tap_ids)
+            for li, gen in zip(g, gens):
                 lv = by_li[li]
                 stats.tokens += len(gen.ids)
-                why = _check(target, cfg, lv, lv.turns[r], gen)
+                why = _check(target, replies, lv, lv.turns[r], gen)
                 if why is not None:
                     entries[li] = _drop(lv.key, lv.gi, lv.conv.sample_id, *why)
                     stats.dropped[why[0]] += 1
                 else:
                     stats.replies += 1
+                    finals[li] = gen
             report()
         nxt = []
         for lv in live:
-            if lv.li in entries:
+            if lv.li in entries or lv.li not in finals:
                 continue
             if r + 1 < len(lv.turns):
                 nxt.append(lv)
-            else:
-                rec = output_record(lv.conv, lv.messages, out_dir, target.placeholder or "", fingerprint, lv.truncated)
-                entries[lv.li] = {"key": lv.key, "gi": lv.gi, "status": "ok", "record": rec}
+                continue
+            e: dict[str, Any] = {"key": lv.key, "gi": lv.gi, "status": "ok"}
+            if out_dir is not None:
+                e["record"] = output_record(lv.conv, lv.messages, out_dir, lv.placeholder, fingerprint, lv.truncated)
+            if tap_ids is not None:
+                e["generation"], e["conversation"] = finals[lv.li], replace(lv.conv, messages=lv.messages)
+            entries[lv.li] = e
         live, r = nxt, r + 1
     for e in entries.values():
-        if e["status"] in ("bad_input", "no_user_turn", "too_long"):
+        if e["status"] in BAD_INPUT_REASONS:
             stats.dropped[e["status"]] += 1
     stats.conversations += len(chunk)
     return [entries[li] for li, *_ in chunk]
@@ -260,7 +271,7 @@ def _keyed(items: Iterator[tuple[int, Any]], last_only: bool) -> Iterator[tuple[
 
 def _rank_items(cfg: RegenerateConfig, placeholder: str, rank: int, world: int) -> Iterator[tuple[int, tuple]]:
     """(local index, (global index, item, key)) of this rank's slice."""
-    keyed = _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples), cfg.last_turn_only)
+    keyed = _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples), cfg.replies.last_turn_only)
     return rank_slice(((gi, (gi, item, key)) for gi, item, key in keyed), rank, world)
 
 
@@ -278,9 +289,8 @@ def _check_settings(work: Path, current: dict[str, Any]) -> None:
 def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[str, Any]:
     """Run (or resume) a regeneration; returns the sidecar document plus this run's ``run_stats``."""
     from capture.load import load_target
-    from capture.pipeline import resolve_dtype
 
-    rank, world = _dist_env()
+    rank, world = dist_env()
     out, work = Path(cfg.out), work_dir(cfg.out)
     side = sidecar_path(out)
     if side.is_file():
@@ -293,7 +303,7 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
     if target is None:
         device = resolve_device(cfg)  # type: ignore[arg-type]
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))  # type: ignore[arg-type]
-    target.template_kwargs = dict(cfg.template_kwargs)
+    target.template_kwargs = dict(cfg.replies.template_kwargs)
     fp = target_fingerprint(target)
     settings = {**cfg.identity(), "target_fingerprint": fp}
     _check_settings(work, settings)
@@ -302,16 +312,16 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
         if not (work / SETTINGS_FILE).is_file():
             with staged(work / SETTINGS_FILE) as tmp:
                 tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
-    _barrier(world)
+    barrier(world)
     out_dir = out.parent if out.suffix == ".jsonl" else out
     out_dir.mkdir(parents=True, exist_ok=True)
-    placeholder = target.placeholder or ""
+    placeholder = target.placeholder or DEFAULT_PLACEHOLDER  # as capture reads text-only inputs
     stats = RunStats()
     t0 = time.perf_counter()
     with torch.inference_mode():
         _run_rank(target, cfg, work, fp, out_dir, placeholder, rank, world, stats, t0)
     stats.seconds = time.perf_counter() - t0
-    _barrier(world)
+    barrier(world)
     run_stats = {"conversations": stats.conversations, "replies": stats.replies, "tokens": stats.tokens,
                  "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
     if rank != 0:
@@ -343,7 +353,9 @@ def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_di
                 report()
                 continue
             n_done += len(chunk) - len(todo)
-            entries = process_window(target, cfg, todo, fp, out_dir, stats, report)
+            entries = process_window(target, cfg.replies, todo, batch_tokens=cfg.batch_tokens,
+                                     max_batch_size=cfg.max_batch_size, on_error=cfg.on_error, stats=stats,
+                                     fingerprint=fp, out_dir=out_dir, report=report)
             tag = hashlib.sha256("".join(e["key"] for e in entries).encode()).hexdigest()[:8]
             with staged(work / f"r{rank:05d}-w{w:07d}-{tag}.jsonl") as tmp:
                 tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
@@ -355,7 +367,7 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     parts = _done_keys(work)
     records, counts, drops, seen = [], Counter(), [], set()
     for gi, item, key in _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples),
-                                cfg.last_turn_only):
+                                cfg.replies.last_turn_only):
         if key in seen:
             counts["duplicate"] += 1
             continue
@@ -384,9 +396,9 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
         "target": cfg.target,
         "target_fingerprint": fingerprint,
         "settings": cfg.identity(),
-        "generation": cfg.generation.to_dict(),
-        "template_kwargs": cfg.template_kwargs,
-        "replies_from_target": cfg.generation.greedy and not cfg.last_turn_only,
+        "generation": cfg.replies.generation.to_dict(),
+        "template_kwargs": cfg.replies.template_kwargs,
+        "replies_from_target": cfg.replies.from_target,
         "files": [p.name for p in files],
         "counts": {"conversations": total, "written": len(records), "dropped": dict(sorted(counts.items()))},
         "dropped": drops[:1000],

@@ -15,11 +15,42 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capture.generate import GenerationConfig
 from capture.inputs import AudioRef, BadInput, Conversation
 from shards.atomic import staged
+
+
+@dataclass(frozen=True)
+class ReplyConfig:
+    """Which assistant turns the target rewrites and how (shared by ``regenerate`` and ``capture --regenerate``)."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Greedy or seeded sampling, and the reply length cap."""
+    last_turn_only: bool = False
+    """Replace only the last assistant turn (earlier ones stay as given)."""
+    keep_truncated: bool = False
+    """Keep replies that hit max_new_tokens, marked ``"truncated": true``, instead of dropping them."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Chat-template variables (``enable_thinking``, ...), applied to every prompt and recorded."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.generation, GenerationConfig):
+            raise ValueError("ReplyConfig.generation must be a GenerationConfig")
+        if not isinstance(self.template_kwargs, dict):
+            raise ValueError("ReplyConfig.template_kwargs must be a dict of chat-template variables")
+
+    @property
+    def from_target(self) -> bool:
+        """Every supervised turn is the target's own greedy reply (offline tau is then exact for greedy decoding)."""
+        return self.generation.greedy and not self.last_turn_only
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation.to_dict(), "last_turn_only": self.last_turn_only,
+                "keep_truncated": self.keep_truncated, "template_kwargs": dict(self.template_kwargs)}
 
 
 # ------------------------------------------------------------------------------------------ keys and turns

@@ -1,0 +1,87 @@
+"""Generic stages shared by capture and regenerate: numbering, rank slices, windows, length buckets,
+the torchrun environment and the device/dtype a run resolves to.
+
+Each is a pure function of its inputs (testable on plain lists), so a run's batches never depend on
+where it started or on what else runs: capture and regenerate resume by recomputing whole windows.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import islice
+from typing import Any, Iterable, Iterator
+
+import torch
+
+
+def numbered(items: Iterable[Any], max_samples: int | None) -> Iterator[tuple[int, Any]]:
+    """(global index, item) for the first ``max_samples`` items."""
+    return enumerate(islice(items, max_samples))
+
+
+def rank_slice(items: Iterable[tuple[int, Any]], rank: int, world_size: int) -> Iterator[tuple[int, Any]]:
+    """This rank's items (global index % world_size == rank), renumbered 0, 1, ... (local index)."""
+    local = 0
+    for gi, item in items:
+        if gi % world_size == rank:
+            yield local, item
+            local += 1
+
+
+def windows(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
+    """Consecutive lists of ``size`` items (window w holds local indices [w*size, (w+1)*size))."""
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def bucket(lengths: dict[int, int], *, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group indices into batches of similar length: longest first, B * max_len <= batch_tokens.
+
+    A single sample longer than ``batch_tokens`` still gets its own batch.
+    """
+    order = sorted(lengths, key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and ((len(cur) + 1) * longest > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return [sorted(b) for b in batches]
+
+
+def resolve_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+    """``cfg.dtype``: 'auto' = bfloat16 on GPU, float32 on CPU."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def resolve_device(cfg: Any) -> torch.device:
+    """``cfg.device``: 'auto' = cuda:LOCAL_RANK when CUDA is there, else cpu."""
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def dist_env() -> tuple[int, int]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return rank, world
+
+
+def barrier(world: int) -> None:
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    dist.barrier()

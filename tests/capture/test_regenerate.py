@@ -1,0 +1,186 @@
+"""tapdraft regenerate: determinism, kill -9 resume, counted drops, bad input, ranks, provenance for capture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from capture.generate import GenerationConfig
+from capture.inputs import read_inputs, read_jsonl
+from capture.regenerate import RegenerateConfig, RegenerateError, regenerate, work_dir
+from capture.replies import ReplyConfig
+from capture.salm import SALM
+from tests.capture.util import conv_record, write_manifest, write_wav
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(salm_dir, tmp_path_factory) -> Path:
+    """A tiny causal LM in the HF layout (the demo SALM's LM and its word tokenizer)."""
+    d = tmp_path_factory.mktemp("lm")
+    s = SALM.from_pretrained(salm_dir)
+    s.lm.save_pretrained(d)
+    s.tokenizer.save_pretrained(d)
+    return d
+
+
+def _text_manifest(path: Path, n: int = 8) -> Path:
+    words = ["what did i say ?", "how many digits ?", "what is the sum ?", "repeat the digits and add them ."]
+    recs = []
+    for i in range(n):
+        conv = [{"from": "User", "value": words[i % 4]}, {"from": "Assistant", "value": "you said one ."}]
+        if i % 3 == 0:  # multi-turn: both assistant turns are rewritten
+            conv += [{"from": "User", "value": words[(i + 1) % 4]}, {"from": "Assistant", "value": "the sum is two ."}]
+        recs.append({"id": f"t{i}", "conversations": conv, "keep": i})
+    return write_manifest(path, recs)
+
+
+def _cfg(target, data, out, **kw) -> RegenerateConfig:
+    rep = kw.pop("replies", None) or ReplyConfig(generation=GenerationConfig(max_new_tokens=kw.pop("max_new", 6),
+                                                                              temperature=kw.pop("temperature", 0.0),
+                                                                              seed=kw.pop("seed", 0)),
+                                                 keep_truncated=kw.pop("keep_truncated", True))
+    return RegenerateConfig(target=str(target), data=str(data), out=str(out), replies=rep, progress=False, **kw)
+
+
+def test_sampled_runs_with_one_seed_write_the_same_file(lm_dir, tmp_path):
+    data = _text_manifest(tmp_path / "in.jsonl")
+    a = regenerate(_cfg(lm_dir, data, tmp_path / "a.jsonl", temperature=1.0, seed=7, max_batch_size=3))
+    b = regenerate(_cfg(lm_dir, data, tmp_path / "b.jsonl", temperature=1.0, seed=7, max_batch_size=3))
+    c = regenerate(_cfg(lm_dir, data, tmp_path / "c.jsonl", temperature=1.0, seed=8, max_batch_size=3))
+    assert a["counts"]["written"] + a["counts"]["dropped"].get("placeholder", 0) == 8 and a["counts"] == b["counts"]
+    assert a["counts"]["written"] >= 6
+    ta, tb = (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text()
+    assert ta == tb and ta != (tmp_path / "c.jsonl").read_text()
+    recs = [json.loads(x) for x in ta.splitlines()]
+    assert [r["keep"] for r in recs] == sorted(r["keep"] for r in recs) and all(r["id"] == f"t{r['keep']}" for r in recs)
+    assert all(r["regenerated_by"] == a["target_fingerprint"] for r in recs)
+    side = json.loads((tmp_path / "a.regenerate.json").read_text())
+    assert side["generation"]["seed"] == 7 and side["replies_from_target"] is False and side["complete"]
+    assert not work_dir(tmp_path / "a.jsonl").exists()
+    # every assistant turn was rewritten (the input's replies are not the target's)
+    convs = list(read_jsonl(tmp_path / "a.jsonl", placeholder="<|audioplaceholder|>"))
+    assert all(m["content"] not in ("you said one .", "the sum is two .") for c in convs for m in c.messages
+               if m["role"] == "assistant")
+    again = regenerate(_cfg(lm_dir, data, tmp_path / "a.jsonl", temperature=1.0, seed=7, max_batch_size=3))
+    assert again["run_stats"] == {"already_complete": True}
+    with pytest.raises(ValueError, match="other settings"):
+        regenerate(_cfg(lm_dir, data, tmp_path / "a.jsonl", temperature=1.0, seed=9))
+
+
+_KILLER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import capture.regenerate as rg
+calls = [0]
+orig = rg.process_window
+def dying(*a, **k):
+    calls[0] += 1
+    if calls[0] == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return orig(*a, **k)
+rg.process_window = dying
+from capture.generate import GenerationConfig
+from capture.replies import ReplyConfig
+rg.regenerate(rg.RegenerateConfig(target={target!r}, data={data!r}, out={out!r}, window=3, max_batch_size=2,
+              replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6, temperature=1.0, seed=1),
+                                  keep_truncated=True), progress=False))
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_equals_an_uninterrupted_run(salm_dir, tone_manifest, tmp_path):
+    ref = tmp_path / "ref.jsonl"
+    regenerate(_cfg(salm_dir, tone_manifest, ref, window=3, max_batch_size=2, temperature=1.0, seed=1))
+    out = tmp_path / "killed.jsonl"
+    code = _KILLER.format(root=str(ROOT), kill_at=3, target=str(salm_dir), data=str(tone_manifest), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    parts = sorted(work_dir(out).glob("r*.jsonl"))
+    assert len(parts) == 2 and not out.exists()  # two windows finished, the third died mid-way
+    doc = regenerate(_cfg(salm_dir, tone_manifest, out, window=3, max_batch_size=2, temperature=1.0, seed=1))
+    assert doc["run_stats"]["conversations"] == 10 - 6  # only the unfinished windows were computed
+    assert out.read_text() == ref.read_text()
+    audio = [json.loads(x)["conversations"][0]["audio"][0]["path"] for x in out.read_text().splitlines()]
+    assert all((tmp_path / p).is_file() for p in audio)
+
+
+def test_truncated_and_empty_replies_are_counted_and_dropped(lm_dir, tmp_path):
+    data = _text_manifest(tmp_path / "in.jsonl", n=4)
+    never_ends = ReplyConfig(generation=GenerationConfig(max_new_tokens=3))
+    doc = regenerate(_cfg(lm_dir, data, tmp_path / "t.jsonl", replies=never_ends))  # random weights: rarely ends
+    c = doc["counts"]
+    assert c["written"] + sum(c["dropped"].values()) == 4 and c["dropped"].get("truncated", 0) >= 3
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == c["written"]
+    kept = regenerate(_cfg(lm_dir, data, tmp_path / "k.jsonl", replies=ReplyConfig(
+        generation=GenerationConfig(max_new_tokens=3), keep_truncated=True)))
+    recs = [json.loads(x) for x in (tmp_path / "k.jsonl").read_text().splitlines()]
+    assert kept["counts"]["written"] == c["written"] + c["dropped"].get("truncated", 0)
+    assert sum(bool(r.get("truncated")) for r in recs) == c["dropped"].get("truncated", 0)
+    # a target whose every first token is the end of turn: every reply is empty
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from capture.targets import CausalLMTarget
+
+    lm = AutoModelForCausalLM.from_pretrained(lm_dir)
+    eos = lm.config.eos_token_id
+    with torch.no_grad():
+        lm.lm_head.weight.zero_()
+        lm.lm_head.weight[eos, 0] = 1.0
+        lm.model.norm.weight.fill_(1.0)
+    tgt = CausalLMTarget(lm, AutoTokenizer.from_pretrained(lm_dir), lm_dir)
+    empty = regenerate(_cfg(lm_dir, data, tmp_path / "e.jsonl"), target=tgt)
+    assert empty["counts"]["dropped"] == {"empty": 4} and empty["counts"]["written"] == 0
+    assert (tmp_path / "e.jsonl").read_text() == ""
+
+
+def test_bad_inputs_are_counted_or_fail_in_one_line(salm_dir, tmp_path):
+    write_wav(tmp_path / "audio" / "ok.wav", [1, 2], seed=0)
+    (tmp_path / "audio" / "broken.wav").write_bytes(b"RIFF not really a wav")
+    recs = [conv_record("ok", "audio/ok.wav"), conv_record("broken", "audio/broken.wav"),
+            {"id": "nouser", "conversations": [{"from": "Assistant", "value": "hello"}]},
+            conv_record("missing", "audio/missing.wav"), "{not json"]
+    data = write_manifest(tmp_path / "in.jsonl", recs)
+    doc = regenerate(_cfg(salm_dir, data, tmp_path / "out.jsonl"))
+    assert doc["counts"]["written"] == 1
+    assert doc["counts"]["dropped"] == {"bad_input": 3, "no_user_turn": 1}
+    assert {d["sample_id"] for d in doc["dropped"]} == {"broken", "nouser", "missing", "in-5"}
+    with pytest.raises(RegenerateError, match="bad input .(nouser|broken)"):
+        regenerate(_cfg(salm_dir, data, tmp_path / "fail.jsonl", on_error="fail"))
+    assert not (tmp_path / "fail.jsonl").exists() and not (tmp_path / "fail.regenerate.json").exists()
+
+
+def test_too_long_for_the_context_is_skipped(lm_dir, tmp_path):
+    data = _text_manifest(tmp_path / "in.jsonl", n=2)
+    doc = regenerate(_cfg(lm_dir, data, tmp_path / "out.jsonl", max_new=1020))  # context 1024
+    assert doc["counts"]["dropped"] == {"too_long": 2}
+
+
+def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, monkeypatch):
+    import capture.regenerate as rg
+
+    data = _text_manifest(tmp_path / "in.jsonl", n=7)
+    monkeypatch.setattr(rg, "barrier", lambda world: None)
+    out = tmp_path / "shards"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    r1 = regenerate(_cfg(lm_dir, data, out, shard_size=3))
+    assert r1["rank"] == 1 and r1["run_stats"]["conversations"] == 3
+    monkeypatch.setenv("RANK", "0")
+    doc = regenerate(_cfg(lm_dir, data, out, shard_size=3))
+    assert doc["run_stats"]["conversations"] == 4
+    assert doc["files"] == [f"regenerated-0000{i}-of-00003.jsonl" for i in range(3)]
+    convs = list(read_inputs(str(out), placeholder="<|audioplaceholder|>"))
+    keep = [c.record["keep"] for c in convs]
+    assert keep == sorted(keep) and len(keep) == doc["counts"]["written"] >= 5
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    single = regenerate(_cfg(lm_dir, data, tmp_path / "one.jsonl"))
+    assert [json.loads(x)["conversations"] for x in (tmp_path / "one.jsonl").read_text().splitlines()] == \
+        [c.record["conversations"] for c in convs]
+    assert single["counts"] == doc["counts"]

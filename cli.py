@@ -69,11 +69,21 @@ def capture(
     responses_from_target: bool = typer.Option(
         None, "--responses-from-target/--responses-from-elsewhere",
         help="Record whether the assistant turns are the target's own greedy replies (offline tau is then exact "
-             "for greedy decoding). Unrecorded by default."),
+             "for greedy decoding). Default: derived (--regenerate, or a regenerate sidecar beside the input)."),
     chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
                                              "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+    regenerate: bool = typer.Option(False, "--regenerate", help="First replace the assistant turns with the target's own "
+                                    "replies; taps come from the generation pass itself (see --two-pass)."),
+    two_pass: bool = typer.Option(False, "--two-pass", help="With --regenerate: write the replies to OUT.regenerated/ "
+                                  "and capture them in a second forward (bit-identical prefill taps; slower)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="With --regenerate: reply tokens at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="With --regenerate: 0 greedy; > 0 sample."),
+    top_p: float = typer.Option(1.0, "--top-p", help="With --regenerate: nucleus sampling mass."),
+    seed: int = typer.Option(0, "--seed", help="With --regenerate: base seed of per-sample samplers."),
+    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="With --regenerate: replace only the last assistant turn."),
+    keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
@@ -99,6 +109,8 @@ def capture(
         llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
+        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated)
+        if regenerate else None, fused=not two_pass,
     )
     typer.echo(summary(run_capture(cfg)))
 

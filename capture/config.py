@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from capture.inputs import stored_source
+from capture.replies import ReplyConfig
 from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
 from shards.writer import ShardConfig
 
-_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20}
-"""What captures recorded before ShardConfig was embedded used for the keys they did not record."""
+_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True}
+"""What captures recorded before ShardConfig (and regeneration) was embedded used for the keys they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
 
@@ -104,12 +105,18 @@ class CaptureConfig:
     that only names its LLM (``pretrained_llm``)."""
     responses_from_target: bool | None = None
     """Whether the assistant turns are the target's own greedy replies (then offline tau is exact for
-    greedy decoding); None when unknown. Recorded in the manifest for the evaluator."""
+    greedy decoding); None = derived: from ``replies`` when set, else from a regenerate sidecar beside
+    the inputs, else unknown. Recorded in the manifest for the evaluator."""
     chat_template: str | None = None
     """Jinja file replacing the target tokenizer's chat template; None uses the tokenizer's own."""
     template_kwargs: tuple[tuple[str, Any], ...] = ()
     """Variables the chat template is rendered with (enable_thinking, a system prompt...), as (key, value) pairs
     or a dict; recorded in the bundle and its fingerprint."""
+    replies: ReplyConfig | None = None
+    """Rewrite the assistant turns with the target's own replies first (``capture --regenerate``); None = as given."""
+    fused: bool = True
+    """With ``replies``: store the states of the generation pass itself (no second forward); False = two passes
+    (regenerate into ``OUT.regenerated/``, then capture that), for bit-identical prefill taps."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -140,6 +147,8 @@ class CaptureConfig:
         object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
         if self.chat_template is not None and not str(self.chat_template).strip():
             raise ValueError("CaptureConfig.chat_template must be a file path or None")
+        if self.replies is not None and not isinstance(self.replies, ReplyConfig):
+            raise ValueError(f"CaptureConfig.replies must be a ReplyConfig or None, got {type(self.replies).__name__}")
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 

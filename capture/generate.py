@@ -77,6 +77,8 @@ class Generation:
     last: torch.Tensor | None = None  # [T, H], last decoder layer, pre-norm
     error: bool = False
     """The target produced NaN/Inf logits while decoding this reply."""
+    audio_seconds: float = 0.0
+    """Seconds of audio in the prompt."""
 
     @property
     def truncated(self) -> bool:
@@ -195,7 +197,8 @@ def generate(
     for b, e in enumerate(exps):
         row = ids[b][: lens[b]]
         stop = row[-1] if row and row[-1] in stop_set else None
-        g = Generation(row[:-1] if stop is not None else row, stop, e, error=errors[b])
+        g = Generation(row[:-1] if stop is not None else row, stop, e, error=errors[b],
+                       audio_seconds=batch[b].audio_seconds)
         if keep:
             T, n = int(e.input_ids.shape[0]), len(g.ids)
             per = {i: torch.cat([prefill_taps[i][b, P - T:], *[st[i][b] for st in step_taps[:n]]]) for i in keep}

@@ -32,6 +32,7 @@ partial index; after a gloo barrier rank 0 merges them (``finalize_dataset``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import queue
@@ -49,7 +50,10 @@ import torch
 
 from capture.config import INPUTS_KEY, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
 from capture.inputs import BadInput, input_digest, read_inputs, stored_source
+from capture.fused import fused_window
 from capture.load import load_target
+from capture.provenance import check_target, read_provenance, replies_from_target, target_fingerprint
+from capture.regenerate import REPLY_DROP_REASONS, RegenerateConfig, regenerate
 from capture.stages import barrier as _barrier
 from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env
@@ -306,6 +310,30 @@ def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: Window
     return done, fail_at is not None
 
 
+def _run_fused_window(target: Target, cfg: CaptureConfig, layout: Layout, chunk: list[tuple[int, Any]],
+                      writer: DatasetWriter, wt: "_WriterThread", report: Callable[[int], None], done: int) -> int:
+    """One window of ``capture --regenerate``: regenerate with states kept, queue skips and samples.
+
+    The whole window is recomputed unless every index is done (its batches shape the bits); the
+    writer thread leaves finished indices alone.
+    """
+    todo = sum(1 for li, _ in chunk if not writer.is_done(li))
+    if not todo:
+        return done
+    assert cfg.replies is not None
+    skips, batch, results = fused_window(
+        target, cfg.replies, chunk, tap_ids=list(layout.tap_ids), top_k=layout.top_k,
+        final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds, row_chunk=cfg.row_chunk,
+        batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size, max_length=cfg.max_length,
+        on_error=cfg.on_error)
+    wt.put(("skips", [Skip(*s) for s in skips]))
+    if batch:
+        wt.put(("batch", (batch, *to_host(results))))
+    done += todo
+    report(done)
+    return done
+
+
 def _raise_if_failed(wt: "_WriterThread") -> None:
     if wt.error is not None:
         raise wt.error
@@ -341,15 +369,23 @@ def capture_split(
     done = min(writer.num_done, total)
     try:
         with Progress(f"capture {split}", total, done=done, enabled=cfg.progress) as bar:
-            nxt = next(wins, None)
-            fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+            report = lambda n: bar.update(n, _rates(stats, t0))  # noqa: E731
+            if cfg.replies is not None:  # fused: generation is the forward; nothing to prefetch
+                for chunk in wins:
+                    done = _run_fused_window(target, cfg, layout, chunk, writer, wt, report, done)
+                    wt.put(("end", None))
+                    if wt.error is not None or not wt.thread.is_alive():
+                        break
+                nxt, fut = None, None
+            else:
+                nxt = next(wins, None)
+                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
             while fut is not None:
                 prepared = fut.result()
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, cfg, max_positions=target.max_positions)
-                done, stop = _run_window(target, cfg, layout, plan, writer, wt,
-                                   lambda n: bar.update(n, _rates(stats, t0)), done)
+                done, stop = _run_window(target, cfg, layout, plan, writer, wt, report, done)
                 wt.put(("end", None))
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
@@ -422,6 +458,10 @@ def _capture(cfg: CaptureConfig, target: Target | None) -> dict[str, Any]:
 
 
 def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int) -> dict[str, Any]:
+    specs = [spec for _, spec in cfg.data]
+    if cfg.responses_from_target is None:
+        derived = cfg.replies.from_target if cfg.replies is not None else replies_from_target(specs)
+        cfg = dataclasses.replace(cfg, responses_from_target=derived)
     inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
     record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE
@@ -436,6 +476,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
+    if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
+        check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), **target.bundle_parts())
@@ -449,8 +491,13 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     t0 = time.perf_counter()
     with torch.inference_mode():
         for split, spec in cfg.data:
-            st = capture_split(target, cfg, layout, split, spec, rank=rank, world_size=world, fingerprint=fingerprint,
-                               lineage=lineage(record, split))
+            if cfg.replies is not None and not cfg.fused:  # two passes: regenerate the text, capture it as input
+                spec = _regenerate_split(target, cfg, split, spec)
+                cfg_split = dataclasses.replace(cfg, replies=None, max_samples=None)
+            else:
+                cfg_split = cfg
+            st = capture_split(target, cfg_split, layout, split, spec, rank=rank, world_size=world,
+                               fingerprint=fingerprint, lineage=lineage(record, split))
             run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
                                 "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
                                 "supervised_unk": st.supervised_unk,
@@ -474,6 +521,24 @@ def template_record(target: Target) -> dict[str, Any]:
     return {"sha256": template_sha(t.text), "kwargs": t.kwargs, "assistant_mask": t.mask_source}
 
 
+def _regenerate_split(target: Target, cfg: CaptureConfig, split: str, spec: str) -> str:
+    """The two-pass path's first pass: ``OUT.regenerated/SPLIT.jsonl`` (resumed or reused like any regenerate)."""
+    assert cfg.replies is not None
+    path = Path(str(cfg.out).rstrip("/") + ".regenerated") / f"{split}.jsonl"
+    regenerate(RegenerateConfig(
+        target=cfg.target, data=spec, out=str(path), replies=cfg.replies, max_samples=cfg.max_samples,
+        batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size, window=cfg.window, dtype=cfg.dtype,
+        device=cfg.device, llm_config=cfg.llm_config, chat_template=cfg.chat_template,
+        template_kwargs=dict(cfg.template_kwargs), on_error=cfg.on_error, progress=cfg.progress,
+    ), target=target)
+    return str(path)
+
+
+def _skip_kind(reason: str) -> str:
+    head = reason.split(":", 1)[0]
+    return "too long" if reason.startswith("too long") else head if head in REPLY_DROP_REASONS else "bad input"
+
+
 def summary(manifest: dict[str, Any]) -> str:
     """One screen: per split counts, skips, bytes and this run's rates."""
     rs = manifest.get("run_stats", {})
@@ -487,7 +552,7 @@ def summary(manifest: dict[str, Any]) -> str:
                 f"samples/s, {r.get('tokens', 0) / secs:,.0f} tok/s, {r.get('raw_bytes', 0) / secs / 1e6:.1f} MB/s"
                 if secs else "")
         skipped = manifest.get("skipped", {}).get(split, [])
-        reasons = Counter("too long" if x["reason"].startswith("too long") else "bad input" for x in skipped)
+        reasons = Counter(_skip_kind(x["reason"]) for x in skipped)
         turns = (f"\n  {r['unsupervised_turns']} assistant turn(s) left unsupervised: rendered as the last turn they "
                  "differ from the conversation's tokens (capture/template.py says why)" if r.get("unsupervised_turns") else "")
         lines.append(

@@ -161,6 +161,9 @@ def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Genera
 
 
 BAD_INPUT_REASONS = ("bad_input", "no_user_turn", "too_long")
+"""Drop reasons that are the input's fault (``on_error='fail'`` stops on them)."""
+REPLY_DROP_REASONS = ("truncated", "empty", "retokenized", "placeholder", "generation_error")
+"""Drop reasons that are the reply's (always counted, never an error)."""
 
 
 def process_window(

@@ -9,6 +9,7 @@ import torch
 from capture.generate import GenerationConfig, generate, row_seed, stop_token_ids
 from capture.inputs import AudioRef, Conversation
 from capture.targets import CausalLMTarget, SALMTarget
+from tests.capture.test_hf_native import qwen2_audio_dir  # noqa: F401  (fixture)
 
 
 def _prompt(sid, n_samples, seed, question="what did i say ?"):
@@ -74,3 +75,22 @@ def test_generation_states_match_a_full_forward(salm):
         torch.testing.assert_close(g.taps[:, 0], hs[1][0], rtol=1e-4, atol=1e-4)
         pre_norm = g.last
         torch.testing.assert_close(target.decoder.norm(pre_norm), hs[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_hf_native_speech_llm_generation_equals_its_own_generate(qwen2_audio_dir):  # noqa: F811
+    """Qwen2-Audio: our batched decode over the adapter's merged embeddings = the model's own generate
+    from the processor's inputs (audio features, expanded audio tokens)."""
+    from capture.load import load_target
+
+    target = load_target(qwen2_audio_dir)
+    convs = [Conversation(sid, "mem", [{"role": "user", "content": "<|AUDIO|> what did i say ?"}],
+                          [AudioRef(array=np.random.default_rng(i).normal(0, 0.1, n).astype(np.float32),
+                                    sample_rate=16000)]) for i, (sid, n) in enumerate([("a", 16000), ("b", 9000)])]
+    prompts = [target.prepare_prompt(c, i) for i, c in enumerate(convs)]
+    got = generate(target, prompts, GenerationConfig(max_new_tokens=6))
+    for c, g in zip(convs, got):
+        text = target.tokenizer.apply_chat_template(target._wrap(c.messages), tokenize=False, add_generation_prompt=True)
+        inputs = target.processor(text=text, audio=[c.audios[0].array], sampling_rate=16000, return_tensors="pt")
+        ref = target.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=stop_token_ids(target),
+                                    pad_token_id=target.tokenizer.pad_token_id)
+        assert g.ids == ref[0, inputs["input_ids"].shape[1]:].tolist()

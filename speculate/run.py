@@ -38,8 +38,8 @@ import torch
 
 from capture.inputs import BadInput, read_inputs
 from capture.load import load_target
+from capture.provenance import target_fingerprint
 from capture.targets import Target
-from shards.bundle import bundle_fingerprint
 from shards.progress import Progress
 from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
@@ -85,11 +85,6 @@ class SpeculateConfig:
             raise ValueError("max_samples and max_new_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-
-
-def target_fingerprint(target: Target) -> str:
-    """The bundle fingerprint of a live target, computed as capture writes it."""
-    return bundle_fingerprint(**target.bundle_parts())
 
 
 def prompt_length(loss_mask: torch.Tensor) -> int:

@@ -1,0 +1,198 @@
+"""Regeneration cost: ``tapdraft regenerate`` vs a plain ``model.generate`` loop, and fused vs two-pass capture.
+
+Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute seconds beside:
+
+    generate   A  capture.regenerate.regenerate into a fresh file: prompt preparation (template, audio
+                  decode, encoder), length buckets, batched KV-cache decoding, drop checks, part files,
+                  keyed merge, sidecar. The target is loaded once, outside the timing.
+               B  the plain loop a user would write: for each batch of the same size, in input order,
+                  prepare + embed the prompts, left-pad, ``lm.generate(inputs_embeds=..., do_sample=False)``.
+               figure: replies/s of A over replies/s of B (goal >= 1.0: the bookkeeping costs nothing)
+    fused      A  capture with ``replies`` (fused: states from the generation pass)
+               B  regenerate, then capture the regenerated file (two passes)
+               figure: wall time A / B (goal <= 0.65)
+
+Targets: ``demo`` (the trained demo SALM in --workdir, built by the demo if missing; its own
+tone-digit conversations) and ``real`` (a random-init Qwen3 of real width: hidden 1024, 8 layers,
+vocab 151,936, text prompts of --prompt-tokens words; its replies never end, so every reply runs to
+--max-new-tokens on both sides). CPU, float32, one thread per side. The target fingerprint (one
+sha256 pass over embedding + lm_head, kept on the loaded target) is computed once before the pairs
+and reported beside them.
+
+    python -m benchmarks.regenerate [--target demo|real] [--pairs 5] [--samples 96] [--batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+
+
+def _plain_generate(target, convs, batch: int, max_new_tokens: int) -> int:
+    """The baseline: prompts in input order, ``batch`` at a time, through the model's own generate."""
+    from capture.generate import stop_token_ids
+
+    stops, n = stop_token_ids(target), 0
+    gen_model = target.lm
+    with torch.inference_mode():
+        for s in range(0, len(convs), batch):
+            exps = target.embed([target.prepare_prompt(c, i) for i, c in enumerate(convs[s:s + batch])])
+            B, P = len(exps), max(e.input_ids.shape[0] for e in exps)
+            emb = torch.zeros(B, P, exps[0].inputs_embeds.shape[-1])
+            attn = torch.zeros(B, P, dtype=torch.long)
+            for b, e in enumerate(exps):
+                T = e.input_ids.shape[0]
+                emb[b, P - T:], attn[b, P - T:] = e.inputs_embeds, 1
+            gen_model.generate(inputs_embeds=emb, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=stops, pad_token_id=stops[0])
+            n += B
+    return n
+
+
+def _demo_inputs(workdir: Path, samples: int, tmp: Path):
+    from capture.inputs import read_jsonl
+    from demo.data import prepare_demo
+
+    paths = prepare_demo(workdir, progress=False)
+    src = paths.data / "train.templated.jsonl"
+    lines = src.read_text().splitlines()[:samples]
+    data = tmp / "in.jsonl"
+    base = paths.data.resolve()
+    recs = []
+    for line in lines:  # absolute audio paths: the copy lives elsewhere
+        r = json.loads(line)
+        r["conversations"][0]["value"] = str(base / r["conversations"][0]["value"])
+        recs.append(json.dumps(r))
+    data.write_text("\n".join(recs) + "\n")
+    return str(paths.target), data
+
+
+def _real_inputs(tmp: Path, samples: int, prompt_tokens: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from demo.target import build_word_tokenizer
+    from demo.task import vocabulary
+
+    words = vocabulary()
+    tok = build_word_tokenizer(words)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    d = tmp / "real-lm"
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(samples):
+        n = int(rng.integers(prompt_tokens // 2, prompt_tokens + 1))
+        text = " ".join(words[j] for j in rng.integers(0, len(words), n))
+        recs.append(json.dumps({"id": f"r{i}", "conversations": [{"from": "User", "value": text},
+                                                                 {"from": "Assistant", "value": "one ."}]}))
+    data = tmp / "in.jsonl"
+    data.write_text("\n".join(recs) + "\n")
+    return str(d), data
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", choices=["demo", "real"], default="demo")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tapdraft-demo"),
+                    help="demo directory (built by the demo if missing)")
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=16, help="conversations per generation batch, both sides")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=384, help="real: longest prompt in words")
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--skip-fused", action="store_true")
+    args = ap.parse_args()
+
+    from capture.config import CaptureConfig
+    from capture.generate import GenerationConfig
+    from capture.inputs import Conversation, read_jsonl
+    from capture.load import load_target
+    from capture.pipeline import capture
+    from capture.regenerate import RegenerateConfig, regenerate
+    from capture.replies import ReplyConfig
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    target_dir, data = (_demo_inputs(Path(args.workdir), args.samples, tmp) if args.target == "demo"
+                        else _real_inputs(tmp, args.samples, args.prompt_tokens))
+    target = load_target(target_dir)
+    placeholder = target.placeholder or "<|audioplaceholder|>"
+    convs = [c for c in read_jsonl(data, placeholder=placeholder) if isinstance(c, Conversation)]
+    prompts = [Conversation(c.sample_id, c.source, c.messages[:-1], c.audios, c.line) for c in convs]
+    replies = ReplyConfig(generation=GenerationConfig(max_new_tokens=args.max_new_tokens), keep_truncated=True)
+    big = 1 << 30  # batches bounded by --batch alone, as the baseline's
+
+    def run_regen(out: Path) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        doc = regenerate(RegenerateConfig(target=target_dir, data=str(data), out=str(out), replies=replies,
+                                          batch_tokens=big, max_batch_size=args.batch, progress=False), target=target)
+        return time.perf_counter() - t0, doc["counts"]["conversations"]
+
+    def run_plain() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        n = _plain_generate(target, prompts, args.batch, args.max_new_tokens)
+        return time.perf_counter() - t0, n
+
+    from capture.provenance import target_fingerprint
+
+    t0 = time.perf_counter()
+    target_fingerprint(target)  # once per loaded target (kept on it): reported, not in the pairs
+    fingerprint_s = time.perf_counter() - t0
+    gen_pairs: list[dict[str, float]] = []
+    run_plain()  # warm-up (allocator, kernels)
+    for k in range(args.pairs):
+        a_s, a_n = run_regen(tmp / f"gen-{k}.jsonl")
+        b_s, b_n = run_plain()
+        gen_pairs.append({"regenerate_s": a_s, "plain_s": b_s, "ratio": (a_n / a_s) / (b_n / b_s),
+                          "load_avg": os.getloadavg()[0]})
+        print(f"pair {k}: regenerate {a_n / a_s:.2f} replies/s  plain generate {b_n / b_s:.2f} replies/s  "
+              f"ratio {gen_pairs[-1]['ratio']:.3f}")
+    doc: dict[str, Any] = {
+        "target": args.target, "samples": len(convs), "fingerprint_seconds_once": round(fingerprint_s, 2), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "generate": {"pairs": gen_pairs, "median_ratio": statistics.median(p["ratio"] for p in gen_pairs),
+                     "goal": ">= 1.0 (replies/s of regenerate over a plain model.generate loop)"},
+    }
+    if not args.skip_fused:
+        fused_pairs: list[dict[str, float]] = []
+
+        def run_capture(out: Path, fused: bool) -> float:
+            t0 = time.perf_counter()
+            cfg = CaptureConfig(target=target_dir, out=str(out), data=(("train", str(data)),), draft_layers=2,
+                                top_k=32, progress=False, on_error="skip", batch_tokens=big,
+                                max_batch_size=args.batch, replies=replies, fused=fused)
+            capture(cfg, target=target)
+            return time.perf_counter() - t0
+
+        for k in range(args.pairs):
+            a = run_capture(tmp / f"fused-{k}", True)
+            b = run_capture(tmp / f"two-{k}", False)
+            fused_pairs.append({"fused_s": a, "two_pass_s": b, "ratio": a / b, "load_avg": os.getloadavg()[0]})
+            print(f"pair {k}: fused {a:.2f}s  two-pass {b:.2f}s  ratio {a / b:.3f}")
+        doc["fused"] = {"pairs": fused_pairs, "median_ratio": statistics.median(p["ratio"] for p in fused_pairs),
+                        "goal": "<= 0.65 (wall time of capture --regenerate over regenerate + capture)"}
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"generate: regenerate / plain model.generate replies/s = {doc['generate']['median_ratio']:.3f} (median)")
+    if "fused" in doc:
+        print(f"fused: capture --regenerate / (regenerate + capture) wall time = {doc['fused']['median_ratio']:.3f}")
+    write_result(f"regenerate_{args.target}.json", {**doc, "machine_extra": {"threads": 1, "device": "cpu"}})
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ pass) into ``WORKDIR/dataset-fused`` and reports
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def main() -> None:
         raise FileNotFoundError(f"{run} is missing: run `tapdraft demo --workdir {root}` first")
     fused_dir = root / "dataset-fused"
     torch.set_num_threads(1)
+    if fused_dir.exists():
+        shutil.rmtree(fused_dir)  # always a fresh capture, so its time is this run's
     t0 = time.perf_counter()
     capture(CaptureConfig(
         target=str(paths.target.resolve()), out=str(fused_dir),

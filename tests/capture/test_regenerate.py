@@ -184,3 +184,42 @@ def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, mon
     assert [json.loads(x)["conversations"] for x in (tmp_path / "one.jsonl").read_text().splitlines()] == \
         [c.record["conversations"] for c in convs]
     assert single["counts"] == doc["counts"]
+
+
+def test_audio_given_as_bytes_is_written_beside_the_output_and_reads_back(tmp_path):
+    from capture.inputs import AudioRef, Conversation
+    from capture.replies import output_record
+
+    write_wav(tmp_path / "src.wav", [3, 4], seed=2)
+    data = (tmp_path / "src.wav").read_bytes()
+    conv = Conversation("b1", "hf:x", [{"role": "user", "content": "<|audioplaceholder|> what did i say ?"},
+                                       {"role": "assistant", "content": "you said three four ."}],
+                        [AudioRef(data=data)], record=None)
+    out = tmp_path / "out"
+    rec = output_record(conv, conv.messages, out, "<|audioplaceholder|>", "fp", truncated=False)
+    path = out / rec["conversations"][0]["audio"][0]["path"]
+    assert path.suffix == ".wav" and path.read_bytes() == data
+    (out / "x.jsonl").write_text(json.dumps(rec) + "\n")
+    back = next(iter(read_jsonl(out / "x.jsonl", placeholder="<|audioplaceholder|>")))
+    assert back.messages == conv.messages and Path(back.audios[0].path) == path
+
+
+def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
+    """A template variable changes the rendered prompt (so the replies) and is recorded per file."""
+    from capture.load import load_target
+
+    tgt = load_target(lm_dir)
+    tgt.tokenizer.chat_template = "{% if terse %}{{ 'sum' }}{% endif %}" + tgt.tokenizer.chat_template
+    data = _text_manifest(tmp_path / "in.jsonl", n=2)
+    rep = ReplyConfig(generation=GenerationConfig(max_new_tokens=4), keep_truncated=True,
+                      template_kwargs={"terse": True})
+    doc = regenerate(_cfg(lm_dir, data, tmp_path / "k.jsonl", replies=rep), target=tgt)
+    assert doc["template_kwargs"] == {"terse": True}
+    assert json.loads((tmp_path / "k.regenerate.json").read_text())["settings"]["template_kwargs"] == {"terse": True}
+    conv = next(iter(read_jsonl(data, placeholder="<|audioplaceholder|>")))
+    import dataclasses
+
+    with_kw = tgt.prepare_prompt(dataclasses.replace(conv, messages=conv.messages[:1]), 0)
+    tgt.template_kwargs = {}
+    without = tgt.prepare_prompt(dataclasses.replace(conv, messages=conv.messages[:1]), 0)
+    assert with_kw.length == without.length + 1

@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture.regenerate import BAD_INPUT_REASONS, RunStats, process_window
-from capture.replies import ReplyConfig
+from capture.replies import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
 from capture.salm import Expanded
 from capture.targets import NonFiniteError, Prepared, Target, sample_fields
 

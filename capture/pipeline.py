@@ -53,7 +53,8 @@ from capture.inputs import BadInput, input_digest, read_inputs, stored_source
 from capture.fused import fused_window
 from capture.load import load_target
 from capture.provenance import check_target, read_provenance, replies_from_target, target_fingerprint
-from capture.regenerate import REPLY_DROP_REASONS, RegenerateConfig, regenerate
+from capture.regenerate import RegenerateConfig, regenerate
+from capture.replies import REPLY_DROP_REASONS
 from capture.stages import barrier as _barrier
 from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env

@@ -7,8 +7,9 @@ everything before it (earlier turns already replaced), decoded by :mod:`capture.
 Stages, per rank (``rank_slice`` of the input, as capture does):
 
     windows of ``window`` conversations -> skip those already done (keyed, below)
-    round r = the r-th regenerated turn of every live conversation: prepare the prompt (template's
-        generation prompt, audio decoded), bucket by prompt + max_new_tokens, generate, check
+    capture.replies.process_window: round r = the r-th regenerated turn of every live conversation,
+        prompt prepared (template's generation prompt, audio decoded), bucketed by prompt +
+        max_new_tokens, generated, checked
     part file: one JSON line per conversation (its record, or why it was dropped), written atomically
 
 Resume is keyed by a content hash of what the regeneration reads (:func:`prefix_key`: sample id,
@@ -24,7 +25,8 @@ tokens), ``placeholder`` (the reply holds the audio placeholder, which would rea
 ``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
 audio that fails to decode, ``too_long`` for the context) is skipped and counted, or stops the run
 with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the
-output shards (atomically), then the sidecar (:mod:`capture.provenance`), then removes the parts.
+output shards (atomically), then the sidecar (:mod:`capture.provenance`; counts by reason and the
+first 1000 dropped conversations with their reasons), then removes the parts.
 """
 
 from __future__ import annotations
@@ -34,26 +36,21 @@ import json
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from capture.generate import Generation, context_length, generate, row_seed
-from capture.inputs import BadInput, Conversation, read_inputs
-from capture.stages import barrier, bucket, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
-from capture.salm import DEFAULT_PLACEHOLDER
+from capture.inputs import read_inputs
 from capture.provenance import sidecar_path, target_fingerprint
-from capture.replies import ReplyConfig, output_record, prefix_key, regenerated_turns
-from capture.targets import Prepared, Target
+from capture.replies import ReplyConfig, RunStats, prefix_key, process_window
+from capture.salm import DEFAULT_PLACEHOLDER
+from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from capture.targets import Target
 from shards.atomic import staged
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class RegenerateError(ValueError):
-    """A bad input stopped the run (on_error='fail'); finished windows are kept for the rerun."""
 
 
 @dataclass(frozen=True)
@@ -102,151 +99,9 @@ class RegenerateConfig:
 
     def identity(self) -> dict[str, Any]:
         """What decides the output: a resume must match it exactly."""
-        return {"data": self.data, **self.replies.to_dict(), "max_samples": self.max_samples, "batch_tokens": self.batch_tokens,
-                "max_batch_size": self.max_batch_size, "window": self.window, "dtype": self.dtype}
-
-
-# ------------------------------------------------------------------------------------------ one window
-@dataclass
-class RunStats:
-    """This run's work (a resume counts only what it computed)."""
-
-    conversations: int = 0
-    replies: int = 0
-    tokens: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-
-
-@dataclass
-class _Live:
-    li: int
-    gi: int
-    key: str
-    conv: Conversation
-    messages: list[dict[str, str]]
-    turns: list[int]
-    placeholder: str
-    truncated: bool = False
-
-
-def _drop(lv_or_key: Any, gi: int, sample_id: str, reason: str, message: str) -> dict[str, Any]:
-    return {"key": lv_or_key, "gi": gi, "status": reason, "sample_id": sample_id, "message": message}
-
-
-def _prompt(target: Target, lv: _Live, turn: int) -> Prepared:
-    msgs = lv.messages[:turn]
-    n_audio = sum(m["content"].count(lv.placeholder) for m in msgs)
-    return target.prepare_prompt(replace(lv.conv, messages=msgs, audios=lv.conv.audios[:n_audio]), lv.li)
-
-
-def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Generation) -> tuple[str, str] | None:
-    """Why a reply is dropped, or None; on success the reply replaces the turn in ``lv.messages``."""
-    if g.error:
-        return "generation_error", "the target produced NaN/Inf logits"
-    if not g.tokens:
-        return "empty", "the target ended its turn at once"
-    if g.truncated and not replies.keep_truncated:
-        return "truncated", f"no end of turn within max_new_tokens={replies.generation.max_new_tokens}"
-    text = target.tokenizer.decode(g.tokens, skip_special_tokens=False)
-    if lv.placeholder in text:
-        return "placeholder", f"the reply contains the audio placeholder {lv.placeholder!r}, which reads back as audio"
-    msgs = lv.messages[:turn] + [{"role": "assistant", "content": text}]
-    rendered = target.reply_ids(msgs)
-    if (rendered[: len(g.tokens)] if g.truncated else rendered) != g.ids:
-        return "retokenized", "the reply's text renders to other token ids than the target generated"
-    lv.messages[turn] = {"role": "assistant", "content": text}
-    lv.truncated |= g.truncated
-    return None
-
-
-BAD_INPUT_REASONS = ("bad_input", "no_user_turn", "too_long")
-"""Drop reasons that are the input's fault (``on_error='fail'`` stops on them)."""
-REPLY_DROP_REASONS = ("truncated", "empty", "retokenized", "placeholder", "generation_error")
-"""Drop reasons that are the reply's (always counted, never an error)."""
-
-
-def process_window(
-    target: Target, replies: ReplyConfig, chunk: list[tuple[int, int, Any, str]], *, batch_tokens: int,
-    max_batch_size: int, on_error: str, stats: RunStats, fingerprint: str = "", out_dir: Path | None = None,
-    tap_ids: list[int] | None = None, report: Callable[[], None] = lambda: None,
-) -> list[dict[str, Any]]:
-    """Regenerate one window's conversations ((local index, global index, item, key)) -> one entry each:
-    ``status`` 'ok' or the drop reason, plus the output ``record`` (when ``out_dir`` is given) and, with
-    ``tap_ids``, the final reply's :class:`Generation` (its states, for fused capture) and ``conversation``."""
-    entries: dict[int, dict[str, Any]] = {}
-    live: list[_Live] = []
-    ctx = context_length(target)
-    max_new = replies.generation.max_new_tokens
-
-    def bad(li: int, gi: int, key: str, sid: str, reason: str, msg: str, line=None, src="") -> None:
-        if on_error == "fail":
-            raise RegenerateError(f"bad input {sid!r} ({src}, line {line}): {msg}. Finished windows are kept; fix "
-                                  "the input, or rerun the same command with --on-error skip to count and skip it.")
-        entries[li] = _drop(key, gi, sid, reason, msg)
-
-    for li, gi, item, key in chunk:
-        if isinstance(item, BadInput):
-            bad(li, gi, key, item.sample_id, "bad_input", item.reason, item.line, item.source)
-            continue
-        turns = regenerated_turns(item.messages, replies.last_turn_only)
-        if not all(any(m["role"] == "user" for m in item.messages[:t]) for t in turns):
-            bad(li, gi, key, item.sample_id, "no_user_turn", "an assistant turn to regenerate has no user turn "
-                "before it", item.line, item.source)
-            continue
-        live.append(_Live(li, gi, key, item, [dict(m) for m in item.messages], turns,
-                          target.placeholder or DEFAULT_PLACEHOLDER))
-    r = 0
-    while live:
-        prompts: dict[int, Prepared] = {}
-        for lv in live:
-            c = lv.conv
-            try:
-                p = _prompt(target, lv, lv.turns[r])
-            except (ValueError, OSError) as e:
-                bad(lv.li, lv.gi, lv.key, c.sample_id, "bad_input", str(e), c.line, c.source)
-                continue
-            if ctx is not None and p.length + max_new > ctx:
-                bad(lv.li, lv.gi, lv.key, c.sample_id, "too_long", f"too long: prompt of {p.length} positions + "
-                    f"max_new_tokens {max_new} > the target's context of {ctx}", c.line, c.source)
-                continue
-            prompts[lv.li] = p
-        by_li = {lv.li: lv for lv in live}
-        finals: dict[int, Generation] = {}
-        for g in bucket({li: p.length + max_new for li, p in prompts.items()}, batch_tokens=batch_tokens,
-                        max_batch_size=max_batch_size):
-            seeds = [row_seed(replies.generation.seed, by_li[li].conv.sample_id, r) for li in g]
-            gens = generate(target, [prompts[li] for li in g], replies.generation, seeds=seeds, tap_ids=tap_ids)
-            for li, gen in zip(g, gens):
-                lv = by_li[li]
-                stats.tokens += len(gen.ids)
-                why = _check(target, replies, lv, lv.turns[r], gen)
-                if why is not None:
-                    entries[li] = _drop(lv.key, lv.gi, lv.conv.sample_id, *why)
-                    stats.dropped[why[0]] += 1
-                else:
-                    stats.replies += 1
-                    finals[li] = gen
-            report()
-        nxt = []
-        for lv in live:
-            if lv.li in entries or lv.li not in finals:
-                continue
-            if r + 1 < len(lv.turns):
-                nxt.append(lv)
-                continue
-            e: dict[str, Any] = {"key": lv.key, "gi": lv.gi, "status": "ok"}
-            if out_dir is not None:
-                e["record"] = output_record(lv.conv, lv.messages, out_dir, lv.placeholder, fingerprint, lv.truncated)
-            if tap_ids is not None:
-                e["generation"], e["conversation"] = finals[lv.li], replace(lv.conv, messages=lv.messages)
-            entries[lv.li] = e
-        live, r = nxt, r + 1
-    for e in entries.values():
-        if e["status"] in BAD_INPUT_REASONS:
-            stats.dropped[e["status"]] += 1
-    stats.conversations += len(chunk)
-    return [entries[li] for li, *_ in chunk]
+        return {"data": self.data, **self.replies.to_dict(), "max_samples": self.max_samples,
+                "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
+                "dtype": self.dtype}
 
 
 # ------------------------------------------------------------------------------------------ run, resume, merge
@@ -304,8 +159,8 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
             shutil.rmtree(work)
         return {**doc, "run_stats": {"already_complete": True}}
     if target is None:
-        device = resolve_device(cfg)  # type: ignore[arg-type]
-        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))  # type: ignore[arg-type]
+        device = resolve_device(cfg)
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))
     target.template_kwargs = dict(cfg.replies.template_kwargs)
     fp = target_fingerprint(target)
     settings = {**cfg.identity(), "target_fingerprint": fp}

@@ -12,8 +12,8 @@ import torch
 
 from capture.generate import GenerationConfig
 from capture.inputs import read_inputs, read_jsonl
-from capture.regenerate import RegenerateConfig, RegenerateError, regenerate, work_dir
-from capture.replies import ReplyConfig
+from capture.regenerate import RegenerateConfig, regenerate, work_dir
+from capture.replies import RegenerateError, ReplyConfig
 from capture.salm import SALM
 from tests.capture.util import conv_record, write_manifest, write_wav
 
@@ -87,7 +87,7 @@ def dying(*a, **k):
     return orig(*a, **k)
 rg.process_window = dying
 from capture.generate import GenerationConfig
-from capture.replies import ReplyConfig
+from capture.replies import RegenerateError, ReplyConfig
 rg.regenerate(rg.RegenerateConfig(target={target!r}, data={data!r}, out={out!r}, window=3, max_batch_size=2,
               replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6, temperature=1.0, seed=1),
                                   keep_truncated=True), progress=False))

@@ -159,8 +159,11 @@ def regenerate(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     on_error: str = typer.Option("skip", "--on-error", help="skip: count bad inputs with their reason | fail: stop at the first."),
+    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the LLM's config.json and tokenizer."),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
+    from pathlib import Path
+
     from capture.regenerate import RegenerateConfig, summary
     from capture.regenerate import regenerate as run_regenerate
 
@@ -168,7 +171,7 @@ def regenerate(
         target=target, data=data, out=out,
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated, template_kwarg),
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
-        on_error=on_error,
+        on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
     )
     typer.echo(summary(run_regenerate(cfg)))
 

@@ -22,7 +22,7 @@ import torch
 
 from capture.replies import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
 from capture.salm import Expanded
-from capture.targets import NonFiniteError, Prepared, Target, sample_fields
+from capture.targets import Prepared, Target, sample_fields
 
 SkipTuple = tuple[int, str, str, str, Any, str]
 """(index, sample id, reason, kind, line, source): what capture's writer records for a skipped input."""
@@ -46,7 +46,7 @@ def fused_window(
     final_hidden: bool, audio_embeds: bool, row_chunk: int, batch_tokens: int, max_batch_size: int,
     max_length: int | None, on_error: str, stats: RunStats | None = None,
     report: Callable[[], None] = lambda: None,
-) -> tuple[list[SkipTuple], list[Prepared], list[dict[str, torch.Tensor] | NonFiniteError]]:
+) -> tuple[list[SkipTuple], list[Prepared], list[dict[str, torch.Tensor]]]:
     """Regenerate one capture window ((local index, Conversation | BadInput)) with states kept.
 
     Returns the skips (bad input, too long, and dropped replies with their reason as the kind), and

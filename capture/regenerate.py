@@ -79,6 +79,8 @@ class RegenerateConfig:
     """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
     device: str = "auto"
     """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
+    llm_config: str | None = None
+    """NeMo SALM checkpoints only: a local directory with the LLM's config.json and tokenizer (as for capture)."""
     on_error: str = "skip"
     """Bad input: 'skip' counts it with its reason; 'fail' stops with one line (the run stays resumable)."""
     progress: bool = True
@@ -160,7 +162,8 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
         return {**doc, "run_stats": {"already_complete": True}}
     if target is None:
         device = resolve_device(cfg)
-        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device))
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
+                             llm_config=cfg.llm_config)
     target.template_kwargs = dict(cfg.replies.template_kwargs)
     fp = target_fingerprint(target)
     settings = {**cfg.identity(), "target_fingerprint": fp}

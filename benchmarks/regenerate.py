@@ -14,8 +14,9 @@ Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute s
 
 Targets: ``demo`` (the trained demo SALM in --workdir, built by the demo if missing; its own
 tone-digit conversations) and ``real`` (a random-init Qwen3 of real width: hidden 1024, 8 layers,
-vocab 151,936, text prompts of --prompt-tokens words; its replies never end, so every reply runs to
---max-new-tokens on both sides). CPU, float32, one thread per side. The target fingerprint (one
+vocab 151,936 with a word-level tokenizer of one word per id, so replies survive the text round
+trip; text prompts of --prompt-tokens words; its replies never end, so every reply runs to
+--max-new-tokens on both sides, kept as truncated). CPU, float32, one thread per side. The target fingerprint (one
 sha256 pass over embedding + lm_head, kept on the loaded target) is computed once before the pairs
 and reported beside them.
 
@@ -84,9 +85,13 @@ def _real_inputs(tmp: Path, samples: int, prompt_tokens: int):
     from demo.target import build_word_tokenizer
     from demo.task import vocabulary
 
+    V = 151936
     words = vocabulary()
-    tok = build_word_tokenizer(words)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+    n_fixed = len(build_word_tokenizer(words))  # specials + role names + the demo words
+    # a word per id, so every generated id decodes to text that tokenizes back to it (replies are kept)
+    tok = build_word_tokenizer(words + [f"w{i}" for i in range(V - n_fixed)])
+    assert len(tok) == V
+    cfg = Qwen3Config(vocab_size=V, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
                       tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)

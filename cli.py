@@ -45,6 +45,58 @@ def _threads(n: int) -> int:
     return n
 
 
+def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
+                  keep_truncated: bool):
+    from capture.generate import GenerationConfig
+    from capture.replies import ReplyConfig
+
+    return ReplyConfig(
+        generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
+        last_turn_only=last_turn_only, keep_truncated=keep_truncated)
+
+
+@app.command()
+def regenerate(
+    target: str = typer.Option(..., "--target", help="Target directory (SALM, HF-native speech LLM or HF causal LM)."),
+    data: str = typer.Option(..., "--data", help="Conversations: FILE.jsonl, a directory of JSONL shards, an HF dataset dir or hf:NAME[:split]."),
+    out: str = typer.Option(..., "--out", help="FILE.jsonl, or a directory for JSONL shards (resumed when rerun)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Reply tokens at most; longer replies are truncated."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; > 0: sample."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (sampling only)."),
+    seed: int = typer.Option(0, "--seed", help="Base seed; each reply's seed derives from it and the sample id."),
+    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
+    keep_truncated: bool = typer.Option(False, "--keep-truncated", help="Keep truncated replies (marked) instead of dropping them."),
+    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
+                                             "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
+    max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
+    batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded prompt + reply tokens per generation batch."),
+    max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    on_error: str = typer.Option("skip", "--on-error", help="skip: count bad inputs with their reason | fail: stop at the first."),
+    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the LLM's config.json and tokenizer."),
+    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+) -> None:
+    """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
+    from pathlib import Path
+
+    from capture.regenerate import RegenerateConfig, summary
+    from capture.regenerate import regenerate as run_regenerate
+    from shards.template import parse_template_kwargs
+
+    _threads(threads)
+    cfg = RegenerateConfig(
+        target=target, data=data, out=out,
+        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated),
+        chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
+        template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
+        max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
+        on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
+    )
+    typer.echo(summary(run_regenerate(cfg)))
+
+
 @app.command()
 def capture(
     target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint (config.json + model.safetensors), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), or an HF causal LM."),
@@ -113,67 +165,6 @@ def capture(
         if regenerate else None, fused=not two_pass,
     )
     typer.echo(summary(run_capture(cfg)))
-
-
-def _template_kwargs(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` chat-template variables; VALUE is parsed as JSON when it can be (true, 3, "x")."""
-    import json
-
-    out = {}
-    for kv in pairs:
-        k, sep, v = kv.partition("=")
-        if not sep or not k.strip():
-            raise ValueError(f"--template-kwarg {kv!r}: write KEY=VALUE, e.g. enable_thinking=false")
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
-
-
-def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
-                  keep_truncated: bool, template_kwarg: list[str]):
-    from capture.generate import GenerationConfig
-    from capture.replies import ReplyConfig
-
-    return ReplyConfig(
-        generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
-        last_turn_only=last_turn_only, keep_truncated=keep_truncated, template_kwargs=_template_kwargs(template_kwarg))
-
-
-@app.command()
-def regenerate(
-    target: str = typer.Option(..., "--target", help="Target directory (SALM, HF-native speech LLM or HF causal LM)."),
-    data: str = typer.Option(..., "--data", help="Conversations: FILE.jsonl, a directory of JSONL shards, an HF dataset dir or hf:NAME[:split]."),
-    out: str = typer.Option(..., "--out", help="FILE.jsonl, or a directory for JSONL shards (resumed when rerun)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Reply tokens at most; longer replies are truncated."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; > 0: sample."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (sampling only)."),
-    seed: int = typer.Option(0, "--seed", help="Base seed; each reply's seed derives from it and the sample id."),
-    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
-    keep_truncated: bool = typer.Option(False, "--keep-truncated", help="Keep truncated replies (marked) instead of dropping them."),
-    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable KEY=VALUE (e.g. enable_thinking=false). Repeatable."),
-    max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
-    batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded prompt + reply tokens per generation batch."),
-    max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
-    on_error: str = typer.Option("skip", "--on-error", help="skip: count bad inputs with their reason | fail: stop at the first."),
-    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the LLM's config.json and tokenizer."),
-) -> None:
-    """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
-    from pathlib import Path
-
-    from capture.regenerate import RegenerateConfig, summary
-    from capture.regenerate import regenerate as run_regenerate
-
-    cfg = RegenerateConfig(
-        target=target, data=data, out=out,
-        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated, template_kwarg),
-        max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
-        on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
-    )
-    typer.echo(summary(run_regenerate(cfg)))
 
 
 @app.command()

@@ -42,9 +42,7 @@ from benchmarks.common import write_result
 
 def _plain_generate(target, convs, batch: int, max_new_tokens: int) -> int:
     """The baseline: prompts in input order, ``batch`` at a time, through the model's own generate."""
-    from capture.generate import stop_token_ids
-
-    stops, n = stop_token_ids(target), 0
+    stops, n = target.end_token_ids(), 0
     gen_model = target.lm
     with torch.inference_mode():
         for s in range(0, len(convs), batch):

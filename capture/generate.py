@@ -90,20 +90,6 @@ class Generation:
         return self.tokens + ([] if self.stop_id is None else [self.stop_id])
 
 
-def stop_token_ids(target: Target) -> list[int]:
-    """End-of-turn ids: the generation config's eos ids, the LM config's and the tokenizer's."""
-    ids: list[int] = []
-    for src in (getattr(target.lm, "generation_config", None), target.lm_config, target.tokenizer):
-        e = getattr(src, "eos_token_id", None)
-        for i in (e if isinstance(e, (list, tuple)) else [e]):
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    if not ids:
-        raise ValueError("the target declares no end-of-turn token (eos_token_id in its config, generation config "
-                         "or tokenizer); set one so replies can end")
-    return ids
-
-
 def row_seed(seed: int, sample_id: str, turn: int) -> int:
     """The seed of one reply's sampler: a pure function of (base seed, sample id, assistant turn)."""
     sid = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little")
@@ -154,7 +140,11 @@ def generate(
         emb[b, P - T:], attn[b, P - T:] = e.inputs_embeds, 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     gens = None if cfg.greedy else [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds or []]
-    stops = torch.tensor(stop_token_ids(target), device=dev)
+    end_ids = target.end_token_ids()
+    if not end_ids:
+        raise ValueError("the target declares no end-of-turn token (eos_token_id in its config, generation config "
+                         "or tokenizer); set one so replies can end")
+    stops = torch.tensor(end_ids, device=dev)
     head, scale, decoder = target.lm.get_output_embeddings(), target.logits_scaling, target.decoder
     L = target.num_layers
     keep = [] if tap_ids is None else sorted(set(tap_ids) | {L - 1})

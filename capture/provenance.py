@@ -27,10 +27,11 @@ def target_fingerprint(target: Any) -> str:
     """The bundle fingerprint of a live target, computed as capture writes it into a dataset.
 
     One sha256 pass over the embedding and lm_head (17 s for a 151,936 x 1024 pair on a loaded 2-core
-    machine), so it is kept on the target object for its template settings: a frozen target's
-    weights do not change while it is loaded.
+    machine), so it is kept on the target object per chat template and kwargs (both in the fingerprint):
+    a frozen target's weights do not change while it is loaded.
     """
-    key = json.dumps(getattr(target, "template_kwargs", {}), sort_keys=True)
+    t = target.template
+    key = json.dumps([t.text, t.kwargs], sort_keys=True)
     cache = target.__dict__.setdefault("_fingerprints", {})
     if key not in cache:
         cache[key] = bundle_fingerprint(**target.bundle_parts())

@@ -45,10 +45,11 @@ import torch
 from capture.inputs import read_inputs
 from capture.provenance import sidecar_path, target_fingerprint
 from capture.replies import ReplyConfig, RunStats, prefix_key, process_window
-from capture.salm import DEFAULT_PLACEHOLDER
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.targets import Target
 from shards.atomic import staged
+from shards.progress import Progress
+from shards.template import read_template_file, template_kwargs, template_sha
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -79,6 +80,10 @@ class RegenerateConfig:
     """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
     device: str = "auto"
     """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
+    chat_template: str | None = None
+    """Jinja file replacing the target tokenizer's chat template; None uses the tokenizer's own."""
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Variables the chat template is rendered with (enable_thinking, a system prompt...); in the fingerprint."""
     llm_config: str | None = None
     """NeMo SALM checkpoints only: a local directory with the LLM's config.json and tokenizer (as for capture)."""
     on_error: str = "skip"
@@ -96,12 +101,14 @@ class RegenerateConfig:
             raise ValueError(f"RegenerateConfig.max_samples must be >= 1, got {self.max_samples}")
         if self.on_error not in ("skip", "fail"):
             raise ValueError(f"RegenerateConfig.on_error must be 'skip' or 'fail', got {self.on_error!r}")
+        object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
         if self.dtype not in DTYPES:
             raise ValueError(f"RegenerateConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     def identity(self) -> dict[str, Any]:
         """What decides the output: a resume must match it exactly."""
-        return {"data": self.data, **self.replies.to_dict(), "max_samples": self.max_samples,
+        return {"data": self.data, **self.replies.to_dict(), "chat_template": self.chat_template,
+                "template_kwargs": dict(self.template_kwargs), "max_samples": self.max_samples,
                 "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
                 "dtype": self.dtype}
 
@@ -160,11 +167,13 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
         if rank == 0 and work.exists():
             shutil.rmtree(work)
         return {**doc, "run_stats": {"already_complete": True}}
+    template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
         device = resolve_device(cfg)
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
-                             llm_config=cfg.llm_config)
-    target.template_kwargs = dict(cfg.replies.template_kwargs)
+                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
+    elif template is not None or cfg.template_kwargs:
+        target.use_template(template, dict(cfg.template_kwargs))
     fp = target_fingerprint(target)
     settings = {**cfg.identity(), "target_fingerprint": fp}
     _check_settings(work, settings)
@@ -176,7 +185,7 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
     barrier(world)
     out_dir = out.parent if out.suffix == ".jsonl" else out
     out_dir.mkdir(parents=True, exist_ok=True)
-    placeholder = target.placeholder or DEFAULT_PLACEHOLDER  # as capture reads text-only inputs
+    placeholder = target.input_placeholder
     stats = RunStats()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -187,25 +196,20 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
                  "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
-    doc = merge(cfg, work, out, placeholder, fp)
+    doc = merge(cfg, work, out, placeholder, fp, target.template.text)
     return {**doc, "run_stats": run_stats}
 
 
 def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_dir: Path, placeholder: str,
               rank: int, world: int, stats: RunStats, t0: float) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     done = _done_keys(work)
     total = sum(1 for _ in _rank_items(cfg, placeholder, rank, world))
     n_done = 0
-    with Progress(TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[rates]}"), disable=not cfg.progress) as bar:
-        task = bar.add_task("regenerate", total=total, rates="")
+    with Progress("regenerate", total, enabled=cfg.progress) as bar:
 
         def report() -> None:
             dt = max(time.perf_counter() - t0, 1e-9)
-            bar.update(task, completed=n_done + stats.conversations,
-                       rates=f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s")
+            bar.update(n_done + stats.conversations, f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s")
 
         for w, chunk in enumerate(windows(_rank_items(cfg, placeholder, rank, world), cfg.window)):
             todo = [(li, gi, item, key) for li, (gi, item, key) in chunk if key not in done]
@@ -223,7 +227,8 @@ def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_di
             report()
 
 
-def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, fingerprint: str) -> dict[str, Any]:
+def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, fingerprint: str,
+          template_text: str | None = None) -> dict[str, Any]:
     """Every rank's parts -> the output in input order (shards, then the sidecar last); removes the parts."""
     parts = _done_keys(work)
     records, counts, drops, seen = [], Counter(), [], set()
@@ -258,7 +263,7 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
         "target_fingerprint": fingerprint,
         "settings": cfg.identity(),
         "generation": cfg.replies.generation.to_dict(),
-        "template_kwargs": cfg.replies.template_kwargs,
+        "chat_template": {"sha256": template_sha(template_text), "kwargs": dict(cfg.template_kwargs)},
         "replies_from_target": cfg.replies.from_target,
         "files": [p.name for p in files],
         "counts": {"conversations": total, "written": len(records), "dropped": dict(sorted(counts.items()))},

@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 from capture.generate import Generation, GenerationConfig, context_length, generate, row_seed
 from capture.inputs import AudioRef, BadInput, Conversation
-from capture.salm import DEFAULT_PLACEHOLDER
 from capture.stages import bucket
 from capture.targets import Prepared, Target
 from shards.atomic import staged
+from shards.errors import TapdraftError
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,10 @@ class ReplyConfig:
     """Replace only the last assistant turn (earlier ones stay as given)."""
     keep_truncated: bool = False
     """Keep replies that hit max_new_tokens, marked ``"truncated": true``, instead of dropping them."""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Chat-template variables (``enable_thinking``, ...), applied to every prompt and recorded."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation, GenerationConfig):
             raise ValueError("ReplyConfig.generation must be a GenerationConfig")
-        if not isinstance(self.template_kwargs, dict):
-            raise ValueError("ReplyConfig.template_kwargs must be a dict of chat-template variables")
 
     @property
     def from_target(self) -> bool:
@@ -60,7 +56,7 @@ class ReplyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"generation": self.generation.to_dict(), "last_turn_only": self.last_turn_only,
-                "keep_truncated": self.keep_truncated, "template_kwargs": dict(self.template_kwargs)}
+                "keep_truncated": self.keep_truncated}
 
 
 # ------------------------------------------------------------------------------------------ keys and turns
@@ -147,7 +143,7 @@ def _audio_entry(ref: AudioRef, out_dir: Path) -> dict[str, Any]:
     return e
 
 
-class RegenerateError(ValueError):
+class RegenerateError(TapdraftError, ValueError):
     """A bad input stopped the run (on_error='fail'); finished windows are kept for the rerun."""
 
 
@@ -239,8 +235,7 @@ def process_window(
             bad(li, gi, key, item.sample_id, "no_user_turn", "an assistant turn to regenerate has no user turn "
                 "before it", item.line, item.source)
             continue
-        live.append(_Live(li, gi, key, item, [dict(m) for m in item.messages], turns,
-                          target.placeholder or DEFAULT_PLACEHOLDER))
+        live.append(_Live(li, gi, key, item, [dict(m) for m in item.messages], turns, target.input_placeholder))
     r = 0
     while live:
         prompts: dict[int, Prepared] = {}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.generate import GenerationConfig, generate, row_seed, stop_token_ids
+from capture.generate import GenerationConfig, generate, row_seed
 from capture.inputs import AudioRef, Conversation
 from capture.targets import CausalLMTarget, SALMTarget
 from tests.capture.test_hf_native import qwen2_audio_dir  # noqa: F401  (fixture)
@@ -38,10 +38,10 @@ def test_greedy_batch_equals_hf_generate_one_at_a_time(salm, kind):
     for p, g in zip(prompts, got):
         e = target.embed([p])[0]
         ref = target.lm.generate(inputs_embeds=e.inputs_embeds[None], attention_mask=torch.ones(1, p.length, dtype=torch.long),
-                                 max_new_tokens=10, do_sample=False, eos_token_id=stop_token_ids(target),
+                                 max_new_tokens=10, do_sample=False, eos_token_id=target.end_token_ids(),
                                  pad_token_id=target.tokenizer.pad_token_id)
         assert g.ids == ref[0].tolist()
-        assert g.truncated == (len(g.ids) == 10 and g.ids[-1] not in stop_token_ids(target))
+        assert g.truncated == (len(g.ids) == 10 and g.ids[-1] not in target.end_token_ids())
 
 
 def test_sampling_is_per_row_and_reproducible(salm):
@@ -91,6 +91,6 @@ def test_hf_native_speech_llm_generation_equals_its_own_generate(qwen2_audio_dir
     for c, g in zip(convs, got):
         text = target.tokenizer.apply_chat_template(target._wrap(c.messages), tokenize=False, add_generation_prompt=True)
         inputs = target.processor(text=text, audio=[c.audios[0].array], sampling_rate=16000, return_tensors="pt")
-        ref = target.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=stop_token_ids(target),
+        ref = target.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=target.end_token_ids(),
                                     pad_token_id=target.tokenizer.pad_token_id)
         assert g.ids == ref[0, inputs["input_ids"].shape[1]:].tolist()

@@ -144,7 +144,8 @@ def test_bad_inputs_are_counted_or_fail_in_one_line(salm_dir, tmp_path):
     write_wav(tmp_path / "audio" / "ok.wav", [1, 2], seed=0)
     (tmp_path / "audio" / "broken.wav").write_bytes(b"RIFF not really a wav")
     recs = [conv_record("ok", "audio/ok.wav"), conv_record("broken", "audio/broken.wav"),
-            {"id": "nouser", "conversations": [{"from": "Assistant", "value": "hello"}]},
+            {"id": "nouser", "conversations": [{"from": "Assistant", "value": "hello"}, {"from": "User", "value": "sum"},
+                                               {"from": "Assistant", "value": "one ."}]},
             conv_record("missing", "audio/missing.wav"), "{not json"]
     data = write_manifest(tmp_path / "in.jsonl", recs)
     doc = regenerate(_cfg(salm_dir, data, tmp_path / "out.jsonl"))
@@ -206,20 +207,24 @@ def test_audio_given_as_bytes_is_written_beside_the_output_and_reads_back(tmp_pa
 
 def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
     """A template variable changes the rendered prompt (so the replies) and is recorded per file."""
+    import dataclasses
+
     from capture.load import load_target
 
     tgt = load_target(lm_dir)
-    tgt.tokenizer.chat_template = "{% if terse %}{{ 'sum' }}{% endif %}" + tgt.tokenizer.chat_template
+    template = tmp_path / "t.jinja"
+    template.write_text("{% if terse %}{{ 'sum' }}{% endif %}" + tgt.template.text)
     data = _text_manifest(tmp_path / "in.jsonl", n=2)
-    rep = ReplyConfig(generation=GenerationConfig(max_new_tokens=4), keep_truncated=True,
-                      template_kwargs={"terse": True})
-    doc = regenerate(_cfg(lm_dir, data, tmp_path / "k.jsonl", replies=rep), target=tgt)
-    assert doc["template_kwargs"] == {"terse": True}
-    assert json.loads((tmp_path / "k.regenerate.json").read_text())["settings"]["template_kwargs"] == {"terse": True}
+    rep = ReplyConfig(generation=GenerationConfig(max_new_tokens=4), keep_truncated=True)
+    doc = regenerate(_cfg(lm_dir, data, tmp_path / "k.jsonl", replies=rep, chat_template=str(template),
+                          template_kwargs={"terse": True}))
+    side = json.loads((tmp_path / "k.regenerate.json").read_text())
+    assert doc["chat_template"]["kwargs"] == {"terse": True} == side["settings"]["template_kwargs"]
+    plain = regenerate(_cfg(lm_dir, data, tmp_path / "p.jsonl", replies=rep))
+    assert plain["target_fingerprint"] != doc["target_fingerprint"]  # template and kwargs are in the fingerprint
     conv = next(iter(read_jsonl(data, placeholder="<|audioplaceholder|>")))
-    import dataclasses
-
+    tgt.use_template(template.read_text(), {"terse": True})
     with_kw = tgt.prepare_prompt(dataclasses.replace(conv, messages=conv.messages[:1]), 0)
-    tgt.template_kwargs = {}
+    tgt.use_template(template.read_text(), {})
     without = tgt.prepare_prompt(dataclasses.replace(conv, messages=conv.messages[:1]), 0)
     assert with_kw.length == without.length + 1

@@ -19,7 +19,8 @@ validation prompts in the rest, so the drafters are evaluated on continuations t
 :func:`prepare_bpe` builds (or reuses), each step cached in a work directory:
 
     DIR/target/     the LM, tokenizer and chat template (HF layout)
-    DIR/data/       train.jsonl + validation.jsonl (replies = the target's greedy output)
+    DIR/data/       SPLIT.corpus.jsonl (the true continuations) and SPLIT.jsonl, written from it by
+                    ``tapdraft regenerate`` (replies = the target's greedy output; SPLIT.regenerate.json)
     DIR/dataset/    captured with the CLI's defaults
     DIR/bpe.json    what each step did (LM training, data, capture)
 
@@ -218,57 +219,33 @@ def train_bpe_lm(lm: Any, tok: Any, texts: Sequence[Sequence[str]], size: BPESiz
             "final_loss_ema": round(ema or 0.0, 4)}
 
 
-@torch.no_grad()
-def greedy_reply_ids(lm: Any, tok: Any, prompts: Sequence[str], *, max_new_tokens: int,
-                     batch_size: int = 64) -> list[list[int]]:
-    """The LM's greedy reply token ids (eos dropped) to each prompt, left-padded batches with a KV cache."""
-    eos, out = tok.eos_token_id, []
-    for s in range(0, len(prompts), batch_size):
-        rows = [tok.apply_chat_template(conversation(p), tokenize=True, return_dict=True, add_generation_prompt=True)
-                ["input_ids"] for p in prompts[s : s + batch_size]]
-        P = max(len(r) for r in rows)
-        ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros(len(rows), P, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, P - len(r) :], attn[b, P - len(r) :] = torch.tensor(r), 1
-        new = lm.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=eos, pad_token_id=tok.pad_token_id)[:, P:]
-        for row in new.tolist():
-            out.append(row[: row.index(eos)] if eos in row else row)
-    return out
-
-
 # ------------------------------------------------------------------------------------------ data
-def write_split(lm: Any, tok: Any, pairs: Sequence[tuple[str, str]], path: Path, size: BPESize) -> dict[str, Any]:
-    """``path`` (JSONL) with the target's greedy replies; replies that do not re-tokenize to the same ids
-    (BPE can emit a non-canonical split) or are empty are dropped and counted, so every kept reply is
-    token for token what the target decodes greedily."""
-    prompts = [p for p, _ in pairs]
-    replies = greedy_reply_ids(lm, tok, prompts, max_new_tokens=size.max_new_tokens)
-    rows, dropped = [], {"empty": 0, "retokenizes_differently": 0}
-    lengths, truncated = [], 0
-    for i, (prompt, ids) in enumerate(zip(prompts, replies)):
-        text = tok.decode(ids, skip_special_tokens=True)
-        if not text.strip():
-            dropped["empty"] += 1
-            continue
-        full = tok.apply_chat_template(conversation(prompt, text), tokenize=True, return_dict=True,
-                                       return_assistant_tokens_mask=True)
-        sup = [t for t, m in zip(full["input_ids"], full["assistant_masks"]) if m]
-        if sup[:-1] != ids:  # the last supervised token is <|im_end|>
-            dropped["retokenizes_differently"] += 1
-            continue
-        truncated += len(ids) >= size.max_new_tokens
-        lengths.append(len(ids))
-        rows.append({"id": f"{path.stem}-{i:06d}", "conversations": [
-            {"from": "User", "type": "text", "value": PROMPT + prompt},
-            {"from": "Assistant", "type": "text", "value": text}]})
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-    return {"prompts": len(prompts), "written": len(rows), "dropped": dropped, "truncated_at_cap": truncated,
-            "mean_reply_tokens": round(sum(lengths) / max(len(lengths), 1), 2),
-            "distinct_replies": len({r["conversations"][1]["value"] for r in rows})}
+def write_split(target_dir: Path, pairs: Sequence[tuple[str, str]], path: Path, size: BPESize, *,
+                progress: bool = True) -> dict[str, Any]:
+    """``path`` (JSONL) with the target's greedy replies, written by ``tapdraft regenerate`` from the corpus
+    windows (``SPLIT.corpus.jsonl``: the passage's true continuation as the reply to replace). Empty replies
+    and replies that do not re-tokenize to the same ids (BPE can emit a non-canonical split) are dropped
+    and counted; replies cut at ``max_new_tokens`` are kept (marked), so every kept reply is token for
+    token what the target decodes greedily."""
+    from capture.generate import GenerationConfig
+    from capture.regenerate import RegenerateConfig, regenerate
+    from capture.replies import ReplyConfig
+    from shards.atomic import staged
+
+    src = path.with_name(path.stem + ".corpus.jsonl")
+    rows = [{"id": f"{path.stem}-{i:06d}", "conversations": [
+        {"from": "User", "type": "text", "value": PROMPT + prompt},
+        {"from": "Assistant", "type": "text", "value": cont}]} for i, (prompt, cont) in enumerate(pairs)]
+    with staged(src) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = regenerate(RegenerateConfig(
+        target=str(target_dir.resolve()), data=str(src.resolve()), out=str(path.resolve()), progress=progress,
+        replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=size.max_new_tokens), keep_truncated=True)))
+    out = [json.loads(x) for x in path.read_text().splitlines()]
+    replies = [r["conversations"][-1]["value"] for r in out]
+    return {"prompts": len(rows), "written": len(out), "dropped": doc["counts"]["dropped"],
+            "truncated_at_cap": sum(bool(r.get("truncated")) for r in out),
+            "distinct_replies": len(set(replies))}
 
 
 @dataclass
@@ -299,8 +276,6 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if not (tdir / "config.json").is_file():
             t0 = time.perf_counter()
             tok = build_bpe_tokenizer(corpus_text(), size.vocab_size)
@@ -314,8 +289,6 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
             tok.save_pretrained(tmp)
             tmp.replace(tdir)
             info_path.write_text(json.dumps(info, indent=2))
-        lm = AutoModelForCausalLM.from_pretrained(tdir, local_files_only=True).eval()
-        tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
         texts = corpus(size)
         ddir.mkdir(parents=True, exist_ok=True)
         for k, (split, n) in enumerate((("train", size.train_samples), ("validation", size.val_samples))):
@@ -323,14 +296,16 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
                 g = torch.Generator().manual_seed(seed + 1 + k)
                 t0 = time.perf_counter()
                 info.setdefault("data", {})[split] = write_split(
-                    lm, tok, windows(texts, size, n, part=split, generator=g), ddir / f"{split}.jsonl", size)
+                    tdir, windows(texts, size, n, part=split, generator=g), ddir / f"{split}.jsonl", size,
+                    progress=progress)
                 info["data"][split]["seconds"] = round(time.perf_counter() - t0, 1)
         info_path.write_text(json.dumps(info, indent=2))
-        # the CLI's defaults: only where the inputs and output live, and that replies are the target's own
+        # the CLI's defaults: only where the inputs and output live (that the replies are the target's own
+        # comes from the regenerate sidecars beside them)
         cfg = CaptureConfig(target=str(tdir.resolve()), out=str(dsdir),
                             data=(("train", str((ddir / "train.jsonl").resolve())),
                                   ("validation", str((ddir / "validation.jsonl").resolve()))),
-                            progress=progress, responses_from_target=True)
+                            progress=progress)
         t0 = time.perf_counter()
         manifest = capture(cfg, target=None)
         info["capture"] = {**manifest.get("run_stats", {}), "seconds": round(time.perf_counter() - t0, 1)}

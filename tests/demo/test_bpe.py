@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from demo.bpe import FULL, QUICK, BPESize, corpus, greedy_reply_ids, prepare_bpe, windows
+from demo.bpe import FULL, QUICK, BPESize, corpus, prepare_bpe, windows
 
 
 def test_windows_split_each_text_by_offset():
@@ -55,13 +55,16 @@ def test_quick_bpe_target_captures_with_cli_defaults_and_decodes_live(tmp_path):
     for name in ("top_k", "draft_layers", "dtype", "codec", "batch_tokens", "format", "final_hidden", "shard_bytes"):
         assert captured[name] == opts[name].default.default, name
     assert captured["responses_from_target"] is True
-    # every assistant turn is the target's own greedy reply, token for token
+    # every assistant turn is the target's own greedy reply, token for token (the model's own generate)
     tok = AutoTokenizer.from_pretrained(p.target)
     lm = AutoModelForCausalLM.from_pretrained(p.target).eval()
     conv = next(c for c in read_jsonl(p.val_manifest, placeholder="<|audioplaceholder|>"))
-    prompt = conv.messages[0]["content"].split("\n", 1)[1]
-    ids = greedy_reply_ids(lm, tok, [prompt], max_new_tokens=QUICK.max_new_tokens)[0]
-    assert tok.decode(ids, skip_special_tokens=True) == conv.messages[1]["content"]
+    prompt = tok.apply_chat_template(conv.messages[:1], tokenize=True, return_dict=True, add_generation_prompt=True)
+    out = lm.generate(input_ids=torch.tensor([prompt["input_ids"]]), max_new_tokens=QUICK.max_new_tokens,
+                      do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ids = out[0, len(prompt["input_ids"]):].tolist()
+    ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+    assert tok.decode(ids) == conv.messages[1]["content"]
     # live decoding reads text-only conversations and reproduces the target's greedy output
     run = load_run_config("dflash_demo", overrides=["max_steps=2", "progress=false", "ckpt_every=2"])
     train(run, str(p.dataset), tmp_path / "run")

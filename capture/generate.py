@@ -10,9 +10,10 @@ generation prompt, audio already expanded by the adapter):
     choose   greedy argmax, or temperature + top-p sampling with one torch.Generator per row, seeded
              from (seed, sample id, turn) by :func:`row_seed`: a row's draws never depend on its batch
 
-Logits are ``lm_head(final_norm(h)) / logits_scaling``, what capture's teacher rows use, so a greedy
-reply is the argmax of the stored teacher at every supervised row. Only the base decoder runs, and
-only the last row of a prefill meets the lm_head (no [B, P, vocab] buffer).
+Logits are ``Target.head.logits`` of the last layer's pre-norm output (the one head function, proven on
+the model's own forward, that capture's teacher rows use), so a greedy reply is the argmax of the
+stored teacher at every supervised row. Only the base decoder runs, and only the last row of a
+prefill meets the lm_head (no [B, P, vocab] buffer).
 
 With ``tap_ids`` the same pass keeps the taps (and the last layer's pre-norm output) of every
 position: the prompt's from the prefill, each reply token's from the step that feeds it. The step
@@ -145,9 +146,9 @@ def generate(
         raise ValueError("the target declares no end-of-turn token (eos_token_id in its config, generation config "
                          "or tokenizer); set one so replies can end")
     stops = torch.tensor(end_ids, device=dev)
-    head, scale, decoder = target.lm.get_output_embeddings(), target.logits_scaling, target.decoder
+    head, decoder = target.head, target.decoder
     L = target.num_layers
-    keep = [] if tap_ids is None else sorted(set(tap_ids) | {L - 1})
+    keep = [L - 1] if tap_ids is None else sorted(set(tap_ids) | {L - 1})  # the last layer gives the logits
     prefill_taps: dict[int, torch.Tensor] = {}
     step_taps: list[dict[int, torch.Tensor]] = []
     cache = DynamicCache(config=target.lm_config)
@@ -156,14 +157,12 @@ def generate(
     n_new = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated per row, stop id included
     bad = torch.zeros(B, dtype=torch.bool, device=dev)
     with LayerTaps(target.layers, keep) as hooks:
-        out = decoder(inputs_embeds=emb, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        decoder(inputs_embeds=emb, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
         prefill_taps = dict(hooks.out)
         last_pos = pos[:, -1]
         steps = 0
         for s in range(cfg.max_new_tokens):
-            logits = head(out.last_hidden_state[:, -1]).float()
-            if scale != 1.0:
-                logits = logits / scale
+            logits = head.logits(hooks.out[L - 1][:, -1])  # the teacher's head: greedy = the stored top-1
             bad |= ~done & ~torch.isfinite(logits).all(-1)
             logits = torch.nan_to_num(logits, nan=0.0)
             nxt = torch.where(done, stops[0], _choose(logits, cfg, gens))
@@ -173,12 +172,12 @@ def generate(
             steps = s + 1
             if steps == cfg.max_new_tokens or bool(done.all()):
                 break
-            out = _step(decoder, nxt, attn, last_pos, cache)
+            _step(decoder, nxt, attn, last_pos, cache)
             attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
-            if keep:
+            if tap_ids is not None:
                 step_taps.append(dict(hooks.out))
-        if keep:  # the last generated token has not been fed yet: one more step gives its states
+        if tap_ids is not None:  # the last generated token has not been fed yet: one more step gives its states
             _step(decoder, new[:, steps - 1], attn, last_pos, cache)
             step_taps.append(dict(hooks.out))
     ids, lens, errors = new[:, :steps].tolist(), n_new.tolist(), bad.tolist()
@@ -189,10 +188,10 @@ def generate(
         stop = row[-1] if row and row[-1] in stop_set else None
         g = Generation(row[:-1] if stop is not None else row, stop, e, error=errors[b],
                        audio_seconds=batch[b].audio_seconds)
-        if keep:
+        if tap_ids is not None:
             T, n = int(e.input_ids.shape[0]), len(g.ids)
             per = {i: torch.cat([prefill_taps[i][b, P - T:], *[st[i][b] for st in step_taps[:n]]]) for i in keep}
-            g.taps = torch.stack([per[i] for i in tap_ids or []], dim=1)
+            g.taps = torch.stack([per[i] for i in tap_ids], dim=1)
             g.last = per[L - 1]
         results.append(g)
     return results

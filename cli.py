@@ -58,24 +58,30 @@ def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: i
 @app.command()
 def regenerate(
     target: str = typer.Option(..., "--target", help="Target directory (SALM, HF-native speech LLM or HF causal LM)."),
-    data: str = typer.Option(..., "--data", help="Conversations: FILE.jsonl, a directory of JSONL shards, an HF dataset dir or hf:NAME[:split]."),
+    data: str = typer.Option(..., "--data", help="Conversations: FILE.jsonl, a directory of JSONL shards, an HF "
+                             "dataset dir or hf:NAME[:split]."),
     out: str = typer.Option(..., "--out", help="FILE.jsonl, or a directory for JSONL shards (resumed when rerun)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Reply tokens at most; longer replies are truncated."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens",
+                                       help="Reply tokens at most; longer replies are truncated."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; > 0: sample."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (sampling only)."),
     seed: int = typer.Option(0, "--seed", help="Base seed; each reply's seed derives from it and the sample id."),
     last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
-    keep_truncated: bool = typer.Option(False, "--keep-truncated", help="Keep truncated replies (marked) instead of dropping them."),
+    keep_truncated: bool = typer.Option(False, "--keep-truncated",
+                                        help="Keep truncated replies (marked) instead of dropping them."),
     chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
                                              "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
-    batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded prompt + reply tokens per generation batch."),
+    batch_tokens: int = typer.Option(16384, "--batch-tokens",
+                                     help="Padded prompt + reply tokens per generation batch."),
     max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
-    on_error: str = typer.Option("skip", "--on-error", help="skip: count bad inputs with their reason | fail: stop at the first."),
-    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the LLM's config.json and tokenizer."),
+    on_error: str = typer.Option("skip", "--on-error",
+                                 help="skip: count bad inputs with their reason | fail: stop at the first."),
+    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the "
+                                   "LLM's config.json and tokenizer."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
@@ -126,15 +132,16 @@ def capture(
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
                                              "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    regenerate: bool = typer.Option(False, "--regenerate", help="First replace the assistant turns with the target's own "
-                                    "replies; taps come from the generation pass itself (see --two-pass)."),
+    regenerate: bool = typer.Option(False, "--regenerate", help="First replace the assistant turns with the target's "
+                                    "own replies; taps come from the generation pass itself (see --two-pass)."),
     two_pass: bool = typer.Option(False, "--two-pass", help="With --regenerate: write the replies to OUT.regenerated/ "
                                   "and capture them in a second forward (bit-identical prefill taps; slower)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="With --regenerate: reply tokens at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="With --regenerate: 0 greedy; > 0 sample."),
     top_p: float = typer.Option(1.0, "--top-p", help="With --regenerate: nucleus sampling mass."),
     seed: int = typer.Option(0, "--seed", help="With --regenerate: base seed of per-sample samplers."),
-    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="With --regenerate: replace only the last assistant turn."),
+    last_turn_only: bool = typer.Option(False, "--last-turn-only",
+                                        help="With --regenerate: replace only the last assistant turn."),
     keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""

@@ -168,7 +168,8 @@ def main() -> None:
         print(f"pair {k}: regenerate {a_n / a_s:.2f} replies/s  plain generate {b_n / b_s:.2f} replies/s  "
               f"ratio {gen_pairs[-1]['ratio']:.3f}")
     doc: dict[str, Any] = {
-        "target": args.target, "samples": len(convs), "fingerprint_seconds_once": round(fingerprint_s, 2), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "target": args.target, "samples": len(convs), "fingerprint_seconds_once": round(fingerprint_s, 2),
+        "batch": args.batch, "max_new_tokens": args.max_new_tokens,
         "generate": {"pairs": gen_pairs, "median_ratio": statistics.median(p["ratio"] for p in gen_pairs),
                      "goal": ">= 1.0 (replies/s of regenerate over a plain model.generate loop)"},
     }

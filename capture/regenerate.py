@@ -138,7 +138,8 @@ def _keyed(items: Iterator[tuple[int, Any]], last_only: bool) -> Iterator[tuple[
 
 def _rank_items(cfg: RegenerateConfig, placeholder: str, rank: int, world: int) -> Iterator[tuple[int, tuple]]:
     """(local index, (global index, item, key)) of this rank's slice."""
-    keyed = _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples), cfg.replies.last_turn_only)
+    items = numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples)
+    keyed = _keyed(items, cfg.replies.last_turn_only)
     return rank_slice(((gi, (gi, item, key)) for gi, item, key in keyed), rank, world)
 
 
@@ -209,7 +210,8 @@ def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_di
 
         def report() -> None:
             dt = max(time.perf_counter() - t0, 1e-9)
-            bar.update(n_done + stats.conversations, f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s")
+            rates = f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s"
+            bar.update(n_done + stats.conversations, rates)
 
         for w, chunk in enumerate(windows(_rank_items(cfg, placeholder, rank, world), cfg.window)):
             todo = [(li, gi, item, key) for li, (gi, item, key) in chunk if key not in done]

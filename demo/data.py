@@ -149,7 +149,8 @@ def _prepare(root: Path, size: DemoSize, quick: bool, regenerate: bool, seed: in
     info_path.write_text(json.dumps(info, indent=2))
     cfg = CaptureConfig(
         target=str(tdir.resolve()), out=str(dsdir),
-        data=(("train", str((ddir / "train.jsonl").resolve())), ("validation", str((ddir / "validation.jsonl").resolve()))),
+        data=(("train", str((ddir / "train.jsonl").resolve())),
+              ("validation", str((ddir / "validation.jsonl").resolve()))),
         draft_layers=2, top_k=16 if quick else 32, batch_tokens=4096, window=256, progress=progress,
         responses_from_target=None if regenerate else False,  # regenerated: read from the sidecar
     )

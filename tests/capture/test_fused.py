@@ -21,8 +21,8 @@ TAP_ATOL = 0.02
 
 
 def _capture(target, data, out, **kw):
-    return capture(CaptureConfig(target=str(target), out=str(out), data=(("train", str(data)),), draft_layers=2, top_k=8,
-                                 progress=False, on_error="skip", **kw))
+    return capture(CaptureConfig(target=str(target), out=str(out), data=(("train", str(data)),), draft_layers=2,
+                                 top_k=8, progress=False, on_error="skip", **kw))
 
 
 @pytest.mark.parametrize("kind", ["salm", "causal"])
@@ -61,7 +61,8 @@ def test_capture_reads_a_regenerate_output(lm_dir, salm_dir, tmp_path):  # noqa:
     data = _text_manifest(tmp_path / "in.jsonl", n=4)
     greedy = tmp_path / "greedy"
     regenerate(RegenerateConfig(target=str(lm_dir), data=str(data), out=str(greedy), progress=False,
-                                replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6), keep_truncated=True)))
+                                replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6),
+                                                    keep_truncated=True)))
     m = _capture(lm_dir, greedy, tmp_path / "ds")
     assert responses_from_target(m) is True and m["capture_config"]["responses_from_target"] is True
     sampled = tmp_path / "sampled.jsonl"

@@ -23,9 +23,11 @@ def _text_prompt(sid, words):
 
 
 def _targets(salm):
-    return {"salm": (SALMTarget(salm), [_prompt("a", 20000, 0), _prompt("b", 7000, 1), _prompt("c", 12000, 2, "what is the sum ?")]),
+    audio = [_prompt("a", 20000, 0), _prompt("b", 7000, 1), _prompt("c", 12000, 2, "what is the sum ?")]
+    return {"salm": (SALMTarget(salm), audio),
             "causal": (CausalLMTarget(salm.lm, salm.tokenizer),
-                       [_text_prompt("a", "what did i say ?"), _text_prompt("b", "how many digits ? one two three four"),
+                       [_text_prompt("a", "what did i say ?"),
+                        _text_prompt("b", "how many digits ? one two three four"),
                         _text_prompt("c", "sum")])}
 
 
@@ -37,7 +39,8 @@ def test_greedy_batch_equals_hf_generate_one_at_a_time(salm, kind):
     got = generate(target, prompts, GenerationConfig(max_new_tokens=10))
     for p, g in zip(prompts, got):
         e = target.embed([p])[0]
-        ref = target.lm.generate(inputs_embeds=e.inputs_embeds[None], attention_mask=torch.ones(1, p.length, dtype=torch.long),
+        ref = target.lm.generate(inputs_embeds=e.inputs_embeds[None],
+                                 attention_mask=torch.ones(1, p.length, dtype=torch.long),
                                  max_new_tokens=10, do_sample=False, eos_token_id=target.end_token_ids(),
                                  pad_token_id=target.tokenizer.pad_token_id)
         assert g.ids == ref[0].tolist()
@@ -89,7 +92,7 @@ def test_hf_native_speech_llm_generation_equals_its_own_generate(qwen2_audio_dir
     prompts = [target.prepare_prompt(c, i) for i, c in enumerate(convs)]
     got = generate(target, prompts, GenerationConfig(max_new_tokens=6))
     for c, g in zip(convs, got):
-        text = target.tokenizer.apply_chat_template(target._wrap(c.messages), tokenize=False, add_generation_prompt=True)
+        text = target.template.render(target._wrap(c.messages), add_generation_prompt=True)
         inputs = target.processor(text=text, audio=[c.audios[0].array], sampling_rate=16000, return_tensors="pt")
         ref = target.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=target.end_token_ids(),
                                     pad_token_id=target.tokenizer.pad_token_id)

@@ -59,7 +59,8 @@ def test_sampled_runs_with_one_seed_write_the_same_file(lm_dir, tmp_path):
     ta, tb = (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text()
     assert ta == tb and ta != (tmp_path / "c.jsonl").read_text()
     recs = [json.loads(x) for x in ta.splitlines()]
-    assert [r["keep"] for r in recs] == sorted(r["keep"] for r in recs) and all(r["id"] == f"t{r['keep']}" for r in recs)
+    assert [r["keep"] for r in recs] == sorted(r["keep"] for r in recs)
+    assert all(r["id"] == f"t{r['keep']}" for r in recs)
     assert all(r["regenerated_by"] == a["target_fingerprint"] for r in recs)
     side = json.loads((tmp_path / "a.regenerate.json").read_text())
     assert side["generation"]["seed"] == 7 and side["replies_from_target"] is False and side["complete"]
@@ -144,7 +145,8 @@ def test_bad_inputs_are_counted_or_fail_in_one_line(salm_dir, tmp_path):
     write_wav(tmp_path / "audio" / "ok.wav", [1, 2], seed=0)
     (tmp_path / "audio" / "broken.wav").write_bytes(b"RIFF not really a wav")
     recs = [conv_record("ok", "audio/ok.wav"), conv_record("broken", "audio/broken.wav"),
-            {"id": "nouser", "conversations": [{"from": "Assistant", "value": "hello"}, {"from": "User", "value": "sum"},
+            {"id": "nouser", "conversations": [{"from": "Assistant", "value": "hello"},
+                                               {"from": "User", "value": "sum"},
                                                {"from": "Assistant", "value": "one ."}]},
             conv_record("missing", "audio/missing.wav"), "{not json"]
     data = write_manifest(tmp_path / "in.jsonl", recs)

@@ -82,6 +82,8 @@ class TrainConfig:
     """auto (cuda if available), cpu or cuda."""
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32."""
+    head_dtype: str = "auto"
+    """dtype of the frozen embedding and lm_head, so of the vocabulary matmuls: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
     log_every: int = 10
     """Steps between metric lines (JSONL + console)."""
     ckpt_every: int = 500
@@ -114,6 +116,8 @@ class TrainConfig:
             raise ValueError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.head_dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"train.head_dtype must be auto, bf16 or fp32, got {self.head_dtype!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"train.max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.template_kwargs is not None:

@@ -17,6 +17,13 @@ masked), sampled without replacement, sorted; at most ``num_anchors`` per sequen
 until the batch fits). With FlexAttention or torch.compile the block count per sequence is fixed
 (min(num_anchors, max_total_anchors // Bs)) so shapes stay static; eager sizes it to the batch.
 
+Loss-row budget: a training micro-batch carries at most ``max_loss_rows`` loss rows (blocks x
+(B - 1) slots), so its blocks are capped at ``train_anchors = min(max_total_anchors,
+max_loss_rows // (B - 1))``. Each row costs a [V, H] lm_head matmul forward and backward (0.62
+GFLOP at Qwen3's V = 151,936, H = 1024), which is most of a step at a real vocabulary
+(benchmarks/train_step.py measures step time against rows), so the budget, not the sequence
+length, sets a step's cost. Evaluation (``acceptance``) is not budgeted: it keeps the anchor caps.
+
 Module names match the DFlash reference release (``fc``, ``hidden_norm``, ``layers.N.self_attn.q_proj``,
 ``norm``), so exported weights load in serving engines.
 
@@ -76,6 +83,8 @@ class DFlashConfig:
     """Most blocks per sequence."""
     max_total_anchors: int = 4096
     """Most blocks per micro-batch."""
+    max_loss_rows: int = 8192
+    """Training loss-row budget: most blocks x (block_size - 1) per micro-batch (bounds the lm_head cost)."""
     full_blocks_only: bool = False
     """Anchors need p + B <= length (True) or only p + 1 < length (False, overhang masked)."""
     attention: str = "dense"
@@ -104,6 +113,9 @@ class DFlashConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.num_anchors < 1 or self.max_total_anchors < 1:
             raise ValueError("num_anchors and max_total_anchors must be >= 1")
+        if self.max_loss_rows < self.block_size - 1:
+            raise ValueError(f"max_loss_rows must hold one block's {self.block_size - 1} loss rows, "
+                             f"got {self.max_loss_rows}; raise it or lower block_size")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.kd not in KD_MODES:
@@ -122,6 +134,11 @@ class DFlashConfig:
     @property
     def static_anchors(self) -> bool:
         return self.attention == "flex" or self.compile
+
+    @property
+    def train_anchors(self) -> int:
+        """Most blocks per training micro-batch: the anchor cap and the loss-row budget, whichever binds."""
+        return min(self.max_total_anchors, self.max_loss_rows // (self.block_size - 1))
 
     def resolve(self, bundle: Any, layout: Any) -> "DFlashConfig":
         """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""
@@ -204,7 +221,12 @@ def default_mask_id(bundle: Any, layout: Any) -> int:
 
 
 def allocate_anchor_counts(eligible_B: torch.Tensor, per_seq: int, total: int) -> torch.Tensor:
-    """Per-sequence anchor counts: min(eligible, cap) with the largest cap <= per_seq whose sum fits ``total``."""
+    """Per-sequence anchor counts summing to min(total, sum(min(eligible, per_seq))).
+
+    Water-filling: min(eligible, cap) with the largest cap <= per_seq whose sum fits ``total``; the
+    rest of ``total`` goes one each to the first sequences still below their eligible count (so a
+    budget smaller than the batch still draws anchors instead of none).
+    """
     e = eligible_B.clamp(max=per_seq)
     if int(e.sum()) <= total:
         return e
@@ -215,7 +237,10 @@ def allocate_anchor_counts(eligible_B: torch.Tensor, per_seq: int, total: int) -
             lo = mid
         else:
             hi = mid - 1
-    return e.clamp(max=lo)
+    counts = e.clamp(max=lo)
+    more = e > lo
+    extra = (more.cumsum(0) <= total - int(counts.sum())) & more
+    return counts + extra.to(counts.dtype)
 
 
 def sample_anchors(
@@ -406,10 +431,12 @@ class DFlashDrafter(Drafter):
         return labels, valid, tpos
 
     def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
+        """Training anchors (within the loss-row budget), or with ``take_all`` evaluation's (caps only)."""
         cfg = self.config
         return sample_anchors(
             batch["loss_mask"], batch["lengths"], block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-            max_total_anchors=cfg.max_total_anchors, full_blocks_only=cfg.full_blocks_only,
+            max_total_anchors=cfg.max_total_anchors if take_all else cfg.train_anchors,
+            full_blocks_only=cfg.full_blocks_only,
             static=cfg.static_anchors, generator=generator, take_all=take_all,
         )
 

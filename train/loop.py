@@ -109,6 +109,17 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def head_dtype(device: torch.device, setting: str) -> torch.dtype:
+    """The frozen head's dtype: bf16 lm_head matmuls on CUDA (tensor cores); fp32 on CPU unless asked.
+
+    On CPU bf16 is opt-in: it is 2-3x faster than fp32 only where the CPU has bf16 instructions
+    (AVX512-BF16/AMX; benchmarks/train_step.py), and much slower where it has not.
+    """
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if setting == "bf16" else torch.float32
+
+
 def _autocast(device: torch.device, precision: str):
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -203,8 +214,7 @@ def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: i
     """Drafter (restored from ``ckpt``), its DDP wrapper, optimizer + schedule, and the batch stream."""
     tc = run.train
     model = build_drafter(run, src).to(device)
-    if device.type == "cuda":
-        model.frozen_to(torch.bfloat16)
+    model.frozen_to(head_dtype(device, tc.head_dtype))
     if ckpt is not None:
         model.load_state_dict(ckpt["draft"])
     ddp = model

@@ -41,6 +41,30 @@ def test_anchor_sampling_rules():
     a, v = sample_anchors(lm, lengths, block_size=4, num_anchors=5, max_total_anchors=9, static=True, generator=g)
     assert a.shape[1] == 3
     assert allocate_anchor_counts(torch.tensor([10, 2, 7]), 8, 12).tolist() == [5, 2, 5]
+    # what water-filling leaves of the budget goes one each to the first sequences with room
+    assert allocate_anchor_counts(torch.tensor([10, 2, 7]), 8, 11).tolist() == [5, 2, 4]
+    assert allocate_anchor_counts(torch.tensor([5, 0, 5, 5]), 8, 2).tolist() == [1, 0, 1, 0]
+
+
+def test_loss_row_budget_bounds_training_rows_not_evaluation(setup):
+    bundle, layout, samples = setup
+    batch = collate(samples[:4])
+    big = DFlashDrafter.build(DFlashConfig(block_size=4, num_anchors=50), bundle, layout)
+    rows = lambda m: int(sum(float(c) for k, (_, c) in m(batch, torch.Generator().manual_seed(0)).metrics.items()
+                             if k.startswith("acc@")))
+    free = rows(big)
+    assert free > 12
+    for budget in (3, 7, 12):  # 1, 2 and 4 blocks of 3 loss slots
+        cfg = DFlashConfig(block_size=4, num_anchors=50, max_loss_rows=budget)
+        assert cfg.train_anchors == budget // 3
+        small = DFlashDrafter.build(cfg, bundle, layout)
+        small.load_state_dict(big.state_dict())
+        r = rows(small)
+        assert 0 < r <= budget and r <= cfg.train_anchors * 3
+        assert int(small._anchors(batch, torch.Generator().manual_seed(0))[1].sum()) == cfg.train_anchors
+        assert torch.equal(small.acceptance(batch).valid, big.acceptance(batch).valid)  # eval keeps every anchor
+    with pytest.raises(ValueError, match="max_loss_rows"):
+        DFlashConfig(block_size=8, max_loss_rows=6)
 
 
 def test_anchor_sampling_is_seeded_and_uniform_ish():

@@ -197,3 +197,17 @@ def test_loss_falls_and_acceptance_rises(tmp_path):
     assert lines[-1]["tau"] > lines[0]["tau"]
     tau = evaluate(tmp_path / "run", path, plot=False)["tau"]
     assert tau > tau0 + 0.3, (tau0, tau)
+
+
+def test_head_dtype_sets_the_vocabulary_matmuls(tmp_path, mem):
+    from train.loop import head_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (head_dtype(cpu, "auto"), head_dtype(cuda, "auto")) == (torch.float32, torch.bfloat16)
+    assert (head_dtype(cpu, "bf16"), head_dtype(cuda, "fp32")) == (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="head_dtype"):
+        load_run_config("dflash_b8", overrides=["head_dtype=fp16"])
+    train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"]), mem.path, tmp_path / "fp32")
+    train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bf16"]), mem.path, tmp_path / "bf16")
+    a, b = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
+    assert a != b and b == pytest.approx(a, rel=2e-2)  # the same run up to bf16 rounding of the head

@@ -1,0 +1,167 @@
+"""DFlash training-step time against loss rows at a real vocabulary (V = 151,936, H = 1024).
+
+At a real vocabulary the loss, not the draft, is the step: every loss row (a block slot that
+predicts a supervised token) costs a [V, H] lm_head matmul forward and one backward, 4 * V * H
+FLOPs = 0.62 GFLOP at Qwen3-0.6B's widths, while a 1-layer draft costs about 0.08 GFLOP per
+block token. So step time is near-linear in the loss rows, and ``max_loss_rows`` (the recipe's
+budget per micro-batch, ``train.dflash``) is what keeps a step's cost bounded.
+
+Content: a tiny synthetic dataset at the ``qwen3-1024x8`` shape (benchmarks/shapes.py): a target
+bundle with random bf16 embedding and lm_head of 151,936 x 1024, and a few samples of 512-2048
+tokens whose taps are the DFlash tap rule's for a 1-layer draft plus the last layer, half of
+each sample supervised. Random activations are fine here: time does not depend on their values.
+
+One step = drafter forward (anchors, context, blocks, fused chunked lm_head + CE) + backward +
+AdamW step, on one fixed micro-batch, with the default recipe (``dflash``) and one thread. For
+each loss-row budget, A = frozen head in fp32 (the CPU default) and B = in bf16 (``head_dtype``)
+are timed interleaved A B A B; the table gives the medians, their ratio and a least-squares fit
+time = a + b * rows per head dtype (b: seconds per loss row; a: the rest of the step).
+
+    python -m benchmarks.train_step [--rows 60 120 240] [--pairs 3] [--workdir /tmp/tapdraft-train-step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+from benchmarks.shapes import SHAPES, shape_facts
+from shards.bundle import write_bundle
+from shards.schema import Layout
+from shards.taps import default_tap_ids
+from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+
+SHAPE = "qwen3-1024x8"
+
+
+def build_dataset(root: Path, *, samples: int = 4, seed: int = 0) -> Path:
+    """The synthetic dataset at SHAPE (built once; later runs reuse ``root``)."""
+    if (root / "manifest.json").is_file():
+        return root
+    s = SHAPES[SHAPE]
+    g = torch.Generator().manual_seed(seed)
+    taps = tuple(sorted(set(default_tap_ids(s.layers, 1)) | {s.layers - 1}))
+    layout = Layout(hidden_size=s.hidden, num_layers=s.layers, tap_ids=taps, top_k=0, audio_token_id=0)
+    config = {"model_type": "qwen3", "hidden_size": s.hidden, "num_hidden_layers": s.layers, "vocab_size": s.vocab,
+              "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.hidden // s.heads,
+              "intermediate_size": s.intermediate, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+              "logits_scaling": 1.0, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 1}
+    audio = {"sample_rate": 16000, "frame_seconds": 0.08, "placeholder": "<audio>", "placeholder_token_id": 3,
+             "audio_token_id": 0}
+    fp = write_bundle(root / "target", config=config, audio=audio, chat_template=None,
+                      embed_tokens=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
+                      norm_weight=torch.ones(s.hidden, dtype=torch.bfloat16),
+                      lm_head=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
+                      tokenizer_dir=None)
+    with DatasetWriter(str(root), ShardConfig(), layout, fingerprint=fp) as w:
+        for i in range(samples):
+            T = int(torch.randint(512, 2049, (1,), generator=g))
+            loss = torch.zeros(T, dtype=torch.bool)
+            loss[T // 2:] = True
+            w.write({"sample_id": f"s{i}", "source": "bench", "audio_seconds": 0.0,
+                     "input_ids": torch.randint(4, s.vocab, (T,), generator=g, dtype=torch.int32),
+                     "is_audio": torch.zeros(T, dtype=torch.bool), "loss_mask": loss,
+                     "taps": torch.randn(T, len(taps), s.hidden, generator=g).to(torch.bfloat16)}, i)
+    finalize_dataset(str(root), layout=layout, fingerprint=fp, capture_config={"benchmark": "train_step"})
+    return root
+
+
+class Stepper:
+    """One drafter + optimizer on one fixed micro-batch, for a given loss-row budget and head dtype."""
+
+    def __init__(self, data: Path, rows: int, head: str) -> None:
+        from train.config import load_run_config
+        from train.data import BatchStream
+        from train.drafter import combine_terms
+        from train.loop import head_dtype, make_optimizer
+        from train.run import build_drafter, open_source
+
+        run = load_run_config("dflash", overrides=[f"max_loss_rows={rows}", f"head_dtype={head}"])
+        src = open_source(str(data))
+        self.model = build_drafter(run, src)
+        self.model.frozen_to(head_dtype(torch.device("cpu"), head))
+        self.opt, _ = make_optimizer(self.model, run.train)
+        stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=run.train.max_tokens,
+                             max_batch_size=run.train.max_batch_size)
+        self.batch = next(stream)
+        self.combine = combine_terms
+        self.rows = 0
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        lo = self.model(self.batch, torch.Generator().manual_seed(0))
+        loss, _ = self.combine(lo.terms)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.rows = _rows(lo)
+        self.loss = float(loss)
+        return time.perf_counter() - t0
+
+
+def _rows(lo: Any) -> int:
+    """Loss rows of a step: the sum over slots of each slot's valid count."""
+    return int(sum(float(c) for k, (_, c) in lo.metrics.items() if k.startswith("acc@")))
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+    return my - b * mx, b
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[60, 120, 240], help="loss-row budgets (max_loss_rows)")
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved fp32/bf16 pairs per budget")
+    ap.add_argument("--workdir", default="/tmp/tapdraft-train-step", help="where the synthetic dataset is cached")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    data = build_dataset(Path(args.workdir) / "dataset")
+    out = []
+    for budget in args.rows:
+        steppers = {h: Stepper(data, budget, h) for h in ("fp32", "bf16")}
+        for s in steppers.values():
+            s.step()  # warm-up (allocator, oneDNN kernels)
+        times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+        loads = []
+        for _ in range(args.pairs):
+            for h in ("fp32", "bf16"):
+                times[h].append(steppers[h].step())
+            loads.append(os.getloadavg()[0])
+        rec = {"max_loss_rows": budget, "loss_rows": steppers["fp32"].rows,
+               "tokens": int(steppers["fp32"].batch["lengths"].sum()),
+               "fp32_s": statistics.median(times["fp32"]), "bf16_s": statistics.median(times["bf16"]),
+               "fp32_runs": times["fp32"], "bf16_runs": times["bf16"],
+               "bf16_speedup": statistics.median(a / b for a, b in zip(times["fp32"], times["bf16"])),
+               "loss_fp32": steppers["fp32"].loss, "loss_bf16": steppers["bf16"].loss,
+               "load_avg_1m": loads}
+        out.append(rec)
+        print(f"rows {rec['loss_rows']:>6}  fp32 {rec['fp32_s']:7.2f} s  bf16 {rec['bf16_s']:7.2f} s  "
+              f"bf16 speedup {rec['bf16_speedup']:.2f}  load {max(loads):.1f}")
+    fits = {}
+    for h in ("fp32", "bf16"):
+        a, b = _fit([r["loss_rows"] for r in out], [r[f"{h}_s"] for r in out])
+        fits[h] = {"fixed_s": a, "s_per_row": b}
+        print(f"{h}: step = {a:.2f} s + {b * 1000:.1f} ms x rows")
+    flops_row = 4 * SHAPES[SHAPE].vocab * SHAPES[SHAPE].hidden
+    doc = {"benchmark": "train_step", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
+           "command": "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "threads": 1, "lm_head_flops_per_row": flops_row, "rows": out, "fit": fits,
+           "predicted_s": {f"{h}@{n}": fits[h]["fixed_s"] + fits[h]["s_per_row"] * n
+                           for h in fits for n in (8192, 26_700)}}
+    write_result("train_step.json", doc)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

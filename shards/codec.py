@@ -12,9 +12,19 @@ the one home of the byte layout; the containers only add framing and compression
                                          activations take 0.69x of the raw bf16 bytes vs 0.79x as
                                          uint16 words (benchmarks/storage.py), so planes is the default.
                                "raw":    the uint16 words as they are in memory.
-    taps with codec "fp8"    lossy: float8 e4m3 bytes [T, n, H] in ``taps`` and one float32 scale
+    taps with codec "fp8"    lossy: float8 e4m3 values [T, n, H] in ``taps`` and one float32 scale
                              per (token, tap) row in ``taps_scale`` [T, n] (scale = row amax / 448);
                              decoded back to bf16, so readers see the same dtype either way.
+                             ``fp8_layout`` of the ``taps`` bytes:
+                               "packed": all sign+exponent fields (byte >> 3, one byte each), then the
+                                         3-bit mantissas packed 8 values into 3 bytes (little-endian,
+                                         value i at bits 3i..3i+2; the last group zero-padded). The
+                                         exponent plane is what zstd can shrink, the mantissas are
+                                         near-random: on the trained demo decoder's taps 0.62 vs 0.75
+                                         bytes a value after zstd-1 (benchmarks/storage.py), so new
+                                         fp8 datasets use it.
+                               "bytes":  one e4m3 byte per value; what datasets whose metadata has no
+                                         ``fp8_layout`` hold (read as such, never rewritten).
 
 Shapes are not stored per field: T comes from ``input_ids``, R from ``topk_rows``, A from
 ``is_audio``, the rest from the layout (``FieldMeta``).
@@ -34,6 +44,9 @@ from shards.schema import SCALAR_FIELDS, Layout, field_specs
 assert sys.byteorder == "little", "tapdraft's byte layout assumes a little-endian host"
 
 BF16_LAYOUTS = ("planes", "raw")
+FP8_LAYOUTS = ("packed", "bytes")
+LEGACY_FP8_LAYOUT = "bytes"
+"""The fp8 byte layout of metadata that does not name one (written before the layout was a choice)."""
 FP8_MAX = 448.0
 """Largest finite float8 e4m3fn value; a row's amax maps onto it."""
 
@@ -42,17 +55,26 @@ _NP = {torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.uint8}
 
 @dataclass(frozen=True)
 class FieldMeta:
-    """What a decoder needs beyond the bytes: the layout and the bf16 byte layout."""
+    """What a decoder needs beyond the bytes: the layout and the bf16 (and fp8) byte layouts."""
 
     layout: Layout
     bf16_layout: str
+    fp8_layout: str = LEGACY_FP8_LAYOUT
+    """Byte layout of fp8 taps (FP8_LAYOUTS); recorded only for fp8 datasets, so bf16 metadata is unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.fp8_layout not in FP8_LAYOUTS:
+            raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_dict(), "bf16_layout": self.bf16_layout}
+        d = {"layout": self.layout.to_dict(), "bf16_layout": self.bf16_layout}
+        if self.layout.taps_codec == "fp8":
+            d["fp8_layout"] = self.fp8_layout
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FieldMeta":
-        return cls(Layout.from_dict(d["layout"]), d["bf16_layout"])
+        return cls(Layout.from_dict(d["layout"]), d["bf16_layout"], d.get("fp8_layout", LEGACY_FP8_LAYOUT))
 
 
 def stored_fields(layout: Layout) -> list[str]:
@@ -111,6 +133,54 @@ def fp8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(torch.bfloat16)
 
 
+def fp8_to_bytes(q: torch.Tensor, fp8_layout: str) -> bytes | memoryview:
+    """float8_e4m3fn tensor -> its stored bytes in ``fp8_layout`` (see the module docstring)."""
+    b = q.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+    if fp8_layout == "bytes":
+        return b.tobytes()
+    if fp8_layout != "packed":
+        raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {fp8_layout!r}")
+    n = b.size
+    groups = -(-n // 8)
+    out = np.empty(n + 3 * groups, dtype=np.uint8)
+    np.right_shift(b, 3, out=out[:n])
+    m = np.zeros(8 * groups, dtype=np.uint32)
+    np.bitwise_and(b, 7, out=m[:n], casting="unsafe")
+    m = m.reshape(groups, 8)
+    word = m[:, 0].copy()
+    for i in range(1, 8):
+        word |= m[:, i] << (3 * i)
+    out[n:].reshape(groups, 3)[:] = word.view(np.uint8).reshape(groups, 4)[:, :3]
+    return memoryview(out)
+
+
+def bytes_to_fp8(data: bytes | memoryview, shape: tuple[int, ...], fp8_layout: str) -> torch.Tensor:
+    """Inverse of ``fp8_to_bytes``: float8_e4m3fn [shape]."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    n = int(np.prod(shape))
+    if fp8_layout == "bytes":
+        want = n
+    elif fp8_layout == "packed":
+        want = n + 3 * (-(-n // 8))
+    else:
+        raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {fp8_layout!r}")
+    if raw.size != want:
+        raise ValueError(f"fp8 field has {raw.size} bytes, expected {want} for shape {shape} ({fp8_layout})")
+    if fp8_layout == "bytes":
+        b = raw.copy()
+    else:
+        groups = -(-n // 8)
+        w = np.zeros((groups, 4), dtype=np.uint8)
+        w[:, :3] = raw[n:].reshape(groups, 3)
+        word = w.view(np.uint32).reshape(groups)
+        m = np.empty((groups, 8), dtype=np.uint8)
+        for i in range(8):
+            np.bitwise_and(word >> (3 * i), 7, out=m[:, i], casting="unsafe")
+        b = np.left_shift(raw[:n], 3)
+        b |= m.reshape(-1)[:n]
+    return torch.from_numpy(b.reshape(shape)).view(torch.float8_e4m3fn)
+
+
 def _plain_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bool:
@@ -125,7 +195,7 @@ def encode_fields(sample: dict[str, Any], meta: FieldMeta) -> dict[str, bytes | 
         t = sample[name]
         if name == "taps" and meta.layout.taps_codec == "fp8":
             q, scale = fp8_encode(t)
-            out["taps"] = q.view(torch.uint8).numpy().tobytes()
+            out["taps"] = fp8_to_bytes(q, meta.fp8_layout)
             out["taps_scale"] = scale.numpy().astype("<f4").tobytes()
         elif dtype == torch.bfloat16:
             out[name] = bf16_to_bytes(t, meta.bf16_layout)
@@ -159,9 +229,9 @@ def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMe
             continue
         shp = tuple(dims[s] if isinstance(s, str) else s for s in shape)
         if name == "taps" and layout.taps_codec == "fp8":
-            q = torch.from_numpy(np.frombuffer(fields["taps"], dtype=np.uint8).reshape(shp).copy())
+            q = bytes_to_fp8(fields["taps"], shp, meta.fp8_layout)
             scale = torch.from_numpy(np.frombuffer(fields["taps_scale"], dtype="<f4").reshape(shp[:-1]).copy())
-            sample["taps"] = fp8_decode(q.view(torch.float8_e4m3fn), scale)
+            sample["taps"] = fp8_decode(q, scale)
         elif dtype == torch.bfloat16:
             sample[name] = bytes_to_bf16(fields[name], shp, meta.bf16_layout)
         else:

@@ -38,7 +38,7 @@ from shards import manifest as mf
 from shards.arrow_io import arrow_schema, make_batch, shard_metadata
 from shards.atomic import commit, temp_name, write_bytes_atomic, write_json_atomic
 from shards.bundle import stored_fingerprint
-from shards.codec import BF16_LAYOUTS, FieldMeta, encode_fields
+from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
 from shards.integrity import INTEGRITY, BlockHasher, digest
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version, validate_sample
 from shards.wds_io import TarShardWriter, sample_key
@@ -65,6 +65,9 @@ class ShardConfig:
     random access to a small sample decompresses about its own bytes (64 tokens at hidden 1024 with six
     taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%); a sample larger than this is
     a batch of its own either way, so long conversations at real widths are unaffected."""
+    fp8_layout: str = "packed"
+    """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.82x the bytes of 'bytes' after
+    zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -77,9 +80,20 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
         if self.batch_bytes < 1:
             raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
+        if self.fp8_layout not in FP8_LAYOUTS:
+            raise ValueError(f"ShardConfig.fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardConfig":
+        """A stored shard config; one written before ``fp8_layout`` existed wrote fp8 taps as 'bytes'."""
+        return cls(**{"fp8_layout": LEGACY_FP8_LAYOUT, **d})
+
+    def field_meta(self, layout: Layout) -> FieldMeta:
+        """How this config encodes samples of ``layout``."""
+        return FieldMeta(layout, self.bf16_layout, self.fp8_layout)
 
 
 class _HashingSink:
@@ -230,7 +244,7 @@ class DatasetWriter:
         self.config, self.layout, self.split, self.rank = config, layout, mf.check_split(split), rank
         self.fs, self.root = fsspec.core.url_to_fs(str(out_dir))
         self.fingerprint = fingerprint if fingerprint is not None else stored_fingerprint(self.fs, mf.join(self.root, mf.TARGET_DIR))
-        self.meta = FieldMeta(layout, config.bf16_layout)
+        self.meta = config.field_meta(layout)
         self.lineage = lineage
         self._part_path = mf.join(self.root, mf.part_name(split, rank))
         self.fs.makedirs(mf.join(self.root, mf.DATA_DIR), exist_ok=True)
@@ -255,6 +269,9 @@ class DatasetWriter:
         with self.fs.open(self._part_path, "rb") as f:
             part = json.loads(f.read())
         mine = {"shard_config": self.config.to_dict(), "layout": self.layout.to_dict()}
+        part = {**part, "shard_config": ShardConfig.from_dict(part["shard_config"]).to_dict()}
+        if self.layout.taps_codec != "fp8":  # the fp8 byte layout does not touch bf16 taps
+            part["shard_config"]["fp8_layout"] = mine["shard_config"]["fp8_layout"]
         for key, want in mine.items():
             if part[key] != want:
                 raise ValueError(
@@ -495,7 +512,8 @@ def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
 def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
                     extra: dict[str, Any] | None, splits: dict[str, Any],
                     skipped: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    fm = shard_metadata(FieldMeta(layout, config.bf16_layout), fingerprint)
+    fm = shard_metadata(config.field_meta(layout), fingerprint)
+    fp8 = {"fp8_layout": config.fp8_layout} if layout.taps_codec == "fp8" else {}
     return {
         "schema_version": SCHEMA_VERSION,
         "format": config.format,
@@ -508,7 +526,7 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
         "dtypes": fm["dtypes"],
         "codec": {"container": "arrow-ipc-stream+zstd" if config.format == "arrow" else "webdataset-tar+zstd",
                   "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
-                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16"},
+                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
         "field_meta": fm,
         "integrity": INTEGRITY,
         "shard_config": config.to_dict(),
@@ -525,7 +543,7 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
     fs, root = fsspec.core.url_to_fs(str(out_dir))
     parts = _load_parts(fs, root)
     _check_parts(parts, root, layout, fingerprint)
-    config = ShardConfig(**parts[0][1]["shard_config"])
+    config = ShardConfig.from_dict(parts[0][1]["shard_config"])
     man_path = mf.join(root, mf.MANIFEST)
     if fs.exists(man_path):
         fs.rm(man_path)  # the directory is not a dataset while shards move

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, fp8_decode, fp8_encode
+from shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, bytes_to_fp8, fp8_decode, fp8_encode, fp8_to_bytes
 
 
 @pytest.mark.parametrize("layout", ["planes", "raw"])
@@ -38,3 +38,29 @@ def test_fp8_against_float64_reference():
     assert torch.equal(y[5, 1], torch.zeros(256, dtype=torch.float64))
     # the row maximum is represented exactly up to bf16 rounding of the decoded value
     np.testing.assert_allclose(y.abs().amax(-1).numpy(), ref.abs().amax(-1).numpy(), rtol=2**-8)
+
+
+def _packed_reference(b: list[int]) -> bytes:
+    """The packed fp8 layout spelled out bit by bit: sign+exponent bytes, then 3-bit mantissas, 8 per 3 bytes."""
+    out = [v >> 3 for v in b]
+    for g in range(0, len(b), 8):
+        word = sum((v & 7) << (3 * i) for i, v in enumerate(b[g:g + 8]))
+        out += [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 96 * 3])
+def test_fp8_packed_layout_matches_its_definition_and_round_trips(n):
+    g = torch.Generator().manual_seed(n)
+    b = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    b[b == 0x7F] = 0  # e4m3fn NaN bit patterns never come out of fp8_encode
+    b[b == 0xFF] = 0
+    q = b.view(torch.float8_e4m3fn)
+    packed = bytes(fp8_to_bytes(q, "packed"))
+    assert packed == _packed_reference(b.tolist()) and len(packed) == n + 3 * (-(-n // 8))
+    assert bytes(fp8_to_bytes(q, "bytes")) == bytes(b.tolist())
+    for layout, data in (("packed", packed), ("bytes", bytes(b.tolist()))):
+        back = bytes_to_fp8(data, (n,), layout)
+        assert back.dtype == torch.float8_e4m3fn and torch.equal(back.view(torch.uint8), b)
+    with pytest.raises(ValueError, match="expected"):
+        bytes_to_fp8(packed[:-1], (n,), "packed")

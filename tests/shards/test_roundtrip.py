@@ -1,5 +1,9 @@
 """Writer -> reader round trips: every field comes back bit-identical (bf16) or within fp8 error."""
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 import pytest
 
@@ -46,3 +50,58 @@ def test_stream_yields_every_sample_once(tmp_path):
     ids = [s["sample_id"] for s in ds.stream("train", seed=3, shuffle_buffer=5)]
     assert sorted(ids) == sorted(f"s{i}" for i in range(len(lengths)))
     assert ids != [f"s{i}" for i in range(len(lengths))]
+
+
+LEGACY = Path(__file__).with_name("data")
+"""fp8 datasets (Arrow and WebDataset) written by the code before the fp8 byte layout was recorded:
+``write_dataset(dir, tiny_layout(taps_codec="fp8"), ShardConfig(format=fmt), [5, 9, 3, 12])``."""
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
+    from shards.codec import fp8_decode, fp8_encode
+    from shards.verify import verify_dataset
+
+    old = tmp_path / "old"
+    shutil.copytree(LEGACY / f"fp8_before_layouts_{fmt}", old)
+    man = json.loads((old / "manifest.json").read_text())
+    assert "fp8_layout" not in man["field_meta"] and "fp8_layout" not in man["shard_config"]
+    layout = tiny_layout(taps_codec="fp8")
+    got = list(open_dataset(str(old)).stream("train", seed=0, shuffle=False))
+    assert len(got) == 4
+    for i, (T, s) in enumerate(zip([5, 9, 3, 12], got)):
+        want = random_sample(layout, T, i, audio_frames=T // 4)
+        assert torch.equal(s["taps"], fp8_decode(*fp8_encode(want["taps"]))) and torch.equal(s["input_ids"], want["input_ids"])
+    rep = verify_dataset(str(old), progress=False)
+    assert not rep.problems and rep.samples_checked == 4
+    # the same samples written now: packed fp8 bytes, recorded, decoding to the same tensors
+    new = tmp_path / "new"
+    man2 = write_dataset(str(new), layout, ShardConfig(format=fmt), [5, 9, 3, 12])
+    assert man2["field_meta"]["fp8_layout"] == man2["codec"]["fp8_layout"] == "packed"
+    for a, b in zip(open_dataset(str(new)).stream("train", seed=0, shuffle=False), got):
+        assert_same(a, b)
+
+
+def test_a_legacy_fp8_capture_resumes_only_with_its_own_layout(tmp_path):
+    from shards.writer import DatasetWriter
+
+    layout = tiny_layout(taps_codec="fp8")
+    root = tmp_path / "part"
+    w = DatasetWriter(str(root), ShardConfig(fp8_layout="bytes"), layout, fingerprint="0" * 64)
+    w.write(random_sample(layout, 5, 0), 0)
+    w.close()
+    part = root / "_parts" / "train-rank00000.json"
+    doc = json.loads(part.read_text())
+    del doc["shard_config"]["fp8_layout"]  # as the code before the field wrote it
+    part.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="fp8_layout"):
+        DatasetWriter(str(root), ShardConfig(), layout, fingerprint="0" * 64)
+    DatasetWriter(str(root), ShardConfig(fp8_layout="bytes"), layout, fingerprint="0" * 64).close()
+    bf16 = tiny_layout()
+    w = DatasetWriter(str(tmp_path / "b"), ShardConfig(), bf16, fingerprint="0" * 64)
+    w.close()
+    part = tmp_path / "b" / "_parts" / "train-rank00000.json"
+    doc = json.loads(part.read_text())
+    del doc["shard_config"]["fp8_layout"]
+    part.write_text(json.dumps(doc))
+    DatasetWriter(str(tmp_path / "b"), ShardConfig(), bf16, fingerprint="0" * 64).close()  # bf16 taps: no fp8 bytes

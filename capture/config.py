@@ -33,11 +33,13 @@ from capture.inputs import stored_source
 from capture.replies import ReplyConfig
 from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
+from shards.codec import LEGACY_FP8_LAYOUT
 from shards.template import template_kwargs
 from shards.writer import ShardConfig
 
-_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True}
-"""What captures recorded before ShardConfig (and regeneration) was embedded used for the keys they did not record."""
+_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, "fp8_layout": LEGACY_FP8_LAYOUT}
+"""What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys
+they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
 
@@ -185,8 +187,8 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
         return
     old = migrate_capture_record(json.loads(path.read_text()))
     for key in sorted(set(old) | set(current)):
-        if key in RUNTIME_FIELDS or key == INPUTS_KEY:
-            continue
+        if key in RUNTIME_FIELDS or key == INPUTS_KEY or (key == "fp8_layout" and current.get("codec") != "fp8"):
+            continue  # (the fp8 byte layout writes nothing when taps are bf16)
         if old.get(key) != current.get(key):
             raise ValueError(
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "

@@ -8,7 +8,7 @@ reader seeks there and parses one message.
 One row = one sample. Columns, all declared (never inferred):
 
     sample_id string | source string | audio_seconds float64 | num_tokens int32
-    <one binary column per encoded field of shards.codec, in stored_fields(layout) order>
+    <one binary column per encoded field of shards.codec, in stored_fields(meta) order>
     checksum uint64   shards.integrity.row_checksum of the row (schema >= 1.1)
 
 The schema metadata carries, under the key ``tapdraft``, JSON with the schema version, the layout
@@ -44,6 +44,9 @@ def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None
         dtypes["taps_stored"] = "float8_e4m3fn"
         dtypes["taps_scale"] = "float32"
         shapes["taps_scale"] = ["T", meta.layout.n_taps]
+        if meta.fp8_layout == "packed":
+            dtypes["taps_mantissa"] = "uint3, 8 per 3 bytes"
+            shapes["taps_mantissa"] = ["T", meta.layout.n_taps, meta.layout.hidden_size]
     out = {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
            "fingerprint": fingerprint}
     if lineage is not None:
@@ -53,7 +56,7 @@ def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None
 
 def arrow_schema(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> pa.Schema:
     fields = [pa.field(n, t, nullable=False) for n, t in SCALAR_COLUMNS]
-    fields += [pa.field(n, pa.binary(), nullable=False) for n in stored_fields(meta.layout)]
+    fields += [pa.field(n, pa.binary(), nullable=False) for n in stored_fields(meta)]
     fields.append(pa.field(ROW_COLUMN, pa.uint64(), nullable=False))
     meta_json = json.dumps(shard_metadata(meta, fingerprint, lineage), sort_keys=True)
     return pa.schema(fields, metadata={META_KEY: meta_json})
@@ -135,7 +138,7 @@ def decode_row(row: dict[str, Any], field_meta: dict[str, Any] | FieldMeta) -> d
     without one is refused unless ``field_meta`` is a dict of schema 1.0 (written before checksums).
     """
     meta = field_meta if isinstance(field_meta, FieldMeta) else FieldMeta.from_dict(field_meta)
-    names = stored_fields(meta.layout)
+    names = stored_fields(meta)
     fields = {n: row[n] for n in names}
     if row.get(ROW_COLUMN) is not None:
         check_row(row, fields, names, row[ROW_COLUMN], "decode_row")
@@ -152,7 +155,7 @@ def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int]
     ``check_rows``: a place name (the shard) to check each row against its ``checksum`` column;
     None when the batch's stored bytes were already checked as a block.
     """
-    names = stored_fields(meta.layout)
+    names = stored_fields(meta)
     cols = {n: batch.column(n) for n in names}
     sid, src, secs = batch.column("sample_id"), batch.column("source"), batch.column("audio_seconds")
     sums = batch.column(ROW_COLUMN) if check_rows is not None and ROW_COLUMN in batch.schema.names else None

@@ -15,16 +15,17 @@ the one home of the byte layout; the containers only add framing and compression
     taps with codec "fp8"    lossy: float8 e4m3 values [T, n, H] in ``taps`` and one float32 scale
                              per (token, tap) row in ``taps_scale`` [T, n] (scale = row amax / 448);
                              decoded back to bf16, so readers see the same dtype either way.
-                             ``fp8_layout`` of the ``taps`` bytes:
-                               "packed": all sign+exponent fields (byte >> 3, one byte each), then the
-                                         3-bit mantissas packed 8 values into 3 bytes (little-endian,
-                                         value i at bits 3i..3i+2; the last group zero-padded). The
-                                         exponent plane is what zstd can shrink, the mantissas are
-                                         near-random: on the trained demo decoder's taps 0.62 vs 0.75
-                                         bytes a value after zstd-1 (benchmarks/storage.py), so new
-                                         fp8 datasets use it.
-                               "bytes":  one e4m3 byte per value; what datasets whose metadata has no
-                                         ``fp8_layout`` hold (read as such, never rewritten).
+                             ``fp8_layout`` of the e4m3 values:
+                               "packed": ``taps`` holds each value's sign+exponent field (byte >> 3, one
+                                         byte each) and ``taps_mantissa`` its 3-bit mantissas, 8 values
+                                         into 3 bytes (little-endian, value i at bits 3i..3i+2, the last
+                                         group zero-padded). Separate columns, so zstd compresses the
+                                         skewed exponents apart from the near-random mantissas: on the
+                                         trained demo decoder's taps 0.83x the bytes of "bytes" after
+                                         zstd-1, on N(0, 1) 1.005x (benchmarks/storage.py); new fp8
+                                         datasets use it.
+                               "bytes":  ``taps`` holds one e4m3 byte per value; what datasets whose
+                                         metadata has no ``fp8_layout`` hold (read as such, never rewritten).
 
 Shapes are not stored per field: T comes from ``input_ids``, R from ``topk_rows``, A from
 ``is_audio``, the rest from the layout (``FieldMeta``).
@@ -77,11 +78,13 @@ class FieldMeta:
         return cls(Layout.from_dict(d["layout"]), d["bf16_layout"], d.get("fp8_layout", LEGACY_FP8_LAYOUT))
 
 
-def stored_fields(layout: Layout) -> list[str]:
+def stored_fields(meta: FieldMeta) -> list[str]:
     """Names of the encoded byte fields, in column order."""
-    names = list(field_specs(layout))
-    if layout.taps_codec == "fp8":
-        names.insert(names.index("taps") + 1, "taps_scale")
+    names = list(field_specs(meta.layout))
+    if meta.layout.taps_codec == "fp8":
+        extra = ["taps_mantissa", "taps_scale"] if meta.fp8_layout == "packed" else ["taps_scale"]
+        i = names.index("taps") + 1
+        names[i:i] = extra
     return names
 
 
@@ -133,50 +136,51 @@ def fp8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(torch.bfloat16)
 
 
-def fp8_to_bytes(q: torch.Tensor, fp8_layout: str) -> bytes | memoryview:
-    """float8_e4m3fn tensor -> its stored bytes in ``fp8_layout`` (see the module docstring)."""
+def fp8_to_bytes(q: torch.Tensor, fp8_layout: str) -> list[bytes | memoryview]:
+    """float8_e4m3fn tensor -> its stored parts: [bytes] for "bytes", [exponent plane, mantissas] for "packed"."""
     b = q.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
     if fp8_layout == "bytes":
-        return b.tobytes()
+        return [b.tobytes()]
     if fp8_layout != "packed":
         raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {fp8_layout!r}")
     n = b.size
     groups = -(-n // 8)
-    out = np.empty(n + 3 * groups, dtype=np.uint8)
-    np.right_shift(b, 3, out=out[:n])
     m = np.zeros(8 * groups, dtype=np.uint32)
     np.bitwise_and(b, 7, out=m[:n], casting="unsafe")
     m = m.reshape(groups, 8)
     word = m[:, 0].copy()
     for i in range(1, 8):
         word |= m[:, i] << (3 * i)
-    out[n:].reshape(groups, 3)[:] = word.view(np.uint8).reshape(groups, 4)[:, :3]
-    return memoryview(out)
+    mant = np.ascontiguousarray(word.view(np.uint8).reshape(groups, 4)[:, :3])
+    return [memoryview(np.right_shift(b, 3)), memoryview(mant.reshape(-1))]
 
 
-def bytes_to_fp8(data: bytes | memoryview, shape: tuple[int, ...], fp8_layout: str) -> torch.Tensor:
+def mantissa_bytes(n: int) -> int:
+    """Bytes of ``n`` packed 3-bit mantissas."""
+    return 3 * (-(-n // 8))
+
+
+def bytes_to_fp8(parts: list[Any], shape: tuple[int, ...], fp8_layout: str) -> torch.Tensor:
     """Inverse of ``fp8_to_bytes``: float8_e4m3fn [shape]."""
-    raw = np.frombuffer(data, dtype=np.uint8)
     n = int(np.prod(shape))
-    if fp8_layout == "bytes":
-        want = n
-    elif fp8_layout == "packed":
-        want = n + 3 * (-(-n // 8))
-    else:
+    if fp8_layout not in FP8_LAYOUTS:
         raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {fp8_layout!r}")
-    if raw.size != want:
-        raise ValueError(f"fp8 field has {raw.size} bytes, expected {want} for shape {shape} ({fp8_layout})")
+    raw = np.frombuffer(parts[0], dtype=np.uint8)
+    want = [n] if fp8_layout == "bytes" else [n, mantissa_bytes(n)]
+    got = [raw.size] + [len(p) for p in parts[1:]]
+    if got != want:
+        raise ValueError(f"fp8 fields have {got} bytes, expected {want} for shape {shape} ({fp8_layout})")
     if fp8_layout == "bytes":
         b = raw.copy()
     else:
-        groups = -(-n // 8)
+        groups = want[1] // 3
         w = np.zeros((groups, 4), dtype=np.uint8)
-        w[:, :3] = raw[n:].reshape(groups, 3)
+        w[:, :3] = np.frombuffer(parts[1], dtype=np.uint8).reshape(groups, 3)
         word = w.view(np.uint32).reshape(groups)
         m = np.empty((groups, 8), dtype=np.uint8)
         for i in range(8):
             np.bitwise_and(word >> (3 * i), 7, out=m[:, i], casting="unsafe")
-        b = np.left_shift(raw[:n], 3)
+        b = np.left_shift(raw, 3)
         b |= m.reshape(-1)[:n]
     return torch.from_numpy(b.reshape(shape)).view(torch.float8_e4m3fn)
 
@@ -195,7 +199,10 @@ def encode_fields(sample: dict[str, Any], meta: FieldMeta) -> dict[str, bytes | 
         t = sample[name]
         if name == "taps" and meta.layout.taps_codec == "fp8":
             q, scale = fp8_encode(t)
-            out["taps"] = fp8_to_bytes(q, meta.fp8_layout)
+            parts = fp8_to_bytes(q, meta.fp8_layout)
+            out["taps"] = parts[0]
+            if meta.fp8_layout == "packed":
+                out["taps_mantissa"] = parts[1]
             out["taps_scale"] = scale.numpy().astype("<f4").tobytes()
         elif dtype == torch.bfloat16:
             out[name] = bf16_to_bytes(t, meta.bf16_layout)
@@ -229,7 +236,8 @@ def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMe
             continue
         shp = tuple(dims[s] if isinstance(s, str) else s for s in shape)
         if name == "taps" and layout.taps_codec == "fp8":
-            q = bytes_to_fp8(fields["taps"], shp, meta.fp8_layout)
+            q = bytes_to_fp8([fields["taps"]] + ([fields["taps_mantissa"]] if meta.fp8_layout == "packed" else []),
+                             shp, meta.fp8_layout)
             scale = torch.from_numpy(np.frombuffer(fields["taps_scale"], dtype="<f4").reshape(shp[:-1]).copy())
             sample["taps"] = fp8_decode(q, scale)
         elif dtype == torch.bfloat16:

@@ -65,7 +65,7 @@ class TarShardWriter:
             self._offset += len(chunk)
 
     def add(self, key: str, scalars: dict[str, Any], fields: dict[str, bytes]) -> None:
-        members = {f"{name}.zst": self._zstd.compress(fields[name]) for name in stored_fields(self._meta.layout)}
+        members = {f"{name}.zst": self._zstd.compress(fields[name]) for name in stored_fields(self._meta)}
         meta = {k: scalars[k] for k in ("sample_id", "source", "audio_seconds")}
         meta["field_meta"] = self._meta.to_dict()
         meta["fingerprint"] = self._fingerprint
@@ -108,7 +108,7 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
     fm = FieldMeta.from_dict(meta_doc["field_meta"])
     dz = zstandard.ZstdDecompressor()
     fields = {}
-    for name in stored_fields(fm.layout):
+    for name in stored_fields(fm):
         blob = sample.get(f"{name}.zst")
         if blob is None:
             raise CorruptShardError(f"{where} lacks member {name}.zst; the shard is damaged")

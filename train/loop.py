@@ -112,8 +112,9 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def head_dtype(device: torch.device, setting: str) -> torch.dtype:
     """The frozen head's dtype: bf16 lm_head matmuls on CUDA (tensor cores); fp32 on CPU unless asked.
 
-    On CPU bf16 is opt-in: it is 2-3x faster than fp32 only where the CPU has bf16 instructions
-    (AVX512-BF16/AMX; benchmarks/train_step.py), and much slower where it has not.
+    On CPU bf16 is opt-in: on an AVX512-BF16 CPU a whole step at V = 151,936 measured 0.99-1.27x
+    the fp32 step (benchmarks/train_step.py; the bare matmul 2-3x, eaten by dtype copies), and CPUs
+    without bf16 instructions emulate it slowly.
     """
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -33,3 +33,18 @@ def test_a_record_from_before_the_embedding_still_resumes(tmp_path):
     path.write_text(json.dumps({**old, "batch_bytes": 1}))
     with pytest.raises(ValueError, match="batch_bytes"):
         check_resume(path, now)
+
+
+def test_a_record_from_before_the_fp8_layout_resumes_with_what_it_wrote(tmp_path):
+    path = tmp_path / "capture_config.json"
+    for codec in ("bf16", "fp8"):
+        now = _cfg(codec=codec).to_dict()
+        old = {k: v for k, v in now.items() if k != "fp8_layout"}  # one byte per fp8 value, unrecorded
+        path.write_text(json.dumps(old))
+        assert migrate_capture_record(old)["fp8_layout"] == "bytes"
+        if codec == "bf16":
+            check_resume(path, now)  # bf16 taps: the fp8 layout writes nothing
+        else:
+            with pytest.raises(ValueError, match="fp8_layout"):
+                check_resume(path, now)
+            check_resume(path, _cfg(codec=codec, shard=ShardConfig(fp8_layout="bytes")).to_dict())

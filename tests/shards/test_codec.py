@@ -40,13 +40,13 @@ def test_fp8_against_float64_reference():
     np.testing.assert_allclose(y.abs().amax(-1).numpy(), ref.abs().amax(-1).numpy(), rtol=2**-8)
 
 
-def _packed_reference(b: list[int]) -> bytes:
-    """The packed fp8 layout spelled out bit by bit: sign+exponent bytes, then 3-bit mantissas, 8 per 3 bytes."""
-    out = [v >> 3 for v in b]
+def _packed_reference(b: list[int]) -> tuple[bytes, bytes]:
+    """The packed fp8 layout spelled out bit by bit: sign+exponent bytes; 3-bit mantissas, 8 per 3 bytes."""
+    mant = []
     for g in range(0, len(b), 8):
         word = sum((v & 7) << (3 * i) for i, v in enumerate(b[g:g + 8]))
-        out += [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
-    return bytes(out)
+        mant += [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
+    return bytes(v >> 3 for v in b), bytes(mant)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 96 * 3])
@@ -56,11 +56,11 @@ def test_fp8_packed_layout_matches_its_definition_and_round_trips(n):
     b[b == 0x7F] = 0  # e4m3fn NaN bit patterns never come out of fp8_encode
     b[b == 0xFF] = 0
     q = b.view(torch.float8_e4m3fn)
-    packed = bytes(fp8_to_bytes(q, "packed"))
-    assert packed == _packed_reference(b.tolist()) and len(packed) == n + 3 * (-(-n // 8))
-    assert bytes(fp8_to_bytes(q, "bytes")) == bytes(b.tolist())
-    for layout, data in (("packed", packed), ("bytes", bytes(b.tolist()))):
-        back = bytes_to_fp8(data, (n,), layout)
+    se, mant = (bytes(p) for p in fp8_to_bytes(q, "packed"))
+    assert (se, mant) == _packed_reference(b.tolist()) and len(mant) == 3 * (-(-n // 8))
+    assert [bytes(p) for p in fp8_to_bytes(q, "bytes")] == [bytes(b.tolist())]
+    for layout, parts in (("packed", [se, mant]), ("bytes", [bytes(b.tolist())])):
+        back = bytes_to_fp8(parts, (n,), layout)
         assert back.dtype == torch.float8_e4m3fn and torch.equal(back.view(torch.uint8), b)
     with pytest.raises(ValueError, match="expected"):
-        bytes_to_fp8(packed[:-1], (n,), "packed")
+        bytes_to_fp8([se, mant[:-1]], (n,), "packed")

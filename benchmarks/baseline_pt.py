@@ -16,16 +16,23 @@ import torch
 from torch.utils.data import Dataset
 
 
+TEACHER_FIELDS = ("topk_rows", "topk_ids", "topk_logprobs")
+
+
 def to_peer_dict(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The same content, peer-style: the last tap is the final hidden state, the others are aux."""
+    """The same content, peer-style: the last tap is the final hidden state, the others are aux; teacher rows as stored."""
     T = sample["input_ids"].shape[0]
     taps = sample["taps"]
-    return {
+    d = {
         "input_ids": sample["input_ids"].to(torch.long),
         "loss_mask": sample["loss_mask"].to(torch.long),
         "hidden_states": taps[:, -1].clone(),
         "aux_hidden_states": taps[:, :-1].reshape(T, -1).clone(),
     }
+    for k in TEACHER_FIELDS:  # teacher rows, when the content has them, saved as they are
+        if k in sample:
+            d[k] = sample[k].clone()
+    return d
 
 
 def write_pt_dataset(out_dir: str | os.PathLike, samples: list[dict[str, Any]]) -> list[Path]:

@@ -17,7 +17,7 @@ each loss-row budget, A = frozen head in fp32 (the CPU default) and B = in bf16 
 are timed interleaved A B A B; the table gives the medians, their ratio and a least-squares fit
 time = a + b * rows per head dtype (b: seconds per loss row; a: the rest of the step).
 
-    python -m benchmarks.train_step [--rows 60 120 240] [--pairs 3] [--workdir /tmp/tapdraft-train-step]
+    python -m benchmarks.train_step [--rows 30 120 240] [--pairs 5] [--workdir /tmp/tapdraft-train-step]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Stepper:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.rows = _rows(lo)
-        self.loss = float(loss)
+        self.loss = float(loss.detach())
         return time.perf_counter() - t0
 
 
@@ -121,8 +121,8 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[60, 120, 240], help="loss-row budgets (max_loss_rows)")
-    ap.add_argument("--pairs", type=int, default=3, help="interleaved fp32/bf16 pairs per budget")
+    ap.add_argument("--rows", type=int, nargs="+", default=[30, 120, 240], help="loss-row budgets (max_loss_rows)")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved fp32/bf16 pairs per budget")
     ap.add_argument("--workdir", default="/tmp/tapdraft-train-step", help="where the synthetic dataset is cached")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

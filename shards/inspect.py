@@ -58,7 +58,8 @@ def render_summary(info: dict[str, Any]) -> str:
         f"taps         HF {info['tap_ids_hf']}  vLLM {info['tap_ids_vllm']}  (pre-final-norm)  "
         f"H={info['hidden_size']} of {info['num_layers']} layers",
         f"top-k        k={info['top_k']} on rows t with loss_mask[t+1]",
-        f"codec        taps {info['codec']['taps_codec']}{' (LOSSY)' if info['codec']['lossy'] else ''}, "
+        f"codec        taps {info['codec']['taps_codec']}{' (LOSSY)' if info['codec']['lossy'] else ''}"
+        f"{' ' + info['codec'].get('fp8_layout', 'bytes') if info['codec']['taps_codec'] == 'fp8' else ''}, "
         f"bf16 {info['codec']['bf16_layout']}, {info['codec']['container']} level {info['codec']['zstd_level']}",
         "dtypes       " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()),
         "template     " + _template_line(info.get("chat_template")),

@@ -247,7 +247,10 @@ ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shards
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
 ```"""
     codec = lay["taps_codec"]
-    lossy = "LOSSY fp8 e4m3, one float32 scale per (token, tap) row" if codec == "fp8" else "lossless bf16"
+    fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
+    lossy = (f"LOSSY fp8 e4m3, one float32 scale per (token, tap) row, fp8 byte layout {fp8_layout}"
+             + (" (sign+exponent bytes in `taps`, 3-bit mantissas in `taps_mantissa`)" if fp8_layout == "packed" else "")
+             if codec == "fp8" else "lossless bf16")
     return f"""# tapdraft dataset
 
 Hidden states of a target model captured for training speculative-decoding drafters.

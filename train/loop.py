@@ -112,9 +112,10 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def head_dtype(device: torch.device, setting: str) -> torch.dtype:
     """The frozen head's dtype: bf16 lm_head matmuls on CUDA (tensor cores); fp32 on CPU unless asked.
 
-    On CPU bf16 is opt-in: on an AVX512-BF16 CPU a whole step at V = 151,936 measured 0.99-1.27x
-    the fp32 step (benchmarks/train_step.py; the bare matmul 2-3x, eaten by dtype copies), and CPUs
-    without bf16 instructions emulate it slowly.
+    On CPU bf16 is opt-in: on an AVX512-BF16 CPU a whole step at V = 151,936 measured 1.23-1.28x
+    faster than fp32 (benchmarks/train_step.py; the bare matmul 2-3x, partly eaten by dtype copies),
+    but CPUs without bf16 instructions emulate it, and a default that depends on the CPU would train
+    the same recipe differently on two machines.
     """
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,0 +1,90 @@
+"""fp8's cost in acceptance: the same recipe trained on bf16 and on fp8 captures of the same demo data.
+
+The demo target (``demo.data.prepare_demo``, cached in ``--demo-dir``) is captured twice from the
+same conversations: the demo's own bf16 dataset, and ``dataset-fp8`` (``codec: fp8``, e4m3 with one
+scale per token and tap). ``dflash_demo`` is trained on each with the same seed (same sample order
+and anchors: the runs differ only by the quantisation of their taps), and both drafters are
+evaluated offline on the bf16 validation split, which is what a drafter sees when serving (the live
+target's own states), and on the fp8 validation split (how much the quantised inputs alone move tau).
+A run directory that already holds its final checkpoint is evaluated again, not retrained. The figure is
+tau replayed round by round from each reply's start (``train.evaluate``; the responses are the
+target's own greedy replies, so it is exact for greedy decoding). ``--seeds 0 1`` repeats the pair
+with other seeds to show how much tau moves between two bf16 runs that differ only by their seed.
+
+    python -m benchmarks.fp8_acceptance [--demo-dir /tmp/tapdraft-demo] [--seeds 0] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+
+
+def _train_eval(run_name: str, data: Path, evals: dict[str, Path], root: Path, seed: int,
+                steps: int | None) -> dict[str, Any]:
+    from train.config import load_run_config
+    from train.evaluate import evaluate
+    from train.loop import train
+
+    overrides = [f"seed={seed}", "progress=false"] + ([f"max_steps={steps}"] if steps else [])
+    run = load_run_config("dflash_demo", overrides=overrides)
+    out = root / "runs" / f"{run_name}-seed{seed}"
+    t0 = time.perf_counter()
+    summary = train(run, str(data), out)
+    log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rec: dict[str, Any] = {"trained_on": run_name, "seed": seed, "train_s": time.perf_counter() - t0,
+                           "resumed_from_step": summary.get("resumed_from_step"),
+                           "loss_curve": [(r["step"], r["loss"]) for r in log]}
+    for name, ds in evals.items():
+        r = evaluate(out, str(ds), split="validation", plot=False)
+        rec[f"tau_replayed@{name}"] = r["tau_replayed"]
+        rec[f"tau@{name}"] = r["tau"]
+    return rec
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo-dir", default="/tmp/tapdraft-demo", help="demo work directory (built on first use)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (one bf16/fp8 pair each)")
+    ap.add_argument("--steps", type=int, default=None, help="override the recipe's max_steps")
+    args = ap.parse_args(argv)
+    from demo.data import prepare_demo
+
+    torch.set_num_threads(1)
+    root = Path(args.demo_dir)
+    bf16 = prepare_demo(root, progress=False).dataset
+    fp8 = root / "dataset-fp8"
+    prepare_demo(root, progress=False, capture_overrides={"out": str(fp8), "codec": "fp8"})
+    prepare_demo(root, progress=False)  # demo.json describes the demo's own (bf16) capture again
+    runs = []
+    for seed in args.seeds:
+        runs.append(_train_eval("bf16", bf16, {"bf16": bf16, "fp8": fp8}, root, seed, args.steps))
+        runs.append(_train_eval("fp8", fp8, {"bf16": bf16, "fp8": fp8}, root, seed, args.steps))
+        a, b = runs[-2]["tau_replayed@bf16"], runs[-1]["tau_replayed@bf16"]
+        runs[-1]["rel_diff_vs_bf16"] = (b - a) / a
+        print(f"seed {seed}: tau replayed  bf16-trained {a:.4f}  fp8-trained {b:.4f}  ({100 * (b - a) / a:+.2f}%)  "
+              f"(on the fp8 validation split: {runs[-2]['tau_replayed@fp8']:.4f}, {runs[-1]['tau_replayed@fp8']:.4f})")
+    diffs = [r["rel_diff_vs_bf16"] for r in runs if "rel_diff_vs_bf16" in r]
+    bf = [r["tau_replayed@bf16"] for r in runs if r["trained_on"] == "bf16"]
+    doc = {"benchmark": "fp8_acceptance", "recipe": "dflash_demo",
+           "command": "python -m benchmarks.fp8_acceptance " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "target": "demo SALM (hidden 96, 6 layers, vocab 54), taps (1, 3, 5), pre-norm",
+           "runs": runs, "max_abs_rel_diff": max(abs(d) for d in diffs),
+           "within_1pct": all(abs(d) <= 0.01 for d in diffs),
+           "bf16_seed_spread": (max(bf) - min(bf)) / min(bf) if len(bf) > 1 else None}
+    print(f"fp8 vs bf16 replayed tau: max |rel diff| {100 * doc['max_abs_rel_diff']:.2f}% "
+          f"({'within' if doc['within_1pct'] else 'NOT within'} 1%)")
+    write_result("fp8_acceptance.json", doc)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -250,7 +250,7 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
                       "block_size": 16, "draft_layers": 1}
     for attn in ("dense", "flex"):
         cfg = DFlashConfig(num_layers=1, block_size=16, num_anchors=anchors, max_total_anchors=Bs * anchors,
-                           attention=attn, ce_chunk_size=2048)
+                           max_loss_rows=Bs * anchors * 15, attention=attn, ce_chunk_size=2048)
         torch.manual_seed(0)
         model = DFlashDrafter.build(cfg, bundle, layout).to(device)
         if cuda:

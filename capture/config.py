@@ -33,11 +33,10 @@ from capture.inputs import stored_source
 from capture.replies import ReplyConfig
 from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
-from shards.codec import LEGACY_FP8_LAYOUT
 from shards.template import template_kwargs
-from shards.writer import ShardConfig
+from shards.writer import LEGACY_SHARD_FIELDS, ShardConfig
 
-_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, "fp8_layout": LEGACY_FP8_LAYOUT}
+_LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, **LEGACY_SHARD_FIELDS}
 """What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys
 they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}

@@ -44,6 +44,8 @@ from shards.schema import SCHEMA_VERSION, Layout, check_schema_version, validate
 from shards.wds_io import TarShardWriter, sample_key
 
 PART_VERSION = 1
+LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT}
+"""What a shard config recorded before a field existed used for it (fp8 taps were one byte a value)."""
 FORMATS = ("arrow", "wds")
 
 
@@ -89,7 +91,7 @@ class ShardConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ShardConfig":
         """A stored shard config; one written before ``fp8_layout`` existed wrote fp8 taps as 'bytes'."""
-        return cls(**{"fp8_layout": LEGACY_FP8_LAYOUT, **d})
+        return cls(**{**LEGACY_SHARD_FIELDS, **d})
 
     def field_meta(self, layout: Layout) -> FieldMeta:
         """How this config encodes samples of ``layout``."""

@@ -44,9 +44,10 @@ def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None
         dtypes["taps_stored"] = "float8_e4m3fn"
         dtypes["taps_scale"] = "float32"
         shapes["taps_scale"] = ["T", meta.layout.n_taps]
-        if meta.fp8_layout == "packed":
+        if meta.fp8_layout == "packed":  # the e4m3 values split into two fields (shards.codec)
+            dtypes["taps_exponent"] = "uint8 (e4m3 sign+exponent: byte >> 3)"
             dtypes["taps_mantissa"] = "uint3, 8 per 3 bytes"
-            shapes["taps_mantissa"] = ["T", meta.layout.n_taps, meta.layout.hidden_size]
+            shapes["taps_exponent"] = shapes["taps_mantissa"] = shapes["taps"]
     out = {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
            "fingerprint": fingerprint}
     if lineage is not None:

@@ -16,14 +16,16 @@ the one home of the byte layout; the containers only add framing and compression
                              per (token, tap) row in ``taps_scale`` [T, n] (scale = row amax / 448);
                              decoded back to bf16, so readers see the same dtype either way.
                              ``fp8_layout`` of the e4m3 values:
-                               "packed": ``taps`` holds each value's sign+exponent field (byte >> 3, one
-                                         byte each) and ``taps_mantissa`` its 3-bit mantissas, 8 values
-                                         into 3 bytes (little-endian, value i at bits 3i..3i+2, the last
-                                         group zero-padded). Separate columns, so zstd compresses the
-                                         skewed exponents apart from the near-random mantissas: on the
-                                         trained demo decoder's taps 0.83x the bytes of "bytes" after
-                                         zstd-1, on N(0, 1) 1.005x (benchmarks/storage.py); new fp8
-                                         datasets use it.
+                               "packed": ``taps_exponent`` holds each value's sign+exponent field (byte
+                                         >> 3, one byte each) and ``taps_mantissa`` its 3-bit mantissas,
+                                         8 values into 3 bytes (little-endian, value i at bits 3i..3i+2,
+                                         the last group zero-padded); there is no ``taps`` field, so a
+                                         reader that predates the layout stops on the missing field
+                                         instead of decoding exponents as values. Separate columns, so
+                                         zstd compresses the skewed exponents apart from the near-random
+                                         mantissas: on the trained demo decoder's taps 0.83x the bytes of
+                                         "bytes" after zstd-1, on N(0, 1) 1.005x (benchmarks/storage.py);
+                                         new fp8 datasets use it.
                                "bytes":  ``taps`` holds one e4m3 byte per value; what datasets whose
                                          metadata has no ``fp8_layout`` hold (read as such, never rewritten).
 
@@ -47,6 +49,8 @@ assert sys.byteorder == "little", "tapdraft's byte layout assumes a little-endia
 BF16_LAYOUTS = ("planes", "raw")
 FP8_LAYOUTS = ("packed", "bytes")
 LEGACY_FP8_LAYOUT = "bytes"
+FP8_FIELDS = {"packed": ["taps_exponent", "taps_mantissa"], "bytes": ["taps"]}
+"""The stored fields that hold fp8 taps' values, per layout (``fp8_to_bytes``' parts, in order)."""
 """The fp8 byte layout of metadata that does not name one (written before the layout was a choice)."""
 FP8_MAX = 448.0
 """Largest finite float8 e4m3fn value; a row's amax maps onto it."""
@@ -82,9 +86,8 @@ def stored_fields(meta: FieldMeta) -> list[str]:
     """Names of the encoded byte fields, in column order."""
     names = list(field_specs(meta.layout))
     if meta.layout.taps_codec == "fp8":
-        extra = ["taps_mantissa", "taps_scale"] if meta.fp8_layout == "packed" else ["taps_scale"]
-        i = names.index("taps") + 1
-        names[i:i] = extra
+        i = names.index("taps")
+        names[i:i + 1] = FP8_FIELDS[meta.fp8_layout] + ["taps_scale"]
     return names
 
 
@@ -199,10 +202,7 @@ def encode_fields(sample: dict[str, Any], meta: FieldMeta) -> dict[str, bytes | 
         t = sample[name]
         if name == "taps" and meta.layout.taps_codec == "fp8":
             q, scale = fp8_encode(t)
-            parts = fp8_to_bytes(q, meta.fp8_layout)
-            out["taps"] = parts[0]
-            if meta.fp8_layout == "packed":
-                out["taps_mantissa"] = parts[1]
+            out.update(zip(FP8_FIELDS[meta.fp8_layout], fp8_to_bytes(q, meta.fp8_layout)))
             out["taps_scale"] = scale.numpy().astype("<f4").tobytes()
         elif dtype == torch.bfloat16:
             out[name] = bf16_to_bytes(t, meta.bf16_layout)
@@ -236,8 +236,7 @@ def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMe
             continue
         shp = tuple(dims[s] if isinstance(s, str) else s for s in shape)
         if name == "taps" and layout.taps_codec == "fp8":
-            q = bytes_to_fp8([fields["taps"]] + ([fields["taps_mantissa"]] if meta.fp8_layout == "packed" else []),
-                             shp, meta.fp8_layout)
+            q = bytes_to_fp8([fields[f] for f in FP8_FIELDS[meta.fp8_layout]], shp, meta.fp8_layout)
             scale = torch.from_numpy(np.frombuffer(fields["taps_scale"], dtype="<f4").reshape(shp[:-1]).copy())
             sample["taps"] = fp8_decode(q, scale)
         elif dtype == torch.bfloat16:

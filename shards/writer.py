@@ -68,7 +68,7 @@ class ShardConfig:
     taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%); a sample larger than this is
     a batch of its own either way, so long conversations at real widths are unaffected."""
     fp8_layout: str = "packed"
-    """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.82x the bytes of 'bytes' after
+    """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
     zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
 
     def __post_init__(self) -> None:

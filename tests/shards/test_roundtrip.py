@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 import pytest
 
@@ -80,6 +81,20 @@ def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
     assert man2["field_meta"]["fp8_layout"] == man2["codec"]["fp8_layout"] == "packed"
     for a, b in zip(open_dataset(str(new)).stream("train", seed=0, shuffle=False), got):
         assert_same(a, b)
+
+
+def test_a_reader_that_predates_packed_fp8_stops_instead_of_misreading(tmp_path):
+    from shards.arrow_io import decode_row
+
+    layout = tiny_layout(taps_codec="fp8")
+    man = write_dataset(str(tmp_path), layout, ShardConfig(), [5, 9])
+    batch = next(pa.ipc.open_stream(pa.memory_map(str(tmp_path / man["splits"]["train"]["shards"][0]["name"]))))
+    row = batch.to_pylist()[0]
+    assert "taps" not in row and {"taps_exponent", "taps_mantissa", "taps_scale"} <= set(row)
+    assert decode_row(row, man["field_meta"])["taps"].dtype == torch.bfloat16
+    old = {k: v for k, v in man["field_meta"].items() if k != "fp8_layout"}  # what an older reader understands
+    with pytest.raises(KeyError, match="taps"):  # reading it as one byte a value looks for a 'taps' field
+        decode_row(row, old)
 
 
 def test_a_legacy_fp8_capture_resumes_only_with_its_own_layout(tmp_path):

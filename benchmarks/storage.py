@@ -112,11 +112,14 @@ def gaussian_samples(like: list[int], seed: int = 0) -> list[dict[str, Any]]:
 
 
 def demo_samples(tokens: int, demo_dir: str) -> tuple[list[dict[str, Any]], Layout]:
-    """The demo target's captured train split (built and cached in ``demo_dir`` on first use)."""
+    """The demo target's captured train split (built and cached in ``demo_dir`` on first use; a finished
+    capture there is read as it is, whatever the settings it was written with)."""
     from demo.data import prepare_demo
+    from shards.manifest import complete_manifest
     from shards.reader import open_dataset
 
-    ds = open_dataset(str(prepare_demo(demo_dir, progress=False).dataset))
+    done = Path(demo_dir) / "dataset"
+    ds = open_dataset(str(done if complete_manifest(str(done)) else prepare_demo(demo_dir, progress=False).dataset))
     out: list[dict[str, Any]] = []
     for s in ds.stream("train", seed=0, shuffle=False):
         out.append(s)

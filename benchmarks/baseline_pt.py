@@ -20,7 +20,8 @@ TEACHER_FIELDS = ("topk_rows", "topk_ids", "topk_logprobs")
 
 
 def to_peer_dict(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The same content, peer-style: the last tap is the final hidden state, the others are aux; teacher rows as stored."""
+    """The same content, peer-style: the last tap is the final hidden state, the others are aux; teacher
+    rows (when present) as stored."""
     T = sample["input_ids"].shape[0]
     taps = sample["taps"]
     d = {

@@ -248,9 +248,9 @@ sample = next(iter(ds))   # each sample's meta.json carries what the decoder nee
 ```"""
     codec = lay["taps_codec"]
     fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
+    split = " (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)"
     lossy = (f"LOSSY fp8 e4m3, one float32 scale per (token, tap) row, fp8 byte layout {fp8_layout}"
-             + (" (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)" if fp8_layout == "packed" else "")
-             if codec == "fp8" else "lossless bf16")
+             + (split if fp8_layout == "packed" else "") if codec == "fp8" else "lossless bf16")
     return f"""# tapdraft dataset
 
 Hidden states of a target model captured for training speculative-decoding drafters.

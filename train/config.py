@@ -83,7 +83,8 @@ class TrainConfig:
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32."""
     head_dtype: str = "auto"
-    """dtype of the frozen embedding and lm_head, so of the vocabulary matmuls: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    """dtype of the frozen embedding and lm_head, so of the vocabulary matmuls: auto (bf16 on GPU, fp32 on
+    CPU), bf16 or fp32."""
     log_every: int = 10
     """Steps between metric lines (JSONL + console)."""
     ckpt_every: int = 500

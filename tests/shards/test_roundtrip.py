@@ -72,7 +72,8 @@ def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
     assert len(got) == 4
     for i, (T, s) in enumerate(zip([5, 9, 3, 12], got)):
         want = random_sample(layout, T, i, audio_frames=T // 4)
-        assert torch.equal(s["taps"], fp8_decode(*fp8_encode(want["taps"]))) and torch.equal(s["input_ids"], want["input_ids"])
+        assert torch.equal(s["taps"], fp8_decode(*fp8_encode(want["taps"])))
+        assert torch.equal(s["input_ids"], want["input_ids"])
     rep = verify_dataset(str(old), progress=False)
     assert not rep.problems and rep.samples_checked == 4
     # the same samples written now: packed fp8 bytes, recorded, decoding to the same tensors

@@ -208,6 +208,7 @@ def test_head_dtype_sets_the_vocabulary_matmuls(tmp_path, mem):
     with pytest.raises(ValueError, match="head_dtype"):
         load_run_config("dflash_b8", overrides=["head_dtype=fp16"])
     train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"]), mem.path, tmp_path / "fp32")
-    train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bf16"]), mem.path, tmp_path / "bf16")
+    bf16 = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bf16"])
+    train(bf16, mem.path, tmp_path / "bf16")
     a, b = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
     assert a != b and b == pytest.approx(a, rel=2e-2)  # the same run up to bf16 rounding of the head

@@ -4,21 +4,30 @@ Two additions to the DFlash drafter (``train.dflash``), everything else (context
 injection, anchors, visibility mask, slot weights, KD, checkpointing, export layout) is inherited:
 
 (a) Around every attention and MLP sublayer, a two-tap DYNAMIC depthwise convolution along the
-    block's slots, before the sublayer (on its normed input) and after it (on its output, before
-    the residual add):
+    block's slots, before the sublayer (on its normed input x) and after it (on its output, before
+    the residual add), both with taps predicted from x:
 
-        y_t = w0(x_t) * x_t + w1(x_t) * x_{t-1}          x_{t-1} = 0 at slot 0 of every block
+        y_t = (b0 + d0(x_t)) * v_t + (b1 + d1(x_t)) * v_{t-1}     v_{t-1} = 0 at slot 0 of every block
 
-    The taps are predicted per position from x_t by a linear map H -> 2 * (H / group_size) (one
-    pair per group of ``conv_group_size`` = 16 channels), initialised to (1, 0) exactly: a fresh
+    b: a per-channel static base kernel; d: a correction shared by each group of
+    ``conv_group_size`` = 16 channels, from ONE bias-free projection of x per sublayer
+    (H -> 2 sides x 2 taps x H / group_size). Initialised to b = (1, 0), d = 0 exactly: a fresh
     DFlash2 computes the same function as DFlash with the same weights. Slot t-1 is always in the
     same block (the flattened row of blocks is never convolved across a block boundary), so the
     draft still sees nothing outside its block and context.
 
 (b) A path selector (``train.selector``) over each slot's top-16 candidates of the full draft
-    logits, scored by the teacher-forced predecessor token. Its CE is its own loss term:
+    logits, scored by the teacher-forced predecessor token. Its CE, weighted by the slot's position
+    decay like the backbone CE, is its own loss term:
     total = backbone (CE [+ KD]) + selector_loss_weight x selector, each normalised by its own
-    count over the data-parallel group (``train.drafter.combine_terms``).
+    (weighted) count over the data-parallel group (``train.drafter.combine_terms``).
+
+Structure, parameter names and initialisation follow the public reference DFlash2 draft
+(NVIDIA-NeMo/Automodel, nemo_automodel/components/speculative/dflash/draft_qwen3_dflash2.py:
+``layers.N.{attention_conv, mlp_conv}.{base_kernel, kernel_projection.weight}``,
+``candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}``) and
+its loss (dflash2_core.py: the selector term shares the backbone's position weights), so an export
+loads in its ``Qwen3DFlash2DraftModel`` with no missing or unexpected keys.
 
 The selector reads each row's full draft logits, so DFlash2 computes them densely, shared by the
 backbone CE, the KD term and the selector, but one checkpointed chunk of rows at a time
@@ -60,7 +69,9 @@ class DFlash2Config(DFlashConfig):
     logits_budget_mib: int = 1024
     """With ce_chunk_size 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
     conv_group_size: int = 16
-    """Channels per group sharing one pair of dynamic conv taps (must divide the hidden size)."""
+    """Channels per group sharing one dynamic correction of the conv taps (must divide the hidden size)."""
+    conv_kernel_size: int = 2
+    """Taps of each in-block convolution (2: the slot itself and its predecessor)."""
     selector_candidates: int = 16
     """K: top candidates of the draft logits per slot the selector re-ranks."""
     selector_rank: int = 256
@@ -76,6 +87,8 @@ class DFlash2Config(DFlashConfig):
             raise ValueError(f"logits_budget_mib must be >= 1, got {self.logits_budget_mib}")
         if self.conv_group_size < 1:
             raise ValueError(f"conv_group_size must be >= 1, got {self.conv_group_size}")
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            raise ValueError(f"conv_kernel_size must be in [1, block_size {self.block_size}], got {self.conv_kernel_size}")
         if self.selector_candidates < 1 or self.selector_rank < 1:
             raise ValueError("selector_candidates and selector_rank must be >= 1")
         if self.selector_gold_miss not in GOLD_MISS_POLICIES:
@@ -84,45 +97,66 @@ class DFlash2Config(DFlashConfig):
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
 
 
-class BlockConv(nn.Module):
-    """Two-tap dynamic depthwise convolution along block slots, identity at initialisation."""
+class SublayerConv(nn.Module):
+    """The two dynamic depthwise convolutions around one sublayer, the one before it and the one after it.
 
-    def __init__(self, hidden_size: int, block_size: int, group_size: int) -> None:
+    Tap o of channel c at slot t has the coefficient base_kernel[side, o, c] + dynamic[side, o, g(c)]: a
+    per-channel static base plus a correction shared by the channel's group, predicted from the SUBLAYER'S
+    INPUT (its normed input x) by one bias-free projection H -> 2 sides x kernel x groups, so the post-sublayer
+    convolution's taps also come from x. Identity at initialisation: base = (1, 0, ...), projection 0.
+    Names, shapes, the (side, tap, group) order of the projection's outputs and the initialisation are the
+    public reference's ``GroupedDynamicCausalConv`` (NVIDIA-NeMo/Automodel,
+    nemo_automodel/components/speculative/dflash/draft_qwen3_dflash2.py), so its weights load there as they are.
+    """
+
+    def __init__(self, hidden_size: int, block_size: int, group_size: int, kernel_size: int = 2) -> None:
         super().__init__()
         if hidden_size % group_size:
             raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
-        self.block_size, self.group_size = block_size, group_size
+        self.block_size, self.group_size, self.kernel_size = block_size, group_size, kernel_size
         self.groups = hidden_size // group_size
-        self.taps = nn.Linear(hidden_size, 2 * self.groups, bias=True)
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))  # [side (0 before, 1 after), tap, H]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self.reset_identity()
 
     def reset_identity(self) -> None:
-        nn.init.zeros_(self.taps.weight)
+        nn.init.zeros_(self.kernel_projection.weight)
         with torch.no_grad():
-            self.taps.bias.view(self.groups, 2).copy_(torch.tensor([1.0, 0.0]))
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [Bs, N*B, H] (blocks end to end) -> same shape."""
+    def _convolve(self, x: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
+        """y_t = sum_o (base[side, o] + dyn_t[o]) * x_{t-o}, x_{t-o} = 0 before the slot's block start.
+        x [Bs, L, H] (whole blocks end to end), dyn [Bs, L, kernel, G] -> [Bs, L, H]."""
         Bs, L, H = x.shape
-        w = self.taps(x).view(Bs, L, self.groups, 1, 2)
-        prev = F.pad(x[:, :-1], (0, 0, 1, 0))
-        first = (torch.arange(L, device=x.device) % self.block_size == 0)[None, :, None]
-        prev = prev.masked_fill(first, 0.0)
-        g = (Bs, L, self.groups, self.group_size)
-        y = w[..., 0] * x.view(g) + w[..., 1] * prev.view(g)
+        B, G = self.block_size, self.groups
+        xb = x.view(Bs, L // B, B, G, self.group_size)
+        d = dyn.reshape(Bs, L // B, B, self.kernel_size, G, 1)
+        y = torch.zeros_like(xb)
+        for o in range(self.kernel_size):
+            shifted = xb if o == 0 else F.pad(xb[:, :, : B - o], (0, 0, 0, 0, o, 0))  # shift inside each block
+            coef = self.base_kernel[side, o].view(G, self.group_size).to(x.dtype) + d[:, :, :, o]
+            y = y + coef * shifted
         return y.view(Bs, L, H)
+
+    def before(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved sublayer input, and the after-sublayer taps [Bs, L, kernel, G] predicted from x."""
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dyn[..., 0, :, :], 0), dyn[..., 1, :, :]
+
+    def after(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        """The convolved sublayer output (before the residual add), with the taps :meth:`before` returned."""
+        return self._convolve(y, dyn, 1)
 
 
 class ConvDecoderLayer(DecoderLayer):
-    """The DFlash draft layer with a BlockConv before and after its attention and its MLP."""
+    """The DFlash draft layer with a SublayerConv around its attention and one around its MLP."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 eps: float, *, block_size: int, group_size: int) -> None:
+                 eps: float, *, block_size: int, group_size: int, kernel_size: int) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps)
-        self.attn_conv_in = BlockConv(hidden_size, block_size, group_size)
-        self.attn_conv_out = BlockConv(hidden_size, block_size, group_size)
-        self.mlp_conv_in = BlockConv(hidden_size, block_size, group_size)
-        self.mlp_conv_out = BlockConv(hidden_size, block_size, group_size)
+        self.attention_conv = SublayerConv(hidden_size, block_size, group_size, kernel_size)
+        self.mlp_conv = SublayerConv(hidden_size, block_size, group_size, kernel_size)
 
     def forward(self, x, rope, *, mask=None, is_causal=False, context=None, context_rope=None):
         prefix = None
@@ -130,11 +164,11 @@ class ConvDecoderLayer(DecoderLayer):
             if context_rope is None:
                 raise ValueError("context needs context_rope (the RoPE tables of the context positions)")
             prefix = self.self_attn.project_kv(context, context_rope)
-        a = self.self_attn(self.attn_conv_in(self.input_layernorm(x)), rope, mask=mask, is_causal=is_causal,
-                           kv_prefix=prefix)
-        x = x + self.attn_conv_out(a)
-        m = self.mlp(self.mlp_conv_in(self.post_attention_layernorm(x)))
-        return x + self.mlp_conv_out(m)
+        a_in, a_dyn = self.attention_conv.before(self.input_layernorm(x))
+        a = self.self_attn(a_in, rope, mask=mask, is_causal=is_causal, kv_prefix=prefix)
+        x = x + self.attention_conv.after(a, a_dyn)
+        m_in, m_dyn = self.mlp_conv.before(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.after(self.mlp(m_in), m_dyn)
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -148,12 +182,13 @@ class DFlash2Drafter(DFlashDrafter):
         convs = []
         for layer in self.layers:
             new = ConvDecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, self.eps,
-                                   block_size=cfg.block_size, group_size=cfg.conv_group_size)
+                                   block_size=cfg.block_size, group_size=cfg.conv_group_size,
+                                   kernel_size=cfg.conv_kernel_size)
             missing, unexpected = new.load_state_dict(layer.state_dict(), strict=False)
             assert not unexpected and all("conv" in m for m in missing), (missing, unexpected)
             convs.append(new)
         self.layers = nn.ModuleList(convs)
-        self.selector = PathSelector(self.vocab_size, H, rank=cfg.selector_rank, num_candidates=cfg.selector_candidates)
+        self.candidate_selector = PathSelector(self.vocab_size, H, rank=cfg.selector_rank, num_candidates=cfg.selector_candidates)
 
     @classmethod
     def check_dataset(cls, config: DFlash2Config, bundle: Any, layout: Any) -> None:
@@ -181,12 +216,12 @@ class DFlash2Drafter(DFlashDrafter):
         extra = [] if teacher is None else (
             [teacher.hidden_RH] if cfg.kd == "exact" else [teacher.ids_Rk, teacher.logprobs_Rk])
         ce, kd, sel_sum, sel_n, path, gold_in, sel_ok, bb_ok = map_row_chunks(
-            self._row_losses, [h_rows, y, prev, *extra], self.logits_chunk_rows())
+            self._row_losses, [h_rows, y, prev, w, *extra], self.logits_chunk_rows())
         terms = weighted_terms(ce, w, kd if cfg.kd != "none" else None, kd_w, ce_weight=cfg.ce_weight,
                                kd_weight=cfg.kd_weight)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         # 0 * sum(params) keeps the codebooks in the graph on a rank whose rows all missed
-        anchor = 0.0 * sum(p.sum() for p in self.selector.parameters())
+        anchor = 0.0 * sum(p.sum() for p in self.candidate_selector.parameters())
         n_rows = torch.tensor(int(y.numel()), device=y.device)
         terms["selector"] = (sel_sum.sum() + anchor, sel_n.sum(), cfg.selector_loss_weight)
         # acc@k / alpha@k follow the selector's path (teacher-forced predecessor), as drafting does
@@ -205,8 +240,10 @@ class DFlash2Drafter(DFlashDrafter):
             return self.config.ce_chunk_size
         return max(1, (self.config.logits_budget_mib << 20) // (4 * 4 * self.vocab_size))
 
-    def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, *teacher: torch.Tensor):
-        """Per-row CE and KD, the selector's summed CE and counts, for one chunk of rows (logits built here only)."""
+    def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, w: torch.Tensor,
+                    *teacher: torch.Tensor):
+        """Per-row CE and KD, the selector's decay-weighted CE sum and weight sum, and counts, for one chunk of
+        rows (logits built here only). ``w``: each row's slot weight, the backbone CE's position decay."""
         cfg = self.config
         z = self.logits(h)
         ce = F.cross_entropy(z, y, reduction="none")
@@ -218,8 +255,8 @@ class DFlash2Drafter(DFlashDrafter):
             kd = kl_tv_topk(teacher[0], teacher[1], z)[0]
         else:
             kd = torch.zeros_like(ce)
-        sel = selector_loss(self.selector, z, h, prev, y, torch.ones_like(y, dtype=torch.bool),
-                            gold_miss=cfg.selector_gold_miss)
+        sel = selector_loss(self.candidate_selector, z, h, prev, y, torch.ones_like(y, dtype=torch.bool),
+                            gold_miss=cfg.selector_gold_miss, weight=w)
         return (ce, kd, sel.loss_sum.reshape(1), sel.count.reshape(1), sel.path, sel.gold_in_candidates.reshape(1),
                 sel.selector_correct.reshape(1), sel.backbone_correct.reshape(1))
 
@@ -234,7 +271,7 @@ class DFlash2Drafter(DFlashDrafter):
         first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
         hb = h.reshape(Bs * N, B, H)
         step = max(1, self.logits_chunk_rows() // B)  # blocks per chunk: [step, B, V] logits at a time
-        (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.selector, self.logits(hc), hc, fc),), [hb, first], step)
+        (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.candidate_selector, self.logits(hc), hc, fc),), [hb, first], step)
         return out.view(Bs, N, B)
 
     @torch.no_grad()
@@ -251,38 +288,41 @@ class DFlash2Drafter(DFlashDrafter):
         b, anchors = self._live_block(ids_T, taps_PnH)
         h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)[0]  # [1, B, H]
         first = b["input_ids"][0, anchors[0]]
-        tokens, q = walk(self.selector, self.logits(h), h, first, temperature=temperature, generator=generator)
+        tokens, q = walk(self.candidate_selector, self.logits(h), h, first, temperature=temperature, generator=generator)
         return tokens[0, 1:].cpu(), (q[0, 1:] if q is not None else None)
 
     def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
         """The selector's tempered scores S(prev, b) / T on each slot's candidates, -inf elsewhere: sampled
         drafting draws from their softmax (``train.selector.walk``)."""
         z = self.logits(h_RH)
-        cand, U = self.selector.candidates(z)
-        S = self.selector.scores(prev_R, h_RH, cand, U)
+        cand, U = self.candidate_selector.candidates(z)
+        S = self.candidate_selector.scores(prev_R, h_RH, cand, U)
         return torch.full_like(z, float("-inf")).scatter_(-1, cand, (S / temperature).to(z.dtype))
 
     # -- export ------------------------------------------------------------------------------
+    def _logits_rule(self) -> dict[str, Any]:
+        """DFlash's rule (the target's logits_scaling folded into ``norm.weight``), and, since the selector reads
+        the same normed hidden state, that scaling multiplied back into its hidden projection: the engine's
+        lm_head(h / s) and hidden_projection(h / s) are then tapdraft's logits and gate exactly."""
+        rule = super()._logits_rule()
+        if "logits_scaling_folded_into" in rule:
+            rule["logits_scaling_compensated_in"] = ["candidate_selector.hidden_projection.weight"]
+        return rule
+
     def export_config(self) -> dict[str, Any]:
+        """DFlash's config in the reference DFlash2 layout: ``Qwen3DFlash2DraftModel`` (what the reference class
+        saves), its ``dflash_config`` fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k;
+        no projector_type, which it refuses) beside DFlash's; no ``auto_map``: the shipped modeling file is
+        DFlash's."""
         doc = super().export_config()
         cfg = self.config
-        doc["architectures"] = ["DFlash2DraftModel"]
-        # the selector reads the normed hidden state too, so the scaling stays a division of the logits
-        for key in ("auto_map", "logits_scaling_folded_into"):
-            doc.pop(key, None)
-        doc["logits"] = "target lm_head(draft output) / logits_scaling"
-        doc["dflash2_config"] = {
-            "conv": {"kernel": 2, "type": "dynamic_depthwise", "group_size": cfg.conv_group_size,
-                     "placement": "attn_conv_in/attn_conv_out/mlp_conv_in/mlp_conv_out: on each sublayer's normed "
-                                  "input and on its output before the residual add",
-                     "taps_from": "taps = Linear(x_t) -> (w0, w1) per group; y_t = w0*x_t + w1*x_{t-1}, "
-                                  "x_{t-1} = 0 at slot 0 of each block"},
-            "selector": {"num_candidates": cfg.selector_candidates, "rank": cfg.selector_rank,
-                         "score": "S(a,b) = logit_b + <A[a] * W_h h, B[b]>, a = previous slot's token, "
-                                  "h = the draft's final-normed hidden state",
-                         "decode": "greedy walk from slot 0"},
-        }
+        doc["architectures"] = ["Qwen3DFlash2DraftModel"]
+        doc.pop("auto_map", None)
+        doc["dflash_config"].update({"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+                                     "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_candidates})
         doc["tapdraft"]["family"] = self.family
+        doc["tapdraft"]["decode"] = ("the selector's walk from slot 0 over each slot's selector_top_k candidates: "
+                                     "greedy, or sampled from its softmax (the drafts' q)")
         return doc
 
 

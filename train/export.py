@@ -3,7 +3,8 @@
 The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT exported: serving
 engines share the target's own. Engines compute draft logits with the target's lm_head ONLY; a config
 with ``logits_scaling_folded_into`` names the draft's last norm weight, which is exported divided by
-the target's ``logits_scaling`` so those logits are exactly tapdraft's. A config with ``auto_map`` gets
+the target's ``logits_scaling`` so those logits are exactly tapdraft's (weights named in
+``logits_scaling_compensated_in``, which read that norm's output too, are multiplied by it). A config with ``auto_map`` gets
 its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter).
 ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
@@ -46,6 +47,8 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     fold = config.get("logits_scaling_folded_into")
     if fold:  # engines apply the target's lm_head only: the logits' divisor moves into the last norm
         sd[fold] = sd[fold] / float(config["logits_scaling"])
+        for key in config.get("logits_scaling_compensated_in") or []:  # other readers of that norm's output
+            sd[key] = sd[key] * float(config["logits_scaling"])
     for module in sorted({ref.split(".")[0] for ref in (config.get("auto_map") or {}).values()}):
         src = SERVING_DIR / f"{module}.py"
         with staged(out / src.name) as tmp:

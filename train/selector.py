@@ -10,15 +10,24 @@ slot k-1 will commit to. The selector adds that dependency cheaply. For every sl
   constant such as the log-sum-exp cancels in the selector's softmax over candidates). It is not
   detached: the selector loss is a listwise CE over the candidates, so it also sharpens the
   backbone's ranking inside its top-K.
-- A, B: rank-r (r = 256) token codebooks [V, r]; A ~ N(0, 0.02), B = 0, so at initialisation
-  S = U and the selector's path is the backbone's argmax (a no-op until it learns).
-- W_h: [H -> r] without bias, applied to the draft's final (normed) hidden state h of the slot.
+- A, B: rank-r (r = 256) token codebooks [V, r] (``predecessor_codebook``, ``successor_codebook``);
+  A ~ N(0, 0.02), B = 0, so at initialisation S = U and the selector's path is the backbone's
+  argmax (a no-op until it learns).
+- W_h: [H -> r] without bias (``hidden_projection``, N(0, 0.02)), applied to the draft's final
+  (normed) hidden state h of the slot.
+
+Parameter names, shapes and initialisation are those of the public reference's
+``CandidateSelector`` (NVIDIA-NeMo/Automodel,
+nemo_automodel/components/speculative/dflash/draft_qwen3_dflash2.py): its codebooks are plain
+[V, r] parameters, and its hidden projection gets the Qwen3 models' N(0, initializer_range 0.02).
 - a: the predecessor token. Training is teacher-forced (a = the gold token at the previous
   position; slot 1's predecessor is the anchor token in slot 0); drafting walks greedily from
   slot 0, feeding each chosen token to the next slot (``walk``; sampled decoding draws from the
   selector's softmax over the candidates instead, and that is the draft's q).
 
-Loss: CE over the K candidates' scores, target = the gold token's candidate index. When gold is
+Loss: CE over the K candidates' scores, target = the gold token's candidate index, each row
+weighted by its slot's position decay (the backbone CE's weight; the reference's
+``DFlash2TrainerModule`` in dflash2_core.py weights both terms alike). When gold is
 not among the top-K the ``gold_miss`` policy decides: ``drop`` (default) leaves the row out of the
 selector loss (it counts toward candidate recall only); ``insert`` replaces the lowest-ranked
 candidate by gold (with U = its backbone logit), keeping K columns. Metrics: candidate recall,
@@ -49,15 +58,16 @@ class PathSelector(nn.Module):
                 f"got rank={rank}, num_candidates={num_candidates}"
             )
         self.num_candidates = num_candidates
-        self.A = nn.Embedding(vocab_size, rank)
-        self.B = nn.Embedding(vocab_size, rank)
-        self.W_h = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # A
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # B
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)  # W_h
         self.reset_codebooks()
 
     def reset_codebooks(self) -> None:
-        """A ~ N(0, 0.02), B = 0: the pair term starts at exactly zero."""
-        nn.init.normal_(self.A.weight, mean=0.0, std=0.02)
-        nn.init.zeros_(self.B.weight)
+        """A ~ N(0, 0.02), B = 0 (the pair term starts at exactly zero), W_h ~ N(0, 0.02)."""
+        nn.init.normal_(self.predecessor_codebook, mean=0.0, std=0.02)
+        nn.init.zeros_(self.successor_codebook)
+        nn.init.normal_(self.hidden_projection.weight, mean=0.0, std=0.02)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-K of the full logits [N, V] -> (ids int64 [N, K], U = their logits [N, K]), best first."""
@@ -67,8 +77,8 @@ class PathSelector(nn.Module):
     def scores(self, prev: torch.Tensor, h: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor) -> torch.Tensor:
         """S(a, b) for predecessor ``prev`` [N], hidden ``h`` [N, H], candidates [N, K] -> [N, K] float32+."""
         dtype = torch.promote_types(unary.dtype, torch.float32)
-        u = self.A(prev.long()).to(dtype) * self.W_h(h).to(dtype)  # [N, r]
-        pair = torch.einsum("nr,nkr->nk", u, self.B(cand_ids.long()).to(dtype))
+        u = F.embedding(prev.long(), self.predecessor_codebook).to(dtype) * self.hidden_projection(h).to(dtype)
+        pair = torch.einsum("nr,nkr->nk", u, F.embedding(cand_ids.long(), self.successor_codebook).to(dtype))
         return unary.to(dtype) + pair
 
 
@@ -77,9 +87,10 @@ class SelectorOutput:
     """Un-normalised selector loss and metric counts for one micro-batch (the loop normalises)."""
 
     loss_sum: torch.Tensor
-    """sum of CE over the rows that train the selector (carries the gradient)."""
+    """sum of weight x CE over the rows that train the selector (carries the gradient)."""
     count: torch.Tensor
-    """rows in loss_sum (valid rows; under ``drop`` only those whose gold is a candidate)."""
+    """sum of the weights of the rows in loss_sum (valid rows; under ``drop`` only those whose gold is a
+    candidate); with no weights given, their number."""
     valid: torch.Tensor
     """valid rows seen (the denominator of the three rates below)."""
     gold_in_candidates: torch.Tensor
@@ -109,18 +120,21 @@ def selector_loss(
     valid: torch.Tensor,
     *,
     gold_miss: str = "drop",
+    weight: torch.Tensor | None = None,
 ) -> SelectorOutput:
     """Selector CE on the gold token's candidate index, rows flattened.
 
     ``logits`` [N, V] the draft's full logits, ``h`` [N, H] its final hidden states, ``prev`` [N]
-    the teacher-forced predecessor tokens, ``gold`` [N] the targets, ``valid`` bool [N].
-    Only valid rows are scored (invalid ones cost nothing).
+    the teacher-forced predecessor tokens, ``gold`` [N] the targets, ``valid`` bool [N], ``weight``
+    [N] each row's weight (DFlash2: its slot's position decay; None: 1). Only valid rows are scored
+    (invalid ones cost nothing).
     """
     if gold_miss not in GOLD_MISS_POLICIES:
         raise ValueError(f"gold_miss must be one of {GOLD_MISS_POLICIES}, got {gold_miss!r}")
     valid = valid.bool()
     idx = valid.nonzero().flatten()
     logits, h, prev, gold = logits[idx], h[idx], prev[idx].long(), gold[idx].long()
+    w = torch.ones(idx.numel(), device=logits.device) if weight is None else weight[idx]
     n_valid = torch.tensor(int(idx.numel()), device=logits.device)
     cand, U = selector.candidates(logits)  # [n, K]
     S = selector.scores(prev, h, cand, U)  # [n, K]
@@ -131,16 +145,16 @@ def selector_loss(
     sel_correct = path == gold
     backbone_correct = cand[:, 0] == gold
     if gold_miss == "drop":
-        ce = F.cross_entropy(S[hit], target[hit], reduction="sum")
-        count = hit.sum()
+        ce = (w[hit].to(S.dtype) * F.cross_entropy(S[hit], target[hit], reduction="none")).sum()
+        count = w[hit].sum().detach()
     else:
         K = S.shape[-1]
         s_gold = selector.scores(prev, h, gold[:, None], logits.gather(-1, gold[:, None]))  # [n, 1]
         last = torch.where(hit, S[:, K - 1], s_gold[:, 0])
         S_ins = torch.cat([S[:, : K - 1], last[:, None]], dim=-1)
         target = torch.where(hit, target, torch.full_like(target, K - 1))
-        ce = F.cross_entropy(S_ins, target, reduction="sum")
-        count = n_valid.clone()
+        ce = (w.to(S_ins.dtype) * F.cross_entropy(S_ins, target, reduction="none")).sum()
+        count = w.sum().detach()
     return SelectorOutput(
         loss_sum=ce,
         count=count,

@@ -157,8 +157,8 @@ def test_dflash2_sampled_proposal_samples_through_the_selector():
     z = model.logits(h)
     prev = torch.cat([s["input_ids"][anchor: anchor + 1].long(), tok[:-1]])
     for k in range(1, 5):
-        cand, U = model.selector.candidates(z[k][None])
-        S = model.selector.scores(prev[k - 1: k], h[k][None], cand, U)[0]
+        cand, U = model.candidate_selector.candidates(z[k][None])
+        S = model.candidate_selector.scores(prev[k - 1: k], h[k][None], cand, U)[0]
         want = torch.zeros(V).index_put_((cand[0],), torch.softmax(S, -1))
         torch.testing.assert_close(q[k - 1], want)
         assert int(tok[k - 1]) in cand[0].tolist()

@@ -13,14 +13,15 @@ def _selector(V=30, H=8, r=5, K=4, seed=0, trained=True):
     sel = PathSelector(V, H, rank=r, num_candidates=K).double()
     if trained:  # a learned selector: B no longer zero
         with torch.no_grad():
-            sel.B.weight.normal_(0, 1.0)
-            sel.A.weight.normal_(0, 1.0)
+            sel.successor_codebook.normal_(0, 1.0)
+            sel.predecessor_codebook.normal_(0, 1.0)
     return sel
 
 
-def _ref(sel, logits, h, prev, gold, valid, policy):
-    """Per-row float64 loops over explicit formulas."""
-    A, B, W = sel.A.weight.detach(), sel.B.weight.detach(), sel.W_h.weight.detach()
+def _ref(sel, logits, h, prev, gold, valid, policy, weight):
+    """Per-row float64 loops over explicit formulas; loss and count are weighted by ``weight``."""
+    A, B = sel.predecessor_codebook.detach(), sel.successor_codebook.detach()
+    W = sel.hidden_projection.weight.detach()
     K = sel.num_candidates
     loss, count, hits, sel_ok, bb_ok, n = 0.0, 0, 0, 0, 0, 0
     for i in range(logits.shape[0]):
@@ -47,13 +48,14 @@ def _ref(sel, logits, h, prev, gold, valid, policy):
             scores[-1] = score(g)
             t = K - 1
         m = max(scores)
-        loss += -(scores[t] - m - math.log(sum(math.exp(s - m) for s in scores)))
-        count += 1
+        loss += -weight[i].item() * (scores[t] - m - math.log(sum(math.exp(s - m) for s in scores)))
+        count += weight[i].item()
     return loss, count, hits, sel_ok, bb_ok, n
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("policy", ["drop", "insert"])
-def test_selector_loss_matches_reference(policy):
+def test_selector_loss_matches_reference(policy, weighted):
     sel = _selector()
     g = torch.Generator().manual_seed(1)
     N, V, H = 40, 30, 8
@@ -64,13 +66,18 @@ def test_selector_loss_matches_reference(policy):
     top = logits.topk(4, dim=-1).indices
     gold = torch.where(torch.rand(N, generator=g) < 0.5, top[torch.arange(N), torch.randint(0, 4, (N,), generator=g)], torch.randint(0, V, (N,), generator=g))
     valid = torch.rand(N, generator=g) < 0.8
-    out = selector_loss(sel, logits, h, prev, gold, valid, gold_miss=policy)
-    loss, count, hits, sel_ok, bb_ok, n = _ref(sel, logits, h, prev, gold, valid, policy)
+    # position-decay weights exp(-(k-1)/gamma) of a 5-slot block, or none (every row 1)
+    w = torch.exp(-(torch.arange(N) % 5).double() / 4.0) if weighted else None
+    out = selector_loss(sel, logits, h, prev, gold, valid, gold_miss=policy, weight=w)
+    loss, count, hits, sel_ok, bb_ok, n = _ref(sel, logits, h, prev, gold, valid, policy,
+                                               torch.ones(N, dtype=torch.float64) if w is None else w)
     assert 0 < hits < n
     assert abs(out.loss_sum.item() - loss) < 1e-9 * max(1.0, loss)
-    assert (int(out.count), int(out.gold_in_candidates), int(out.selector_correct), int(out.backbone_correct), int(out.valid)) == (
-        count, hits, sel_ok, bb_ok, n)
-    assert int(out.count) == (hits if policy == "drop" else n)
+    assert abs(float(out.count) - count) < 1e-9 * max(1.0, count)
+    assert (int(out.gold_in_candidates), int(out.selector_correct), int(out.backbone_correct), int(out.valid)) == (
+        hits, sel_ok, bb_ok, n)
+    if not weighted:
+        assert int(out.count) == (hits if policy == "drop" else n)
     m = out.metrics()
     assert m["selector_candidate_recall"] == hits / n
 

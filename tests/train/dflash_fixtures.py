@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from shards.bundle import load_bundle, write_bundle
+from shards.head import HeadSpec
 from shards.schema import Layout, teacher_rows, validate_sample
 
 
@@ -34,6 +35,8 @@ def tiny_bundle(root: Path, *, hidden: int = 32, vocab: int = 64, layers: int = 
         norm_weight=1.0 + 0.1 * torch.randn(hidden, generator=g),
         lm_head=torch.randn(vocab, hidden, generator=g) / hidden**0.5,
         tokenizer_dir=None,
+        # the head spec is what the drafters read the logits scaling from (the config key alone is not)
+        **({"head": HeadSpec(logits_scaling=scaling)} if scaling != 1.0 else {}),
     )
     return load_bundle(root / "target")
 

@@ -97,7 +97,7 @@ def test_serving_facts_come_from_the_target(exported, tmp_path):
     facts = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
              "layer_types": ["full_attention"] * 4}
     parts = dict(audio=bundle.audio, chat_template=None, embed_tokens=bundle.embed_tokens,
-                 norm_weight=bundle.norm_weight, lm_head=bundle.lm_head, tokenizer_dir=None)
+                 norm_weight=bundle.norm_weight, lm_head=bundle.lm_head, tokenizer_dir=None, head=bundle.head)
     fp = write_bundle(tmp_path / "t", config={**bundle.config, **facts}, **parts)
     assert fp == bundle.fingerprint  # bundles written before these facts were recorded keep their fingerprint
     b2 = load_bundle(tmp_path / "t")

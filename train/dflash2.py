@@ -88,7 +88,8 @@ class DFlash2Config(DFlashConfig):
         if self.conv_group_size < 1:
             raise ValueError(f"conv_group_size must be >= 1, got {self.conv_group_size}")
         if not 1 <= self.conv_kernel_size <= self.block_size:
-            raise ValueError(f"conv_kernel_size must be in [1, block_size {self.block_size}], got {self.conv_kernel_size}")
+            raise ValueError(
+                f"conv_kernel_size must be in [1, block_size {self.block_size}], got {self.conv_kernel_size}")
         if self.selector_candidates < 1 or self.selector_rank < 1:
             raise ValueError("selector_candidates and selector_rank must be >= 1")
         if self.selector_gold_miss not in GOLD_MISS_POLICIES:
@@ -188,7 +189,8 @@ class DFlash2Drafter(DFlashDrafter):
             assert not unexpected and all("conv" in m for m in missing), (missing, unexpected)
             convs.append(new)
         self.layers = nn.ModuleList(convs)
-        self.candidate_selector = PathSelector(self.vocab_size, H, rank=cfg.selector_rank, num_candidates=cfg.selector_candidates)
+        self.candidate_selector = PathSelector(self.vocab_size, H, rank=cfg.selector_rank,
+                                               num_candidates=cfg.selector_candidates)
 
     @classmethod
     def check_dataset(cls, config: DFlash2Config, bundle: Any, layout: Any) -> None:
@@ -271,7 +273,8 @@ class DFlash2Drafter(DFlashDrafter):
         first = ids.gather(1, anchors.clamp(max=ids.shape[1] - 1)).reshape(-1)
         hb = h.reshape(Bs * N, B, H)
         step = max(1, self.logits_chunk_rows() // B)  # blocks per chunk: [step, B, V] logits at a time
-        (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(self.candidate_selector, self.logits(hc), hc, fc),), [hb, first], step)
+        sel = self.candidate_selector
+        (out,) = map_row_chunks(lambda hc, fc: (greedy_walk(sel, self.logits(hc), hc, fc),), [hb, first], step)
         return out.view(Bs, N, B)
 
     @torch.no_grad()
@@ -288,7 +291,8 @@ class DFlash2Drafter(DFlashDrafter):
         b, anchors = self._live_block(ids_T, taps_PnH)
         h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)[0]  # [1, B, H]
         first = b["input_ids"][0, anchors[0]]
-        tokens, q = walk(self.candidate_selector, self.logits(h), h, first, temperature=temperature, generator=generator)
+        tokens, q = walk(self.candidate_selector, self.logits(h), h, first, temperature=temperature,
+                         generator=generator)
         return tokens[0, 1:].cpu(), (q[0, 1:] if q is not None else None)
 
     def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -4,8 +4,8 @@ The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT 
 engines share the target's own. Engines compute draft logits with the target's lm_head ONLY; a config
 with ``logits_scaling_folded_into`` names the draft's last norm weight, which is exported divided by
 the target's ``logits_scaling`` so those logits are exactly tapdraft's (weights named in
-``logits_scaling_compensated_in``, which read that norm's output too, are multiplied by it). A config with ``auto_map`` gets
-its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter).
+``logits_scaling_compensated_in``, which read that norm's output too, are multiplied by it). A config
+with ``auto_map`` gets its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter).
 ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
 and ``target_layer_ids_vllm`` (= i + 1), plus ``dflash_config`` in the reference release's layout

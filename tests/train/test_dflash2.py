@@ -88,7 +88,8 @@ def test_loss_terms_and_gradients(setup):
 
 def _ref_conv(x, y, conv):
     """Float64 per-position loops: the taps of both sides come from the sublayer input x,
-    coef[side, o, c] = base_kernel[side, o, c] + (P x_t)[side, o, c // group]; out_t = sum_o coef * v_{t-o} within a block
+    coef[side, o, c] = base_kernel[side, o, c] + (P x_t)[side, o, c // group];
+    out_t = sum_o coef * v_{t-o} within a block
     (v = x before the sublayer, y after it)."""
     Bs, L, H = x.shape
     K, gs, G = conv.kernel_size, conv.group_size, conv.groups

@@ -215,8 +215,9 @@ def default_mask_id(bundle: Any, layout: Any) -> int:
     pad = tc.get("pad_token_id")
     fallback = int(pad) if pad is not None else V - 1
     why = "has no tokenizer.json" if used is None else f"uses every embedding row (vocab {V})"
+    # warned from this line (not the caller's): shown once per run however many places resolve the config
     warnings.warn(f"the target's tokenizer {why}: no dedicated mask id, the mask slots use id {fallback} "
-                  "(set drafter.mask_token_id to choose one)", stacklevel=3)
+                  "(set drafter.mask_token_id to choose one)", stacklevel=1)
     return fallback
 
 

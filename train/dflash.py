@@ -471,8 +471,8 @@ class DFlashDrafter(Drafter):
         y = labels[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
-        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, lm_head_bias=self.lm_head_bias, chunk_rows=cfg.ce_chunk_size,
-                                     teacher=teacher)
+        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, lm_head_bias=self.lm_head_bias,
+                                     chunk_rows=cfg.ce_chunk_size, teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

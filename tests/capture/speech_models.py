@@ -5,11 +5,34 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from capture.inputs import AudioRef, Conversation
 from demo.target import build_word_tokenizer
 
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "four", "five", "."]
+
+def audio_conv(placeholder: str, sid: str, n_samples: int, seed: int, reply: str = "you said one two .") -> Conversation:
+    """One user turn with an audio of seeded noise (written as the target's ``placeholder``) and one reply."""
+    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
+    return Conversation(sid, "mem", [{"role": "user", "content": f"{placeholder} what did i say ?"},
+                                     {"role": "assistant", "content": reply}],
+                        [AudioRef(array=wave, sample_rate=16000)])
+
+
+def decoder_inputs_embeds(target, run_model) -> torch.Tensor:
+    """The ``inputs_embeds`` the target's decoder receives while ``run_model()`` runs the model's own forward."""
+    seen = {}
+    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]),
+                                                 with_kwargs=True)
+    try:
+        with torch.no_grad():
+            run_model()
+    finally:
+        h.remove()
+    return seen["x"]
+
 
 GRANITE_PREPROCESSOR = {
     # the settings of ibm-granite/granite-speech-3.3's preprocessor_config.json (= the extractor's defaults)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from capture.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_filterbank
-from capture.inputs import AudioRef, Conversation
 from capture.load import load_target
 from capture.targets import run_batch
-from tests.capture.speech_models import GRANITE_PREPROCESSOR, save_granite_speech
+from tests.capture.speech_models import (GRANITE_PREPROCESSOR, audio_conv, decoder_inputs_embeds,
+                                         save_granite_speech)
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +85,7 @@ def test_settings_come_from_preprocessor_config(tmp_path):
 
 
 def _conv(sid, n_samples, seed, reply="you said one two ."):
-    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
-    return Conversation(sid, "mem", [{"role": "user", "content": "<|audio|> what did i say ?"},
-                                     {"role": "assistant", "content": reply}],
-                        [AudioRef(array=wave, sample_rate=16000)])
+    return audio_conv("<|audio|>", sid, n_samples, seed, reply)
 
 
 def _own_forward(target, conv):
@@ -129,15 +126,10 @@ def test_taps_and_teacher_equal_the_models_own_forward(target):
 
 def test_merge_equals_the_models_inputs_embeds(target):
     c = _conv("a", 12000, 3)
-    seen = {}
-    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]), with_kwargs=True)
+    seen = decoder_inputs_embeds(target, lambda: _own_forward(target, c))
     with torch.no_grad():
-        try:
-            _own_forward(target, c)
-        finally:
-            h.remove()
         ex = target.embed([target.prepare(c, 0)])[0]
-    torch.testing.assert_close(ex.inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ex.inputs_embeds, seen[0], rtol=1e-6, atol=1e-6)
     supervised = target.tokenizer.convert_ids_to_tokens(ex.input_ids[ex.loss_mask].tolist())
     assert supervised == ["you", "said", "one", "two", ".", "<|im_end|>"]
 

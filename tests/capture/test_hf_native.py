@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from capture.hf_native import HFSpeechTarget
-from capture.inputs import AudioRef, Conversation
 from capture.load import load_target
 from capture.targets import run_batch
-from tests.capture.speech_models import save_qwen2_audio
+from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, save_qwen2_audio
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +29,7 @@ def target(qwen2_audio_dir) -> HFSpeechTarget:
 
 
 def _conv(sid, n_samples, seed, reply="you said one two ."):
-    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
-    return Conversation(sid, "mem", [{"role": "user", "content": "<|AUDIO|> what did i say ?"},
-                                     {"role": "assistant", "content": reply}],
-                        [AudioRef(array=wave, sample_rate=16000)])
+    return audio_conv("<|AUDIO|>", sid, n_samples, seed, reply)
 
 
 def _processor_inputs(target, conv):
@@ -96,16 +91,10 @@ def test_merge_equals_the_models_inputs_embeds(target):
     """The adapter's merged embeddings are exactly what the model's forward feeds its decoder."""
     c = _conv("a", 12000, 3)
     p = target.prepare(c, 0)
-    seen = {}
-    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]),
-                                                 with_kwargs=True)
+    seen = decoder_inputs_embeds(target, lambda: target.model(**_processor_inputs(target, c)))
     with torch.no_grad():
-        try:
-            target.model(**_processor_inputs(target, c))
-        finally:
-            h.remove()
         ex = target.embed([p])[0]
-    torch.testing.assert_close(ex.inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ex.inputs_embeds, seen[0], rtol=1e-6, atol=1e-6)
     assert int(ex.is_audio.sum()) > 1 and (ex.input_ids[ex.is_audio] == target.audio_token_id).all()
 
 
@@ -163,9 +152,7 @@ def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path)
     assert isinstance(target, Qwen3ASRTarget) and target.placeholder == "<|audio_pad|>"
 
     def conv(sid, n, seed, reply="you said one two ."):
-        wave = np.random.default_rng(seed).normal(0, 0.1, n).astype(np.float32)
-        return Conversation(sid, "mem", [{"role": "user", "content": "<|audio_pad|> what did i say ?"},
-                                         {"role": "assistant", "content": reply}], [AudioRef(array=wave, sample_rate=16000)])
+        return audio_conv("<|audio_pad|>", sid, n, seed, reply)
 
     convs = [conv("a", 37000, 0), conv("b", 5000, 1, "you said three .")]  # 2.3 s (3 chunks) and under min_length
     batch = [target.prepare(c, i) for i, c in enumerate(convs)]
@@ -181,14 +168,9 @@ def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path)
                                            rtol=0.02, atol=0.02)
             ref = torch.log_softmax(logits[0].double(), dim=-1)[r["topk_rows"].long()]
             torch.testing.assert_close(r["topk_logprobs"].double(), ref.topk(4, dim=-1).values, rtol=1e-4, atol=1e-4)
-        seen = {}
-        h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]),
-                                                     with_kwargs=True)
-        try:
-            target.model(**own_inputs(target, convs[0].messages, [convs[0].audios[0].array]))
-        finally:
-            h.remove()
-        torch.testing.assert_close(target.embed([batch[0]])[0].inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+        seen = decoder_inputs_embeds(
+            target, lambda: target.model(**own_inputs(target, convs[0].messages, [convs[0].audios[0].array])))
+        torch.testing.assert_close(target.embed([batch[0]])[0].inputs_embeds, seen[0], rtol=1e-6, atol=1e-6)
     two = conv("two", 16000, 2)
     two.messages[0]["content"] += " <|audio_pad|>"
     two.audios = two.audios * 2

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from capture.inputs import AudioRef, Conversation
+from capture.inputs import Conversation
 from capture.targets import CausalLMTarget, SALMTarget, run_batch, topk_teacher
 from shards.schema import teacher_rows
+from tests.capture.speech_models import audio_conv
 
 
 def _conv(sid, n_samples, seed, reply="you said one two ."):
-    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
-    return Conversation(sid, "mem", [{"role": "user", "content": "<|audioplaceholder|> what did i say ?"},
-                                     {"role": "assistant", "content": reply}],
-                        [AudioRef(array=wave, sample_rate=16000)])
+    return audio_conv("<|audioplaceholder|>", sid, n_samples, seed, reply)
 
 
 @pytest.fixture()

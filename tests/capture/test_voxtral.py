@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from capture.inputs import AudioRef, Conversation
 from capture.load import load_target
 from capture.targets import run_batch
 from capture.voxtral import VoxtralTarget
-from tests.capture.speech_models import own_inputs, save_voxtral
+from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, own_inputs, save_voxtral
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +26,7 @@ def target(voxtral_dir) -> VoxtralTarget:
 
 
 def _conv(sid, n_samples, seed, reply="you said one two ."):
-    wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
-    return Conversation(sid, "mem", [{"role": "user", "content": "[AUDIO] what did i say ?"},
-                                     {"role": "assistant", "content": reply}],
-                        [AudioRef(array=wave, sample_rate=16000)])
+    return audio_conv("[AUDIO]", sid, n_samples, seed, reply)
 
 
 def _own_forward(target, conv):
@@ -78,15 +73,10 @@ def test_taps_and_teacher_equal_the_models_own_forward(target):
 
 def test_merge_equals_the_models_inputs_embeds(target):
     c = _conv("a", 12000, 3)
-    seen = {}
-    h = target.decoder.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["inputs_embeds"]), with_kwargs=True)
+    seen = decoder_inputs_embeds(target, lambda: _own_forward(target, c))
     with torch.no_grad():
-        try:
-            _own_forward(target, c)
-        finally:
-            h.remove()
         ex = target.embed([target.prepare(c, 0)])[0]
-    torch.testing.assert_close(ex.inputs_embeds, seen["x"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ex.inputs_embeds, seen[0], rtol=1e-6, atol=1e-6)
 
 
 def test_tekken_audio_rate_must_match_the_encoder(tmp_path):

@@ -43,16 +43,6 @@ def test_user_error_is_one_clear_line(tmp_path):
 
 
 # ------------------------------------------------------------------ every user mistake: one line, exit 2
-@pytest.fixture(scope="module")
-def salm_dir(tmp_path_factory) -> Path:
-    from demo.target import QUICK, build_demo_salm
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("salm")
-    build_demo_salm(QUICK, seed=0).save_pretrained(d)
-    return d
-
-
 @pytest.fixture()
 def inputs(tmp_path) -> Path:
     write_wav(tmp_path / "a.wav", [1, 2, 3])

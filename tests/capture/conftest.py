@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from demo.target import QUICK, build_demo_salm
 from capture.salm import SALM
 from tests.capture.util import conv_record, write_manifest, write_wav
-
-
-@pytest.fixture(scope="session")
-def salm_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("salm")
-    build_demo_salm(QUICK, seed=0).save_pretrained(d)
-    return d
 
 
 @pytest.fixture()

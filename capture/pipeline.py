@@ -481,7 +481,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
     if rank == 0:
-        fingerprint = write_or_check_bundle(str(out), **target.bundle_parts())
+        fingerprint = write_or_check_bundle(str(out), fingerprint=lambda: target_fingerprint(target),
+                                           **target.bundle_parts())
         if not cfg_path.is_file():
             with staged(cfg_path) as tmp:
                 tmp.write_text(json.dumps(record, indent=2, sort_keys=True))

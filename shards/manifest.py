@@ -20,7 +20,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -190,14 +190,17 @@ def dataset_fingerprint(url: str) -> str | None:
     return stored_fingerprint(fs, join(root, TARGET_DIR))
 
 
-def write_or_check_bundle(url: str, **parts: Any) -> str:
+def write_or_check_bundle(url: str, *, fingerprint: Callable[[], str] | None = None, **parts: Any) -> str:
     """Write the dataset's target bundle from ``parts`` (``write_bundle``'s arguments) when it is missing;
-    otherwise refuse a bundle of another target. Returns the fingerprint."""
+    otherwise refuse a bundle of another target. Returns the fingerprint.
+
+    ``fingerprint``: the caller's (cached) fingerprint of the same parts, so a resume does not hash the
+    weights again; by default it is computed from ``parts``."""
     fs, root = fsspec.core.url_to_fs(str(url))
     old = stored_fingerprint(fs, join(root, TARGET_DIR))
     if old is None:
         return write_bundle(join(root, TARGET_DIR), **parts)
-    fp = bundle_fingerprint(**parts)
+    fp = fingerprint() if fingerprint is not None else bundle_fingerprint(**parts)
     if fp != old:
         raise ValueError(
             f"{url} holds a capture of another target (fingerprint {old[:12]}, this target {fp[:12]}); "

@@ -27,6 +27,11 @@ audio that fails to decode, ``too_long`` for the context) is skipped and counted
 with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the
 output shards (atomically), then the sidecar (:mod:`capture.provenance`; counts by reason and the
 first 1000 dropped conversations with their reasons), then removes the parts.
+
+One regeneration writes an output at a time: each rank holds ``shards.lock.exclusive_lock`` on
+``OUT.regenerate-rankNNNNN.lock`` (beside the output, like ``OUT.parts``, so removing the parts never
+removes a held lock) for the whole run; a second one is refused at once, a killed one's lock is stale
+and taken over.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from capture.replies import ReplyConfig, RunStats, prefix_key, process_window
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.targets import Target
 from shards.atomic import staged
+from shards.lock import exclusive_lock
 from shards.progress import Progress
 from shards.template import read_template_file, template_kwargs, template_sha
 
@@ -154,11 +160,23 @@ def _check_settings(work: Path, current: dict[str, Any]) -> None:
                              f"{k}={current.get(k)!r}. Rerun with the original settings to resume, or delete {work}.")
 
 
+def lock_path(out: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s lock file for output ``out``: beside it, kept after the run (see ``shards.lock``)."""
+    return Path(str(out).rstrip("/") + f".regenerate-rank{rank:05d}.lock")
+
+
 def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[str, Any]:
-    """Run (or resume) a regeneration; returns the sidecar document plus this run's ``run_stats``."""
+    """Run (or resume) a regeneration; returns the sidecar document plus this run's ``run_stats``.
+
+    This rank holds its exclusive lock on ``cfg.out`` throughout (a second regeneration is refused)."""
+    rank, world = dist_env()
+    with exclusive_lock(lock_path(cfg.out, rank), f"a regeneration (rank {rank})", guards=cfg.out):
+        return _regenerate_locked(cfg, target, rank, world)
+
+
+def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, world: int) -> dict[str, Any]:
     from capture.load import load_target
 
-    rank, world = dist_env()
     out, work = Path(cfg.out), work_dir(cfg.out)
     side = sidecar_path(out)
     if side.is_file():

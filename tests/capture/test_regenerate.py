@@ -1,10 +1,14 @@
-"""tapdraft regenerate: determinism, kill -9 resume, counted drops, bad input, ranks, provenance for capture."""
+"""tapdraft regenerate: determinism, kill -9 resume, counted drops, bad input, ranks, one writer per output,
+provenance for capture."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -12,9 +16,11 @@ import torch
 
 from capture.generate import GenerationConfig
 from capture.inputs import read_inputs, read_jsonl
-from capture.regenerate import RegenerateConfig, regenerate, work_dir
+from capture.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
 from capture.replies import RegenerateError, ReplyConfig
 from capture.salm import SALM
+from shards.errors import LockedError
+from shards.lock import exclusive_lock
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,6 +169,48 @@ def test_too_long_for_the_context_is_skipped(lm_dir, tmp_path):
     data = _text_manifest(tmp_path / "in.jsonl", n=2)
     doc = regenerate(_cfg(lm_dir, data, tmp_path / "out.jsonl", max_new=1020))  # context 1024
     assert doc["counts"]["dropped"] == {"too_long": 2}
+
+
+def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path, monkeypatch):
+    import capture.regenerate as rg
+
+    data, out = _text_manifest(tmp_path / "in.jsonl", n=2), tmp_path / "out.jsonl"
+    refused = []
+    orig = rg.process_window
+
+    def racing(*a, **k):  # while the first run works, a second one into the same output
+        with pytest.raises(LockedError, match=rf"out.jsonl is in use by a regeneration \(rank 0\) "
+                                              rf"\(pid {os.getpid()} on .*one writer per directory") as e:
+            regenerate(_cfg(lm_dir, data, out))
+        refused.append(str(e.value))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(rg, "process_window", racing)
+    regenerate(_cfg(lm_dir, data, out))
+    assert len(refused) == 1 and "\n" not in refused[0]
+    monkeypatch.setattr(rg, "process_window", orig)
+    # another process holds it; once that process is killed (-9), its lock is stale and taken over
+    other = tmp_path / "other.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from capture.regenerate import lock_path
+        from shards.lock import exclusive_lock
+        with exclusive_lock(lock_path({str(other)!r}, 0), "a regeneration (rank 0)"):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError, match=rf"pid {holder.pid} on .*wait for it to finish"):
+            regenerate(_cfg(lm_dir, data, other))
+        assert not work_dir(other).exists()  # refused before anything was written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert regenerate(_cfg(lm_dir, data, other))["counts"] == json.loads(
+        (tmp_path / "out.regenerate.json").read_text())["counts"]
+    with exclusive_lock(lock_path(other, 0), "a check"):  # released at the end of the run
+        pass
 
 
 def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, monkeypatch):

@@ -70,7 +70,8 @@ def main() -> None:
         row = {
             "T": T, "blocks": N, "block_size": 16, "Q": Q,
             "forward_s_median": {k: round(statistics.median(v), 5) for k, v in times.items()},
-            "time_ratio_flex_over_dense": round(statistics.median([f / d for d, f in zip(times["dense"], times["flex"])]), 4),
+            "time_ratio_flex_over_dense": round(
+                statistics.median([f / d for d, f in zip(times["dense"], times["flex"])]), 4),
             "mask_bytes": {"dense": Q * (T + Q), "flex_blockmask_approx": bm_bytes},
             "max_abs_diff": err,
             "pairs": args.pairs,

@@ -78,7 +78,8 @@ def main() -> None:
     print(f"{'head':7s} {'model dir':>10s} {'bundle':>10s} {'bundle/parts':>12s} {'open s':>8s} {'verify s':>9s} "
           f"{'open/verify':>11s}")
     for r in rows:
-        print(f"{'tied' if r['tied'] else 'untied':7s} {r['model_dir_bytes'] / 1e6:9.1f}M {r['bundle_bytes'] / 1e6:9.1f}M "
+        print(f"{'tied' if r['tied'] else 'untied':7s} {r['model_dir_bytes'] / 1e6:9.1f}M "
+              f"{r['bundle_bytes'] / 1e6:9.1f}M "
               f"{r['bundle_over_parts']:12.4f} {r['open_s']:8.3f} {r['verify_s']:9.3f} {r['open_over_verify']:11.3f}")
     write_result("bundle.json", {"shape": vars(a), "rows": rows, "machine_extra": {"threads": torch.get_num_threads()}})
 

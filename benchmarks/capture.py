@@ -119,7 +119,8 @@ def main() -> None:
         bytes_out = m["splits"]["train"]["bytes"]
         shutil.rmtree(out)
         b_times.append(_minimal(target, plans))
-        print(f"pair {i}: capture {a_times[-1]:.2f} s  minimal {b_times[-1]:.2f} s  ratio {a_times[-1] / b_times[-1]:.3f}")
+        print(f"pair {i}: capture {a_times[-1]:.2f} s  minimal {b_times[-1]:.2f} s  "
+              f"ratio {a_times[-1] / b_times[-1]:.3f}")
     layout = make_layout(cfg, target)
     t0 = time.perf_counter()
     with torch.inference_mode():

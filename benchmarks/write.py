@@ -98,7 +98,8 @@ def main() -> None:
     res = {
         "benchmark": "write",
         "what": "DatasetWriter (A) vs per-sample torch.save (B), same content; ratio = B/A (higher is better)",
-        "target_shape": {"hidden_size": args.hidden, "num_taps": len(TAPS), "top_k": 64, "tokens_per_sample": args.tokens},
+        "target_shape": {"hidden_size": args.hidden, "num_taps": len(TAPS), "top_k": 64,
+                         "tokens_per_sample": args.tokens},
         "ratio_median": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
         "tapdraft_s_median": round(statistics.median(a), 3), "torch_save_s_median": round(statistics.median(b), 3),
         "tapdraft_MB_per_s": round(nbytes / statistics.median(a) / 1e6, 1),

@@ -92,7 +92,8 @@ class GraniteLogMel(GraniteSpeechFeatureExtractor):
         """One waveform [S] -> stacked log-mel [F // 2, 2M] (float32)."""
         k = self.melspec_kwargs
         if wave_S.shape[0] <= k["n_fft"] // 2:
-            raise ValueError(f"audio of {wave_S.shape[0]} samples is shorter than half an FFT window ({k['n_fft'] // 2})")
+            raise ValueError(f"audio of {wave_S.shape[0]} samples is shorter than half an FFT window "
+                             f"({k['n_fft'] // 2})")
         spec = torch.stft(wave_S.float(), k["n_fft"], hop_length=k["hop_length"], win_length=k["win_length"],
                           window=self.window, center=True, pad_mode="reflect", return_complex=True)
         mel = self.fbank.T @ spec.abs().pow(2)  # [M, F]
@@ -158,7 +159,9 @@ def load_granite_speech(root: Path, *, dtype: torch.dtype, device: str) -> Grani
     if not pre.is_file():
         raise FileNotFoundError(f"{pre} is missing; save the processor beside the model (processor.save_pretrained)")
     proc_cfg = root / "processor_config.json"
-    audio_token = json.loads(proc_cfg.read_text()).get("audio_token", "<|audio|>") if proc_cfg.is_file() else "<|audio|>"
+    audio_token = "<|audio|>"
+    if proc_cfg.is_file():
+        audio_token = json.loads(proc_cfg.read_text()).get("audio_token", audio_token)
     tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
     processor = GraniteSpeechProcessor(audio_processor=GraniteLogMel.from_config_file(pre), tokenizer=tok,
                                        audio_token=audio_token, chat_template=tok.chat_template)

@@ -69,7 +69,8 @@ def final_norm_module(decoder: nn.Module, hidden: int) -> nn.Module:
         if isinstance(m, (nn.ModuleList, nn.Embedding)):
             continue
         params = dict(m.named_parameters())
-        if set(params) in ({"weight"}, {"weight", "bias"}) and all(tuple(p.shape) == (hidden,) for p in params.values()):
+        vectors = all(tuple(p.shape) == (hidden,) for p in params.values())
+        if set(params) in ({"weight"}, {"weight", "bias"}) and vectors:
             found.append((name, m))
     if len(found) != 1:
         raise UnsupportedHead(
@@ -118,8 +119,10 @@ def derive_head(lm: nn.Module) -> LiveHead:
     kind, eps = describe_norm(norm)
     emb_mod, out = lm.get_input_embeddings(), lm.get_output_embeddings()
     if not isinstance(out, nn.Linear):
-        raise UnsupportedHead(f"the output head {type(out).__name__} is not a linear layer; tapdraft applies x @ W^T + b")
-    scale = float(getattr(emb_mod, "scalar_embed_scale", 1.0)) * float(getattr(config, "embedding_multiplier", None) or 1.0)
+        raise UnsupportedHead(f"the output head {type(out).__name__} is not a linear layer; "
+                              "tapdraft applies x @ W^T + b")
+    scale = (float(getattr(emb_mod, "scalar_embed_scale", 1.0))
+             * float(getattr(config, "embedding_multiplier", None) or 1.0))
     cap = getattr(config, "final_logit_softcapping", None)
     tied = out.weight is emb_mod.weight or out.weight.data_ptr() == emb_mod.weight.data_ptr()
     spec = HeadSpec(

@@ -313,7 +313,8 @@ def stored_source(source: str, line: int | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ audio
-def resample(wave: np.ndarray, orig_sr: int, new_sr: int, *, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
+def resample(wave: np.ndarray, orig_sr: int, new_sr: int, *, zero_crossings: int = 6,
+             rolloff: float = 0.99) -> np.ndarray:
     """Band-limited resampling of a mono float waveform (windowed sinc, polyphase by conv1d)."""
     if orig_sr == new_sr:
         return wave.astype(np.float32, copy=False)

@@ -400,8 +400,8 @@ def capture_split(
         _close_or_abort(writer, wt)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(
-                f"capture interrupted: split {split!r} has {writer.num_done} of {total} inputs done and kept in finished "
-                f"shards of {cfg.out} ({stats.written} written by this run); rerun the same command to resume"
+                f"capture interrupted: split {split!r} has {writer.num_done} of {total} inputs done and kept in "
+                f"finished shards of {cfg.out} ({stats.written} written by this run); rerun the same command to resume"
             ) from None
         raise
     pool.shutdown(wait=True)
@@ -556,7 +556,8 @@ def summary(manifest: dict[str, Any]) -> str:
         skipped = manifest.get("skipped", {}).get(split, [])
         reasons = Counter(_skip_kind(x["reason"]) for x in skipped)
         turns = (f"\n  {r['unsupervised_turns']} assistant turn(s) left unsupervised: rendered as the last turn they "
-                 "differ from the conversation's tokens (capture/template.py says why)" if r.get("unsupervised_turns") else "")
+                 "differ from the conversation's tokens (capture/template.py says why)"
+                 if r.get("unsupervised_turns") else "")
         lines.append(
             f"{split}: {s['samples']} samples, {s['tokens']:,} tokens ({s['supervised_tokens']:,} supervised), "
             f"{s['audio_seconds']:.1f}s audio, {len(s['shards'])} shard(s), {s['bytes'] / 1e6:.2f} MB"

@@ -131,7 +131,8 @@ class ModalityAdapter(nn.Module):
         self.proj = nn.Sequential(nn.Linear(cfg.encoder_hidden, hid), nn.GELU(), nn.Linear(hid, cfg.lm_hidden))
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                cfg.lm_hidden, cfg.num_heads, cfg.lm_hidden * cfg.ffn_mult, dropout=0.0, batch_first=True, norm_first=True
+                cfg.lm_hidden, cfg.num_heads, cfg.lm_hidden * cfg.ffn_mult, dropout=0.0, batch_first=True,
+                norm_first=True,
             )
             for _ in range(cfg.num_layers)
         )
@@ -222,7 +223,8 @@ class SALM(nn.Module):
         if enc_hidden is not None and config.adapter.encoder_hidden != int(enc_hidden):
             raise ValueError(
                 f"the SALM's adapter takes {config.adapter.encoder_hidden}-wide encoder frames but its encoder's "
-                f"hidden size is {enc_hidden}; salm_config.json's adapter.encoder_hidden must equal encoder/config.json's"
+                f"hidden size is {enc_hidden}; salm_config.json's adapter.encoder_hidden must equal "
+                "encoder/config.json's"
             )
         if tokenizer.chat_template is None:
             raise ValueError("the SALM's tokenizer has no chat template; set tokenizer.chat_template first")
@@ -287,7 +289,8 @@ class SALM(nn.Module):
         return root
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None, device: str | None = None) -> "SALM":
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
+                        device: str | None = None) -> "SALM":
         """Load a directory written by ``save_pretrained`` (local files only)."""
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM, AutoTokenizer, ParakeetEncoder, ParakeetFeatureExtractor
@@ -365,7 +368,8 @@ class SALM(nn.Module):
             return ids, torch.zeros_like(ids, dtype=torch.bool)
         return ids, torch.tensor(out["assistant_masks"], dtype=torch.bool)
 
-    def expand(self, token_ids: torch.Tensor, assistant_mask: torch.Tensor, audio_embeds: Sequence[torch.Tensor]) -> Expanded:
+    def expand(self, token_ids: torch.Tensor, assistant_mask: torch.Tensor,
+               audio_embeds: Sequence[torch.Tensor]) -> Expanded:
         return expand_placeholders(
             token_ids.to(self.device),
             assistant_mask.to(self.device),

@@ -15,7 +15,8 @@ surface here, before any compute) and (2) embed a batch of them into expanded in
 
 Adapters: :class:`SALMTarget` (capture.salm), :class:`CausalLMTarget` (any HF causal LM,
 text-only conversations), :class:`capture.hf_native.HFSpeechTarget` (HF-native speech LLMs whose
-processor expands the audio token: Qwen2-Audio, Granite Speech). Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
+processor expands the audio token: Qwen2-Audio, Granite Speech).
+Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class VoxtralTarget(HFSpeechTarget):
         if waves:
             is_audio = ids == self.audio_token_id
             if int(is_audio.sum()) != len(waves):
-                raise ValueError(f"the text has {int(is_audio.sum())} {self.placeholder} tokens for {len(waves)} audio(s)")
+                raise ValueError(f"the text has {int(is_audio.sum())} {self.placeholder} tokens for "
+                                 f"{len(waves)} audio(s)")
             reps[is_audio] = torch.tensor(n_frames, dtype=reps.dtype)
         return ids.repeat_interleave(reps), n_frames, feats, []
 

@@ -24,7 +24,8 @@ COUNTS = {2: "two", 3: "three", 4: "four", 5: "five"}
 
 TASKS = {
     # name: (prompt, reply builder, weight)
-    "repeat_add": ("repeat the digits and add them .", lambda d: f"you said {_say(d)} . the sum is {_num(sum(d))} .", 4),
+    "repeat_add": ("repeat the digits and add them .",
+                   lambda d: f"you said {_say(d)} . the sum is {_num(sum(d))} .", 4),
     "repeat": ("what did i say ?", lambda d: f"you said {_say(d)} .", 2),
     "sum": ("what is the sum ?", lambda d: f"the sum is {_num(sum(d))} .", 2),
     "count": ("how many digits ?", lambda d: f"there are {COUNTS[len(d)]} digits .", 1),

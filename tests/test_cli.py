@@ -136,7 +136,9 @@ def test_a_bug_still_shows_its_traceback(monkeypatch, capsys, tmp_path):
 def test_classify_maps_errors_to_one_line_and_a_code():
     from shards.errors import EXIT_INTERRUPTED, EXIT_USER, Interrupted, classify
 
-    assert classify(ValueError("cannot finalize ds:\n  a: bad\n  b: worse")) == (EXIT_USER, "cannot finalize ds: a: bad; b: worse")
+    assert classify(ValueError("cannot finalize ds:\n  a: bad\n  b: worse")) == \
+        (EXIT_USER, "cannot finalize ds: a: bad; b: worse")
     assert classify(Interrupted("stopped; kept 3"))[0] == EXIT_INTERRUPTED
-    assert classify(OSError(errno.EROFS, "Read-only file system", "/x"))[1].startswith("the filesystem is read-only writing /x")
+    read_only = classify(OSError(errno.EROFS, "Read-only file system", "/x"))[1]
+    assert read_only.startswith("the filesystem is read-only writing /x")
     assert classify(RuntimeError("bug")) is None and classify(OSError(errno.EIO, "I/O error")) is None

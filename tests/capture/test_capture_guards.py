@@ -85,7 +85,8 @@ def test_top_k_capped_at_vocab_long_samples_skipped_unk_counted_paths_portable(s
     with pytest.warns(UserWarning, match=f"k = {vocab}"):
         m = capture(_cfg(salm_dir, man, tmp_path / "ds", top_k=vocab + 10), target=target)
     assert m["layout"]["top_k"] == vocab and m["capture_config"]["top_k"] == vocab + 10
-    assert [(s["sample_id"], "max_position_embeddings" in s["reason"]) for s in m["skipped"]["train"]] == [("long", True)]
+    skipped = m["skipped"]["train"]
+    assert [(s["sample_id"], "max_position_embeddings" in s["reason"]) for s in skipped] == [("long", True)]
     assert m["run_stats"]["train"]["skipped"] == {"too_long": 1}
     assert m["run_stats"]["train"]["supervised_unk"] == 2
     assert "2 supervised tokens are <unk>" in pipeline.summary(m)

@@ -52,7 +52,8 @@ def test_last_tap_is_prenorm_and_bundle_reproduces_logits(target):
     # exact pre-norm state from a float32 hook (the stored bf16 one is rounded)
     with torch.no_grad():
         r32 = {}
-        h = target.layers[L - 1].register_forward_hook(lambda m, i, o: r32.setdefault("h", o[0] if isinstance(o, tuple) else o))
+        h = target.layers[L - 1].register_forward_hook(
+            lambda m, i, o: r32.setdefault("h", o[0] if isinstance(o, tuple) else o))
         target.lm(inputs_embeds=ex.inputs_embeds[None])
         h.remove()
     x = r32["h"][0].double()

@@ -23,7 +23,8 @@ def test_planes_put_high_bytes_first():
 
 def test_fp8_against_float64_reference():
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 3, 256, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None, None])
+    x = (torch.randn(64, 3, 256, generator=g, dtype=torch.float64)
+         * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None, None])
     x[5, 1] = 0.0  # an all-zero row keeps scale 1 and decodes to zeros
     xb = x.to(torch.bfloat16)
     q, scale = fp8_encode(xb)

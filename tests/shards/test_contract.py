@@ -190,7 +190,8 @@ def test_tied_head_is_stored_once_and_read_as_the_embedding(tmp_path):
     b = load_bundle(tmp_path / "a", verify=True)
     assert b.fingerprint == fp and b.head.tied and b.lm_head is b.embed_tokens
     assert torch.equal(b.lm_head, args["embed_tokens"])
-    assert sorted(safe_open(str(tmp_path / "a" / "weights.safetensors"), "pt").keys()) == ["embed_tokens", "norm_weight"]
+    stored = safe_open(str(tmp_path / "a" / "weights.safetensors"), "pt").keys()
+    assert sorted(stored) == ["embed_tokens", "norm_weight"]
     args["lm_head"] = args["embed_tokens"] + 1
     with pytest.raises(ValueError, match="tied"):
         write_bundle(tmp_path / "b", **args)
@@ -198,7 +199,8 @@ def test_tied_head_is_stored_once_and_read_as_the_embedding(tmp_path):
 
 def test_bundle_keeps_only_allow_listed_tokenizer_files_in_the_given_dtype(tmp_path):
     args = _bundle_args(tmp_path)
-    for name in ("model.safetensors", "config.json", "pytorch_model.bin", "chat_template.jinja", "special_tokens_map.json"):
+    for name in ("model.safetensors", "config.json", "pytorch_model.bin", "chat_template.jinja",
+                 "special_tokens_map.json"):
         (args["tokenizer_dir"] / name).write_text("x")
     write_bundle(tmp_path / "a", **args, dtype=torch.bfloat16)
     b = load_bundle(tmp_path / "a")

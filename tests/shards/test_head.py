@@ -38,7 +38,8 @@ def test_teacher_logits_equal_the_models_own_head():
 
 
 def test_head_spec_from_legacy_config_round_trip_and_refusals():
-    assert HeadSpec.from_config({"rms_norm_eps": 1e-6, "logits_scaling": None}) == HeadSpec(eps=1e-6, logits_scaling=1.0)
+    legacy = HeadSpec.from_config({"rms_norm_eps": 1e-6, "logits_scaling": None})
+    assert legacy == HeadSpec(eps=1e-6, logits_scaling=1.0)
     spec = HeadSpec(norm="layer", eps=1e-5, embed_scale=8.0, lm_head_bias=True, final_logit_softcap=30.0, tied=True)
     assert HeadSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="does not know"):

@@ -142,7 +142,8 @@ def test_a_split_whose_every_input_was_skipped_is_not_finalized(tmp_path):
     with DatasetWriter(str(tmp_path), CFG, layout, split="validation") as w:
         for i in range(4):
             w.skip(i, f"v{i}", f"no supervised tokens: reason {i}")
-    with pytest.raises(ValueError, match=r"split 'validation' has no samples: all 4 input\(s\) were skipped \(first: "
-                                         r"'v0': no supervised tokens: reason 0; 'v1': .*; 'v2': .*\)\. Fix the inputs"):
+    with pytest.raises(ValueError, match=r"split 'validation' has no samples: all 4 input\(s\) were skipped "
+                                         r"\(first: 'v0': no supervised tokens: reason 0; 'v1': .*; 'v2': .*\)\. "
+                                         r"Fix the inputs"):
         finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
     assert not (tmp_path / "manifest.json").exists()

@@ -63,7 +63,8 @@ def test_recipes_resolve_to_the_configs_they_always_gave():
 def test_base_chain_merges_sections_and_refuses_cycles(tmp_path):
     (tmp_path / "a.yaml").write_text("base: dflash_b8\ndrafter:\n  gamma: 2.0\ntrain:\n  seed: 3\n")
     r = load_run_config(str(tmp_path / "a.yaml"))
-    assert (r.family, r.drafter.block_size, r.drafter.gamma, r.train.seed, r.train.max_steps) == ("dflash", 8, 2.0, 3, 2000)
+    got = (r.family, r.drafter.block_size, r.drafter.gamma, r.train.seed, r.train.max_steps)
+    assert got == ("dflash", 8, 2.0, 3, 2000)
     (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'c.yaml'}\n")
     (tmp_path / "c.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
     with pytest.raises(ValueError, match="its own base"):

@@ -105,8 +105,8 @@ def _reference_blocks(model, batch, anchors, valid):
 def test_batched_blocks_equal_one_block_at_a_time(setup, attention):
     bundle, layout, samples = setup
     torch.manual_seed(0)
-    model = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=4, attention=attention, flex_block_size=16, num_anchors=5),
-                                bundle, layout).double()
+    cfg = DFlashConfig(num_layers=2, block_size=4, attention=attention, flex_block_size=16, num_anchors=5)
+    model = DFlashDrafter.build(cfg, bundle, layout).double()
     batch = collate(samples[:3])
     batch["taps"] = batch["taps"].double()
     anchors, valid = model._anchors(batch, torch.Generator().manual_seed(0))

@@ -29,7 +29,8 @@ def _pair(bundle, layout, **kw):
     torch.manual_seed(0)
     d1 = DFlashDrafter.build(DFlashConfig(**base), bundle, layout)
     torch.manual_seed(0)
-    d2 = DFlash2Drafter.build(DFlash2Config(**base, selector_candidates=5, selector_rank=8, conv_group_size=8), bundle, layout)
+    cfg2 = DFlash2Config(**base, selector_candidates=5, selector_rank=8, conv_group_size=8)
+    d2 = DFlash2Drafter.build(cfg2, bundle, layout)
     return d1, d2
 
 

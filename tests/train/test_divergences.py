@@ -120,7 +120,8 @@ def test_lk_adaptive_lambda_against_reference():
     alpha = torch.minimum(p, qq).sum(-1)[valid].mean()
     lam = math.exp(-3.0 * float(alpha))
     rkl, rtv = _ref_kl_tv(p, qq)
-    torch.testing.assert_close(res.loss_sum.detach(), (lam * rkl + (1 - lam) * rtv)[valid].sum(), rtol=1e-10, atol=1e-12)
+    want = (lam * rkl + (1 - lam) * rtv)[valid].sum()
+    torch.testing.assert_close(res.loss_sum.detach(), want, rtol=1e-10, atol=1e-12)
     assert abs(res.lam - lam) < 1e-12
     # lambda is detached: the gradient equals that of the fixed mixture with the same lambda
     res.loss_sum.backward()

@@ -132,7 +132,8 @@ def _reference_logits(cfg, w, bundle, taps_TnH, ids_T, anchor):
         x = x + att.transpose(0, 1).reshape(B, nh * hd) @ D(w[p + "self_attn.o_proj.weight"]).T
         h = rms(x, w[p + "post_attention_layernorm.weight"])
         g = h @ D(w[p + "mlp.gate_proj.weight"]).T
-        x = x + (torch.nn.functional.silu(g) * (h @ D(w[p + "mlp.up_proj.weight"]).T)) @ D(w[p + "mlp.down_proj.weight"]).T
+        up = h @ D(w[p + "mlp.up_proj.weight"]).T
+        x = x + (torch.nn.functional.silu(g) * up) @ D(w[p + "mlp.down_proj.weight"]).T
     return rms(x, w["norm.weight"]) @ D(bundle.lm_head).T / cfg["logits_scaling"]
 
 

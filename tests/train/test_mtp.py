@@ -27,8 +27,8 @@ V, H, L = 40, 16, 4
 def tiny_bundle(seed=0, scaling=1.0):
     g = torch.Generator().manual_seed(seed)
     cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "vocab_size": V, "num_attention_heads": 2,
-           "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-           "logits_scaling": scaling, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0}
+           "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "rope_theta": 10000.0,
+           "rms_norm_eps": 1e-6, "logits_scaling": scaling, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0}
     return TargetBundle(config=cfg, audio={}, chat_template=None, embed_tokens=torch.randn(V, H, generator=g),
                         norm_weight=1 + 0.1 * torch.randn(H, generator=g), lm_head=torch.randn(V, H, generator=g) * 0.5)
 

@@ -45,7 +45,8 @@ def test_signal_saves_a_checkpoint_and_the_rerun_resumes_exactly(tmp_path, mem, 
         return out
 
     monkeypatch.setattr(loop, "_optimizer_step", step)
-    with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 3 of 5; checkpoint saved to .*step-0000003"):
+    with pytest.raises(Interrupted,
+                       match=rf"stopped by {sig.name} after step 3 of 5; checkpoint saved to .*step-0000003"):
         train(run, mem.path, tmp_path / "cut")
     assert latest_checkpoint(tmp_path / "cut").name == "step-0000003"
     assert not (tmp_path / "cut" / "summary.json").exists()

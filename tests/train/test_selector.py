@@ -64,7 +64,8 @@ def test_selector_loss_matches_reference(policy, weighted):
     prev = torch.randint(0, V, (N,), generator=g)
     # half the golds from the top-4 so both hits and misses occur
     top = logits.topk(4, dim=-1).indices
-    gold = torch.where(torch.rand(N, generator=g) < 0.5, top[torch.arange(N), torch.randint(0, 4, (N,), generator=g)], torch.randint(0, V, (N,), generator=g))
+    from_top = top[torch.arange(N), torch.randint(0, 4, (N,), generator=g)]
+    gold = torch.where(torch.rand(N, generator=g) < 0.5, from_top, torch.randint(0, V, (N,), generator=g))
     valid = torch.rand(N, generator=g) < 0.8
     # position-decay weights exp(-(k-1)/gamma) of a 5-slot block, or none (every row 1)
     w = torch.exp(-(torch.arange(N) % 5).double() / 4.0) if weighted else None
@@ -132,4 +133,5 @@ def test_bad_settings_refused():
     sel = _selector()
     z = torch.zeros(2, 30, dtype=torch.float64)
     with pytest.raises(ValueError, match="gold_miss"):
-        selector_loss(sel, z, torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), torch.zeros(2), torch.ones(2, dtype=torch.bool), gold_miss="skip")
+        selector_loss(sel, z, torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), torch.zeros(2),
+                      torch.ones(2, dtype=torch.bool), gold_miss="skip")

@@ -13,7 +13,8 @@ from demo.target import build_word_tokenizer
 
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "four", "five", "."]
 
-def audio_conv(placeholder: str, sid: str, n_samples: int, seed: int, reply: str = "you said one two .") -> Conversation:
+def audio_conv(placeholder: str, sid: str, n_samples: int, seed: int,
+               reply: str = "you said one two .") -> Conversation:
     """One user turn with an audio of seeded noise (written as the target's ``placeholder``) and one reply."""
     wave = np.random.default_rng(seed).normal(0, 0.1, n_samples).astype(np.float32)
     return Conversation(sid, "mem", [{"role": "user", "content": f"{placeholder} what did i say ?"},
@@ -32,6 +33,20 @@ def decoder_inputs_embeds(target, run_model) -> torch.Tensor:
     finally:
         h.remove()
     return seen["x"]
+
+
+def layers_and_logits(target, inputs: dict) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The model's own forward on ``inputs`` (its processor's output): every decoder layer's output by index,
+    and the logits."""
+    out: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+             for j, layer in enumerate(target.layers)]
+    try:
+        logits = target.model(**inputs).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, logits
 
 
 GRANITE_PREPROCESSOR = {

@@ -14,7 +14,7 @@ from capture.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_f
 from capture.load import load_target
 from capture.targets import run_batch
 from tests.capture.speech_models import (GRANITE_PREPROCESSOR, audio_conv, decoder_inputs_embeds,
-                                         save_granite_speech)
+                                         layers_and_logits, save_granite_speech)
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +79,8 @@ def test_settings_come_from_preprocessor_config(tmp_path):
     # projector frames: ceil(encoder frames / window) * (window // downsample)
     assert out["audio_embed_sizes"] == [math.ceil(((n // 200 + 1) // 2) / 10) * 5 for n in (12345, 5000)]
     assert out["input_features_mask"].sum(-1).tolist() == out["audio_embed_sizes"]
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**cfg, "feature_extractor_type": "WhisperFeatureExtractor"}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**cfg, "feature_extractor_type": "WhisperFeatureExtractor"}))
     with pytest.raises(ValueError, match="GraniteSpeechFeatureExtractor"):
         GraniteLogMel.from_config_file(tmp_path / "preprocessor_config.json")
 
@@ -92,15 +93,7 @@ def _own_forward(target, conv):
     """The processor + the model's own forward on one conversation; outputs of every decoder layer, logits."""
     text = target.tokenizer.apply_chat_template(conv.messages, tokenize=False)
     inputs = target.processor(text=text, audio=[a.array for a in conv.audios], return_tensors="pt")
-    out: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
-             for j, layer in enumerate(target.layers)]
-    try:
-        logits = target.model(**inputs).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return inputs, out, logits
+    return (inputs, *layers_and_logits(target, inputs))
 
 
 def test_taps_and_teacher_equal_the_models_own_forward(target):
@@ -114,7 +107,8 @@ def test_taps_and_teacher_equal_the_models_own_forward(target):
         for c, p, r in zip(convs, batch, res):
             inputs, hs, logits = _own_forward(target, c)
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()  # the processor's expansion
-            assert int(r["is_audio"].sum()) == target.feature_extractor._get_num_audio_features([c.audios[0].array.size])[0]
+            n_audio = target.feature_extractor._get_num_audio_features([c.audios[0].array.size])[0]
+            assert int(r["is_audio"].sum()) == n_audio
             for i in range(L):
                 torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
                                            rtol=0.02, atol=0.02)

@@ -10,7 +10,7 @@ import torch
 from capture.hf_native import HFSpeechTarget
 from capture.load import load_target
 from capture.targets import run_batch
-from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, save_qwen2_audio
+from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, layers_and_logits, save_qwen2_audio
 
 
 @pytest.fixture(scope="session")
@@ -36,19 +36,6 @@ def _processor_inputs(target, conv):
     text = target.tokenizer.apply_chat_template(target._wrap(conv.messages), tokenize=False)
     waves = [a.array for a in conv.audios]
     return target.processor(text=text, audio=waves, sampling_rate=16000, return_tensors="pt")
-
-
-def _own_forward(target, inputs):
-    """The model's own forward on the processor's inputs, float32 outputs of every decoder layer."""
-    out: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
-             for j, layer in enumerate(target.layers)]
-    try:
-        logits = target.model(**inputs).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return out, logits
 
 
 def test_load_target_round_trip(qwen2_audio_dir, target):
@@ -77,7 +64,7 @@ def test_taps_equal_the_models_own_forward(target):
             assert p.length == inputs["input_ids"].shape[1]  # expanded length = the processor's
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()
             assert r["is_audio"].tolist() == (inputs["input_ids"][0] == target.audio_token_id).tolist()
-            hs, logits = _own_forward(target, inputs)
+            hs, logits = layers_and_logits(target, inputs)
             for i in range(L):
                 torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
                                            rtol=0.02, atol=0.02)
@@ -106,7 +93,8 @@ def test_loss_mask_covers_only_assistant_text(target):
     assert supervised == ["you", "said", "two", "three", ".", "<|im_end|>"]
     # the supervised tokens are the last turn's: nothing before the assistant header is marked
     first = int(torch.nonzero(ex.loss_mask)[0])
-    assert target.tokenizer.convert_ids_to_tokens(ex.input_ids[first - 2 : first].tolist()) == ["<|im_start|>", "assistant"]
+    header = target.tokenizer.convert_ids_to_tokens(ex.input_ids[first - 2 : first].tolist())
+    assert header == ["<|im_start|>", "assistant"]
 
 
 def test_audio_count_mismatch_is_an_input_error(target):
@@ -162,7 +150,7 @@ def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path)
         for c, p, r in zip(convs, batch, res):
             inputs = own_inputs(target, c.messages, [a.array for a in c.audios])
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()
-            hs, logits = _own_forward(target, inputs)
+            hs, logits = layers_and_logits(target, inputs)
             for i in range(L):
                 torch.testing.assert_close(r["taps"][:, i].float(), hs[i][0].to(torch.bfloat16).float(),
                                            rtol=0.02, atol=0.02)

@@ -10,7 +10,8 @@ import torch
 from capture.load import load_target
 from capture.targets import run_batch
 from capture.voxtral import VoxtralTarget
-from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, own_inputs, save_voxtral
+from tests.capture.speech_models import (audio_conv, decoder_inputs_embeds, layers_and_logits, own_inputs,
+                                         save_voxtral)
 
 
 @pytest.fixture(scope="session")
@@ -30,16 +31,8 @@ def _conv(sid, n_samples, seed, reply="you said one two ."):
 
 
 def _own_forward(target, conv):
-    out: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: out.__setitem__(j, o[0] if isinstance(o, tuple) else o))
-             for j, layer in enumerate(target.layers)]
     inputs = own_inputs(target, conv.messages, [a.array for a in conv.audios])
-    try:
-        logits = target.model(**inputs).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return inputs, out, logits
+    return (inputs, *layers_and_logits(target, inputs))
 
 
 def test_tokens_chunks_and_bundle(target):

@@ -46,6 +46,16 @@ def tiny_layout(bundle, *, tap_ids=(1, 3), top_k: int = 8, final_hidden: bool = 
                   tap_ids=tuple(tap_ids), top_k=top_k, audio_token_id=3, has_final_hidden=final_hidden)
 
 
+def away_from_init(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """``model`` moved like a trained drafter (every parameter + scale * seeded N(0, 1), so convolutions and
+    selectors are no longer their identity start), in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
 def synthetic_samples(bundle, layout: Layout, n: int, *, min_len: int = 24, max_len: int = 48, seed: int = 0,
                       noise: float = 0.05) -> list[dict]:
     g = torch.Generator().manual_seed(seed)

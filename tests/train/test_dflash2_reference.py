@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
 from train.dflash2 import DFlash2Config, DFlash2Drafter
 from train.export import load_export, export_drafter
 
@@ -43,12 +43,7 @@ def exported(tmp_path_factory):
     torch.manual_seed(0)
     cfg = DFlash2Config(num_layers=LAYERS, block_size=B, target_layer_ids=(1, 2), ce_chunk_size=0,
                         selector_candidates=5, selector_rank=8, conv_group_size=8)
-    model = DFlash2Drafter.build(cfg, bundle, layout)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # a trained drafter: convolutions and selector far from their identity start
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    model.eval()
+    model = away_from_init(DFlash2Drafter.build(cfg, bundle, layout), 0.3)
     export_drafter(model, root / "export", {})
     sample = synthetic_samples(bundle, layout, 1, min_len=30, max_len=30, seed=3)[0]
     return model, bundle, root / "export", sample

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModel, DynamicCache
 
-from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
 from train.dflash import DFlashConfig, DFlashDrafter
 from train.export import export_drafter
 
@@ -21,12 +21,8 @@ def exported(tmp_path_factory):
     bundle = tiny_bundle(root, scaling=1.7)
     layout = tiny_layout(bundle, tap_ids=(1, 2, 3))
     torch.manual_seed(0)
-    model = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=B, target_layer_ids=(1, 2)), bundle, layout)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    model.eval()
+    cfg = DFlashConfig(num_layers=2, block_size=B, target_layer_ids=(1, 2))
+    model = away_from_init(DFlashDrafter.build(cfg, bundle, layout), 0.2)
     export_drafter(model, root / "export", {})
     sample = synthetic_samples(bundle, layout, 1, min_len=30, max_len=30, seed=3)[0]
     return model, bundle, root / "export", sample

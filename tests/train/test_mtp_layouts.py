@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.train.dflash_fixtures import away_from_init
 from tests.train.test_mtp import H, L, V, batch_of, tiny_bundle, tiny_layout
 from train.export import export_drafter
 from train.mtp import MTPConfig, MTPDrafter
@@ -33,12 +34,7 @@ NEMO_SALM_KEYS = sorted(f"llm.mtp.layers.{i}.{b}" for i in range(2)
 def _head(cfg, scaling=1.0, seed=3):
     torch.manual_seed(seed)
     bundle, layout = tiny_bundle(scaling=scaling), tiny_layout(top_k=0)
-    d = MTPDrafter.build(cfg, bundle, layout)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return d.eval(), bundle, layout
+    return away_from_init(MTPDrafter.build(cfg, bundle, layout), 0.2, seed), bundle, layout
 
 
 def _export(d, tmp_path, layout):

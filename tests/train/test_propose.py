@@ -1,4 +1,5 @@
-"""A drafter's live proposal (``Drafter.propose``) drafts exactly what the trained drafter computes offline at the same anchor.
+"""A drafter's live proposal (``Drafter.propose``) drafts exactly what the trained drafter computes offline at
+the same anchor.
 
 Offline, the drafter sees the whole captured sequence and its visibility rule hides everything at
 or after the anchor; online, the later positions do not exist yet. Both must give the same drafts.
@@ -9,6 +10,7 @@ import torch
 
 from shards.bundle import TargetBundle
 from shards.schema import Layout
+from tests.train.dflash_fixtures import away_from_init
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter
 from train.dflash2 import DFlash2Config, DFlash2Drafter
@@ -36,11 +38,7 @@ def _sample(layout):
 
 
 def _perturb(model):
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))  # away from init: selector and convs not identity
-    return model.eval()
+    return away_from_init(model, 0.3, seed=2)
 
 
 LAYOUT = Layout(hidden_size=H, num_layers=L, tap_ids=(1, 2, 3), top_k=0, audio_token_id=3)

@@ -263,19 +263,12 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
     """Build (or reuse) DIR/target, DIR/data and DIR/dataset on one torch thread."""
     from capture.config import CaptureConfig
     from capture.pipeline import capture
+    from demo.data import one_thread, open_workdir
 
     size = QUICK if quick else FULL
-    root = Path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
-    info_path = root / "bpe.json"
-    info: dict[str, Any] = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    if info and info.get("quick") != quick:
-        raise ValueError(f"{root} holds a {'quick' if info.get('quick') else 'full'} BPE target; use another workdir")
-    info.update(quick=quick, seed=seed)
+    root, info_path, info = open_workdir(workdir, "bpe.json", quick=quick, seed=seed, what="BPE target")
     tdir, ddir, dsdir = root / "target", root / "data", root / "dataset"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         if not (tdir / "config.json").is_file():
             t0 = time.perf_counter()
             tok = build_bpe_tokenizer(corpus_text(), size.vocab_size)
@@ -310,6 +303,4 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
         manifest = capture(cfg, target=None)
         info["capture"] = {**manifest.get("run_stats", {}), "seconds": round(time.perf_counter() - t0, 1)}
         info_path.write_text(json.dumps(info, indent=2))
-    finally:
-        torch.set_num_threads(threads)
     return BPEPaths(root, tdir, ddir / "train.jsonl", ddir / "validation.jsonl", dsdir, info)

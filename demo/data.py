@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -34,6 +35,32 @@ from capture.targets import SALMTarget
 from shards.atomic import staged
 from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
 from demo.task import SAMPLE_RATE, sample_example, tone_audio
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the body, the caller's count restored after: the demo's models are tiny (a
+    1 M-parameter model gains little from more threads, and loses a lot on shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def open_workdir(workdir: str | Path, record: str, *, quick: bool, seed: int,
+                 what: str) -> tuple[Path, Path, dict[str, Any]]:
+    """Create ``workdir`` and read its JSON ``record`` of what each step did ({} when new), with ``quick`` and
+    ``seed`` set; a workdir built at the other size is refused. Returns (root, record path, record)."""
+    root = Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / record
+    info: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    if info and info.get("quick") != quick:
+        raise ValueError(f"{root} holds a {'quick' if info.get('quick') else 'full'} {what}; use another --workdir")
+    info.update(quick=quick, seed=seed)
+    return root, path, info
 
 
 def write_split(salm: SALM, target_dir: Path, data_dir: Path, split: str, n: int, *, seed: int, regenerate: bool,
@@ -104,20 +131,10 @@ def prepare_demo(
 ) -> DemoPaths:
     """Build (or reuse) DIR/target, DIR/data and DIR/dataset; every step is cached in ``workdir``."""
     size = QUICK if quick else FULL
-    root = Path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
-    info_path = root / "demo.json"
-    info: dict[str, Any] = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    if info and info.get("quick") != quick:
-        raise ValueError(f"{root} holds a {'quick' if info.get('quick') else 'full'} demo; use another --workdir")
-    info.update(quick=quick, seed=seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 1 M-parameter model gains little from more, and loses a lot on shared cores
-    try:
-        with quiet_loading():  # the demo's own progress only: no "Loading weights" / "Writing model shards" bars
-            return _prepare(root, size, quick, regenerate, seed, progress, capture_overrides, info, info_path)
-    finally:
-        torch.set_num_threads(threads)
+    root, info_path, info = open_workdir(workdir, "demo.json", quick=quick, seed=seed, what="demo")
+    # the demo's own progress only: no "Loading weights" / "Writing model shards" bars
+    with one_thread(), quiet_loading():
+        return _prepare(root, size, quick, regenerate, seed, progress, capture_overrides, info, info_path)
 
 
 def _prepare(root: Path, size: DemoSize, quick: bool, regenerate: bool, seed: int, progress: bool,

@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from demo.data import DemoPaths, prepare_demo
+from demo.data import DemoPaths, one_thread, prepare_demo
 from speculate.run import SpeculateConfig, run_speculate
 from train.config import RunConfig, load_run_config
 from train.evaluate import evaluate
@@ -35,12 +33,8 @@ QUICK_OVERRIDES = ("max_steps=30", "log_every=10", "ckpt_every=30")
 def run_demo(workdir: str | Path, *, quick: bool = False, progress: bool = True,
              live_samples: int = 120) -> dict[str, Any]:
     """Run (or finish) the demo in ``workdir``; returns every figure ``format_demo`` prints."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the demo's models are tiny: one thread is faster than two on 2 cores
-    try:
+    with one_thread():
         return _run(Path(workdir), quick, progress, live_samples)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(root: Path, quick: bool, progress: bool, live_samples: int) -> dict[str, Any]:

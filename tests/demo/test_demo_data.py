@@ -7,12 +7,13 @@ import json
 import dataclasses
 
 import pytest
+import torch
 
 from capture.generate import GenerationConfig, generate
 from capture.inputs import read_jsonl
 from capture.salm import SALM
 from capture.targets import SALMTarget
-from demo.data import prepare_demo
+from demo.data import one_thread, open_workdir, prepare_demo
 from shards.reader import open_dataset
 
 
@@ -43,3 +44,25 @@ def test_quick_demo_builds_caches_and_captures(tmp_path):
     # cached data written in the other reply mode is not valid for this call: refused before any work
     with pytest.raises(ValueError, match="regenerate=True"):
         prepare_demo(tmp_path, quick=True, progress=False, regenerate=False)
+
+
+def test_a_workdir_is_reused_only_at_the_size_that_built_it(tmp_path):
+    root, path, info = open_workdir(tmp_path / "w", "demo.json", quick=True, seed=3, what="demo")
+    assert root == tmp_path / "w" and root.is_dir() and info == {"quick": True, "seed": 3}
+    path.write_text(json.dumps({**info, "train": {"steps": 1}}))
+    assert open_workdir(root, "demo.json", quick=True, seed=4, what="demo")[2] == {"quick": True, "seed": 4,
+                                                                                   "train": {"steps": 1}}
+    with pytest.raises(ValueError, match=r"w holds a quick BPE target; use another --workdir"):
+        open_workdir(root, "demo.json", quick=False, seed=3, what="BPE target")
+
+
+def test_one_thread_restores_the_callers_count_even_on_error():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError), one_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("stop")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -15,25 +15,40 @@ import typer
 
 app = typer.Typer(
     name="tapdraft",
-    help="Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 _RUN = {"debug": False}
 
-THREADS_HELP = ("CPU threads for torch (0: auto = half the CPUs this process may use, at most 8; on 2 shared cores "
-                "one thread ran speculate in 10.6 s where torch's default took 1m45s).")
+THREADS_HELP = "CPU threads for torch (0: auto = half the CPUs this process may use, at most 8)."
+# options several commands share: one wording each
+INPUTS = "FILE.jsonl, a directory of JSONL shards, an HF dataset dir or hf:NAME[:split]"
+TARGET_HELP = ("Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint (config.json + "
+               "model.safetensors), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), "
+               "or an HF causal LM.")
+LLM_CONFIG_HELP = ("NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and "
+                   "tokenizer.")
+DTYPE_HELP = "auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"
+DEVICE_HELP = "auto | cpu | cuda | cuda:N"
+TEMPLATE_HELP = "Jinja file replacing the target's chat template."
+TEMPLATE_KWARG_HELP = ("Chat-template variable key=value (JSON value or text), e.g. enable_thinking=false. "
+                       "Repeatable; recorded.")
 
 
 @app.callback()
 def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too.")) -> None:
-    """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters."""
+    """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
+
+    Pipeline, in the order listed: regenerate (optional) -> capture -> verify / inspect -> train -> eval ->
+    speculate / export. `tapdraft demo` runs the whole chain on a built-in task.
+    """
     _RUN["debug"] = debug
 
 
 def _threads(n: int) -> int:
-    """Apply ``--threads`` (0 = auto) to torch and return the count used; the one home of the default."""
+    """Apply ``--threads`` (0 = auto) to torch and return the count used; the one home of the default (on 2
+    shared cores one thread ran speculate in 10.6 s where torch's default took 1m45s)."""
     import torch
 
     if n < 0:
@@ -57,9 +72,9 @@ def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: i
 
 @app.command()
 def regenerate(
-    target: str = typer.Option(..., "--target", help="Target directory (SALM, HF-native speech LLM or HF causal LM)."),
-    data: str = typer.Option(..., "--data", help="Conversations: FILE.jsonl, a directory of JSONL shards, an HF "
-                             "dataset dir or hf:NAME[:split]."),
+    target: str = typer.Option(..., "--target", help=TARGET_HELP),
+    llm_config: str = typer.Option(None, "--llm-config", help=LLM_CONFIG_HELP),
+    data: str = typer.Option(..., "--data", help=f"Conversations: {INPUTS}."),
     out: str = typer.Option(..., "--out", help="FILE.jsonl, or a directory for JSONL shards (resumed when rerun)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens",
                                        help="Reply tokens at most; longer replies are truncated."),
@@ -69,19 +84,16 @@ def regenerate(
     last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
     keep_truncated: bool = typer.Option(False, "--keep-truncated",
                                         help="Keep truncated replies (marked) instead of dropping them."),
-    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
-    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
-                                             "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
+    chat_template: str = typer.Option(None, "--chat-template", help=TEMPLATE_HELP),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help=TEMPLATE_KWARG_HELP),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
     batch_tokens: int = typer.Option(16384, "--batch-tokens",
                                      help="Padded prompt + reply tokens per generation batch."),
     max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     on_error: str = typer.Option("skip", "--on-error",
                                  help="skip: count bad inputs with their reason | fail: stop at the first."),
-    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints only: local directory with the "
-                                   "LLM's config.json and tokenizer."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
@@ -105,32 +117,32 @@ def regenerate(
 
 @app.command()
 def capture(
-    target: str = typer.Option(..., "--target", help="Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint (config.json + model.safetensors), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), or an HF causal LM."),
-    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."),
-    data: list[str] = typer.Option(..., "--data", help="Input for the train split (FILE.jsonl, HF dataset dir, "
-                                   "hf:NAME[:split]); SPLIT=INPUT for other splits. Repeatable."),
+    target: str = typer.Option(..., "--target", help=TARGET_HELP),
+    llm_config: str = typer.Option(None, "--llm-config", help=LLM_CONFIG_HELP),
+    data: list[str] = typer.Option(..., "--data", help=f"Input for the train split ({INPUTS}); SPLIT=INPUT for "
+                                   "other splits. Repeatable."),
     out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N inputs of each split."),
-    max_length: int = typer.Option(None, "--max-length", help="Skip (and count) samples longer than this; never truncate."),
+    max_length: int = typer.Option(None, "--max-length",
+                                   help="Skip (and count) samples longer than this many tokens; never truncate."),
     format: str = typer.Option("arrow", "--format", help="arrow | wds"),
     top_k: int = typer.Option(64, "--top-k", help="Teacher top-k per supervised row (0: none)."),
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: DFlash rule + last layer)."),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad input (resumable) | skip: record it."),
     final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
     audio_embeds: bool = typer.Option(False, "--audio-embeds", help="Also store input embeddings at audio rows."),
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
-    shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size (bytes)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size in bytes (1 GiB)."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     responses_from_target: bool = typer.Option(
         None, "--responses-from-target/--responses-from-elsewhere",
         help="Record whether the assistant turns are the target's own greedy replies (offline tau is then exact "
              "for greedy decoding). Default: derived (--regenerate, or a regenerate sidecar beside the input)."),
-    chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template."),
-    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value (JSON "
-                                             "value or text), e.g. enable_thinking=false. Repeatable; recorded."),
+    chat_template: str = typer.Option(None, "--chat-template", help=TEMPLATE_HELP),
+    template_kwarg: list[str] = typer.Option([], "--template-kwarg", help=TEMPLATE_KWARG_HELP),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     regenerate: bool = typer.Option(False, "--regenerate", help="First replace the assistant turns with the target's "
                                     "own replies; taps come from the generation pass itself (see --two-pass)."),
@@ -161,7 +173,8 @@ def capture(
         pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
     cfg = CaptureConfig(
         target=str(Path(target).resolve()), out=out, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
-        shard=ShardConfig(format=format, shard_bytes=shard_bytes), top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
+        shard=ShardConfig(format=format, shard_bytes=shard_bytes), top_k=top_k,
+        taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
         audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
         responses_from_target=responses_from_target,
@@ -209,10 +222,12 @@ def inspect(
 @app.command()
 def train(
     data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL."),
-    recipe: str = typer.Option("dflash", "--recipe", help="Recipe name in train/recipes (dflash, dflash_b8, ...) or a YAML path."),
-    config: str = typer.Option(None, "--config", help="YAML file merged over the recipe (family/drafter/train)."),
-    set_: list[str] = typer.Option([], "--set", help="Override one field: key=value (e.g. max_steps=100, drafter.gamma=4)."),
     out: str = typer.Option(..., "--out", help="Run directory (resumes from its latest checkpoint)."),
+    recipe: str = typer.Option("dflash", "--recipe", help="Recipe name in train/recipes (dflash, dflash2, mtp, "
+                               "mtp_lk, ...) or a YAML path."),
+    config: str = typer.Option(None, "--config", help="YAML file merged over the recipe (family/drafter/train)."),
+    set_: list[str] = typer.Option([], "--set", help="Override one field: key=value (e.g. max_steps=100, "
+                                   "drafter.gamma=4). Repeatable."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
@@ -233,17 +248,18 @@ def train(
 def eval_(
     draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
     data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL (same target)."),
-    split: str = typer.Option(None, "--split", help="Split to evaluate (default: validation/test if present, else the training split)."),
+    split: str = typer.Option(None, "--split", help="Split to evaluate (default: validation or test if present, "
+                              "else the training split)."),
     out: str = typer.Option(None, "--out", help="Where eval.json and acceptance.png go (default RUN/eval-SPLIT)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Evaluate at most this many samples."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Also measure speculative sampling at this "
+                                      "temperature (sum_v min(p, q) against the exact target rows); 0 = greedy only."),
     chat_template: str = typer.Option(None, "--chat-template", help="Jinja file the drafter will be served with: a "
                                       "dataset captured with another template is refused."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value the "
                                              "drafter will be served with (repeatable); a dataset captured with "
                                              "other kwargs is refused."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    temperature: float = typer.Option(1.0, "--temperature", help="Also measure speculative sampling at this "
-                                      "temperature (sum_v min(p, q) against the exact target rows); 0 = greedy only."),
 ) -> None:
     """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot."""
     from shards.template import parse_template_kwargs, read_template_file
@@ -259,15 +275,18 @@ def eval_(
 @app.command()
 def speculate(
     target: str = typer.Option(..., "--target", help="The target model directory the dataset was captured from."),
-    draft: str = typer.Option(..., "--draft", help="Training run directory (its latest checkpoint is used)."),
+    llm_config: str = typer.Option(None, "--llm-config", help=LLM_CONFIG_HELP),
+    draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train` (its latest "
+                              "checkpoint is used)."),
     data: str = typer.Option(..., "--data", help="The dataset the draft was trained on (bundle and tap layout)."),
-    conversations: str = typer.Option(..., "--conversations", help="JSONL conversations to take prompts from (the last assistant reply is regenerated)."),
+    conversations: str = typer.Option(..., "--conversations", help=f"Conversations to take prompts from ({INPUTS}); "
+                                      "the last assistant reply is regenerated."),
     max_samples: int = typer.Option(32, "--max-samples", help="Conversations to decode."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per conversation at most."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); > 0: rejection sampling."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); "
+                                      "> 0: rejection sampling."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
-    device: str = typer.Option("cpu", "--device", help="Device for the target and the drafter."),
-    llm_config: str = typer.Option(None, "--llm-config", help="NeMo SALM checkpoints that only name their LLM: a local directory with its config.json and tokenizer."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N, for the target and the drafter."),
     chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template "
                                       "(must be the one the dataset was captured with)."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value "
@@ -305,8 +324,10 @@ def export(
 
 @app.command()
 def demo(
-    workdir: str = typer.Option("demo_work", "--workdir", help="Directory for the demo target, data, dataset and runs (reused by later runs)."),
-    quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean nothing)."),
+    workdir: str = typer.Option("demo_work", "--workdir", help="Directory for the demo target, data, dataset and "
+                                "runs (reused by later runs)."),
+    quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean "
+                               "nothing)."),
 ) -> None:
     """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau."""
     from demo.run import format_demo, run_demo
@@ -320,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _RUN["debug"] = False
     try:
-        app(args=argv)
+        app(args=argv, prog_name="tapdraft")
     except Exception as e:  # SystemExit and KeyboardInterrupt pass (typer turns Ctrl-C into exit 130)
         verdict = classify(e)
         if verdict is None:

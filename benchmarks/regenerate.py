@@ -60,7 +60,6 @@ def _plain_generate(target, convs, batch: int, max_new_tokens: int) -> int:
 
 
 def _demo_inputs(workdir: Path, samples: int, tmp: Path):
-    from capture.inputs import read_jsonl
     from demo.data import prepare_demo
 
     paths = prepare_demo(workdir, progress=False)

@@ -109,8 +109,17 @@ def bf16_to_bytes(t: torch.Tensor, bf16_layout: str) -> bytes | memoryview:
     raise ValueError(f"bf16_layout must be one of {BF16_LAYOUTS}, got {bf16_layout!r}")
 
 
-def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout: str) -> torch.Tensor:
-    """Inverse of ``bf16_to_bytes``; planes are joined with one 16-bit shift-or (no byte gathers)."""
+def _shareable(arr: np.ndarray, itemsize: int) -> bool:
+    """Whether a tensor may view ``arr``'s memory: writable (torch refuses read-only memory) and aligned."""
+    return arr.flags.writeable and arr.ctypes.data % itemsize == 0
+
+
+def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout: str, *, share: bool = False) -> torch.Tensor:
+    """Inverse of ``bf16_to_bytes``; planes are joined with one 16-bit shift-or (no byte gathers).
+
+    ``share``: for "raw", return a view of ``data`` instead of a copy when its memory is writable and
+    2-byte aligned (the caller owns ``data`` and hands it over: the reader's freshly read record batch).
+    """
     raw = np.frombuffer(data, dtype=np.uint8)
     n = raw.size // 2
     if raw.size != 2 * int(np.prod(shape)):
@@ -119,7 +128,7 @@ def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout:
         words = np.left_shift(raw[:n], 8, dtype=np.uint16)
         np.bitwise_or(words, raw[n:], out=words, casting="unsafe")
     elif bf16_layout == "raw":
-        words = raw.view(np.uint16).copy()
+        words = raw.view(np.uint16) if share and _shareable(raw, 2) else raw.view(np.uint16).copy()
     else:
         raise ValueError(f"bf16_layout must be one of {BF16_LAYOUTS}, got {bf16_layout!r}")
     return torch.from_numpy(words.view(np.int16).reshape(shape)).view(torch.bfloat16)
@@ -211,23 +220,29 @@ def encode_fields(sample: dict[str, Any], meta: FieldMeta) -> dict[str, bytes | 
     return out
 
 
-def _plain(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _plain(data: Any, dtype: torch.dtype, shape: tuple[int, ...], share: bool = False) -> torch.Tensor:
     arr = np.frombuffer(data, dtype=_NP[dtype])
     if arr.size != int(np.prod(shape)):
         raise ValueError(f"field has {arr.size} elements, expected shape {shape}")
-    t = torch.from_numpy(arr.reshape(shape).copy())
+    arr = arr.reshape(shape)
+    t = torch.from_numpy(arr if share and _shareable(arr, arr.itemsize) else arr.copy())
     return t.to(torch.bool) if dtype == torch.bool else t
 
 
-def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMeta) -> dict[str, Any]:
-    """Inverse of ``encode_fields``: byte fields + scalar fields -> a logical sample dict."""
+def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMeta, *,
+                  share: bool = False) -> dict[str, Any]:
+    """Inverse of ``encode_fields``: byte fields + scalar fields -> a logical sample dict.
+
+    ``share``: tensors may view the fields' memory instead of copying it (where the layout allows:
+    plain fields and "raw" bf16), for callers that own the fields' buffers and keep no other reference.
+    """
     layout = meta.layout
     sample: dict[str, Any] = {k: scalars[k] for k in SCALAR_FIELDS}
     sample["audio_seconds"] = float(sample["audio_seconds"])
     T = len(fields["input_ids"]) // 4
     dims: dict[str, int] = {"T": T}
-    sample["input_ids"] = _plain(fields["input_ids"], torch.int32, (T,))
-    sample["is_audio"] = _plain(fields["is_audio"], torch.bool, (T,))
+    sample["input_ids"] = _plain(fields["input_ids"], torch.int32, (T,), share)
+    sample["is_audio"] = _plain(fields["is_audio"], torch.bool, (T,), share)
     dims["A"] = int(sample["is_audio"].sum())
     if "topk_rows" in fields:
         dims["R"] = len(fields["topk_rows"]) // 4
@@ -240,7 +255,7 @@ def decode_fields(fields: dict[str, Any], scalars: dict[str, Any], meta: FieldMe
             scale = torch.from_numpy(np.frombuffer(fields["taps_scale"], dtype="<f4").reshape(shp[:-1]).copy())
             sample["taps"] = fp8_decode(q, scale)
         elif dtype == torch.bfloat16:
-            sample[name] = bytes_to_bf16(fields[name], shp, meta.bf16_layout)
+            sample[name] = bytes_to_bf16(fields[name], shp, meta.bf16_layout, share=share)
         else:
-            sample[name] = _plain(fields[name], dtype, shp)
+            sample[name] = _plain(fields[name], dtype, shp, share)
     return sample

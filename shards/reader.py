@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import warnings
 from typing import Any, Iterator
 
 import fsspec
 import numpy as np
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 from shards import manifest as mf
 from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
@@ -140,22 +142,42 @@ class Dataset:
         start, end, n, *h = shard["batches"][b]
         path = self.shard_path(shard)
         tail = shard.get("tail") if b == len(shard["batches"]) - 1 else None
-        data = self.fs.cat_file(path, start=start, end=tail[1] if tail else end)
+        data = self._read_range(path, start, tail[1] if tail else end)
         if len(data) != (tail[1] if tail else end) - start:
             raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
                                     "run `tapdraft verify`")
         if tail:
-            check_block(memoryview(data)[end - start:], tail[2], f"{path} (end of stream)")
+            check_block(data[end - start:], tail[2], f"{path} (end of stream)")
             data = data[: end - start]
         if h:
             check_block(data, h[0], f"{path} record batch {b}")
         try:
-            batch = read_batch(data, self._schema(shard))
+            batch = read_batch(pa.py_buffer(data), self._schema(shard))
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
         if batch.num_rows != n:
             raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
         return batch
+
+    def _read_range(self, path: str, start: int, end: int) -> Any:
+        """Bytes [start, end) of a shard. A local file is read with one ``os.preadv`` into a fresh writable
+        buffer (no fsspec file object, and tensors of an uncompressed batch may view it without a copy);
+        other filesystems through fsspec. Never a memory map: a shard copied over in place would turn a
+        kept tensor's pages into SIGBUS instead of a checksum error."""
+        if not isinstance(self.fs, LocalFileSystem):
+            return self.fs.cat_file(path, start=start, end=end)
+        buf = np.empty(max(end - start, 0), dtype=np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n = 0
+            while n < buf.size:  # one call unless the range passes a single read's 2 GiB limit
+                got = os.preadv(fd, [buf[n:]], start + n)
+                if got == 0:
+                    break  # end of file: the caller reports the truncation
+                n += got
+        finally:
+            os.close(fd)
+        return buf[:n]
 
     def locate(self, split: str, i: int) -> tuple[int, int]:
         """(shard index, row in that shard) of sample ``i`` of ``split``; SampleIndexError outside the split."""
@@ -201,7 +223,7 @@ class Dataset:
         shard = self._split(split)["shards"][s]
         if self.format == "arrow":
             try:
-                decoded = decode_batch(self.read_record_batch(shard, b), self.field_meta, rows)
+                decoded = decode_batch(self.read_record_batch(shard, b), self.field_meta, rows, share=True)
             except ValueError as e:
                 if self.shard_path(shard) in str(e):
                     raise

@@ -59,7 +59,9 @@ class ShardConfig:
     """Roll to a new shard once a shard reaches this many bytes on disk."""
     zstd_level: int = 1
     """zstd level for Arrow buffers / tar members. 1 beats 3 on bf16 activations in size AND speed
-    (benchmarks/storage.py: 0.699 vs 0.714 of the .pt bytes; ~5x faster to compress)."""
+    (benchmarks/storage.py: 0.699 vs 0.714 of the .pt bytes; ~5x faster to compress). 0 = Arrow shards
+    without compression: the fastest read (with bf16_layout 'raw' a record batch's taps become tensors
+    without a decode pass), at about the .pt baseline's bytes (benchmarks/read.py, storage.py)."""
     bf16_layout: str = "planes"
     """'planes' (high bytes then low bytes, compresses better) or 'raw' (uint16 words); both lossless."""
     batch_bytes: int = 1 << 20
@@ -76,8 +78,11 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
         if self.shard_bytes < 1:
             raise ValueError(f"ShardConfig.shard_bytes must be positive, got {self.shard_bytes}")
-        if not 1 <= self.zstd_level <= 22:
-            raise ValueError(f"ShardConfig.zstd_level must be in [1, 22], got {self.zstd_level}")
+        if not 0 <= self.zstd_level <= 22:
+            raise ValueError(f"ShardConfig.zstd_level must be in [0, 22] (0: uncompressed), got {self.zstd_level}")
+        if self.zstd_level == 0 and self.format != "arrow":
+            raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are zstd "
+                             "frames; use format 'arrow' or a level in [1, 22]")
         if self.bf16_layout not in BF16_LAYOUTS:
             raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
         if self.batch_bytes < 1:
@@ -158,7 +163,8 @@ class _Shard:
         self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
         if cfg.format == "arrow":
             self.schema = arrow_schema(meta, fingerprint, lineage)
-            opts = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=cfg.zstd_level))
+            codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
+            opts = pa.ipc.IpcWriteOptions(compression=codec)
             self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
         else:
             self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint, lineage)
@@ -175,10 +181,14 @@ class _Shard:
         if self.cfg.format == "wds":
             self._writer.add(sample_key(self.rank, index), scalars, enc)
             return
-        self._pending.append((scalars, enc))
-        self._pending_bytes += sum(len(b) for b in enc.values())
+        nbytes = sum(len(b) for b in enc.values())
         room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
-        if self._pending_bytes >= min(self.cfg.batch_bytes, room):
+        limit = min(self.cfg.batch_bytes, room)
+        if self._pending and self._pending_bytes + nbytes > limit:
+            self._flush_batch()  # a batch never grows past the limit, so random access reads about one sample's bytes
+        self._pending.append((scalars, enc))
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= limit:
             self._flush_batch()
 
     def _flush_batch(self) -> None:
@@ -526,7 +536,8 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
         "taps": {"hf": list(layout.tap_ids), "vllm": layout.vllm_tap_ids, "convention": mf.TAP_CONVENTION},
         "top_k": {"k": layout.top_k, "rows": mf.TOPK_ROWS},
         "dtypes": fm["dtypes"],
-        "codec": {"container": "arrow-ipc-stream+zstd" if config.format == "arrow" else "webdataset-tar+zstd",
+        "codec": {"container": ("arrow-ipc-stream" + ("+zstd" if config.zstd_level else "") if config.format == "arrow"
+                                else "webdataset-tar+zstd"),
                   "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
                   "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
         "field_meta": fm,

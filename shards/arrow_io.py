@@ -115,13 +115,21 @@ def read_schema(data: bytes | pa.Buffer) -> pa.Schema:
     return pa.ipc.open_stream(pa.py_buffer(data) if isinstance(data, bytes) else data).schema
 
 
-def read_batch(data: bytes | pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
-    """Parse the record batch in ``data`` (one batch's byte range; a leading schema message is skipped)."""
-    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data) if isinstance(data, bytes) else data)
-    for msg in reader:
-        if msg.type == "record batch":
-            return pa.ipc.read_record_batch(msg, schema)
-    raise ValueError("byte range holds no record batch")
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)
+
+
+def read_batch(data: Any) -> pa.RecordBatch:
+    """The first record batch of ``data``: a stream's schema message, then the batch's message.
+
+    Buffers are decompressed on the calling thread: handing a batch's ~20 buffers to Arrow's pool cost a
+    random access of a 64-token sample 0.64 vs 0.48 ms of CPU and 1.06 vs 0.73 ms of wall time, and the
+    taps column is one buffer, so the pool has nothing to do in parallel anyway.
+    """
+    src = pa.py_buffer(data) if not isinstance(data, pa.Buffer) else data
+    try:
+        return pa.ipc.open_stream(src, options=_READ_OPTIONS).read_next_batch()
+    except StopIteration:
+        raise ValueError("byte range holds no record batch") from None
 
 
 def iter_batches(source: Any) -> Iterator[pa.RecordBatch]:

@@ -142,36 +142,43 @@ class Dataset:
         start, end, n, *h = shard["batches"][b]
         path = self.shard_path(shard)
         tail = shard.get("tail") if b == len(shard["batches"]) - 1 else None
-        data = self._read_range(path, start, tail[1] if tail else end)
-        if len(data) != (tail[1] if tail else end) - start:
+        schema = self._schema(shard)
+        # the schema message goes before the batch (a range that starts at 0 already has it), so that the
+        # bytes parse as a stream read on this thread (arrow_io.read_batch)
+        head = b"" if start == 0 else schema.serialize()
+        data = self._read_range(path, start, tail[1] if tail else end, head)
+        stored = data[len(head):]
+        if len(stored) != (tail[1] if tail else end) - start:
             raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
                                     "run `tapdraft verify`")
         if tail:
-            check_block(data[end - start:], tail[2], f"{path} (end of stream)")
-            data = data[: end - start]
+            check_block(stored[end - start:], tail[2], f"{path} (end of stream)")
+            data = data[: len(head) + end - start]
         if h:
-            check_block(data, h[0], f"{path} record batch {b}")
+            check_block(stored[: end - start], h[0], f"{path} record batch {b}")
         try:
-            batch = read_batch(pa.py_buffer(data), self._schema(shard))
+            batch = read_batch(data)
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
         if batch.num_rows != n:
             raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
         return batch
 
-    def _read_range(self, path: str, start: int, end: int) -> Any:
-        """Bytes [start, end) of a shard. A local file is read with one ``os.preadv`` into a fresh writable
-        buffer (no fsspec file object, and tensors of an uncompressed batch may view it without a copy);
-        other filesystems through fsspec. Never a memory map: a shard copied over in place would turn a
-        kept tensor's pages into SIGBUS instead of a checksum error."""
+    def _read_range(self, path: str, start: int, end: int, prefix: Any = b"") -> Any:
+        """``prefix`` + bytes [start, end) of a shard. A local file is read with one ``os.preadv`` into a fresh
+        writable buffer after the prefix (no fsspec file object, no concatenation, and tensors of an
+        uncompressed batch may view it without a copy); other filesystems through fsspec. Never a memory
+        map: a shard copied over in place would turn a kept tensor's pages into SIGBUS, not a checksum error."""
         if not isinstance(self.fs, LocalFileSystem):
-            return self.fs.cat_file(path, start=start, end=end)
-        buf = np.empty(max(end - start, 0), dtype=np.uint8)
+            return bytes(prefix) + self.fs.cat_file(path, start=start, end=end)
+        k = len(prefix)
+        buf = np.empty(k + max(end - start, 0), dtype=np.uint8)
+        buf[:k] = np.frombuffer(prefix, dtype=np.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
-            n = 0
+            n = k
             while n < buf.size:  # one call unless the range passes a single read's 2 GiB limit
-                got = os.preadv(fd, [buf[n:]], start + n)
+                got = os.preadv(fd, [buf[n:]], start + n - k)
                 if got == 0:
                     break  # end of file: the caller reports the truncation
                 n += got

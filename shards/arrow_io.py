@@ -162,7 +162,19 @@ def _cells(col: pa.Array) -> tuple[np.ndarray, memoryview]:
     (``BinaryScalar.as_buffer`` copies the cell: 1.7 ms for a 12 MB cell at hidden 1024)."""
     _, offsets, data = col.buffers()
     off = np.frombuffer(offsets, dtype=np.int32, count=len(col) + 1, offset=4 * col.offset)
-    return off, memoryview(data) if data is not None else memoryview(b"")
+    return off, memoryview(b"") if data is None else _writable_view(data)
+
+
+def _writable_view(buf: pa.Buffer) -> memoryview:
+    """``buf``'s bytes, writable when the memory is: Arrow marks the slices that an IPC reader cuts out of a
+    writable buffer (the reader's own read buffer) read-only, and torch refuses to view read-only memory."""
+    root = buf
+    while not root.is_mutable and root.parent is not None:
+        root = root.parent
+    if not root.is_mutable:
+        return memoryview(buf)
+    start = buf.address - root.address
+    return memoryview(root)[start : start + buf.size]
 
 
 def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int] | None = None, *,
@@ -171,9 +183,12 @@ def decode_batch(batch: pa.RecordBatch, meta: FieldMeta, rows: range | list[int]
 
     ``check_rows``: a place name (the shard) to check each row against its ``checksum`` column;
     None when the batch's stored bytes were already checked as a block.
-    ``share``: the samples' tensors may view the batch's buffers (``codec.decode_fields``); only for a
-    batch that nothing else keeps (a cached batch would change under a caller's in-place edit).
+    ``share``: the caller hands the batch over (nothing else keeps it: a cached batch would change under a
+    caller's in-place edit), so a one-row batch's tensors may view its buffers (``codec.decode_fields``).
+    A row of a batch of several is copied: a view would keep its neighbours' bytes alive (a shuffle buffer
+    of small samples would hold a whole record batch per sample).
     """
+    share = share and batch.num_rows == 1
     names = stored_fields(meta)
     cols = {n: _cells(batch.column(n)) for n in names}
     sid, src, secs = batch.column("sample_id"), batch.column("source"), batch.column("audio_seconds")

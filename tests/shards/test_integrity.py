@@ -27,10 +27,11 @@ LENGTHS = [6, 3, 9, 4, 8, 5, 7]
 FLIPS = 20
 
 
-@pytest.fixture(scope="module", params=["arrow", "wds"])
+@pytest.fixture(scope="module", params=[("arrow", 1), ("wds", 1), ("arrow", 0)], ids=["arrow", "wds", "arrow-uncompressed"])
 def clean(tmp_path_factory, request):
-    root = tmp_path_factory.mktemp(request.param) / "ds"
-    man = write_dataset(str(root), tiny_layout(), ShardConfig(format=request.param, shard_bytes=2500,
+    fmt, level = request.param
+    root = tmp_path_factory.mktemp(fmt) / "ds"
+    man = write_dataset(str(root), tiny_layout(), ShardConfig(format=fmt, zstd_level=level, shard_bytes=2500,
                                                               batch_bytes=900), LENGTHS)
     assert len(man["splits"]["train"]["shards"]) >= 2
     return root, man
@@ -70,8 +71,7 @@ def test_random_single_byte_flips_are_all_caught(clean, tmp_path):
 def test_open_refuses_a_foreign_shard_before_reading(clean, tmp_path):
     root, man = clean
     other = tmp_path / "other"
-    write_dataset(str(other), tiny_layout(), ShardConfig(format=man["format"], shard_bytes=2500, batch_bytes=900),
-                  LENGTHS, seed=5)
+    write_dataset(str(other), tiny_layout(), ShardConfig.from_dict(man["shard_config"]), LENGTHS, seed=5)
     work = tmp_path / "work"
     shutil.copytree(root, work)
     name = man["splits"]["train"]["shards"][1]["name"]

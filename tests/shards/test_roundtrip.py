@@ -8,6 +8,7 @@ import pyarrow as pa
 import torch
 import pytest
 
+from shards.arrow_io import decode_batch
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.writer import ShardConfig
@@ -23,24 +24,27 @@ def assert_same(a, b):
             assert a[k] == pytest.approx(b[k]) if isinstance(a[k], float) else a[k] == b[k], k
 
 
+@pytest.mark.parametrize("zstd_level", [1, 0])
 @pytest.mark.parametrize("bf16_layout", ["planes", "raw"])
-def test_arrow_roundtrip_random_access(tmp_path, bf16_layout):
+def test_arrow_roundtrip_random_access(tmp_path, bf16_layout, zstd_level):
     layout = tiny_layout(has_final_hidden=True, has_audio_embeds=True)
-    lengths = [5, 9, 3, 12, 7, 1, 6]
-    cfg = ShardConfig(bf16_layout=bf16_layout, shard_bytes=3000, batch_bytes=1500)
+    lengths = [5, 9, 3, 12, 7, 1, 6, 40]  # the last one is larger than a record batch
+    cfg = ShardConfig(bf16_layout=bf16_layout, zstd_level=zstd_level, shard_bytes=3000, batch_bytes=1500)
     man = write_dataset(str(tmp_path), layout, cfg, lengths)
     assert len(man["splits"]["train"]["shards"]) > 1
+    assert man["codec"]["container"] == "arrow-ipc-stream" + ("+zstd" if zstd_level else "")
     ds = open_dataset(str(tmp_path))
     assert ds.num_samples("train") == len(lengths)
     assert ds.layout == layout
     assert ds.bundle().fingerprint == ds.fingerprint
-    for i, T in enumerate(lengths):
-        want = random_sample(layout, T, i, audio_frames=T // 4)
+    wants = [random_sample(layout, T, i, audio_frames=T // 4) for i, T in enumerate(lengths)]
+    for i, want in enumerate(wants):
         assert_same(ds.sample("train", i), want)
+    for got, want in zip(ds.stream("train", seed=0, shuffle=False), wants):  # streaming may view its batches
+        assert_same(got, want)
     # counts in the manifest match the content
     assert man["splits"]["train"]["tokens"] == sum(lengths)
-    assert man["splits"]["train"]["supervised_tokens"] == sum(
-        int(random_sample(layout, T, i, audio_frames=T // 4)["loss_mask"].sum()) for i, T in enumerate(lengths))
+    assert man["splits"]["train"]["supervised_tokens"] == sum(int(w["loss_mask"].sum()) for w in wants)
 
 
 def test_stream_yields_every_sample_once(tmp_path):
@@ -51,6 +55,32 @@ def test_stream_yields_every_sample_once(tmp_path):
     ids = [s["sample_id"] for s in ds.stream("train", seed=3, shuffle_buffer=5)]
     assert sorted(ids) == sorted(f"s{i}" for i in range(len(lengths)))
     assert ids != [f"s{i}" for i in range(len(lengths))]
+
+
+def test_streamed_tensors_view_only_their_own_batch_and_random_access_copies(tmp_path):
+    """Uncompressed raw shards: a one-sample batch handed over becomes tensors over the bytes read (no copy);
+    a sample of a batch of several is copied (a view would keep its neighbours alive); ``sample`` copies
+    out of its cached batch, so editing what it returned does not change the next read."""
+    layout = tiny_layout()
+    big = len(random_sample(layout, 30, 0)["taps"].view(torch.int16).numpy().tobytes())
+    write_dataset(str(tmp_path), layout, ShardConfig(zstd_level=0, bf16_layout="raw", batch_bytes=big), [30, 3, 3])
+    ds = open_dataset(str(tmp_path))
+    shard = ds.manifest["splits"]["train"]["shards"][0]
+    assert [b[2] for b in shard["batches"]] == [1, 2]
+
+    def inside(t, batch):
+        buf = batch.column("taps").buffers()[2]
+        return buf.address <= t.data_ptr() < buf.address + buf.size
+
+    for b, shared in ((0, True), (1, False)):
+        batch = ds.read_record_batch(shard, b)
+        got = decode_batch(batch, ds.field_meta, share=True)
+        assert [inside(g["taps"], batch) for g in got] == [shared] * batch.num_rows
+        assert not any(inside(g["taps"], batch) for g in decode_batch(batch, ds.field_meta))
+    want = random_sample(layout, 30, 0, audio_frames=30 // 4)
+    assert_same(next(iter(ds.stream("train", seed=0, shuffle=False))), want)
+    ds.sample("train", 0)["taps"].zero_()
+    assert_same(ds.sample("train", 0), want)
 
 
 LEGACY = Path(__file__).with_name("data")

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from shards.codec import encode_fields
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
 from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
@@ -147,3 +148,32 @@ def test_a_split_whose_every_input_was_skipped_is_not_finalized(tmp_path):
                                          r"Fix the inputs"):
         finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_a_record_batch_never_grows_past_batch_bytes_unless_one_sample_does(tmp_path):
+    layout = tiny_layout(hidden_size=64)
+    fp = tiny_bundle(str(tmp_path / "target"), layout)
+    cfg = ShardConfig(batch_bytes=3000)
+    lengths = [3, 4, 2, 30, 5, 3, 6, 2, 2, 40, 1]
+    meta = cfg.field_meta(layout)
+    sizes = [sum(len(v) for v in encode_fields(random_sample(layout, T, i), meta).values()) for i, T in enumerate(lengths)]
+    assert max(sizes) > cfg.batch_bytes > min(sizes) * 3
+    with DatasetWriter(str(tmp_path), cfg, layout) as w:
+        for i, T in enumerate(lengths):
+            w.write(random_sample(layout, T, i), i)
+    man = finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
+    rows = [b[2] for s in man["splits"]["train"]["shards"] for b in s["batches"]]
+    assert sum(rows) == len(lengths) and max(rows) > 1
+    starts = [sum(rows[:j]) for j in range(len(rows))]
+    for a, n in zip(starts, rows):
+        batch = sizes[a : a + n]
+        assert n == 1 or sum(batch) <= cfg.batch_bytes, (a, batch)
+        if a + n < len(sizes):  # flushed only because the next sample would not fit
+            assert sum(batch) + sizes[a + n] > cfg.batch_bytes
+
+
+def test_uncompressed_shards_are_arrow_only():
+    with pytest.raises(ValueError, match="zstd_level 0 .* Arrow"):
+        ShardConfig(format="wds", zstd_level=0)
+    with pytest.raises(ValueError, match=r"\[0, 22\]"):
+        ShardConfig(zstd_level=-1)

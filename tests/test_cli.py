@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app, main
+from shards.reader import open_dataset
 from shards.writer import ShardConfig
 from tests.capture.util import conv_record, write_manifest, write_wav
 from tests.shards.synthetic import tiny_layout, write_dataset
@@ -97,6 +98,17 @@ def test_full_disk_is_one_line_and_leaves_no_temp_files(salm_dir, inputs, tmp_pa
     code, err = run(capture_args(salm_dir, inputs, out), capsys)
     assert_one_line(code, err, contains="no space left on the device writing data/x.arrow.tmp; free space")
     assert [p for p in out.rglob("*") if p.name.endswith(".tmp")] == []
+
+
+def test_uncompressed_raw_shards_from_the_command_line(salm_dir, inputs, tmp_path, capsys):
+    code, err = run(capture_args(salm_dir, inputs, tmp_path / "w", "--format", "wds", "--zstd-level", "0"), capsys)
+    assert_one_line(code, err, contains="zstd_level 0 (uncompressed) is for Arrow shards")
+    out = tmp_path / "ds"
+    code, err = run(capture_args(salm_dir, inputs, out, "--zstd-level", "0", "--bf16-layout", "raw"), capsys)
+    assert code == 0, err
+    ds = open_dataset(str(out))
+    assert ds.manifest["codec"]["container"] == "arrow-ipc-stream" and ds.field_meta.bf16_layout == "raw"
+    assert len(list(ds.stream("train", seed=0))) == 4
 
 
 def test_out_into_a_foreign_directory_is_one_line(salm_dir, inputs, tmp_path, capsys):

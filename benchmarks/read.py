@@ -14,9 +14,11 @@ tapdraft decode. Writes benchmarks/results/read.json.   Run: python -m benchmark
 In-process decode at a real shape (``--shape qwen3-1024x8`` -> read_shape.json): samples of 1024 tokens
 at hidden 1024 with six taps and top-64 teacher rows (benchmarks/write.py's content), decoded by
 ``Dataset.stream`` into training-ready sample dicts vs ``torch.load`` of the same content's .pt files,
-each side repeated to >= ``--min-seconds`` of CPU, interleaved A B A B, median of ``--pairs``, in
-tokens per CPU second (the machine is shared; wall seconds are recorded beside them); plus the
-latency of ``Dataset.sample`` on a small (64-token) sample, hot, median of 200 random picks.
+each side repeated to >= ``--min-seconds`` of CPU, interleaved (each shard config of ``VARIANTS``, then
+torch.load, every round), median of ``--pairs``, in tokens per CPU second (the machine is shared; wall
+seconds are recorded beside them); plus the latency of ``Dataset.sample`` on a small (64-token) sample,
+hot, median of 200 random picks, and each variant's bytes on disk vs the .pt files. Variants: the
+default shards (zstd-1, bf16 planes) and the fast-read option (``zstd_level`` 0, bf16 ``raw``).
 
 Integrity cost (``integrity_cost``, also alone with ``--only-integrity`` -> read_integrity.json):
 in-process streaming of the same Arrow and WebDataset shards with every checksum checked (the
@@ -164,8 +166,15 @@ def _per_cpu_second(fn, tokens: int, min_seconds: float) -> tuple[float, float]:
             return n / (time.process_time() - c0), n / (time.perf_counter() - w0)
 
 
+VARIANTS = {"zstd1 planes (default)": {}, "uncompressed raw (zstd_level 0, bf16_layout raw)":
+            {"zstd_level": 0, "bf16_layout": "raw"}}
+"""--shape: the shard configs compared with torch.load (on top of ``--batch-bytes``): the default, and the fast-read
+option, whose taps become tensors that view the record batch read from disk (no decompression, no plane join)."""
+
+
 def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cfg: ShardConfig) -> dict[str, Any]:
     """tapdraft decode vs torch.load of the same content at a real width (see the module docstring)."""
+    import dataclasses
     import random
 
     from benchmarks.shapes import shape_facts
@@ -176,54 +185,77 @@ def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cf
     H = shape_facts(shape)["hidden_size"]
     samples = make_samples(16, 1024, H) + make_samples(64, 64, H, seed=1)  # the small ones: random access
     layout = Layout(hidden_size=H, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)
-    url = str(tmp / "shape")
-    with DatasetWriter(url, cfg, layout, fingerprint="0" * 64) as w:
-        for i, s in enumerate(samples):
-            w.write({**s, "sample_id": f"s{i}"}, i)
-    finalize_dataset(url, layout=layout, fingerprint="0" * 64, capture_config={"benchmark": "read"})
+    urls = {}
+    for v, (name, over) in enumerate(VARIANTS.items()):
+        urls[name] = str(tmp / f"shape-{v}")
+        with DatasetWriter(urls[name], dataclasses.replace(cfg, **over), layout, fingerprint="0" * 64) as w:
+            for i, s in enumerate(samples):
+                w.write({**s, "sample_id": f"s{i}"}, i)
+        finalize_dataset(urls[name], layout=layout, fingerprint="0" * 64, capture_config={"benchmark": "read"})
     pt_paths = write_pt_dataset(tmp / "shape-pt", samples)
+    pt_bytes = sum(p.stat().st_size for p in pt_paths)
     tokens = sum(int(s["input_ids"].shape[0]) for s in samples)
 
-    def tapdraft() -> None:
-        for _ in open_dataset(url).stream("train", seed=0):
-            pass
+    def tapdraft(url: str):
+        def run() -> None:
+            for _ in open_dataset(url).stream("train", seed=0):
+                pass
+        return run
 
     def pt() -> None:
         for p in pt_paths:
             torch.load(p, weights_only=True)
 
-    tapdraft(), pt()  # warm: both hot in the page cache
-    a, b, aw, bw, loads = [], [], [], [], []
-    for _ in range(pairs):
+    sides = {name: tapdraft(url) for name, url in urls.items()}
+    for fn in [*sides.values(), pt]:
+        fn()  # warm: every side hot in the page cache
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name in [*sides, "pt"]}
+    loads = []
+    for _ in range(pairs):  # interleaved: each tapdraft variant, then torch.load, in every round
         loads.append(os.getloadavg()[0])
-        x, xw = _per_cpu_second(tapdraft, tokens, min_seconds)
-        y, yw = _per_cpu_second(pt, tokens, min_seconds)
-        a.append(x), aw.append(xw), b.append(y), bw.append(yw)
-        print(f"in-process at {shape}: tapdraft {x:,.0f} tok/cpu-s ({xw:,.0f} wall)   torch.load {y:,.0f} "
-              f"tok/cpu-s ({yw:,.0f} wall)   ratio {x / y:.3f}", flush=True)
-    ds = open_dataset(url)
+        for name, fn in [*sides.items(), ("pt", pt)]:
+            got[name].append(_per_cpu_second(fn, tokens, min_seconds))
+        y = got["pt"][-1][0]
+        print(f"in-process at {shape}: torch.load {y:,.0f} tok/cpu-s   " + "   ".join(
+            f"{name} {got[name][-1][0]:,.0f} ({got[name][-1][0] / y:.3f})" for name in sides), flush=True)
     small = list(range(16, len(samples)))
-    rng = random.Random(0)
-    for i in small:
-        ds.sample("train", i)  # hot
-    lat = []
-    for _ in range(200):
-        i = rng.choice(small)
-        t0 = time.perf_counter()
-        ds.sample("train", i)
-        lat.append(time.perf_counter() - t0)
-    ratios = [x / y for x, y in zip(a, b)]
+    variants = {}
+    for name, url in urls.items():
+        ds = open_dataset(url)
+        for i in small:
+            ds.sample("train", i)  # hot
+        rng, lat = random.Random(0), []
+        for _ in range(200):
+            i = rng.choice(small)
+            t0 = time.perf_counter()
+            ds.sample("train", i)
+            lat.append(time.perf_counter() - t0)
+        ratios = [a[0] / b[0] for a, b in zip(got[name], got["pt"])]
+        data_bytes = ds.manifest["splits"]["train"]["bytes"]
+        variants[name] = {
+            "shard_config": dataclasses.replace(cfg, **VARIANTS[name]).to_dict(),
+            "tokens_per_cpu_s": statistics.median(a for a, _ in got[name]),
+            "tokens_per_wall_s": statistics.median(w for _, w in got[name]),
+            "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "bytes_vs_pt": data_bytes / pt_bytes,
+            "random_access_ms_median": 1e3 * statistics.median(lat), "random_access_ms_p90": 1e3 * sorted(lat)[179]}
+    default = variants[next(iter(VARIANTS))]
     out = {"shape": shape, **shape_facts(shape), "num_taps": len(TAPS), "top_k": 64,
            "samples": len(samples), "tokens": tokens,
-           "tapdraft_tokens_per_cpu_s": statistics.median(a), "pt_tokens_per_cpu_s": statistics.median(b),
-           "tapdraft_tokens_per_wall_s": statistics.median(aw), "pt_tokens_per_wall_s": statistics.median(bw),
-           "ratio_median": statistics.median(ratios), "ratios": ratios,
-           "random_access_ms_median": 1e3 * statistics.median(lat), "random_access_ms_p90": 1e3 * sorted(lat)[179],
-           "random_access_sample_tokens": 64, "load_avg_1m_per_pair": loads,
-           "goals": {"inprocess>=0.8": statistics.median(ratios) >= 0.8,
-                     "random_access<=1ms": statistics.median(lat) <= 1e-3}}
-    print(f"in-process decode ratio (median of {pairs}): {out['ratio_median']:.3f} (goal >= 0.8); random access of a "
-          f"64-token sample: {out['random_access_ms_median']:.3f} ms median (goal <= 1 ms)", flush=True)
+           "tapdraft_tokens_per_cpu_s": default["tokens_per_cpu_s"],
+           "pt_tokens_per_cpu_s": statistics.median(a for a, _ in got["pt"]),
+           "tapdraft_tokens_per_wall_s": default["tokens_per_wall_s"],
+           "pt_tokens_per_wall_s": statistics.median(w for _, w in got["pt"]),
+           "ratio_median": default["ratio_median"], "ratios": default["ratios"],
+           "random_access_ms_median": default["random_access_ms_median"],
+           "random_access_ms_p90": default["random_access_ms_p90"],
+           "random_access_sample_tokens": 64, "load_avg_1m_per_pair": loads, "variants": variants,
+           "goals": {name: {"inprocess>=0.8": v["ratio_median"] >= 0.8,
+                            "random_access<=1ms": v["random_access_ms_median"] <= 1.0} for name, v in variants.items()}}
+    for name, v in variants.items():
+        print(f"{name}: in-process decode ratio (median of {pairs}) {v['ratio_median']:.3f} (goal >= 0.8); random "
+              f"access of a 64-token sample {v['random_access_ms_median']:.3f} ms median (goal <= 1 ms); bytes "
+              f"{v['bytes_vs_pt']:.3f} of .pt", flush=True)
     return out
 
 

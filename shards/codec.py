@@ -11,7 +11,14 @@ the one home of the byte layout; the containers only add framing and compression
                                          high plane that interleaved storage hides: trained MiniLM
                                          activations take 0.69x of the raw bf16 bytes vs 0.79x as
                                          uint16 words (benchmarks/storage.py), so planes is the default.
-                               "raw":    the uint16 words as they are in memory.
+                               "raw":    the uint16 words as they are in memory; with uncompressed Arrow
+                                         shards (zstd_level 0) the fastest read: a streamed sample's taps
+                                         are a view of the bytes read (benchmarks/read.py).
+                             Per plane (zstd-1, 1 MiB batches, benchmarks/storage.py): the high plane takes
+                             0.25 (demo decoder) / 0.37 (the qwen3-shape content) of its bytes and decodes at
+                             ~1.2 GB/s a core, which bounds reading compressed shards; the low plane gains 4.6%
+                             / 0% and decodes at 20-30 GB/s (zstd keeps incompressible blocks raw), so storing
+                             it apart uncompressed would save no read time and lose those bytes.
     taps with codec "fp8"    lossy: float8 e4m3 values [T, n, H] in ``taps`` and one float32 scale
                              per (token, tap) row in ``taps_scale`` [T, n] (scale = row amax / 448);
                              decoded back to bf16, so readers see the same dtype either way.

@@ -65,10 +65,11 @@ class ShardConfig:
     bf16_layout: str = "planes"
     """'planes' (high bytes then low bytes, compresses better) or 'raw' (uint16 words); both lossless."""
     batch_bytes: int = 1 << 20
-    """Arrow: uncompressed bytes per record batch (the unit of compression and of random access). 1 MiB:
-    random access to a small sample decompresses about its own bytes (64 tokens at hidden 1024 with six
-    taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%); a sample larger than this is
-    a batch of its own either way, so long conversations at real widths are unaffected."""
+    """Arrow: uncompressed bytes per record batch at most (the unit of compression and of random access); a
+    sample that would take the batch past it starts the next one, and a sample larger than it is a batch of
+    its own. 1 MiB: random access to a small sample decompresses about its own bytes (64 tokens at hidden
+    1024 with six taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%), and long
+    conversations at real widths are one batch each whatever the setting."""
     fp8_layout: str = "packed"
     """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
     zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""

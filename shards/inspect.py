@@ -60,7 +60,8 @@ def render_summary(info: dict[str, Any]) -> str:
         f"top-k        k={info['top_k']} on rows t with loss_mask[t+1]",
         f"codec        taps {info['codec']['taps_codec']}{' (LOSSY)' if info['codec']['lossy'] else ''}"
         f"{' ' + info['codec'].get('fp8_layout', 'bytes') if info['codec']['taps_codec'] == 'fp8' else ''}, "
-        f"bf16 {info['codec']['bf16_layout']}, {info['codec']['container']} level {info['codec']['zstd_level']}",
+        f"bf16 {info['codec']['bf16_layout']}, {info['codec']['container']} "
+        f"{'level ' + str(info['codec']['zstd_level']) if info['codec']['zstd_level'] else '(uncompressed)'}",
         "dtypes       " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()),
         "template     " + _template_line(info.get("chat_template")),
         "",

@@ -158,7 +158,7 @@ class Dataset:
             check_block(stored[: end - start], h[0], f"{path} record batch {b}")
         try:
             batch = read_batch(data)
-        except (pa.ArrowInvalid, OSError) as e:
+        except (ValueError, OSError) as e:  # pa.ArrowInvalid is a ValueError
             raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
         if batch.num_rows != n:
             raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")

@@ -109,6 +109,9 @@ def test_uncompressed_raw_shards_from_the_command_line(salm_dir, inputs, tmp_pat
     ds = open_dataset(str(out))
     assert ds.manifest["codec"]["container"] == "arrow-ipc-stream" and ds.field_meta.bf16_layout == "raw"
     assert len(list(ds.stream("train", seed=0))) == 4
+    with pytest.raises(SystemExit):
+        main(["inspect", str(out)])
+    assert "bf16 raw, arrow-ipc-stream (uncompressed)" in capsys.readouterr().out
 
 
 def test_out_into_a_foreign_directory_is_one_line(salm_dir, inputs, tmp_path, capsys):

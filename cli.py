@@ -137,7 +137,7 @@ def capture(
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
     shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size in bytes (1 GiB)."),
     zstd_level: int = typer.Option(1, "--zstd-level", help="Shard compression level; 0 = uncompressed Arrow: the "
-                                   "fastest read (with --bf16-layout raw), ~1.45x the bytes on disk."),
+                                   "fastest read (with --bf16-layout raw), ~1.45x the default's bytes on disk."),
     bf16_layout: str = typer.Option("planes", "--bf16-layout", help="planes (compresses better) | raw (uint16 words: "
                                     "with --zstd-level 0, taps are read without a decode pass)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),

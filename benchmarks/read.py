@@ -21,9 +21,9 @@ hot, median of 200 random picks, and each variant's bytes on disk vs the .pt fil
 default shards (zstd-1, bf16 planes) and the fast-read option (``zstd_level`` 0, bf16 ``raw``).
 
 Integrity cost (``integrity_cost``, also alone with ``--only-integrity`` -> read_integrity.json):
-in-process streaming of the same Arrow (zstd, and uncompressed raw) and WebDataset shards with every checksum checked (the
-product) vs the same reader with the checks replaced by no-ops (possible only here, by patching the
-module attributes), interleaved A B A B, median of ``--pairs``; cost = 1 - checked/unchecked, in
+in-process streaming of the same Arrow (zstd, and uncompressed raw) and WebDataset shards with every
+checksum checked (the product) vs the same reader with the checks replaced by no-ops (possible only
+here, by patching the module attributes), interleaved A B A B, median of ``--pairs``; cost = 1 - checked/unchecked, in
 tokens per CPU second of the process (wall time on 2 shared cores at load ~7 swung +-50% per run).
 """
 

@@ -21,8 +21,8 @@ Per bf16 byte plane (``plane_report``): zstd-1's ratio and decompression speed o
 (sign + exponent) and low plane (mostly mantissa) alone, for the trained demo decoder, the qwen3-1024x8
 read/write benchmarks' content and MiniLM: which plane is worth compressing and what reading it costs.
 
-Sizes are deterministic, so no repetition is needed (plane decode speeds are CPU-time rates). Prints a table, writes JSON to
-benchmarks/results/storage.json.   Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
+Sizes are deterministic, so no repetition is needed (plane decode speeds are CPU-time rates). Prints a
+table, writes JSON to benchmarks/results/storage.json.   Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def _shareable(arr: np.ndarray, itemsize: int) -> bool:
     return arr.flags.writeable and arr.ctypes.data % itemsize == 0
 
 
-def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout: str, *, share: bool = False) -> torch.Tensor:
+def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout: str, *,
+                  share: bool = False) -> torch.Tensor:
     """Inverse of ``bf16_to_bytes``; planes are joined with one 16-bit shift-or (no byte gathers).
 
     ``share``: for "raw", return a view of ``data`` instead of a copy when its memory is writable and

@@ -27,7 +27,8 @@ LENGTHS = [6, 3, 9, 4, 8, 5, 7]
 FLIPS = 20
 
 
-@pytest.fixture(scope="module", params=[("arrow", 1), ("wds", 1), ("arrow", 0)], ids=["arrow", "wds", "arrow-uncompressed"])
+@pytest.fixture(scope="module", params=[("arrow", 1), ("wds", 1), ("arrow", 0)],
+                ids=["arrow", "wds", "arrow-uncompressed"])
 def clean(tmp_path_factory, request):
     fmt, level = request.param
     root = tmp_path_factory.mktemp(fmt) / "ds"

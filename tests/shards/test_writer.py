@@ -156,7 +156,8 @@ def test_a_record_batch_never_grows_past_batch_bytes_unless_one_sample_does(tmp_
     cfg = ShardConfig(batch_bytes=3000)
     lengths = [3, 4, 2, 30, 5, 3, 6, 2, 2, 40, 1]
     meta = cfg.field_meta(layout)
-    sizes = [sum(len(v) for v in encode_fields(random_sample(layout, T, i), meta).values()) for i, T in enumerate(lengths)]
+    sizes = [sum(len(v) for v in encode_fields(random_sample(layout, T, i), meta).values())
+             for i, T in enumerate(lengths)]
     assert max(sizes) > cfg.batch_bytes > min(sizes) * 3
     with DatasetWriter(str(tmp_path), cfg, layout) as w:
         for i, T in enumerate(lengths):

@@ -169,7 +169,7 @@ class Dataset:
         writable buffer after the prefix (no fsspec file object, no concatenation, and tensors of an
         uncompressed batch may view it without a copy); other filesystems through fsspec. Never a memory
         map: a shard copied over in place would turn a kept tensor's pages into SIGBUS, not a checksum error."""
-        if not isinstance(self.fs, LocalFileSystem):
+        if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "preadv"):
             return bytes(prefix) + self.fs.cat_file(path, start=start, end=end)
         k = len(prefix)
         buf = np.empty(k + max(end - start, 0), dtype=np.uint8)

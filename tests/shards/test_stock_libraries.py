@@ -9,7 +9,7 @@ import webdataset
 
 from shards.arrow_io import decode_row, read_shard_metadata
 from shards.reader import open_dataset
-from tests.shards.synthetic import tiny_layout, write_dataset
+from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.wds_io import decode_wds_sample
 from shards.writer import ShardConfig
 from tests.shards.test_roundtrip import assert_same
@@ -17,10 +17,11 @@ from tests.shards.test_roundtrip import assert_same
 LENGTHS = [6, 3, 9, 4, 8]
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp8"])
-def test_datasets_loads_arrow_shards(tmp_path, codec):
+@pytest.mark.parametrize("codec,zstd_level", [("bf16", 1), ("fp8", 1), ("bf16", 0)])
+def test_datasets_loads_arrow_shards(tmp_path, codec, zstd_level):
     layout = tiny_layout(taps_codec=codec, has_final_hidden=True)
-    man = write_dataset(str(tmp_path / "ds"), layout, ShardConfig(shard_bytes=2500, batch_bytes=900), LENGTHS)
+    man = write_dataset(str(tmp_path / "ds"), layout, ShardConfig(shard_bytes=2500, batch_bytes=900,
+                                                                  zstd_level=zstd_level), LENGTHS)
     files = [str(tmp_path / "ds" / s["name"]) for s in man["splits"]["train"]["shards"]]
     assert len(files) > 1
     ours = open_dataset(str(tmp_path / "ds"))
@@ -56,15 +57,19 @@ def test_webdataset_iterates_tar_shards(tmp_path):
         assert_same({k: v for k, v in a.items() if not k.startswith("__")}, b)
 
 
-def test_fsspec_memory_url_roundtrip():
+@pytest.mark.parametrize("zstd_level", [1, 0])
+def test_fsspec_memory_url_roundtrip(zstd_level):
     layout = tiny_layout()
-    url = "memory://tapdraft-test/ds"
-    write_dataset(url, layout, ShardConfig(shard_bytes=2000, batch_bytes=500), LENGTHS)
+    url = f"memory://tapdraft-test/ds{zstd_level}"
+    write_dataset(url, layout, ShardConfig(shard_bytes=2000, batch_bytes=500, zstd_level=zstd_level), LENGTHS)
     ds = open_dataset(url)
     assert ds.num_samples("train") == len(LENGTHS)
+    assert sum(len(sh["batches"]) for sh in ds.manifest["splits"]["train"]["shards"]) > 2
     streamed = list(ds.stream("train", seed=1, shuffle=False))
-    for i in range(len(LENGTHS)):
-        assert_same(ds.sample("train", i), streamed[i])
+    for i, T in enumerate(LENGTHS):
+        want = random_sample(layout, T, i, audio_frames=T // 4)
+        assert_same(ds.sample("train", i), want)
+        assert_same(streamed[i], want)
     assert ds.bundle().fingerprint == ds.fingerprint
 
 

@@ -42,6 +42,7 @@ Shapes are not stored per field: T comes from ``input_ids``, R from ``topk_rows`
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -130,8 +131,8 @@ def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout:
     """
     raw = np.frombuffer(data, dtype=np.uint8)
     n = raw.size // 2
-    if raw.size != 2 * int(np.prod(shape)):
-        raise ValueError(f"bf16 field has {raw.size} bytes, expected {2 * int(np.prod(shape))} for shape {shape}")
+    if raw.size != 2 * math.prod(shape):
+        raise ValueError(f"bf16 field has {raw.size} bytes, expected {2 * math.prod(shape)} for shape {shape}")
     if bf16_layout == "planes":
         words = np.left_shift(raw[:n], 8, dtype=np.uint16)
         np.bitwise_or(words, raw[n:], out=words, casting="unsafe")
@@ -182,7 +183,7 @@ def mantissa_bytes(n: int) -> int:
 
 def bytes_to_fp8(parts: list[Any], shape: tuple[int, ...], fp8_layout: str) -> torch.Tensor:
     """Inverse of ``fp8_to_bytes``: float8_e4m3fn [shape]."""
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     if fp8_layout not in FP8_LAYOUTS:
         raise ValueError(f"fp8_layout must be one of {FP8_LAYOUTS}, got {fp8_layout!r}")
     raw = np.frombuffer(parts[0], dtype=np.uint8)
@@ -230,7 +231,7 @@ def encode_fields(sample: dict[str, Any], meta: FieldMeta) -> dict[str, bytes | 
 
 def _plain(data: Any, dtype: torch.dtype, shape: tuple[int, ...], share: bool = False) -> torch.Tensor:
     arr = np.frombuffer(data, dtype=_NP[dtype])
-    if arr.size != int(np.prod(shape)):
+    if arr.size != math.prod(shape):
         raise ValueError(f"field has {arr.size} elements, expected shape {shape}")
     arr = arr.reshape(shape)
     t = torch.from_numpy(arr if share and _shareable(arr, arr.itemsize) else arr.copy())

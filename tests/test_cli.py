@@ -112,6 +112,8 @@ def test_uncompressed_raw_shards_from_the_command_line(salm_dir, inputs, tmp_pat
     with pytest.raises(SystemExit):
         main(["inspect", str(out)])
     assert "bf16 raw, arrow-ipc-stream (uncompressed)" in capsys.readouterr().out
+    code, err = run(["verify", out], capsys)
+    assert code == 0, err
 
 
 def test_out_into_a_foreign_directory_is_one_line(salm_dir, inputs, tmp_path, capsys):

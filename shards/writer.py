@@ -1,4 +1,4 @@
-"""Sharded, resumable dataset writer and the finalize step that publishes a dataset.
+"""Sharded, resumable dataset writer; ``finalize_dataset`` (``shards.finalize``) publishes the dataset.
 
     w = DatasetWriter(out_dir, ShardConfig(), layout, split="train", rank=0)
     for index in range(w.next_index, n_inputs):   # this rank's deterministic input order
@@ -13,231 +13,28 @@ only truth on resume: reopening picks up its shards, deletes a leftover ``.tmp``
 renamed but not yet indexed), and ``next_index`` says where to continue. Shards roll when their
 size reaches ``shard_bytes`` (they overshoot by at most one record batch / one sample).
 
-``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint and that
-every split holds at least one sample (a split whose every input was skipped is refused, naming the
-first reasons, and no manifest is written), removes ``manifest.json``, records each shard's final
-name ``data/<split>-00000-of-00012.<ext>`` ((rank, seq) order) in the partial indexes (the journal),
-renames the shards, writes the card, then ``manifest.json`` last. Every step is idempotent and the
-journal is written before any rename, so a finalize killed at any instant is finished by running it
-again (the capture's rerun does).
+The writer's API is importable from here: ``ShardConfig`` and ``LEGACY_SHARD_FIELDS`` live in
+``shards.shard_file``, ``finalize_dataset`` in ``shards.finalize``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import pyarrow as pa
 
 from shards import manifest as mf
-from shards.arrow_io import arrow_schema, make_batch, shard_metadata
-from shards.atomic import commit, temp_name, write_bytes_atomic, write_json_atomic
+from shards.atomic import write_json_atomic
 from shards.bundle import stored_fingerprint
-from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
-from shards.integrity import INTEGRITY, BlockHasher, digest
-from shards.schema import SCHEMA_VERSION, Layout, check_schema_version, validate_sample
-from shards.wds_io import TarShardWriter, sample_key
+from shards.finalize import _LEGACY_MOVING, finalize_dataset
+from shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig, _Shard
+
+__all__ = ["LEGACY_SHARD_FIELDS", "PART_VERSION", "DatasetWriter", "ShardConfig", "finalize_dataset"]
 
 PART_VERSION = 1
-LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT}
-"""What a shard config recorded before a field existed used for it (fp8 taps were one byte a value)."""
-FORMATS = ("arrow", "wds")
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    """How samples become files."""
-
-    format: str = "arrow"
-    """'arrow' (IPC stream, zstd buffers, random access) or 'wds' (WebDataset tar, zstd per member)."""
-    shard_bytes: int = 1 << 30
-    """Roll to a new shard once a shard reaches this many bytes on disk."""
-    zstd_level: int = 1
-    """zstd level for Arrow buffers / tar members. 1 beats 3 on bf16 activations in size AND speed
-    (benchmarks/storage.py: 0.699 vs 0.714 of the .pt bytes; ~5x faster to compress). 0 = Arrow shards
-    without compression: the fastest read (with bf16_layout 'raw' a record batch's taps become tensors
-    without a decode pass), at about the .pt baseline's bytes (benchmarks/read.py, storage.py)."""
-    bf16_layout: str = "planes"
-    """'planes' (high bytes then low bytes, compresses better) or 'raw' (uint16 words); both lossless."""
-    batch_bytes: int = 1 << 20
-    """Arrow: uncompressed bytes per record batch at most (the unit of compression and of random access); a
-    sample that would take the batch past it starts the next one, and a sample larger than it is a batch of
-    its own. 1 MiB: random access to a small sample decompresses about its own bytes (64 tokens at hidden
-    1024 with six taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%), and long
-    conversations at real widths are one batch each whatever the setting."""
-    fp8_layout: str = "packed"
-    """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
-    zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
-        if self.shard_bytes < 1:
-            raise ValueError(f"ShardConfig.shard_bytes must be positive, got {self.shard_bytes}")
-        if not 0 <= self.zstd_level <= 22:
-            raise ValueError(f"ShardConfig.zstd_level must be in [0, 22] (0: uncompressed), got {self.zstd_level}")
-        if self.zstd_level == 0 and self.format != "arrow":
-            raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are zstd "
-                             "frames; use format 'arrow' or a level in [1, 22]")
-        if self.bf16_layout not in BF16_LAYOUTS:
-            raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
-        if self.batch_bytes < 1:
-            raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
-        if self.fp8_layout not in FP8_LAYOUTS:
-            raise ValueError(f"ShardConfig.fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ShardConfig":
-        """A stored shard config; one written before ``fp8_layout`` existed wrote fp8 taps as 'bytes'."""
-        return cls(**{**LEGACY_SHARD_FIELDS, **d})
-
-    def field_meta(self, layout: Layout) -> FieldMeta:
-        """How this config encodes samples of ``layout``."""
-        return FieldMeta(layout, self.bf16_layout, self.fp8_layout)
-
-
-class _HashingSink:
-    """File-like wrapper: counts and hashes every byte on its way to the underlying file.
-
-    ``sha``: the whole file (manifest ``sha256``, checked by ``verify``); ``blocks``: consecutive
-    blocks cut by the shard (record batches); ``prefix``: the first bytes, for the head checksum.
-    """
-
-    PREFIX = 1 << 16
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.blocks = BlockHasher()
-        self.prefix = bytearray()
-        self.n = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        self.sha.update(mv)
-        self.blocks.update(mv)
-        if len(self.prefix) < self.PREFIX:
-            self.prefix += mv[: self.PREFIX - len(self.prefix)]
-        self.n += mv.nbytes
-        self.f.write(mv)
-        return mv.nbytes
-
-    def head(self, n: int) -> list[Any]:
-        """[n, checksum of bytes [0, n)] for the manifest."""
-        assert 0 < n <= len(self.prefix), f"shard head of {n} bytes is not in the kept prefix"
-        return [n, digest(bytes(self.prefix[:n]))]
-
-    def tell(self) -> int:
-        return self.n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class _Shard:
-    """One shard being written under its temp name."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, cfg: ShardConfig, meta: FieldMeta,
-                 fingerprint: str | None, rank: int, name: str, lineage: str | None) -> None:
-        self.name = name
-        self.fs, self.path, self.cfg, self.meta, self.rank = fs, path, cfg, meta, rank
-        self.tmp = temp_name(path)
-        self.file = fs.open(self.tmp, "wb")
-        self.sink = _HashingSink(self.file)
-        self.stats = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0}
-        self.indices: list[int] = []
-        self.batches: list[list[int]] = []
-        self._pending: list[tuple[dict[str, Any], dict[str, bytes]]] = []
-        self._pending_bytes = 0
-        self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
-        if cfg.format == "arrow":
-            self.schema = arrow_schema(meta, fingerprint, lineage)
-            codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
-            opts = pa.ipc.IpcWriteOptions(compression=codec)
-            self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
-        else:
-            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint, lineage)
-
-    def add(self, sample: dict[str, Any], index: int) -> None:
-        enc = encode_fields(sample, self.meta)
-        scalars = {"sample_id": sample["sample_id"], "source": str(sample["source"]),
-                   "audio_seconds": float(sample["audio_seconds"])}
-        self.stats["samples"] += 1
-        self.stats["tokens"] += int(sample["input_ids"].shape[0])
-        self.stats["supervised_tokens"] += int(sample["loss_mask"].sum())
-        self.stats["audio_seconds"] += scalars["audio_seconds"]
-        self.indices.append(index)
-        if self.cfg.format == "wds":
-            self._writer.add(sample_key(self.rank, index), scalars, enc)
-            return
-        nbytes = sum(len(b) for b in enc.values())
-        room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
-        limit = min(self.cfg.batch_bytes, room)
-        if self._pending and self._pending_bytes + nbytes > limit:
-            self._flush_batch()  # a batch never grows past the limit, so random access reads about one sample's bytes
-        self._pending.append((scalars, enc))
-        self._pending_bytes += nbytes
-        if self._pending_bytes >= limit:
-            self._flush_batch()
-
-    def _flush_batch(self) -> None:
-        if not self._pending:
-            return
-        self.sink.blocks.cut()
-        self._writer.write_batch(make_batch(self.schema, self._pending, self._scratch))
-        start, end, h = self.sink.blocks.cut()
-        self.batches.append([start, end, len(self._pending), h])
-        self._pending, self._pending_bytes = [], 0
-
-    @property
-    def full(self) -> bool:
-        return self.sink.n >= self.cfg.shard_bytes
-
-    def finish(self) -> dict[str, Any]:
-        """Close, rename into place, return the shard's index entry."""
-        self._flush_batch()
-        self._writer.close()
-        self.file.close()
-        commit(self.fs, self.tmp, self.path)
-        entry = {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
-                 "indices": _to_ranges(self.indices)}
-        if self.cfg.format == "arrow":
-            entry["batches"] = self.batches
-            entry["head"] = self.sink.head(len(self.schema.serialize()))
-            entry["tail"] = list(self.sink.blocks.cut())
-        else:
-            entry["head"] = self.sink.head(self._writer.head_bytes)
-        return entry
-
-    def abort(self) -> None:
-        try:
-            self.file.close()
-        finally:
-            if self.fs.exists(self.tmp):
-                self.fs.rm(self.tmp)
-
-
-def _to_ranges(indices: list[int]) -> list[list[int]]:
-    """Sorted, merged half-open [start, end) ranges."""
-    out: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return out
 
 
 class DatasetWriter:
@@ -305,7 +102,7 @@ class DatasetWriter:
         """Delete this rank's temp shards and shards not in its index (renamed just before a crash).
 
         A shard that an older finalize left under ``<name>.finalizing`` is indexed: it is kept, and
-        the next finalize moves it on (``_locate``)."""
+        the next finalize moves it on (``shards.finalize._locate``)."""
         prefix = f"{self.split}-rank{self.rank:05d}-"
         known = {n for e in self._shards for n in (e["name"], e["name"] + _LEGACY_MOVING)}
         data = mf.join(self.root, mf.DATA_DIR)
@@ -413,172 +210,3 @@ class DatasetWriter:
             self.close()
         else:
             self.abort()
-
-
-def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:
-    pdir = mf.join(root, mf.PARTS_DIR)
-    paths = sorted(p for p in fs.ls(pdir, detail=False) if p.endswith(".json")) if fs.exists(pdir) else []
-    if not paths:
-        raise FileNotFoundError(f"no partial indexes under {pdir}: nothing was written to {root} by DatasetWriter")
-    parts = []
-    for p in paths:
-        with fs.open(p, "rb") as f:
-            parts.append((p, json.loads(f.read())))
-    return parts
-
-
-def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Layout, fingerprint: str) -> None:
-    """Every rank closed, with the same shard config, layout, target and a known schema major."""
-    problems = []
-    cfg0 = parts[0][1]["shard_config"]
-    for path, part in parts:
-        if not part["closed"]:
-            problems.append(f"{path}: rank {part['rank']} of split {part['split']} was not closed (still running or "
-                            "crashed); rerun that rank's capture to resume it")
-        if part["shard_config"] != cfg0:
-            problems.append(f"{path}: shard config {part['shard_config']} differs from {parts[0][0]}'s {cfg0}")
-        if part["layout"] != layout.to_dict():
-            problems.append(f"{path}: layout {part['layout']} differs from the dataset's {layout.to_dict()}")
-        if part.get("fingerprint") not in (None, fingerprint):
-            problems.append(f"{path}: shards carry target fingerprint {part['fingerprint'][:12]}, the dataset's is "
-                            f"{fingerprint[:12]}; captures of different targets cannot be merged")
-        try:
-            check_schema_version(part.get("schema_version"), path)
-        except ValueError as e:
-            problems.append(str(e))
-    if problems:
-        raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
-
-
-def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root: str) -> None:
-    """A split in which no sample was written is not a dataset: refuse it, naming the first skip reasons."""
-    problems = []
-    for split, sparts in by_split.items():
-        if any(e["samples"] for _, part in sparts for e in part["shards"]):
-            continue
-        skips = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
-        first = "; ".join(f"{s['sample_id']!r}: {s['reason']}" for s in skips[:3])
-        problems.append(f"split {split!r} has no samples: all {len(skips)} input(s) were skipped (first: {first})"
-                        if skips else f"split {split!r} has no samples: its input held none")
-    if problems:
-        raise ValueError(f"cannot finalize {root}: " + "; ".join(problems) + ". Fix the inputs or the target's chat "
-                         "template, then capture into a new --out directory")
-
-
-_LEGACY_MOVING = ".finalizing"
-"""Older finalizes moved a shard to ``<name>.finalizing`` between its two names; such files are found and moved on."""
-
-
-def _plan_final_names(split: str, entries: list[dict[str, Any]], fmt: str) -> None:
-    """Record each shard's final name (``final``) in list order: the journal a restarted finalize replays.
-
-    Final names (``<split>-00003-of-00012``) and rank names (``<split>-rank00000-00003``) never
-    collide, and a name that two finalizes plan alike holds the same shard, so one rename per shard
-    suffices; an earlier final name (a finalize of fewer shards) is kept as ``was`` to be found again.
-    """
-    n = len(entries)
-    for i, e in enumerate(entries):
-        final = mf.final_shard_name(split, i, n, fmt)
-        if e.get("final") not in (None, final):
-            e["was"] = e["final"]
-        e["final"] = final
-
-
-def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any]) -> str | None:
-    """Where the shard of ``e`` is now, None when it is already at its final name."""
-    if fs.exists(mf.join(root, e["final"])):
-        return None
-    names = [x for x in (e["name"], e.get("was"), e["final"]) if x]
-    for cand in names[:-1] + [x + _LEGACY_MOVING for x in names]:
-        if fs.exists(mf.join(root, cand)):
-            return cand
-    raise FileNotFoundError(f"{mf.join(root, e['name'])} is listed in a partial index but missing (nor is it at "
-                            f"{e['final']}); re-run the capture for its rank")
-
-
-def _move_to_final(fs: fsspec.AbstractFileSystem, root: str, entries: list[dict[str, Any]]) -> None:
-    """Replay the journal: every shard not yet at its ``final`` name is renamed there (idempotent)."""
-    for e in entries:
-        cur = _locate(fs, root, e)
-        if cur is not None:
-            commit(fs, mf.join(root, cur), mf.join(root, e["final"]))
-        for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
-            if old and old != e["final"] and fs.exists(mf.join(root, old)):
-                fs.rm(mf.join(root, old))
-
-
-def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """A split's manifest entry: totals plus each shard's final name, size, checksum, counts and batches."""
-    shards_out = []
-    for e in entries:
-        s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
-        s["name"] = e["final"]
-        for key in ("batches", "head", "tail"):
-            if key in e:
-                s[key] = e[key]
-        shards_out.append(s)
-    tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
-                                                     "bytes")}
-    return {**tot, "shards": shards_out}
-
-
-def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
-                    extra: dict[str, Any] | None, splits: dict[str, Any],
-                    skipped: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    fm = shard_metadata(config.field_meta(layout), fingerprint)
-    fp8 = {"fp8_layout": config.fp8_layout} if layout.taps_codec == "fp8" else {}
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "format": config.format,
-        "complete": True,
-        "code_version": mf.code_version(),
-        "fingerprint": fingerprint,
-        "layout": layout.to_dict(),
-        "taps": {"hf": list(layout.tap_ids), "vllm": layout.vllm_tap_ids, "convention": mf.TAP_CONVENTION},
-        "top_k": {"k": layout.top_k, "rows": mf.TOPK_ROWS},
-        "dtypes": fm["dtypes"],
-        "codec": {"container": ("arrow-ipc-stream" + ("+zstd" if config.zstd_level else "") if config.format == "arrow"
-                                else "webdataset-tar+zstd"),
-                  "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
-                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
-        "field_meta": fm,
-        "integrity": INTEGRITY,
-        "shard_config": config.to_dict(),
-        "capture_config": capture_config,
-        "extra": extra or {},
-        "splits": splits,
-        "skipped": skipped,
-    }
-
-
-def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
-                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Merge all ranks' partial indexes, give shards final names, write README.md, then manifest.json."""
-    fs, root = fsspec.core.url_to_fs(str(out_dir))
-    parts = _load_parts(fs, root)
-    _check_parts(parts, root, layout, fingerprint)
-    config = ShardConfig.from_dict(parts[0][1]["shard_config"])
-    man_path = mf.join(root, mf.MANIFEST)
-    if fs.exists(man_path):
-        fs.rm(man_path)  # the directory is not a dataset while shards move
-
-    by_split: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
-        by_split.setdefault(part["split"], []).append((path, part))
-    _check_not_empty(by_split, root)
-    splits: dict[str, Any] = {}
-    skipped: dict[str, list[dict[str, Any]]] = {}
-    for split, sparts in by_split.items():  # journal first: every part records its shards' final names
-        _plan_final_names(split, [e for _, part in sparts for e in part["shards"]], config.format)
-        for path, part in sparts:
-            write_json_atomic(fs, path, part)
-    for split, sparts in by_split.items():
-        entries = [e for _, part in sparts for e in part["shards"]]
-        _move_to_final(fs, root, entries)
-        splits[split] = _split_summary(entries)
-        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
-
-    manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
-    write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())
-    write_json_atomic(fs, man_path, manifest)
-    return manifest

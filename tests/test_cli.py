@@ -88,12 +88,12 @@ def test_bad_input_is_one_line(salm_dir, tmp_path, capsys):
 
 
 def test_full_disk_is_one_line_and_leaves_no_temp_files(salm_dir, inputs, tmp_path, capsys, monkeypatch):
-    from shards import writer as writer_mod
+    from shards import shard_file
 
     def full(self, data):
         raise OSError(errno.ENOSPC, "No space left on device", "data/x.arrow.tmp")
 
-    monkeypatch.setattr(writer_mod._HashingSink, "write", full)
+    monkeypatch.setattr(shard_file._HashingSink, "write", full)
     out = tmp_path / "ds"
     code, err = run(capture_args(salm_dir, inputs, out), capsys)
     assert_one_line(code, err, contains="no space left on the device writing data/x.arrow.tmp; free space")

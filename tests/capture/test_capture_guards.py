@@ -107,9 +107,9 @@ def test_old_absolute_records_resume_as_portable(salm_dir, tone_manifest, tmp_pa
 
 
 def test_full_disk_leaves_no_temp_files_and_resumes(salm_dir, tone_manifest, tmp_path, monkeypatch):
-    from shards import writer as writer_mod
+    from shards import shard_file
 
-    real = writer_mod._HashingSink.write
+    real = shard_file._HashingSink.write
     budget = {"bytes": 9000}  # the first shard fits, the second hits the "full disk"
 
     def write(self, data):
@@ -118,14 +118,14 @@ def test_full_disk_leaves_no_temp_files_and_resumes(salm_dir, tone_manifest, tmp
             raise OSError(errno.ENOSPC, "No space left on device", "data/train-rank00000-00001.arrow.tmp")
         return real(self, data)
 
-    monkeypatch.setattr(writer_mod._HashingSink, "write", write)
+    monkeypatch.setattr(shard_file._HashingSink, "write", write)
     out = tmp_path / "ds"
     with pytest.raises(OSError) as e:
         capture(_cfg(salm_dir, tone_manifest, out))
     assert e.value.errno == errno.ENOSPC
     assert _leftovers(out) == [] and not (out / "manifest.json").exists()
     assert json.loads((out / "_parts" / "train-rank00000.json").read_text())["shards"]  # the first shard is kept
-    monkeypatch.setattr(writer_mod._HashingSink, "write", real)
+    monkeypatch.setattr(shard_file._HashingSink, "write", real)
     m = capture(_cfg(salm_dir, tone_manifest, out))
     assert m["splits"]["train"]["samples"] == 10 and verify_dataset(str(out), progress=False).ok
 

@@ -1,0 +1,192 @@
+"""The finalize step that publishes a dataset once every rank's writer has closed.
+
+``finalize_dataset`` checks every rank closed with the same config, layout and fingerprint and that
+every split holds at least one sample (a split whose every input was skipped is refused, naming the
+first reasons, and no manifest is written), removes ``manifest.json``, records each shard's final
+name ``data/<split>-00000-of-00012.<ext>`` ((rank, seq) order) in the partial indexes (the journal),
+renames the shards, writes the card, then ``manifest.json`` last. Every step is idempotent and the
+journal is written before any rename, so a finalize killed at any instant is finished by running it
+again (the capture's rerun does).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fsspec
+
+from shards import manifest as mf
+from shards.arrow_io import shard_metadata
+from shards.atomic import commit, write_bytes_atomic, write_json_atomic
+from shards.integrity import INTEGRITY
+from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
+from shards.shard_file import ShardConfig
+
+def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:
+    pdir = mf.join(root, mf.PARTS_DIR)
+    paths = sorted(p for p in fs.ls(pdir, detail=False) if p.endswith(".json")) if fs.exists(pdir) else []
+    if not paths:
+        raise FileNotFoundError(f"no partial indexes under {pdir}: nothing was written to {root} by DatasetWriter")
+    parts = []
+    for p in paths:
+        with fs.open(p, "rb") as f:
+            parts.append((p, json.loads(f.read())))
+    return parts
+
+
+def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Layout, fingerprint: str) -> None:
+    """Every rank closed, with the same shard config, layout, target and a known schema major."""
+    problems = []
+    cfg0 = parts[0][1]["shard_config"]
+    for path, part in parts:
+        if not part["closed"]:
+            problems.append(f"{path}: rank {part['rank']} of split {part['split']} was not closed (still running or "
+                            "crashed); rerun that rank's capture to resume it")
+        if part["shard_config"] != cfg0:
+            problems.append(f"{path}: shard config {part['shard_config']} differs from {parts[0][0]}'s {cfg0}")
+        if part["layout"] != layout.to_dict():
+            problems.append(f"{path}: layout {part['layout']} differs from the dataset's {layout.to_dict()}")
+        if part.get("fingerprint") not in (None, fingerprint):
+            problems.append(f"{path}: shards carry target fingerprint {part['fingerprint'][:12]}, the dataset's is "
+                            f"{fingerprint[:12]}; captures of different targets cannot be merged")
+        try:
+            check_schema_version(part.get("schema_version"), path)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
+
+
+def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root: str) -> None:
+    """A split in which no sample was written is not a dataset: refuse it, naming the first skip reasons."""
+    problems = []
+    for split, sparts in by_split.items():
+        if any(e["samples"] for _, part in sparts for e in part["shards"]):
+            continue
+        skips = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+        first = "; ".join(f"{s['sample_id']!r}: {s['reason']}" for s in skips[:3])
+        problems.append(f"split {split!r} has no samples: all {len(skips)} input(s) were skipped (first: {first})"
+                        if skips else f"split {split!r} has no samples: its input held none")
+    if problems:
+        raise ValueError(f"cannot finalize {root}: " + "; ".join(problems) + ". Fix the inputs or the target's chat "
+                         "template, then capture into a new --out directory")
+
+
+_LEGACY_MOVING = ".finalizing"
+"""Older finalizes moved a shard to ``<name>.finalizing`` between its two names; such files are found and moved on."""
+
+
+def _plan_final_names(split: str, entries: list[dict[str, Any]], fmt: str) -> None:
+    """Record each shard's final name (``final``) in list order: the journal a restarted finalize replays.
+
+    Final names (``<split>-00003-of-00012``) and rank names (``<split>-rank00000-00003``) never
+    collide, and a name that two finalizes plan alike holds the same shard, so one rename per shard
+    suffices; an earlier final name (a finalize of fewer shards) is kept as ``was`` to be found again.
+    """
+    n = len(entries)
+    for i, e in enumerate(entries):
+        final = mf.final_shard_name(split, i, n, fmt)
+        if e.get("final") not in (None, final):
+            e["was"] = e["final"]
+        e["final"] = final
+
+
+def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any]) -> str | None:
+    """Where the shard of ``e`` is now, None when it is already at its final name."""
+    if fs.exists(mf.join(root, e["final"])):
+        return None
+    names = [x for x in (e["name"], e.get("was"), e["final"]) if x]
+    for cand in names[:-1] + [x + _LEGACY_MOVING for x in names]:
+        if fs.exists(mf.join(root, cand)):
+            return cand
+    raise FileNotFoundError(f"{mf.join(root, e['name'])} is listed in a partial index but missing (nor is it at "
+                            f"{e['final']}); re-run the capture for its rank")
+
+
+def _move_to_final(fs: fsspec.AbstractFileSystem, root: str, entries: list[dict[str, Any]]) -> None:
+    """Replay the journal: every shard not yet at its ``final`` name is renamed there (idempotent)."""
+    for e in entries:
+        cur = _locate(fs, root, e)
+        if cur is not None:
+            commit(fs, mf.join(root, cur), mf.join(root, e["final"]))
+        for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
+            if old and old != e["final"] and fs.exists(mf.join(root, old)):
+                fs.rm(mf.join(root, old))
+
+
+def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A split's manifest entry: totals plus each shard's final name, size, checksum, counts and batches."""
+    shards_out = []
+    for e in entries:
+        s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
+        s["name"] = e["final"]
+        for key in ("batches", "head", "tail"):
+            if key in e:
+                s[key] = e[key]
+        shards_out.append(s)
+    tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
+                                                     "bytes")}
+    return {**tot, "shards": shards_out}
+
+
+def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
+                    extra: dict[str, Any] | None, splits: dict[str, Any],
+                    skipped: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    fm = shard_metadata(config.field_meta(layout), fingerprint)
+    fp8 = {"fp8_layout": config.fp8_layout} if layout.taps_codec == "fp8" else {}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "format": config.format,
+        "complete": True,
+        "code_version": mf.code_version(),
+        "fingerprint": fingerprint,
+        "layout": layout.to_dict(),
+        "taps": {"hf": list(layout.tap_ids), "vllm": layout.vllm_tap_ids, "convention": mf.TAP_CONVENTION},
+        "top_k": {"k": layout.top_k, "rows": mf.TOPK_ROWS},
+        "dtypes": fm["dtypes"],
+        "codec": {"container": ("arrow-ipc-stream" + ("+zstd" if config.zstd_level else "") if config.format == "arrow"
+                                else "webdataset-tar+zstd"),
+                  "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
+                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
+        "field_meta": fm,
+        "integrity": INTEGRITY,
+        "shard_config": config.to_dict(),
+        "capture_config": capture_config,
+        "extra": extra or {},
+        "splits": splits,
+        "skipped": skipped,
+    }
+
+
+def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_config: dict[str, Any],
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge all ranks' partial indexes, give shards final names, write README.md, then manifest.json."""
+    fs, root = fsspec.core.url_to_fs(str(out_dir))
+    parts = _load_parts(fs, root)
+    _check_parts(parts, root, layout, fingerprint)
+    config = ShardConfig.from_dict(parts[0][1]["shard_config"])
+    man_path = mf.join(root, mf.MANIFEST)
+    if fs.exists(man_path):
+        fs.rm(man_path)  # the directory is not a dataset while shards move
+
+    by_split: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for path, part in sorted(parts, key=lambda p: (p[1]["split"], p[1]["rank"])):
+        by_split.setdefault(part["split"], []).append((path, part))
+    _check_not_empty(by_split, root)
+    splits: dict[str, Any] = {}
+    skipped: dict[str, list[dict[str, Any]]] = {}
+    for split, sparts in by_split.items():  # journal first: every part records its shards' final names
+        _plan_final_names(split, [e for _, part in sparts for e in part["shards"]], config.format)
+        for path, part in sparts:
+            write_json_atomic(fs, path, part)
+    for split, sparts in by_split.items():
+        entries = [e for _, part in sparts for e in part["shards"]]
+        _move_to_final(fs, root, entries)
+        splits[split] = _split_summary(entries)
+        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+
+    manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
+    write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())
+    write_json_atomic(fs, man_path, manifest)
+    return manifest

@@ -1,0 +1,221 @@
+"""One shard file being written: how samples become its bytes, and what is recorded about them.
+
+``ShardConfig`` says how samples become files; ``_Shard`` writes one shard under ``<name>.tmp``
+through ``_HashingSink``, which hashes every byte on its way (whole-file sha256, one block hash per
+record batch, the head's checksum), and renames it into place once complete. Arrow samples are
+gathered into record batches of at most ``batch_bytes`` uncompressed bytes (cut smaller as the shard
+nears ``shard_bytes``); WebDataset samples go straight to the tar. ``DatasetWriter``
+(``shards.writer``) rolls shards and keeps the rank's index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+
+from shards.arrow_io import arrow_schema, make_batch
+from shards.atomic import commit, temp_name
+from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
+from shards.integrity import BlockHasher, digest
+from shards.schema import Layout
+from shards.wds_io import TarShardWriter, sample_key
+
+LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT}
+"""What a shard config recorded before a field existed used for it (fp8 taps were one byte a value)."""
+FORMATS = ("arrow", "wds")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """How samples become files."""
+
+    format: str = "arrow"
+    """'arrow' (IPC stream, zstd buffers, random access) or 'wds' (WebDataset tar, zstd per member)."""
+    shard_bytes: int = 1 << 30
+    """Roll to a new shard once a shard reaches this many bytes on disk."""
+    zstd_level: int = 1
+    """zstd level for Arrow buffers / tar members. 1 beats 3 on bf16 activations in size AND speed
+    (benchmarks/storage.py: 0.699 vs 0.714 of the .pt bytes; ~5x faster to compress). 0 = Arrow shards
+    without compression: the fastest read (with bf16_layout 'raw' a record batch's taps become tensors
+    without a decode pass), at about the .pt baseline's bytes (benchmarks/read.py, storage.py)."""
+    bf16_layout: str = "planes"
+    """'planes' (high bytes then low bytes, compresses better) or 'raw' (uint16 words); both lossless."""
+    batch_bytes: int = 1 << 20
+    """Arrow: uncompressed bytes per record batch at most (the unit of compression and of random access); a
+    sample that would take the batch past it starts the next one, and a sample larger than it is a batch of
+    its own. 1 MiB: random access to a small sample decompresses about its own bytes (64 tokens at hidden
+    1024 with six taps: 3.5 -> 1.7 ms with 4 -> 1 MiB under load; sizes equal to 0.02%), and long
+    conversations at real widths are one batch each whatever the setting."""
+    fp8_layout: str = "packed"
+    """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
+    zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
+        if self.shard_bytes < 1:
+            raise ValueError(f"ShardConfig.shard_bytes must be positive, got {self.shard_bytes}")
+        if not 0 <= self.zstd_level <= 22:
+            raise ValueError(f"ShardConfig.zstd_level must be in [0, 22] (0: uncompressed), got {self.zstd_level}")
+        if self.zstd_level == 0 and self.format != "arrow":
+            raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are zstd "
+                             "frames; use format 'arrow' or a level in [1, 22]")
+        if self.bf16_layout not in BF16_LAYOUTS:
+            raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
+        if self.batch_bytes < 1:
+            raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
+        if self.fp8_layout not in FP8_LAYOUTS:
+            raise ValueError(f"ShardConfig.fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardConfig":
+        """A stored shard config; one written before ``fp8_layout`` existed wrote fp8 taps as 'bytes'."""
+        return cls(**{**LEGACY_SHARD_FIELDS, **d})
+
+    def field_meta(self, layout: Layout) -> FieldMeta:
+        """How this config encodes samples of ``layout``."""
+        return FieldMeta(layout, self.bf16_layout, self.fp8_layout)
+
+
+class _HashingSink:
+    """File-like wrapper: counts and hashes every byte on its way to the underlying file.
+
+    ``sha``: the whole file (manifest ``sha256``, checked by ``verify``); ``blocks``: consecutive
+    blocks cut by the shard (record batches); ``prefix``: the first bytes, for the head checksum.
+    """
+
+    PREFIX = 1 << 16
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.blocks = BlockHasher()
+        self.prefix = bytearray()
+        self.n = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        self.sha.update(mv)
+        self.blocks.update(mv)
+        if len(self.prefix) < self.PREFIX:
+            self.prefix += mv[: self.PREFIX - len(self.prefix)]
+        self.n += mv.nbytes
+        self.f.write(mv)
+        return mv.nbytes
+
+    def head(self, n: int) -> list[Any]:
+        """[n, checksum of bytes [0, n)] for the manifest."""
+        assert 0 < n <= len(self.prefix), f"shard head of {n} bytes is not in the kept prefix"
+        return [n, digest(bytes(self.prefix[:n]))]
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Shard:
+    """One shard being written under its temp name."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, cfg: ShardConfig, meta: FieldMeta,
+                 fingerprint: str | None, rank: int, name: str, lineage: str | None) -> None:
+        self.name = name
+        self.fs, self.path, self.cfg, self.meta, self.rank = fs, path, cfg, meta, rank
+        self.tmp = temp_name(path)
+        self.file = fs.open(self.tmp, "wb")
+        self.sink = _HashingSink(self.file)
+        self.stats = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0}
+        self.indices: list[int] = []
+        self.batches: list[list[int]] = []
+        self._pending: list[tuple[dict[str, Any], dict[str, bytes]]] = []
+        self._pending_bytes = 0
+        self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
+        if cfg.format == "arrow":
+            self.schema = arrow_schema(meta, fingerprint, lineage)
+            codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
+            opts = pa.ipc.IpcWriteOptions(compression=codec)
+            self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
+        else:
+            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint, lineage)
+
+    def add(self, sample: dict[str, Any], index: int) -> None:
+        enc = encode_fields(sample, self.meta)
+        scalars = {"sample_id": sample["sample_id"], "source": str(sample["source"]),
+                   "audio_seconds": float(sample["audio_seconds"])}
+        self.stats["samples"] += 1
+        self.stats["tokens"] += int(sample["input_ids"].shape[0])
+        self.stats["supervised_tokens"] += int(sample["loss_mask"].sum())
+        self.stats["audio_seconds"] += scalars["audio_seconds"]
+        self.indices.append(index)
+        if self.cfg.format == "wds":
+            self._writer.add(sample_key(self.rank, index), scalars, enc)
+            return
+        nbytes = sum(len(b) for b in enc.values())
+        room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
+        limit = min(self.cfg.batch_bytes, room)
+        if self._pending and self._pending_bytes + nbytes > limit:
+            self._flush_batch()  # a batch never grows past the limit, so random access reads about one sample's bytes
+        self._pending.append((scalars, enc))
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= limit:
+            self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        if not self._pending:
+            return
+        self.sink.blocks.cut()
+        self._writer.write_batch(make_batch(self.schema, self._pending, self._scratch))
+        start, end, h = self.sink.blocks.cut()
+        self.batches.append([start, end, len(self._pending), h])
+        self._pending, self._pending_bytes = [], 0
+
+    @property
+    def full(self) -> bool:
+        return self.sink.n >= self.cfg.shard_bytes
+
+    def finish(self) -> dict[str, Any]:
+        """Close, rename into place, return the shard's index entry."""
+        self._flush_batch()
+        self._writer.close()
+        self.file.close()
+        commit(self.fs, self.tmp, self.path)
+        entry = {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
+                 "indices": _to_ranges(self.indices)}
+        if self.cfg.format == "arrow":
+            entry["batches"] = self.batches
+            entry["head"] = self.sink.head(len(self.schema.serialize()))
+            entry["tail"] = list(self.sink.blocks.cut())
+        else:
+            entry["head"] = self.sink.head(self._writer.head_bytes)
+        return entry
+
+    def abort(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            if self.fs.exists(self.tmp):
+                self.fs.rm(self.tmp)
+
+
+def _to_ranges(indices: list[int]) -> list[list[int]]:
+    """Sorted, merged half-open [start, end) ranges."""
+    out: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out

@@ -286,8 +286,10 @@ def write_bundle(
         save_file(weights, str(tmp / WEIGHTS_FILE))
         for name, data in tok.items():
             (tmp / TOKENIZER_DIR / name).write_bytes(data)
-        files = {WEIGHTS_FILE: _file_sha(tmp / WEIGHTS_FILE)} | {f"{TOKENIZER_DIR}/{n}": _sha(d) for n, d in tok.items()}
-        sizes = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size} | {f"{TOKENIZER_DIR}/{n}": len(d) for n, d in tok.items()}
+        weights_path = tmp / WEIGHTS_FILE
+        tok_files = {f"{TOKENIZER_DIR}/{n}": d for n, d in tok.items()}
+        files = {WEIGHTS_FILE: _file_sha(weights_path)} | {n: _sha(d) for n, d in tok_files.items()}
+        sizes = {WEIGHTS_FILE: weights_path.stat().st_size} | {n: len(d) for n, d in tok_files.items()}
         doc = {
             "schema_version": SCHEMA_VERSION,
             "config": {**{k: config.get(k) for k in CONFIG_KEYS},
@@ -345,7 +347,8 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
     head = HeadSpec.from_dict(doc["head"])
     _check_files(root, doc["files"], rehash=verify)
     if not legacy:  # bundle.json's own fields against its fingerprint, from the recorded hashes: no weight read
-        tok_sha = {n.split("/", 1)[1]: r["sha256"] for n, r in doc["files"].items() if n.startswith(TOKENIZER_DIR + "/")}
+        tok_sha = {n.split("/", 1)[1]: r["sha256"] for n, r in doc["files"].items()
+                   if n.startswith(TOKENIZER_DIR + "/")}
         fp = fingerprint_of(doc["config"], doc.get("audio", {}), doc.get("chat_template"), tok_sha,
                             doc["tensor_sha256"], doc.get("template_kwargs"), head)
         if fp != doc["fingerprint"]:

@@ -58,13 +58,18 @@ def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Lay
         raise ValueError("cannot finalize " + root + ":\n  " + "\n  ".join(problems))
 
 
+def _split_skips(sparts: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A split's recorded skips over all its ranks, in (rank, index) order."""
+    return sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+
+
 def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root: str) -> None:
     """A split in which no sample was written is not a dataset: refuse it, naming the first skip reasons."""
     problems = []
     for split, sparts in by_split.items():
         if any(e["samples"] for _, part in sparts for e in part["shards"]):
             continue
-        skips = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+        skips = _split_skips(sparts)
         first = "; ".join(f"{s['sample_id']!r}: {s['reason']}" for s in skips[:3])
         problems.append(f"split {split!r} has no samples: all {len(skips)} input(s) were skipped (first: {first})"
                         if skips else f"split {split!r} has no samples: its input held none")
@@ -184,7 +189,7 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
         entries = [e for _, part in sparts for e in part["shards"]]
         _move_to_final(fs, root, entries)
         splits[split] = _split_summary(entries)
-        skipped[split] = sorted((s for _, part in sparts for s in part["skipped"]), key=lambda s: (s["rank"], s["index"]))
+        skipped[split] = _split_skips(sparts)
 
     manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
     write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())

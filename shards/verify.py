@@ -206,7 +206,8 @@ def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str,
                 rep.problems.append(str(e))
         for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
             if b < len(batches) and batches[b][2] != batch.num_rows:
-                rep.problems.append(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {batches[b][2]}")
+                rep.problems.append(f"{path}: record batch {b} has {batch.num_rows} rows, "
+                                    f"manifest says {batches[b][2]}")
             yield from decode_batch(batch, meta, check_rows=path)
         if batches and batches[-1][1] > len(data):
             rep.problems.append(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")

@@ -53,7 +53,9 @@ class DatasetWriter:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.config, self.layout, self.split, self.rank = config, layout, mf.check_split(split), rank
         self.fs, self.root = fsspec.core.url_to_fs(str(out_dir))
-        self.fingerprint = fingerprint if fingerprint is not None else stored_fingerprint(self.fs, mf.join(self.root, mf.TARGET_DIR))
+        if fingerprint is None:
+            fingerprint = stored_fingerprint(self.fs, mf.join(self.root, mf.TARGET_DIR))
+        self.fingerprint = fingerprint
         self.meta = config.field_meta(layout)
         self.lineage = lineage
         self._part_path = mf.join(self.root, mf.part_name(split, rank))
@@ -134,7 +136,8 @@ class DatasetWriter:
         if index < 0:
             raise ValueError(f"input index must be >= 0, got {index}")
         if index in self._pending_idx:
-            raise ValueError(f"input index {index} was already written to the open shard ({self.split} rank {self.rank})")
+            raise ValueError(f"input index {index} was already written to the open shard "
+                             f"({self.split} rank {self.rank})")
         if index in self._done:
             if not self._warned_dup:
                 warnings.warn(f"input index {index} is already in a finished shard; ignoring it (resume overlap)",

@@ -12,10 +12,12 @@ Integrity (shards.integrity): opening checks every shard's size and head checksu
 manifest, so a missing, truncated or foreign shard is refused before the first sample; each record
 batch (Arrow) or tar member (WebDataset) is checked against its checksum as it is decoded.
 
-Order: see shards.order (a pure function of seed, epoch, world_size, num_workers; every rank gets
-N // world_size samples per epoch). Streaming reads each block (record batch / tar shard) once,
-decoding only the rows this worker needs; the shuffle buffer holds at most ``shuffle_buffer``
-decoded samples.
+Order: see shards.order (a pure function of seed, epoch, world_size, num_workers, and for Arrow of the
+sample count, token count and layout width, not of record-batch boundaries; every rank gets
+N // world_size samples per epoch). Streaming reads each order unit's samples block by block (an
+Arrow unit of ``order_unit`` samples spans one or a few record batches, each read once for it; a
+tar shard is its own unit), decoding only the rows this worker needs; the shuffle buffer holds at
+most ``shuffle_buffer`` decoded samples.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError, SampleIndexError
 from shards.integrity import check_block
-from shards.order import block_order, epoch_rng, shuffle_order, worker_range
+from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.wds_io import decode_wds_sample, iter_tar_samples
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: Arrow order units are ``order_unit`` samples, no longer record batches (a version-1 position names
+another sample)."""
 
 
 class Dataset:
@@ -267,23 +271,36 @@ class Dataset:
 
     def stream(self, split: str, *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
                worker_id: int = 0, num_workers: int = 1, shuffle_buffer: int = 0, shuffle: bool = True,
-               state: dict[str, Any] | None = None) -> "SampleStream":
-        """One epoch of this (rank, worker)'s samples; see shards.order. ``shuffle=False`` keeps file order."""
+               order_unit: int | None = None, state: dict[str, Any] | None = None) -> "SampleStream":
+        """One epoch of this (rank, worker)'s samples; see shards.order. ``shuffle=False`` keeps file order.
+        ``order_unit``: Arrow samples per permuted unit (None: :meth:`order_unit`)."""
         return SampleStream(self, split, seed=seed, epoch=epoch, rank=rank, world_size=world_size,
                             worker_id=worker_id, num_workers=num_workers, shuffle_buffer=shuffle_buffer,
-                            shuffle=shuffle, state=state)
+                            shuffle=shuffle, order_unit=order_unit, state=state)
+
+    def order_unit(self, split: str) -> int:
+        """Samples per Arrow order unit of ``split`` (shards.order.order_unit): from the manifest's sample and
+        token counts and the layout's width, the same for every codec and record-batch size."""
+        d = self._split(split)
+        return order_unit(int(d["samples"]), int(d.get("tokens", 0)), self.layout.n_taps * self.layout.hidden_size * 2)
 
 
 class SampleStream:
     """Iterator over sample dicts with an exact, tiny ``state_dict``."""
 
     def __init__(self, ds: Dataset, split: str, *, seed: int, epoch: int, rank: int, world_size: int,
-                 worker_id: int, num_workers: int, shuffle_buffer: int, shuffle: bool,
+                 worker_id: int, num_workers: int, shuffle_buffer: int, shuffle: bool, order_unit: int | None,
                  state: dict[str, Any] | None) -> None:
         self.ds, self.split = ds, split
+        if ds.format == "arrow":
+            unit = ds.order_unit(split) if order_unit is None else int(order_unit)
+            if unit < 1:
+                raise ValueError(f"order_unit must be >= 1 sample, got {unit}")
+        else:
+            unit = 0  # WebDataset: the tar shard
         self.params = {"split": split, "seed": int(seed), "epoch": int(epoch), "rank": int(rank),
                        "world_size": int(world_size), "worker_id": int(worker_id), "num_workers": int(num_workers),
-                       "shuffle_buffer": int(shuffle_buffer), "shuffle": bool(shuffle)}
+                       "shuffle_buffer": int(shuffle_buffer), "shuffle": bool(shuffle), "order_unit": unit}
         self.yielded = 0
         if state is not None:
             if state.get("version") != STATE_VERSION:
@@ -294,10 +311,13 @@ class SampleStream:
                 raise ValueError(f"stream state was saved with different settings {diff} (saved, now); "
                                  "rebuild the stream with the saved settings")
             self.yielded = int(state["yielded"])
-        blocks = ds.blocks(split)
-        order = block_order(len(blocks), seed, epoch, shuffle)
-        self._blocks = [blocks[i] for i in order]
-        self._starts = np.cumsum([0] + [b[2] for b in self._blocks]).tolist()
+        self._blocks = ds.blocks(split)  # file order
+        self._file_starts = np.cumsum([0] + [b[2] for b in self._blocks]).tolist()
+        n_file = self._file_starts[-1]
+        edges = list(range(0, n_file, unit)) + [n_file] if unit else self._file_starts
+        units = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]  # [file start, file stop)
+        self._units = [units[i] for i in block_order(len(units), seed, epoch, shuffle)]
+        self._starts = np.cumsum([0] + [b - a for a, b in self._units]).tolist()
         self._lo, hi = worker_range(self._starts[-1], rank, world_size, worker_id, num_workers)
         self.n = hi - self._lo
         self._order = shuffle_order(self.n, shuffle_buffer, epoch_rng(seed, epoch, rank, worker_id, 1))
@@ -314,17 +334,21 @@ class SampleStream:
         return self
 
     def _read(self, first: int, skip: set[int]) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(local position, sample) for positions >= first not in ``skip``, in ascending order."""
+        """(local position, sample) for positions >= first not in ``skip``, in ascending order: each unit's
+        wanted samples read block by block (the blocks a unit overlaps, each once)."""
         g0, g1 = self._lo + first, self._lo + self.n
-        b = bisect.bisect_right(self._starts, g0) - 1
-        while b < len(self._blocks) and self._starts[b] < g1:
-            start = self._starts[b]
-            rows = [r for r in range(max(g0, start) - start, min(g1, self._starts[b + 1]) - start)
-                    if start + r - self._lo not in skip]
-            if rows:
-                for r, sample in zip(rows, self.ds.read_block_rows(self.split, self._blocks[b], rows)):
-                    yield start + r - self._lo, sample
-            b += 1
+        u = bisect.bisect_right(self._starts, g0) - 1
+        while u < len(self._units) and self._starts[u] < g1:
+            start, (f0, _) = self._starts[u], self._units[u]
+            pos = [g for g in range(max(g0, start), min(g1, self._starts[u + 1])) if g - self._lo not in skip]
+            while pos:
+                b = bisect.bisect_right(self._file_starts, f0 + pos[0] - start) - 1
+                end = self._file_starts[b + 1] - f0 + start  # first position past block b
+                here, pos = [g for g in pos if g < end], [g for g in pos if g >= end]
+                rows = [f0 + g - start - self._file_starts[b] for g in here]
+                for g, sample in zip(here, self.ds.read_block_rows(self.split, self._blocks[b], rows)):
+                    yield g - self._lo, sample
+            u += 1
 
     def __next__(self) -> dict[str, Any]:
         if self.yielded >= self.n:

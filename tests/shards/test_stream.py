@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from shards.order import epoch_rng, shuffle_order, worker_range
+from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.reader import open_dataset
 from tests.shards.synthetic import tiny_layout, write_dataset
 from shards.writer import ShardConfig
@@ -82,3 +82,43 @@ def test_state_from_other_settings_is_refused(ds):
     next(it)
     with pytest.raises(ValueError, match="different settings"):
         ds.stream("train", seed=2, state=it.state_dict())
+
+
+def _bf16_and_fp8(root, batch_bytes):
+    """The same samples written twice, bf16 and fp8 taps: their record batches end at different samples."""
+    out = {}
+    for codec in ("bf16", "fp8"):
+        d = root / codec
+        write_dataset(str(d), tiny_layout(taps_codec=codec), ShardConfig(shard_bytes=1 << 20, batch_bytes=batch_bytes),
+                      [3 + i % 4 for i in range(N)])
+        out[codec] = open_dataset(str(d))
+    return out
+
+
+def test_order_does_not_depend_on_record_batch_boundaries(tmp_path):
+    """Same samples, same seed -> same order, whatever bytes the codec gives each record batch (a bf16 and an
+    fp8 capture of the same data must train on the same sequence for their comparison to mean anything)."""
+    pair = _bf16_and_fp8(tmp_path, batch_bytes=600)
+    blocks = {c: [b[2] for b in d.blocks("train")] for c, d in pair.items()}
+    assert blocks["bf16"] != blocks["fp8"]  # the premise: the layouts differ
+    for kw in (dict(seed=3), dict(seed=4, epoch=1, order_unit=5), dict(seed=5, world_size=2, rank=1, shuffle_buffer=4),
+               dict(seed=6, num_workers=2, worker_id=1, order_unit=3)):
+        assert ids(pair["bf16"].stream("train", **kw)) == ids(pair["fp8"].stream("train", **kw)), kw
+
+
+@pytest.mark.parametrize("unit", [1, 4, 7, N])
+def test_arrow_order_permutes_units_of_consecutive_samples(ds, unit):
+    """Arrow: the epoch's sequence is the file order cut into units of ``order_unit`` samples, units permuted."""
+    if ds.format != "arrow":
+        pytest.skip("a WebDataset tar has no index: its unit is the tar shard")
+    file_order = ids(ds.stream("train", seed=0, shuffle=False))
+    units = [file_order[a:a + unit] for a in range(0, N, unit)]
+    perm = block_order(len(units), 9, 2)
+    assert ids(ds.stream("train", seed=9, epoch=2, order_unit=unit)) == [x for i in perm for x in units[i]]
+
+
+def test_order_unit_holds_about_a_mebibyte_of_taps():
+    row = 3 * 96 * 2  # three taps of width 96, bf16 as training reads them
+    assert order_unit(samples=1200, tokens=42777, row_bytes=row) == (1 << 20) * 1200 // (42777 * row)
+    assert order_unit(samples=10, tokens=20480, row_bytes=6 * 1024 * 2) == 1  # 2k-token samples: one each
+    assert order_unit(samples=0, tokens=0, row_bytes=row) == 1

@@ -65,9 +65,14 @@ def test_ranks_cover_the_epoch_equally(ds, world, workers):
     assert a != ids(ds.stream("train", seed=5, epoch=1, rank=0, world_size=world, shuffle_buffer=4))
 
 
+@pytest.mark.parametrize("unit", [None, 4])
 @pytest.mark.parametrize("n_first", [0, 1, 6, 13, 18])
-def test_state_dict_resumes_exactly(ds, n_first):
-    kw = dict(seed=11, epoch=2, rank=1, world_size=2, shuffle_buffer=6)
+def test_state_dict_resumes_exactly(ds, n_first, unit):
+    if unit is not None and ds.format != "arrow":
+        with pytest.raises(ValueError, match="tar shard"):
+            ds.stream("train", seed=0, order_unit=unit)
+        return
+    kw = dict(seed=11, epoch=2, rank=1, world_size=2, shuffle_buffer=6, order_unit=unit)
     full = ids(ds.stream("train", **kw))
     it = ds.stream("train", **kw)
     head = [next(it)["sample_id"] for _ in range(n_first)]

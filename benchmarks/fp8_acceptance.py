@@ -9,8 +9,13 @@ evaluated offline on the bf16 validation split, which is what a drafter sees whe
 target's own states), and on the fp8 validation split (how much the quantised inputs alone move tau).
 A run directory that already holds its final checkpoint is evaluated again, not retrained. The figure is
 tau replayed round by round from each reply's start (``train.evaluate``; the responses are the
-target's own greedy replies, so it is exact for greedy decoding). ``--seeds 0 1`` repeats the pair
-with other seeds to show how much tau moves between two bf16 runs that differ only by their seed.
+target's own greedy replies, so it is exact for greedy decoding); beside it, tau from alpha at every
+anchor (``tau_uniform``: 932 teacher-forced blocks, a smoother statistic). Replayed tau over the 120
+validation replies is coarse and chaotic: one decoding round more or fewer moves it ~0.5%, and
+bf16-trained runs whose taps were moved by one bf16 ulp (0.57% RMS; a control run outside this
+script) replayed -0.6..+1.7% off their unperturbed pair on seeds 0-2 (tau at uniform anchors
++-0.25%), so one seed's replayed difference says little below ~2%. ``--seeds 0 1`` repeats the pair with
+other seeds to show how much tau moves between two bf16 runs that differ only by their seed.
 
     python -m benchmarks.fp8_acceptance [--demo-dir /tmp/tapdraft-demo] [--seeds 0] [--steps N]
 """
@@ -84,19 +89,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs[-1]["same_batches"] = _batch_ids(bf16, seed, args.steps) == _batch_ids(fp8, seed, args.steps)
         a, b = runs[-2]["tau_replayed@bf16"], runs[-1]["tau_replayed@bf16"]
         runs[-1]["rel_diff_vs_bf16"] = (b - a) / a
+        runs[-1]["rel_diff_tau_uniform"] = runs[-1]["tau@bf16"] / runs[-2]["tau@bf16"] - 1
         print(f"seed {seed}: tau replayed  bf16-trained {a:.4f}  fp8-trained {b:.4f}  ({100 * (b - a) / a:+.2f}%)  "
-              f"(on the fp8 validation split: {runs[-2]['tau_replayed@fp8']:.4f}, {runs[-1]['tau_replayed@fp8']:.4f})")
+              f"(on the fp8 validation split: {runs[-2]['tau_replayed@fp8']:.4f}, {runs[-1]['tau_replayed@fp8']:.4f}); "
+              f"tau at uniform anchors {100 * runs[-1]['rel_diff_tau_uniform']:+.2f}%; same batches: {runs[-1]['same_batches']}")
     diffs = [r["rel_diff_vs_bf16"] for r in runs if "rel_diff_vs_bf16" in r]
+    uniform = [r["rel_diff_tau_uniform"] for r in runs if "rel_diff_tau_uniform" in r]
     bf = [r["tau_replayed@bf16"] for r in runs if r["trained_on"] == "bf16"]
+    bf_u = [r["tau@bf16"] for r in runs if r["trained_on"] == "bf16"]
     doc = {"benchmark": "fp8_acceptance", "recipe": "dflash_demo",
            "command": "python -m benchmarks.fp8_acceptance " + " ".join(argv if argv is not None else sys.argv[1:]),
            "target": "demo SALM (hidden 96, 6 layers, vocab 54), taps (1, 3, 5), pre-norm",
            "runs": runs, "same_batches": all(r["same_batches"] for r in runs if "same_batches" in r),
            "mean_rel_diff": sum(diffs) / len(diffs), "max_abs_rel_diff": max(abs(d) for d in diffs),
            "within_1pct": all(abs(d) <= 0.01 for d in diffs),
-           "bf16_seed_spread": (max(bf) - min(bf)) / min(bf) if len(bf) > 1 else None}
+           "bf16_seed_spread": (max(bf) - min(bf)) / min(bf) if len(bf) > 1 else None,
+           "tau_uniform": {"mean_rel_diff": sum(uniform) / len(uniform), "max_abs_rel_diff": max(map(abs, uniform)),
+                           "bf16_seed_spread": (max(bf_u) - min(bf_u)) / min(bf_u) if len(bf_u) > 1 else None}}
     print(f"fp8 vs bf16 replayed tau: max |rel diff| {100 * doc['max_abs_rel_diff']:.2f}% "
-          f"({'within' if doc['within_1pct'] else 'NOT within'} 1%)")
+          f"({'within' if doc['within_1pct'] else 'NOT within'} 1%), mean {100 * doc['mean_rel_diff']:+.2f}%; "
+          f"tau at uniform anchors: max |rel diff| {100 * doc['tau_uniform']['max_abs_rel_diff']:.2f}%")
     write_result("fp8_acceptance.json", doc)
     return doc
 

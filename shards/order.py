@@ -26,8 +26,10 @@ import numpy as np
 
 _SALT = 0x7A9D
 UNIT_BYTES = 1 << 20
-"""Training-ready taps (bf16) per Arrow order unit: the default record batch's size, so reading a unit
-decompresses about two record batches (the unit's edges seldom meet the batches')."""
+"""Training-ready taps (bf16) per Arrow order unit, the default record batch's size: a unit's edges seldom meet
+the batches', so a unit decodes parts of about two batches. Streaming 6 epochs of the demo's small samples took
+1.15-1.45x (bf16) and 1.11-1.18x (fp8) the time of whole record batches as units (~7k samples/s either way,
+against ~140 a second that training consumes); samples past 1 MiB are units of one, as they were batches of one."""
 
 
 def epoch_rng(seed: int, epoch: int, *stream: int) -> np.random.Generator:

@@ -13,8 +13,8 @@ target's own greedy replies, so it is exact for greedy decoding); beside it, tau
 anchor (``tau_uniform``: 932 teacher-forced blocks, a smoother statistic). Replayed tau over the 120
 validation replies is coarse and chaotic: one decoding round more or fewer moves it ~0.5%, and
 bf16-trained runs whose taps were moved by one bf16 ulp (0.57% RMS; a control run outside this
-script) replayed -0.6..+1.7% off their unperturbed pair on seeds 0-2 (tau at uniform anchors
-+-0.25%), so one seed's replayed difference says little below ~2%. ``--seeds 0 1`` repeats the pair with
+script) replayed -1.7..+1.7% off their unperturbed pair on seeds 0-5 (tau at uniform anchors
+-0.8..+0.3%), so one seed's replayed difference says little below ~2%. ``--seeds 0 1`` repeats the pair with
 other seeds to show how much tau moves between two bf16 runs that differ only by their seed.
 
     python -m benchmarks.fp8_acceptance [--demo-dir /tmp/tapdraft-demo] [--seeds 0] [--steps N]

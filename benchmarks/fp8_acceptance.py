@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs[-1]["rel_diff_tau_uniform"] = runs[-1]["tau@bf16"] / runs[-2]["tau@bf16"] - 1
         print(f"seed {seed}: tau replayed  bf16-trained {a:.4f}  fp8-trained {b:.4f}  ({100 * (b - a) / a:+.2f}%)  "
               f"(on the fp8 validation split: {runs[-2]['tau_replayed@fp8']:.4f}, {runs[-1]['tau_replayed@fp8']:.4f}); "
-              f"tau at uniform anchors {100 * runs[-1]['rel_diff_tau_uniform']:+.2f}%; same batches: {runs[-1]['same_batches']}")
+              f"tau at uniform anchors {100 * runs[-1]['rel_diff_tau_uniform']:+.2f}%; "
+              f"same batches: {runs[-1]['same_batches']}")
     diffs = [r["rel_diff_vs_bf16"] for r in runs if "rel_diff_vs_bf16" in r]
     uniform = [r["rel_diff_tau_uniform"] for r in runs if "rel_diff_tau_uniform" in r]
     bf = [r["tau_replayed@bf16"] for r in runs if r["trained_on"] == "bf16"]

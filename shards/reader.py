@@ -297,8 +297,8 @@ class SampleStream:
             if unit < 1:
                 raise ValueError(f"order_unit must be >= 1 sample, got {unit}")
         elif order_unit is not None:
-            raise ValueError("order_unit applies to Arrow datasets; a WebDataset's order unit is its tar shard (it has no "
-                             "index to seek inside one): leave order_unit unset")
+            raise ValueError("order_unit applies to Arrow datasets; a WebDataset's order unit is its tar shard "
+                             "(it has no index to seek inside one): leave order_unit unset")
         else:
             unit = 0  # WebDataset: the tar shard
         self.params = {"split": split, "seed": int(seed), "epoch": int(epoch), "rank": int(rank),

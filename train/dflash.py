@@ -24,6 +24,23 @@ GFLOP at Qwen3's V = 151,936, H = 1024), which is most of a step at a real vocab
 (benchmarks/train_step.py measures step time against rows), so the budget, not the sequence
 length, sets a step's cost. Evaluation (``acceptance``) is not budgeted: it keeps the anchor caps.
 
+Draft vocabulary (``draft_vocab = N``, off by default; the subset rule is ``train.draft_vocab``): the
+draft's logits are computed over the N subset rows of the frozen lm_head only, W_S = lm_head[S]. With
+S the subset and z_S = scale(W_S h) the draft's logits over it, for a loss row with label y:
+
+    q_S      = softmax(z_S)                                   the draft's distribution, over S only
+    CE       = -log q_S(y)                     y in S; a row whose label is outside S carries no loss
+                                               (CE nor KD): the draft can never emit it, so no gradient
+                                               can help it; acceptance still counts it as a miss
+    KD       = KL(p_S || q_S),  p_S(v) = p(v) / sum_{u in S} p(u) = softmax over S of the teacher's
+                                               logits (the exact teacher restricted and renormalised;
+                                               kd='topk' is refused: its tail's share of S is unknown)
+
+so the loss is the full-vocabulary loss with lm_head replaced by W_S and labels by their draft ids.
+Everything that drafts (eval, replay, live ``propose``) sees logits over the target vocabulary, -inf
+outside S, so a token outside S is never proposed and ids are target ids throughout. The subset is
+kept as EAGLE-3's persistent ``d2t`` / ``t2d`` buffers (checkpoint and export carry them).
+
 Module names match the DFlash reference release (``fc``, ``hidden_norm``, ``layers.N.self_attn.q_proj``,
 ``norm``), so exported weights load in serving engines.
 
@@ -50,6 +67,7 @@ from train.losses import row_losses, slot_weights, weighted_terms
 from train.mask import dense_mask, flex_block_mask
 from train.chunks import map_row_chunks
 from train.divergences import kl_tv_full
+from train.draft_vocab import DraftVocab, draft_index
 from train.teacher import exact_last_tap, gather_exact, gather_topk, last_hidden, require_last_hidden
 
 KD_MODES = ("none", "topk", "exact")
@@ -103,6 +121,9 @@ class DFlashConfig:
     """Weight of the KD term (forward KL(teacher || draft))."""
     init_std: float = 0.02
     """Std of the normal init of draft linear layers."""
+    draft_vocab: int | None = None
+    """Reduced draft vocabulary (off: None): logits over only the N target tokens most frequent at the training
+    split's supervised positions (plus eos), mapped back to target ids for verification (``train.draft_vocab``)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -124,6 +145,11 @@ class DFlashConfig:
             raise ValueError(f"flex_block_size must be a positive multiple of 16, got {self.flex_block_size}")
         if self.ce_weight < 0 or self.kd_weight < 0 or (self.ce_weight == 0 and self.kd == "none"):
             raise ValueError("loss weights must be >= 0 and some term must be on")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (or null: the full vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab is not None and self.kd == "topk":
+            raise ValueError("draft_vocab needs kd 'none' or 'exact': the stored top-k cannot say how much of its tail "
+                             "lies inside the draft vocabulary, so the restricted teacher is unknown")
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
@@ -156,6 +182,8 @@ class DFlashConfig:
             mask_id = default_mask_id(bundle, layout)
         if not 0 <= mask_id < V:
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
+        if self.draft_vocab is not None and self.draft_vocab > V:
+            raise ValueError(f"draft_vocab {self.draft_vocab} exceeds the target vocabulary ({V}); lower it or drop it")
         ids = self.target_layer_ids
         if ids is None:
             rule = sorted(set(default_tap_ids(layout.num_layers, self.num_layers)))
@@ -360,6 +388,9 @@ class DFlashDrafter(Drafter):
         for name, t in (("target_norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
             self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
         self.register_buffer("weights_k", slot_weights(cfg.block_size, cfg.gamma), persistent=False)
+        if cfg.draft_vocab is not None:  # EAGLE-3's buffers, filled by set_draft_vocab (or a checkpoint); -1 = unset
+            self.register_buffer("d2t", torch.full((cfg.draft_vocab,), -1, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
         self._init_weights(cfg.init_std)
         self._stack = self._run_layers
         if cfg.compile:
@@ -377,6 +408,33 @@ class DFlashDrafter(Drafter):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+
+    # -- draft vocabulary ----------------------------------------------------------------------
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Install the draft vocabulary (``train.draft_vocab.setup`` fits it on the training split)."""
+        if self.config.draft_vocab != vocab.size or vocab.vocab_size != self.vocab_size:
+            raise ValueError(f"a {vocab.size}-token draft vocabulary of a {vocab.vocab_size}-token target does not fit "
+                             f"draft_vocab={self.config.draft_vocab} over {self.vocab_size} tokens")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids [N] of the draft vocabulary (None: the full vocabulary)."""
+        if self.config.draft_vocab is None:
+            return None
+        ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        if int(ids[0]) < 0:
+            raise RuntimeError("the draft vocabulary was never set: train.draft_vocab.setup (or loading a checkpoint) "
+                               "fills it before the drafter runs")
+        return ids
+
+    def draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
+        ids = self.draft_ids()
+        if ids is None:
+            return self.lm_head, self.lm_head_bias
+        bias = None if self.lm_head_bias is None else self.lm_head_bias.index_select(0, ids)
+        return self.lm_head.index_select(0, ids), bias
 
     # -- model -------------------------------------------------------------------------------
     def context(self, taps_BTnH: torch.Tensor) -> torch.Tensor:
@@ -412,8 +470,16 @@ class DFlashDrafter(Drafter):
         return h.view(Bs, N, B, -1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits for hidden rows (through the target's frozen head)."""
-        return project(h, self.lm_head, self.head_spec, self.lm_head_bias)
+        """Draft logits over the target vocabulary for hidden rows (through the target's frozen head); with a
+        draft vocabulary, its rows only and -inf at every other target id (never proposed)."""
+        ids = self.draft_ids()
+        if ids is None:
+            return project(h, self.lm_head, self.head_spec, self.lm_head_bias)
+        lm_head, bias = self.draft_head()
+        z = project(h, lm_head, self.head_spec, bias)
+        out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., ids] = z
+        return out
 
     # -- targets -----------------------------------------------------------------------------
     def _targets(self, batch: dict[str, Any], anchors: torch.Tensor, valid_blocks: torch.Tensor):
@@ -441,11 +507,13 @@ class DFlashDrafter(Drafter):
             static=cfg.static_anchors, generator=generator, take_all=take_all,
         )
 
-    def kd_teacher(self, batch: dict[str, Any], valid: torch.Tensor, tpos: torch.Tensor, w: torch.Tensor):
+    def kd_teacher(self, batch: dict[str, Any], valid: torch.Tensor, tpos: torch.Tensor, w: torch.Tensor,
+                   head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         """Teacher rows anchor+k-1 of the valid slots and their KD weights; (None, None) without KD.
 
-        ``exact``: gather those rows' last hidden -> bundle final norm -> lm_head; ``topk``: the
-        stored rows (a slot whose row was not stored gets weight 0).
+        ``exact``: gather those rows' last hidden -> bundle final norm -> lm_head (``head``: the rows and bias
+        to project on, default the whole lm_head; a draft vocabulary's rows give the renormalised restriction);
+        ``topk``: the stored rows (a slot whose row was not stored gets weight 0).
         """
         cfg = self.config
         if cfg.kd == "none":
@@ -453,9 +521,10 @@ class DFlashDrafter(Drafter):
         b_idx = torch.arange(valid.shape[0], device=valid.device)[:, None, None].expand_as(valid)[valid]
         rows = tpos[valid] - 1
         if cfg.kd == "exact":
+            lm_head, bias = head or (self.lm_head, self.lm_head_bias)
             teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                   lm_head=self.lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
-                                   lm_head_bias=self.lm_head_bias)
+                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
+                                   lm_head_bias=bias)
             return teacher, w
         teacher, has = gather_topk(batch, b_idx, rows)
         return teacher, w * has.to(w.dtype)
@@ -467,17 +536,22 @@ class DFlashDrafter(Drafter):
         ctx = self.context(batch["taps"])
         h = self.block_hidden(batch["input_ids"], ctx, anchors)  # [Bs, N, B, H]
         labels, valid, tpos = self._targets(batch, anchors, vblk)
-        h_rows = h[:, :, 1:][valid]  # [R, H]
-        y = labels[valid]
-        w = self.weights_k.to(h.device).expand_as(valid)[valid]
-        teacher, kd_w = self.kd_teacher(batch, valid, tpos, w)
-        ce, correct, kd = row_losses(h_rows, y, self.lm_head, head=self.head_spec, lm_head_bias=self.lm_head_bias,
+        lm_head, bias = self.draft_head()
+        if cfg.draft_vocab is None:
+            rows_ok, y = valid, labels[valid]
+        else:  # loss rows: labels the draft vocabulary holds, as draft ids (module docstring)
+            rows_ok = valid & self.t2d[labels]
+            y = draft_index(self.t2d, labels[rows_ok])
+        h_rows = h[:, :, 1:][rows_ok]  # [R, H]
+        w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
+        teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
+        ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
                                      chunk_rows=cfg.ce_chunk_size, teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
-        corr[valid] = correct.detach().bool()
+        corr[rows_ok] = correct.detach().bool()  # a label outside the draft vocabulary is a miss
         return LossOutput(terms=terms, metrics=_metrics(acceptance_counts(corr, valid)))
 
     @torch.no_grad()
@@ -624,6 +698,7 @@ class DFlashDrafter(Drafter):
                 **({"mask_token": self.mask_token} if self.mask_token else {}),
                 "target_layer_ids": list(cfg.target_layer_ids),
             },
+            **self._draft_vocab_config(),
             "tapdraft": {
                 "family": self.family,
                 "target_fingerprint": self.fingerprint,
@@ -633,6 +708,16 @@ class DFlashDrafter(Drafter):
                 "target_layer_types": self.target_layer_types,
             },
         }
+
+
+    def _draft_vocab_config(self) -> dict[str, Any]:
+        """EAGLE-3's config key for a reduced draft vocabulary (``d2t`` / ``t2d`` ride in the weights); {} when off."""
+        if self.config.draft_vocab is None:
+            return {}
+        return {"draft_vocab_size": self.config.draft_vocab,
+                "draft_vocab": "logits only at target ids arange(draft_vocab_size) + d2t (EAGLE-3's "
+                               "draft_id_to_target_id), from those lm_head rows; -inf at every other target id; "
+                               "t2d[v]: target id v is drafted (modeling_dflash.DFlashDraftModel.compute_logits)"}
 
 
 def _with_rounds(acc: AcceptanceCounts, batch: dict[str, Any], anchors: torch.Tensor, correct: torch.Tensor,

@@ -83,6 +83,9 @@ class DFlash2Config(DFlashConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.draft_vocab is not None:
+            raise ValueError("draft_vocab is DFlash-only: DFlash2's selector re-ranks the top candidates of the dense "
+                             "full-vocabulary logits and its reference export has no d2t; use family dflash or drop it")
         if self.logits_budget_mib < 1:
             raise ValueError(f"logits_budget_mib must be >= 1, got {self.logits_budget_mib}")
         if self.conv_group_size < 1:

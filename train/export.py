@@ -8,7 +8,8 @@ the target's ``logits_scaling`` so those logits are exactly tapdraft's (weights 
 with ``auto_map`` gets its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter).
 ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
-and ``target_layer_ids_vllm`` (= i + 1), plus ``dflash_config`` in the reference release's layout
+and ``target_layer_ids_vllm`` (= i + 1), ``draft_vocab_size`` with ``d2t`` / ``t2d`` in the weights when the
+draft has a reduced vocabulary (EAGLE-3's convention, ``train.draft_vocab``), plus ``dflash_config`` in the reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
@@ -38,12 +39,13 @@ CONFIG = "config.json"
 
 def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict[str, Any],
                  meta: dict[str, Any] | None = None) -> Path:
-    """Write weights (float32, contiguous) and config atomically-per-file into ``out_dir``."""
+    """Write weights (floating tensors as float32; integer and bool tables, such as a draft vocabulary's ``d2t`` /
+    ``t2d``, in their own dtype; contiguous) and config atomically-per-file into ``out_dir``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    sd = {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous() for k, v in state.items()}
     fold = config.get("logits_scaling_folded_into")
     if fold:  # engines apply the target's lm_head only: the logits' divisor moves into the last norm
         sd[fold] = sd[fold] / float(config["logits_scaling"])
@@ -100,7 +102,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
                                  "kwargs": state["template"]["kwargs"]}
     weights, cfg = in_layout(state["draft"], cfg, layout)
     out = write_export(out_dir, weights, cfg, meta)
-    n = sum(v.numel() for v in weights.values())
+    n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
             "layout": cfg.get("mtp_layout"),
             "block_size": cfg.get("block_size"), "target_layer_ids": cfg.get("target_layer_ids"),

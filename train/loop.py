@@ -42,6 +42,7 @@ from shards.progress import Progress
 from train.acceptance import tau_from_alpha
 from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
+from train import draft_vocab
 from train.drafter import Drafter, combine_terms, reduce_metrics
 from train.run import (CKPT_VERSION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, DataSource, build_drafter, check_data,
                        check_trained_template, finished_summary, latest_checkpoint, load_checkpoint, open_source,
@@ -209,6 +210,7 @@ class _Trainer:
     sched: Any
     stream: Any
     start: int
+    draft_vocab: dict[str, Any] | None = None
 
 
 def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: int, world: int,
@@ -217,6 +219,7 @@ def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: i
     tc = run.train
     model = build_drafter(run, src).to(device)
     model.frozen_to(head_dtype(device, tc.head_dtype))
+    vocab = draft_vocab.setup(model, src, ckpt)  # a reduced draft vocabulary, fitted on (or checked against) the split
     if ckpt is not None:
         model.load_state_dict(ckpt["draft"])
     ddp = model
@@ -235,7 +238,7 @@ def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: i
         if len(states) != world:
             raise ValueError(f"checkpoint was written by {len(states)} ranks; resume with the same world size")
         data_state = states[rank]
-    return _Trainer(model, ddp, opt, sched, _batch_stream(src, tc, rank, world, data_state), start)
+    return _Trainer(model, ddp, opt, sched, _batch_stream(src, tc, rank, world, data_state), start, vocab)
 
 
 def _batch_stream(src: DataSource, tc: Any, rank: int, world: int, data_state: Any):
@@ -366,6 +369,7 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         "train_seconds": round(time.perf_counter() - t0, 3),
         "tokens_per_s": last.get("tokens_per_s"),
         "trainable_params": sum(p.numel() for p in t.model.parameters() if p.requires_grad),
+        **({"draft_vocab": t.draft_vocab} if t.draft_vocab else {}),
         "world_size": world,
         "device": str(device),
         "checkpoint": str(ckpt_dir or latest_checkpoint(out)),

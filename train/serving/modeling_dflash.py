@@ -10,6 +10,11 @@ complete model repository. It computes exactly what tapdraft's trainer computes 
                then the block] (context rows are keys/values only), QK-norm before RoPE, SwiGLU
     output   = RMSNorm_final(block)                                  -> logits = target lm_head(output)
 
+Draft vocabulary (``draft_vocab_size`` in the config, EAGLE-3's convention): the export then holds
+``d2t`` (int64 [N]; draft id i is target id i + d2t[i]) and ``t2d`` (bool [V]), and the draft's logits
+exist only at those N target ids: ``compute_logits`` projects on those lm_head rows and puts -inf at
+every other target id, as vLLM's EAGLE-3 drafter does.
+
 Logits: apply the target's lm_head ONLY. A target that divides its logits (Granite's
 ``logits_scaling``) has that division folded into ``norm.weight`` at export, so engines that apply
 lm_head alone and tapdraft agree on every logit (and so on every sampling distribution).
@@ -149,7 +154,24 @@ class DFlashDraftModel(PreTrainedModel):
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"this DFlash draft uses plain RoPE, got rope_type {rope.get('rope_type')!r}")
         self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        n = getattr(config, "draft_vocab_size", None)
+        self.draft_vocab_size = None if n is None else int(n)
+        if self.draft_vocab_size is not None:  # filled from the export's weights
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V] over the target vocabulary from ``forward``'s output and the target's lm_head
+        weight [V, H]: all of it, or with a draft vocabulary its N rows and -inf at every other target id."""
+        w = lm_head_weight.to(hidden.dtype)
+        if self.draft_vocab_size is None:
+            return hidden @ w.T
+        ids = self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+        z = hidden @ w[ids].T
+        out = z.new_full((*z.shape[:-1], w.shape[0]), float("-inf"))
+        out[..., ids] = z
+        return out
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

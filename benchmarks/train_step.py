@@ -18,6 +18,14 @@ are timed interleaved A B A B; the table gives the medians, their ratio and a le
 time = a + b * rows per head dtype (b: seconds per loss row; a: the rest of the step).
 
     python -m benchmarks.train_step [--rows 30 120 240] [--pairs 5] [--workdir /tmp/tapdraft-train-step]
+
+``--draft-vocab N`` compares instead A = the full vocabulary and B = a reduced draft vocabulary of N
+tokens (``train.draft_vocab``; both with the fp32 head), interleaved, and writes
+``train_step_draft_vocab.json``. The synthetic samples' labels are few (a few thousand distinct ids), so
+the subset holds every one of them (coverage 1.0 is checked and recorded): both sides train on the same
+loss rows and the ratio is the vocabulary's cost alone.
+
+    python -m benchmarks.train_step --draft-vocab 32768 --rows 120 480
 """
 
 from __future__ import annotations
@@ -77,17 +85,20 @@ def build_dataset(root: Path, *, samples: int = 4, seed: int = 0) -> Path:
 class Stepper:
     """One drafter + optimizer on one fixed micro-batch, for a given loss-row budget and head dtype."""
 
-    def __init__(self, data: Path, rows: int, head: str) -> None:
+    def __init__(self, data: Path, rows: int, head: str, draft_vocab: int | None = None) -> None:
+        from train import draft_vocab as dv
         from train.config import load_run_config
         from train.data import BatchStream
         from train.drafter import combine_terms
         from train.loop import head_dtype, make_optimizer
         from train.run import build_drafter, open_source
 
-        run = load_run_config("dflash", overrides=[f"max_loss_rows={rows}", f"head_dtype={head}"])
+        run = load_run_config("dflash", overrides=[f"max_loss_rows={rows}", f"head_dtype={head}",
+                                                   f"draft_vocab={'null' if draft_vocab is None else draft_vocab}"])
         src = open_source(str(data))
         self.model = build_drafter(run, src)
         self.model.frozen_to(head_dtype(torch.device("cpu"), head))
+        self.vocab = dv.setup(self.model, src, None)  # what the training loop does before its first step
         self.opt, _ = make_optimizer(self.model, run.train)
         stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=run.train.max_tokens,
                              max_batch_size=run.train.max_batch_size)
@@ -119,14 +130,61 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv: list[str] | None) -> dict[str, Any]:
+    """A = full vocabulary, B = an N-token draft vocabulary, fp32 head, interleaved per loss-row budget."""
+    out = []
+    for budget in budgets:
+        steppers = {"full": Stepper(data, budget, "fp32"), "draft": Stepper(data, budget, "fp32", n)}
+        cover = steppers["draft"].vocab["coverage"]
+        if cover != 1.0:
+            raise ValueError(f"the {n}-token draft vocabulary covers {cover:.3f} of the labels: the sides would train "
+                             "different loss rows; raise --draft-vocab")
+        for s in steppers.values():
+            s.step()  # warm-up (allocator, oneDNN kernels)
+        times: dict[str, list[float]] = {"full": [], "draft": []}
+        loads = []
+        for _ in range(pairs):
+            for k in ("full", "draft"):
+                times[k].append(steppers[k].step())
+            loads.append(os.getloadavg()[0])
+        assert steppers["full"].rows == steppers["draft"].rows
+        rec = {"max_loss_rows": budget, "loss_rows": steppers["full"].rows,
+               "tokens": int(steppers["full"].batch["lengths"].sum()),
+               "full_s": statistics.median(times["full"]), "draft_s": statistics.median(times["draft"]),
+               "full_runs": times["full"], "draft_runs": times["draft"],
+               "speedup": statistics.median(a / b for a, b in zip(times["full"], times["draft"])),
+               "loss_full": steppers["full"].loss, "loss_draft": steppers["draft"].loss, "coverage": cover,
+               "load_avg_1m": loads}
+        out.append(rec)
+        print(f"rows {rec['loss_rows']:>6}  full {rec['full_s']:7.2f} s  draft {n} {rec['draft_s']:7.2f} s  "
+              f"speedup {rec['speedup']:.2f}  load {max(loads):.1f}")
+    fits = {}
+    for k in ("full", "draft"):
+        a, b = _fit([r["loss_rows"] for r in out], [r[f"{k}_s"] for r in out])
+        fits[k] = {"fixed_s": a, "s_per_row": b}
+        print(f"{k}: step = {a:.2f} s + {b * 1000:.1f} ms x rows")
+    doc = {"benchmark": "train_step_draft_vocab", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
+           "draft_vocab": n, "head_dtype": "fp32",
+           "command": "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "threads": 1, "rows": out, "fit": fits,
+           "predicted_s": {f"{k}@{r}": fits[k]["fixed_s"] + fits[k]["s_per_row"] * r for k in fits for r in (8192,)}}
+    write_result("train_step_draft_vocab.json", doc)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[30, 120, 240], help="loss-row budgets (max_loss_rows)")
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved fp32/bf16 pairs per budget")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved A/B pairs per budget")
     ap.add_argument("--workdir", default="/tmp/tapdraft-train-step", help="where the synthetic dataset is cached")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="compare the full vocabulary with a draft vocabulary of this many tokens (fp32 head) "
+                         "instead of the fp32 and bf16 heads")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     data = build_dataset(Path(args.workdir) / "dataset")
+    if args.draft_vocab is not None:
+        return compare_draft_vocab(data, args.draft_vocab, args.rows, args.pairs, argv)
     out = []
     for budget in args.rows:
         steppers = {h: Stepper(data, budget, h) for h in ("fp32", "bf16")}

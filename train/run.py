@@ -223,6 +223,10 @@ def format_summary(s: dict[str, Any]) -> str:
         alpha = " ".join(f"{a:.3f}" for a in s.get("final_alpha_train") or [])
         lines.append(f"  training-batch tau {s['final_tau_train']:.3f} (alpha by position: {alpha}); "
                      "`tapdraft eval` gives held-out figures")
+    if s.get("draft_vocab"):
+        dv = s["draft_vocab"]
+        lines.append(f"  draft vocabulary {dv['size']:,} tokens, holding {100 * dv['coverage']:.2f}% of the training "
+                     "split's supervised tokens (the rest can never be drafted)")
     lines.append(f"  checkpoint {s.get('checkpoint')}")
     return "\n".join(lines)
 

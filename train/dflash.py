@@ -709,7 +709,6 @@ class DFlashDrafter(Drafter):
             },
         }
 
-
     def _draft_vocab_config(self) -> dict[str, Any]:
         """EAGLE-3's config key for a reduced draft vocabulary (``d2t`` / ``t2d`` ride in the weights); {} when off."""
         if self.config.draft_vocab is None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout
+from dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout
 from shards.head import final_norm
 from train.config import load_run_config
 from train.data import collate
@@ -120,10 +120,7 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
 
 def test_drafts_are_subset_tokens_and_live_proposals_equal_offline_blocks(tmp_path):
     model, bundle, samples, vocab = _reduced_model(tmp_path, kd="none", n=12)
-    model.eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    model = away_from_init(model, 0.3, seed=2)
     z = model.logits(torch.randn(5, 32))
     assert z.shape == (5, 64) and bool(torch.isinf(z[:, ~vocab.t2d]).all()) and bool(torch.isfinite(z[:, vocab.ids]).all())
     s = samples[0]

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workdir", default="demo_work", help="target, data, dataset and runs cache")
     ap.add_argument("--quick", action="store_true", help="tiny target and data")
     ap.add_argument("--recipe", default="dflash_demo", help="the DFlash recipe every run trains")
-    ap.add_argument("--sizes", default="12,24", help="comma-separated draft vocabulary sizes (the full one always runs)")
+    ap.add_argument("--sizes", default="12,24",
+                    help="comma-separated draft vocabulary sizes (the full one always runs)")
     ap.add_argument("--steps", type=int, default=300, help="training steps of every run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")

@@ -9,7 +9,8 @@ with ``auto_map`` gets its modeling file from ``train/serving/`` (DFlash: ``Auto
 ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
 and ``target_layer_ids_vllm`` (= i + 1), ``draft_vocab_size`` with ``d2t`` / ``t2d`` in the weights when the
-draft has a reduced vocabulary (EAGLE-3's convention, ``train.draft_vocab``), plus ``dflash_config`` in the reference release's layout
+draft has a reduced vocabulary (EAGLE-3's convention, ``train.draft_vocab``), plus ``dflash_config`` in the
+reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 

@@ -89,6 +89,37 @@ def replay_rounds(
     return tokens, rounds
 
 
+def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> AcceptanceCounts:
+    """Teacher-forced acceptance counts from per-slot correctness [Bs, N, B-1] (slots 1..B-1)."""
+    ok = (correct_BNK.bool() & valid_BNK).long()
+    prefix = torch.cumprod(ok, dim=-1)  # slots 1..k all accepted
+    before = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1)
+    reached = before * valid_BNK.long()
+    block_valid = valid_BNK.any(-1)
+    return AcceptanceCounts(
+        accepted=prefix.sum((0, 1)).double(),
+        reached=reached.sum((0, 1)).double(),
+        correct=ok.sum((0, 1)).double(),
+        valid=valid_BNK.long().sum((0, 1)).double(),
+        blocks=int(block_valid.sum()),
+    )
+
+
+def _with_rounds(acc: AcceptanceCounts, batch: dict[str, Any], anchors: torch.Tensor, correct: torch.Tensor,
+                 valid: torch.Tensor) -> AcceptanceCounts:
+    acc.round_tokens, acc.rounds = replay_rounds(batch["loss_mask"], anchors, correct, valid)
+    return acc
+
+
+def _metrics(acc: AcceptanceCounts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """acc@k (unconditional) and alpha@k (conditional on slots < k accepted) as (sum, count)."""
+    m = {}
+    for k in range(acc.accepted.shape[0]):
+        m[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])
+        m[f"alpha@{k + 1}"] = (acc.accepted[k], acc.reached[k])
+    return m
+
+
 def tau_from_alpha(alpha: list[float]) -> float:
     """Acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j (alpha_k conditional per position)."""
     tau, run = 1.0, 1.0

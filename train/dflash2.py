@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.chunks import map_row_chunks
-from train.dflash import DFlashConfig, DFlashDrafter, _metrics, acceptance_counts
+from train.acceptance import _metrics, acceptance_counts
+from train.dflash import DFlashConfig, DFlashDrafter
 from shards.head import teacher_logits
 from train.divergences import kl_tv_full, kl_tv_topk
 from train.drafter import LossOutput

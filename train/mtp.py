@@ -15,28 +15,20 @@ FinalNorm_k(h^k) as the Qwen3-Next / NeMo Automodel MTP modules do (``post_norm`
 than one depth exports to those layouts only when it was trained with their recursion
 (``train.mtp_layouts``).
 
-Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervised or past the
-sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
-whose target is IGNORE are invalid. Audio positions' input embeddings come from the dataset's
+Alignment (``train.mtp_targets``): depth k's target at t is the token at t + k + 1 when it is
+supervised and inside t's sequence. Audio positions' input embeddings come from the dataset's
 ``audio_embeds`` when it stores them; otherwise a row whose input x_{t+k} is an audio frame is
 masked and counted (the metric ``mtp_rows_audio_masked`` is their share of the supervised rows);
 its input is then the sentinel id's embedding, which later rows still attend to (the only
 approximation, and only without audio_embeds).
 
-Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.divergences``):
-lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row t + k (the row that
-predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row
-projection (gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the
-dataset has the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one
-bin. Only the rows a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
-Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
+Losses (``train.mtp_loss``, a mixin of the drafter): ``ce`` on the dataset's labels or ``lk`` against
+the frozen target, one term per depth.
 
 Training mode: ``head_only`` (the heads train; the embedding, final norm and lm_head from the
 bundle are frozen buffers). The dataset holds no backbone, so a mode that trains it is refused.
 
-Names: the heads live at ``model.layers.{L + i}`` (L = the target's layer count) with DeepSeek-V3's
-MTP parameter names (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``self_attn.*``,
-``mlp.*``), so checkpoints and exports are already in the layout DeepSeek-style engines load.
+Names (``train.mtp_heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
 
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
@@ -48,18 +40,24 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shards.head import embed, final_norm, head_spec, project, teacher_logits
 from train.acceptance import AcceptanceCounts, replay_rounds
 from train.chunks import map_row_chunks
-from train.divergences import DEFAULT_ETA, kl_tv_full, kl_tv_topk, lk_loss, parse_lk_lambda
-from train.drafter import Drafter, LossOutput, one_sequence_batch, pick_tokens
-from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafter import Drafter, one_sequence_batch, pick_tokens
+from train.layers import RotaryEmbedding
+from train.mtp_heads import MTPHead, _Model
+from train.mtp_loss import MTPLoss
+from train.mtp_targets import IGNORE, chain_counts, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
 from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 
-IGNORE = -100
+__all__ = [  # the names other modules import from here (some now live in the modules above)
+    "CONFIG", "DRAFTER", "IGNORE", "LOSS_TYPES", "RECURSIONS", "TEACHERS", "TRAINING_MODES", "MTPConfig", "MTPDrafter",
+    "MTPHead", "depth_targets", "doc_end_from_lengths", "load_exported", "next_token_labels",
+]
+
 LOSS_TYPES = ("ce", "lk")
 TRAINING_MODES = ("head_only",)
 TEACHERS = ("auto", "exact", "topk")
@@ -124,117 +122,8 @@ class MTPConfig:
                 raise ValueError(f"{name} must be positive or null, got {v}")
 
 
-# ----------------------------------------------------------------------------- alignment
 
-
-def doc_end_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
-    """Padded batch (one sequence per row): exclusive end of each position's sequence, [Bs, T]."""
-    return lengths.long()[:, None].expand(-1, T).clone()
-
-
-def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor) -> torch.Tensor:
-    """labels[t] = input_ids[t + 1] when t + 1 is in t's sequence and supervised, else IGNORE. [..., T]."""
-    T = input_ids.shape[-1]
-    t = torch.arange(T, device=input_ids.device)
-    nxt = F.pad(input_ids[..., 1:], (0, 1), value=0).long()
-    sup = F.pad(loss_mask[..., 1:], (0, 1), value=False)
-    ok = sup & (t + 1 < doc_end)
-    return torch.where(ok, nxt, torch.full_like(nxt, IGNORE))
-
-
-def depth_targets(labels: torch.Tensor, doc_end: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth k's target at t: labels[t + k] when t + k is inside t's sequence, else IGNORE. [..., T]."""
-    T = labels.shape[-1]
-    t = torch.arange(T, device=labels.device)
-    shifted = F.pad(labels[..., depth:], (0, depth), value=IGNORE) if depth < T else torch.full_like(labels, IGNORE)
-    return torch.where(t + depth < doc_end, shifted, torch.full_like(shifted, IGNORE))
-
-
-def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x[:, t + k] at t (zeros past the end), along dim 1."""
-    if k == 0:
-        return x
-    pad = torch.zeros_like(x[:, :k])
-    return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
-
-
-def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> AcceptanceCounts:
-    """Acceptance over depths: a row counts at depth k only if depths 1..k are all valid and correct.
-
-    ``targets[k-1]`` [Bs, T] (IGNORE = invalid) and ``hits[k-1]`` bool [Bs, T] (prediction == target).
-    ``reached[k-1]``: rows with depths < k all correct and depth k valid; ``accepted[k-1]``: those
-    also correct at k. ``blocks``: rows valid at depth 1 (one draft opportunity each).
-    """
-    ok = None
-    accepted, reached, correct, valid = [], [], [], []
-    for tgt, hit in zip(targets, hits):
-        v = tgt != IGNORE
-        hit = hit & v
-        prior = torch.ones_like(v) if ok is None else ok
-        reached.append((prior & v).sum())
-        ok = prior & hit
-        accepted.append(ok.sum())
-        correct.append(hit.sum())
-        valid.append(v.sum())
-    return AcceptanceCounts(
-        accepted=torch.stack(accepted).double().cpu(),
-        reached=torch.stack(reached).double().cpu(),
-        correct=torch.stack(correct).double().cpu(),
-        valid=torch.stack(valid).double().cpu(),
-        blocks=int(valid[0]),
-    )
-
-
-def _chain_metrics(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
-    acc = chain_counts(targets, hits)
-    out = {}
-    for k in range(len(targets)):
-        out[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])
-        out[f"alpha@{k + 1}"] = (acc.accepted[k], acc.reached[k])
-    return out
-
-
-# ----------------------------------------------------------------------------- model
-
-
-class SharedHead(nn.Module):
-    """DeepSeek-V3's ``shared_head``: its own output norm (``head`` is the target's lm_head, shared)."""
-
-    def __init__(self, H: int, eps: float) -> None:
-        super().__init__()
-        self.norm = RMSNorm(H, eps)
-
-
-class MTPHead(DecoderLayer):
-    """One DeepSeek-V3 MTP module: a causal Qwen3 decoder layer plus enorm, hnorm, eh_proj and an output norm.
-
-    It IS the decoder layer (``self_attn``, ``mlp``, ``input_layernorm``, ...), so its parameter
-    names are DeepSeek-V3's MTP names as they are: ``enorm``, ``hnorm``, ``eh_proj``,
-    ``shared_head.norm``, ``self_attn.q_proj``, ...
-    """
-
-    def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
-        super().__init__(H, heads, kv_heads, head_dim, inter, eps)
-        self.enorm = RMSNorm(H, eps)
-        self.hnorm = RMSNorm(H, eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.shared_head = SharedHead(H, eps)
-
-    def step(self, emb: torch.Tensor, h_prev: torch.Tensor, rope) -> torch.Tensor:
-        """emb, h_prev [Bs, T, H] -> h^k [Bs, T, H] (before the output norm)."""
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self(x, rope, is_causal=True)
-
-
-class _Model(nn.Module):
-    """Holds the heads as ``model.layers.{L + i}``: DeepSeek-V3 numbers MTP layers after the target's L."""
-
-    def __init__(self, heads: dict[str, MTPHead]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict(heads)
-
-
-class MTPDrafter(Drafter):
+class MTPDrafter(MTPLoss, Drafter):
     family = "mtp"
     frozen = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
 
@@ -345,77 +234,6 @@ class MTPDrafter(Drafter):
             outs.append(h)
             targets.append(tgt)
         return {"h": outs, "targets": targets, "audio_masked": audio_masked}
-
-    # -- training -------------------------------------------------------------------------
-
-    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
-        run = self.run_depths(batch)
-        D = self.config.num_depths
-        terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        last = self.last_hidden(batch) if self.teacher_kind == "exact" else None
-        hits: list[torch.Tensor] = []
-        for k in range(1, D + 1):
-            tgt = run["targets"][k - 1]
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)  # (b, t)
-            hk = run["h"][k - 1][rows]
-            y = tgt[rows]
-            n = torch.tensor(int(y.numel()), device=y.device)
-            if self.config.loss_type == "ce":
-                ce, correct = map_row_chunks(lambda a, b, k=k: self._ce_rows(k, a, b), [hk, y], self.config.chunk_rows)
-                terms[f"mtp_d{k}"] = (ce.sum(), n, 1.0 / D)
-            else:
-                trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
-                kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
-                every = torch.ones_like(y, dtype=torch.bool)
-                res = lk_loss(kl, tv, every, self.config.lk_lambda, eta=self.config.lk_eta)
-                terms[f"mtp_d{k}"] = (res.loss_sum, n, 1.0 / D)
-                metrics[f"kl_d{k}"] = (res.kl_sum, n)
-                metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
-                metrics[f"lk_lambda_d{k}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
-            hit = torch.zeros_like(tgt, dtype=torch.bool)
-            hit[rows] = correct.detach().bool()
-            hits.append(hit)
-        # every parameter stays in the graph even when a depth has no row here (DDP waits on all grads)
-        first = terms["mtp_d1"]
-        terms["mtp_d1"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
-        # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
-        for name, val in _chain_metrics(run["targets"], hits).items():
-            metrics[name] = val
-        masked = torch.stack(run["audio_masked"]).sum()
-        seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
-        metrics["mtp_rows_audio_masked"] = (masked, seen)
-        return LossOutput(terms=terms, metrics=metrics)
-
-    def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.logits(k, h)
-        return F.cross_entropy(z, y, reduction="none"), (z.argmax(-1) == y)
-
-    def _lk_rows(self, k, hk, y, trow, batch, last):
-        if self.teacher_kind == "exact":
-            t_h = last[trow]
-
-            def fn(a, b, yy):
-                q = self.logits(k, a)
-                p = self.teacher(b)
-                kl, tv = kl_tv_full(p.to(q.dtype), q)
-                return kl, tv, q.argmax(-1) == yy
-
-            return map_row_chunks(fn, [hk, t_h, y], self.config.chunk_rows)
-        if "topk_ids" not in batch:
-            raise ValueError("LK with teacher 'topk' needs topk_ids/topk_logprobs in the batch (dataset top_k > 0)")
-        if not bool(batch["topk_valid"][trow].all()):
-            raise ValueError(
-                "a supervised MTP row's teacher row has no stored top-k; the dataset's topk_rows are incomplete"
-            )
-        ids, lps = batch["topk_ids"][trow], batch["topk_logprobs"][trow]
-
-        def fn(a, i, lp, yy):
-            q = self.logits(k, a)
-            kl, tv = kl_tv_topk(i, lp, q)
-            return kl, tv, q.argmax(-1) == yy
-
-        return map_row_chunks(fn, [hk, ids, lps, y], self.config.chunk_rows)
 
     # -- eval -----------------------------------------------------------------------------
 

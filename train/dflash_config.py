@@ -1,0 +1,196 @@
+"""DFlash's settings and how they resolve against a target bundle and dataset.
+
+``DFlashConfig`` is validated in ``__post_init__``; its None fields are filled from the target by
+``resolve``, which also refuses a dataset that cannot feed the draft. The default mask token is a
+dedicated id past every id the tokenizer uses, as the reference DFlash drafters add ``<|MASK|>``
+(``default_mask_id``). The model is ``train.dflash``; the loss-row budget ``train_anchors`` bounds
+is explained in ``train.dflash_loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from shards.taps import default_tap_ids
+
+KD_MODES = ("none", "topk", "exact")
+ATTENTION = ("dense", "flex")
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash drafter settings; None fields are filled from the target bundle by ``resolve``."""
+
+    num_layers: int = 1
+    """Draft decoder layers."""
+    num_heads: int | None = None
+    """Query heads (default: the target's)."""
+    num_kv_heads: int | None = None
+    """K/V heads (default: the target's)."""
+    head_dim: int | None = None
+    """Per-head width (default: the target's)."""
+    intermediate_size: int | None = None
+    """SwiGLU width (default: the target's)."""
+    block_size: int = 16
+    """B: slot 0 is the anchor token, slots 1..B-1 are predicted."""
+    gamma: float = 7.0
+    """Slot k weighs exp(-(k-1)/gamma)."""
+    mask_token_id: int | None = None
+    """Token id of the mask slots (default: a dedicated id, the first row of the embedding table past the
+    tokenizer's ids, as the reference drafters add ``<|MASK|>``; the pad id, with a warning, when there is none)."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """HF decoder-layer ids fused as context (default: the DFlash tap rule if stored, else all non-last taps)."""
+    num_anchors: int = 512
+    """Most blocks per sequence."""
+    max_total_anchors: int = 4096
+    """Most blocks per micro-batch."""
+    max_loss_rows: int = 8192
+    """Training loss-row budget: most blocks x (block_size - 1) per micro-batch (bounds the lm_head cost)."""
+    full_blocks_only: bool = False
+    """Anchors need p + B <= length (True) or only p + 1 < length (False, overhang masked)."""
+    attention: str = "dense"
+    """dense (SDPA with a bool mask; trains on CPU) or flex (BlockMask; backward needs a GPU)."""
+    flex_block_size: int = 128
+    """BlockMask block size (a multiple of the Flex kernel tile)."""
+    compile: bool = False
+    """torch.compile the draft layers (static anchor count)."""
+    ce_chunk_size: int = 2048
+    """Rows per lm_head + CE chunk (each chunk checkpointed); <= 0 = one chunk."""
+    ce_weight: float = 1.0
+    """Weight of the cross-entropy term."""
+    kd: str = "none"
+    """Distillation teacher: none, topk (stored top-k + tail bin) or exact (per-row final hidden)."""
+    kd_weight: float = 1.0
+    """Weight of the KD term (forward KL(teacher || draft))."""
+    init_std: float = 0.02
+    """Std of the normal init of draft linear layers."""
+    draft_vocab: int | None = None
+    """Reduced draft vocabulary (off: None): logits over only the N target tokens most frequent at the training
+    split's supervised positions (plus eos), mapped back to target ids for verification (``train.draft_vocab``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
+        if not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.num_anchors < 1 or self.max_total_anchors < 1:
+            raise ValueError("num_anchors and max_total_anchors must be >= 1")
+        if self.max_loss_rows < self.block_size - 1:
+            raise ValueError(f"max_loss_rows must hold one block's {self.block_size - 1} loss rows, "
+                             f"got {self.max_loss_rows}; raise it or lower block_size")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.kd not in KD_MODES:
+            raise ValueError(f"kd must be one of {KD_MODES}, got {self.kd!r}")
+        if self.flex_block_size < 16 or self.flex_block_size % 16:
+            raise ValueError(f"flex_block_size must be a positive multiple of 16, got {self.flex_block_size}")
+        if self.ce_weight < 0 or self.kd_weight < 0 or (self.ce_weight == 0 and self.kd == "none"):
+            raise ValueError("loss weights must be >= 0 and some term must be on")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (or null: the full vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab is not None and self.kd == "topk":
+            raise ValueError("draft_vocab needs kd 'none' or 'exact': the stored top-k cannot say how much of its tail "
+                             "lies inside the draft vocabulary, so the restricted teacher is unknown")
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def static_anchors(self) -> bool:
+        return self.attention == "flex" or self.compile
+
+    @property
+    def train_anchors(self) -> int:
+        """Most blocks per training micro-batch: the anchor cap and the loss-row budget, whichever binds."""
+        return min(self.max_total_anchors, self.max_loss_rows // (self.block_size - 1))
+
+    def resolve(self, bundle: Any, layout: Any) -> "DFlashConfig":
+        """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""
+        tc = bundle.config
+        H = int(tc["hidden_size"])
+        if layout.hidden_size != H:
+            raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
+        heads = self.num_heads or int(tc["num_attention_heads"])
+        kv = self.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
+        head_dim = self.head_dim or int(tc.get("head_dim") or H // heads)
+        inter = self.intermediate_size or int(tc.get("intermediate_size") or 4 * H)
+        V = int(bundle.lm_head.shape[0])
+        mask_id = self.mask_token_id
+        if mask_id is None:
+            mask_id = default_mask_id(bundle, layout)
+        if not 0 <= mask_id < V:
+            raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
+        if self.draft_vocab is not None and self.draft_vocab > V:
+            raise ValueError(f"draft_vocab {self.draft_vocab} exceeds the target vocabulary ({V}); lower it or drop it")
+        ids = self.target_layer_ids
+        if ids is None:
+            rule = sorted(set(default_tap_ids(layout.num_layers, self.num_layers)))
+            if set(rule) <= set(layout.tap_ids):
+                ids = tuple(rule)
+            else:
+                non_last = [i for i in layout.tap_ids if i != layout.num_layers - 1]
+                ids = tuple(non_last or layout.tap_ids)
+                warnings.warn(
+                    f"the DFlash tap rule for a {self.num_layers}-layer draft over {layout.num_layers} target layers "
+                    f"is {rule}, but the dataset stores taps {list(layout.tap_ids)}: training on {list(ids)} instead "
+                    "(recorded as drafter.target_layer_ids in the run's config.json). Set drafter.target_layer_ids "
+                    f"to choose, or capture with --draft-layers {self.num_layers}", UserWarning, stacklevel=2)
+        missing = [i for i in ids if i not in layout.tap_ids]
+        if missing:
+            raise ValueError(
+                f"target_layer_ids {list(ids)} include {missing}, which the dataset did not store "
+                f"(stored taps: {list(layout.tap_ids)}); set target_layer_ids to a subset or recapture"
+            )
+        return dataclasses.replace(
+            self, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
+            mask_token_id=mask_id, target_layer_ids=tuple(ids),
+        )
+
+
+MASK_TOKEN = "<|MASK|>"
+"""The mask token's name in the reference DFlash releases (engines add it to the tokenizer when they need a name)."""
+
+
+def tokenizer_ids(bundle: Any) -> set[int] | None:
+    """Every id the bundle's tokenizer can produce (``tokenizer.json``: its vocab and added tokens), or None."""
+    raw = getattr(bundle, "tokenizer_files", {}).get("tokenizer.json")
+    if raw is None:
+        return None
+    doc = json.loads(raw)
+    vocab = (doc.get("model") or {}).get("vocab") or {}
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))  # WordPiece/BPE dict, Unigram list
+    ids |= {int(t["id"]) for t in doc.get("added_tokens") or []}
+    return ids
+
+
+def default_mask_id(bundle: Any, layout: Any) -> int:
+    """A dedicated mask id: the first embedding row past every id the tokenizer (and the audio sentinel) uses.
+
+    This is the id ``<|MASK|>`` gets when added to the tokenizer, as the reference DFlash drafters do; it
+    never collides with a token the target reads or emits. Targets whose embedding table has no such row
+    (vocab_size == tokenizer size) fall back to the pad id with a warning: the mask then shares its input
+    embedding with padding.
+    """
+    V = int(bundle.lm_head.shape[0])
+    used = tokenizer_ids(bundle)
+    if used is not None:
+        first_free = max(used | {int(layout.audio_token_id)}) + 1
+        if first_free < V:
+            return first_free
+    tc = bundle.config
+    pad = tc.get("pad_token_id")
+    fallback = int(pad) if pad is not None else V - 1
+    why = "has no tokenizer.json" if used is None else f"uses every embedding row (vocab {V})"
+    # warned from this line (not the caller's): shown once per run however many places resolve the config
+    warnings.warn(f"the target's tokenizer {why}: no dedicated mask id, the mask slots use id {fallback} "
+                  "(set drafter.mask_token_id to choose one)", stacklevel=1)
+    return fallback

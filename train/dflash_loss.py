@@ -1,0 +1,132 @@
+"""DFlash's training loss: anchors within the loss-row budget, CE and KD over the block slots' rows, and
+the reduced draft vocabulary the loss and the drafter's logits share (the model is ``train.dflash``).
+
+Loss-row budget: a training micro-batch carries at most ``max_loss_rows`` loss rows (blocks x
+(B - 1) slots), so its blocks are capped at ``train_anchors = min(max_total_anchors,
+max_loss_rows // (B - 1))``. Each row costs a [V, H] lm_head matmul forward and backward (0.62
+GFLOP at Qwen3's V = 151,936, H = 1024), which is most of a step at a real vocabulary
+(benchmarks/train_step.py measures step time against rows), so the budget, not the sequence
+length, sets a step's cost. Evaluation (``acceptance``) is not budgeted: it keeps the anchor caps.
+
+Draft vocabulary (``draft_vocab = N``, off by default; the subset rule is ``train.draft_vocab``): the
+draft's logits are computed over the N subset rows of the frozen lm_head only, W_S = lm_head[S]. With
+S the subset and z_S = scale(W_S h) the draft's logits over it, for a loss row with label y:
+
+    q_S      = softmax(z_S)                                   the draft's distribution, over S only
+    CE       = -log q_S(y)                     y in S; a row whose label is outside S carries no loss
+                                               (CE nor KD): the draft can never emit it, so no gradient
+                                               can help it; acceptance still counts it as a miss
+    KD       = KL(p_S || q_S),  p_S(v) = p(v) / sum_{u in S} p(u) = softmax over S of the teacher's
+                                               logits (the exact teacher restricted and renormalised;
+                                               kd='topk' is refused: its tail's share of S is unknown)
+
+so the loss is the full-vocabulary loss with lm_head replaced by W_S and labels by their draft ids.
+Everything that drafts (eval, replay, live ``propose``) sees logits over the target vocabulary, -inf
+outside S, so a token outside S is never proposed and ids are target ids throughout. The subset is
+kept as EAGLE-3's persistent ``d2t`` / ``t2d`` buffers (checkpoint and export carry them).
+
+Shapes: Bs batch, N blocks per sequence, B block size, H hidden, R loss rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from train.acceptance import _metrics, acceptance_counts
+from train.anchors import sample_anchors
+from train.draft_vocab import DraftVocab, draft_index
+from train.drafter import LossOutput
+from train.losses import row_losses, weighted_terms
+from train.teacher import gather_exact, gather_topk
+
+
+class DFlashLoss:
+    """The training half of :class:`train.dflash.DFlashDrafter` (a mixin of it): the draft vocabulary, the
+    training anchors, the KD teacher rows and ``forward``. It reads the drafter's config, frozen head
+    buffers, ``block_hidden``, ``context`` and ``_targets``."""
+
+    # -- draft vocabulary ----------------------------------------------------------------------
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Install the draft vocabulary (``train.draft_vocab.setup`` fits it on the training split)."""
+        if self.config.draft_vocab != vocab.size or vocab.vocab_size != self.vocab_size:
+            raise ValueError(f"a {vocab.size}-token draft vocabulary of a {vocab.vocab_size}-token target does not fit "
+                             f"draft_vocab={self.config.draft_vocab} over {self.vocab_size} tokens")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids [N] of the draft vocabulary (None: the full vocabulary)."""
+        if self.config.draft_vocab is None:
+            return None
+        ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        if int(ids[0]) < 0:
+            raise RuntimeError("the draft vocabulary was never set: train.draft_vocab.setup (or loading a checkpoint) "
+                               "fills it before the drafter runs")
+        return ids
+
+    def draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
+        ids = self.draft_ids()
+        if ids is None:
+            return self.lm_head, self.lm_head_bias
+        bias = None if self.lm_head_bias is None else self.lm_head_bias.index_select(0, ids)
+        return self.lm_head.index_select(0, ids), bias
+
+    def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
+        """Training anchors (within the loss-row budget), or with ``take_all`` evaluation's (caps only)."""
+        cfg = self.config
+        return sample_anchors(
+            batch["loss_mask"], batch["lengths"], block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+            max_total_anchors=cfg.max_total_anchors if take_all else cfg.train_anchors,
+            full_blocks_only=cfg.full_blocks_only,
+            static=cfg.static_anchors, generator=generator, take_all=take_all,
+        )
+
+    def kd_teacher(self, batch: dict[str, Any], valid: torch.Tensor, tpos: torch.Tensor, w: torch.Tensor,
+                   head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+        """Teacher rows anchor+k-1 of the valid slots and their KD weights; (None, None) without KD.
+
+        ``exact``: gather those rows' last hidden -> bundle final norm -> lm_head (``head``: the rows and bias
+        to project on, default the whole lm_head; a draft vocabulary's rows give the renormalised restriction);
+        ``topk``: the stored rows (a slot whose row was not stored gets weight 0).
+        """
+        cfg = self.config
+        if cfg.kd == "none":
+            return None, None
+        b_idx = torch.arange(valid.shape[0], device=valid.device)[:, None, None].expand_as(valid)[valid]
+        rows = tpos[valid] - 1
+        if cfg.kd == "exact":
+            lm_head, bias = head or (self.lm_head, self.lm_head_bias)
+            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
+                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
+                                   lm_head_bias=bias)
+            return teacher, w
+        teacher, has = gather_topk(batch, b_idx, rows)
+        return teacher, w * has.to(w.dtype)
+
+    # -- training ----------------------------------------------------------------------------
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        cfg = self.config
+        anchors, vblk = self._anchors(batch, generator)
+        ctx = self.context(batch["taps"])
+        h = self.block_hidden(batch["input_ids"], ctx, anchors)  # [Bs, N, B, H]
+        labels, valid, tpos = self._targets(batch, anchors, vblk)
+        lm_head, bias = self.draft_head()
+        if cfg.draft_vocab is None:
+            rows_ok, y = valid, labels[valid]
+        else:  # loss rows: labels the draft vocabulary holds, as draft ids (module docstring)
+            rows_ok = valid & self.t2d[labels]
+            y = draft_index(self.t2d, labels[rows_ok])
+        h_rows = h[:, :, 1:][rows_ok]  # [R, H]
+        w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
+        teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
+        ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
+                                     chunk_rows=cfg.ce_chunk_size, teacher=teacher)
+        terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
+        # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
+        terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
+        corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
+        corr[rows_ok] = correct.detach().bool()  # a label outside the draft vocabulary is a miss
+        return LossOutput(terms=terms, metrics=_metrics(acceptance_counts(corr, valid)))

@@ -1,0 +1,99 @@
+"""MTP's training loss: one term per depth over the rows whose target is known (the model is ``train.mtp``).
+
+Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.divergences``):
+lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row t + k (the row that
+predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row
+projection (gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the
+dataset has the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one
+bin. Only the rows a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
+Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
+
+Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from train.chunks import map_row_chunks
+from train.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from train.drafter import LossOutput
+from train.mtp_targets import IGNORE, _chain_metrics
+
+
+class MTPLoss:
+    """The training half of :class:`train.mtp.MTPDrafter` (a mixin of it): ``forward`` and its per-row CE and
+    LK losses. It reads the drafter's config, ``run_depths``, ``logits``, ``teacher`` and ``teacher_kind``."""
+
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        run = self.run_depths(batch)
+        D = self.config.num_depths
+        terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        last = self.last_hidden(batch) if self.teacher_kind == "exact" else None
+        hits: list[torch.Tensor] = []
+        for k in range(1, D + 1):
+            tgt = run["targets"][k - 1]
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)  # (b, t)
+            hk = run["h"][k - 1][rows]
+            y = tgt[rows]
+            n = torch.tensor(int(y.numel()), device=y.device)
+            if self.config.loss_type == "ce":
+                ce, correct = map_row_chunks(lambda a, b, k=k: self._ce_rows(k, a, b), [hk, y], self.config.chunk_rows)
+                terms[f"mtp_d{k}"] = (ce.sum(), n, 1.0 / D)
+            else:
+                trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
+                kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
+                every = torch.ones_like(y, dtype=torch.bool)
+                res = lk_loss(kl, tv, every, self.config.lk_lambda, eta=self.config.lk_eta)
+                terms[f"mtp_d{k}"] = (res.loss_sum, n, 1.0 / D)
+                metrics[f"kl_d{k}"] = (res.kl_sum, n)
+                metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
+                metrics[f"lk_lambda_d{k}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
+            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            hit[rows] = correct.detach().bool()
+            hits.append(hit)
+        # every parameter stays in the graph even when a depth has no row here (DDP waits on all grads)
+        first = terms["mtp_d1"]
+        terms["mtp_d1"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
+        # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
+        for name, val in _chain_metrics(run["targets"], hits).items():
+            metrics[name] = val
+        masked = torch.stack(run["audio_masked"]).sum()
+        seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
+        metrics["mtp_rows_audio_masked"] = (masked, seen)
+        return LossOutput(terms=terms, metrics=metrics)
+
+    def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.logits(k, h)
+        return F.cross_entropy(z, y, reduction="none"), (z.argmax(-1) == y)
+
+    def _lk_rows(self, k, hk, y, trow, batch, last):
+        if self.teacher_kind == "exact":
+            t_h = last[trow]
+
+            def fn(a, b, yy):
+                q = self.logits(k, a)
+                p = self.teacher(b)
+                kl, tv = kl_tv_full(p.to(q.dtype), q)
+                return kl, tv, q.argmax(-1) == yy
+
+            return map_row_chunks(fn, [hk, t_h, y], self.config.chunk_rows)
+        if "topk_ids" not in batch:
+            raise ValueError("LK with teacher 'topk' needs topk_ids/topk_logprobs in the batch (dataset top_k > 0)")
+        if not bool(batch["topk_valid"][trow].all()):
+            raise ValueError(
+                "a supervised MTP row's teacher row has no stored top-k; the dataset's topk_rows are incomplete"
+            )
+        ids, lps = batch["topk_ids"][trow], batch["topk_logprobs"][trow]
+
+        def fn(a, i, lp, yy):
+            q = self.logits(k, a)
+            kl, tv = kl_tv_topk(i, lp, q)
+            return kl, tv, q.argmax(-1) == yy
+
+        return map_row_chunks(fn, [hk, ids, lps, y], self.config.chunk_rows)
+

@@ -105,14 +105,16 @@ def acceptance_counts(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> Acc
     )
 
 
-def _with_rounds(acc: AcceptanceCounts, batch: dict[str, Any], anchors: torch.Tensor, correct: torch.Tensor,
-                 valid: torch.Tensor) -> AcceptanceCounts:
+def with_rounds(acc: AcceptanceCounts, batch: dict[str, Any], anchors: torch.Tensor, correct: torch.Tensor,
+                valid: torch.Tensor) -> AcceptanceCounts:
+    """``acc`` with the greedy rounds :func:`replay_rounds` replays on the batch's blocks at ``anchors``."""
     acc.round_tokens, acc.rounds = replay_rounds(batch["loss_mask"], anchors, correct, valid)
     return acc
 
 
-def _metrics(acc: AcceptanceCounts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """acc@k (unconditional) and alpha@k (conditional on slots < k accepted) as (sum, count)."""
+def acceptance_metrics(acc: AcceptanceCounts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Training-log metrics of every family: acc@k (unconditional) and alpha@k (conditional on positions < k
+    accepted) as (sum, count)."""
     m = {}
     for k in range(acc.accepted.shape[0]):
         m[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])

@@ -29,7 +29,7 @@ from torch import nn
 
 from shards.head import embed, head_spec, project, teacher_logits
 from shards.taps import to_vllm
-from train.acceptance import AcceptanceCounts, _with_rounds, acceptance_counts
+from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
 from train.anchors import allocate_anchor_counts, sample_anchors
 from train.chunks import map_row_chunks
 from train.dflash_config import ATTENTION, KD_MODES, MASK_TOKEN, DFlashConfig, default_mask_id, tokenizer_ids
@@ -225,7 +225,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
         pred = torch.cat([self.draft_slots(batch, ctx, anchors[:, c]) for c in self.anchor_chunks(anchors)], 1)
         labels, valid, _ = self._targets(batch, anchors, vblk)
         corr = (pred == labels) & valid
-        return _with_rounds(acceptance_counts(corr, valid), batch, anchors, corr, valid)
+        return with_rounds(acceptance_counts(corr, valid), batch, anchors, corr, valid)
 
     def _logits_rule(self) -> dict[str, Any]:
         """How an engine turns the exported draft's output into tapdraft's logits. Engines apply the target's

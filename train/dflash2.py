@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.chunks import map_row_chunks
-from train.acceptance import _metrics, acceptance_counts
+from train.acceptance import acceptance_counts, acceptance_metrics
 from train.dflash import DFlashConfig, DFlashDrafter
 from shards.head import teacher_logits
 from train.divergences import kl_tv_full, kl_tv_topk
@@ -233,7 +233,7 @@ class DFlash2Drafter(DFlashDrafter):
         # acc@k / alpha@k follow the selector's path (teacher-forced predecessor), as drafting does
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
         corr[valid] = path == y
-        metrics = _metrics(acceptance_counts(corr, valid))
+        metrics = acceptance_metrics(acceptance_counts(corr, valid))
         metrics["selector_candidate_recall"] = (gold_in.sum(), n_rows)
         metrics["selector_path_acc"] = (sel_ok.sum(), n_rows)
         metrics["backbone_argmax_acc"] = (bb_ok.sum(), n_rows)

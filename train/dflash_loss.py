@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from train.acceptance import _metrics, acceptance_counts
+from train.acceptance import acceptance_counts, acceptance_metrics
 from train.anchors import sample_anchors
 from train.draft_vocab import DraftVocab, draft_index
 from train.drafter import LossOutput
@@ -129,4 +129,4 @@ class DFlashLoss:
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
         corr[rows_ok] = correct.detach().bool()  # a label outside the draft vocabulary is a miss
-        return LossOutput(terms=terms, metrics=_metrics(acceptance_counts(corr, valid)))
+        return LossOutput(terms=terms, metrics=acceptance_metrics(acceptance_counts(corr, valid)))

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from train.chunks import map_row_chunks
 from train.divergences import kl_tv_full, kl_tv_topk, lk_loss
 from train.drafter import LossOutput
-from train.mtp_targets import IGNORE, _chain_metrics
+from train.acceptance import acceptance_metrics
+from train.mtp_targets import IGNORE, chain_counts
 
 
 class MTPLoss:
@@ -60,7 +61,7 @@ class MTPLoss:
         first = terms["mtp_d1"]
         terms["mtp_d1"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
         # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
-        for name, val in _chain_metrics(run["targets"], hits).items():
+        for name, val in acceptance_metrics(chain_counts(run["targets"], hits)).items():
             metrics[name] = val
         masked = torch.stack(run["audio_masked"]).sum()
         seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])

@@ -75,12 +75,3 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
         blocks=int(valid[0]),
     )
 
-
-def _chain_metrics(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
-    acc = chain_counts(targets, hits)
-    out = {}
-    for k in range(len(targets)):
-        out[f"acc@{k + 1}"] = (acc.correct[k], acc.valid[k])
-        out[f"alpha@{k + 1}"] = (acc.accepted[k], acc.reached[k])
-    return out
-

@@ -234,7 +234,8 @@ class WorkerBatchStream:
         if state is not None:
             if state.get("version") != STATE_VERSION or state.get("num_workers") != num_workers:
                 raise ValueError(f"loader state {({k: state.get(k) for k in ('version', 'num_workers')})} does not "
-                                 f"match version {STATE_VERSION} with {num_workers} workers; resume with the same settings")
+                                 f"match version {STATE_VERSION} with {num_workers} workers; "
+                                 "resume with the same settings")
             states, rotation = list(state["states"]), int(state["next_role"])
         else:
             states, rotation = [None] * num_workers, 0

@@ -120,7 +120,9 @@ def kl_grad_full(p_logits: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> t
     return kl, p.neg_().add_(q)
 
 
-def kl_grad_topk(ids: torch.Tensor, lps: torch.Tensor, lq: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_grad_topk(
+    ids: torch.Tensor, lps: torch.Tensor, lq: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lumped-tail KL over (top-k ids + one tail bin) and its gradient w.r.t. the draft logits.
 
     KL = sum_k p_k (log p_k - log q_k) + p_t (log p_t - log q_t); d/dz_v = q_v - ptilde_v with

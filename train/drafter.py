@@ -236,7 +236,8 @@ def reduce_metrics(
         return {}
     names = list(metrics)
     flat = torch.stack(
-        [torch.stack([metrics[n][0].detach().float().reshape(()), metrics[n][1].detach().float().reshape(())]) for n in names]
+        [torch.stack([metrics[n][0].detach().float().reshape(()), metrics[n][1].detach().float().reshape(())])
+         for n in names]
     )
     flat = all_reduce_sum(flat, group)
     return {n: (float(flat[i, 0]), float(flat[i, 1])) for i, n in enumerate(names)}

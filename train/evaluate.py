@@ -51,7 +51,8 @@ def evaluate(
     speculative SAMPLING at that temperature (``tau_sampled``) when the dataset holds the target's exact
     last hidden state; 0 measures greedy decoding only."""
     loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
-    model, src, run, state, ck, split = loaded.model, loaded.src, loaded.run, loaded.state, loaded.checkpoint, loaded.split
+    model, src, run, state = loaded.model, loaded.src, loaded.run, loaded.state
+    ck, split = loaded.checkpoint, loaded.split
     run_dir = Path(run_dir)
     tc = run.train
     stream = BatchStream(

@@ -166,7 +166,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockM
 
     bs = block_mask.BLOCK_SIZE
     tile = flex_tile(min(bs) if isinstance(bs, tuple) else bs)
-    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, scale=scale, kernel_options={"BLOCK_M": tile, "BLOCK_N": tile})
+    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, scale=scale,
+                          kernel_options={"BLOCK_M": tile, "BLOCK_N": tile})
 
 
 class SwiGLU(nn.Module):

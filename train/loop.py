@@ -232,7 +232,8 @@ def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: i
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-        sched.lr_lambdas = [lr_lambda(tc)] * len(opt.param_groups)  # max_steps may change on resume; the rule is code, not state
+        # max_steps may change on resume; the rule is code, not state
+        sched.lr_lambdas = [lr_lambda(tc)] * len(opt.param_groups)
         start = int(ckpt["step"])
         states = ckpt["data_states"]
         if len(states) != world:
@@ -340,7 +341,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
                 if log_f is not None:
                     log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
-                progress.update(done, f"loss {last['loss']:.4f}" + (f"  tau {last['tau']:.3f}" if last.get("tau") else ""))
+                tau_txt = f"  tau {last['tau']:.3f}" if last.get("tau") else ""
+                progress.update(done, f"loss {last['loss']:.4f}" + tau_txt)
                 window = _Window()
             else:
                 progress.update(done)

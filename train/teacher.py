@@ -110,7 +110,8 @@ def last_hidden(batch: dict[str, Any], last_tap: int | None) -> torch.Tensor:
 
 def gather_exact(
     batch: dict[str, Any], b_R: torch.Tensor, row_R: torch.Tensor, *, last_tap: int | None, bundle_norm: torch.Tensor,
-    lm_head: torch.Tensor, head: HeadSpec, norm_bias: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None,
+    lm_head: torch.Tensor, head: HeadSpec, norm_bias: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
 ) -> ExactTeacher:
     """The exact teacher for rows (b_R[i], row_R[i]): gathers only those [R, H] states."""
     h = last_hidden(batch, last_tap)[b_R, row_R]

@@ -26,7 +26,7 @@ def tiny_bundle(root: Path, *, hidden: int = 32, vocab: int = 64, layers: int = 
         "intermediate_size": 2 * hidden, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "logits_scaling": scaling,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     }
-    fp = write_bundle(
+    write_bundle(
         root / "target", config=config,
         audio={"sample_rate": 16000, "frame_seconds": 0.08, "placeholder": "<|audio|>", "placeholder_token_id": 3,
                "audio_token_id": 3},

@@ -1,7 +1,6 @@
 """DFlash2: identity-initialised block convolutions, the selector as a no-op at init, its loss term, refusals."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter
 from train.dflash2 import DFlash2Config, DFlash2Drafter, SublayerConv
 from train.drafter import combine_terms
-from train.export import export_drafter
 
 
 @pytest.fixture(scope="module")

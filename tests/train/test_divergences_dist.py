@@ -1,7 +1,6 @@
 """The adaptive LK lambda uses the mean acceptance of the WHOLE data-parallel group (2 gloo ranks)."""
 
 import math
-import os
 
 import pytest
 import torch

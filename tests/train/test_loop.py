@@ -98,7 +98,7 @@ def test_bad_inputs_refused_before_any_step(tmp_path, mem):
 def _reference_logits(cfg, w, bundle, taps_TnH, ids_T, anchor):
     """An independent float64 DFlash forward from an export (config.json + safetensors) and the bundle."""
     D = lambda t: t.double()
-    H, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps, B = cfg["rms_norm_eps"], cfg["block_size"]
 
     def rms(x, wt):
@@ -192,7 +192,7 @@ def test_loss_falls_and_acceptance_rises(tmp_path):
                                                   "ckpt_every=1000"])
     train(run, path, tmp_path / "r0", stop_at=1)
     tau0 = evaluate(tmp_path / "r0", path, plot=False)["tau"]
-    s = train(run, path, tmp_path / "run")
+    train(run, path, tmp_path / "run")
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert lines[-1]["loss"] < 0.7 * lines[0]["loss"]
     assert lines[-1]["tau"] > lines[0]["tau"]

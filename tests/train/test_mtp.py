@@ -1,6 +1,5 @@
 """MTP heads: alignment, losses against float64 references, teacher forms, refusals, eval chain, export."""
 
-import dataclasses
 import math
 
 import pytest
@@ -108,7 +107,7 @@ def _reference_ce(drafter, batch):
             x = torch.cat([rms(e, head.enorm.weight), rms(h, head.hnorm.weight)], -1) @ head.eh_proj.weight.double().T
             pos = torch.arange(n)[None]
             h = super(type(head), head).forward(x[None], d.rope(pos), is_causal=True)[0]  # the plain decoder layer
-            s = ce = 0.0
+            ce = 0.0
             c = 0
             for t in range(n):
                 if t + k + 1 < n and bool(mask[b, t + k + 1]):

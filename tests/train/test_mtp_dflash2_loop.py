@@ -46,7 +46,7 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     assert res["family"] == run.family and res["tau"] >= 1.0 and res["blocks"] > 0
     K = len(res["alpha"])
     assert len(res["alpha_sampled"]) == K and 1.0 < res["tau_sampled"] <= 1.0 + K and res["temperature"] == 1.0
-    ex = export_run(tmp_path / "run", tmp_path / "export")
+    export_run(tmp_path / "run", tmp_path / "export")
     cfg, weights = load_export(tmp_path / "export")
     if recipe == "dflash2":
         assert cfg["architectures"] == ["Qwen3DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights

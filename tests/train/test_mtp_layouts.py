@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.train.dflash_fixtures import away_from_init
-from tests.train.test_mtp import H, L, V, batch_of, tiny_bundle, tiny_layout
+from tests.train.test_mtp import L, batch_of, tiny_bundle, tiny_layout
 from train.export import export_drafter
 from train.mtp import MTPConfig, MTPDrafter
 

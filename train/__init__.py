@@ -10,9 +10,12 @@ Homes (each job is written once):
     config.py      TrainConfig, RunConfig, recipes (``base:`` chains) and overrides
     drafter.py     the Drafter protocol (forward, acceptance, propose, export_config), family registry,
                    the loss-normalisation rule
-    dflash.py, dflash2.py, mtp.py   one file per family (model + its losses' wiring)
+    dflash.py, dflash2.py, mtp.py   one file per family (model, eval, export; CONFIG and DRAFTER)
+    dflash_config.py, dflash_loss.py   DFlash's settings; its training loss and draft vocabulary (a mixin)
+    mtp_heads.py, mtp_targets.py, mtp_loss.py   MTP's head modules, per-depth alignment, training loss
+    mtp_layouts.py MTP export layouts;  anchors.py  block anchors (DFlash, DFlash2)
     run.py         a run on disk: data source, checkpoints, build_drafter, load_trained
-    acceptance.py  acceptance bookkeeping: counts, replayed rounds, tau, MTP's sampled acceptance
+    acceptance.py  acceptance bookkeeping: counts, replayed rounds, the acc@k / alpha@k metrics, tau
     teacher.py     teacher rows (exact through ``shards.head``, or stored top-k)
     divergences.py KL / TV (values, and analytic gradients for the fused loss) and the LK loss
     losses.py      the fused chunked lm_head + CE (+ KD) over gathered rows

@@ -4,7 +4,7 @@ At a real vocabulary the loss, not the draft, is the step: every loss row (a blo
 predicts a supervised token) costs a [V, H] lm_head matmul forward and one backward, 4 * V * H
 FLOPs = 0.62 GFLOP at Qwen3-0.6B's widths, while a 1-layer draft costs about 0.08 GFLOP per
 block token. So step time is near-linear in the loss rows, and ``max_loss_rows`` (the recipe's
-budget per micro-batch, ``train.dflash``) is what keeps a step's cost bounded.
+budget per micro-batch, ``train.dflash_loss``) is what keeps a step's cost bounded.
 
 Content: a tiny synthetic dataset at the ``qwen3-1024x8`` shape (benchmarks/shapes.py): a target
 bundle with random bf16 embedding and lm_head of 151,936 x 1024, and a few samples of 512-2048

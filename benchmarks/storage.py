@@ -14,15 +14,16 @@ Content (same shapes on both sides; the .pt baseline also saves the teacher rows
 Per field: each field's encoded bytes (``shards.codec.encode_fields``), concatenated over record
 batches of the writer's ``batch_bytes`` and zstd-compressed at the variant's level, the way the Arrow
 writer compresses each column buffer; the total is the real writer's output. The demo's samples are
-short (~36 tokens), so the baseline's per-file overhead (torch.save's zip framing, ~1.2 KB a file) is
-a visible share of its bytes: ``pt_framing_bytes`` reports it.
+short (~36 tokens), so the baseline's per-file overhead (torch.save's zip framing: ~3.2 KB a demo file
+with its teacher rows, ~2.4 KB a MiniLM one) is a visible share of its bytes: ``pt_framing_bytes`` reports it.
 
 Per bf16 byte plane (``plane_report``): zstd-1's ratio and decompression speed on the taps' high plane
 (sign + exponent) and low plane (mostly mantissa) alone, for the trained demo decoder, the qwen3-1024x8
 read/write benchmarks' content and MiniLM: which plane is worth compressing and what reading it costs.
 
 Sizes are deterministic, so no repetition is needed (plane decode speeds are CPU-time rates). Prints a
-table, writes JSON to benchmarks/results/storage.json.   Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
+table, writes JSON to benchmarks/results/storage.json.
+Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
 """
 
 from __future__ import annotations

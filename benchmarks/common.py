@@ -29,11 +29,21 @@ def environment(**machine: Any) -> dict[str, Any]:
     }
 
 
+def invocation() -> str:
+    """The command line that ran this process, as a user would type it (``python -m benchmarks.X ...``)."""
+    main = sys.modules.get("__main__")
+    module = getattr(getattr(main, "__spec__", None), "name", None)
+    head = f"python -m {module}" if module else f"python {sys.argv[0]}"
+    return " ".join([head, *sys.argv[1:]])
+
+
 def write_result(name: str, doc: dict[str, Any], *, indent: int = 2) -> Path:
-    """Write ``doc`` plus the environment to benchmarks/results/NAME and say where."""
+    """Write ``doc`` plus the environment to benchmarks/results/NAME and say where (a doc without a
+    ``command`` gets the one that ran this process)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
     doc = dict(doc)
+    doc.setdefault("command", invocation())
     env = environment(**doc.pop("machine_extra", {}))
     path.write_text(json.dumps({**doc, **env}, indent=indent))
     print(f"wrote {path}")

@@ -242,7 +242,10 @@ def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cf
             "bytes_vs_pt": data_bytes / pt_bytes,
             "random_access_ms_median": 1e3 * statistics.median(lat), "random_access_ms_p90": 1e3 * sorted(lat)[179]}
     default = variants[next(iter(VARIANTS))]
-    out = {"shape": shape, **shape_facts(shape), "num_taps": len(TAPS), "top_k": 64,
+    # Read cost depends on the content's width, tap count and top-k, not on the model's depth or vocabulary:
+    # the samples are write.py's (tap ids of a 36-layer layout), at the shape's hidden size.
+    out = {"shape": shape, "hidden_size": H, "num_layers": lay.num_layers, "vocab_size": None,
+           "content": "benchmarks.write samples at the shape's hidden size", "num_taps": len(TAPS), "top_k": 64,
            "samples": len(samples), "tokens": tokens,
            "tapdraft_tokens_per_cpu_s": default["tokens_per_cpu_s"],
            "pt_tokens_per_cpu_s": statistics.median(a for a, _ in got["pt"]),

@@ -129,6 +129,8 @@ class DFlashConfig:
             mask_id = default_mask_id(bundle, layout)
         if not 0 <= mask_id < V:
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary [0, {V})")
+        if self.mask_token_id is not None and zero_embedding(bundle, mask_id):
+            warn_zero_mask(mask_id)
         if self.draft_vocab is not None and self.draft_vocab > V:
             raise ValueError(f"draft_vocab {self.draft_vocab} exceeds the target vocabulary ({V}); lower it or drop it")
         ids = self.target_layer_ids
@@ -172,24 +174,46 @@ def tokenizer_ids(bundle: Any) -> set[int] | None:
     return ids
 
 
+def warn_zero_mask(mask_id: int) -> None:
+    # warned from this line (not the caller's): shown once per run however many places resolve the config
+    warnings.warn(f"mask_token_id {mask_id} has an all-zero embedding row in the target: every mask slot's first draft "
+                  "layer sees zeros (no query, key or value; uniform attention), which stalls training; choose an id "
+                  "whose row is nonzero", stacklevel=1)
+
+
+def zero_embedding(bundle: Any, token_id: int) -> bool:
+    """Whether the target's input embedding row of ``token_id`` is all zeros (HF zero-initialises the pad row of an
+    ``nn.Embedding(padding_idx=...)`` and that row never gets a gradient). A mask slot fed such a row is useless:
+    its first draft layer's input is RMSNorm(0) = 0, so it has no query, key or value, attends uniformly, and
+    every mask slot of a block computes the same thing there (a 1-layer draft predicts one distribution for all
+    B - 1 slots)."""
+    return not bool(bundle.embed_tokens[int(token_id)].any())
+
+
 def default_mask_id(bundle: Any, layout: Any) -> int:
     """A dedicated mask id: the first embedding row past every id the tokenizer (and the audio sentinel) uses.
 
     This is the id ``<|MASK|>`` gets when added to the tokenizer, as the reference DFlash drafters do; it
     never collides with a token the target reads or emits. Targets whose embedding table has no such row
-    (vocab_size == tokenizer size) fall back to the pad id with a warning: the mask then shares its input
-    embedding with padding.
+    (vocab_size == tokenizer size) fall back, with a warning, to the pad id (V - 1 without one), or, when that
+    row is all zeros (:func:`zero_embedding`), to the lowest id whose row is not: the mask then shares its input
+    embedding with that token.
     """
     V = int(bundle.lm_head.shape[0])
     used = tokenizer_ids(bundle)
     if used is not None:
         first_free = max(used | {int(layout.audio_token_id)}) + 1
-        if first_free < V:
+        if first_free < V and not zero_embedding(bundle, first_free):
             return first_free
     tc = bundle.config
     pad = tc.get("pad_token_id")
-    fallback = int(pad) if pad is not None else V - 1
+    first = int(pad) if pad is not None else V - 1
+    fallback = next((i for i in (first, *range(V)) if not zero_embedding(bundle, i)), None)
+    if fallback is None:
+        raise ValueError("the target's input embedding is all zeros: no usable mask row; check the target weights")
     why = "has no tokenizer.json" if used is None else f"uses every embedding row (vocab {V})"
+    if fallback != first:
+        why += f"; id {first}'s row is an all-zero embedding (a padding row)"
     # warned from this line (not the caller's): shown once per run however many places resolve the config
     warnings.warn(f"the target's tokenizer {why}: no dedicated mask id, the mask slots use id {fallback} "
                   "(set drafter.mask_token_id to choose one)", stacklevel=1)

@@ -329,3 +329,39 @@ def test_sampled_acceptance_is_the_overlap_of_the_live_proposal_with_the_exact_t
             counts[k - 1] += 1
     assert torch.equal(got_c, counts) and counts.sum() > 20
     torch.testing.assert_close(got_s, sums, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_never_falls_back_to_an_all_zero_embedding_row(setup):
+    """HF zero-initialises the pad row (nn.Embedding padding_idx) and it never gets a gradient. A mask slot fed that
+    row has RMSNorm(0) = 0 as its first layer's input: no query, key or value, uniform attention, identical slots.
+    With no spare row the fallback must be a nonzero row, and then a 1-layer draft's mask slots differ."""
+    import dataclasses as dc
+    import json as js
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from train.dflash import default_mask_id
+
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0))
+    assert float(hf.model.embed_tokens.weight.detach()[0].abs().max()) == 0.0  # the fact the fallback must respect
+
+    bundle, layout, samples = setup
+    V = bundle.vocab_size
+    emb = bundle.embed_tokens.clone()
+    emb[bundle.config["pad_token_id"]] = 0.0
+    tok = {"model": {"vocab": {f"w{i}": i for i in range(V)}},
+           "added_tokens": [{"id": 0, "content": "<|pad|>"}, {"id": 1, "content": "<|im_start|>"}]}
+    full = dc.replace(bundle, embed_tokens=emb, tokenizer_files={"tokenizer.json": js.dumps(tok).encode()})
+    with pytest.warns(UserWarning, match="all-zero embedding"):
+        mask = default_mask_id(full, layout)
+    assert mask != bundle.config["pad_token_id"] and float(emb[mask].abs().max()) > 0
+    assert mask == 1  # the lowest id with a nonzero row
+    model = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=4), full, layout).eval()
+    b = collate(samples[:1])
+    with torch.no_grad():
+        h = model.block_hidden(b["input_ids"], model.context(b["taps"]), torch.tensor([[10]]))[0, 0, 1:]
+    assert float((h[1:] - h[0]).abs().max()) > 1e-4  # mask slots are told apart by position
+    # an explicit all-zero row is allowed (a recorded run keeps loading) but said out loud
+    with pytest.warns(UserWarning, match="all-zero embedding"):
+        DFlashConfig(mask_token_id=0).resolve(full, layout)

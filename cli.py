@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
+from pathlib import Path
 
 import typer
 
@@ -339,11 +341,24 @@ def demo(
     typer.echo(format_demo(run_demo(workdir, quick=quick)))
 
 
+_ROOT = Path(__file__).resolve().parent
+_PYTHON_FORMAT = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 (warnings' signature)
+    """tapdraft's own warnings read as one ``warning:`` line (with --debug, or from a library: Python's format)."""
+    if not _RUN["debug"] and Path(filename).resolve().is_relative_to(_ROOT) and "site-packages" not in filename:
+        return f"warning: {message}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: an error a user can act on is one ``error:`` line and its documented exit code."""
+    """Console entry point: an error a user can act on is one ``error:`` line and its documented exit code;
+    a warning of tapdraft's own is one ``warning:`` line."""
     from shards.errors import classify
 
     _RUN["debug"] = False
+    warnings.formatwarning = _format_warning
     try:
         app(args=argv, prog_name="tapdraft")
     except Exception as e:  # SystemExit and KeyboardInterrupt pass (typer turns Ctrl-C into exit 130)

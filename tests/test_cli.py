@@ -39,6 +39,24 @@ def test_help_names_the_program_however_it_was_started(capsys):
     assert e.value.code == 0 and "Usage: tapdraft train" in capsys.readouterr().out
 
 
+def test_own_warnings_are_one_line_library_ones_keep_their_format():
+    import warnings
+
+    import cli
+    import train.dflash_config as ours
+
+    warnings.formatwarning = cli._format_warning
+    try:
+        assert cli._format_warning(UserWarning("mask id 1"), UserWarning, ours.__file__, 7) == "warning: mask id 1\n"
+        lib = cli._format_warning(UserWarning("x"), UserWarning, torch.__file__, 7)
+        assert lib.startswith(torch.__file__) and "UserWarning" in lib
+        cli._RUN["debug"] = True
+        assert "UserWarning" in cli._format_warning(UserWarning("x"), UserWarning, ours.__file__, 7)
+    finally:
+        cli._RUN["debug"] = False
+        warnings.formatwarning = cli._PYTHON_FORMAT
+
+
 def test_user_error_is_one_clear_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "cli.py", "train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "run")],

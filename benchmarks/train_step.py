@@ -130,42 +130,61 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv: list[str] | None) -> dict[str, Any]:
-    """A = full vocabulary, B = an N-token draft vocabulary, fp32 head, interleaved per loss-row budget."""
+def interleaved(make: dict[str, Any], budgets: list[int], pairs: int, speedup_key: str,
+                check: Any = None) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """Time two step variants A/B in interleaved pairs per loss-row budget; fit step = a + b x rows for each.
+
+    ``make`` maps the two variant names to ``budget -> Stepper``; ``check(steppers)`` runs before timing.
+    Records keep the names: ``{A}_s``, ``{A}_runs``, ``loss_{A}``, ... and ``speedup_key`` = median A/B."""
+    a, b = make
     out = []
     for budget in budgets:
-        steppers = {"full": Stepper(data, budget, "fp32"), "draft": Stepper(data, budget, "fp32", n)}
+        steppers = {k: f(budget) for k, f in make.items()}
+        extra = check(steppers) if check else {}
+        for s in steppers.values():
+            s.step()  # warm-up (allocator, oneDNN kernels)
+        times: dict[str, list[float]] = {a: [], b: []}
+        loads = []
+        for _ in range(pairs):
+            for k in (a, b):
+                times[k].append(steppers[k].step())
+            loads.append(os.getloadavg()[0])
+        assert steppers[a].rows == steppers[b].rows
+        rec = {"max_loss_rows": budget, "loss_rows": steppers[a].rows,
+               "tokens": int(steppers[a].batch["lengths"].sum()),
+               f"{a}_s": statistics.median(times[a]), f"{b}_s": statistics.median(times[b]),
+               f"{a}_runs": times[a], f"{b}_runs": times[b],
+               speedup_key: statistics.median(x / y for x, y in zip(times[a], times[b])),
+               f"loss_{a}": steppers[a].loss, f"loss_{b}": steppers[b].loss, **extra, "load_avg_1m": loads}
+        out.append(rec)
+        print(f"rows {rec['loss_rows']:>6}  {a} {rec[f'{a}_s']:7.2f} s  {b} {rec[f'{b}_s']:7.2f} s  "
+              f"{speedup_key} {rec[speedup_key]:.2f}  load {max(loads):.1f}")
+    fits = {}
+    for k in (a, b):
+        fixed, per_row = _fit([r["loss_rows"] for r in out], [r[f"{k}_s"] for r in out])
+        fits[k] = {"fixed_s": fixed, "s_per_row": per_row}
+        print(f"{k}: step = {fixed:.2f} s + {per_row * 1000:.1f} ms x rows")
+    return out, fits
+
+
+def _command(argv: list[str] | None) -> str:
+    return "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv: list[str] | None) -> dict[str, Any]:
+    """A = full vocabulary, B = an N-token draft vocabulary, fp32 head, interleaved per loss-row budget."""
+    def same_rows(steppers: dict[str, Stepper]) -> dict[str, float]:
         cover = steppers["draft"].vocab["coverage"]
         if cover != 1.0:
             raise ValueError(f"the {n}-token draft vocabulary covers {cover:.3f} of the labels: the sides would train "
                              "different loss rows; raise --draft-vocab")
-        for s in steppers.values():
-            s.step()  # warm-up (allocator, oneDNN kernels)
-        times: dict[str, list[float]] = {"full": [], "draft": []}
-        loads = []
-        for _ in range(pairs):
-            for k in ("full", "draft"):
-                times[k].append(steppers[k].step())
-            loads.append(os.getloadavg()[0])
-        assert steppers["full"].rows == steppers["draft"].rows
-        rec = {"max_loss_rows": budget, "loss_rows": steppers["full"].rows,
-               "tokens": int(steppers["full"].batch["lengths"].sum()),
-               "full_s": statistics.median(times["full"]), "draft_s": statistics.median(times["draft"]),
-               "full_runs": times["full"], "draft_runs": times["draft"],
-               "speedup": statistics.median(a / b for a, b in zip(times["full"], times["draft"])),
-               "loss_full": steppers["full"].loss, "loss_draft": steppers["draft"].loss, "coverage": cover,
-               "load_avg_1m": loads}
-        out.append(rec)
-        print(f"rows {rec['loss_rows']:>6}  full {rec['full_s']:7.2f} s  draft {n} {rec['draft_s']:7.2f} s  "
-              f"speedup {rec['speedup']:.2f}  load {max(loads):.1f}")
-    fits = {}
-    for k in ("full", "draft"):
-        a, b = _fit([r["loss_rows"] for r in out], [r[f"{k}_s"] for r in out])
-        fits[k] = {"fixed_s": a, "s_per_row": b}
-        print(f"{k}: step = {a:.2f} s + {b * 1000:.1f} ms x rows")
+        return {"coverage": cover}
+
+    make = {"full": lambda budget: Stepper(data, budget, "fp32"),
+            "draft": lambda budget: Stepper(data, budget, "fp32", n)}
+    out, fits = interleaved(make, budgets, pairs, "speedup", same_rows)
     doc = {"benchmark": "train_step_draft_vocab", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
-           "draft_vocab": n, "head_dtype": "fp32",
-           "command": "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "draft_vocab": n, "head_dtype": "fp32", "command": _command(argv),
            "threads": 1, "rows": out, "fit": fits,
            "predicted_s": {f"{k}@{r}": fits[k]["fixed_s"] + fits[k]["s_per_row"] * r for k in fits for r in (8192,)}}
     write_result("train_step_draft_vocab.json", doc)
@@ -185,35 +204,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = build_dataset(Path(args.workdir) / "dataset")
     if args.draft_vocab is not None:
         return compare_draft_vocab(data, args.draft_vocab, args.rows, args.pairs, argv)
-    out = []
-    for budget in args.rows:
-        steppers = {h: Stepper(data, budget, h) for h in ("fp32", "bf16")}
-        for s in steppers.values():
-            s.step()  # warm-up (allocator, oneDNN kernels)
-        times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-        loads = []
-        for _ in range(args.pairs):
-            for h in ("fp32", "bf16"):
-                times[h].append(steppers[h].step())
-            loads.append(os.getloadavg()[0])
-        rec = {"max_loss_rows": budget, "loss_rows": steppers["fp32"].rows,
-               "tokens": int(steppers["fp32"].batch["lengths"].sum()),
-               "fp32_s": statistics.median(times["fp32"]), "bf16_s": statistics.median(times["bf16"]),
-               "fp32_runs": times["fp32"], "bf16_runs": times["bf16"],
-               "bf16_speedup": statistics.median(a / b for a, b in zip(times["fp32"], times["bf16"])),
-               "loss_fp32": steppers["fp32"].loss, "loss_bf16": steppers["bf16"].loss,
-               "load_avg_1m": loads}
-        out.append(rec)
-        print(f"rows {rec['loss_rows']:>6}  fp32 {rec['fp32_s']:7.2f} s  bf16 {rec['bf16_s']:7.2f} s  "
-              f"bf16 speedup {rec['bf16_speedup']:.2f}  load {max(loads):.1f}")
-    fits = {}
-    for h in ("fp32", "bf16"):
-        a, b = _fit([r["loss_rows"] for r in out], [r[f"{h}_s"] for r in out])
-        fits[h] = {"fixed_s": a, "s_per_row": b}
-        print(f"{h}: step = {a:.2f} s + {b * 1000:.1f} ms x rows")
+    make = {h: (lambda budget, h=h: Stepper(data, budget, h)) for h in ("fp32", "bf16")}
+    out, fits = interleaved(make, args.rows, args.pairs, "bf16_speedup")
     flops_row = 4 * SHAPES[SHAPE].vocab * SHAPES[SHAPE].hidden
     doc = {"benchmark": "train_step", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
-           "command": "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": _command(argv),
            "threads": 1, "lm_head_flops_per_row": flops_row, "rows": out, "fit": fits,
            "predicted_s": {f"{h}@{n}": fits[h]["fixed_s"] + fits[h]["s_per_row"] * n
                            for h in fits for n in (8192, 26_700)}}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import platform
+import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,3 +50,31 @@ def write_result(name: str, doc: dict[str, Any], *, indent: int = 2) -> Path:
     path.write_text(json.dumps({**doc, **env}, indent=indent))
     print(f"wrote {path}")
     return path
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure_child(prepare: Callable[[], Any], run: Callable[[Any], Any], q: Any) -> None:
+    torch.set_num_threads(1)
+    inputs = prepare()
+    before = _rss_bytes()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run(inputs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    q.put(max(peak, peak_before) - before)
+
+
+def peak_memory_growth(prepare: Callable[[], Any], run: Callable[[Any], Any], what: str) -> int:
+    """Bytes of peak resident memory ``run(prepare())`` adds over what ``prepare`` left, in a forked child
+    (one torch thread), so that one measurement's peak never hides the next one's."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_measure_child, args=(prepare, run, q))
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"{what}: the measuring child failed with exit code {p.exitcode}")
+    return int(q.get())

@@ -19,15 +19,13 @@ benchmarks/results/dflash2_memory.json.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import resource
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import peak_memory_growth, write_result
 from shards.bundle import TargetBundle
 from shards.schema import Layout
 from train.dflash2 import DFlash2Config, DFlash2Drafter
@@ -61,30 +59,8 @@ def step(model, batch) -> float:
     return float(loss.detach())
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _child(args, q):
-    torch.set_num_threads(1)
-    model, batch = make(*args)
-    before = _rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    step(model, batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    q.put(max(peak, peak_before) - before)
-
-
 def peak_memory(args) -> int:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(args, q))
-    p.start()
-    p.join()
-    if p.exitcode != 0:
-        raise RuntimeError(f"child {args} failed with exit code {p.exitcode}")
-    return int(q.get())
+    return peak_memory_growth(lambda: make(*args), lambda mb: step(*mb), f"child {args}")
 
 
 def main() -> None:

@@ -21,16 +21,13 @@ in-process, interleaved per-row/full pairs, median of ``--pairs`` (>= 5). Ratio 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import write_result
+from benchmarks.common import peak_memory_growth, write_result
 from shards.head import HeadSpec, rms_norm
 from train.losses import row_losses
 from train.teacher import ExactTeacher
@@ -83,30 +80,9 @@ def step_full(x: dict, chunk: int) -> float:
 STEPS = {"per_row": step_per_row, "full": step_full}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _child(variant, T, V, H, R, chunk, q):
-    torch.set_num_threads(1)
-    x = make_inputs(T, V, H, R)
-    before = _rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    STEPS[variant](x, chunk)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    q.put(max(peak, peak_before) - before)
-
-
 def peak_memory(variant: str, T: int, V: int, H: int, R: int, chunk: int) -> int:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(variant, T, V, H, R, chunk, q))
-    p.start()
-    p.join()
-    if p.exitcode != 0:
-        raise RuntimeError(f"{variant} T={T} V={V} child failed with exit code {p.exitcode}")
-    return int(q.get())
+    return peak_memory_growth(lambda: make_inputs(T, V, H, R), lambda x: STEPS[variant](x, chunk),
+                              f"{variant} T={T} V={V}")
 
 
 def main() -> None:

@@ -46,6 +46,20 @@ def tiny_layout(bundle, *, tap_ids=(1, 3), top_k: int = 8, final_hidden: bool = 
                   tap_ids=tuple(tap_ids), top_k=top_k, audio_token_id=3, has_final_hidden=final_hidden)
 
 
+def supervised_slots(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """(b, j, k, p) for every block slot k >= 1 whose position p = anchor + k is a supervised token: the rows a
+    float64 reference of the DFlash loss walks, one by one."""
+    for b in range(anchors.shape[0]):
+        L = int(batch["lengths"][b])
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            for k in range(1, block_size):
+                p = int(anchors[b, j]) + k
+                if p < L and batch["loss_mask"][b, p]:
+                    yield b, j, k, p
+
+
 def away_from_init(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
     """``model`` moved like a trained drafter (every parameter + scale * seeded N(0, 1), so convolutions and
     selectors are no longer their identity start), in eval mode."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
+from dflash_fixtures import supervised_slots, synthetic_samples, tiny_bundle, tiny_layout
 from train.data import collate
 from train.dflash import DFlashConfig, DFlashDrafter, acceptance_counts, allocate_anchor_counts, sample_anchors
 from train.export import export_drafter
@@ -171,19 +171,11 @@ def test_loss_targets_and_weights_match_definition(setup):
     with torch.no_grad():
         h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
     num = den = 0.0
-    for b in range(anchors.shape[0]):
-        L = int(batch["lengths"][b])
-        for j in range(anchors.shape[1]):
-            if not valid[b, j]:
-                continue
-            for k in range(1, 4):
-                p = int(anchors[b, j]) + k
-                if p >= L or not batch["loss_mask"][b, p]:
-                    continue
-                z = h[b, j, k] @ model.lm_head.double().T
-                ce = -torch.log_softmax(z, -1)[batch["input_ids"][b, p]]
-                wk = torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64))
-                num, den = num + float(wk * ce), den + float(wk)
+    for b, j, k, p in supervised_slots(batch, anchors, valid, 4):
+        z = h[b, j, k] @ model.lm_head.double().T
+        ce = -torch.log_softmax(z, -1)[batch["input_ids"][b, p]]
+        wk = torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64))
+        num, den = num + float(wk * ce), den + float(wk)
     s, c, _ = out.terms["ce"]
     assert abs(float(s.detach()) / float(c) - num / den) < 1e-6 and abs(float(c) - den) < 1e-5
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout
+from dflash_fixtures import (away_from_init, supervised_slots, synthetic_samples, tiny_bundle, tiny_dataset,
+                             tiny_layout)
 from shards.head import final_norm
 from train.config import load_run_config
 from train.data import collate
@@ -83,27 +84,19 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
     h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
     ce_num = kd_num = den = 0.0
     rows = outside = 0
-    for b in range(anchors.shape[0]):
-        L = int(batch["lengths"][b])
-        for j in range(anchors.shape[1]):
-            if not vblk[b, j]:
-                continue
-            for k in range(1, 4):
-                p = int(anchors[b, j]) + k
-                if p >= L or not batch["loss_mask"][b, p]:
-                    continue
-                rows += 1
-                y = int(batch["input_ids"][b, p])
-                if y not in ids:
-                    outside += 1
-                    continue
-                lq = torch.log_softmax(h[b, j, k] @ W.T, -1)
-                t = final_norm(batch["final_hidden"][b, p - 1], model.target_norm.double(), model.head_spec)
-                lp = torch.log_softmax(t @ W.T, -1)  # the full teacher restricted to S, renormalised
-                wk = float(torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64)).float())  # float32 weights
-                ce_num = ce_num + wk * -lq[ids.index(y)]
-                kd_num = kd_num + wk * (lp.exp() * (lp - lq)).sum()
-                den += wk
+    for b, j, k, p in supervised_slots(batch, anchors, vblk, 4):
+        rows += 1
+        y = int(batch["input_ids"][b, p])
+        if y not in ids:
+            outside += 1
+            continue
+        lq = torch.log_softmax(h[b, j, k] @ W.T, -1)
+        t = final_norm(batch["final_hidden"][b, p - 1], model.target_norm.double(), model.head_spec)
+        lp = torch.log_softmax(t @ W.T, -1)  # the full teacher restricted to S, renormalised
+        wk = float(torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64)).float())  # float32 weights
+        ce_num = ce_num + wk * -lq[ids.index(y)]
+        kd_num = kd_num + wk * (lp.exp() * (lp - lq)).sum()
+        den += wk
     assert outside > 0 and rows > outside  # the subset bites, and rows remain
     for name, ref in (("ce", ce_num), ("kd", kd_num)):
         s, c, _ = out.terms[name]

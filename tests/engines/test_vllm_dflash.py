@@ -127,3 +127,18 @@ def test_stock_vllm_refuses_a_speech_target_with_a_draft(vllm_venv, speech_case,
     with pytest.raises(EngineFailed) as failed:
         serve_vllm(vllm_venv, job, tmp_path, plugins=False)
     assert "image_token_index" in failed.value.log or "EAGLE3 interface" in failed.value.log
+
+
+def test_decoding_past_the_captured_reply_is_reported(bpe_target, bpe_dflash):
+    """The regenerated replies stop at 24 tokens (most of them cut there): decoding 40 tokens runs past what the
+    dataset holds, where the replay sees nothing and the drafter never trained; speculate says so and how much.
+    (Measured on this target: accepted drafts per round fall from 0.13 before token 24 to 0.05 after it.)"""
+    from speculate.run import format_result
+
+    run, _ = bpe_dflash
+    inside = speculate(bpe_target, run, bpe_target.val_manifest, 32, MAX_TOKENS)
+    assert inside["past_capture"] == {"conversations": 0, "tokens": 0}
+    assert "decoded past" not in format_result(inside)
+    past = speculate(bpe_target, run, bpe_target.val_manifest, 32, 40)
+    assert past["past_capture"]["conversations"] > 0 and past["past_capture"]["tokens"] > 0
+    assert "decoded past the reply their dataset sample holds" in format_result(past)

@@ -49,7 +49,7 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     export_run(tmp_path / "run", tmp_path / "export")
     cfg, weights = load_export(tmp_path / "export")
     if recipe == "dflash2":
-        assert cfg["architectures"] == ["Qwen3DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights
+        assert cfg["architectures"] == ["DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights
     else:
         assert cfg["mtp_concat_order"] == "embedding_first"
         assert f"model.layers.{data.layout.num_layers}.eh_proj.weight" in weights

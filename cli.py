@@ -316,15 +316,18 @@ def export(
     draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
     out: str = typer.Option(..., "--out", help="Export directory (model.safetensors + config.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
-    layout: str = typer.Option(None, "--layout", help="MTP heads only: deepseek (default), vllm-qwen3-next or "
-                               "nemo-salm (the loader the export is for; README says which engine loads which)."),
+    layout: str = typer.Option(None, "--layout", help="The loader the export is for. DFlash / DFlash2: native "
+                               "(default; vLLM, SGLang, Automodel) or speculators. MTP heads: deepseek (default), "
+                               "vllm-qwen3-next or nemo-salm. README says which engine loads which."),
+    verifier: str = typer.Option(None, "--verifier", help="--layout speculators: the target's hub id or directory "
+                                 "name, as the format records it (speculators_config.verifier)."),
 ) -> None:
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
 
     from train.export import export_run, format_export
 
-    res = export_run(draft, out, layout=layout)
+    res = export_run(draft, out, layout=layout, verifier=verifier)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
 
 

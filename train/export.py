@@ -30,6 +30,7 @@ import torch
 from shards.atomic import staged
 from shards.template import template_sha
 from train.mtp_layouts import convert
+from train.speculators_layout import to_speculators
 
 SERVING_DIR = Path(__file__).parent / "serving"
 """Self-contained modeling files (torch + transformers only) copied into exports whose config names them in
@@ -65,15 +66,19 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
     return out
 
 
-def in_layout(weights: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str | None
-              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Weights and config in the requested loader layout (MTP heads: ``train.mtp_layouts``; others have one)."""
+def in_layout(weights: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str | None, *,
+              verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Weights and config in the requested loader layout: MTP heads ``train.mtp_layouts``; DFlash / DFlash2 their
+    native layout or ``speculators`` (``train.speculators_layout``, naming the ``verifier``)."""
     family = cfg.get("tapdraft", {}).get("family")
-    if layout is not None and family != "mtp":
-        raise ValueError(f"--layout selects an MTP layout; a {family!r} draft has one export layout (drop --layout)")
-    if family != "mtp":
-        return weights, cfg
-    return convert(weights, cfg, layout or "deepseek")
+    if family == "mtp":
+        return convert(weights, cfg, layout or "deepseek")
+    if layout == "speculators":
+        return to_speculators(weights, cfg, verifier=verifier)
+    if layout is not None:
+        raise ValueError(f"unknown layout {layout!r} for a {family!r} draft: its layouts are the native one (no "
+                         "--layout) and speculators")
+    return weights, cfg
 
 
 def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any], *, layout: str | None = None) -> Path:
@@ -82,11 +87,11 @@ def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any],
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
-               layout: str | None = None) -> dict[str, Any]:
+               layout: str | None = None, verifier: str | None = None) -> dict[str, Any]:
     """Export a run's latest (or the given) checkpoint; returns a summary dict.
 
     ``layout``: for MTP heads, the loader's layout (``train.mtp_layouts.LAYOUTS``; default ``deepseek``);
-    other families have one layout and refuse the option."""
+    DFlash and DFlash2: the native layout, or ``speculators`` (which names the target: ``verifier``)."""
     from train.run import latest_checkpoint, load_checkpoint
 
     run = Path(run_dir)
@@ -101,13 +106,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     if state.get("template") is not None:  # checkpoints written before template settings were recorded lack it
         meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
                                  "kwargs": state["template"]["kwargs"]}
-    weights, cfg = in_layout(state["draft"], cfg, layout)
+    native = cfg
+    weights, cfg = in_layout(state["draft"], native, layout, verifier=verifier)
     out = write_export(out_dir, weights, cfg, meta)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
-            "layout": cfg.get("mtp_layout"),
-            "block_size": cfg.get("block_size"), "target_layer_ids": cfg.get("target_layer_ids"),
-            "target_layer_ids_vllm": cfg.get("target_layer_ids_vllm"), "mask_token_id": cfg.get("mask_token_id")}
+            "layout": cfg.get("mtp_layout") or layout,
+            "block_size": native.get("block_size"), "target_layer_ids": native.get("target_layer_ids"),
+            "target_layer_ids_vllm": native.get("target_layer_ids_vllm"), "mask_token_id": native.get("mask_token_id")}
 
 
 def format_export(res: dict[str, Any]) -> str:

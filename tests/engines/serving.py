@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+RUNNER = ROOT / "engines" / "vllm_runner.py"
 
 
 def engine_venv(name: str) -> Path:

@@ -13,7 +13,8 @@ Greedy (temperature 0) and one sequence per request, so vLLM's per-request specu
 (``per_request_spec_decode_metrics="detailed"``) give every verification step's accepted draft count,
 counted as vLLM counts it: drafts the target's sampled tokens agreed with, before the output is cut at
 eos or ``max_tokens``. Requests run one at a time (``max_num_seqs=1``) so no batching order can
-change what a step sees. This file imports only vLLM and numpy: it is not part of tapdraft.
+change what a step sees. It imports only vLLM, numpy and torch (the engine venv's): it is not part of
+tapdraft's package; the tests (tests/engines) run it.
 """
 
 import json

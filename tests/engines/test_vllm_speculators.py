@@ -1,0 +1,85 @@
+"""``export --layout speculators``: speculators' own classes load it as written, and vLLM serves it through its
+speculators path with the same greedy output and the same per-round acceptance as the native export.
+
+speculators' DFlash keeps the target's last layer out of the context (it is the teacher's), so these drafts tap
+an inner layer: the target here has 4 layers and the one-layer draft taps layer 2 (vLLM id 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.engines.conftest import engine_bpe_size, train_and_export
+from tests.engines.serving import ROOT, serve_vllm
+from tests.engines.test_vllm_dflash import K, MAX_TOKENS, prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def deep_bpe(tmp_path_factory):
+    from demo.bpe import prepare_bpe
+
+    size = replace(engine_bpe_size(), layers=4)
+    return prepare_bpe(tmp_path_factory.mktemp("bpe4"), quick=True, progress=False, size=size)
+
+
+@pytest.fixture(scope="module")
+def exports(deep_bpe, tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    root = tmp_path_factory.mktemp("dflash4")
+    run, native = train_and_export(deep_bpe.dataset, root, "dflash_demo", "drafter.num_layers=1", "max_steps=200")
+    spec = root / "speculators"
+    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(spec), "--layout", "speculators",
+                                   "--verifier", "bpe-target"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return run, native, spec
+
+
+def test_speculators_classes_load_the_export_as_written(vllm_venv, exports, tmp_path):
+    _, native, spec = exports
+    out = tmp_path / "load.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run([str(vllm_venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(spec),
+                          str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    native_cfg = json.loads((native / "config.json").read_text())
+    assert doc["class"] == "DFlashDraftModel" and doc["missing"] == [] and doc["unexpected"] == []
+    assert doc["max_abs_diff"] == 0.0
+    assert doc["sliding_window_non_causal"] is True  # vLLM: causal = not this flag, for every layer
+    assert doc["aux_hidden_state_layer_ids"] == native_cfg["target_layer_ids_vllm"] == [3]
+    assert doc["block_size"] == native_cfg["block_size"] and doc["mask_token_id"] == native_cfg["mask_token_id"]
+
+
+def test_vllm_serves_the_speculators_export_like_the_native_one(vllm_venv, deep_bpe, exports, tmp_path):
+    from speculate.run import SpeculateConfig, run_speculate
+
+    run, native, spec = exports
+    convs = prompts(deep_bpe)
+    job = {"target": str(deep_bpe.target), "requests": [{"prompt_token_ids": ids} for _, ids in convs],
+           "max_tokens": MAX_TOKENS, "max_model_len": 256}
+    alone = serve_vllm(vllm_venv, job, tmp_path)
+    # vLLM finds the method in the speculators config (speculators_model_type); it wants the token count given
+    via_spec = serve_vllm(vllm_venv, {**job, "speculative": {"model": str(spec), "num_speculative_tokens": K}},
+                          tmp_path)
+    via_native = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(native),
+                                                                "num_speculative_tokens": K}}, tmp_path)
+    greedy = [o["token_ids"] for o in alone["outputs"]]
+    assert [o["token_ids"] for o in via_spec["outputs"]] == greedy
+    rounds = [o["spec"]["per_step_accepted"] for o in via_spec["outputs"]]
+    assert rounds == [o["spec"]["per_step_accepted"] for o in via_native["outputs"]]
+    ours = run_speculate(SpeculateConfig(target=str(deep_bpe.target), draft=str(run), data=str(deep_bpe.dataset),
+                                         conversations=str(deep_bpe.val_manifest), max_samples=len(convs),
+                                         max_new_tokens=MAX_TOKENS), progress=False)
+    assert rounds == [c["agreed"] for c in ours["conversations"]]
+    assert sum(map(sum, rounds)) > 0

@@ -94,8 +94,9 @@ def regenerate(
     max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    on_error: str = typer.Option("skip", "--on-error",
-                                 help="skip: count bad inputs with their reason | fail: stop at the first."),
+    on_error: str = typer.Option("fail", "--on-error",
+                                 help="fail: stop at the first bad input (resumable) | skip: count bad inputs with "
+                                 "their reason."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
@@ -161,6 +162,8 @@ def capture(
     last_turn_only: bool = typer.Option(False, "--last-turn-only",
                                         help="With --regenerate: replace only the last assistant turn."),
     keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
+    restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
+                                 "over (after a changed input or setting)."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
@@ -190,7 +193,7 @@ def capture(
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated)
         if regenerate else None, fused=not two_pass,
     )
-    typer.echo(summary(run_capture(cfg)))
+    typer.echo(summary(run_capture(cfg, restart=restart)))
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """The training loop: ``train(config, data, out) -> summary``.
 
 One loop for every drafter family. It opens the data (a dataset path/URL or an opened dataset,
-through ``train.run.DataSource``), refuses bad input before any step (target fingerprint, tap ids
+through ``train.source.DataSource``), refuses bad input before any step (target fingerprint, tap ids
 and hidden size via the drafter's ``resolve``/``check_dataset``, no supervised tokens, resume from
 a checkpoint of another config), then runs AdamW with linear warmup + cosine decay, gradient
 clipping, bf16 autocast on GPU and gradient accumulation; DDP when launched by torchrun (gloo on
@@ -18,7 +18,7 @@ second signal aborts at once). A rerun prints "resuming from step N" before anyt
 drops metrics.jsonl lines past that step (they are recomputed); a finished run returns its summary
 marked ``already_complete`` and rewrites nothing.
 
-The run directory's layout and checkpoint I/O live in ``train.run``.
+The run directory's layout lives in ``train.run``, checkpoint I/O in ``train.checkpoints``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train import draft_vocab
 from train.drafter import Drafter, combine_terms, reduce_metrics
-from train.run import (CKPT_VERSION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, DataSource, build_drafter, check_data,
-                       check_trained_template, finished_summary, latest_checkpoint, load_checkpoint, open_source,
-                       run_lock, save_checkpoint, template_state, trim_metrics)
+from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.run import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, run_lock, trim_metrics
+from train.source import DataSource, check_data, check_trained_template, open_source, template_state
 
 
 def lr_lambda(tc: Any):

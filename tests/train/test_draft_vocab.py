@@ -18,7 +18,7 @@ from train.dflash2 import DFlash2Config
 from train.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
 from train.export import export_run, load_export
 from train.loop import train
-from train.run import CKPT_DIR, STATE_FILE, latest_checkpoint
+from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
 from shards.reader import open_dataset
 
 

@@ -14,7 +14,8 @@ from train.export import export_run, load_export
 from train.loop import train
 from shards.schema import Layout
 from shards.errors import LockedError
-from train.run import latest_checkpoint, load_checkpoint, run_lock
+from train.checkpoints import latest_checkpoint, load_checkpoint
+from train.run import run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]

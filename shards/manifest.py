@@ -143,6 +143,8 @@ def responses_from_target(doc: dict[str, Any]) -> bool | None:
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
     path = join(root, MANIFEST)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"dataset {root} does not exist; check the path")
     if not fs.exists(path):
         raise FileNotFoundError(
             f"{path} not found: {root} is not a finished tapdraft dataset. If a capture is writing it, "

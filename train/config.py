@@ -24,6 +24,7 @@ excepted).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -251,16 +252,46 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
     if "." in key:
         section, name = key.split(".", 1)
         if section not in fields or name not in fields[section]:
-            raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
-                             f"train fields: {sorted(fields['train'])}")
+            raise _unknown_field(key, fields, raw.get("family", "dflash"))
         return section, name, value
     hits = [s for s in fields if key in fields[s]]
     if not hits:
-        raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
-                         f"train fields: {sorted(fields['train'])}")
+        raise _unknown_field(key, fields, raw.get("family", "dflash"))
     if len(hits) > 1:
         raise ValueError(f"field {key!r} exists in {hits}; qualify it, e.g. {hits[0]}.{key}=...")
     return hits[0], key, value
+
+
+def _unknown_field(key: str, fields: dict[str, set[str]], family: str) -> ValueError:
+    """``--set KEY=...`` names no field: the closest names when there are some, else every field by section."""
+    bare = key.split(".", 1)[-1]
+    names = {n: f"{s}.{n}" for s in ("drafter", "train") for n in fields[s]}
+    close = [bare] if bare in names else difflib.get_close_matches(bare, list(names), n=3, cutoff=0.75)
+    where = f"`tapdraft train --show-recipe RECIPE` lists the fields of a {family} run with their values"
+    if close:
+        close = [names[c] for c in close] if "." in key else close
+        return ValueError(f"unknown field {key!r}; did you mean {' or '.join(close)}? ({where})")
+    return ValueError(f"unknown field {key!r}; drafter fields ({family}): {sorted(fields['drafter'])}; "
+                      f"train fields: {sorted(fields['train'])}")
+
+
+def list_recipes() -> list[tuple[str, str, str]]:
+    """(name, family, the first line of its leading comment) of every recipe in ``train/recipes``."""
+    rows = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        if path.stem.startswith("_"):
+            continue
+        comment = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        rows.append((path.stem, str(_read_yaml(path).get("family", "dflash")), comment))
+    return rows
+
+
+def show_recipe(recipe: str) -> str:
+    """A recipe fully resolved (its base chain and every default) as YAML: every key ``--set`` accepts."""
+    run = load_run_config(recipe)
+    head = (f"# recipe {recipe} ({recipe_path(recipe)}), resolved with every default. `--set KEY=VALUE` overrides "
+            "any field:\n# a bare name resolves to its section (max_steps=100), or qualify it (drafter.gamma=4).\n")
+    return head + yaml.safe_dump(run.to_dict(), sort_keys=False)
 
 
 def load_run_config(recipe: str = "dflash", *, config_file: str | None = None,

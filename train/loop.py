@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,11 +97,15 @@ def _dist_setup(tc: Any) -> tuple[int, int, torch.device, bool]:
     return rank, world, device, init
 
 
+SHOWN_DIFFS = 4
+"""Differing settings a refused resume names (the rest are counted)."""
+
+
 def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     diffs = []
-    if a.get("family") != b.get("family"):
+    if a.get("family") != b.get("family"):  # another recipe: its drafter fields are not comparable
         diffs.append(f"family: {a.get('family')} vs {b.get('family')}")
-    for section in ("drafter", "train"):
+    for section in ("drafter", "train") if not diffs else ("train",):
         sa, sb = a.get(section, {}), b.get(section, {})
         for k in sorted(set(sa) | set(sb)):
             if section == "train" and k in RESUME_MUTABLE:
@@ -189,10 +194,19 @@ def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[st
     ckpt = load_checkpoint(ckpt_path)
     diffs = _config_diff(ckpt["config"], run.to_dict())
     if diffs:
+        shown = "; ".join(diffs[:SHOWN_DIFFS]) + (f"; and {len(diffs) - SHOWN_DIFFS} more" if len(diffs) > SHOWN_DIFFS
+                                                 else "")
         raise ValueError(
-            f"{ckpt_path} was written by a run with another config ({'; '.join(diffs)}); "
-            f"use a new --out directory or the same config"
+            f"{out} holds a run with another config ({len(diffs)} setting(s) differ, checkpoint vs now: {shown}); "
+            f"rerun with the recipe and --set values it was started with ({out / CONFIG_FILE}), or use a new --out "
+            "directory"
         )
+    was = ckpt["config"].get("train", {}).get("max_steps")
+    if was is not None and was != run.train.max_steps:
+        warnings.warn(f"max_steps changed from {was} to {run.train.max_steps} on resume from step {ckpt['step']}: the "
+                      f"learning-rate schedule (warmup, then cosine decay to step max_steps) now ends at step "
+                      f"{run.train.max_steps}, so the remaining steps follow another curve than the run started with",
+                      stacklevel=3)
     check_trained_template(ckpt, src, out)
     if ckpt.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "

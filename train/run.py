@@ -98,8 +98,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  loss {first}{s['final_loss']:.4f}")
     if s.get("final_tau_train") is not None:
         alpha = " ".join(f"{a:.3f}" for a in s.get("final_alpha_train") or [])
-        lines.append(f"  training-batch tau {s['final_tau_train']:.3f} (alpha by position: {alpha}); "
-                     "`tapdraft eval` gives held-out figures")
+        lines.append(f"  teacher-forced tau on training batches {s['final_tau_train']:.3f} (alpha by position: "
+                     f"{alpha}); `tapdraft eval` gives the held-out replayed tau, the serving prediction")
     if s.get("draft_vocab"):
         dv = s["draft_vocab"]
         lines.append(f"  draft vocabulary {dv['size']:,} tokens, holding {100 * dv['coverage']:.2f}% of the training "

@@ -277,8 +277,8 @@ Skipped inputs: {sum(len(v) for v in m.get('skipped', {}).values())} (listed in 
 ## Load with tapdraft
 
 ```python
-from shards.reader import open_dataset
-ds = open_dataset("path/to/this/directory")                   # or any fsspec URL of it
+import tapdraft
+ds = tapdraft.open_dataset("path/to/this/directory")          # or any fsspec URL of it
 ds.sample("{first}", 0)                                       # one sample (random access with Arrow)
 for s in ds.stream("{first}", seed=0, rank=0, world_size=1): ...   # streaming, resumable
 bundle = ds.bundle()                                          # embeddings, final norm, lm_head, tokenizer

@@ -77,3 +77,15 @@ def test_train_lists_and_shows_recipes(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--out", "x"])  # training still needs its dataset
     assert e.value.code == 2 and "--data is required" in capsys.readouterr().err
+
+
+def test_the_public_entry_point_opens_a_dataset(tmp_path):
+    import tapdraft
+    from shards.writer import ShardConfig
+    from tests.shards.synthetic import tiny_layout, write_dataset
+
+    root = tmp_path / "ds"
+    write_dataset(str(root), tiny_layout(), ShardConfig(format="arrow", shard_bytes=2500), [5, 6, 7])
+    ds = tapdraft.open_dataset(str(root))
+    assert isinstance(ds, tapdraft.Dataset) and ds.num_samples("train") == 3
+    assert "import tapdraft\nds = tapdraft.open_dataset(" in (root / "README.md").read_text()

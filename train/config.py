@@ -39,7 +39,8 @@ from train.drafter import get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
-RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads"})
+RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
+                            "eval_every", "eval_samples"})
 """TrainConfig fields a resume may change (everything else must equal the checkpoint's)."""
 
 
@@ -92,6 +93,10 @@ class TrainConfig:
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones deleted)."""
+    eval_every: int = 0
+    """Steps between held-out acceptance measurements during training (0: none; ``tapdraft eval`` after)."""
+    eval_samples: int = 64
+    """Samples of the held-out split each of those measurements reads (the first ones, in file order)."""
     fingerprint: str | None = None
     """Expected target fingerprint; a dataset of another target is refused (None: accept the dataset's)."""
     chat_template: str | None = None
@@ -110,6 +115,9 @@ class TrainConfig:
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_samples < 1:
+            raise ValueError(f"train.eval_every must be >= 0 (0: off) and train.eval_samples >= 1, got "
+                             f"{self.eval_every} and {self.eval_samples}")
         if self.num_workers < 0:
             raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:

@@ -18,6 +18,9 @@ second signal aborts at once). A rerun prints "resuming from step N" before anyt
 drops metrics.jsonl lines past that step (they are recomputed); a finished run returns its summary
 marked ``already_complete`` and rewrites nothing.
 
+Curves: every log line also goes to TensorBoard (``RUN/tensorboard/``), ``RUN/curves.png`` is drawn at
+the end, and ``train.eval_every`` measures held-out acceptance every N steps (``train.curves``).
+
 The run directory's layout lives in ``train.run``, checkpoint I/O in ``train.checkpoints``.
 """
 
@@ -46,7 +49,10 @@ from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train import draft_vocab
 from train.drafter import Drafter, combine_terms, reduce_metrics
 from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.run import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, run_lock, trim_metrics
+from train.curves import PNG as CURVES_PNG
+from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
+from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
+                       trim_metrics)
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state
 
 
@@ -330,6 +336,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         dataclasses.replace(run, drafter=t.model.config).save(out / CONFIG_FILE)
         trim_metrics(out, t.start)
     log_f = open(out / METRICS_FILE, "a") if rank == 0 else None
+    curves = CurveLog(out, t.start) if rank == 0 else None
+    held = _HeldOut(run, src, device) if tc.eval_every and rank == 0 else None
     progress = Progress("train", tc.max_steps, done=t.start, enabled=tc.progress and rank == 0)
     last: dict[str, Any] = {}
     first_loss = None
@@ -355,11 +363,17 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
                 if log_f is not None:
                     log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
+                    curves.add(last)
                 tau_txt = f"  tau {last['tau']:.3f}" if last.get("tau") else ""
                 progress.update(done, f"loss {last['loss']:.4f}" + tau_txt)
                 window = _Window()
             else:
                 progress.update(done)
+            if held is not None and (done % tc.eval_every == 0 or done == end):
+                rec = held.measure(t.model, done)
+                log_f.write(json.dumps(rec) + "\n")
+                log_f.flush()
+                curves.add(rec)
             stopping = _stop_requested(stop, world, device)
             if done % tc.ckpt_every == 0 or done == end or stopping:
                 ckpt_dir = _checkpoint(out, done, run, t, src, rank, world)
@@ -373,6 +387,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         progress.close()
         if log_f is not None:
             log_f.close()
+        if curves is not None:
+            curves.close()
     summary = {
         "family": run.family,
         "steps": end,
@@ -392,8 +408,33 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         "run_dir": str(out),
     }
     if rank == 0:
+        png = plot_curves(out / METRICS_FILE, out / CURVES_PNG)
+        summary.update({"metrics": str(out / METRICS_FILE), "tensorboard": str(out / TB_DIR),
+                        **({"curves": str(png)} if png else {}),
+                        **({"held_out": held.last} if held is not None and held.last else {})})
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class _HeldOut:
+    """``train.eval_every``: held-out acceptance every N steps over the first ``eval_samples`` samples of the
+    evaluation split (validation, test or eval; the training split, with a warning, when there is none)."""
+
+    def __init__(self, run: RunConfig, src: DataSource, device: torch.device) -> None:
+        split = pick_split(list(src.data.splits), run.train.split)
+        if split == run.train.split:
+            warnings.warn(f"train.eval_every: dataset {src.where} has no validation, test or eval split, so the "
+                          f"periodic acceptance is measured on the training split {split!r} (not held out); capture "
+                          "one with --data validation=FILE", stacklevel=3)
+        self.src, self.split, self.device, self.tc = open_source(src.data, split), split, device, run.train
+        self.batches: list[dict[str, Any]] | None = None
+        self.last: dict[str, Any] | None = None
+
+    def measure(self, model: Drafter, step: int) -> dict[str, Any]:
+        if self.batches is None:
+            self.batches = eval_batches(self.src, self.tc)
+        self.last = {"step": step, "split": self.split, **held_out_acceptance(model, self.batches, self.device)}
+        return {"step": step, "eval": {k: v for k, v in self.last.items() if k != "step"}}
 
 
 def _stop_requested(stop: StopSignals, world: int, device: torch.device) -> bool:

@@ -10,6 +10,7 @@ Run directory:
                                  (a resume drops lines past its checkpoint: no step is logged twice)
     checkpoints/step-000100/     state.pt (draft, optimizer, scheduler, step, data states, config)
     summary.json                 the final summary (also returned; ``format_summary`` renders it)
+    tensorboard/, curves.png     the curves of metrics.jsonl (``train.curves``)
     train-rank00000.lock         held by the training writing the run (one per rank; ``run_lock``)
 """
 
@@ -74,6 +75,7 @@ def finished_summary(out: Path, step: int, *, complete: bool) -> dict[str, Any]:
     else:
         recs = [json.loads(ln) for ln in (out / METRICS_FILE).read_text().splitlines() if ln.strip()] \
             if (out / METRICS_FILE).is_file() else []
+        recs = [r for r in recs if "loss" in r]  # held-out lines ({"step", "eval"}) are not log steps
         last = recs[-1] if recs else {}
         summary = {"steps": step, "first_loss": recs[0].get("loss") if recs else None, "final_loss": last.get("loss"),
                    "final_tau_train": last.get("tau"), "final_alpha_train": last.get("alpha"),
@@ -104,7 +106,15 @@ def format_summary(s: dict[str, Any]) -> str:
         dv = s["draft_vocab"]
         lines.append(f"  draft vocabulary {dv['size']:,} tokens, holding {100 * dv['coverage']:.2f}% of the training "
                      "split's supervised tokens (the rest can never be drafted)")
+    if s.get("held_out"):
+        h = s["held_out"]
+        rep = "-" if h.get("tau_replayed") is None else f"{h['tau_replayed']:.3f}"
+        lines.append(f"  held-out tau {rep} replayed (teacher-forced {h['tau']:.3f}) at step {h['step']} on "
+                     f"{h['samples']} {h['split']} samples")
     lines.append(f"  checkpoint {s.get('checkpoint')}")
+    if s.get("curves") or s.get("tensorboard"):
+        lines.append(f"  curves {s.get('curves', '-')}; metrics {s.get('metrics')}; TensorBoard: tensorboard --logdir "
+                     f"{s.get('tensorboard')}")
     return "\n".join(lines)
 
 
@@ -120,7 +130,8 @@ class Trained:
     split: str
 
 
-def _pick_split(src_splits: list[str], train_split: str) -> str:
+def pick_split(src_splits: list[str], train_split: str) -> str:
+    """The evaluation split: validation, test or eval when the dataset has one, else the training split."""
     for s in EVAL_SPLITS:
         if s in src_splits:
             return s
@@ -150,7 +161,7 @@ def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, de
     """
     run, ck, state = load_run(run_dir)
     ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
-    src = open_source(ds, split or _pick_split(list(ds.splits), run.train.split))
+    src = open_source(ds, split or pick_split(list(ds.splits), run.train.split))
     check_trained_template(state, src, run_dir)
     check_template(src.bundle.template_settings, template=template, kwargs=template_kwargs,
                    where=f"dataset {src.where}", given_by="the settings given (--chat-template/--template-kwarg)")

@@ -194,8 +194,8 @@ def format_result(result: dict[str, Any]) -> str:
         lines.append(f"teacher-forced tau at every anchor = {result['tau']:.3f}  (a training metric: each block starts "
                      "from the true prefix, which decoding does not)")
     else:
-        lines.append(f"teacher-forced tau at every anchor = {result['tau']:.3f}  (greedy; {where}; this family has no "
-                     "replayed figure)")
+        lines.append(f"tau = {result['tau']:.3f}  (teacher-forced at every anchor: no decoding round could be "
+                     f"replayed here; greedy; {where})")
     lines.append("alpha_k (teacher-forced): " + alpha_text(result["alpha"], result.get("reached"), digits=2)
                  + (f"  ({UNREACHED}: position never reached)" if 0 in (result.get("reached") or []) else ""))
     if result.get("tau_sampled") is not None:

@@ -42,8 +42,9 @@ TEMPLATE_KWARG_HELP = ("Chat-template variable key=value (JSON value or text), e
 def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
-    Pipeline, in the order listed: regenerate (optional) -> capture -> verify / inspect -> train -> eval ->
-    speculate / export. `tapdraft demo` runs the whole chain on a built-in task.
+    Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
+
+    `tapdraft demo` runs the whole chain on a built-in task.
     """
     _RUN["debug"] = debug
 
@@ -94,8 +95,9 @@ def regenerate(
     max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    on_error: str = typer.Option("skip", "--on-error",
-                                 help="skip: count bad inputs with their reason | fail: stop at the first."),
+    on_error: str = typer.Option("fail", "--on-error",
+                                 help="fail: stop at the first bad input (resumable) | skip: count bad inputs with "
+                                 "their reason."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
@@ -161,6 +163,8 @@ def capture(
     last_turn_only: bool = typer.Option(False, "--last-turn-only",
                                         help="With --regenerate: replace only the last assistant turn."),
     keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
+    restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
+                                 "over (after a changed input or setting)."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
@@ -190,7 +194,7 @@ def capture(
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated)
         if regenerate else None, fused=not two_pass,
     )
-    typer.echo(summary(run_capture(cfg)))
+    typer.echo(summary(run_capture(cfg, restart=restart)))
 
 
 @app.command()
@@ -227,15 +231,18 @@ def inspect(
 
 @app.command()
 def train(
-    data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL."),
-    out: str = typer.Option(..., "--out", help="Run directory (resumes from its latest checkpoint)."),
-    recipe: str = typer.Option("dflash", "--recipe", help="Recipe name in train/recipes (dflash, dflash2, mtp, "
-                               "mtp_lk, ...) or a YAML path."),
+    data: str = typer.Option(None, "--data", help="Dataset directory or fsspec URL (required to train)."),
+    out: str = typer.Option(None, "--out", help="Run directory, resumed from its latest checkpoint (required to "
+                            "train)."),
+    recipe: str = typer.Option("dflash", "--recipe", help="Recipe name (see --list-recipes) or a YAML path."),
     config: str = typer.Option(None, "--config", help="YAML file merged over the recipe (family/drafter/train)."),
     set_: list[str] = typer.Option([], "--set", help="Override one field: key=value (e.g. max_steps=100, "
-                                   "drafter.gamma=4). Repeatable."),
+                                   "drafter.gamma=4, eval_every=50); --show-recipe lists every key. Repeatable."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+    list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes (name, family, what) and exit."),
+    show_recipe: str = typer.Option(None, "--show-recipe", help="Print recipe NAME resolved with every default (the "
+                                    "keys --set takes) and exit."),
 ) -> None:
     """Train a drafter from a dataset (Ctrl-C saves a checkpoint; rerun to resume); config in RUN/config.json."""
     import json
@@ -244,6 +251,17 @@ def train(
     from train.loop import train as run_training
     from train.run import format_summary
 
+    if list_recipes or show_recipe:
+        from train import config as recipes
+
+        rows = recipes.list_recipes()
+        width = max(len(n) for n, _, _ in rows)
+        typer.echo(recipes.show_recipe(show_recipe) if show_recipe else
+                   "\n".join(f"{n:<{width}}  {fam:<8} {what}" for n, fam, what in rows))
+        return
+    for name, value in (("--data", data), ("--out", out)):
+        if value is None:
+            raise typer.BadParameter(f"{name} is required (or give --list-recipes / --show-recipe NAME)")
     _threads(threads)
     run = load_run_config(recipe, config_file=config, overrides=set_)
     summary = run_training(run, data, out)
@@ -292,7 +310,7 @@ def speculate(
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); "
                                       "> 0: rejection sampling."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N, for the target and the drafter."),
+    device: str = typer.Option("auto", "--device", help=f"{DEVICE_HELP}, for the target and the drafter."),
     chat_template: str = typer.Option(None, "--chat-template", help="Jinja file replacing the target's chat template "
                                       "(must be the one the dataset was captured with)."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value "
@@ -355,15 +373,43 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:  # n
     return _PYTHON_FORMAT(message, category, filename, lineno, line)
 
 
+_TAGS = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT"}
+
+
+def _tagged(command):  # noqa: ANN001, ANN202 (click's types)
+    """The click command with plain value tags in its help: none on flags (typer prints ``<bool>``) and click's
+    own names (TEXT, INTEGER, FLOAT) on values, never ``<list[str]>``."""
+    for cmd in [command, *getattr(command, "commands", {}).values()]:
+        for p in cmd.params:
+            kind = p.bare_type().removeprefix("list[").removesuffix("]")
+            tag = "" if getattr(p, "is_flag", False) else _TAGS.get(kind, kind.upper())
+            if hasattr(p, "is_flag") and p.metavar is None:  # an option (typer vendors its own click)
+                p.metavar = tag
+            elif not hasattr(p, "is_flag"):  # an argument: its metavar is its name, so only the type column changes
+                p.display_type_rich = lambda ctx, tag=tag: tag  # noqa: ANN001
+        cmd.get_help_option = _untagged_help(cmd.get_help_option)
+    return command
+
+
+def _untagged_help(get_help_option):  # noqa: ANN001, ANN202
+    def get(ctx):  # noqa: ANN001, ANN202
+        opt = get_help_option(ctx)
+        if opt is not None and opt.metavar is None:
+            opt.metavar = ""
+        return opt
+
+    return get
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: an error a user can act on is one ``error:`` line and its documented exit code;
     a warning of tapdraft's own is one ``warning:`` line."""
-    from shards.errors import classify
+    from shards.errors import EXIT_INTERRUPTED, classify
 
     _RUN["debug"] = False
     warnings.formatwarning = _format_warning
     try:
-        app(args=argv, prog_name="tapdraft")
+        _tagged(typer.main.get_command(app))(args=argv, prog_name="tapdraft")
     except Exception as e:  # SystemExit and KeyboardInterrupt pass (typer turns Ctrl-C into exit 130)
         verdict = classify(e)
         if verdict is None:
@@ -371,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
         if _RUN["debug"]:
             traceback.print_exc()
         sys.stdout.flush()
-        typer.echo(f"error: {verdict[1]}", err=True)
+        label = "interrupted" if verdict[0] == EXIT_INTERRUPTED else "error"  # a stop the user asked for is no error
+        typer.echo(f"{label}: {verdict[1]}", err=True)
         raise SystemExit(verdict[0]) from None
 
 

@@ -61,7 +61,7 @@ def _batch_ids(data: Path, seed: int, steps: int | None) -> list[list[str]]:
     """The sample ids of every training batch the recipe draws from ``data`` (the loop's own batch stream)."""
     from train.config import load_run_config
     from train.loop import _batch_stream
-    from train.run import open_source
+    from train.source import open_source
 
     tc = load_run_config("dflash_demo", overrides=[f"seed={seed}"]).train
     stream = _batch_stream(open_source(str(data), tc.split), tc, 0, 1, None)

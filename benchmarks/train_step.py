@@ -91,7 +91,8 @@ class Stepper:
         from train.data import BatchStream
         from train.drafter import combine_terms
         from train.loop import head_dtype, make_optimizer
-        from train.run import build_drafter, open_source
+        from train.run import build_drafter
+        from train.source import open_source
 
         run = load_run_config("dflash", overrides=[f"max_loss_rows={rows}", f"head_dtype={head}",
                                                    f"draft_vocab={'null' if draft_vocab is None else draft_vocab}"])

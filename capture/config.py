@@ -180,8 +180,12 @@ def portable_path(spec: str) -> str:
     return stored_source(spec, None)
 
 
-def check_resume(path: Path, current: dict[str, Any]) -> None:
-    """Refuse to resume into ``path``'s dataset when a recorded field differs from ``current``."""
+RESTART_HINT = "or rerun with --restart to discard what was captured and start over"
+
+
+def check_resume(path: Path, current: dict[str, Any], given: dict[str, str] | None = None) -> None:
+    """Refuse to resume into ``path``'s dataset when a recorded field differs from ``current``; ``given``
+    ({split: input as given}) names the inputs by their full path in the message."""
     if not path.is_file():
         return
     old = migrate_capture_record(json.loads(path.read_text()))
@@ -191,12 +195,12 @@ def check_resume(path: Path, current: dict[str, Any]) -> None:
         if old.get(key) != current.get(key):
             raise ValueError(
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "
-                "Rerun with the original setting to resume, or capture into a new --out directory."
+                f"Rerun with the original setting to resume, capture into a new --out directory, {RESTART_HINT}."
             )
-    _check_inputs(path, old.get(INPUTS_KEY), current.get(INPUTS_KEY) or {})
+    _check_inputs(path, old.get(INPUTS_KEY), current.get(INPUTS_KEY) or {}, given or {})
 
 
-def _check_inputs(path: Path, old: dict[str, Any] | None, now: dict[str, Any]) -> None:
+def _check_inputs(path: Path, old: dict[str, Any] | None, now: dict[str, Any], given: dict[str, str]) -> None:
     if old is None:
         warnings.warn(f"{path} predates input hashing: the content of the inputs is not checked on this resume; "
                       "make sure they are unchanged since the capture began", stacklevel=3)
@@ -206,10 +210,11 @@ def _check_inputs(path: Path, old: dict[str, Any] | None, now: dict[str, Any]) -
         if was.get("sha256") is None or cur.get("sha256") is None:
             continue
         if was["sha256"] != cur["sha256"]:
+            name = Path(given[split]).absolute() if split in given else cur["input"]
             raise InputChangedError(
-                f"input {cur['input']} (split {split}) changed since the capture in {path.parent} began (sha256 "
+                f"input {name} (split {split}) changed since the capture in {path.parent.absolute()} began (sha256 "
                 f"{was['sha256'][:12]} then, {cur['sha256'][:12]} now): resuming would duplicate and lose samples. "
-                "Restore the original file to resume, or capture into a new --out directory."
+                f"Restore the original file to resume, capture into a new --out directory, {RESTART_HINT}."
             )
 
 

@@ -287,6 +287,26 @@ def input_digest(spec: str) -> str | None:
     return h.hexdigest()
 
 
+def check_input(spec: str) -> str | None:
+    """Refuse an input that cannot hold a conversation, before a command creates anything: a local path
+    that does not exist (FileNotFoundError with its full path). Returns ``"empty"`` for a JSONL file
+    (or a directory of them) with no non-blank line, else None; hub datasets are not looked up here."""
+    name = spec[3:].partition(":")[0] if spec.startswith("hf:") else spec
+    p = Path(name)
+    if spec.startswith("hf:") and not p.exists():
+        return None  # a hub name: ``datasets`` resolves it
+    if not p.exists():
+        raise FileNotFoundError(f"input {p.absolute()} does not exist; check the --data path")
+    files = [p] if p.is_file() else sorted(p.glob("*.jsonl")) if p.is_dir() else []
+    if p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        return None
+    for f in files:
+        with f.open("rb") as fh:
+            if any(line.strip() for line in fh):
+                return None
+    return "empty" if files else None
+
+
 def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Conversation | BadInput]:
     """``*.jsonl`` -> :func:`read_jsonl`; a directory of ``*.jsonl`` shards -> each in name order;
     ``hf:NAME_OR_DIR[:split]`` or an HF dataset dir -> :func:`read_hf_dataset`."""

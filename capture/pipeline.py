@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import queue
+import shutil
 import threading
 import time
 import warnings
@@ -49,10 +50,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from capture.config import INPUTS_KEY, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
-from capture.inputs import BadInput, input_digest, read_inputs, stored_source
+from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
 from capture.fused import fused_window
 from capture.load import load_target
-from capture.provenance import check_target, read_provenance, replies_from_target, target_fingerprint
+from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
 from capture.regenerate import RegenerateConfig, regenerate
 from capture.replies import REPLY_DROP_REASONS
 from capture.stages import barrier as _barrier
@@ -61,8 +62,8 @@ from capture.stages import dist_env as _dist_env
 from capture.targets import Prepared, Target, run_batch
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
-from shards.manifest import (complete_manifest, dataset_fingerprint, foreign_directory, write_or_check_bundle,
-                             writer_lock)
+from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
+                             foreign_directory, write_or_check_bundle, writer_lock)
 from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
@@ -342,7 +343,8 @@ def _raise_if_failed(wt: "_WriterThread") -> None:
         s = wt.failed_on
         raise CaptureError(
             f"bad input {s.sample_id!r} ({s.source}, line {s.line}): {s.reason}. Everything before it is saved; "
-            "fix the input, or rerun the same command with --on-error skip to record and skip bad inputs."
+            "fix the input and rerun with --restart (the capture starts over), or rerun the same command with "
+            "--on-error skip to record and skip bad inputs."
         )
 
 
@@ -433,32 +435,82 @@ def lineage(record: dict[str, Any], split: str) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def capture(cfg: CaptureConfig, *, target: Target | None = None) -> dict[str, Any]:
+def capture(cfg: CaptureConfig, *, target: Target | None = None, restart: bool = False) -> dict[str, Any]:
     """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``.
 
     Ctrl-C is ``shards.errors.Interrupted`` saying what was kept: inside a split's sample loop the open
     shard is finished and counted; elsewhere (loading, finalizing) finished shards are kept as they are.
     This rank holds its exclusive lock on ``cfg.out`` throughout (a second capture is refused).
+
+    Every input, the device and the target path are checked before anything is created (:func:`check_inputs`);
+    a failure before the capture's record is written removes the ``--out`` this run created, so a corrected
+    command starts clean. ``restart`` discards an earlier capture in ``cfg.out`` (a changed input or setting
+    is then accepted) and starts over.
     """
     try:
-        return _capture(cfg, target)
+        return _capture(cfg, target, restart)
     except KeyboardInterrupt:
         raise Interrupted(f"capture interrupted outside its sample loop (loading the target or finalizing): the "
                           f"finished shards in {cfg.out} are kept; rerun the same command to resume") from None
 
 
-def _capture(cfg: CaptureConfig, target: Target | None) -> dict[str, Any]:
+def _capture(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[str, Any]:
     rank, world = _dist_env()
     out = Path(cfg.out)
     if foreign_directory(str(out), own=(CONFIG_FILE,)):
         raise ValueError(f"--out {out} is a non-empty directory that is not a tapdraft dataset; capture into a new "
                          "or empty directory (nothing in it was changed)")
-    out.mkdir(parents=True, exist_ok=True)
-    with writer_lock(str(out), rank):
-        return _capture_locked(cfg, target, out, rank, world)
+    check_inputs(cfg)
+    resolve_device(cfg)
+    if target is None and not Path(cfg.target).exists():
+        raise FileNotFoundError(f"target {Path(cfg.target).absolute()} does not exist; check the --target path")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with writer_lock(str(out), rank):
+            return _capture_locked(cfg, target, out, rank, world, restart)
+    except BaseException:
+        if created and rank == 0 and not (out / CONFIG_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth resuming
+        raise
 
 
-def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int) -> dict[str, Any]:
+def check_inputs(cfg: CaptureConfig) -> None:
+    """Refuse a missing or empty input before anything is written; an empty regenerate output is named with
+    the counts of its sidecar (why its conversations were dropped)."""
+    for split, spec in cfg.data:
+        if check_input(spec) != "empty":
+            continue
+        doc = read_provenance(spec)
+        why = ""
+        if doc is not None:
+            c = doc.get("counts", {})
+            why = (f": it is a regenerate output that kept {c.get('written')} of {c.get('conversations')} "
+                   f"conversations (dropped {c.get('dropped')}; see {sidecar_path(spec)}); rerun regenerate with "
+                   "settings that keep replies (a larger --max-new-tokens, a target that ends its turns)")
+        raise ValueError(f"input {Path(spec).absolute()} (split {split}) holds no conversations{why}")
+
+
+def discard_capture(out: Path) -> None:
+    """``capture --restart``: remove what an earlier capture wrote into ``out`` (its shards, parts, bundle,
+    record, manifest and card), keeping only the lock files of the ranks running now."""
+    for name in (MANIFEST, CARD, CONFIG_FILE):
+        for p in (out / name, out / (name + ".tmp")):
+            p.unlink(missing_ok=True)
+    for name in (DATA_DIR, TARGET_DIR):
+        for p in (out / name, out / (name + ".tmp"), out / (name + ".old")):
+            shutil.rmtree(p, ignore_errors=True)
+    for p in (out / PARTS_DIR).glob("*"):
+        if not p.name.endswith(".lock"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int,
+                    restart: bool = False) -> dict[str, Any]:
+    if restart:
+        if rank == 0:
+            discard_capture(out)
+        _barrier(world)
     specs = [spec for _, spec in cfg.data]
     if cfg.responses_from_target is None:
         derived = cfg.replies.from_target if cfg.replies is not None else replies_from_target(specs)
@@ -466,7 +518,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
     record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE
-    check_resume(cfg_path, record)
+    check_resume(cfg_path, record, given=dict(cfg.data))
     done = complete_manifest(str(out))
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}

@@ -40,6 +40,7 @@ import hashlib
 import json
 import shutil
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,9 @@ class RegenerateConfig:
     """Variables the chat template is rendered with (enable_thinking, a system prompt...); in the fingerprint."""
     llm_config: str | None = None
     """NeMo SALM checkpoints only: a local directory with the LLM's config.json and tokenizer (as for capture)."""
-    on_error: str = "skip"
-    """Bad input: 'skip' counts it with its reason; 'fail' stops with one line (the run stays resumable)."""
+    on_error: str = "fail"
+    """Bad input: 'fail' stops with one line (the run stays resumable); 'skip' counts it with its reason. Capture
+    has the same default: a bad input stops a command unless ``--on-error skip`` is given."""
     progress: bool = True
     """Show a progress bar with replies/s and tokens/s."""
 
@@ -161,7 +163,7 @@ def _check_settings(work: Path, current: dict[str, Any]) -> None:
 
 
 def lock_path(out: str | Path, rank: int) -> Path:
-    """Rank ``rank``'s lock file for output ``out``: beside it, kept after the run (see ``shards.lock``)."""
+    """Rank ``rank``'s lock file for output ``out``: beside it, removed on release (see ``shards.lock``)."""
     return Path(str(out).rstrip("/") + f".regenerate-rank{rank:05d}.lock")
 
 
@@ -171,7 +173,7 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
     This rank holds its exclusive lock on ``cfg.out`` throughout (a second regeneration is refused)."""
     rank, world = dist_env()
     with exclusive_lock(lock_path(cfg.out, rank), f"a regeneration (rank {rank})", guards=cfg.out):
-        return _regenerate_locked(cfg, target, rank, world)
+        return {**_regenerate_locked(cfg, target, rank, world), "output": str(Path(cfg.out).resolve())}
 
 
 def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, world: int) -> dict[str, Any]:
@@ -266,6 +268,14 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
         else:
             counts[e["status"]] += 1
             drops.append({k: e[k] for k in ("sample_id", "status", "message")})
+    total = len(seen) + counts["duplicate"]
+    if not records and total:
+        shutil.rmtree(work, ignore_errors=True)  # nothing to resume: a rerun should change a setting
+        raise ValueError(f"regenerate wrote nothing: all {total} conversation(s) were dropped "
+                         f"({_counted(counts)}). {drop_advice(counts, cfg, drops)} Nothing was written to {out.resolve()}.")
+    if len(records) < total / 2:
+        warnings.warn(f"regenerate kept only {len(records)} of {total} conversations (dropped {_counted(counts)}). "
+                      f"{drop_advice(counts, cfg, drops)}", stacklevel=2)
     if out.suffix == ".jsonl":
         files = [out]
         chunks = [records]
@@ -276,7 +286,6 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     for path, chunk in zip(files, chunks):
         with staged(path) as tmp:
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chunk))
-    total = len(seen) + counts["duplicate"]
     doc = {
         "complete": True,
         "target": cfg.target,
@@ -295,10 +304,41 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     return doc
 
 
+def _counted(counts: Counter) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in counts.most_common())
+
+
+_ADVICE = {
+    "truncated": "The target did not end its replies within --max-new-tokens {max_new_tokens}: raise --max-new-tokens, "
+                 "or check that the target ends its turns (its end-of-turn token and chat template; a base or "
+                 "random-init model never does); --keep-truncated keeps such replies, marked.",
+    "empty": "The target replied with nothing: check the chat template's generation prompt (--chat-template).",
+    "retokenized": "The replies' text does not tokenize back to the generated ids: check the tokenizer's "
+                   "decode/encode round trip (special tokens in replies).",
+    "placeholder": "The target wrote the audio placeholder into its replies: it is not trained for this prompt format.",
+    "generation_error": "The target produced NaN/Inf logits: try --dtype float32.",
+    "bad_input": "Fix the inputs (first: {first}).",
+    "no_user_turn": "The conversations have no user turn before the assistant's: check the input's roles.",
+    "too_long": "The prompts do not fit the target's context: shorten them or lower --max-new-tokens.",
+    "duplicate": "The input repeats the same conversations.",
+}
+
+
+def drop_advice(counts: Counter, cfg: RegenerateConfig, drops: list[dict[str, Any]]) -> str:
+    """What to do about the most common drop reason (one sentence or two)."""
+    top = counts.most_common(1)[0][0]
+    first = next((f"{d['sample_id']!r}: {d['message']}" for d in drops if d["status"] == top), "")
+    return _ADVICE.get(top, "See the sidecar's list of dropped conversations.").format(
+        max_new_tokens=cfg.replies.generation.max_new_tokens, first=first)
+
+
 def summary(doc: dict[str, Any]) -> str:
     """One screen: written and dropped counts by reason, this run's rates."""
     c, rs = doc["counts"], doc.get("run_stats", {})
-    lines = [f"{c['written']} of {c['conversations']} conversations written to {', '.join(doc['files'])}; "
+    out = Path(doc.get("output", ""))
+    where = out.parent if out.suffix == ".jsonl" else out
+    lines = [f"{c['written']} of {c['conversations']} conversations written to "
+             f"{', '.join(str(where / f) for f in doc['files'])}; "
              f"dropped {c['dropped'] or 0}"]
     if rs.get("already_complete"):
         lines.append("already complete; nothing to do")

@@ -64,7 +64,14 @@ def resolve_dtype(cfg: Any, device: torch.device) -> torch.dtype:
 def resolve_device(cfg: Any) -> torch.device:
     """``cfg.device``: 'auto' = cuda:LOCAL_RANK when CUDA is there, else cpu."""
     if cfg.device != "auto":
-        return torch.device(cfg.device)
+        try:
+            dev = torch.device(cfg.device)
+        except RuntimeError:
+            raise ValueError(f"--device {cfg.device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {cfg.device}: this machine has no CUDA device (or torch {torch.__version__} "
+                             "was built without CUDA); use --device cpu or auto")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

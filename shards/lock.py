@@ -10,8 +10,11 @@ over, with no pid guessing and no cleanup step. Where the filesystem has no ``fl
 mounts), the recorded pid decides instead: a lock of a live process on this host is refused, one of
 a dead process is stale and taken over, one from another host is refused with how to clear it.
 
-The file stays after release (deleting it would let a process that opened it just before take a
-lock on a name nobody else sees); it is a few bytes beside the partial indexes / checkpoints.
+The file is removed on release, so a finished run leaves nothing that looks like a running job. The
+holder unlinks it while still holding the lock; a process that opened the old file just before and
+takes its lock after sees that the name no longer leads to the file it locked (inode check) and
+retries on the current name, so two holders can never coexist. A killed holder's file stays (stale,
+taken over by the next writer).
 """
 
 from __future__ import annotations
@@ -67,26 +70,51 @@ def exclusive_lock(path: str | os.PathLike, what: str, *, guards: str | os.PathL
     path = Path(path)
     where = str(guards if guards is not None else path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _acquire(path, where)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _refuse(where, _holder(path), "wait for it to finish or stop it; one writer per directory") from None
-        except OSError as e:
-            if e.errno not in _NO_FLOCK:
-                raise
-            _check_pid_lock(path, where)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
-        held = True
         yield
     finally:
-        if locals().get("held"):
-            os.ftruncate(fd, 0)  # released: nothing for the pid fallback to mistake for a holder
-        os.close(fd)  # releases the flock
+        try:
+            if _same_file(fd, path):
+                path.unlink()  # while still held: see the module docstring
+        finally:
+            os.close(fd)  # releases the flock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _acquire(path: Path, where: str) -> int:
+    """An open descriptor of ``path`` holding its lock (retried when a releasing holder removed the name
+    between our open and our lock)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _refuse(where, _holder(path), "wait for it to finish or stop it; one writer per directory") \
+                    from None
+            except OSError as e:
+                if e.errno not in _NO_FLOCK:
+                    raise
+                _check_pid_lock(path, where)
+                return fd
+            if _same_file(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _check_pid_lock(path: Path, where: str) -> None:

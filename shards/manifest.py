@@ -141,6 +141,8 @@ def responses_from_target(doc: dict[str, Any]) -> bool | None:
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
     path = join(root, MANIFEST)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"dataset {root} does not exist; check the path")
     if not fs.exists(path):
         raise FileNotFoundError(
             f"{path} not found: {root} is not a finished tapdraft dataset. If a capture is writing it, "
@@ -273,8 +275,8 @@ Skipped inputs: {sum(len(v) for v in m.get('skipped', {}).values())} (listed in 
 ## Load with tapdraft
 
 ```python
-from shards.reader import open_dataset
-ds = open_dataset("path/to/this/directory")                   # or any fsspec URL of it
+import tapdraft
+ds = tapdraft.open_dataset("path/to/this/directory")          # or any fsspec URL of it
 ds.sample("{first}", 0)                                       # one sample (random access with Arrow)
 for s in ds.stream("{first}", seed=0, rank=0, world_size=1): ...   # streaming, resumable
 bundle = ds.bundle()                                          # embeddings, final norm, lm_head, tokenizer

@@ -63,7 +63,7 @@ def test_user_error_is_one_clear_line(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: ") and "manifest.json not found" in proc.stderr
+    assert proc.stderr.startswith("error: ") and f"dataset {tmp_path / 'missing'} does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing half-written
 
@@ -156,6 +156,9 @@ def test_inspect_sample_out_of_range_is_one_line(tmp_path, capsys, fmt):
 
 def test_missing_and_foreign_paths_are_one_line(tmp_path, capsys):
     code, err = run(["inspect", tmp_path / "nope"], capsys)
+    assert_one_line(code, err, contains="does not exist")
+    (tmp_path / "half").mkdir()
+    code, err = run(["inspect", tmp_path / "half"], capsys)
     assert_one_line(code, err, contains="manifest.json not found")
     code, err = run(["export", "--draft", tmp_path, "--out", tmp_path / "exp"], capsys)
     assert_one_line(code, err, contains="has no checkpoint")

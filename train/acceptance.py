@@ -131,3 +131,17 @@ def tau_from_alpha(alpha: list[float]) -> float:
         run *= a
         tau += run
     return tau
+
+
+UNREACHED = "-"
+"""How a block position no round reached prints, everywhere (eval, speculate, train): never 0.000 or nan."""
+
+
+def alpha_text(alpha: list[float | None], reached: list[int] | None = None, digits: int = 3) -> str:
+    """Acceptance by position as text; a position never reached (``reached[k] == 0``, None or NaN) is
+    :data:`UNREACHED`, so it cannot be read as a rejection."""
+    out = []
+    for k, a in enumerate(alpha):
+        unreached = a is None or a != a or (reached is not None and reached[k] == 0)
+        out.append(UNREACHED if unreached else f"{a:.{digits}f}")
+    return " ".join(out)

@@ -24,6 +24,7 @@ excepted).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -38,7 +39,8 @@ from train.drafter import get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
-RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads"})
+RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
+                            "eval_every", "eval_samples"})
 """TrainConfig fields a resume may change (everything else must equal the checkpoint's)."""
 
 
@@ -91,6 +93,10 @@ class TrainConfig:
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones deleted)."""
+    eval_every: int = 0
+    """Steps between held-out acceptance measurements during training (0: none; ``tapdraft eval`` after)."""
+    eval_samples: int = 64
+    """Samples of the held-out split each of those measurements reads (the first ones, in file order)."""
     fingerprint: str | None = None
     """Expected target fingerprint; a dataset of another target is refused (None: accept the dataset's)."""
     chat_template: str | None = None
@@ -109,6 +115,9 @@ class TrainConfig:
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_samples < 1:
+            raise ValueError(f"train.eval_every must be >= 0 (0: off) and train.eval_samples >= 1, got "
+                             f"{self.eval_every} and {self.eval_samples}")
         if self.num_workers < 0:
             raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -251,16 +260,46 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
     if "." in key:
         section, name = key.split(".", 1)
         if section not in fields or name not in fields[section]:
-            raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
-                             f"train fields: {sorted(fields['train'])}")
+            raise _unknown_field(key, fields, raw.get("family", "dflash"))
         return section, name, value
     hits = [s for s in fields if key in fields[s]]
     if not hits:
-        raise ValueError(f"unknown field {key!r}; drafter fields: {sorted(fields['drafter'])}; "
-                         f"train fields: {sorted(fields['train'])}")
+        raise _unknown_field(key, fields, raw.get("family", "dflash"))
     if len(hits) > 1:
         raise ValueError(f"field {key!r} exists in {hits}; qualify it, e.g. {hits[0]}.{key}=...")
     return hits[0], key, value
+
+
+def _unknown_field(key: str, fields: dict[str, set[str]], family: str) -> ValueError:
+    """``--set KEY=...`` names no field: the closest names when there are some, else every field by section."""
+    bare = key.split(".", 1)[-1]
+    names = {n: f"{s}.{n}" for s in ("drafter", "train") for n in fields[s]}
+    close = [bare] if bare in names else difflib.get_close_matches(bare, list(names), n=3, cutoff=0.75)
+    where = f"`tapdraft train --show-recipe RECIPE` lists the fields of a {family} run with their values"
+    if close:
+        close = [names[c] for c in close] if "." in key else close
+        return ValueError(f"unknown field {key!r}; did you mean {' or '.join(close)}? ({where})")
+    return ValueError(f"unknown field {key!r}; drafter fields ({family}): {sorted(fields['drafter'])}; "
+                      f"train fields: {sorted(fields['train'])}")
+
+
+def list_recipes() -> list[tuple[str, str, str]]:
+    """(name, family, the first line of its leading comment) of every recipe in ``train/recipes``."""
+    rows = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        if path.stem.startswith("_"):
+            continue
+        comment = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        rows.append((path.stem, str(_read_yaml(path).get("family", "dflash")), comment))
+    return rows
+
+
+def show_recipe(recipe: str) -> str:
+    """A recipe fully resolved (its base chain and every default) as YAML: every key ``--set`` accepts."""
+    run = load_run_config(recipe)
+    head = (f"# recipe {recipe} ({recipe_path(recipe)}), resolved with every default. `--set KEY=VALUE` overrides "
+            "any field:\n# a bare name resolves to its section (max_steps=100), or qualify it (drafter.gamma=4).\n")
+    return head + yaml.safe_dump(run.to_dict(), sort_keys=False)
 
 
 def load_run_config(recipe: str = "dflash", *, config_file: str | None = None,

@@ -195,9 +195,10 @@ def default_mask_id(bundle: Any, layout: Any) -> int:
 
     This is the id ``<|MASK|>`` gets when added to the tokenizer, as the reference DFlash drafters do; it
     never collides with a token the target reads or emits. Targets whose embedding table has no such row
-    (vocab_size == tokenizer size) fall back, with a warning, to the pad id (V - 1 without one), or, when that
-    row is all zeros (:func:`zero_embedding`), to the lowest id whose row is not: the mask then shares its input
-    embedding with that token.
+    (vocab_size == tokenizer size) use, silently, a reserved token no reply holds (:func:`reserved_ids`: the
+    pad, unk or bos token, in that order) whose row is not all zeros (:func:`zero_embedding`): the mask then
+    costs nothing. Only without one does it fall back, with a warning that says what it can cost, to the
+    lowest id whose row is not zero: that id's tokens then read as masks.
     """
     V = int(bundle.lm_head.shape[0])
     used = tokenizer_ids(bundle)
@@ -205,16 +206,37 @@ def default_mask_id(bundle: Any, layout: Any) -> int:
         first_free = max(used | {int(layout.audio_token_id)}) + 1
         if first_free < V and not zero_embedding(bundle, first_free):
             return first_free
-    tc = bundle.config
-    pad = tc.get("pad_token_id")
-    first = int(pad) if pad is not None else V - 1
-    fallback = next((i for i in (first, *range(V)) if not zero_embedding(bundle, i)), None)
+    eos = bundle.config.get("eos_token_id")
+    eos = set(eos if isinstance(eos, list) else [eos])
+    for i in reserved_ids(bundle):
+        if 0 <= i < V and i not in eos and not zero_embedding(bundle, i):
+            return i
+    fallback = next((i for i in range(V) if not zero_embedding(bundle, i)), None)
     if fallback is None:
         raise ValueError("the target's input embedding is all zeros: no usable mask row; check the target weights")
     why = "has no tokenizer.json" if used is None else f"uses every embedding row (vocab {V})"
-    if fallback != first:
-        why += f"; id {first}'s row is an all-zero embedding (a padding row)"
     # warned from this line (not the caller's): shown once per run however many places resolve the config
-    warnings.warn(f"the target's tokenizer {why}: no dedicated mask id, the mask slots use id {fallback} "
-                  "(set drafter.mask_token_id to choose one)", stacklevel=1)
+    warnings.warn(f"the target's tokenizer {why} and has no pad, unk or bos token with a nonzero embedding, so the "
+                  f"mask slots use id {fallback}, a token replies may hold: a block anchored on it reads as all "
+                  f"masks, which costs acceptance on the share of supervised tokens that are id {fallback}. Set "
+                  "drafter.mask_token_id to an id the replies never use (a reserved or special token)", stacklevel=1)
     return fallback
+
+
+def reserved_ids(bundle: Any) -> list[int]:
+    """Ids of the pad, unk and bos tokens (the bundle config's ids, then the tokenizer config's token names looked
+    up in tokenizer.json): tokens a conversation's replies never hold, so a mask that shares one costs nothing."""
+    files = getattr(bundle, "tokenizer_files", {})
+    names = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+    tok = json.loads(files["tokenizer.json"]) if "tokenizer.json" in files else {}
+    vocab = (tok.get("model") or {}).get("vocab")
+    by_name = dict(vocab) if isinstance(vocab, dict) else {}
+    by_name.update({t["content"]: int(t["id"]) for t in tok.get("added_tokens") or []})
+    out: list[int] = []
+    for kind in ("pad", "unk", "bos"):
+        cid = bundle.config.get(f"{kind}_token_id")
+        name = names.get(f"{kind}_token")
+        for i in (cid, by_name.get(name) if isinstance(name, str) else None):
+            if isinstance(i, int) and i not in out:
+                out.append(i)
+    return out

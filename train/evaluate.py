@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 
-from train.acceptance import AcceptanceCounts, tau_from_alpha
+from train.acceptance import UNREACHED, AcceptanceCounts, alpha_text, tau_from_alpha
 from train.data import BatchStream, collate, has_targets, to_device, truncate
 from train.run import Trained, load_trained
 from train.teacher import last_hidden_source
@@ -162,14 +162,19 @@ def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:
     K = len(result["alpha"])
     ks = list(range(1, K + 1))
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    ax.bar(ks, result["alpha"], color="#4C72B0", label="alpha_k (given slots < k accepted)")
+    reached = result.get("reached") or [1] * K
+    alpha = [a if r else float("nan") for a, r in zip(result["alpha"], reached)]  # unreached: no bar, not a zero
+    ax.bar(ks, alpha, color="#4C72B0", label="alpha_k teacher-forced (given slots < k accepted)")
     acc = [a if a is not None else float("nan") for a in result["accuracy"]]
     ax.plot(ks, acc, "o-", color="#DD8452", label="accuracy at slot k")
     ax.set_xlabel("block position k")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.02)
     ax.set_xticks(ks)
-    ax.set_title(f"{result['family']} step {result['step']}: tau = {result['tau']:.3f} ({result['split']})")
+    replayed = result.get("tau_replayed")
+    head = f"tau = {replayed:.3f} replayed, " if replayed is not None else ""
+    ax.set_title(f"{result['family']} step {result['step']} ({result['split']}): {head}teacher-forced "
+                 f"{result['tau']:.3f}", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -178,20 +183,26 @@ def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """A one-screen text summary for the CLI."""
-    lines = [
-        f"tau = {result['tau']:.3f}  (greedy; {result['family']}, step {result['step']}, split {result['split']}, "
-        f"{result['samples']} samples, {result['blocks']} blocks)",
-        "alpha_k: " + " ".join(f"{a:.2f}" for a in result["alpha"]),
-    ]
+    """A one-screen text summary for the CLI: the replayed tau first (what live greedy decoding reproduces, the
+    figure to report), then the teacher-forced and sampled figures, each labelled."""
+    where = (f"{result['family']}, step {result['step']}, split {result['split']}, {result['samples']} samples, "
+             f"{result['blocks']} blocks")
+    lines = []
+    if result.get("tau_replayed") is not None:
+        lines.append(f"tau = {result['tau_replayed']:.3f}  (replayed: decoding rounds from each reply's start, the "
+                     f"serving prediction `tapdraft speculate` checks; greedy; {where})")
+        lines.append(f"teacher-forced tau at every anchor = {result['tau']:.3f}  (a training metric: each block starts "
+                     "from the true prefix, which decoding does not)")
+    else:
+        lines.append(f"tau = {result['tau']:.3f}  (teacher-forced at every anchor: no decoding round could be "
+                     f"replayed here; greedy; {where})")
+    lines.append("alpha_k (teacher-forced): " + alpha_text(result["alpha"], result.get("reached"), digits=2)
+                 + (f"  ({UNREACHED}: position never reached)" if 0 in (result.get("reached") or []) else ""))
     if result.get("tau_sampled") is not None:
         lines.append(f"tau sampled at T={result['temperature']:g} (rejection sampling, teacher-forced) = "
-                     f"{result['tau_sampled']:.3f}  alpha_k: " + " ".join(f"{a:.2f}" for a in result["alpha_sampled"]))
+                     f"{result['tau_sampled']:.3f}  alpha_k: " + alpha_text(result["alpha_sampled"], digits=2))
     elif result.get("sampled_note"):
         lines.append(f"no sampled tau: {result['sampled_note']}")
-    if result.get("tau_replayed") is not None:
-        lines.append(f"tau replayed round by round from each reply's start (comparable with live decoding) = "
-                     f"{result['tau_replayed']:.3f}")
     lines += [
         f"note: {result['note']}",
     ]

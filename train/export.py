@@ -92,7 +92,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
 
     ``layout``: for MTP heads, the loader's layout (``train.mtp_layouts.LAYOUTS``; default ``deepseek``);
     DFlash and DFlash2: the native layout, or ``speculators`` (which names the target: ``verifier``)."""
-    from train.run import latest_checkpoint, load_checkpoint
+    from train.checkpoints import latest_checkpoint, load_checkpoint
 
     run = Path(run_dir)
     ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)

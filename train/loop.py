@@ -1,7 +1,7 @@
 """The training loop: ``train(config, data, out) -> summary``.
 
 One loop for every drafter family. It opens the data (a dataset path/URL or an opened dataset,
-through ``train.run.DataSource``), refuses bad input before any step (target fingerprint, tap ids
+through ``train.source.DataSource``), refuses bad input before any step (target fingerprint, tap ids
 and hidden size via the drafter's ``resolve``/``check_dataset``, no supervised tokens, resume from
 a checkpoint of another config), then runs AdamW with linear warmup + cosine decay, gradient
 clipping, bf16 autocast on GPU and gradient accumulation; DDP when launched by torchrun (gloo on
@@ -18,7 +18,10 @@ second signal aborts at once). A rerun prints "resuming from step N" before anyt
 drops metrics.jsonl lines past that step (they are recomputed); a finished run returns its summary
 marked ``already_complete`` and rewrites nothing.
 
-The run directory's layout and checkpoint I/O live in ``train.run``.
+Curves: every log line also goes to TensorBoard (``RUN/tensorboard/``), ``RUN/curves.png`` is drawn at
+the end, and ``train.eval_every`` measures held-out acceptance every N steps (``train.curves``).
+
+The run directory's layout lives in ``train.run``, checkpoint I/O in ``train.checkpoints``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +48,12 @@ from train.config import RESUME_MUTABLE, RunConfig
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train import draft_vocab
 from train.drafter import Drafter, combine_terms, reduce_metrics
-from train.run import (CKPT_VERSION, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, DataSource, build_drafter, check_data,
-                       check_trained_template, finished_summary, latest_checkpoint, load_checkpoint, open_source,
-                       run_lock, save_checkpoint, template_state, trim_metrics)
+from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.curves import PNG as CURVES_PNG
+from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
+from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
+                       trim_metrics)
+from train.source import DataSource, check_data, check_trained_template, open_source, template_state
 
 
 def lr_lambda(tc: Any):
@@ -96,11 +103,15 @@ def _dist_setup(tc: Any) -> tuple[int, int, torch.device, bool]:
     return rank, world, device, init
 
 
+SHOWN_DIFFS = 4
+"""Differing settings a refused resume names (the rest are counted)."""
+
+
 def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     diffs = []
-    if a.get("family") != b.get("family"):
+    if a.get("family") != b.get("family"):  # another recipe: its drafter fields are not comparable
         diffs.append(f"family: {a.get('family')} vs {b.get('family')}")
-    for section in ("drafter", "train"):
+    for section in ("drafter", "train") if not diffs else ("train",):
         sa, sb = a.get(section, {}), b.get(section, {})
         for k in sorted(set(sa) | set(sb)):
             if section == "train" and k in RESUME_MUTABLE:
@@ -189,10 +200,19 @@ def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[st
     ckpt = load_checkpoint(ckpt_path)
     diffs = _config_diff(ckpt["config"], run.to_dict())
     if diffs:
+        shown = "; ".join(diffs[:SHOWN_DIFFS]) + (f"; and {len(diffs) - SHOWN_DIFFS} more" if len(diffs) > SHOWN_DIFFS
+                                                 else "")
         raise ValueError(
-            f"{ckpt_path} was written by a run with another config ({'; '.join(diffs)}); "
-            f"use a new --out directory or the same config"
+            f"{out} holds a run with another config ({len(diffs)} setting(s) differ, checkpoint vs now: {shown}); "
+            f"rerun with the recipe and --set values it was started with ({out / CONFIG_FILE}), or use a new --out "
+            "directory"
         )
+    was = ckpt["config"].get("train", {}).get("max_steps")
+    if was is not None and was != run.train.max_steps:
+        warnings.warn(f"max_steps changed from {was} to {run.train.max_steps} on resume from step {ckpt['step']}: the "
+                      f"learning-rate schedule (warmup, then cosine decay to step max_steps) now ends at step "
+                      f"{run.train.max_steps}, so the remaining steps follow another curve than the run started with",
+                      stacklevel=3)
     check_trained_template(ckpt, src, out)
     if ckpt.get("fingerprint") not in (None, src.fingerprint):
         raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "
@@ -316,6 +336,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         dataclasses.replace(run, drafter=t.model.config).save(out / CONFIG_FILE)
         trim_metrics(out, t.start)
     log_f = open(out / METRICS_FILE, "a") if rank == 0 else None
+    curves = CurveLog(out, t.start) if rank == 0 else None
+    held = _HeldOut(run, src, device) if tc.eval_every and rank == 0 else None
     progress = Progress("train", tc.max_steps, done=t.start, enabled=tc.progress and rank == 0)
     last: dict[str, Any] = {}
     first_loss = None
@@ -341,11 +363,17 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
                 if log_f is not None:
                     log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
+                    curves.add(last)
                 tau_txt = f"  tau {last['tau']:.3f}" if last.get("tau") else ""
                 progress.update(done, f"loss {last['loss']:.4f}" + tau_txt)
                 window = _Window()
             else:
                 progress.update(done)
+            if held is not None and (done % tc.eval_every == 0 or done == end):
+                rec = held.measure(t.model, done)
+                log_f.write(json.dumps(rec) + "\n")
+                log_f.flush()
+                curves.add(rec)
             stopping = _stop_requested(stop, world, device)
             if done % tc.ckpt_every == 0 or done == end or stopping:
                 ckpt_dir = _checkpoint(out, done, run, t, src, rank, world)
@@ -359,6 +387,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         progress.close()
         if log_f is not None:
             log_f.close()
+        if curves is not None:
+            curves.close()
     summary = {
         "family": run.family,
         "steps": end,
@@ -378,8 +408,33 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | No
         "run_dir": str(out),
     }
     if rank == 0:
+        png = plot_curves(out / METRICS_FILE, out / CURVES_PNG)
+        summary.update({"metrics": str(out / METRICS_FILE), "tensorboard": str(out / TB_DIR),
+                        **({"curves": str(png)} if png else {}),
+                        **({"held_out": held.last} if held is not None and held.last else {})})
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class _HeldOut:
+    """``train.eval_every``: held-out acceptance every N steps over the first ``eval_samples`` samples of the
+    evaluation split (validation, test or eval; the training split, with a warning, when there is none)."""
+
+    def __init__(self, run: RunConfig, src: DataSource, device: torch.device) -> None:
+        split = pick_split(list(src.data.splits), run.train.split)
+        if split == run.train.split:
+            warnings.warn(f"train.eval_every: dataset {src.where} has no validation, test or eval split, so the "
+                          f"periodic acceptance is measured on the training split {split!r} (not held out); capture "
+                          "one with --data validation=FILE", stacklevel=3)
+        self.src, self.split, self.device, self.tc = open_source(src.data, split), split, device, run.train
+        self.batches: list[dict[str, Any]] | None = None
+        self.last: dict[str, Any] | None = None
+
+    def measure(self, model: Drafter, step: int) -> dict[str, Any]:
+        if self.batches is None:
+            self.batches = eval_batches(self.src, self.tc)
+        self.last = {"step": step, "split": self.split, **held_out_acceptance(model, self.batches, self.device)}
+        return {"step": step, "eval": {k: v for k, v in self.last.items() if k != "step"}}
 
 
 def _stop_requested(stop: StopSignals, world: int, device: torch.device) -> bool:

@@ -121,15 +121,15 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(salm_dir, tone_manifest, 
 def test_truncated_and_empty_replies_are_counted_and_dropped(lm_dir, tmp_path):
     data = _text_manifest(tmp_path / "in.jsonl", n=4)
     never_ends = ReplyConfig(generation=GenerationConfig(max_new_tokens=3))
-    doc = regenerate(_cfg(lm_dir, data, tmp_path / "t.jsonl", replies=never_ends))  # random weights: rarely ends
-    c = doc["counts"]
-    assert c["written"] + sum(c["dropped"].values()) == 4 and c["dropped"].get("truncated", 0) >= 3
-    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == c["written"]
+    # random weights never end a reply: nothing is written, and the error says why and what to do
+    with pytest.raises(ValueError, match=r"wrote nothing: all 4 conversation\(s\) were dropped \(truncated: 4\)\. "
+                       r"The target did not end its replies within --max-new-tokens 3: raise --max-new-tokens"):
+        regenerate(_cfg(lm_dir, data, tmp_path / "t.jsonl", replies=never_ends))
+    assert not (tmp_path / "t.jsonl").exists() and not (tmp_path / "t.regenerate.json").exists()
     kept = regenerate(_cfg(lm_dir, data, tmp_path / "k.jsonl", replies=ReplyConfig(
         generation=GenerationConfig(max_new_tokens=3), keep_truncated=True)))
     recs = [json.loads(x) for x in (tmp_path / "k.jsonl").read_text().splitlines()]
-    assert kept["counts"]["written"] == c["written"] + c["dropped"].get("truncated", 0)
-    assert sum(bool(r.get("truncated")) for r in recs) == c["dropped"].get("truncated", 0)
+    assert kept["counts"]["written"] == 4 and sum(bool(r.get("truncated")) for r in recs) == 4
     # a target whose every first token is the end of turn: every reply is empty
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,9 +142,11 @@ def test_truncated_and_empty_replies_are_counted_and_dropped(lm_dir, tmp_path):
         lm.lm_head.weight[eos, 0] = 1.0
         lm.model.norm.weight.fill_(1.0)
     tgt = CausalLMTarget(lm, AutoTokenizer.from_pretrained(lm_dir), lm_dir)
-    empty = regenerate(_cfg(lm_dir, data, tmp_path / "e.jsonl"), target=tgt)
-    assert empty["counts"]["dropped"] == {"empty": 4} and empty["counts"]["written"] == 0
-    assert (tmp_path / "e.jsonl").read_text() == ""
+    with pytest.raises(ValueError, match=r"regenerate wrote nothing: all 4 conversation\(s\) were dropped \(empty: 4\)"
+                       r"\. The target replied with nothing"):
+        regenerate(_cfg(lm_dir, data, tmp_path / "e.jsonl"), target=tgt)
+    assert not (tmp_path / "e.jsonl").exists() and not (tmp_path / "e.regenerate.json").exists()
+    assert not work_dir(tmp_path / "e.jsonl").exists()
 
 
 def test_bad_inputs_are_counted_or_fail_in_one_line(salm_dir, tmp_path):
@@ -156,19 +158,21 @@ def test_bad_inputs_are_counted_or_fail_in_one_line(salm_dir, tmp_path):
                                                {"from": "Assistant", "value": "one ."}]},
             conv_record("missing", "audio/missing.wav"), "{not json"]
     data = write_manifest(tmp_path / "in.jsonl", recs)
-    doc = regenerate(_cfg(salm_dir, data, tmp_path / "out.jsonl"))
+    with pytest.warns(UserWarning, match=r"kept only 1 of 5 conversations \(dropped bad_input: 3, no_user_turn: 1\)"
+                      r"\. Fix the inputs \(first: 'broken'"):
+        doc = regenerate(_cfg(salm_dir, data, tmp_path / "out.jsonl", on_error="skip"))
     assert doc["counts"]["written"] == 1
     assert doc["counts"]["dropped"] == {"bad_input": 3, "no_user_turn": 1}
     assert {d["sample_id"] for d in doc["dropped"]} == {"broken", "nouser", "missing", "in-5"}
     with pytest.raises(RegenerateError, match="bad input .(nouser|broken)"):
-        regenerate(_cfg(salm_dir, data, tmp_path / "fail.jsonl", on_error="fail"))
+        regenerate(_cfg(salm_dir, data, tmp_path / "fail.jsonl"))  # fail is the default, as for capture
     assert not (tmp_path / "fail.jsonl").exists() and not (tmp_path / "fail.regenerate.json").exists()
 
 
 def test_too_long_for_the_context_is_skipped(lm_dir, tmp_path):
     data = _text_manifest(tmp_path / "in.jsonl", n=2)
-    doc = regenerate(_cfg(lm_dir, data, tmp_path / "out.jsonl", max_new=1020))  # context 1024
-    assert doc["counts"]["dropped"] == {"too_long": 2}
+    with pytest.raises(ValueError, match=r"dropped \(too_long: 2\)\. The prompts do not fit the target's context"):
+        regenerate(_cfg(lm_dir, data, tmp_path / "out.jsonl", max_new=1020, on_error="skip"))  # context 1024
 
 
 def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path, monkeypatch):

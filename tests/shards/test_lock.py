@@ -51,3 +51,53 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
     with pytest.raises(LockedError, match=f"on elsewhere.*delete {path}"):
         with exclusive_lock(path, "a capture"):
             pass
+
+
+def test_the_lock_file_is_removed_on_release_and_a_killed_holders_file_is_taken_over(tmp_path):
+    path = tmp_path / "x.lock"
+    with exclusive_lock(path, "a capture"):
+        assert path.is_file()
+    assert not path.exists()  # a finished run leaves nothing that looks like a running job
+    with pytest.raises(ValueError, match="boom"):
+        with exclusive_lock(path, "a capture"):
+            raise ValueError("boom")
+    assert not path.exists()
+    held = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.');"
+                             "from shards.lock import exclusive_lock\n"
+                             f"with exclusive_lock({str(path)!r}, 'a capture'):\n"
+                             "    print('held', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, cwd=lk.Path(lk.__file__).parents[1])
+    try:
+        assert held.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError):
+            with exclusive_lock(path, "a capture"):
+                pass
+    finally:
+        held.kill()
+        held.wait()
+    assert path.is_file()  # kill -9 leaves the file: a stale lock
+    with exclusive_lock(path, "a capture"):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists()
+
+
+def test_a_lock_taken_on_a_name_its_holder_removed_is_retried(tmp_path, monkeypatch):
+    """The race removal opens: B opened the file just before A released (and unlinked) it, then locks the
+    unlinked file. B must notice and lock the current name instead, or a third writer could coexist."""
+    path = tmp_path / "x.lock"
+    real_flock, calls = lk.fcntl.flock, []
+
+    def flock(fd, op):
+        if not calls:  # between B's open and B's lock, A releases: its name is removed
+            calls.append(fd)
+            path.unlink()
+            path.write_text("")  # and C creates the name anew
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(lk.fcntl, "flock", flock)
+    with exclusive_lock(path, "a training"):
+        assert len(calls) == 1 and json.loads(path.read_text())["pid"] == os.getpid()  # locked the live name
+        monkeypatch.setattr(lk.fcntl, "flock", real_flock)
+        with pytest.raises(LockedError):
+            with exclusive_lock(path, "a training"):
+                pass

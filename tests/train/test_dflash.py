@@ -1,5 +1,7 @@
 """DFlash drafter: anchors, the batched blocks vs one-block-at-a-time reference, losses, flex vs dense."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -256,10 +258,11 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
     assert cfg["dflash_config"]["mask_token_id"] == V - 6 and cfg["dflash_config"]["mask_token"] == "<|MASK|>"
     ids = torch.full((1, 4), V - 6)
     assert torch.equal(model.embed_tokens[ids], bundle.embed_tokens[ids].float())  # the target's own row
-    # a table the tokenizer fills has no spare row: the pad id, said out loud
+    # a table the tokenizer fills has no spare row: the pad id, which no reply holds, so nothing to warn about
     full = dc.replace(bundle, tokenizer_files={"tokenizer.json": js.dumps(
         {"model": {"vocab": {f"w{i}": i for i in range(V)}}}).encode()})
-    with pytest.warns(UserWarning, match="no dedicated mask id"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert default_mask_id(full, layout) == bundle.config["pad_token_id"]
     # an explicit id always wins and is recorded as given
     assert DFlashConfig(mask_token_id=5).resolve(with_tok, layout).mask_token_id == 5
@@ -344,8 +347,11 @@ def test_mask_never_falls_back_to_an_all_zero_embedding_row(setup):
     emb[bundle.config["pad_token_id"]] = 0.0
     tok = {"model": {"vocab": {f"w{i}": i for i in range(V)}},
            "added_tokens": [{"id": 0, "content": "<|pad|>"}, {"id": 1, "content": "<|im_start|>"}]}
-    full = dc.replace(bundle, embed_tokens=emb, tokenizer_files={"tokenizer.json": js.dumps(tok).encode()})
-    with pytest.warns(UserWarning, match="all-zero embedding"):
+    no_bos = {**bundle.config, "bos_token_id": None}  # with a bos token (nonzero row) the mask would use it silently
+    full = dc.replace(bundle, embed_tokens=emb, tokenizer_files={"tokenizer.json": js.dumps(tok).encode()},
+                      config=no_bos)
+    with pytest.warns(UserWarning, match=r"mask slots use id 1, a token replies may hold.*costs acceptance on the "
+                      r"share of supervised tokens that are id 1\. Set drafter.mask_token_id"):
         mask = default_mask_id(full, layout)
     assert mask != bundle.config["pad_token_id"] and float(emb[mask].abs().max()) > 0
     assert mask == 1  # the lowest id with a nonzero row
@@ -357,3 +363,25 @@ def test_mask_never_falls_back_to_an_all_zero_embedding_row(setup):
     # an explicit all-zero row is allowed (a recorded run keeps loading) but said out loud
     with pytest.warns(UserWarning, match="all-zero embedding"):
         DFlashConfig(mask_token_id=0).resolve(full, layout)
+
+
+def test_a_full_vocabulary_uses_its_unk_token_silently_when_pad_is_a_zero_row(setup):
+    """The demo's case: every row is a tokenizer id and pad's row is zero, but <|unk|> is reserved (no reply holds
+    it): the mask uses it without a warning the user could not act on."""
+    import dataclasses as dc
+    import json as js
+
+    from train.dflash import default_mask_id
+
+    bundle, layout, _ = setup
+    V = bundle.vocab_size
+    emb = bundle.embed_tokens.clone()
+    emb[bundle.config["pad_token_id"]] = 0.0
+    tok = {"model": {"vocab": {f"w{i}": i for i in range(V)}},
+           "added_tokens": [{"id": 0, "content": "<|pad|>"}, {"id": 7, "content": "<|unk|>"}]}
+    files = {"tokenizer.json": js.dumps(tok).encode(),
+             "tokenizer_config.json": js.dumps({"pad_token": "<|pad|>", "unk_token": "<|unk|>"}).encode()}
+    full = dc.replace(bundle, embed_tokens=emb, tokenizer_files=files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_mask_id(full, layout) == 7

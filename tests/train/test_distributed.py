@@ -79,7 +79,7 @@ def test_loop_under_two_gloo_ranks(tmp_path):
     mp.spawn(_train_worker, args=(2, _free_port(), path, str(tmp_path / "run")), nprocs=2, join=True)
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in lines] == [1, 2, 3]
-    from train.run import latest_checkpoint, load_checkpoint
+    from train.checkpoints import latest_checkpoint, load_checkpoint
 
     ck = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert len(ck["data_states"]) == 2 and ck["data_states"][0] != ck["data_states"][1]

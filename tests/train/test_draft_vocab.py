@@ -3,6 +3,7 @@ tokens (offline == live proposal), the run lifecycle (fit, checkpoint, resume ch
 d2t / t2d convention loaded by the shipped modeling file), and live decoding == replay with it on."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from train.dflash2 import DFlash2Config
 from train.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
 from train.export import export_run, load_export
 from train.loop import train
-from train.run import CKPT_DIR, STATE_FILE, latest_checkpoint
+from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
 from shards.reader import open_dataset
 
 
@@ -196,11 +197,12 @@ def test_run_fits_checkpoints_checks_on_resume_evaluates_and_exports(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_live_decoding_equals_replay_with_a_draft_vocabulary(tmp_path):
+def test_live_decoding_equals_replay_with_a_draft_vocabulary(tmp_path, monkeypatch):
     """The demo chain with a draft vocabulary that leaves out tokens the replies use: live speculative greedy still
     equals the target's greedy output, and the offline replay of decoding rounds predicts live tau."""
     from demo.data import prepare_demo
-    from speculate.run import SpeculateConfig, run_speculate
+    import speculate.run
+    from speculate.run import SpeculateConfig, format_result, run_speculate
     from train.evaluate import evaluate
 
     torch.set_num_threads(1)
@@ -215,4 +217,14 @@ def test_live_decoding_equals_replay_with_a_draft_vocabulary(tmp_path):
                          progress=False)
     assert live["matches_greedy"] == "5/5"
     assert abs(live["tau"] - live["offline_tau_replayed"]) <= 0.02 * live["tau"], live
+    three = Path(p.train_manifest).with_name("three.jsonl")  # fewer than --max-samples: the progress total is 3
+    three.write_text("".join(Path(p.train_manifest).read_text().splitlines(keepends=True)[:3]))
+    totals = []
+    real = speculate.run.Progress
+    monkeypatch.setattr(speculate.run, "Progress", lambda name, total, **kw: totals.append(total) or real(name, total,
+                                                                                                      **kw))
+    short = run_speculate(SpeculateConfig(target=str(p.target), draft=str(tmp_path / "run"), data=str(p.dataset),
+                                          conversations=str(three), max_samples=32, max_new_tokens=16), progress=False)
+    assert totals == [3] and short["samples"] == 3 and short["config"]["device"] == "cpu"  # auto: no CUDA here
+    assert "replayed offline over the same 3 conversations" in format_result(short)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["drafter"]["draft_vocab"] == 6

@@ -14,7 +14,8 @@ from train.export import export_run, load_export
 from train.loop import train
 from shards.schema import Layout
 from shards.errors import LockedError
-from train.run import latest_checkpoint, load_checkpoint, run_lock
+from train.checkpoints import latest_checkpoint, load_checkpoint
+from train.run import run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]
@@ -59,10 +60,19 @@ def test_resume_with_another_config_is_refused(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
     train(run, mem.path, tmp_path / "r")
     other = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "lr=1e-2"])
-    with pytest.raises(ValueError, match="another config.*train.lr"):
+    with pytest.raises(ValueError, match=r"another config \(1 setting\(s\) differ, checkpoint vs now: train.lr: "
+                       r"0.003 vs 0.01\); rerun with the recipe and --set values it was started with"):
         train(other, mem.path, tmp_path / "r")
-    longer = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"])  # max_steps may change
-    assert train(longer, mem.path, tmp_path / "r")["resumed_from_step"] == 2
+    mtp = load_run_config("mtp", overrides=FAST[:6] + ["max_steps=2"])  # another recipe: a short line, not 25 fields
+    with pytest.raises(ValueError, match=r"\(1 setting\(s\) differ, checkpoint vs now: family: dflash vs mtp\)"):
+        train(mtp, mem.path, tmp_path / "r")
+    many = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2", "lr=1e-2", "seed=3", "beta1=0.8",
+                                                          "beta2=0.9", "weight_decay=0.5"])
+    with pytest.raises(ValueError, match=r"\(5 setting\(s\) differ, .*; and 1 more\)"):
+        train(many, mem.path, tmp_path / "r")
+    longer = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"])  # max_steps may change, said aloud
+    with pytest.warns(UserWarning, match="max_steps changed from 2 to 3 on resume from step 2: the learning-rate"):
+        assert train(longer, mem.path, tmp_path / "r")["resumed_from_step"] == 2
 
 
 def test_a_second_training_on_the_same_run_dir_is_refused(tmp_path, mem):

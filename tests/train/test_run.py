@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from train.run import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def _payload(step):

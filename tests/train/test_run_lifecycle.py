@@ -13,7 +13,8 @@ from shards.errors import Interrupted
 from train import loop
 from train.config import load_run_config
 from train.loop import train
-from train.run import format_summary, latest_checkpoint
+from train.checkpoints import latest_checkpoint
+from train.run import format_summary
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]"]

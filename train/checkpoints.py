@@ -1,0 +1,128 @@
+"""The checkpoint store of a run directory: ``checkpoints/step-NNNNNNN/state.pt``.
+
+A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``), so a
+crash leaves the old checkpoint or the new one, never neither; ``latest_checkpoint`` reads only
+finished ``step-N`` directories and repairs a swap a crash interrupted.
+
+Run directories travel between teams (``eval``, ``speculate``, ``export`` read them), and a pickle can
+run any code when it is loaded. So a checkpoint holds only tensors, state dicts and plain types and is
+read with ``torch.load(weights_only=True)``: anything else is refused, nothing in it runs. Version 1
+checkpoints (written before the rule) already held only those and load through the named migration
+:func:`migrate_v1`; one that does not (it needs a full unpickle) is refused with how to convert it
+once, for a checkpoint its owner trusts: ``python -m train.checkpoints trust CHECKPOINT_DIR``
+(:func:`trust_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shards.atomic import recover_dir, staged
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "state.pt"
+CKPT_NAME = re.compile(r"step-\d+")
+CKPT_VERSION = 2
+"""2: loadable with ``weights_only=True`` (1: the same payload, written before the rule was kept)."""
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoint directories (``step-NNNNNNN``, never a ``.tmp``/``.old`` leftover), oldest first."""
+    return sorted(p for p in root.glob("step-*") if CKPT_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file())
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    root = Path(out) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    for old in root.glob("step-*.old"):
+        recover_dir(old.with_suffix(""))  # a directory swap a crash interrupted
+    cands = _checkpoints(root)
+    return cands[-1] if cands else None
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The state of checkpoint directory ``path``, loaded without running any code it holds (ValueError when
+    it holds anything but tensors and plain types, or a version this code does not read)."""
+    file = Path(path) / STATE_FILE
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"checkpoint {file} holds Python objects other than tensors and plain types ({_first_line(e)}), and "
+            "tapdraft never runs code from a checkpoint. If you trust whoever wrote it, convert it once with "
+            f"`python -m train.checkpoints trust {Path(path)}`; otherwise ask them for the run again") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {file} holds a {type(state).__name__}, not a checkpoint's state")
+    if state.get("version") == 1:
+        state = migrate_v1(state)
+    if state.get("version") != CKPT_VERSION:
+        raise ValueError(f"checkpoint {path} has version {state.get('version')}, this trainer reads {CKPT_VERSION}")
+    return state
+
+
+def migrate_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 -> 2: the same keys (a v1 state that loaded with ``weights_only=True`` is already plain)."""
+    return {**state, "version": 2}
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def _plain(x: Any, where: str) -> Any:
+    """``x`` as tensors, containers and plain scalars only (numpy values become tensors or Python numbers)."""
+    import numpy as np
+
+    if isinstance(x, torch.Tensor) or x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, dict):
+        return {k: _plain(v, f"{where}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v, f"{where}[{i}]") for i, v in enumerate(x))
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.copy())
+    if isinstance(x, np.generic):
+        return x.item()
+    raise ValueError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold")
+
+
+def trust_checkpoint(path: str | Path) -> Path:
+    """Rewrite the checkpoint in directory ``path`` as one ``load_checkpoint`` reads: the one place that fully
+    unpickles (runs) a checkpoint, for its owner's own old runs only. Values are made plain (numpy ->
+    tensors / numbers); any other object is refused. Written atomically; returns the state file."""
+    file = Path(path) / STATE_FILE
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("version") not in (1, CKPT_VERSION):
+        raise ValueError(f"{file} is not a tapdraft checkpoint of version 1 or {CKPT_VERSION}")
+    plain = _plain({**state, "version": CKPT_VERSION}, "state")
+    with staged(file) as tmp:
+        torch.save(plain, tmp)
+    load_checkpoint(path)  # proves it now loads safely
+    return file
+
+
+def save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``."""
+    root = out / CKPT_DIR
+    final = root / f"step-{step:07d}"
+    with staged(final) as tmp:
+        tmp.mkdir()
+        torch.save(payload, tmp / STATE_FILE)
+    olds = [p for p in _checkpoints(root) if p != final]
+    for p in olds[: max(len(olds) - (keep - 1), 0)]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+if __name__ == "__main__":  # python -m train.checkpoints trust CHECKPOINT_DIR
+    if len(sys.argv) != 3 or sys.argv[1] != "trust":
+        sys.exit("usage: python -m train.checkpoints trust CHECKPOINT_DIR  (converts a checkpoint you trust)")
+    print(f"rewrote {trust_checkpoint(sys.argv[2])}: it now loads without running code")

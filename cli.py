@@ -43,7 +43,8 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an error, pri
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
     Pipeline, in the order listed: regenerate (optional) -> capture -> verify / inspect -> train -> eval ->
-    speculate / export. `tapdraft demo` runs the whole chain on a built-in task.
+    speculate / export; push / pull share a dataset through an object store. `tapdraft demo` runs the whole
+    chain on a built-in task.
     """
     _RUN["debug"] = debug
 
@@ -223,6 +224,35 @@ def inspect(
     typer.echo(render_summary(summary(ds)))
     if sample is not None:
         typer.echo(f"\n{split}[{sample}]\n" + describe_sample(ds.sample(split, sample)))
+
+
+@app.command()
+def push(
+    dataset: str = typer.Argument(..., help="Finished local dataset directory."),
+    url: str = typer.Argument(..., help="Destination: any fsspec URL (s3://bucket/prefix, gs://...). Credentials and "
+                              "endpoint as the store's own tools read them (AWS_* variables, ~/.aws/config)."),
+) -> None:
+    """Upload a dataset: shards and bundle first (resumable multipart, each object verified), manifest.json last."""
+    from shards.transfer import push as run_push
+
+    st = run_push(dataset, url)
+    typer.echo(f"{url}: up to date ({st['files']} files)" if st["up_to_date"] else
+               f"{url}: {st['uploaded']} uploaded ({st['bytes_sent']} bytes), {st['copied']} copied on the store, "
+               f"{st['skipped']} already there; manifest written last")
+
+
+@app.command()
+def pull(
+    url: str = typer.Argument(..., help="A dataset at any fsspec URL (s3://bucket/prefix, ...)."),
+    dest: str = typer.Argument(..., help="Local directory (created; a partial pull there is resumed)."),
+) -> None:
+    """Download a dataset (resumable), verify every shard's sha256 and the bundle, write manifest.json last."""
+    from shards.transfer import pull as run_pull
+
+    st = run_pull(url, dest)
+    typer.echo(f"{dest}: up to date ({st['files']} files)" if st["up_to_date"] else
+               f"{dest}: {st['downloaded']} downloaded ({st['bytes_received']} bytes), {st['skipped']} already there; "
+               "verified, manifest written last")
 
 
 @app.command()

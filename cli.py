@@ -124,7 +124,10 @@ def capture(
     llm_config: str = typer.Option(None, "--llm-config", help=LLM_CONFIG_HELP),
     data: list[str] = typer.Option(..., "--data", help=f"Input for the train split ({INPUTS}); SPLIT=INPUT for "
                                    "other splits. Repeatable."),
-    out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),
+    out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings), or "
+                            "a URL (s3://...): shards are staged locally and uploaded as they finish, manifest last."),
+    stage: str = typer.Option(None, "--stage", help="With a URL --out: the local staging directory (default under "
+                              "~/.cache/tapdraft/staging; rerun with the same one to resume)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N inputs of each split."),
     max_length: int = typer.Option(None, "--max-length",
                                    help="Skip (and count) samples longer than this many tokens; never truncate."),
@@ -179,7 +182,7 @@ def capture(
         split, spec = (split, spec) if sep and not Path(d).exists() else ("train", d)
         pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
     cfg = CaptureConfig(
-        target=str(Path(target).resolve()), out=out, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
+        target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
         shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,

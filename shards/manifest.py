@@ -54,6 +54,15 @@ def rank_shard_name(split: str, rank: int, seq: int, fmt: str) -> str:
     return f"{DATA_DIR}/{split}-rank{rank:05d}-{seq:05d}.{EXTENSIONS[fmt]}"
 
 
+def is_rank_shard(name: str, rank: int) -> bool:
+    """Whether ``name`` is a finished shard of writer rank ``rank`` before finalize (not a temp file)."""
+    m = _RANK_SHARD_RE.match(name)
+    return m is not None and int(m.group(1)) == rank
+
+
+_RANK_SHARD_RE = re.compile(rf"^{DATA_DIR}/[A-Za-z0-9_]+-rank(\d{{5}})-\d{{5}}\.({'|'.join(EXTENSIONS.values())})$")
+
+
 def final_shard_name(split: str, i: int, n: int, fmt: str) -> str:
     return f"{DATA_DIR}/{split}-{i:05d}-of-{n:05d}.{EXTENSIONS[fmt]}"
 

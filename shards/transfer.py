@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -280,3 +281,78 @@ def _download(fs: Any, R: Callable[..., Any], rpath: str, target: Path, size: in
                                     "transit (the partial file was deleted); rerun the pull")
     os.replace(part, target)
     return got
+
+
+# ---- capture into a store: stage locally, upload finished shards in the background -------------------
+
+def is_remote_url(url: str) -> bool:
+    return not is_local(fsspec.core.url_to_fs(str(url))[0])
+
+
+def staging_dir(url: str, config: RemoteConfig | None = None) -> str:
+    """The default local staging directory of a capture into ``url`` (beside the read cache)."""
+    config = config or RemoteConfig()
+    key = hashlib.sha256(str(url).rstrip("/").encode()).hexdigest()[:16]
+    return str(Path(config.cache_dir).parent / "staging" / key)
+
+
+class StagedUpload:
+    """While a capture writes its shards into the local ``stage``, upload each finished shard of ``rank`` to
+    ``url`` in a background thread (one listing of ``stage/data`` every ``every_s``); ``finish()`` then
+    pushes the finalized dataset (``push``: renamed shards are copied on the store, not sent again; the
+    manifest last). A failed background upload is only retried later: ``finish`` sends whatever is missing.
+
+        with StagedUpload(stage, url, rank) as up:
+            capture into stage ...
+        up.finish()          # rank 0, after finalize
+    """
+
+    EVERY_S = 2.0
+    """Seconds between two looks for finished shards (a shard takes minutes to fill at real sizes)."""
+
+    def __init__(self, stage: str, url: str, rank: int = 0, *, config: RemoteConfig | None = None,
+                 part_bytes: int = PART_BYTES) -> None:
+        self.stage, self.url, self.rank = Path(stage), str(url), rank
+        self.config, self.every_s, self.part_bytes = config or RemoteConfig(), self.EVERY_S, part_bytes
+        self.sent: dict[str, int] = {}
+        self.errors, self.last_error = 0, ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tapdraft-upload", daemon=True)
+
+    def __enter__(self) -> "StagedUpload":
+        self.stage.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        fs, root, R = _open(self.url, self.config)
+        while True:
+            stopping = self._stop.wait(self.every_s)
+            self.upload_ready(fs, root, R)
+            if stopping:
+                return
+
+    def upload_ready(self, fs: Any, root: str, R: Callable[..., Any]) -> None:
+        """Upload this rank's finished shards not yet sent (the writer renames a shard from its temp name only
+        once it is complete)."""
+        data = self.stage / mf.DATA_DIR
+        for p in sorted(data.iterdir()) if data.is_dir() else []:
+            rel = f"{mf.DATA_DIR}/{p.name}"
+            if not mf.is_rank_shard(rel, self.rank) or rel in self.sent:
+                continue
+            try:
+                size = p.stat().st_size
+                want, parts, whole = expected_etag(str(p), size, self.part_bytes)
+                _upload(fs, R, str(p), mf.join(root, rel), size, parts, self.part_bytes, lambda n: None)
+                _check_uploaded(fs, R, mf.join(root, rel), size, {want, whole})
+                self.sent[rel] = size
+            except Exception as e:  # noqa: BLE001 (the store is down, or finalize renamed it: finish() catches up)
+                self.errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+
+    def finish(self, *, progress: bool = True) -> dict[str, Any]:
+        return push(str(self.stage), self.url, config=self.config, progress=progress, part_bytes=self.part_bytes)

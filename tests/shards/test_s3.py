@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import fsspec
 import pytest
@@ -202,3 +203,51 @@ def test_train_cli_from_s3(s3, tmp_path):
     r = subprocess.run(cmd + ["pull", s3.url("no-such-dataset"), str(tmp_path / "x")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_capture_into_s3(s3, salm_dir, tmp_path, monkeypatch):
+    """`capture --out s3://...` stages locally, uploads finished shards while it runs, finalizes, then pushes:
+    the remote dataset equals the stage, with no rank-named leftovers and the manifest written."""
+    import numpy as np
+
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+    from tests.capture.util import conv_record, write_manifest, write_wav
+
+    rng = np.random.default_rng(1)
+    recs = []
+    for i in range(6):
+        digits = [int(x) for x in rng.integers(0, 10, size=3)]
+        write_wav(tmp_path / "audio" / f"u{i}.wav", digits, seed=i)
+        recs.append(conv_record(f"u{i}", f"audio/u{i}.wav", reply="you said one one one ."))
+    inputs = write_manifest(tmp_path / "train.jsonl", recs)
+    url, stage = s3.url("captured"), tmp_path / "stage"
+    cfg = CaptureConfig(target=str(salm_dir), out=url, stage=str(stage), data=(("train", str(inputs)),), top_k=4,
+                        window=2, batch_tokens=120, progress=False, shard=ShardConfig(shard_bytes=3000))
+    from shards.transfer import StagedUpload
+
+    from shards.writer import DatasetWriter
+
+    monkeypatch.setattr(StagedUpload, "EVERY_S", 0.05)  # this capture takes a second, not hours
+    finish = DatasetWriter._finish_shard
+
+    def slow_finish(self):  # a shard takes minutes to fill at real sizes: leave the uploader time to see each
+        finish(self)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(DatasetWriter, "_finish_shard", slow_finish)
+    env_before = dict(os.environ)
+    os.environ.update(s3.env())  # what a user's shell holds; the capture reaches the store through it
+    try:
+        m = capture(cfg)
+        up = m["run_stats"]["upload"]
+        assert up["background"] >= 1 and up["copied"] >= 1, up["last_error"]  # shards went up while capturing, renamed on the store
+        ds = open_dataset(url, remote(s3, tmp_path))
+        assert ds.num_samples("train") == 6 and ds.manifest == open_dataset(str(stage)).manifest
+        fs = s3fs_of(s3)
+        names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3.bucket}/captured/data")}
+        assert names == {sh["name"].split("/")[-1] for sh in ds.manifest["splits"]["train"]["shards"]}
+        assert capture(cfg)["run_stats"]["upload"]["up_to_date"]  # rerun: nothing to do
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)

@@ -475,12 +475,14 @@ class RemoteFS:
                 done += len(data)
 
     def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if mode == "rb":
+        if mode == "rb" and self.cache is not None:
             return open(self.local_copy(path), "rb")
         return self.inner.open(path, mode, **kwargs)
 
     def get(self, rpath: str, lpath: str, recursive: bool = False, **kwargs: Any) -> None:
         """Copy remote files (a directory with ``recursive``) to ``lpath`` through the cache."""
+        if self.cache is None:
+            return retry(self.inner.get, self.config, "read")(rpath, lpath, recursive=recursive, **kwargs)
         rpath = self.inner._strip_protocol(rpath).rstrip("/")
         files = retry(self.inner.find, self.config, "list")(rpath) if recursive else [rpath]
         for f in files:

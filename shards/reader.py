@@ -193,11 +193,10 @@ class Dataset:
         place would turn a kept tensor's pages into SIGBUS, not a checksum error."""
         if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "preadv"):
             if hasattr(self.fs, "read_range"):
-                data = self.fs.read_range(path, start, end, check)
-            else:
-                data = self.fs.cat_file(path, start=start, end=end)
-                if check is not None:
-                    check(data)
+                return self.fs.read_range(path, start, end, check, prefix)
+            data = self.fs.cat_file(path, start=start, end=end)
+            if check is not None:
+                check(data)
             return np.concatenate([np.frombuffer(prefix, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8)]) \
                 if len(prefix) else data
         k = len(prefix)

@@ -152,17 +152,22 @@ class Cache:
         d = self.root / key[:2]
         return d / f"{key}.bin", d / f"{key}.ok"
 
-    def get(self, key: str, size: int) -> np.ndarray | None:
-        """The entry's bytes (a fresh writable buffer), or None when missing, incomplete or damaged."""
+    def get(self, key: str, size: int, prefix: Any = b"", verify: bool = True) -> np.ndarray | None:
+        """``prefix`` + the entry's bytes in one fresh writable buffer, or None when missing, incomplete or (with
+        ``verify``: its digest checked) damaged. A caller that checks the bytes itself passes ``verify=False``."""
         data_path, ok_path = self._paths(key)
         meta = self._meta(ok_path, size)
         if meta is None:
             return None
+        k = len(prefix)
+        buf = np.empty(k + size, dtype=np.uint8)
+        buf[:k] = np.frombuffer(prefix, dtype=np.uint8)
         try:
-            buf = np.fromfile(data_path, dtype=np.uint8)
+            with open(data_path, "rb", buffering=0) as f:
+                n = f.readinto(memoryview(buf)[k:])
         except OSError:
             return None
-        if buf.size != size or _digest(buf) != meta["xxh3"]:
+        if n != size or (verify and _digest(buf[k:]) != meta["xxh3"]):
             self.drop(key)
             return None
         self._touch(data_path)
@@ -353,21 +358,24 @@ class RemoteFS:
         ident = f"{proto}://{path}|{self._versions[path]}|{start}|{end}"
         return hashlib.sha256(ident.encode()).hexdigest()[:40]
 
-    def read_range(self, path: str, start: int, end: int, check: Callable[[Any], None] | None = None) -> Any:
-        """Bytes [start, end) of ``path``. ``check(data)`` raises (CorruptShardError) on bad bytes: they are then
-        fetched once more, and never cached while bad."""
+    def read_range(self, path: str, start: int, end: int, check: Callable[[Any], None] | None = None,
+                   prefix: Any = b"") -> Any:
+        """``prefix`` + bytes [start, end) of ``path``. ``check(data)`` raises (CorruptShardError) on bad bytes: they
+        are then fetched once more, and never cached while bad. A cache hit with a ``check`` is checked by it
+        alone (one hash pass, not two)."""
+        k = len(prefix)
         if self.cache is None:
-            return self._fetch(path, start, end, check)
+            return _joined(prefix, self._fetch(path, start, end, check))
         key = self._key(path, start, end)
-        hit = self.cache.get(key, end - start)
+        hit = self.cache.get(key, end - start, prefix, verify=check is None)
         if hit is not None:
             try:
                 if check is not None:
-                    check(hit)
+                    check(hit[k:])
                 return hit
             except CorruptShardError:
-                self.cache.drop(key)  # cached before a check of its own could run: fetch it again
-        return self._once(key, lambda: self._fill(key, path, start, end, check))
+                self.cache.drop(key)  # damaged on the local disk: fetch it again
+        return _joined(prefix, self._once(key, lambda: self._fill(key, path, start, end, check)))
 
     def _once(self, key: str, work: Callable[[], Any]) -> Any:
         """One fetch of ``key`` per process at a time: a second reader waits for the first's result."""
@@ -507,6 +515,12 @@ class RemoteFS:
                 pass
 
         self._pool.submit(run)
+
+
+def _joined(prefix: Any, data: Any) -> Any:
+    if not len(prefix):
+        return data
+    return np.concatenate([np.frombuffer(prefix, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8)])
 
 
 def _passes(check: Callable[[Any], None], data: Any) -> bool:

@@ -108,6 +108,8 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
         raise ValueError(f"{url} holds {len(remote)} files that are not a tapdraft dataset; push to a new or empty "
                          "URL (nothing was changed)")
     stats = {"files": len(files), "uploaded": 0, "copied": 0, "skipped": 0, "bytes_sent": 0}
+    if mf.MANIFEST in remote and all(int(remote.get(rel, {}).get("size", -1)) == n for rel, n in files.items()):
+        return {**stats, "skipped": len(files), "up_to_date": True}  # committed, every file there: one listing
     by_etag = {(_etag(fs, i), int(i.get("size", -1))): rel for rel, i in remote.items() if _etag(fs, i)}
     total = sum(files.values())
     with Progress(f"push {url}", total, enabled=progress, fmt_count=mf.fmt_bytes) as bar:

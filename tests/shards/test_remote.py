@@ -15,7 +15,7 @@ import pytest
 
 from shards.errors import CorruptShardError, RemoteError
 from shards.reader import open_dataset
-from shards.remote import Cache, RemoteConfig, RemoteFS, transient
+from shards.remote import RemoteConfig, RemoteFS, transient
 from shards.writer import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 

@@ -44,7 +44,7 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an error, pri
 
     Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
 
-    `tapdraft demo` runs the whole chain on a built-in task.
+    push / pull share a dataset through an object store. `tapdraft demo` runs the whole chain on a built-in task.
     """
     _RUN["debug"] = debug
 
@@ -125,7 +125,10 @@ def capture(
     llm_config: str = typer.Option(None, "--llm-config", help=LLM_CONFIG_HELP),
     data: list[str] = typer.Option(..., "--data", help=f"Input for the train split ({INPUTS}); SPLIT=INPUT for "
                                    "other splits. Repeatable."),
-    out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings)."),
+    out: str = typer.Option(..., "--out", help="Dataset directory (created, or resumed with the same settings), or "
+                            "a URL (s3://...): shards are staged locally and uploaded as they finish, manifest last."),
+    stage: str = typer.Option(None, "--stage", help="With a URL --out: the local staging directory (default under "
+                              "~/.cache/tapdraft/staging; rerun with the same one to resume)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N inputs of each split."),
     max_length: int = typer.Option(None, "--max-length",
                                    help="Skip (and count) samples longer than this many tokens; never truncate."),
@@ -182,7 +185,7 @@ def capture(
         split, spec = (split, spec) if sep and not Path(d).exists() else ("train", d)
         pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
     cfg = CaptureConfig(
-        target=str(Path(target).resolve()), out=out, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
+        target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
         shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
@@ -227,6 +230,35 @@ def inspect(
     typer.echo(render_summary(summary(ds)))
     if sample is not None:
         typer.echo(f"\n{split}[{sample}]\n" + describe_sample(ds.sample(split, sample)))
+
+
+@app.command()
+def push(
+    dataset: str = typer.Argument(..., help="Finished local dataset directory."),
+    url: str = typer.Argument(..., help="Destination: any fsspec URL (s3://bucket/prefix, gs://...). Credentials and "
+                              "endpoint as the store's own tools read them (AWS_* variables, ~/.aws/config)."),
+) -> None:
+    """Upload a dataset: shards and bundle first (resumable multipart, each object verified), manifest.json last."""
+    from shards.transfer import push as run_push
+
+    st = run_push(dataset, url)
+    typer.echo(f"{url}: up to date ({st['files']} files)" if st["up_to_date"] else
+               f"{url}: {st['uploaded']} uploaded ({st['bytes_sent']} bytes), {st['copied']} copied on the store, "
+               f"{st['skipped']} already there; manifest written last")
+
+
+@app.command()
+def pull(
+    url: str = typer.Argument(..., help="A dataset at any fsspec URL (s3://bucket/prefix, ...)."),
+    dest: str = typer.Argument(..., help="Local directory (created; a partial pull there is resumed)."),
+) -> None:
+    """Download a dataset (resumable), verify every shard's sha256 and the bundle, write manifest.json last."""
+    from shards.transfer import pull as run_pull
+
+    st = run_pull(url, dest)
+    typer.echo(f"{dest}: up to date ({st['files']} files)" if st["up_to_date"] else
+               f"{dest}: {st['downloaded']} downloaded ({st['bytes_received']} bytes), {st['skipped']} already there; "
+               "verified, manifest written last")
 
 
 @app.command()

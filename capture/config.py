@@ -42,7 +42,7 @@ they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
 
-RUNTIME_FIELDS = ("out", "on_error", "queue_size", "progress")
+RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
 handled): they do not change what is written."""
 
@@ -62,9 +62,12 @@ class CaptureConfig:
     """Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint, an HF-native speech LLM (Qwen2-Audio)
     or an HF causal LM."""
     out: str
-    """Dataset directory to create or resume."""
+    """Dataset directory to create or resume, or a remote URL (s3://...): then the capture writes into ``stage``
+    and uploads each finished shard in the background, the manifest last."""
     data: tuple[tuple[str, str], ...]
     """(split, input) pairs; an input is a JSONL manifest, an HF dataset dir, or ``hf:NAME[:split]``."""
+    stage: str | None = None
+    """Local staging directory of a capture into a remote ``out`` (None: ``shards.transfer.staging_dir``)."""
     max_samples: int | None = None
     """Capture only the first N inputs of each split (before rank slicing); None = all."""
     max_length: int | None = None

@@ -68,6 +68,7 @@ from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
+from shards.transfer import StagedUpload, is_remote_url, staging_dir
 from shards.writer import DatasetWriter, finalize_dataset
 
 CONFIG_FILE = "capture_config.json"
@@ -455,6 +456,8 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None, restart: bool =
 
 
 def _capture(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[str, Any]:
+    if is_remote_url(cfg.out):
+        return _capture_to_store(cfg, target, restart)
     rank, world = _dist_env()
     out = Path(cfg.out)
     if foreign_directory(str(out), own=(CONFIG_FILE,)):
@@ -473,6 +476,21 @@ def _capture(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[s
         if created and rank == 0 and not (out / CONFIG_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth resuming
         raise
+
+
+def _capture_to_store(cfg: CaptureConfig, target: Target | None, restart: bool = False) -> dict[str, Any]:
+    """Capture into the local stage while finished shards upload in the background; rank 0 then pushes the
+    finalized dataset (manifest last). A rerun resumes the stage, then the upload."""
+    rank, _ = _dist_env()
+    stage = cfg.stage or staging_dir(cfg.out)
+    with StagedUpload(stage, cfg.out, rank) as up:
+        manifest = _capture(dataclasses.replace(cfg, out=stage), target, restart)
+    if rank == 0:
+        manifest["run_stats"] = {**manifest.get("run_stats", {}), "upload": {**up.finish(), "stage": stage,
+                                                                            "background": len(up.sent), "background_errors": up.errors,
+                                                                            "last_error": up.last_error}}
+        manifest["url"] = cfg.out
+    return manifest
 
 
 def check_inputs(cfg: CaptureConfig) -> None:
@@ -618,4 +636,10 @@ def summary(manifest: dict[str, Any]) -> str:
         if r.get("supervised_unk"):
             lines.append(f"  WARNING: {r['supervised_unk']:,} supervised tokens are <unk> (this run): the tokenizer "
                          "cannot encode part of the replies, and drafters will learn to predict <unk>")
+    up = rs.get("upload")
+    if up:
+        lines.append(f"uploaded to {manifest.get('url', 'the store')}: up to date" if up.get("up_to_date") else
+                     f"uploaded: {up['background']} shard(s) while capturing, {up['uploaded']} file(s) after "
+                     f"({up['bytes_sent']:,} bytes), {up['copied']} renamed on the store; manifest written last "
+                     f"(staged in {up['stage']})")
     return "\n".join(lines)

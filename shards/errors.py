@@ -64,6 +64,10 @@ class LockedError(TapdraftError, ValueError):
     """Another live process holds an output directory's lock (``shards.lock``): one writer per directory."""
 
 
+class RemoteError(TapdraftError, OSError):
+    """An object store did not answer after the retries (``shards.remote``): endpoint, network or credentials."""
+
+
 class InputChangedError(TapdraftError, ValueError):
     """A resumed capture's input no longer has the content the capture started from."""
 

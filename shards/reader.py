@@ -8,6 +8,10 @@
     ...; state = it.state_dict()             # a few scalars + version
     it = ds.stream("train", ..., state=state)  # continues exactly where it stopped
 
+Remote URLs (shards.remote): ``open_dataset(url, remote=RemoteConfig(...))``; reads go through a
+checked local cache with retries, and a stream starts the next reads of its own order in the
+background (``RemoteConfig.prefetch``). A local path is read directly (``os.preadv``), as before.
+
 Integrity (shards.integrity): opening checks every shard's size and head checksum against the
 manifest, so a missing, truncated or foreign shard is refused before the first sample; each record
 batch (Arrow) or tar member (WebDataset) is checked against its checksum as it is decoded.
@@ -28,7 +32,6 @@ import os
 import warnings
 from typing import Any, Iterator
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
@@ -39,6 +42,7 @@ from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError, SampleIndexError
 from shards.integrity import check_block
+from shards.remote import RemoteConfig, is_local, open_url
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.wds_io import decode_wds_sample, iter_tar_samples
@@ -51,9 +55,11 @@ another sample)."""
 class Dataset:
     """A finished tapdraft dataset; see the module docstring."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, remote: RemoteConfig | None = None) -> None:
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.remote = remote or RemoteConfig()
+        self.fs, self.root = open_url(self.url, self.remote)
+        self.prefetch_depth = 0 if is_local(self.fs) else self.remote.prefetch
         self.manifest: dict[str, Any] = mf.read_manifest(self.fs, self.root)
         self.layout: Layout = Layout.from_dict(self.manifest["layout"])
         self.fingerprint: str = self.manifest["fingerprint"]
@@ -142,24 +148,34 @@ class Dataset:
                              f"{self.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
         return schema
 
-    def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
+    def _batch_bytes(self, shard: dict[str, Any], b: int, prefix: Any = b"") -> Any:
+        """``prefix`` + the stored bytes of record batch ``b``, checked against its checksum (the last batch's
+        end-of-stream marker is read with it, checked and cut off)."""
         start, end, n, *h = shard["batches"][b]
         path = self.shard_path(shard)
         tail = shard.get("tail") if b == len(shard["batches"]) - 1 else None
+        stop = tail[1] if tail else end
+
+        def check(stored: Any) -> None:
+            if len(stored) != stop - start:
+                raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
+                                        "run `tapdraft verify`")
+            if tail:
+                check_block(stored[end - start:], tail[2], f"{path} (end of stream)")
+            if h:
+                check_block(stored[: end - start], h[0], f"{path} record batch {b}")
+
+        data = self._read_range(path, start, stop, prefix, check)
+        return data[: len(prefix) + end - start]
+
+    def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
+        start, end, n, *h = shard["batches"][b]
+        path = self.shard_path(shard)
         schema = self._schema(shard)
         # the schema message goes before the batch (a range that starts at 0 already has it), so that the
         # bytes parse as a stream read on this thread (arrow_io.read_batch)
         head = b"" if start == 0 else schema.serialize()
-        data = self._read_range(path, start, tail[1] if tail else end, head)
-        stored = data[len(head):]
-        if len(stored) != (tail[1] if tail else end) - start:
-            raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
-                                    "run `tapdraft verify`")
-        if tail:
-            check_block(stored[end - start:], tail[2], f"{path} (end of stream)")
-            data = data[: len(head) + end - start]
-        if h:
-            check_block(stored[: end - start], h[0], f"{path} record batch {b}")
+        data = self._batch_bytes(shard, b, head)
         try:
             batch = read_batch(data)
         except (ValueError, OSError) as e:  # pa.ArrowInvalid is a ValueError
@@ -168,13 +184,21 @@ class Dataset:
             raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
         return batch
 
-    def _read_range(self, path: str, start: int, end: int, prefix: Any = b"") -> Any:
-        """``prefix`` + bytes [start, end) of a shard. A local file is read with one ``os.preadv`` into a fresh
-        writable buffer after the prefix (no fsspec file object, no concatenation, and tensors of an
-        uncompressed batch may view it without a copy); other filesystems through fsspec. Never a memory
-        map: a shard copied over in place would turn a kept tensor's pages into SIGBUS, not a checksum error."""
+    def _read_range(self, path: str, start: int, end: int, prefix: Any = b"",
+                    check: Any = None) -> Any:
+        """``prefix`` + bytes [start, end) of a shard, after ``check(bytes)`` (raises on bad bytes) passed. A local
+        file is read with one ``os.preadv`` into a fresh writable buffer after the prefix (no fsspec file
+        object, no concatenation, and tensors of an uncompressed batch may view it without a copy); a remote
+        one through the checked cache (``RemoteFS.read_range``). Never a memory map: a shard copied over in
+        place would turn a kept tensor's pages into SIGBUS, not a checksum error."""
         if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "preadv"):
-            return bytes(prefix) + self.fs.cat_file(path, start=start, end=end)
+            if hasattr(self.fs, "read_range"):
+                return self.fs.read_range(path, start, end, check, prefix)
+            data = self.fs.cat_file(path, start=start, end=end)
+            if check is not None:
+                check(data)
+            return np.concatenate([np.frombuffer(prefix, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8)]) \
+                if len(prefix) else data
         k = len(prefix)
         buf = np.empty(k + max(end - start, 0), dtype=np.uint8)
         buf[:k] = np.frombuffer(prefix, dtype=np.uint8)
@@ -188,6 +212,8 @@ class Dataset:
                 n += got
         finally:
             os.close(fd)
+        if check is not None:
+            check(buf[k:n])
         return buf[:n]
 
     def locate(self, split: str, i: int) -> tuple[int, int]:
@@ -216,6 +242,17 @@ class Dataset:
         except ValueError as e:
             raise ValueError(f"{self.shard_path(shard)}: sample {i} does not match the manifest layout ({e}); "
                              "run `tapdraft verify`") from e
+
+    def prefetch(self, split: str, block: tuple[int, int, int]) -> None:
+        """Start reading one streaming block in the background (remote datasets; a no-op for a local path)."""
+        if not self.prefetch_depth:
+            return
+        s, b, _ = block
+        shard = self._split(split)["shards"][s]
+        if self.format == "arrow":
+            self.fs.prefetch(self._batch_bytes, shard, b)
+        else:
+            self.fs.prefetch(self.fs.local_copy, self.shard_path(shard))
 
     # ---- streaming -------------------------------------------------------------------------
     def blocks(self, split: str) -> list[tuple[int, int, int]]:
@@ -341,16 +378,32 @@ class SampleStream:
         wanted samples read block by block (the blocks a unit overlaps, each once)."""
         g0, g1 = self._lo + first, self._lo + self.n
         u = bisect.bisect_right(self._starts, g0) - 1
+        ahead, pulled, reads = self._block_seq(u, g1) if self.ds.prefetch_depth else None, 0, 0
         while u < len(self._units) and self._starts[u] < g1:
             start, (f0, _) = self._starts[u], self._units[u]
             pos = [g for g in range(max(g0, start), min(g1, self._starts[u + 1])) if g - self._lo not in skip]
             while pos:
                 b = bisect.bisect_right(self._file_starts, f0 + pos[0] - start) - 1
+                reads += 1
+                while ahead is not None and pulled < reads + self.ds.prefetch_depth:  # keep `depth` reads ahead
+                    nb = next(ahead, None)
+                    if nb is None:
+                        ahead = None
+                    else:
+                        pulled += 1
+                        self.ds.prefetch(self.split, self._blocks[nb])
                 end = self._file_starts[b + 1] - f0 + start  # first position past block b
                 here, pos = [g for g in pos if g < end], [g for g in pos if g >= end]
                 rows = [f0 + g - start - self._file_starts[b] for g in here]
                 for g, sample in zip(here, self.ds.read_block_rows(self.split, self._blocks[b], rows)):
                     yield g - self._lo, sample
+            u += 1
+
+    def _block_seq(self, u: int, g1: int) -> Iterator[int]:
+        """The blocks this stream reads from unit ``u`` on, in its order (what prefetch starts ahead)."""
+        while u < len(self._units) and self._starts[u] < g1:
+            f0, f1 = self._units[u]
+            yield from range(bisect.bisect_right(self._file_starts, f0) - 1, bisect.bisect_left(self._file_starts, f1))
             u += 1
 
     def __next__(self) -> dict[str, Any]:
@@ -369,6 +422,7 @@ class SampleStream:
         return self._cache.pop(want)
 
 
-def open_dataset(path_or_url: str) -> Dataset:
-    """Open a finished dataset; FileNotFoundError/ValueError name the file and what to do."""
-    return Dataset(path_or_url)
+def open_dataset(path_or_url: str, remote: RemoteConfig | None = None) -> Dataset:
+    """Open a finished dataset; FileNotFoundError/ValueError name the file and what to do. ``remote``: cache,
+    prefetch and retry settings for a remote URL (defaults: ``shards.remote.RemoteConfig``)."""
+    return Dataset(path_or_url, remote)

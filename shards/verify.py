@@ -26,6 +26,7 @@ from shards.codec import FieldMeta
 from shards.errors import CorruptShardError
 from shards.integrity import check_block
 from shards.progress import Progress
+from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
 from shards.wds_io import decode_wds_sample, iter_tar_samples
 
@@ -47,17 +48,21 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_dataset(url: str, *, deep: bool = True, progress: bool = True) -> VerifyReport:
-    """Verify ``url`` (path or fsspec URL). ``deep``: also decode and re-validate every sample."""
-    fs, root = fsspec.core.url_to_fs(str(url))
+def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote: RemoteConfig | None = None,
+                   manifest: bytes | None = None) -> VerifyReport:
+    """Verify ``url`` (path or fsspec URL). ``deep``: also decode and re-validate every sample. A remote shard is
+    read whole through the local cache (``shards.remote``: each object version is downloaded once).
+    ``manifest``: check the directory against these manifest.json bytes instead of its own (a copy checked
+    before its manifest is written)."""
+    fs, root = open_url(str(url), remote)
     rep = VerifyReport(str(url))
     man_path = mf.join(root, mf.MANIFEST)
-    if not fs.exists(man_path):
+    if manifest is None and not fs.exists(man_path):
         rep.problems.append(f"{man_path}: missing; the directory is not a finished dataset (resume the capture, "
                             "then finalize)")
         return rep
     try:
-        m = json.loads(fs.cat_file(man_path))
+        m = json.loads(fs.cat_file(man_path) if manifest is None else manifest)
     except json.JSONDecodeError as e:
         rep.problems.append(f"{man_path}: not valid JSON ({e}); re-run finalize")
         return rep

@@ -69,9 +69,9 @@ def test_vllm_serves_the_speculators_export_like_the_native_one(vllm_venv, deep_
     job = {"target": str(deep_bpe.target), "requests": [{"prompt_token_ids": ids} for _, ids in convs],
            "max_tokens": MAX_TOKENS, "max_model_len": 256}
     alone = serve_vllm(vllm_venv, job, tmp_path)
-    # vLLM finds the method in the speculators config (speculators_model_type); it wants the token count given
-    via_spec = serve_vllm(vllm_venv, {**job, "speculative": {"model": str(spec), "num_speculative_tokens": K}},
-                          tmp_path)
+    # named as the native one is: without a method vLLM serves the directory as a plain draft model
+    via_spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(spec),
+                                                              "num_speculative_tokens": K}}, tmp_path)
     via_native = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(native),
                                                                 "num_speculative_tokens": K}}, tmp_path)
     greedy = [o["token_ids"] for o in alone["outputs"]]

@@ -4,6 +4,7 @@
     README.md                          dataset card generated from the manifest
     target/                            target bundle (shards.bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
+    index/train-00000-of-00012.arrow.json   each shard's record batches and checksums (shards.shard_index)
     _parts/train-rank00000.json        a writer rank's partial index (resume + finalize input)
     _parts/rank00000.lock              held by the capture writing as that rank (``writer_lock``)
 
@@ -11,7 +12,10 @@ This module is the one home of the directory layout: code outside shards/ asks i
 status (``complete_manifest``, ``dataset_fingerprint``, ``write_or_check_bundle``) and never names
 these files itself. A reader refuses a directory without manifest.json, with ``complete`` not true,
 or with a schema major version it does not know (``check_manifest``); older manifests' key names
-are brought up to date by ``migrate_manifest``.
+are brought up to date by ``migrate_manifest``. The manifest is O(shards): per shard its name,
+size, sha256, counts and ``index`` [bytes, xxh3] of its index file, nothing per record batch.
+``check_manifest`` also confines every shard name to ``data/`` and bounds every declared size
+(shards.limits) before anything reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import fsspec
 
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
 from shards.integrity import NO_INTEGRITY
+from shards.limits import MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_size, safe_relpath
 from shards.schema import check_schema_version
+from shards.shard_index import INDEX_DIR, migrate_inline_index
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
@@ -104,7 +110,24 @@ def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
             "Resume the capture (it picks up finished shards), then finalize the dataset."
         )
     check_schema_version(doc.get("schema_version"), where)
-    return migrate_manifest(doc)
+    doc = migrate_manifest(doc)
+    check_shard_entries(doc, where)
+    return doc
+
+
+def check_shard_entries(doc: dict[str, Any], where: str) -> None:
+    """Every split name plain, every shard name a relative path under ``data/``, every declared size and count
+    a bounded non-negative int (shards.limits): a crafted manifest is refused before a byte of it is used."""
+    splits = doc.get("splits")
+    if not isinstance(splits, dict):
+        raise ValueError(f"{where}: splits is not an object; re-run finalize")
+    for split, d in splits.items():
+        check_split(split)
+        for i, sh in enumerate(d.get("shards", [])):
+            at = f"{where}: split {split} shard {i}"
+            safe_relpath(sh.get("name"), at, DATA_DIR)
+            check_size(sh.get("bytes"), MAX_SHARD_BYTES, f"{at} ({sh['name']})")
+            check_size(sh.get("samples"), MAX_SHARD_BYTES, f"{at} ({sh['name']})", "samples")
 
 
 RESPONSES_KEY = "responses_from_target"
@@ -123,6 +146,10 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     Manifests without ``integrity`` (schema 1.0, written before checksums) get ``NO_INTEGRITY``:
     readers then check each shard's size and fingerprint but not its bytes (``tapdraft verify``
     still checks every shard's sha256).
+
+    Shard entries of schema 1 listed their record batches inline (``batches``, ``head``, ``tail``):
+    ``shards.shard_index.migrate_inline_index`` moves them under ``inline_index``, which readers use
+    in place of an index file.
     """
     value = None
     for section in ("extra", "capture_config"):
@@ -133,7 +160,9 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     extra = dict(doc.get("extra") or {})
     if value is not None:
         extra[RESPONSES_KEY] = bool(value)
-    return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY))}
+    splits = {s: {**d, "shards": [migrate_inline_index(sh) for sh in d.get("shards", [])]}
+              for s, d in (doc.get("splits") or {}).items()}
+    return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY)), "splits": splits}
 
 
 def responses_from_target(doc: dict[str, Any]) -> bool | None:
@@ -149,7 +178,8 @@ def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
             "let it finish (or resume it) and finalize; manifest.json is written last."
         )
     with fs.open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    check_size(len(raw), MAX_MANIFEST_BYTES, path)
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -170,7 +200,7 @@ def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
     """Whether ``url`` is a non-empty directory that is not a tapdraft dataset (finished or being written),
     so that a capture must not write into it (it would overwrite a README.md, for one).
 
-    A dataset directory holds one of manifest.json, data/, _parts/, target/ or a name in ``own``
+    A dataset directory holds one of manifest.json, data/, index/, _parts/, target/ or a name in ``own``
     (the caller's own files), possibly under a temp or old name (a crash mid-write). Hidden entries
     (lock files, ``.git``) are not counted: a directory holding only those is treated as empty.
     """
@@ -179,7 +209,7 @@ def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
         return False
     names = [p.rstrip("/").split("/")[-1] for p in fs.ls(root, detail=False)]
     names = [n for n in names if not n.startswith(".")]
-    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, *own}
+    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, INDEX_DIR, *own}
     base = {n.removesuffix(".tmp").removesuffix(".old") for n in names}
     return bool(names) and not (base & marks)
 

@@ -29,6 +29,7 @@ import zstandard
 from shards.codec import FieldMeta, decode_fields, stored_fields
 from shards.errors import CorruptShardError
 from shards.integrity import check_block, check_sealed, digest, seal_doc
+from shards.limits import decompress_bounded
 
 META_MEMBER = "meta.json"
 META_KEYS = {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"}
@@ -89,6 +90,8 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
 
     Checks the meta document and every member against their checksums (CorruptShardError naming
     the shard, from webdataset's ``__url__``); a meta.json of schema 1.0 has none and is not checked.
+    A member whose zstd frame declares more than a bounded size is refused before allocating it
+    (``shards.limits.decompress_bounded``).
     """
     where = f"{sample.get('__url__', '<tar>')}: sample {sample.get('__key__')!r}"
     if META_MEMBER not in sample:
@@ -106,7 +109,6 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
     elif set(meta_doc) != META_KEYS:
         raise CorruptShardError(f"{where}: {META_MEMBER} has keys {sorted(meta_doc)}; the shard is damaged")
     fm = FieldMeta.from_dict(meta_doc["field_meta"])
-    dz = zstandard.ZstdDecompressor()
     fields = {}
     for name in stored_fields(fm):
         blob = sample.get(f"{name}.zst")
@@ -114,10 +116,7 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
             raise CorruptShardError(f"{where} lacks member {name}.zst; the shard is damaged")
         if sums is not None:
             check_block(blob, sums.get(f"{name}.zst", ""), f"{where} member {name}.zst")
-        try:
-            fields[name] = dz.decompress(blob)
-        except zstandard.ZstdError as e:
-            raise CorruptShardError(f"{where}: member {name}.zst is corrupted ({e})") from e
+        fields[name] = decompress_bounded(blob, f"{where}: member {name}.zst")
     return decode_fields(fields, meta_doc, fm)
 
 

@@ -64,7 +64,7 @@ def test_fsspec_memory_url_roundtrip(zstd_level):
     write_dataset(url, layout, ShardConfig(shard_bytes=2000, batch_bytes=500, zstd_level=zstd_level), LENGTHS)
     ds = open_dataset(url)
     assert ds.num_samples("train") == len(LENGTHS)
-    assert sum(len(sh["batches"]) for sh in ds.manifest["splits"]["train"]["shards"]) > 2
+    assert sum(len(ds.shard_index(sh).batches) for sh in ds.manifest["splits"]["train"]["shards"]) > 2
     streamed = list(ds.stream("train", seed=1, shuffle=False))
     for i, T in enumerate(LENGTHS):
         want = random_sample(layout, T, i, audio_frames=T // 4)

@@ -163,7 +163,8 @@ def test_a_record_batch_never_grows_past_batch_bytes_unless_one_sample_does(tmp_
         for i, T in enumerate(lengths):
             w.write(random_sample(layout, T, i), i)
     man = finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
-    rows = [b[2] for s in man["splits"]["train"]["shards"] for b in s["batches"]]
+    ds = open_dataset(str(tmp_path))
+    rows = [b[2] for s in man["splits"]["train"]["shards"] for b in ds.shard_index(s).batches]
     assert sum(rows) == len(lengths) and max(rows) > 1
     starts = [sum(rows[:j]) for j in range(len(rows))]
     for a, n in zip(starts, rows):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from shards.atomic import recover_dir, staged
+from shards.derive import derived_note
 from shards.lock import exclusive_lock
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
@@ -108,7 +109,12 @@ def check_data(run: RunConfig, src: DataSource) -> None:
                        kwargs=tc.template_kwargs, where=f"dataset {src.where}",
                        given_by="this run (train.chat_template / train.template_kwargs)")
     _, cls = get_family(run.family)
-    cls.check_dataset(run.drafter, src.bundle, src.layout)
+    try:
+        cls.check_dataset(run.drafter, src.bundle, src.layout)
+    except ValueError as e:  # a derived dataset says what was dropped from its source
+        if (note := derived_note(src.manifest)) is None:
+            raise
+        raise ValueError(f"{e}; {note}") from e
 
 
 def template_state(src: DataSource) -> dict[str, Any]:

@@ -122,7 +122,8 @@ def _lineage(src_url: str, man: dict[str, Any], man_sha: str, cfg: DeriveConfig,
         dropped["top_k"] = [src.top_k, layout.top_k]
     if layout.taps_codec != src.taps_codec:
         dropped["precision"] = f"taps {src.taps_codec} -> {layout.taps_codec}"
-    return {"source": src_url.rstrip("/").rsplit("/", 1)[-1],  # its name: a local path means nothing elsewhere "source_manifest_sha256": man_sha,
+    name = src_url.rstrip("/").rsplit("/", 1)[-1]  # its name: a local path means nothing elsewhere
+    return {"source": name, "source_manifest_sha256": man_sha,
             "source_fingerprint": man["fingerprint"], "source_schema_version": man["schema_version"],
             "source_code_version": man.get("code_version"), "dropped": dropped,
             "settings": {"taps": None if cfg.taps is None else list(cfg.taps), "codec": cfg.codec,

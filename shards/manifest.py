@@ -247,8 +247,23 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def card_front_matter(m: dict[str, Any]) -> str:
+    """The card's YAML header in the Hugging Face dataset-card format: one ``default`` config whose
+    ``data_files`` name each split's shards, so ``datasets.load_dataset(DATASET_DIR)`` (or of the Hub repo
+    the directory is uploaded to) needs no arguments and never picks up ``index/`` or ``target/`` files.
+    Split names are plain (``check_split``), so they need no YAML quoting."""
+    ext = EXTENSIONS[m["format"]]
+    files = "".join(f"  - split: {s}\n    path: {DATA_DIR}/{check_split(s)}-*.{ext}\n" for s in m["splits"])
+    return f"---\nconfigs:\n- config_name: default\n  data_files:\n{files}tags:\n- tapdraft\n---\n"
+
+
+UPLOAD_IGNORE = ["manifest.json", "_parts/**", "**/*.tmp", "**/*.lock", ".*"]
+"""What a first upload leaves out: the manifest goes last (the commit point), partial indexes and temp files never."""
+
+
 def render_card(m: dict[str, Any]) -> str:
-    """The dataset card: what target, which data, how to load it three ways.
+    """The dataset card: HF front matter (``card_front_matter``), what target, which data, how to load it
+    three ways, and how to share it on the Hugging Face Hub.
 
     The snippets name the dataset through one ``DATASET`` path, so they run from any working directory
     once it points at the dataset (the card cannot know where the dataset will be copied)."""
@@ -267,7 +282,9 @@ import datasets, json
 from shards.arrow_io import decode_row
 DATASET = "path/to/this/directory"
 manifest = json.load(open(f"{{DATASET}}/manifest.json"))
-ds = datasets.load_dataset("arrow", data_files={{"{first}": f"{{DATASET}}/data/{first}-*.arrow"}}, split="{first}")
+ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above
+# or one split by its files:
+# ds = datasets.load_dataset("arrow", data_files=f"{{DATASET}}/data/{first}-*.arrow", split="train")
 # or, memory-mapped without a copy: datasets.Dataset.from_file(f"{{DATASET}}/data/{first}-00000-of-....arrow")
 sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft returns them
 ```"""
@@ -278,13 +295,17 @@ from shards.wds_io import decode_wds_sample
 DATASET = "path/to/this/directory"
 ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
+# or with datasets (webdataset builder, every split from the front matter above):
+# (it decompresses the .zst members itself): row = datasets.load_dataset(DATASET)["{first}"][0]
+# sample = decode_wds_sample(row, decompressed=True)
 ```"""
     codec = lay["taps_codec"]
     fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
     split = " (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)"
     lossy = (f"LOSSY fp8 e4m3, one float32 scale per (token, tap) row, fp8 byte layout {fp8_layout}"
              + (split if fp8_layout == "packed" else "") if codec == "fp8" else "lossless bf16")
-    return f"""# tapdraft dataset
+    return card_front_matter(m) + f"""
+# tapdraft dataset
 
 Hidden states of a target model captured for training speculative-decoding drafters.
 
@@ -317,4 +338,23 @@ bundle = ds.bundle()                                          # embeddings, fina
 {stock}
 
 Check integrity: `tapdraft verify <dir>`; summary: `tapdraft inspect <dir>`.
+
+## Share it on the Hugging Face Hub
+
+The directory is already a dataset repository (the front matter above tells `datasets` where the
+splits are). Upload it resumably with `huggingface_hub`'s `upload_large_folder`, shards first and
+`manifest.json` last, so that a reader never sees a manifest whose shards are not all there yet:
+
+```python
+from huggingface_hub import HfApi
+api = HfApi()
+api.create_repo("ORG/NAME", repo_type="dataset", exist_ok=True)
+api.upload_large_folder(repo_id="ORG/NAME", repo_type="dataset", folder_path="path/to/this/directory",
+                        ignore_patterns={UPLOAD_IGNORE!r})
+# (rerun it after an interruption: it resumes); then the commit point:
+api.upload_file(path_or_fileobj="path/to/this/directory/manifest.json", path_in_repo="manifest.json",
+                repo_id="ORG/NAME", repo_type="dataset")
+```
+
+Then `datasets.load_dataset("ORG/NAME")` reads it from the Hub.
 """

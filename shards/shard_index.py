@@ -140,7 +140,8 @@ def load_index(fs: fsspec.AbstractFileSystem, root: str, shard: dict[str, Any], 
     path = join(index_name(shard["name"]))
     rec = shard.get("index")
     if not (isinstance(rec, list) and len(rec) == 2):
-        raise CorruptShardError(f"{path}: the manifest's entry for {shard['name']} has no index record; re-run finalize")
+        raise CorruptShardError(f"{path}: the manifest's entry for {shard['name']} has no index record; "
+                                "re-run finalize")
     n = check_size(rec[0], MAX_INDEX_BYTES, f"the manifest's index record of {shard['name']}")
     try:
         data = fs.cat_file(path, start=0, end=n + 1)

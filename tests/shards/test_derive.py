@@ -1,5 +1,6 @@
 """`tapdraft derive`: a lighter dataset from a finished one, checked sample by sample against the source."""
 
+import hashlib
 import json
 
 import datasets
@@ -39,6 +40,7 @@ def test_derive_keeps_a_subset_exactly_and_records_its_lineage(src, tmp_path):
     assert list(man["splits"]) == ["train"] and man["layout"]["tap_ids"] == [3] and man["layout"]["top_k"] == 2
     lin = man["extra"]["derived_from"]
     src_man = json.loads((src / "manifest.json").read_text())
+    assert lin["source_manifest_sha256"] == hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest()
     assert lin["source"] == "ds" and lin["source_fingerprint"] == src_man["fingerprint"] == man["fingerprint"]
     assert lin["dropped"] == {"taps": [1], "splits": ["validation"], "samples": {"train": 2}, "top_k": [4, 2]}
     assert str(tmp_path) not in json.dumps(man) and str(src) not in json.dumps(man)  # no local paths
@@ -46,7 +48,8 @@ def test_derive_keeps_a_subset_exactly_and_records_its_lineage(src, tmp_path):
     assert len(got) == 5
     for g, w in zip(got, want):
         assert torch.equal(g["taps"], w["taps"][:, 1:])
-        assert torch.equal(g["topk_ids"], w["topk_ids"][:, :2]) and torch.equal(g["topk_logprobs"], w["topk_logprobs"][:, :2])
+        assert torch.equal(g["topk_ids"], w["topk_ids"][:, :2])
+        assert torch.equal(g["topk_logprobs"], w["topk_logprobs"][:, :2])
         assert_same({k: v for k, v in g.items() if k not in ("taps", "topk_ids", "topk_logprobs")},
                     {k: v for k, v in w.items() if k not in ("taps", "topk_ids", "topk_logprobs")})
     rep = verify_dataset(str(out), progress=False)
@@ -72,6 +75,7 @@ def test_derive_to_fp8_and_dropping_the_teacher(src, tmp_path):
     assert verify_dataset(str(out), progress=False).ok
     note = derived_note(man)
     assert "derived from ds" in note and "top-k 4 -> 0" in note and "fp8" in note
+    assert man["extra"]["derived_from"]["source_manifest_sha256"][:12] in note
     assert derived_note(json.loads((src / "manifest.json").read_text())) is None
 
 

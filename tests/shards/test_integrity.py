@@ -170,7 +170,8 @@ def _downgrade_wds(path, sh):
             data = src.extractfile(m).read()
             if m.name.endswith(".meta.json"):
                 doc = json.loads(data)
-                data = json.dumps({k: v for k, v in doc.items() if k not in ("checksum", "checksums", "lineage")},
+                later = ("checksum", "checksums", "content_checksums", "lineage")
+                data = json.dumps({k: v for k, v in doc.items() if k not in later},
                                   sort_keys=True).encode()
             info = tarfile.TarInfo(m.name)
             info.size, info.mtime, info.mode = len(data), 0, 0o644

@@ -232,8 +232,10 @@ def derive(
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids to keep (default: all)."),
     codec: str = typer.Option(None, "--codec", help="Taps codec: fp8 (lossy, halves taps) | bf16 (default: keep)."),
     splits: str = typer.Option(None, "--splits", help="Comma-separated splits to keep (default: all)."),
-    max_samples: int = typer.Option(None, "--max-samples", help="At most N samples per split, the first in file order."),
-    top_k: int = typer.Option(None, "--top-k", help="Teacher top-k to keep, at most the source's (0: drop teacher rows)."),
+    max_samples: int = typer.Option(None, "--max-samples",
+                                    help="At most N samples per split, the first in file order."),
+    top_k: int = typer.Option(None, "--top-k",
+                              help="Teacher top-k to keep, at most the source's (0: drop teacher rows)."),
 ) -> None:
     """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,
     a smaller top-k; the bundle is copied and the lineage recorded in the manifest."""

@@ -191,7 +191,8 @@ def complete_manifest(url: str) -> dict[str, Any] | None:
     """The manifest of the finished dataset at ``url``; None while none is there or it says complete: false."""
     fs, root = fsspec.core.url_to_fs(str(url))
     path = join(root, MANIFEST)
-    if not fs.exists(path) or json.loads(fs.cat_file(path)).get("complete") is not True:
+    if not fs.exists(path) or fs.size(path) > MAX_MANIFEST_BYTES or json.loads(fs.cat_file(path)).get("complete") \
+            is not True:
         return None
     return read_manifest(fs, root)
 

@@ -160,8 +160,10 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     extra = dict(doc.get("extra") or {})
     if value is not None:
         extra[RESPONSES_KEY] = bool(value)
-    splits = {s: {**d, "shards": [migrate_inline_index(sh) for sh in d.get("shards", [])]}
-              for s, d in (doc.get("splits") or {}).items()}
+    splits = doc.get("splits") or {}
+    if str(doc.get("schema_version", "")).split(".")[0] == "1":  # schema 2 shards must name their index file
+        splits = {s: {**d, "shards": [migrate_inline_index(sh) for sh in d.get("shards", [])]}
+                  for s, d in splits.items()}
     return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY)), "splits": splits}
 
 

@@ -120,3 +120,9 @@ def test_a_wds_member_declaring_a_huge_size_is_refused(tmp_path):
     crafted = {**raw, "taps.zst": bomb, "meta.json": json.dumps(seal_doc(body)).encode()}
     with pytest.raises(CorruptShardError, match="taps.zst declares"):
         decode_wds_sample(crafted)
+
+
+def test_a_schema_2_shard_without_an_index_record_is_refused(good, tmp_path):
+    work = _edited(good, tmp_path, lambda m: m["splits"]["train"]["shards"][0].pop("index"))
+    with pytest.raises(CorruptShardError, match="has no index record"):
+        open_dataset(str(work)).sample("train", 0)

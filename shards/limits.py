@@ -32,12 +32,16 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_RATIO = 1024
 RATIO_FLOOR = 64 << 20
 _DRIVE = re.compile(r"^[A-Za-z]:")
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*")
+"""Names every part of which starts with a letter, digit or underscore (never ``.``, ``..``, ``~``, a drive)."""
 
 
 def safe_relpath(name: Any, where: str, under: str | None = None) -> str:
     """``name`` when it is a plain relative path inside the dataset (optionally under the folder ``under``);
     otherwise ValueError naming ``where``. Refuses absolute paths, ``..`` parts, ``~``, drives, URLs,
     backslashes and empty parts, so a manifest cannot make a reader open a file outside the dataset."""
+    if isinstance(name, str) and _PLAIN.fullmatch(name) and (under is None or name.startswith(under + "/")):
+        return name  # the common case in one regex (30k shard names: 0.1 s less to open)
     parts = name.split("/") if isinstance(name, str) else []
     ok = (isinstance(name, str) and bool(name) and "\\" not in name and "\0" not in name and "://" not in name
           and not name.startswith(("/", "~")) and not _DRIVE.match(name)

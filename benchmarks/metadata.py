@@ -16,7 +16,8 @@ Per size (1 GB .. 30 TB, ``--sizes`` in GiB):
   1024)``; RSS growth over the imports, from /proc/self/statm. The baseline is the same process
   running the code of commit ``BASELINE`` (schema 1.2: every record batch in manifest.json, every
   shard's head read at open) on the same shards with a per-batch manifest; interleaved A B A B,
-  median of ``--pairs`` pairs, up to ``--baseline-max-gib`` (above it the baseline is skipped: ~3 GB
+  median of ``--pairs`` pairs (wall seconds, and the process's CPU seconds, which a shared machine's load
+  inflates far less), up to ``--baseline-max-gib`` (above it the baseline is skipped: ~3 GB
   of JSON objects at 30 TB). Ratio = baseline / new (higher is better).
 
 Run: python -m benchmarks.metadata        -> benchmarks/results/metadata.json
@@ -55,13 +56,16 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 import shards.reader as reader
 base = rss()
-t = time.perf_counter(); ds = reader.open_dataset(sys.argv[1]); t_open = time.perf_counter() - t
+c = time.process_time(); t = time.perf_counter(); ds = reader.open_dataset(sys.argv[1])
+t_open, c_open = time.perf_counter() - t, time.process_time() - c
 r_open = rss() - base
-t = time.perf_counter(); ds.sample("train", 0); t_sample = time.perf_counter() - t
-t = time.perf_counter()
+c = time.process_time(); t = time.perf_counter(); ds.sample("train", 0)
+t_sample, c_sample = time.perf_counter() - t, time.process_time() - c
+c = time.process_time(); t = time.perf_counter()
 it = ds.stream("train", seed=0, rank=0, world_size=int(sys.argv[2]), shuffle_buffer=1024)
-next(it); t_stream = time.perf_counter() - t
-print(json.dumps({"open_s": t_open, "sample_s": t_sample, "stream_first_s": t_stream,
+next(it); t_stream, c_stream = time.perf_counter() - t, time.process_time() - c
+print(json.dumps({"open_s": t_open, "sample_s": t_sample, "stream_first_s": t_stream, "open_cpu_s": c_open,
+                  "first_sample_cpu_s": max(c_sample, c_stream),
                   "open_rss_mb": r_open / 2**20, "after_first_sample_rss_mb": (rss() - base) / 2**20,
                   "process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -123,9 +127,9 @@ def _build_parts(root: Path, n_shards: int, shard: Path, index: Path, part0: dic
 def _finalize(root: Path, proto: dict[str, Any]) -> float:
     from shards.finalize import finalize_dataset
 
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     finalize_dataset(str(root), layout=proto["layout"], fingerprint=proto["fp"], capture_config={"benchmark": True})
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def _per_batch_copy(new: Path, old: Path, proto: dict[str, Any]) -> None:
@@ -179,7 +183,7 @@ def main() -> None:
             for k in range(args.finalize_repeats):
                 root = work / f"ds{gib}-{k}"
                 _build_parts(root, gib, shard, index, part0, proto["entry"])
-                fin.append(_finalize(root, proto))
+                fin.append(_finalize(root, proto))  # (wall, CPU) seconds
                 if k:
                     shutil.rmtree(root)
             root = work / f"ds{gib}-0"
@@ -195,7 +199,9 @@ def main() -> None:
             row: dict[str, Any] = {
                 "gib": gib, "shards": gib, "samples": gib * SAMPLES, "record_batches": gib * SAMPLES,
                 "manifest_bytes": (root / "manifest.json").stat().st_size,
-                "finalize_s": round(statistics.median(fin), 3), "finalize_runs_s": [round(x, 3) for x in fin],
+                "finalize_s": round(statistics.median(f[0] for f in fin), 3),
+                "finalize_cpu_s": round(statistics.median(f[1] for f in fin), 3),
+                "finalize_runs_s": [round(f[0], 3) for f in fin],
                 "new": _median(new_runs)}
             if baseline:
                 row["baseline"] = _median(old_runs)

@@ -42,9 +42,9 @@ TEMPLATE_KWARG_HELP = ("Chat-template variable key=value (JSON value or text), e
 def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
-    Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
-
-    push / pull share a dataset through an object store. `tapdraft demo` runs the whole chain on a built-in task.
+    Pipeline: regenerate (optional) -> capture -> verify / inspect -> derive (optional) -> train -> eval ->
+    speculate / export. push / pull share a dataset through an object store. `tapdraft demo` runs the whole chain
+    on a built-in task.
     """
     _RUN["debug"] = debug
 
@@ -259,6 +259,37 @@ def pull(
     typer.echo(f"{dest}: up to date ({st['files']} files)" if st["up_to_date"] else
                f"{dest}: {st['downloaded']} downloaded ({st['bytes_received']} bytes), {st['skipped']} already there; "
                "verified, manifest written last")
+
+
+@app.command()
+def derive(
+    src: str = typer.Argument(..., help="Finished source dataset (directory or fsspec URL)."),
+    out: str = typer.Option(..., "--out", help="New dataset directory (resumed when rerun with the same settings)."),
+    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids to keep (default: all)."),
+    codec: str = typer.Option(None, "--codec", help="Taps codec: fp8 (lossy, halves taps) | bf16 (default: keep)."),
+    splits: str = typer.Option(None, "--splits", help="Comma-separated splits to keep (default: all)."),
+    max_samples: int = typer.Option(None, "--max-samples",
+                                    help="At most N samples per split, the first in file order."),
+    top_k: int = typer.Option(None, "--top-k",
+                              help="Teacher top-k to keep, at most the source's (0: drop teacher rows)."),
+) -> None:
+    """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,
+    a smaller top-k; the bundle is copied and the lineage recorded in the manifest."""
+    from shards.derive import DeriveConfig, derive_dataset
+    from shards.inspect import render_summary, summary
+    from shards.reader import open_dataset
+
+    def _list(v: str | None) -> tuple[str, ...] | None:
+        return None if v is None else tuple(x.strip() for x in v.split(",") if x.strip())
+
+    try:
+        tap_ids = None if taps is None else tuple(int(t) for t in _list(taps))
+    except ValueError:
+        raise ValueError(f"--taps {taps!r}: give comma-separated integer tap ids, e.g. 1,9,17") from None
+    cfg = DeriveConfig(src=src, out=out, taps=tap_ids, codec=codec, splits=_list(splits), max_samples=max_samples,
+                       top_k=top_k)
+    derive_dataset(cfg)
+    typer.echo(render_summary(summary(open_dataset(out))))
 
 
 @app.command()

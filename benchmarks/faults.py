@@ -181,7 +181,7 @@ _DIE_IN_FINALIZE = textwrap.dedent("""
 
 def finalize_kills(target: Path, manifest: Path, ref: Path, work: Path) -> dict[str, Any]:
     parts = json.loads((ref / "manifest.json").read_text())
-    renames = len(parts["splits"]["train"]["shards"]) + 1 + 2  # shards, the part index, card, manifest
+    renames = 2 * len(parts["splits"]["train"]["shards"]) + 1 + 2  # shards and their indexes, the part, card, manifest
     skip = ("manifest.json", "README.md", "capture_config.json")  # these name their own directory
     want = _tree(ref, skip)
     results = []

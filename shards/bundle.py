@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from shards.atomic import recover_dir, staged
 from shards.head import HeadSpec
+from shards.limits import safe_relpath
 from shards.schema import SCHEMA_VERSION, check_schema_version
 from shards.template import template_kwargs as canonical_kwargs
 
@@ -321,7 +322,7 @@ def migrate_bundle_doc(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) -> None:
     for name, rec in files.items():
-        p = root / name
+        p = root / safe_relpath(name, f"{root / BUNDLE_FILE}")
         bad = (not p.is_file() or p.stat().st_size != rec["bytes"]
                or (rehash and _file_sha(p) != rec["sha256"]))
         if bad:

@@ -4,7 +4,8 @@
 every split holds at least one sample (a split whose every input was skipped is refused, naming the
 first reasons, and no manifest is written), removes ``manifest.json``, records each shard's final
 name ``data/<split>-00000-of-00012.<ext>`` ((rank, seq) order) in the partial indexes (the journal),
-renames the shards, writes the card, then ``manifest.json`` last. Every step is idempotent and the
+renames the shards and their index files (``index/<final name>.json``), writes the card, then
+``manifest.json`` last: O(shards), since the record batches stay in the index files. Every step is idempotent and the
 journal is written before any rename, so a finalize killed at any instant is finished by running it
 again (the capture's rerun does).
 """
@@ -12,16 +13,18 @@ again (the capture's rerun does).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
 from shards import manifest as mf
 from shards.arrow_io import shard_metadata
-from shards.atomic import commit, write_bytes_atomic, write_json_atomic
+from shards.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
 from shards.integrity import INTEGRITY
+from shards.limits import safe_relpath
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
 from shards.shard_file import ShardConfig
+from shards.shard_index import INLINE_KEY, index_doc, index_name, migrate_inline_index, write_index
 
 def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:
     pdir = mf.join(root, mf.PARTS_DIR)
@@ -97,38 +100,61 @@ def _plan_final_names(split: str, entries: list[dict[str, Any]], fmt: str) -> No
         e["final"] = final
 
 
-def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any]) -> str | None:
-    """Where the shard of ``e`` is now, None when it is already at its final name."""
-    if fs.exists(mf.join(root, e["final"])):
+def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any], rel: Callable[[str], str]) -> str | None:
+    """Where the file ``rel(name)`` of ``e`` (its shard, or its index) is now, None when it is already at its final
+    name. Shard names are confined to ``data/`` (``safe_relpath``): a crafted part cannot move files outside it."""
+    final = rel(e["final"])
+    if fs.exists(mf.join(root, final)):
         return None
-    names = [x for x in (e["name"], e.get("was"), e["final"]) if x]
-    for cand in names[:-1] + [x + _LEGACY_MOVING for x in names]:
+    names = [rel(safe_relpath(x, "a partial index", mf.DATA_DIR)) for x in (e["name"], e.get("was")) if x]
+    moving = [x + _LEGACY_MOVING for x in names + [final]] if rel is _same else []
+    for cand in names + moving:
         if fs.exists(mf.join(root, cand)):
             return cand
-    raise FileNotFoundError(f"{mf.join(root, e['name'])} is listed in a partial index but missing (nor is it at "
-                            f"{e['final']}); re-run the capture for its rank")
+    raise FileNotFoundError(f"{mf.join(root, rel(e['name']))} is listed in a partial index but missing (nor is it at "
+                            f"{final}); re-run the capture for its rank")
+
+
+def _same(name: str) -> str:
+    return name
 
 
 def _move_to_final(fs: fsspec.AbstractFileSystem, root: str, entries: list[dict[str, Any]]) -> None:
-    """Replay the journal: every shard not yet at its ``final`` name is renamed there (idempotent)."""
+    """Replay the journal: every shard, then its index, not yet at its ``final`` name is renamed there (idempotent)."""
+    local = is_local(fs)
     for e in entries:
-        cur = _locate(fs, root, e)
-        if cur is not None:
-            commit(fs, mf.join(root, cur), mf.join(root, e["final"]))
-        for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
-            if old and old != e["final"] and fs.exists(mf.join(root, old)):
-                fs.rm(mf.join(root, old))
+        for rel in (_same, index_name):
+            cur = _locate(fs, root, e, rel)
+            if cur is not None:
+                commit(fs, mf.join(root, cur), mf.join(root, rel(e["final"])))
+            if local:
+                continue  # a local rename leaves no source behind: no 60k existence checks at 30k shards
+            for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
+                if old and old != e["final"] and fs.exists(mf.join(root, rel(old))):
+                    fs.rm(mf.join(root, rel(old)))
+
+
+def migrate_part_entry(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any], fmt: str) -> None:
+    """Part version 1 -> 2: a shard entry written with its record batches inline (a capture begun before
+    schema 2) gets its index file, beside the shard's current name, and ``index`` in place of those entries."""
+    if "index" in e:
+        return
+    inline = migrate_inline_index(e).get(INLINE_KEY, {})
+    if fmt == "arrow" and "batches" not in inline:
+        raise ValueError(f"{mf.join(root, e['name'])}: its partial index entry has neither an index record nor "
+                         "record batches; re-run the capture for its rank")
+    doc = index_doc(fmt, e["bytes"], e["samples"], inline.get("head"), inline.get("batches"), inline.get("tail"))
+    e["index"] = write_index(fs, mf.join(root, index_name(e["name"])), doc)
+    for key in ("batches", "head", "tail"):
+        e.pop(key, None)
 
 
 def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """A split's manifest entry: totals plus each shard's final name, size, checksum, counts and batches."""
+    """A split's manifest entry: totals plus each shard's final name, size, checksum, counts and index record."""
     shards_out = []
     for e in entries:
-        s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds")}
+        s = {k: e[k] for k in ("bytes", "sha256", "samples", "tokens", "supervised_tokens", "audio_seconds", "index")}
         s["name"] = e["final"]
-        for key in ("batches", "head", "tail"):
-            if key in e:
-                s[key] = e[key]
         shards_out.append(s)
     tot = {k: sum(s[k] for s in shards_out) for k in ("samples", "tokens", "supervised_tokens", "audio_seconds",
                                                      "bytes")}
@@ -182,9 +208,12 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
     splits: dict[str, Any] = {}
     skipped: dict[str, list[dict[str, Any]]] = {}
     for split, sparts in by_split.items():  # journal first: every part records its shards' final names
+        for _, part in sparts:
+            for e in part["shards"]:
+                migrate_part_entry(fs, root, e, config.format)
         _plan_final_names(split, [e for _, part in sparts for e in part["shards"]], config.format)
         for path, part in sparts:
-            write_json_atomic(fs, path, part)
+            write_json_atomic(fs, path, part, indent=None)  # 1,024 parts of a 30k-shard capture: compact
     for split, sparts in by_split.items():
         entries = [e for _, part in sparts for e in part["shards"]]
         _move_to_final(fs, root, entries)
@@ -193,5 +222,5 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
 
     manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
     write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())
-    write_json_atomic(fs, man_path, manifest)
+    write_json_atomic(fs, man_path, manifest, indent=None)  # O(shards), ~10 MB at 30k shards: compact
     return manifest

@@ -4,6 +4,7 @@
     README.md                          dataset card generated from the manifest
     target/                            target bundle (shards.bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
+    index/train-00000-of-00012.arrow.json   each shard's record batches and checksums (shards.shard_index)
     _parts/train-rank00000.json        a writer rank's partial index (resume + finalize input)
     _parts/rank00000.lock              held by the capture writing as that rank (``writer_lock``)
 
@@ -11,7 +12,10 @@ This module is the one home of the directory layout: code outside shards/ asks i
 status (``complete_manifest``, ``dataset_fingerprint``, ``write_or_check_bundle``) and never names
 these files itself. A reader refuses a directory without manifest.json, with ``complete`` not true,
 or with a schema major version it does not know (``check_manifest``); older manifests' key names
-are brought up to date by ``migrate_manifest``.
+are brought up to date by ``migrate_manifest``. The manifest is O(shards): per shard its name,
+size, sha256, counts and ``index`` [bytes, xxh3] of its index file, nothing per record batch.
+``check_manifest`` also confines every shard name to ``data/`` and bounds every declared size
+(shards.limits) before anything reads it.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import fsspec
 
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
 from shards.integrity import NO_INTEGRITY
+from shards.limits import MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_size, safe_relpath
 from shards.schema import check_schema_version
 from shards.taps import TAP_NUMBERING
+from shards.shard_index import INDEX_DIR, migrate_inline_index
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
@@ -143,7 +149,24 @@ def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
             "Resume the capture (it picks up finished shards), then finalize the dataset."
         )
     check_schema_version(doc.get("schema_version"), where)
-    return migrate_manifest(doc)
+    doc = migrate_manifest(doc)
+    check_shard_entries(doc, where)
+    return doc
+
+
+def check_shard_entries(doc: dict[str, Any], where: str) -> None:
+    """Every split name plain, every shard name a relative path under ``data/``, every declared size and count
+    a bounded non-negative int (shards.limits): a crafted manifest is refused before a byte of it is used."""
+    splits = doc.get("splits")
+    if not isinstance(splits, dict):
+        raise ValueError(f"{where}: splits is not an object; re-run finalize")
+    for split, d in splits.items():
+        check_split(split)
+        for i, sh in enumerate(d.get("shards", [])):
+            at = f"{where}: split {split} shard {i}"
+            safe_relpath(sh.get("name"), at, DATA_DIR)
+            check_size(sh.get("bytes"), MAX_SHARD_BYTES, f"{at} ({sh['name']})")
+            check_size(sh.get("samples"), MAX_SHARD_BYTES, f"{at} ({sh['name']})", "samples")
 
 
 RESPONSES_KEY = "responses_from_target"
@@ -162,6 +185,10 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     Manifests without ``integrity`` (schema 1.0, written before checksums) get ``NO_INTEGRITY``:
     readers then check each shard's size and fingerprint but not its bytes (``tapdraft verify``
     still checks every shard's sha256).
+
+    Shard entries of schema 1 listed their record batches inline (``batches``, ``head``, ``tail``):
+    ``shards.shard_index.migrate_inline_index`` moves them under ``inline_index``, which readers use
+    in place of an index file.
     """
     value = None
     for section in ("extra", "capture_config"):
@@ -172,7 +199,11 @@ def migrate_manifest(doc: dict[str, Any]) -> dict[str, Any]:
     extra = dict(doc.get("extra") or {})
     if value is not None:
         extra[RESPONSES_KEY] = bool(value)
-    return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY))}
+    splits = doc.get("splits") or {}
+    if str(doc.get("schema_version", "")).split(".")[0] == "1":  # schema 2 shards must name their index file
+        splits = {s: {**d, "shards": [migrate_inline_index(sh) for sh in d.get("shards", [])]}
+                  for s, d in splits.items()}
+    return {**doc, "extra": extra, "integrity": doc.get("integrity", dict(NO_INTEGRITY)), "splits": splits}
 
 
 def responses_from_target(doc: dict[str, Any]) -> bool | None:
@@ -190,7 +221,8 @@ def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
             "let it finish (or resume it) and finalize; manifest.json is written last."
         )
     with fs.open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    check_size(len(raw), MAX_MANIFEST_BYTES, path)
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -202,7 +234,8 @@ def complete_manifest(url: str) -> dict[str, Any] | None:
     """The manifest of the finished dataset at ``url``; None while none is there or it says complete: false."""
     fs, root = fsspec.core.url_to_fs(str(url))
     path = join(root, MANIFEST)
-    if not fs.exists(path) or json.loads(fs.cat_file(path)).get("complete") is not True:
+    if not fs.exists(path) or fs.size(path) > MAX_MANIFEST_BYTES or json.loads(fs.cat_file(path)).get("complete") \
+            is not True:
         return None
     return read_manifest(fs, root)
 
@@ -211,7 +244,7 @@ def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
     """Whether ``url`` is a non-empty directory that is not a tapdraft dataset (finished or being written),
     so that a capture must not write into it (it would overwrite a README.md, for one).
 
-    A dataset directory holds one of manifest.json, data/, _parts/, target/ or a name in ``own``
+    A dataset directory holds one of manifest.json, data/, index/, _parts/, target/ or a name in ``own``
     (the caller's own files), possibly under a temp or old name (a crash mid-write). Hidden entries
     (lock files, ``.git``) are not counted: a directory holding only those is treated as empty.
     """
@@ -220,7 +253,7 @@ def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
         return False
     names = [p.rstrip("/").split("/")[-1] for p in fs.ls(root, detail=False)]
     names = [n for n in names if not n.startswith(".")]
-    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, *own}
+    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, INDEX_DIR, *own}
     base = {n.removesuffix(".tmp").removesuffix(".old") for n in names}
     return bool(names) and not (base & marks)
 
@@ -258,8 +291,23 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def card_front_matter(m: dict[str, Any]) -> str:
+    """The card's YAML header in the Hugging Face dataset-card format: one ``default`` config whose
+    ``data_files`` name each split's shards, so ``datasets.load_dataset(DATASET_DIR)`` (or of the Hub repo
+    the directory is uploaded to) needs no arguments and never picks up ``index/`` or ``target/`` files.
+    Split names are plain (``check_split``), so they need no YAML quoting."""
+    ext = EXTENSIONS[m["format"]]
+    files = "".join(f"  - split: {s}\n    path: {DATA_DIR}/{check_split(s)}-*.{ext}\n" for s in m["splits"])
+    return f"---\nconfigs:\n- config_name: default\n  data_files:\n{files}tags:\n- tapdraft\n---\n"
+
+
+UPLOAD_IGNORE = ["manifest.json", "_parts/**", "**/*.tmp", "**/*.lock", ".*"]
+"""What a first upload leaves out: the manifest goes last (the commit point), partial indexes and temp files never."""
+
+
 def render_card(m: dict[str, Any]) -> str:
-    """The dataset card: what target, which data, how to load it three ways.
+    """The dataset card: HF front matter (``card_front_matter``), what target, which data, how to load it
+    three ways, and how to share it on the Hugging Face Hub.
 
     The snippets name the dataset through one ``DATASET`` path, so they run from any working directory
     once it points at the dataset (the card cannot know where the dataset will be copied)."""
@@ -278,7 +326,9 @@ import datasets, json
 from shards.arrow_io import decode_row
 DATASET = "path/to/this/directory"
 manifest = json.load(open(f"{{DATASET}}/manifest.json"))
-ds = datasets.load_dataset("arrow", data_files={{"{first}": f"{{DATASET}}/data/{first}-*.arrow"}}, split="{first}")
+ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above
+# or one split by its files:
+# ds = datasets.load_dataset("arrow", data_files=f"{{DATASET}}/data/{first}-*.arrow", split="train")
 # or, memory-mapped without a copy: datasets.Dataset.from_file(f"{{DATASET}}/data/{first}-00000-of-....arrow")
 sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft returns them
 ```"""
@@ -289,13 +339,17 @@ from shards.wds_io import decode_wds_sample
 DATASET = "path/to/this/directory"
 ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
+# or with datasets (webdataset builder, every split from the front matter above):
+# (it decompresses the .zst members itself): row = datasets.load_dataset(DATASET)["{first}"][0]
+# sample = decode_wds_sample(row, decompressed=True)
 ```"""
     codec = lay["taps_codec"]
     fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
     split = " (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)"
     lossy = (f"LOSSY fp8 e4m3, one float32 scale per (token, tap) row, fp8 byte layout {fp8_layout}"
              + (split if fp8_layout == "packed" else "") if codec == "fp8" else "lossless bf16")
-    return f"""# tapdraft dataset
+    return card_front_matter(m) + f"""
+# tapdraft dataset
 
 Hidden states of a target model captured for training speculative-decoding drafters.
 
@@ -328,4 +382,23 @@ bundle = ds.bundle()                                          # embeddings, fina
 {stock}
 
 Check integrity: `tapdraft verify <dir>`; summary: `tapdraft inspect <dir>`.
+
+## Share it on the Hugging Face Hub
+
+The directory is already a dataset repository (the front matter above tells `datasets` where the
+splits are). Upload it resumably with `huggingface_hub`'s `upload_large_folder`, shards first and
+`manifest.json` last, so that a reader never sees a manifest whose shards are not all there yet:
+
+```python
+from huggingface_hub import HfApi
+api = HfApi()
+api.create_repo("ORG/NAME", repo_type="dataset", exist_ok=True)
+api.upload_large_folder(repo_id="ORG/NAME", repo_type="dataset", folder_path="path/to/this/directory",
+                        ignore_patterns={UPLOAD_IGNORE!r})
+# (rerun it after an interruption: it resumes); then the commit point:
+api.upload_file(path_or_fileobj="path/to/this/directory/manifest.json", path_in_repo="manifest.json",
+                repo_id="ORG/NAME", repo_type="dataset")
+```
+
+Then `datasets.load_dataset("ORG/NAME")` reads it from the Hub.
 """

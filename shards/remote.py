@@ -236,12 +236,10 @@ class RemoteFS:
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         if start is None and end is None:
             return bytes(self.read_range(path, 0, self.size(path)))
-        size = self.size(path) if start is None or end is None or start < 0 or end < 0 else None
+        size = self.size(path)  # a range past the end is cut there, as fsspec's own cat_file does
         start = 0 if start is None else (start + size if start < 0 else start)
         end = size if end is None else (end + size if end < 0 else end)
-        if size is not None:
-            end = min(end, size)
-        return bytes(self.read_range(path, start, end))
+        return bytes(self.read_range(path, start, min(end, size)))
 
     def cat_ranges(self, paths: list[str], starts: list[int], ends: list[int], **kwargs: Any) -> list[bytes]:
         """Cached entries from the cache, the rest in one batched (concurrent) request of the inner store."""

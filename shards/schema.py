@@ -33,10 +33,15 @@ import torch
 
 from shards.taps import to_vllm
 
-SCHEMA_VERSION = "1.2"
-"""major.minor: readers refuse an unknown major version; minor additions stay readable.
+SCHEMA_VERSION = "2.0"
+"""major.minor: readers refuse a major version they do not know; minor additions stay readable.
 1.1 added the declared head spec to the bundle (``migrate_bundle_doc`` reads 1.0 bundles);
-1.2 added checksums (shards.integrity); older datasets read without them (``migrate_manifest``)."""
+1.2 added checksums (shards.integrity); older datasets read without them (``migrate_manifest``).
+2.0 moved each shard's record-batch ranges and checksums out of the manifest into the shard's own
+index file (shards.shard_index), so a 1.x reader cannot read it; this code reads major 1 through
+``shards.shard_index.migrate_inline_index``."""
+READABLE_MAJORS = ("1", "2")
+"""Majors this code reads: its own, and 1 through the named migrations."""
 
 
 def has_checksums(version: Any) -> bool:
@@ -51,10 +56,10 @@ def has_checksums(version: Any) -> bool:
 def check_schema_version(version: Any, where: str) -> None:
     """Refuse a schema major version this code does not know (``where`` names the file in the message)."""
     major = str(version or "").split(".")[0]
-    if major != SCHEMA_VERSION.split(".")[0]:
+    if major not in READABLE_MAJORS:
         raise ValueError(
-            f"{where} has schema_version {version!r}, an unknown major: this tapdraft reads major "
-            f"{SCHEMA_VERSION.split('.')[0]}. "
+            f"{where} has schema_version {version!r}, an unknown major: this tapdraft reads majors "
+            f"{', '.join(READABLE_MAJORS)}. "
             "Use a tapdraft release for that major version, or migrate the dataset."
         )
 

@@ -2,7 +2,8 @@
 
 ``ShardConfig`` says how samples become files; ``_Shard`` writes one shard under ``<name>.tmp``
 through ``_HashingSink``, which hashes every byte on its way (whole-file sha256, one block hash per
-record batch, the head's checksum), and renames it into place once complete. Arrow samples are
+record batch, the head's checksum), renames it into place once complete and writes its index file
+(``shards.shard_index``: batch ranges and hashes, kept out of the manifest). Arrow samples are
 gathered into record batches of at most ``batch_bytes`` uncompressed bytes (cut smaller as the shard
 nears ``shard_bytes``); WebDataset samples go straight to the tar. ``DatasetWriter``
 (``shards.writer``) rolls shards and keeps the rank's index.
@@ -22,7 +23,9 @@ from shards.arrow_io import arrow_schema, make_batch
 from shards.atomic import commit, temp_name
 from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
 from shards.integrity import BlockHasher, digest
+from shards.limits import MAX_SHARD_BYTES
 from shards.schema import Layout
+from shards.shard_index import index_doc, index_name, write_index
 from shards.wds_io import TarShardWriter, sample_key
 
 LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT}
@@ -58,8 +61,9 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
-        if self.shard_bytes < 1:
-            raise ValueError(f"ShardConfig.shard_bytes must be positive, got {self.shard_bytes}")
+        if not 1 <= self.shard_bytes <= MAX_SHARD_BYTES:
+            raise ValueError(f"ShardConfig.shard_bytes must be in [1, {MAX_SHARD_BYTES}] (readers refuse larger "
+                             f"shards), got {self.shard_bytes}")
         if not 0 <= self.zstd_level <= 22:
             raise ValueError(f"ShardConfig.zstd_level must be in [0, 22] (0: uncompressed), got {self.zstd_level}")
         if self.zstd_level == 0 and self.format != "arrow":
@@ -187,20 +191,20 @@ class _Shard:
         return self.sink.n >= self.cfg.shard_bytes
 
     def finish(self) -> dict[str, Any]:
-        """Close, rename into place, return the shard's index entry."""
+        """Close, rename into place, write the shard's index file (shards.shard_index), return the rank index's
+        entry: the shard's size, sha256, counts, input indices and the index file's [bytes, hash]."""
         self._flush_batch()
         self._writer.close()
         self.file.close()
         commit(self.fs, self.tmp, self.path)
-        entry = {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
-                 "indices": _to_ranges(self.indices)}
         if self.cfg.format == "arrow":
-            entry["batches"] = self.batches
-            entry["head"] = self.sink.head(len(self.schema.serialize()))
-            entry["tail"] = list(self.sink.blocks.cut())
+            doc = index_doc("arrow", self.sink.n, self.stats["samples"], self.sink.head(len(self.schema.serialize())),
+                            self.batches, list(self.sink.blocks.cut()))
         else:
-            entry["head"] = self.sink.head(self._writer.head_bytes)
-        return entry
+            doc = index_doc("wds", self.sink.n, self.stats["samples"], self.sink.head(self._writer.head_bytes))
+        root = self.path[: -len(self.name)]
+        return {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
+                "indices": _to_ranges(self.indices), "index": write_index(self.fs, root + index_name(self.name), doc)}
 
     def abort(self) -> None:
         try:

@@ -1,12 +1,13 @@
 """Check a dataset end to end and report EVERY problem, not just the first.
 
 Checks: manifest present, valid, complete, known schema major, required keys; target bundle
-fingerprint; per shard: present, size, sha256, readable to the end, schema metadata (version,
-fingerprint, dtypes), row counts and record-batch byte ranges, every block and row checksum
+fingerprint; per shard: present, size, sha256, its index file (size and hash against the manifest,
+ranges inside the shard), readable to the end, schema metadata (version, fingerprint, dtypes), row
+counts and record-batch byte ranges, every block and row checksum
 (shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
 the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
 input listed twice or shards merged twice); split totals; no empty split; stray files under data/
-(leftover temp shards). ``ok`` only when all hold.
+and index/ (leftover temp files). ``ok`` only when all hold.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from shards.integrity import check_block
 from shards.progress import Progress
 from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
+from shards.shard_index import INDEX_DIR, index_name, load_index
 from shards.wds_io import decode_wds_sample, iter_tar_samples
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
@@ -78,6 +80,12 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
         return rep
     if missing:
         return rep
+    m = mf.migrate_manifest(m)
+    try:
+        mf.check_shard_entries(m, man_path)
+    except ValueError as e:
+        rep.problems.append(str(e))
+        return rep
     fp = m["fingerprint"]
     try:
         layout = Layout.from_dict(m["layout"])
@@ -88,14 +96,14 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     _check_bundle(fs, root, fp, rep)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
-    listed = {sh["name"] for _, sh in shards}
-    data_dir = mf.join(root, mf.DATA_DIR)
-    if fs.exists(data_dir):
-        for p in fs.ls(data_dir, detail=False):
-            name = f"{mf.DATA_DIR}/{p.rstrip('/').split('/')[-1]}"
-            if name not in listed:
-                rep.problems.append(f"{mf.join(root, name)}: not listed in the manifest (a leftover temp shard or a "
-                                    "foreign file); delete it or re-run finalize")
+    listed = {sh["name"] for _, sh in shards} | {index_name(sh["name"]) for _, sh in shards}
+    for folder in (mf.DATA_DIR, INDEX_DIR):
+        if fs.exists(mf.join(root, folder)):
+            for p in fs.ls(mf.join(root, folder), detail=False):
+                name = f"{folder}/{p.rstrip('/').split('/')[-1]}"
+                if name not in listed:
+                    rep.problems.append(f"{mf.join(root, name)}: not listed in the manifest (a leftover temp file or "
+                                        "a foreign file); delete it or re-run finalize")
     total = sum(int(sh.get("bytes", 0)) for _, sh in shards)
     seen: dict[str, dict[str, str]] = {s: {} for s in m["splits"]}  # split -> sample id -> first shard holding it
     with Progress(f"verify {url}", total, enabled=progress, transient=True, fmt_count=mf.fmt_bytes) as bar:
@@ -158,7 +166,7 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
     counts = {k: 0 for k in COUNT_KEYS}
     counts["audio_seconds"] = 0.0
     try:
-        for sample in _iter_shard(fs, path, m, meta, sh, rep):
+        for sample in _iter_shard(fs, root, path, m, meta, sh, rep):
             rep.samples_checked += 1
             try:
                 validate_sample(sample, layout)
@@ -182,7 +190,7 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
             rep.problems.append(f"{path}: holds {k}={counts[k]}, manifest says {sh[k]}; re-run finalize or re-capture")
 
 
-def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any], rep: VerifyReport):
+def _iter_shard(fs, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any], rep: VerifyReport):
     fp = m["fingerprint"]
     if m["format"] == "arrow":
         with fs.open(path, "rb") as f:
@@ -198,12 +206,17 @@ def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str,
                                 f"{fp[:12]}; shards of different targets were mixed, re-capture this one")
         if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
             rep.problems.append(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
-        batches = sh.get("batches", [])
+        try:
+            idx = load_index(fs, root, sh, "arrow")
+        except (CorruptShardError, FileNotFoundError) as e:
+            rep.problems.append(str(e))
+            return
+        batches = idx.batches
         blocks = [(f"record batch {b}", bt[0], bt[1], bt[3]) for b, bt in enumerate(batches) if len(bt) > 3]
-        if "head" in sh:
-            blocks.append(("head", 0, sh["head"][0], sh["head"][1]))
-        if "tail" in sh:
-            blocks.append(("end of stream", *sh["tail"]))
+        if idx.head is not None:
+            blocks.append(("head", 0, idx.head[0], idx.head[1]))
+        if idx.tail is not None:
+            blocks.append(("end of stream", *idx.tail))
         for what, start, end, h in blocks:
             try:
                 check_block(memoryview(data)[start:end], h, f"{path} {what}")
@@ -217,11 +230,12 @@ def _iter_shard(fs, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str,
         if batches and batches[-1][1] > len(data):
             rep.problems.append(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")
     else:
-        if "head" in sh:
-            try:
-                check_block(fs.cat_file(path, start=0, end=sh["head"][0]), sh["head"][1], f"{path} head")
-            except CorruptShardError as e:
-                rep.problems.append(str(e))
+        try:
+            head = load_index(fs, root, sh, "wds").head
+            if head is not None:
+                check_block(fs.cat_file(path, start=0, end=head[0]), head[1], f"{path} head")
+        except (CorruptShardError, FileNotFoundError) as e:
+            rep.problems.append(str(e))
         with fs.open(path, "rb") as f:
             for raw in iter_tar_samples(f, path):
                 doc = json.loads(raw.get("meta.json", b"{}"))

@@ -1,7 +1,8 @@
 """WebDataset tar shards: one zstd-compressed member per field, plus a small JSON member per sample.
 
     <key>.meta.json          {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint",
-                              "lineage" (optional), "checksums": {member: xxh3}, "checksum"}
+                              "lineage" (optional), "checksums": {member: xxh3},
+                              "content_checksums": {member: xxh3 of its decompressed bytes}, "checksum"}
                              (plain JSON; shards.integrity)
     <key>.<field>.zst        zstd(encoded bytes of shards.codec) for every stored field
 
@@ -29,6 +30,7 @@ import zstandard
 from shards.codec import FieldMeta, decode_fields, stored_fields
 from shards.errors import CorruptShardError
 from shards.integrity import check_block, check_sealed, digest, seal_doc
+from shards.limits import decompress_bounded
 
 META_MEMBER = "meta.json"
 META_KEYS = {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"}
@@ -72,6 +74,7 @@ class TarShardWriter:
         if self._lineage is not None:
             meta["lineage"] = self._lineage
         meta["checksums"] = {m: digest(b) for m, b in members.items()}
+        meta["content_checksums"] = {f"{name}.zst": digest(fields[name]) for name in stored_fields(self._meta)}
         self._add(f"{key}.{META_MEMBER}", json.dumps(seal_doc(meta), sort_keys=True).encode())
         if self.head_bytes is None:
             self.head_bytes = self._offset
@@ -84,11 +87,17 @@ class TarShardWriter:
         self._sink.write(b"\0" * (2 * _BLOCK + (-end % _RECORD)))
 
 
-def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
+def decode_wds_sample(sample: dict[str, Any], *, decompressed: bool = False) -> dict[str, Any]:
     """Decoder for ``webdataset.WebDataset(urls).map(decode_wds_sample)``: raw members -> sample dict.
 
     Checks the meta document and every member against their checksums (CorruptShardError naming
     the shard, from webdataset's ``__url__``); a meta.json of schema 1.0 has none and is not checked.
+    A member whose zstd frame declares more than a bounded size is refused before allocating it
+    (``shards.limits.decompress_bounded``).
+
+    ``decompressed``: the members were already decompressed by the loader (the ``datasets`` webdataset
+    builder undoes the ``.zst`` suffix itself); they are then checked against ``content_checksums``, the
+    hashes of the uncompressed member bytes (schema 2.0 writes them; older shards are refused this way).
     """
     where = f"{sample.get('__url__', '<tar>')}: sample {sample.get('__key__')!r}"
     if META_MEMBER not in sample:
@@ -106,18 +115,24 @@ def decode_wds_sample(sample: dict[str, Any]) -> dict[str, Any]:
     elif set(meta_doc) != META_KEYS:
         raise CorruptShardError(f"{where}: {META_MEMBER} has keys {sorted(meta_doc)}; the shard is damaged")
     fm = FieldMeta.from_dict(meta_doc["field_meta"])
-    dz = zstandard.ZstdDecompressor()
+    if decompressed:
+        content = meta_doc.get("content_checksums")
+        if not isinstance(content, dict):
+            raise CorruptShardError(f"{where}: its meta.json has no content_checksums (written before schema 2.0), "
+                                    "so members decompressed by the loader cannot be checked; read the tar with "
+                                    "webdataset.WebDataset(...).map(decode_wds_sample)")
     fields = {}
     for name in stored_fields(fm):
         blob = sample.get(f"{name}.zst")
         if blob is None:
             raise CorruptShardError(f"{where} lacks member {name}.zst; the shard is damaged")
+        if decompressed:
+            check_block(blob, content.get(f"{name}.zst", ""), f"{where} member {name}.zst (decompressed)")
+            fields[name] = blob
+            continue
         if sums is not None:
             check_block(blob, sums.get(f"{name}.zst", ""), f"{where} member {name}.zst")
-        try:
-            fields[name] = dz.decompress(blob)
-        except zstandard.ZstdError as e:
-            raise CorruptShardError(f"{where}: member {name}.zst is corrupted ({e})") from e
+        fields[name] = decompress_bounded(blob, f"{where}: member {name}.zst")
     return decode_fields(fields, meta_doc, fm)
 
 

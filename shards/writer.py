@@ -8,6 +8,7 @@
 
 Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>``; a shard is written under
 ``<name>.tmp`` (sha256 and size computed while streaming) and renamed once complete, then the
+shard's own index ``index/<split>-rank<r>-<seq>.<ext>.json`` is written (shards.shard_index) and the
 rank's partial index ``_parts/<split>-rank<r>.json`` is rewritten atomically. That index is the
 only truth on resume: reopening picks up its shards, deletes a leftover ``.tmp`` (and any shard
 renamed but not yet indexed), and ``next_index`` says where to continue. Shards roll when their
@@ -31,10 +32,12 @@ from shards.bundle import stored_fingerprint
 from shards.finalize import _LEGACY_MOVING, finalize_dataset
 from shards.schema import SCHEMA_VERSION, Layout, validate_sample
 from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig, _Shard
+from shards.shard_index import INDEX_DIR, index_name
 
 __all__ = ["LEGACY_SHARD_FIELDS", "PART_VERSION", "DatasetWriter", "ShardConfig", "finalize_dataset"]
 
-PART_VERSION = 1
+PART_VERSION = 2
+"""2: a shard entry records its index file (``index``) instead of its record batches; finalize migrates 1."""
 
 
 class DatasetWriter:
@@ -61,6 +64,7 @@ class DatasetWriter:
         self._part_path = mf.join(self.root, mf.part_name(split, rank))
         self.fs.makedirs(mf.join(self.root, mf.DATA_DIR), exist_ok=True)
         self.fs.makedirs(mf.join(self.root, mf.PARTS_DIR), exist_ok=True)
+        self.fs.makedirs(mf.join(self.root, INDEX_DIR), exist_ok=True)
         self._shards: list[dict[str, Any]] = []
         self._skipped: list[dict[str, Any]] = []
         if self.fs.exists(self._part_path):
@@ -106,12 +110,12 @@ class DatasetWriter:
         A shard that an older finalize left under ``<name>.finalizing`` is indexed: it is kept, and
         the next finalize moves it on (``shards.finalize._locate``)."""
         prefix = f"{self.split}-rank{self.rank:05d}-"
-        known = {n for e in self._shards for n in (e["name"], e["name"] + _LEGACY_MOVING)}
-        data = mf.join(self.root, mf.DATA_DIR)
-        for path in self.fs.ls(data, detail=False):
-            name = path.rstrip("/").split("/")[-1]
-            if name.startswith(prefix) and f"{mf.DATA_DIR}/{name}" not in known:
-                self.fs.rm(path)
+        known = {n for e in self._shards for n in (e["name"], e["name"] + _LEGACY_MOVING, index_name(e["name"]))}
+        for folder in (mf.DATA_DIR, INDEX_DIR):
+            for path in self.fs.ls(mf.join(self.root, folder), detail=False):
+                name = path.rstrip("/").split("/")[-1]
+                if name.startswith(prefix) and f"{folder}/{name}" not in known:
+                    self.fs.rm(path)
 
     @property
     def next_index(self) -> int:

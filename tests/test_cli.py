@@ -17,7 +17,8 @@ from tests.capture.util import conv_record, write_manifest, write_wav
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("regenerate", "capture", "verify", "inspect", "push", "pull", "train", "eval", "speculate", "export", "demo")
+COMMANDS = ("regenerate", "capture", "verify", "inspect", "derive", "push", "pull", "train", "eval", "speculate", "export",
+            "demo")
 
 
 def test_every_command_has_help_in_pipeline_order():
@@ -27,7 +28,7 @@ def test_every_command_has_help_in_pipeline_order():
     rows = [line[2:].split()[0] for line in top.output.splitlines() if line.startswith("│ ") and line[2:3].strip()]
     listed = [r for r in rows if r in COMMANDS]
     assert tuple(listed) == COMMANDS, listed
-    assert "regenerate (optional) -> capture -> verify / inspect -> train -> eval" in " ".join(top.output.split())
+    assert "regenerate (optional) -> capture -> verify / inspect -> derive (optional) -> train -> eval" in " ".join(top.output.split())
     for name in COMMANDS:
         res = runner.invoke(app, [name, "--help"])
         assert res.exit_code == 0 and "Usage" in res.output, name

@@ -102,7 +102,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     cfg = state.get("export_config")
     if not cfg:
         raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")
-    meta: dict[str, Any] = {"source_checkpoint": str(ck), "step": int(state["step"])}
+    here = ck.resolve()  # recorded relative to the run (an export travels; a local absolute path means nothing)
+    source = here.relative_to(run.resolve()).as_posix() if here.is_relative_to(run.resolve()) else here.name
+    meta: dict[str, Any] = {"source_checkpoint": source, "step": int(state["step"])}
     if state.get("template") is not None:  # checkpoints written before template settings were recorded lack it
         meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
                                  "kwargs": state["template"]["kwargs"]}

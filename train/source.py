@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shards.derive import derived_note
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from shards.template import check_template, read_template_file
@@ -79,7 +80,12 @@ def check_data(run: RunConfig, src: DataSource) -> None:
                        kwargs=tc.template_kwargs, where=f"dataset {src.where}",
                        given_by="this run (train.chat_template / train.template_kwargs)")
     _, cls = get_family(run.family)
-    cls.check_dataset(run.drafter, src.bundle, src.layout)
+    try:
+        cls.check_dataset(run.drafter, src.bundle, src.layout)
+    except ValueError as e:  # a derived dataset says what was dropped from its source
+        if (note := derived_note(src.manifest)) is None:
+            raise
+        raise ValueError(f"{e}; {note}") from e
 
 
 def template_state(src: DataSource) -> dict[str, Any]:

@@ -69,16 +69,28 @@ def test_random_single_byte_flips_are_all_caught(clean, tmp_path):
     assert caught == [True] * FLIPS, f"{sum(caught)}/{FLIPS} flips caught"
 
 
-def test_open_refuses_a_foreign_shard_before_reading(clean, tmp_path):
+def test_a_foreign_shard_is_refused_before_any_of_its_samples(clean, tmp_path):
+    """Opening reads no shard (O(shards)); the first read of a shard checks its head against its index, so a
+    shard of another dataset with the same size is refused, naming it, before one of its samples comes out."""
     root, man = clean
     other = tmp_path / "other"
     write_dataset(str(other), tiny_layout(), ShardConfig.from_dict(man["shard_config"]), LENGTHS, seed=5)
     work = tmp_path / "work"
     shutil.copytree(root, work)
-    name = man["splits"]["train"]["shards"][1]["name"]
+    shards = man["splits"]["train"]["shards"]
+    name = shards[1]["name"]
     shutil.copy(other / name, work / name)
+    if (other / name).stat().st_size != shards[1]["bytes"]:
+        with pytest.raises(ValueError, match=name):
+            open_dataset(str(work))
+        return
+    got = []
     with pytest.raises(ValueError, match=name):
-        open_dataset(str(work))
+        for s in open_dataset(str(work)).stream("train", seed=0, shuffle=False):
+            got.append(s)
+    assert len(got) <= shards[0]["samples"]
+    with pytest.raises(ValueError, match=name):
+        open_dataset(str(work)).sample("train", shards[0]["samples"])
 
 
 def test_tar_writer_emits_the_bytes_tarfile_writes(tmp_path):
@@ -158,7 +170,8 @@ def _downgrade_wds(path, sh):
             data = src.extractfile(m).read()
             if m.name.endswith(".meta.json"):
                 doc = json.loads(data)
-                data = json.dumps({k: v for k, v in doc.items() if k not in ("checksum", "checksums", "lineage")},
+                later = ("checksum", "checksums", "content_checksums", "lineage")
+                data = json.dumps({k: v for k, v in doc.items() if k not in later},
                                   sort_keys=True).encode()
             info = tarfile.TarInfo(m.name)
             info.size, info.mtime, info.mode = len(data), 0, 0o644
@@ -177,8 +190,8 @@ def test_schema_1_0_datasets_still_read_with_a_warning(tmp_path, fmt):
         (_downgrade_arrow if fmt == "arrow" else _downgrade_wds)(path, sh)
         data = path.read_bytes()
         sh["bytes"], sh["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-        sh.pop("head", None)
-        sh.pop("tail", None)
+        sh.pop("index")  # schema 1.x listed record batches in the manifest and had no index files
+    shutil.rmtree(root / "index")
     man["splits"]["train"]["bytes"] = sum(s["bytes"] for s in man["splits"]["train"]["shards"])
     man["schema_version"] = man["field_meta"]["schema_version"] = "1.0"
     del man["integrity"]

@@ -64,7 +64,7 @@ def test_fsspec_memory_url_roundtrip(zstd_level):
     write_dataset(url, layout, ShardConfig(shard_bytes=2000, batch_bytes=500, zstd_level=zstd_level), LENGTHS)
     ds = open_dataset(url)
     assert ds.num_samples("train") == len(LENGTHS)
-    assert sum(len(sh["batches"]) for sh in ds.manifest["splits"]["train"]["shards"]) > 2
+    assert sum(len(ds.shard_index(sh).batches) for sh in ds.manifest["splits"]["train"]["shards"]) > 2
     streamed = list(ds.stream("train", seed=1, shuffle=False))
     for i, T in enumerate(LENGTHS):
         want = random_sample(layout, T, i, audio_frames=T // 4)
@@ -88,8 +88,11 @@ def test_dataset_card_snippets_run_from_any_directory(tmp_path, monkeypatch, fmt
     root = tmp_path / "ds"
     write_dataset(str(root), tiny_layout(), ShardConfig(format=fmt, shard_bytes=2500), LENGTHS)
     card = (root / "README.md").read_text()
+    card, share = card.split("## Share it")
     snippets = re.findall(r"```python\n(.*?)```", card, re.S)
     assert len(snippets) == 2 and all("path/to/this/directory" in s for s in snippets)
+    upload = re.findall(r"```python\n(.*?)```", share, re.S)  # needs the Hub: compiled, not run
+    assert len(upload) == 1 and "upload_large_folder" in upload[0] and compile(upload[0], "card", "exec")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -103,3 +106,23 @@ def test_dataset_card_snippets_run_from_any_directory(tmp_path, monkeypatch, fmt
         if got is not None:
             assert_same({k: v for k, v in got.items() if not k.startswith("__")}, first)
     assert "sample" in ns
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_datasets_loads_the_directory_with_no_arguments(tmp_path, fmt):
+    """The card's front matter names each split's shards: ``datasets.load_dataset(DIR)`` alone gives every split,
+    and its rows decode to tapdraft's samples (Arrow rows with ``decode_row``, tar rows with ``decode_wds_sample``)."""
+    root = tmp_path / "ds"
+    cfg = ShardConfig(format=fmt, shard_bytes=2500, batch_bytes=900)
+    write_dataset(str(root), tiny_layout(), cfg, LENGTHS)
+    man = write_dataset(str(root), tiny_layout(), cfg, [5, 4], split="validation", seed=1)
+    card = (root / "README.md").read_text()
+    assert card.startswith("---\nconfigs:\n- config_name: default\n") and "upload_large_folder" in card
+    loaded = datasets.load_dataset(str(root), cache_dir=str(tmp_path / "hf"))
+    assert set(loaded) == {"train", "validation"}
+    ours = open_dataset(str(root))
+    for split in ("train", "validation"):
+        assert len(loaded[split]) == ours.num_samples(split)
+        for i, row in enumerate(loaded[split]):
+            got = decode_row(row, man["field_meta"]) if fmt == "arrow" else decode_wds_sample(row, decompressed=True)
+            assert_same(got, ours.sample(split, i))

@@ -104,7 +104,8 @@ def test_order_does_not_depend_on_record_batch_boundaries(tmp_path):
     """Same samples, same seed -> same order, whatever bytes the codec gives each record batch (a bf16 and an
     fp8 capture of the same data must train on the same sequence for their comparison to mean anything)."""
     pair = _bf16_and_fp8(tmp_path, batch_bytes=600)
-    blocks = {c: [b[2] for b in d.blocks("train")] for c, d in pair.items()}
+    blocks = {c: [b[2] for sh in d.manifest["splits"]["train"]["shards"] for b in d.shard_index(sh).batches]
+              for c, d in pair.items()}
     assert blocks["bf16"] != blocks["fp8"]  # the premise: the layouts differ
     for kw in (dict(seed=3), dict(seed=4, epoch=1, order_unit=5), dict(seed=5, world_size=2, rank=1, shuffle_buffer=4),
                dict(seed=6, num_workers=2, worker_id=1, order_unit=3)):

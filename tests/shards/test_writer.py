@@ -7,6 +7,7 @@ import torch
 
 from shards.codec import encode_fields
 from shards.reader import open_dataset
+from shards.verify import verify_dataset
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
 from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
 
@@ -163,7 +164,8 @@ def test_a_record_batch_never_grows_past_batch_bytes_unless_one_sample_does(tmp_
         for i, T in enumerate(lengths):
             w.write(random_sample(layout, T, i), i)
     man = finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
-    rows = [b[2] for s in man["splits"]["train"]["shards"] for b in s["batches"]]
+    ds = open_dataset(str(tmp_path))
+    rows = [b[2] for s in man["splits"]["train"]["shards"] for b in ds.shard_index(s).batches]
     assert sum(rows) == len(lengths) and max(rows) > 1
     starts = [sum(rows[:j]) for j in range(len(rows))]
     for a, n in zip(starts, rows):
@@ -178,3 +180,38 @@ def test_uncompressed_shards_are_arrow_only():
         ShardConfig(format="wds", zstd_level=0)
     with pytest.raises(ValueError, match=r"\[0, 22\]"):
         ShardConfig(zstd_level=-1)
+
+
+@pytest.mark.parametrize("after", ["shard renamed", "index written"])
+def test_a_kill_between_a_shards_rename_its_index_and_the_part_loses_nothing(tmp_path, monkeypatch, after):
+    """The rank's part is the truth: a shard (and its index file) finished but not yet in the part is redone."""
+    import shards.shard_file as shard_file
+    from shards.shard_index import index_name
+
+    class Kill(BaseException):
+        pass
+
+    layout = tiny_layout()
+    fp = tiny_bundle(str(tmp_path / "target"), layout)
+    real = shard_file.write_index
+
+    def dying(fs, path, doc):
+        if after == "index written":
+            real(fs, path, doc)
+        raise Kill(after)
+
+    w = DatasetWriter(str(tmp_path), CFG, layout)
+    monkeypatch.setattr(shard_file, "write_index", dying)
+    with pytest.raises(Kill):
+        _write(w, range(20), layout)
+    monkeypatch.setattr(shard_file, "write_index", real)
+    orphan = sorted((tmp_path / "data").iterdir())[-1].name
+    assert (tmp_path / index_name(f"data/{orphan}")).exists() == (after == "index written")
+    w2 = DatasetWriter(str(tmp_path), CFG, layout)
+    assert not (tmp_path / "data" / orphan).exists() and not (tmp_path / index_name(f"data/{orphan}")).exists()
+    _write(w2, range(w2.next_index, 20), layout)
+    w2.close()
+    finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
+    ds = open_dataset(str(tmp_path))
+    assert [ds.sample("train", i)["sample_id"] for i in range(20)] == [f"s{i}" for i in range(20)]
+    assert verify_dataset(str(tmp_path), progress=False).ok

@@ -159,6 +159,10 @@ def test_eval_and_export_round_trip(tmp_path, mem):
     assert cfg["block_size"] == 8 and cfg["dflash_config"]["mask_token_id"] == cfg["mask_token_id"]
     assert cfg["target_head"] == mem.bundle.head.to_dict()  # serving applies the target's head as training did
     assert not any(k.startswith(("embed", "lm_head")) for k in w)
+    exported = " ".join(p.read_text() for p in (tmp_path / "exp").glob("*.json"))
+    assert str(tmp_path) not in exported  # an export travels: no local absolute path in it
+    ck = latest_checkpoint(tmp_path / "run")
+    assert cfg["tapdraft"]["source_checkpoint"] == ck.relative_to(tmp_path / "run").as_posix()
     cfg["tapdraft_layout_tap_ids"] = list(mem.layout.tap_ids)
     # the trainer's drafter with the checkpoint weights vs the independent reference on the export
     model = DFlashDrafter.build(run.drafter, mem.bundle, mem.layout)

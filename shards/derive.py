@@ -1,0 +1,210 @@
+"""``tapdraft derive``: a lighter dataset made from a finished one, without the target model.
+
+    derive_dataset(DeriveConfig(src="ds", out="ds-light", taps=(9, 17), codec="fp8", top_k=8,
+                                splits=("train",), max_samples=10_000))
+
+The source is read in file order (``stream(shuffle=False)``) and each sample is cut down: taps to
+the chosen subset, teacher top-k to its first K (capture stores them in descending order and the
+log-probs are under the full softmax, so the first K of them are exactly a top-K capture's), taps
+re-encoded with the fp8 codec when asked; then written by the ordinary ``DatasetWriter`` and
+``finalize_dataset``, so ``verify``, ``train`` and the stock libraries treat the result as any
+dataset. The target bundle is copied as it is (same fingerprint: a drafter trained on either runs
+on the same target). A derive killed mid-way resumes from the same command (the writer's index,
+keyed by the source's manifest and these settings), a finished one returns its manifest.
+
+Lineage: the manifest's ``extra.derived_from`` records the source (its directory name, the sha256
+of its manifest, its target fingerprint, schema and code version) and what was dropped (taps,
+top-k, splits, samples, precision). ``derived_note`` turns it into the clause that a refusal adds,
+so a recipe needing something dropped says so in its one error line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from shards import manifest as mf
+from shards.atomic import staged
+from shards.finalize import finalize_dataset
+from shards.progress import Progress
+from shards.reader import open_dataset
+from shards.schema import Layout
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
+
+DERIVED_KEY = "derived_from"
+"""``extra[DERIVED_KEY]``: the lineage of a derived dataset (absent on captured ones)."""
+CODECS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class DeriveConfig:
+    """What to keep of a finished dataset, and where to write it."""
+
+    src: str
+    """The source dataset (path or fsspec URL)."""
+    out: str
+    """The new dataset's local directory (resumed when rerun with the same settings)."""
+    taps: tuple[int, ...] | None = None
+    """HF tap ids to keep, a subset of the source's; None keeps them all."""
+    codec: str | None = None
+    """Taps codec of the new dataset: 'fp8' (lossy) or 'bf16'; None keeps the source's. fp8 -> bf16 is refused."""
+    splits: tuple[str, ...] | None = None
+    """Splits to keep; None keeps them all."""
+    max_samples: int | None = None
+    """At most this many samples per split, the first in file order; None keeps them all."""
+    top_k: int | None = None
+    """Teacher top-k to keep, at most the source's (0 drops the teacher rows); None keeps the source's."""
+    progress: bool = True
+    """Show progress."""
+
+    def __post_init__(self) -> None:
+        if self.codec is not None and self.codec not in CODECS:
+            raise ValueError(f"--codec must be one of {CODECS}, got {self.codec!r}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"--max-samples must be >= 1, got {self.max_samples}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.taps is not None and not self.taps:
+            raise ValueError("--taps needs at least one tap id")
+        if self.splits is not None and not self.splits:
+            raise ValueError("--splits needs at least one split")
+
+
+def derived_layout(src: Layout, cfg: DeriveConfig) -> Layout:
+    """The new dataset's layout; ValueError (one line, what to do) for what the source cannot give."""
+    taps = tuple(sorted(set(cfg.taps))) if cfg.taps is not None else src.tap_ids
+    missing = [t for t in taps if t not in src.tap_ids]
+    if missing:
+        raise ValueError(f"--taps {list(taps)}: the source stores taps {list(src.tap_ids)}, not {missing}; "
+                         "derive keeps a subset of them")
+    k = src.top_k if cfg.top_k is None else cfg.top_k
+    if k > src.top_k:
+        raise ValueError(f"--top-k {k}: the source stores top-{src.top_k}; derive can keep fewer, not more")
+    codec = cfg.codec or src.taps_codec
+    if src.taps_codec == "fp8" and codec == "bf16":
+        raise ValueError("--codec bf16: the source's taps are fp8 (lossy); derive cannot restore the precision")
+    return dataclasses.replace(src, tap_ids=taps, top_k=k, taps_codec=codec)
+
+
+def cut_sample(sample: dict[str, Any], src: Layout, new: Layout) -> dict[str, Any]:
+    """One source sample as the new layout stores it (taps subset, first K teacher columns)."""
+    out = dict(sample)
+    if new.tap_ids != src.tap_ids:
+        keep = [src.tap_ids.index(t) for t in new.tap_ids]
+        out["taps"] = sample["taps"][:, keep].contiguous()
+    if new.top_k == 0:
+        for name in ("topk_rows", "topk_ids", "topk_logprobs"):
+            out.pop(name, None)
+    elif new.top_k < src.top_k:
+        out["topk_ids"] = sample["topk_ids"][:, : new.top_k].contiguous()
+        out["topk_logprobs"] = sample["topk_logprobs"][:, : new.top_k].contiguous()
+    return out
+
+
+def _lineage(src_url: str, man: dict[str, Any], man_sha: str, cfg: DeriveConfig, layout: Layout,
+             splits: list[str], counts: dict[str, int]) -> dict[str, Any]:
+    src = Layout.from_dict(man["layout"])
+    dropped: dict[str, Any] = {
+        "taps": [t for t in src.tap_ids if t not in layout.tap_ids],
+        "splits": [s for s in man["splits"] if s not in splits],
+        "samples": {s: int(man["splits"][s]["samples"]) - counts[s] for s in splits},
+    }
+    if layout.top_k < src.top_k:
+        dropped["top_k"] = [src.top_k, layout.top_k]
+    if layout.taps_codec != src.taps_codec:
+        dropped["precision"] = f"taps {src.taps_codec} -> {layout.taps_codec}"
+    name = src_url.rstrip("/").rsplit("/", 1)[-1]  # its name: a local path means nothing elsewhere
+    return {"source": name, "source_manifest_sha256": man_sha,
+            "source_fingerprint": man["fingerprint"], "source_schema_version": man["schema_version"],
+            "source_code_version": man.get("code_version"), "dropped": dropped,
+            "settings": {"taps": None if cfg.taps is None else list(cfg.taps), "codec": cfg.codec,
+                         "splits": None if cfg.splits is None else list(cfg.splits),
+                         "max_samples": cfg.max_samples, "top_k": cfg.top_k}}
+
+
+def derived_note(manifest: dict[str, Any]) -> str | None:
+    """The clause a refusal adds for a derived dataset (what was dropped, what to do); None for a captured one."""
+    d = (manifest.get("extra") or {}).get(DERIVED_KEY)
+    if not d:
+        return None
+    drop = d.get("dropped", {})
+    what = [f"taps {drop['taps']}"] if drop.get("taps") else []
+    if drop.get("top_k"):
+        what.append(f"top-k {drop['top_k'][0]} -> {drop['top_k'][1]}")
+    if drop.get("precision"):
+        what.append(drop["precision"])
+    lost = ", ".join(what) or "nothing the recipe reads"
+    return (f"this dataset was derived from {d.get('source')} (manifest {str(d.get('source_manifest_sha256'))[:12]}) "
+            f"dropping {lost}: derive again from the source keeping what the recipe needs, or train on the source")
+
+
+def _copy_bundle(src_fs: fsspec.AbstractFileSystem, src_root: str, out: Path, fingerprint: str) -> None:
+    dest = out / mf.TARGET_DIR
+    if dest.is_dir():
+        if mf.dataset_fingerprint(str(out)) != fingerprint:
+            raise ValueError(f"{out} holds the bundle of another target; derive into a new --out directory")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src_fs.get(mf.join(src_root, mf.TARGET_DIR), tmp + "/target", recursive=True)
+        with staged(dest) as t:
+            shutil.copytree(tmp + "/target", t)
+
+
+def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
+    """Write the derived dataset; returns its manifest (see the module docstring)."""
+    ds = open_dataset(cfg.src)
+    man = ds.manifest
+    with ds.fs.open(mf.join(ds.root, mf.MANIFEST), "rb") as f:
+        man_sha = hashlib.sha256(f.read()).hexdigest()
+    splits = list(cfg.splits) if cfg.splits is not None else ds.splits
+    unknown = [s for s in splits if s not in ds.splits]
+    if unknown:
+        raise ValueError(f"--splits {unknown}: {cfg.src} has splits {ds.splits}")
+    layout = derived_layout(ds.layout, cfg)
+    out = Path(cfg.out)
+    if Path(str(ds.root)).resolve() == out.resolve():
+        raise ValueError(f"--out {cfg.out} is the source dataset; derive into a new directory")
+    done = mf.complete_manifest(str(out))
+    lineage = hashlib.sha256(json.dumps([man_sha, dataclasses.asdict(cfg) | {"progress": None, "out": None}],
+                                        sort_keys=True).encode()).hexdigest()
+    if done is not None:
+        if (done.get("extra") or {}).get("derive_key") != lineage:
+            raise ValueError(f"{out} is already a finished dataset made otherwise; derive into a new --out directory")
+        return done
+    if mf.foreign_directory(str(out)):
+        raise ValueError(f"{out} is a non-empty directory that is not a tapdraft dataset; choose a new --out")
+    shard_cfg = ShardConfig.from_dict(man["shard_config"])
+    out.mkdir(parents=True, exist_ok=True)
+    _copy_bundle(ds.fs, ds.root, out, ds.fingerprint)
+    counts: dict[str, int] = {}
+    with mf.writer_lock(str(out), 0):
+        for split in splits:
+            n = ds.num_samples(split) if cfg.max_samples is None else min(cfg.max_samples, ds.num_samples(split))
+            counts[split] = n
+            w = DatasetWriter(str(out), shard_cfg, layout, split=split, fingerprint=ds.fingerprint,
+                              lineage=f"derive {lineage}")
+            with Progress(f"derive {split}", n, done=w.num_done, enabled=cfg.progress) as bar:
+                try:
+                    for i, sample in enumerate(ds.stream(split, seed=0, shuffle=False)):
+                        if i >= n:
+                            break
+                        if not w.is_done(i):
+                            w.write(cut_sample(sample, ds.layout, layout), i)
+                            bar.advance(1)
+                except BaseException:
+                    w.abort()
+                    raise
+                w.close()
+        extra = {**(man.get("extra") or {}), "derive_key": lineage,
+                 DERIVED_KEY: _lineage(cfg.src, man, man_sha, cfg, layout, splits, counts)}
+        return finalize_dataset(str(out), layout=layout, fingerprint=ds.fingerprint,
+                                capture_config=man["capture_config"], extra=extra)

@@ -1,0 +1,107 @@
+"""`tapdraft derive`: a lighter dataset from a finished one, checked sample by sample against the source."""
+
+import hashlib
+import json
+
+import datasets
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app, main
+from shards.arrow_io import decode_row
+from shards.codec import fp8_decode, fp8_encode
+from shards.derive import DeriveConfig, derive_dataset, derived_note
+from shards.reader import open_dataset
+from shards.verify import verify_dataset
+from shards.writer import ShardConfig
+from tests.shards.synthetic import tiny_layout, write_dataset
+from tests.shards.test_roundtrip import assert_same
+
+LENGTHS = [6, 3, 9, 4, 8, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src") / "ds"
+    write_dataset(str(root), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), LENGTHS)
+    write_dataset(str(root), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), [4, 5], split="validation")
+    return root
+
+
+def _samples(root, split="train"):
+    return list(open_dataset(str(root)).stream(split, seed=0, shuffle=False))
+
+
+def test_derive_keeps_a_subset_exactly_and_records_its_lineage(src, tmp_path):
+    out = tmp_path / "light"
+    man = derive_dataset(DeriveConfig(src=str(src), out=str(out), taps=(3,), top_k=2, max_samples=5,
+                                      splits=("train",), progress=False))
+    assert list(man["splits"]) == ["train"] and man["layout"]["tap_ids"] == [3] and man["layout"]["top_k"] == 2
+    lin = man["extra"]["derived_from"]
+    src_man = json.loads((src / "manifest.json").read_text())
+    assert lin["source_manifest_sha256"] == hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest()
+    assert lin["source"] == "ds" and lin["source_fingerprint"] == src_man["fingerprint"] == man["fingerprint"]
+    assert lin["dropped"] == {"taps": [1], "splits": ["validation"], "samples": {"train": 2}, "top_k": [4, 2]}
+    assert str(tmp_path) not in json.dumps(man) and str(src) not in json.dumps(man)  # no local paths
+    got, want = _samples(out), _samples(src)[:5]
+    assert len(got) == 5
+    for g, w in zip(got, want):
+        assert torch.equal(g["taps"], w["taps"][:, 1:])
+        assert torch.equal(g["topk_ids"], w["topk_ids"][:, :2])
+        assert torch.equal(g["topk_logprobs"], w["topk_logprobs"][:, :2])
+        assert_same({k: v for k, v in g.items() if k not in ("taps", "topk_ids", "topk_logprobs")},
+                    {k: v for k, v in w.items() if k not in ("taps", "topk_ids", "topk_logprobs")})
+    rep = verify_dataset(str(out), progress=False)
+    assert rep.ok and rep.samples_checked == 5, rep.problems
+    assert open_dataset(str(out)).bundle().fingerprint == open_dataset(str(src)).bundle().fingerprint
+    files = sorted(str(p) for p in (out / "data").glob("train-*.arrow"))
+    row = datasets.load_dataset("arrow", data_files=files, split="train", cache_dir=str(tmp_path / "hf"))[0]
+    assert torch.equal(decode_row(row, man["field_meta"])["taps"], got[0]["taps"])
+    assert derive_dataset(DeriveConfig(src=str(src), out=str(out), taps=(3,), top_k=2, max_samples=5,
+                                       splits=("train",), progress=False)) == man  # rerun: finished, unchanged
+    with pytest.raises(ValueError, match="made otherwise"):
+        derive_dataset(DeriveConfig(src=str(src), out=str(out), taps=(1,), progress=False))
+
+
+def test_derive_to_fp8_and_dropping_the_teacher(src, tmp_path):
+    out = tmp_path / "fp8"
+    man = derive_dataset(DeriveConfig(src=str(src), out=str(out), codec="fp8", top_k=0, progress=False))
+    assert man["codec"]["lossy"] and man["layout"]["top_k"] == 0
+    assert man["extra"]["derived_from"]["dropped"]["precision"] == "taps bf16 -> fp8"
+    for g, w in zip(_samples(out), _samples(src)):
+        assert torch.equal(g["taps"], fp8_decode(*fp8_encode(w["taps"])))
+        assert "topk_ids" not in g
+    assert verify_dataset(str(out), progress=False).ok
+    note = derived_note(man)
+    assert "derived from ds" in note and "top-k 4 -> 0" in note and "fp8" in note
+    assert man["extra"]["derived_from"]["source_manifest_sha256"][:12] in note
+    assert derived_note(json.loads((src / "manifest.json").read_text())) is None
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(taps=(2,)), r"source stores taps \[1, 3\], not \[2\]"),
+    (dict(top_k=9), "top-4; derive can keep fewer"),
+    (dict(splits=("nope",)), r"--splits \['nope'\]"),
+])
+def test_derive_refuses_what_the_source_cannot_give(src, tmp_path, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        derive_dataset(DeriveConfig(src=str(src), out=str(tmp_path / "x"), progress=False, **kw))
+    assert not (tmp_path / "x").exists()
+
+
+def test_fp8_source_is_not_derived_back_to_bf16(tmp_path):
+    root = tmp_path / "f"
+    write_dataset(str(root), tiny_layout(taps_codec="fp8"), ShardConfig(), [4, 5])
+    with pytest.raises(ValueError, match="cannot restore the precision"):
+        derive_dataset(DeriveConfig(src=str(root), out=str(tmp_path / "x"), codec="bf16", progress=False))
+
+
+def test_derive_command(src, tmp_path, capsys):
+    r = CliRunner().invoke(app, ["derive", str(src), "--out", str(tmp_path / "c"), "--taps", "1", "--max-samples", "2"])
+    assert r.exit_code == 0, r.output
+    assert open_dataset(str(tmp_path / "c")).num_samples("train") == 2
+    with pytest.raises(SystemExit) as e:
+        main(["derive", str(src), "--out", str(tmp_path / "d"), "--taps", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --taps 'x'"), err

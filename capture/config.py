@@ -41,7 +41,7 @@ _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True
 they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
-_LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None}
+_LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None}
 """What captures recorded before ``--engine`` existed used: the in-process engine."""
 ENGINES = ("transformers", "vllm")
 

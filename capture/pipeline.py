@@ -61,6 +61,7 @@ from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve
 from capture.stages import dist_env as _dist_env
 from capture.targets import Prepared, Target, run_batch
 from capture.vllm_engine import VLLMEngine, vllm_batches
+from capture.vllm_engine import check_python as check_vllm_python
 from capture.vllm_engine import check_target as check_vllm_target
 from capture.vllm_engine import layer_ids as vllm_layer_ids
 from shards.atomic import staged
@@ -487,6 +488,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     done = complete_manifest(str(out))
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}
+    if cfg.engine == "vllm":
+        check_vllm_python(cfg.vllm_python)  # before anything is loaded or written
     device = resolve_device(cfg)
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
@@ -497,6 +500,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
         check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
+    if cfg.engine == "vllm":
+        check_vllm_target(target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), fingerprint=lambda: target_fingerprint(target),
                                            **target.bundle_parts())
@@ -541,7 +546,6 @@ def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLM
         yield None
         return
     assert cfg.vllm is not None
-    check_vllm_target(target)
     longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \
         if (cfg.max_length or target.max_positions) else cfg.batch_tokens
     with VLLMEngine(cfg.vllm, python=cfg.vllm_python, target_dir=cfg.target,

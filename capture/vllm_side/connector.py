@@ -131,7 +131,7 @@ class TapConnector(KVConnectorBase_V1, SupportsHMA):
         dtype = str(hs.dtype).removeprefix("torch.")
         raw = hs.view(torch.uint8).numpy() if hs.dtype == torch.bfloat16 else hs.numpy()
         wire.send(self._sock, {"kind": "states", "tag": save.tag, "token_ids": save.token_ids, "dtype": dtype,
-                               "shape": list(hs.shape)}, memoryview(raw).cast("B"))
+                               "shape": list(hs.shape)}, raw)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._sender and self.has_connector_metadata():

@@ -21,6 +21,7 @@ class Closed(ConnectionError):
 
 
 def send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    payload = memoryview(payload).cast("B")  # bytes, however the buffer is shaped
     head = json.dumps(header).encode()
     sock.sendall(PREFIX.pack(len(head), len(payload)) + head)
     if len(payload):

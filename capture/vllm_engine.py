@@ -93,6 +93,7 @@ class VLLMEngine:
         self.procs: list[subprocess.Popen] = []
         self.version = ""
         self._window = 0
+        t0 = time.perf_counter()
         threading.Thread(target=self._accept, name="vllm-accept", daemon=True).start()
         llm = {"model": str(target_dir), "dtype": dtype, "enforce_eager": True, "seed": 0,
                "max_model_len": int(max_model_len), "tensor_parallel_size": cfg.tensor_parallel_size,
@@ -114,6 +115,7 @@ class VLLMEngine:
                     stderr=subprocess.STDOUT, env=env, cwd=self.dir, start_new_session=True))
                 log.close()
             self._start(llm)
+            self.startup_s = time.perf_counter() - t0  # launch to all ready: interpreter, vLLM import, load, warm-up
         except BaseException:
             self.close()
             raise

@@ -168,11 +168,21 @@ def capture(
     keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
     restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
                                  "over (after a changed input or setting)."),
+    engine: str = typer.Option("transformers", "--engine", help="What runs the target: transformers (in-process) | "
+                               "vllm (a vLLM worker in its own environment; text causal LMs)."),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
+                                    "vLLM is installed in (default: this one)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor "
+                                             "parallelism."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", help="With --engine vllm: vLLM's "
+                                               "pipeline parallelism."),
+    data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
+                                           "engines sharing each window."),
 ) -> None:
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
 
-    from capture.config import CaptureConfig
+    from capture.config import CaptureConfig, VLLMConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
     from shards.template import parse_template_kwargs
@@ -195,7 +205,10 @@ def capture(
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated)
-        if regenerate else None, fused=not two_pass,
+        if regenerate else None, fused=not two_pass, engine=engine,
+        vllm=VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_capture(cfg, restart=restart)))
 

@@ -20,6 +20,12 @@ per dataset, so a benchmark of a few conversations overstates its share: the ste
     python -m benchmarks.capture --synthetic-target qwen3-1024x8 [--conversations 8] [--pairs 3]
     python -m benchmarks.capture --target DIR --data FILE.jsonl     # any target the CLI loads
     python -m benchmarks.capture                                    # the demo target
+
+``--engine vllm --vllm-python PY`` compares the two capture engines instead: the in-process capture (A)
+against ``capture --engine vllm`` (V) on the same target, conversations, settings and thread count,
+interleaved A V A V. V's wall time includes starting vLLM (its import, model load and warm-up, a fixed
+cost per run reported as ``startup_s``); ``steady`` ratios take it out, which is what a long capture
+sees. Both write the same dataset (tests/engines/test_vllm_capture.py).
 """
 
 from __future__ import annotations
@@ -91,8 +97,12 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, the same on both sides")
     ap.add_argument("--name", default="capture.json")
+    ap.add_argument("--engine", choices=["vllm"], help="compare the in-process engine with this one instead")
+    ap.add_argument("--vllm-python", help="with --engine vllm: the python of vLLM's environment")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        return engines(args)
 
     from capture.config import CaptureConfig
     from capture.load import load_target
@@ -171,6 +181,63 @@ def main() -> None:
           f"write {sp['write']:.2f} ({res['writer_MB_per_s']} MB/s of tensors)  bundle {sp['bundle']:.2f}")
     print(f"steady-state ratio (capture without its one-time bundle / minimal): {res['steady_state_ratio_median']:.3f}")
     write_result(args.name, res)
+
+
+def engines(args) -> None:
+    """In-process capture (A) vs ``--engine vllm`` (V): same target, data, settings and threads, interleaved."""
+    from capture.config import CaptureConfig
+    from capture.load import load_target
+    from capture.pipeline import capture
+
+    target_dir, data, shape = _resolve_target(args)
+    target = load_target(target_dir)
+    base = CaptureConfig(target=str(target_dir.resolve()), out="", data=(("train", str(data)),),
+                         max_samples=args.samples, progress=False)
+    scratch = Path(tempfile.mkdtemp(prefix="capture-engines-"))
+    a_s, v_s, starts, loads, tokens, version = [], [], [], [], 0, ""
+    for i in range(args.pairs):
+        loads.append(os.getloadavg()[0])
+        for name, cfg in (("A", base), ("V", dataclasses.replace(base, engine="vllm", vllm_python=args.vllm_python))):
+            out = scratch / f"{name}{i}"
+            t0 = time.perf_counter()
+            m = capture(dataclasses.replace(cfg, out=str(out)), target=target if name == "A" else None)
+            (a_s if name == "A" else v_s).append(time.perf_counter() - t0)
+            tokens = m["splits"]["train"]["tokens"]
+            if name == "V":
+                starts.append(m["run_stats"]["engine"]["startup_s"])
+                version = m["run_stats"]["engine"]["version"]
+            shutil.rmtree(out)
+        print(f"pair {i}: in-process {a_s[-1]:.2f} s  vllm {v_s[-1]:.2f} s (startup {starts[-1]:.2f} s)  "
+              f"ratio {v_s[-1] / a_s[-1]:.3f}  steady {(v_s[-1] - starts[-1]) / a_s[-1]:.3f}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    med = statistics.median
+    steady = [v - s for v, s in zip(v_s, starts)]
+    res = {
+        "benchmark": "capture_engines",
+        "what": "capture to finished shards: in-process engine (A) vs --engine vllm (V), same target/data/threads",
+        "target_shape": shape, "vllm": version,
+        "vllm_over_in_process_median": round(med(v / a for v, a in zip(v_s, a_s)), 3),
+        "steady_vllm_over_in_process_median": round(med(v / a for v, a in zip(steady, a_s)), 3),
+        "in_process_s": [round(x, 3) for x in a_s], "vllm_s": [round(x, 3) for x in v_s],
+        "vllm_startup_s": [round(x, 3) for x in starts],
+        "tokens": tokens,
+        "tokens_per_s": {"in_process": round(tokens / med(a_s)), "vllm": round(tokens / med(v_s)),
+                         "vllm_steady": round(tokens / med(steady))},
+        "load_avg_1m_per_pair": [round(x, 2) for x in loads],
+        "config": {k: v for k, v in base.to_dict().items() if k not in ("out", "target", "data")},
+        "command": "python -m benchmarks.capture " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if v not in (None, False) and k not in ("name", "vllm_python")) + " --vllm-python PY",
+        "machine_extra": {"threads": args.threads},
+    }
+    tps = res["tokens_per_s"]
+    print(f"{'engine':<16}{'median s':>10}{'tokens/s':>12}")
+    print(f"{'in-process':<16}{med(a_s):>10.3f}{tps['in_process']:>12,}")
+    print(f"{'vllm':<16}{med(v_s):>10.3f}{tps['vllm']:>12,}")
+    print(f"{'vllm - startup':<16}{med(steady):>10.3f}{tps['vllm_steady']:>12,}")
+    print(f"vllm / in-process (median of {args.pairs} pairs): {res['vllm_over_in_process_median']:.3f}; without vLLM's "
+          f"start-up: {res['steady_vllm_over_in_process_median']:.3f}  shape: {shape}")
+    write_result(args.name if args.name != "capture.json" else "capture_engines.json", res)
 
 
 if __name__ == "__main__":

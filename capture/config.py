@@ -41,17 +41,44 @@ _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True
 they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
+_LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None}
+"""What captures recorded before ``--engine`` existed used: the in-process engine."""
+ENGINES = ("transformers", "vllm")
 
-RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress")
+RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
 handled): they do not change what is written."""
 
-PATH_FIELDS = ("target", "out", "llm_config", "chat_template")
+PATH_FIELDS = ("target", "out", "llm_config", "chat_template", "vllm_python")
 """Fields holding one local path; recorded by name (:func:`portable_path`), like each input in ``data``."""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 INPUTS_KEY = "inputs"
 """Record key: {split: {"input": portable name, "sha256": content hash or None}}."""
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """How ``capture --engine vllm`` runs vLLM (capture.vllm_engine); recorded, since parallel layouts change
+    the rounding of the states."""
+
+    tensor_parallel_size: int = 1
+    """vLLM's tensor parallelism: devices one copy of the target is split over."""
+    pipeline_parallel_size: int = 1
+    """vLLM's pipeline parallelism: stages one copy of the target is split into."""
+    data_parallel_size: int = 1
+    """Independent vLLM engines, each on tensor x pipeline devices; a window's requests are dealt to them in turn."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per vLLM step (longer prompts are prefilled in chunks); None = vLLM's default."""
+    cpu_kv_cache_gib: int = 1
+    """KV cache space of vLLM's CPU backend in GiB (``VLLM_CPU_KVCACHE_SPACE``; ignored on GPUs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "cpu_kv_cache_gib"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"VLLMConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"VLLMConfig.max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +148,12 @@ class CaptureConfig:
     fused: bool = True
     """With ``replies``: store the states of the generation pass itself (no second forward); False = two passes
     (regenerate into ``OUT.regenerated/``, then capture that), for bit-identical prefill taps."""
+    engine: str = "transformers"
+    """What runs the target's forward: 'transformers' (in-process, the default) or 'vllm' (capture.vllm_engine)."""
+    vllm: VLLMConfig | None = None
+    """With engine 'vllm': how vLLM runs (defaults when None); must be None otherwise."""
+    vllm_python: str | None = None
+    """With engine 'vllm': the interpreter of the environment vLLM is installed in; None = this one."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -153,6 +186,16 @@ class CaptureConfig:
             raise ValueError("CaptureConfig.chat_template must be a file path or None")
         if self.replies is not None and not isinstance(self.replies, ReplyConfig):
             raise ValueError(f"CaptureConfig.replies must be a ReplyConfig or None, got {type(self.replies).__name__}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"CaptureConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm":
+            if self.vllm is None:
+                object.__setattr__(self, "vllm", VLLMConfig())
+            if self.replies is not None:
+                raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
+                                 "regenerated input instead (tapdraft regenerate, then capture)")
+        elif self.vllm is not None or self.vllm_python is not None:
+            raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
@@ -226,7 +269,7 @@ def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
 
     Records written before paths were made portable hold absolute paths: they become portable too.
     """
-    legacy = {**_LEGACY_SHARD_DEFAULTS, **_LEGACY_TEMPLATE_DEFAULTS}
+    legacy = {**_LEGACY_SHARD_DEFAULTS, **_LEGACY_TEMPLATE_DEFAULTS, **_LEGACY_ENGINE_DEFAULTS}
     out = {**{k: v for k, v in legacy.items() if k not in record}, **record}
     for key in PATH_FIELDS:
         if isinstance(out.get(key), str):

@@ -41,6 +41,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -60,6 +61,10 @@ from capture.stages import barrier as _barrier
 from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env
 from capture.targets import Prepared, Target, run_batch
+from capture.vllm_engine import VLLMEngine, vllm_batches
+from capture.vllm_engine import check_python as check_vllm_python
+from capture.vllm_engine import check_target as check_vllm_target
+from capture.vllm_engine import layer_ids as vllm_layer_ids
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
 from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
@@ -285,7 +290,8 @@ def _rates(stats: Stats, t0: float) -> str:
 
 
 def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: WindowPlan, writer: DatasetWriter,
-                wt: "_WriterThread", report: Callable[[int], None], done: int) -> tuple[int, bool]:
+                wt: "_WriterThread", report: Callable[[int], None], done: int,
+                engine: VLLMEngine | None = None) -> tuple[int, bool]:
     """Queue one window's skips and forward its batches; returns the updated count of finished inputs and
     whether the capture stops after this window (a bad input under on_error='fail').
 
@@ -298,19 +304,31 @@ def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: Window
     fail_at = min(errors) if errors and cfg.on_error == "fail" else None
     wt.put(("skips", skips))
     done += len(skips)
-    for batch in plan.batches:
+    batches = [b for b in plan.batches if fail_at is None or b[0].index <= fail_at]
+    todo = [sum(1 for p in b if not writer.is_done(p.index)) for b in batches]
+    counts = {b[0].index: n for b, n in zip(batches, todo)}
+    for batch, results in _forward(target, engine, batches, todo, cfg, layout):
         if wt.error is not None or not wt.thread.is_alive():
             break
-        todo = sum(1 for p in batch if not writer.is_done(p.index))
-        if not todo or (fail_at is not None and batch[0].index > fail_at):
-            continue
-        results = run_batch(target, batch, tap_ids=layout.tap_ids, top_k=layout.top_k,
-                            final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds,
-                            row_chunk=cfg.row_chunk)
         wt.put(("batch", (batch, *to_host(results))))
-        done += todo
+        done += counts[batch[0].index]
         report(done)
     return done, fail_at is not None
+
+
+def _forward(target: Target, engine: VLLMEngine | None, batches: list[list[Prepared]], todo: list[int],
+             cfg: CaptureConfig, layout: Layout) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
+    """(batch, stored fields) for each batch with unfinished samples, in plan order: one padded forward a batch
+    in-process, or the whole window through vLLM (capture.vllm_engine) when any of it is unfinished."""
+    fields = dict(tap_ids=layout.tap_ids, top_k=layout.top_k, final_hidden=layout.has_final_hidden,
+                  audio_embeds=layout.has_audio_embeds, row_chunk=cfg.row_chunk)
+    if engine is not None:
+        if any(todo):
+            yield from vllm_batches(engine, target, batches, [n > 0 for n in todo], **fields)
+        return
+    for batch, n in zip(batches, todo):
+        if n:
+            yield batch, run_batch(target, batch, **fields)
 
 
 def _run_fused_window(target: Target, cfg: CaptureConfig, layout: Layout, chunk: list[tuple[int, Any]],
@@ -358,7 +376,7 @@ def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_s
 
 def capture_split(
     target: Target, cfg: CaptureConfig, layout: Layout, split: str, spec: str, *, rank: int, world_size: int,
-    fingerprint: str, lineage: str | None = None,
+    fingerprint: str, lineage: str | None = None, engine: VLLMEngine | None = None,
 ) -> Stats:
     """Capture one split for this rank into ``cfg.out``; resumes what an earlier run left."""
     writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint,
@@ -389,7 +407,7 @@ def capture_split(
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, cfg, max_positions=target.max_positions)
-                done, stop = _run_window(target, cfg, layout, plan, writer, wt, report, done)
+                done, stop = _run_window(target, cfg, layout, plan, writer, wt, report, done, engine)
                 wt.put(("end", None))
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
@@ -540,6 +558,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     done = complete_manifest(str(out))
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}
+    if cfg.engine == "vllm":
+        check_vllm_python(cfg.vllm_python)  # before anything is loaded or written
     device = resolve_device(cfg)
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
@@ -550,6 +570,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
         check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
+    if cfg.engine == "vllm":
+        check_vllm_target(target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), fingerprint=lambda: target_fingerprint(target),
                                            **target.bundle_parts())
@@ -561,7 +583,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         fingerprint = dataset_fingerprint(str(out))
     run_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with _engine(cfg, target, layout) as engine, torch.inference_mode():
         for split, spec in cfg.data:
             if cfg.replies is not None and not cfg.fused:  # two passes: regenerate the text, capture it as input
                 spec = _regenerate_split(target, cfg, split, spec)
@@ -569,12 +591,14 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
             else:
                 cfg_split = cfg
             st = capture_split(target, cfg_split, layout, split, spec, rank=rank, world_size=world,
-                               fingerprint=fingerprint, lineage=lineage(record, split))
+                               fingerprint=fingerprint, lineage=lineage(record, split), engine=engine)
             run_stats[split] = {"written": st.written, "tokens": st.tokens, "supervised_tokens": st.supervised,
                                 "audio_seconds": round(st.audio_seconds, 3), "raw_bytes": st.raw_bytes,
                                 "supervised_unk": st.supervised_unk,
                                 "skipped": dict(st.skipped), "seconds": round(st.seconds, 3),
                                 "unsupervised_turns": st.unsupervised_turns}
+        if engine is not None:
+            run_stats["engine"] = {"name": "vllm", "version": engine.version, "startup_s": round(engine.startup_s, 3)}
     _barrier(world)
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
@@ -585,6 +609,22 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     )
     manifest["run_stats"] = {**run_stats, "seconds": round(time.perf_counter() - t0, 3)}
     return manifest
+
+
+@contextmanager
+def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLMEngine | None]:
+    """The vLLM workers for ``--engine vllm`` (started once for all splits, stopped at the end); None in-process."""
+    if cfg.engine != "vllm":
+        yield None
+        return
+    assert cfg.vllm is not None
+    longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \
+        if (cfg.max_length or target.max_positions) else cfg.batch_tokens
+    with VLLMEngine(cfg.vllm, python=cfg.vllm_python, target_dir=cfg.target,
+                    layer_ids=vllm_layer_ids(layout.tap_ids, layout.num_layers),
+                    dtype=str(resolve_dtype(cfg, target.device)).removeprefix("torch."), max_model_len=longest,
+                    threads=torch.get_num_threads()) as engine:
+        yield engine
 
 
 def template_record(target: Target) -> dict[str, Any]:

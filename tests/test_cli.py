@@ -17,7 +17,7 @@ from tests.capture.util import conv_record, write_manifest, write_wav
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("regenerate", "capture", "verify", "inspect", "derive", "push", "pull", "train", "eval", "speculate", "export",
+COMMANDS = ("regenerate", "capture", "verify", "inspect", "push", "pull", "derive", "train", "eval", "speculate", "export",
             "demo")
 
 

@@ -1,0 +1,276 @@
+"""``capture --engine vllm``: the target's forward runs in vLLM, everything else stays in tapdraft.
+
+tapdraft tokenizes (its own chat template and assistant mask), plans windows and batches, computes
+the teacher top-k rows from the last layer with the bundle's head, and writes shards exactly as with
+the in-process engine; vLLM only turns prompt token ids into the tapped layers' hidden states. So the
+dataset contract (schema, fingerprint, bundle, resume, skips, lock) is the pipeline's, unchanged.
+
+vLLM runs in its own Python environment (it pins torch and transformers; docs/capture-engines.md):
+:class:`VLLMEngine` starts ``data_parallel_size`` worker processes with that environment's Python
+(``capture.vllm_side.worker``, imported under a private top-level name from a temporary directory, so
+nothing else of tapdraft enters vLLM's interpreter), listens on a Unix socket in that directory, and
+receives each request's states from :class:`capture.vllm_side.connector.TapConnector` as one frame:
+no per-request files, no /dev/shm staging, no pinned memory. Each worker gets
+``tensor_parallel_size x pipeline_parallel_size`` devices; a window's requests are dealt to the
+workers in turn.
+
+Layer numbering: vLLM's id i is the INPUT of decoder layer i, so tapdraft's tap t (output of layer t)
+is vLLM id t + 1 (``shards.taps.to_vllm``) and the last layer's pre-norm output is id L, always
+requested: the teacher rows are computed from it here, as the in-process engine computes them.
+
+Determinism: a window is submitted whole, in plan order, whenever any of its samples is unfinished,
+so a resumed window runs the same requests in the same schedule as the first attempt and the resumed
+dataset equals an uninterrupted one (tests/engines/test_vllm_capture.py kills a capture with SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from capture.config import VLLMConfig
+from capture.targets import CausalLMTarget, Prepared, Target, sample_fields
+from capture.vllm_side import wire
+from shards.errors import CaptureError
+from shards.taps import to_vllm
+
+SIDE_NAME = "tapdraft_vllm_side"
+"""The top-level name ``capture/vllm_side`` is imported under inside vLLM's interpreter."""
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_python(python: str | None) -> str:
+    """The vLLM environment's interpreter, checked to hold vllm (found, not imported: that takes seconds);
+    CaptureError saying what to give otherwise."""
+    exe = python or sys.executable
+    if python is not None and not Path(python).is_file():
+        raise CaptureError(f"--vllm-python {python} does not exist; give the python of an environment with vllm "
+                           "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
+    res = subprocess.run([exe, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
+                         capture_output=True, env=_engine_env({}, None), timeout=120)
+    if res.returncode != 0:
+        raise CaptureError(f"{exe} has no vllm installed; give --vllm-python the python of an environment with vllm "
+                           "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
+    return exe
+
+
+def _engine_env(extra: dict[str, str], path: str | None) -> dict[str, str]:
+    """The worker's environment: tapdraft's own interpreter settings removed, vLLM's offline settings added."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", **extra)
+    if path is not None:
+        env["PYTHONPATH"] = path
+    return env
+
+
+class VLLMEngine:
+    """vLLM worker processes that return each prompt's tapped states [T, n_layers, H] (module docstring)."""
+
+    def __init__(self, cfg: VLLMConfig, *, python: str | None, target_dir: str, layer_ids: Sequence[int],
+                 dtype: str, max_model_len: int, threads: int | None = None, timeout: float = 900.0):
+        self.cfg, self.layer_ids, self.timeout = cfg, list(layer_ids), timeout
+        self.python = check_python(python)
+        self.dir = Path(tempfile.mkdtemp(prefix="tapdraft-vllm-"))
+        (self.dir / SIDE_NAME).symlink_to(Path(__file__).with_name("vllm_side").resolve(), target_is_directory=True)
+        self.address = str(self.dir / "socket")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.address)
+        self.listener.listen(64)
+        self.events: queue.Queue = queue.Queue()
+        self.drivers: dict[int, socket.socket] = {}
+        self.procs: list[subprocess.Popen] = []
+        self.version = ""
+        self._window = 0
+        t0 = time.perf_counter()
+        threading.Thread(target=self._accept, name="vllm-accept", daemon=True).start()
+        llm = {"model": str(target_dir), "dtype": dtype, "enforce_eager": True, "seed": 0,
+               "max_model_len": int(max_model_len), "tensor_parallel_size": cfg.tensor_parallel_size,
+               "pipeline_parallel_size": cfg.pipeline_parallel_size, "disable_log_stats": True}
+        if cfg.max_num_batched_tokens is not None:
+            llm["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        per = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        extra = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}
+        if threads:
+            extra.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        try:
+            for r in range(cfg.data_parallel_size):
+                env = _engine_env(extra, str(self.dir))
+                if cfg.data_parallel_size > 1 and torch.cuda.is_available():
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(r * per, (r + 1) * per))
+                log = open(self.dir / f"worker-{r}.log", "wb")
+                self.procs.append(subprocess.Popen(
+                    [self.python, "-m", f"{SIDE_NAME}.worker", self.address, str(r)], stdout=log,
+                    stderr=subprocess.STDOUT, env=env, cwd=self.dir, start_new_session=True))
+                log.close()
+            self._start(llm)
+            self.startup_s = time.perf_counter() - t0  # launch to all ready: interpreter, vLLM import, load, warm-up
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), name="vllm-read", daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                header, payload = wire.recv(conn)
+                self.events.put((conn, header, payload))
+        except (wire.Closed, OSError):
+            return
+
+    def _log_tail(self, lines: int = 25) -> str:
+        out = []
+        for p in sorted(self.dir.glob("worker-*.log")):
+            text = p.read_text(errors="replace").splitlines()
+            out.append(f"--- {p} (last {lines} lines)\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)
+
+    def _next(self) -> tuple[socket.socket, dict[str, Any], bytearray]:
+        """The next frame from any worker; CaptureError when one died or reported an error."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                conn, header, payload = self.events.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.procs if p.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    what = f"exited with code {dead[0].returncode}" if dead else f"sent nothing for {self.timeout:.0f}s"
+                    self.keep_logs = True
+                    raise CaptureError(f"the vLLM worker {what}; its log is in {self.dir}. The finished shards are "
+                                       f"kept: fix the cause and rerun the same command to resume.\n{self._log_tail()}"
+                                       ) from None
+                continue
+            if header.get("kind") == "error":
+                self.keep_logs = True
+                raise CaptureError(f"vLLM failed: {header['message']} (log in {self.dir}). The finished shards are "
+                                   "kept: fix the cause and rerun the same command to resume.")
+            return conn, header, payload
+
+    def _start(self, llm: dict[str, Any]) -> None:
+        while len(self.drivers) < len(self.procs):
+            conn, header, _ = self._next()
+            if header.get("kind") == "hello":
+                self.drivers[int(header["worker"])] = conn
+                wire.send(conn, {"kind": "start", "llm": llm, "layer_ids": self.layer_ids})
+        ready = 0
+        while ready < len(self.procs):
+            _, header, _ = self._next()
+            if header.get("kind") == "ready":
+                ready += 1
+                self.version = header["vllm"]
+
+    # ------------------------------------------------------------------ use
+    def states(self, requests: Sequence[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(tag, states [T, n_layers, H]) for each (tag, prompt ids), in arrival order; each is checked to be
+        the whole prompt it was asked for."""
+        want = {tag: ids for tag, ids in requests}
+        self._window += 1
+        for r, conn in sorted(self.drivers.items()):
+            mine = [{"tag": t, "prompt_token_ids": ids} for k, (t, ids) in enumerate(requests)
+                    if k % len(self.drivers) == r]
+            if mine:
+                wire.send(conn, {"kind": "run", "window": self._window, "requests": mine})
+        got = 0
+        while got < len(want):
+            _, header, payload = self._next()
+            if header.get("kind") != "states":
+                continue
+            tag = header["tag"]
+            if tag not in want:
+                raise AssertionError(f"vLLM returned states for request {tag!r}, which this window did not send")
+            if header["token_ids"] != want[tag]:
+                raise CaptureError(f"vLLM's states for sample {tag} cover {len(header['token_ids'])} tokens that are "
+                                   f"not the {len(want[tag])} prompt tokens sent (prefix caching or truncation?)")
+            dtype = _TORCH_DTYPES[header["dtype"]]
+            hs = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(header["shape"])
+            got += 1
+            yield tag, hs
+
+    keep_logs = False
+
+    def close(self) -> None:
+        for conn in self.drivers.values():
+            try:
+                wire.send(conn, {"kind": "stop"})
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.listener.close()
+        for conn in self.drivers.values():
+            conn.close()
+        if not self.keep_logs:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
+def check_target(target: Target) -> None:
+    """vLLM capture covers text causal LMs for now (speech targets stay on the in-process engine)."""
+    if not isinstance(target, CausalLMTarget):
+        raise CaptureError(f"--engine vllm captures text causal LMs for now; {type(target).__name__} targets use the "
+                           "in-process engine (drop --engine vllm)")
+
+
+def layer_ids(tap_ids: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM layer ids to extract: the taps (``shards.taps.to_vllm``) and the last layer's output (id L)."""
+    return sorted(set(to_vllm(list(tap_ids))) | {num_layers})
+
+
+def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[Prepared]],
+                 todo: Sequence[bool], *, tap_ids: Sequence[int], top_k: int, final_hidden: bool,
+                 audio_embeds: bool, row_chunk: int) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
+    """(batch, stored fields) for the batches of ``window`` whose ``todo`` is set, in window order.
+
+    The whole window goes to vLLM (same requests, same schedule on a resume); each batch is yielded as
+    soon as its samples' states are in, with the fields :func:`capture.targets.sample_fields` builds for
+    the in-process engine from (taps, last layer).
+    """
+    L = target.num_layers
+    ids = layer_ids(tap_ids, L)
+    cols = [ids.index(t + 1) for t in tap_ids]
+    last = ids.index(L)
+    flat = [p for b in window for p in b]
+    got: dict[int, torch.Tensor] = {}
+    stream = engine.states([(p.index, p.token_ids.tolist()) for p in flat])
+    dev = target.device
+    for batch, need in zip(window, todo):
+        for p in batch:
+            while p.index not in got:
+                tag, hs = next(stream)
+                got[tag] = hs
+        if not need:
+            continue
+        states = [(got[p.index][:, cols].to(dev), got[p.index][:, last].to(dev)) for p in batch]
+        exps = target.embed(batch)
+        yield list(batch), sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden,
+                                         audio_embeds=audio_embeds, row_chunk=row_chunk)
+        for p in batch:
+            del got[p.index]

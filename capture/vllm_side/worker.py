@@ -1,0 +1,93 @@
+"""The vLLM worker of ``capture --engine vllm``: run in vLLM's venv as ``python -m PKG.worker ADDRESS N``.
+
+It connects to tapdraft's socket at ADDRESS, says ``{"kind": "hello", "worker": N}``, receives
+``{"kind": "start", "llm": {...}, "layer_ids": [...]}``, builds vLLM's ``LLM`` with the
+``extract_hidden_states`` speculative method and :class:`TapConnector` (prefix caching off: a cached prefix is never recomputed, and its states would be another request's;
+vLLM #44485), answers ``{"kind": "ready", "vllm": VERSION}``, then serves
+``{"kind": "run", "window": W, "requests": [{"tag", "prompt_token_ids"}]}`` with one ``generate`` call
+(``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``. The states themselves travel on the
+connector's own connection, from whichever vLLM process holds the cache. A closed socket (tapdraft
+exited or was killed) ends the worker; any failure is sent as ``{"kind": "error", "message"}`` first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+from . import wire
+from .connector import SOCKET_KEY, TAG_KEY
+
+
+def build_llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:
+    from vllm import LLM
+
+    connector = __package__ + ".connector"
+    return LLM(
+        **llm,
+        enable_prefix_caching=False,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
+        kv_transfer_config={"kv_connector": "TapConnector", "kv_connector_module_path": connector,
+                            "kv_role": "kv_producer", "kv_connector_extra_config": {SOCKET_KEY: address}},
+    )
+
+
+def drain(llm: Any) -> None:
+    """Step the engine until no finished request holds blocks any more.
+
+    ``generate`` returns when every request has its output, but TapConnector sends a request's states
+    one step later (vLLM hands finished requests to the connector in the next step's metadata), and with
+    nothing left to run no further step comes: the in-process engine core is stepped here until its
+    scheduler has nothing left (``has_requests`` counts finished requests whose blocks are still kept;
+    vllm/v1/core/sched/scheduler.py in 0.32). Without it the last requests' states never leave.
+    """
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    while core.scheduler.has_requests():
+        llm.llm_engine.step()
+
+
+def serve(address: str, worker: int) -> None:
+    sock = wire.connect(address)
+    wire.send(sock, {"kind": "hello", "worker": worker})
+    try:
+        start, _ = wire.recv(sock)
+        llm = build_llm(address, start["llm"], start["layer_ids"])
+        from vllm import SamplingParams, __version__
+
+        wire.send(sock, {"kind": "ready", "vllm": __version__})
+        while True:
+            try:
+                msg, _ = wire.recv(sock)
+            except wire.Closed:
+                return
+            if msg["kind"] == "stop":
+                if start["llm"].get("tensor_parallel_size", 1) * start["llm"].get("pipeline_parallel_size", 1) == 1:
+                    sys.stdout.flush()
+                    os._exit(0)  # one in-process engine holds nothing to release; its teardown took 8 s
+                return
+            reqs = msg["requests"]
+            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                     extra_args={"kv_transfer_params": {TAG_KEY: r["tag"]}}) for r in reqs]
+            llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+            drain(llm)
+            wire.send(sock, {"kind": "done", "window": msg["window"]})
+    except wire.Closed:
+        return
+    except BaseException as e:  # reported to tapdraft, which turns it into its error line
+        try:
+            wire.send(sock, {"kind": "error", "message": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-4000:]})
+        except OSError:
+            pass
+        raise
+
+
+if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` writes every thread's stack to the log
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -255,17 +255,25 @@ def test_system_turn_is_refused(target):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
-def test_capture_verify_train_eval_speculate(tied, nemo_dirs, tone_manifest, tmp_path):
-    """The whole chain on the tiny checkpoint, through the command line, with --llm-config."""
+@pytest.mark.parametrize("kind", ["tied-head", "own-head", "save-pretrained-qwen3"])
+def test_capture_verify_train_eval_speculate(kind, nemo_dirs, tone_manifest, tmp_path):
+    """The whole chain on the tiny checkpoint, through the command line, with --llm-config; and a
+    save_pretrained checkpoint in the qwen3 format whose pretrained_llm is a local directory, without it."""
     from typer.testing import CliRunner
 
     from cli import app
 
-    ckpt, llm = nemo_dirs if tied else write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", tied=False)
+    if kind == "tied-head":
+        ckpt, llm = nemo_dirs
+    elif kind == "own-head":
+        ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", tied=False)
+    else:
+        ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", layout="hub", prompt_format="qwen3",
+                                    pretrained_llm=str(tmp_path / "llm"))
+    llm_args = [] if kind == "save-pretrained-qwen3" else ["--llm-config", str(llm)]
     ds, run = str(tmp_path / "ds"), str(tmp_path / "run")
     cli = CliRunner()
-    r = cli.invoke(app, ["capture", "--target", str(ckpt), "--llm-config", str(llm), "--data", str(tone_manifest),
+    r = cli.invoke(app, ["capture", "--target", str(ckpt), *llm_args, "--data", str(tone_manifest),
                          "--data", f"validation={tone_manifest}", "--out", ds, "--taps", "0,1", "--top-k", "8"])
     assert r.exit_code == 0, (r.output, r.exception)
     r = cli.invoke(app, ["verify", ds])
@@ -275,7 +283,7 @@ def test_capture_verify_train_eval_speculate(tied, nemo_dirs, tone_manifest, tmp
     assert r.exit_code == 0, (r.output, r.exception)
     r = cli.invoke(app, ["eval", "--draft", run, "--data", ds])
     assert r.exit_code == 0 and "tau = " in r.output, (r.output, r.exception)
-    r = cli.invoke(app, ["speculate", "--target", str(ckpt), "--llm-config", str(llm), "--draft", run, "--data", ds,
+    r = cli.invoke(app, ["speculate", "--target", str(ckpt), *llm_args, "--draft", run, "--data", ds,
                          "--conversations", str(tone_manifest), "--max-samples", "3", "--max-new-tokens", "8"])
     assert r.exit_code == 0, (r.output, r.exception)
     assert "output identical to the target's greedy decoding: 3/3" in r.output

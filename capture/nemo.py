@@ -231,7 +231,8 @@ def _llm_dirs(root: Path, llm_config: str | Path | None) -> tuple[Path, Path]:
     if cfg_dir is None or tok_dir is None:
         raise FileNotFoundError(
             f"{root} is a NeMo SALM checkpoint that names its LLM ({name!r}, not a local directory with them) "
-            f"without including its {'config' if cfg_dir is None else 'tokenizer'}; pass --llm-config DIR with a local copy of {name} "
+            f"without including its {'config' if cfg_dir is None else 'tokenizer'}; "
+            f"pass --llm-config DIR with a local copy of {name} "
             "(its config.json and tokenizer files)")
     return cfg_dir, tok_dir
 
@@ -348,7 +349,7 @@ class NeMoSALMTarget(SALMTarget):
         roles = sorted({m["role"] for m in conv.messages} - set(allowed))
         if roles:
             raise ValueError(f"has {roles} turn(s): NeMo's {self.prompt_format} prompt format has only "
-                             f"{' and '.join(allowed)} turns")
+                             f"{', '.join(allowed[:-1])} and {allowed[-1]} turns")
         return super().prepare(conv, index)
 
 

@@ -4,23 +4,32 @@ The layout is what NeMo's ``PyTorchModelHubMixin`` writes (``SALM.save_pretraine
 
     config.json          the model cfg: pretrained_llm, pretrained_asr, audio_locator_tag, prompt_format,
                          lora {r, lora_alpha, target_modules, ...}, perception {preprocessor, encoder,
-                         modality_adapter, output_dim}; newer exports add model_type "nemo_speechlm"
+                         modality_adapter, output_dim}; save_pretrained (3.0.0) adds model_type
+                         "nemo_speechlm" and architectures ["NeMoSpeechLMForConditionalGeneration"]
     model.safetensors    embed_tokens.weight (moved out of the LLM); the LLM under llm. or, with LoRA,
                          llm.base_model.model. (PEFT: ...base_layer.weight, ...lora_A[.default].weight,
-                         ...lora_B[.default].weight); no lm_head when tied; perception.preprocessor.featurizer
-                         .{window,fb}, perception.encoder.*, perception.modality_adapter.*, perception.proj.*
+                         ...lora_B[.default].weight); a tied lm_head absent (save_pretrained: deduplicated,
+                         the file metadata naming the kept embed_tokens.weight); perception.preprocessor
+                         .featurizer.{window,fb}, perception.encoder.*, perception.modality_adapter.*,
+                         perception.proj.*
     llm_backbone/        (newer exports) the LLM's HF config; tokenizer files may sit at the root
 
-Only ``pretrained_llm`` names the LLM otherwise, and nothing is downloaded here: its config and
-tokenizer then come from a local directory the user gives (``--llm-config DIR``, e.g. a local copy of
-Qwen/Qwen3-1.7B). The import maps every part onto the project's own SALM (:mod:`capture.salm`):
+``SALMAutomodel`` checkpoints (NeMo Automodel's LLM) keep the embedding inside the LLM
+(``llm.model.embed_tokens.weight``, or the tied ``llm.lm_head.weight`` it was deduplicated into) and
+Automodel's own LoRA (``...q_proj.weight`` + ``...q_proj.lora_{A,B}.weight``, config ``dim``/``alpha``).
+
+Otherwise ``pretrained_llm`` names the LLM, and nothing is downloaded here: its config and tokenizer
+come from a local directory, the one the user gives (``--llm-config DIR``, e.g. a local copy of
+Qwen/Qwen3-1.7B) or ``pretrained_llm`` (and ``tokenizer_path``) itself when that is one. The import
+maps every part onto the project's own SALM (:mod:`capture.salm`):
 
 - LLM: ``AutoModelForCausalLM`` from that config, ``embed_tokens`` put back, LoRA merged in float32
   as W + scale * B @ A (scale = lora_alpha / r, or / sqrt(r) with use_rslora), tied head when the
   checkpoint has no lm_head;
 - audio: :mod:`capture.nemo_audio` (NeMo's mel front end with its stored buffers, the FastConformer
   on ParakeetEncoder, the conformer adapter and projection);
-- prompt: NeMo's ``qwen`` format as a chat template (user/assistant turns only, no BOS); the locator tag
+- prompt: NeMo's ``qwen`` format (user/assistant turns only, no BOS) or ``qwen3`` (system turns too,
+  the think block: :data:`QWEN3_PROMPT_TEMPLATE`) as a chat template; the locator tag
   (``<|audioplaceholder|>``) is added to the tokenizer as NeMo does and replaced by the clip's frames.
   One frame per hop * subsampling samples (80 ms): feature frames n // hop, then floor((L - 1) / 2 + 1)
   per stride-2 stage. The supervised mask covers each assistant reply and its ``<|im_end|>`` (what
@@ -28,10 +37,13 @@ Qwen/Qwen3-1.7B). The import maps every part onto the project's own SALM (:mod:`
 
 Detection is by ``config.json`` content (``pretrained_llm`` + ``perception.encoder``): transformers
 5.24 maps ``model_type: nemo_speechlm`` to its own Nemotron transcription classes, so the type alone
-cannot decide. Sources (github.com/NVIDIA/NeMo, 2025-09): ``nemo/collections/speechlm2/models/salm.py``
-(embedding moved out, placeholder replacement, generation prompt), ``parts/lora.py`` (PEFT LoRA on the
-LLM), ``parts/hf_hub.py`` (config.json + model.safetensors), ``parts/pretrained.py`` (LLM from its
-config, float32), ``nemo/collections/common/prompts/qwen.py`` and ``formatter.py`` (the prompt format).
+cannot decide. Sources (github.com/NVIDIA/NeMo, 2025-09, and the nemo-toolkit 3.0.0 wheel):
+``nemo/collections/speechlm2/models/salm.py`` (embedding moved out, placeholder replacement, generation
+prompt), ``models/salm_automodel.py`` (embedding kept in the LLM), ``parts/lora.py`` (PEFT LoRA on the
+LLM), ``parts/automodel_lora.py`` (Automodel's), ``parts/hf_hub.py`` (config.json + model.safetensors
+through huggingface_hub's mixin, i.e. ``safetensors.torch.save_model``), ``parts/pretrained.py`` (LLM
+from its config, float32), ``nemo/collections/common/prompts/qwen.py`` and ``formatter.py`` (the
+prompt formats).
 """
 
 from __future__ import annotations
@@ -69,7 +81,46 @@ QWEN_PROMPT_TEMPLATE = (
 )
 """NeMo's QwenPromptFormatter (user and assistant templates, INFERENCE_PREFIX) as a chat template."""
 
-PROMPT_TEMPLATES = {"qwen": QWEN_PROMPT_TEMPLATE}
+QWEN3_PROMPT_TEMPLATE = (
+    "{% for m in messages %}{% set text = m['content'] %}"
+    "{% if m['role'] == 'system' %}"
+    "{% if not (loop.first and text | trim == '') %}{{ '<|im_start|>system\n' + text + '<|im_end|>\n' }}{% endif %}"
+    "{% elif m['role'] == 'user' %}{{ '<|im_start|>user\n' + text + '<|im_end|>\n' }}"
+    "{% elif m['role'] == 'assistant' %}"
+    "{% if not loop.last %}"
+    "{% if '</think>' in text %}{% set text = text.split('</think>')[1] | trim %}{% endif %}"
+    "{% elif '<think>' not in text %}"
+    "{% if '</think>' in text %}{{ raise_exception('an assistant turn has </think> without <think>') }}{% endif %}"
+    "{% set text = '<think>\n\n</think>\n\n' + text %}"
+    "{% else %}"
+    "{% if not text.startswith('<think>') or '</think>' not in text %}"
+    "{{ raise_exception('an assistant turn with <think> must start with it and close it with </think>') }}"
+    "{% endif %}"
+    "{% set text = '<think>\n' + (text.split('<think>')[1].split('</think>')[0] | trim) + '\n</think>\n\n' "
+    "+ text.split('</think>')[1].lstrip('\n') %}"
+    "{% endif %}"
+    "{% if loop.last %}{{ '<|im_start|>assistant\n' }}{% generation %}{{ text + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}{% else %}{{ '<|im_start|>assistant\n' + text + '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ raise_exception(\"NeMo's qwen3 prompt format has only system, user and assistant turns, not '\" "
+    "+ m['role'] + \"'\") }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+"""NeMo's Qwen3PromptFormatter (``nemo/collections/common/prompts/qwen.py``, nemo-toolkit 3.0.0) as a chat
+template, its deterministic part: an empty leading system turn is dropped; earlier assistant turns keep
+only the text after ``</think>``, stripped; the last assistant turn becomes ``<think>`` + newline +
+reasoning + newline + ``</think>`` + two newlines + answer (an empty think block when it has none); the
+generation prompt gains the empty block with ``enable_thinking=False`` (a template kwarg; NeMo's default
+is thinking on). Only the last assistant turn is supervised, as in NeMo's mask: earlier ones are rendered
+without the think block the model wrote them with. NeMo's training also adds ``/no_think`` (or
+``/think``) to a randomly chosen user or system turn; that augmentation is random and NeMo's ``generate``
+does not add it, so it is not rendered here (text that carries the tag keeps it)."""
+
+PROMPT_TEMPLATES = {"qwen": QWEN_PROMPT_TEMPLATE, "qwen3": QWEN3_PROMPT_TEMPLATE}
+PROMPT_ROLES = {"qwen": ("user", "assistant"), "qwen3": ("system", "user", "assistant")}
+"""The turn roles each prompt format renders."""
 
 
 def is_nemo_salm(config: dict[str, Any]) -> bool:
@@ -98,10 +149,14 @@ class LoRASettings:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
     @classmethod
-    def from_nemo(cls, d: dict[str, Any]) -> "LoRASettings":
+    def from_nemo(cls, d: dict[str, Any], *, automodel: bool = False) -> "LoRASettings":
+        """PEFT's LoraConfig fields (SALM), or Automodel's PeftConfig ones (SALMAutomodel: ``dim``, ``alpha``,
+        defaults 8 and 32, scale alpha / dim; ``nemo_automodel/components/_peft/lora.py``)."""
         for key in ("use_dora", "lora_bias"):
             if d.get(key):
                 raise ValueError(f"LoRA with {key}=true cannot be merged by this importer")
+        if automodel:
+            return cls(r=int(d.get("dim", 8)), lora_alpha=float(d.get("alpha", 32)))
         return cls(r=int(d.get("r", 8)), lora_alpha=float(d.get("lora_alpha", 8)),
                    use_rslora=bool(d.get("use_rslora", False)))
 
@@ -109,8 +164,27 @@ class LoRASettings:
 _LORA_KEY = re.compile(r"^(.*)\.lora_([AB])(?:\.default)?\.weight$")
 
 
+def is_automodel_layout(weights: dict[str, torch.Tensor]) -> bool:
+    """SALMAutomodel keeps the embedding inside the LLM (``llm.model.embed_tokens.weight``, Automodel's LoRA
+    unwrapped: ``...q_proj.weight`` beside ``...q_proj.lora_A.weight``); SALM moves it to ``embed_tokens.weight``."""
+    return "embed_tokens.weight" not in weights and f"{PLAIN_PREFIX}model.embed_tokens.weight" in weights
+
+
+def restore_shared(weights: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """The names ``safetensors.torch.save_model`` (NeMo's hub mixin) dropped as aliases of a kept tensor: it keeps
+    the alphabetically first name of each shared group and records ``{dropped: kept}`` in the file metadata
+    (a tied SALM head: ``llm...lm_head.weight -> embed_tokens.weight``; a tied SALMAutomodel:
+    ``llm.model.embed_tokens.weight -> llm.lm_head.weight``)."""
+    out = dict(weights)
+    for dropped, kept in (metadata or {}).items():
+        if dropped not in out and kept in out:
+            out[dropped] = out[kept]
+    return out
+
+
 def llm_state_dict(weights: dict[str, torch.Tensor], lora: LoRASettings | None) -> dict[str, torch.Tensor]:
-    """The LLM's HF state dict (float32) from a SALM checkpoint: prefixes stripped, LoRA merged, embedding back."""
+    """The LLM's HF state dict (float32) from a SALM checkpoint: prefixes stripped, LoRA merged, embedding back
+    (SALM; a SALMAutomodel's is already there)."""
     prefix = PEFT_PREFIX if any(k.startswith(PEFT_PREFIX) for k in weights) else PLAIN_PREFIX
     base: dict[str, torch.Tensor] = {}
     factors: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,29 +203,43 @@ def llm_state_dict(weights: dict[str, torch.Tensor], lora: LoRASettings | None) 
         if set(ab) != {"A", "B"} or f"{module}.weight" not in base:
             raise ValueError(f"LoRA on {module} is incomplete (need base_layer, lora_A and lora_B weights)")
         base[f"{module}.weight"] = base[f"{module}.weight"] + lora.scale * (ab["B"].float() @ ab["A"].float())
-    if "embed_tokens.weight" not in weights:
-        raise ValueError("the checkpoint has no top-level embed_tokens.weight: not a NeMo SALM export")
-    base["model.embed_tokens.weight"] = weights["embed_tokens.weight"].float()
+    if "embed_tokens.weight" in weights:
+        base["model.embed_tokens.weight"] = weights["embed_tokens.weight"].float()
+    elif "model.embed_tokens.weight" not in base:
+        raise ValueError("the checkpoint has neither embed_tokens.weight (SALM) nor llm.model.embed_tokens.weight "
+                         "(SALMAutomodel): not a NeMo SALM export")
     return base
 
 
+def _local(name: Any, file: str) -> Path | None:
+    """``name`` (a config path, as NeMo passes it to transformers) when it is a local directory holding ``file``."""
+    return Path(name) if isinstance(name, str) and name and (Path(name) / file).is_file() else None
+
+
 def _llm_dirs(root: Path, llm_config: str | Path | None) -> tuple[Path, Path]:
-    """(LLM config dir, tokenizer dir): inside the checkpoint when it has them, else ``llm_config``."""
+    """(LLM config dir, tokenizer dir): inside the checkpoint when it has them, else ``llm_config``, else the
+    local directories the config names (``tokenizer_path``, then ``pretrained_llm``, as NeMo reads them)."""
     given = None if llm_config is None else Path(llm_config)
     if given is not None and not (given / "config.json").is_file():
         raise FileNotFoundError(f"--llm-config {given} has no config.json; point it at a local copy of the LLM")
-    cfg_dir = root / LLM_BACKBONE_DIR if (root / LLM_BACKBONE_DIR / "config.json").is_file() else given
-    tok_dir = root if (root / "tokenizer_config.json").is_file() else given
+    cfg = json.loads((root / "config.json").read_text())
+    name = cfg.get("pretrained_llm")
+    cfg_dir = root / LLM_BACKBONE_DIR if (root / LLM_BACKBONE_DIR / "config.json").is_file() else (
+        given or _local(name, "config.json"))
+    tok_dir = root if (root / "tokenizer_config.json").is_file() else (
+        given or _local(cfg.get("tokenizer_path"), "tokenizer_config.json") or _local(name, "tokenizer_config.json"))
     if cfg_dir is None or tok_dir is None:
-        name = json.loads((root / "config.json").read_text()).get("pretrained_llm")
         raise FileNotFoundError(
-            f"{root} is a NeMo SALM checkpoint that names its LLM ({name!r}) without including its "
-            f"{'config' if cfg_dir is None else 'tokenizer'}; pass --llm-config DIR with a local copy of {name} "
+            f"{root} is a NeMo SALM checkpoint that names its LLM ({name!r}, not a local directory with them) "
+            f"without including its {'config' if cfg_dir is None else 'tokenizer'}; "
+            f"pass --llm-config DIR with a local copy of {name} "
             "(its config.json and tokenizer files)")
     return cfg_dir, tok_dir
 
 
 def _tokenizer(tok_dir: Path, tag: str, prompt_format: str):
+    # the formats: nemo/collections/common/prompts/qwen.py (nemo-toolkit 3.0.0: QwenPromptFormatter "qwen",
+    # Qwen3PromptFormatter "qwen3")
     from transformers import AutoTokenizer
 
     if prompt_format not in PROMPT_TEMPLATES:
@@ -208,16 +296,19 @@ def _adapter(perception: dict[str, Any], weights: dict[str, torch.Tensor], enc_w
 
 def load_nemo_salm(root: Path, *, llm_config: str | Path | None = None) -> tuple[SALM, Path]:
     """The checkpoint as a float32 :class:`SALM` on CPU, and the directory its tokenizer files come from."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     cfg = json.loads((root / "config.json").read_text())
     if not (root / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{root / WEIGHTS_FILE} not found: a NeMo SALM checkpoint keeps its weights there")
     cfg_dir, tok_dir = _llm_dirs(root, llm_config)
-    weights = load_file(str(root / WEIGHTS_FILE))
+    with safe_open(str(root / WEIGHTS_FILE), "pt") as f:
+        metadata = f.metadata()
+    weights = restore_shared(load_file(str(root / WEIGHTS_FILE)), metadata)
     tag = cfg.get("audio_locator_tag", "<|audioplaceholder|>")
     tok = _tokenizer(tok_dir, tag, cfg.get("prompt_format", "qwen"))
-    lora = LoRASettings.from_nemo(cfg["lora"]) if cfg.get("lora") else None
+    lora = LoRASettings.from_nemo(cfg["lora"], automodel=is_automodel_layout(weights)) if cfg.get("lora") else None
     lm = _llm(cfg_dir, llm_state_dict(weights, lora))
 
     perception = cfg["perception"]
@@ -244,18 +335,21 @@ def load_nemo_salm(root: Path, *, llm_config: str | Path | None = None) -> tuple
 class NeMoSALMTarget(SALMTarget):
     """A NeMo SALM checkpoint; its tokenizer files live beside it or in the ``--llm-config`` directory."""
 
-    def __init__(self, salm: SALM, path: str | Path, tokenizer_dir: Path):
+    def __init__(self, salm: SALM, path: str | Path, tokenizer_dir: Path, prompt_format: str = "qwen"):
         super().__init__(salm, path)
         self._tokenizer_dir = Path(tokenizer_dir)
+        self.prompt_format = prompt_format
 
     @property
     def tokenizer_dir(self) -> Path:
         return self._tokenizer_dir
 
     def prepare(self, conv: Conversation, index: int) -> Prepared:
-        roles = sorted({m["role"] for m in conv.messages} - {"user", "assistant"})
+        allowed = PROMPT_ROLES[self.prompt_format]
+        roles = sorted({m["role"] for m in conv.messages} - set(allowed))
         if roles:
-            raise ValueError(f"has {roles} turn(s): NeMo's qwen prompt format has only user and assistant turns")
+            raise ValueError(f"has {roles} turn(s): NeMo's {self.prompt_format} prompt format has only "
+                             f"{', '.join(allowed[:-1])} and {allowed[-1]} turns")
         return super().prepare(conv, index)
 
 
@@ -263,4 +357,5 @@ def load_nemo_target(root: str | Path, *, llm_config: str | Path | None = None, 
                      device: str = "cpu") -> NeMoSALMTarget:
     """:func:`load_nemo_salm` moved to ``dtype`` on ``device`` (the mel front end stays float32 on CPU)."""
     salm, tok_dir = load_nemo_salm(Path(root), llm_config=llm_config)
-    return NeMoSALMTarget(salm.to(device=device, dtype=dtype), root, tok_dir)
+    prompt_format = json.loads((Path(root) / "config.json").read_text()).get("prompt_format", "qwen")
+    return NeMoSALMTarget(salm.to(device=device, dtype=dtype), root, tok_dir, prompt_format)

@@ -6,6 +6,14 @@ subsampling}.py, speechlm2/modules/perception.py, speechlm2/models/salm.py with 
 the importer's mapping, so a wrong mapping fails to load. Tensors are bf16, as NeMo's to_hf export
 writes them. The LLM's config and tokenizer go to a separate directory, standing in for a local copy
 of ``pretrained_llm``.
+
+Layouts (``layout``): "export" (the to_hf.py export: ``save_file`` of the state dict, a tied head left out);
+"hub" (``SALM.save_pretrained`` in nemo-toolkit 3.0.0: ``parts/hf_hub.py`` sets model_type and
+architectures, then huggingface_hub's ``PyTorchModelHubMixin`` writes config.json and the weights with
+``safetensors.torch.save_model``, which drops the tied ``lm_head`` and names ``embed_tokens.weight`` in
+the metadata; written here through that same mixin); "automodel" (``SALMAutomodel.save_pretrained``:
+the embedding inside the LLM at ``llm.model.embed_tokens.weight``, Automodel's LoRA
+``..._proj.weight`` + ``..._proj.lora_{A,B}.weight`` with ``dim``/``alpha``, same mixin).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from demo.target import build_word_tokenizer
 TAG = "<|audioplaceholder|>"
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "four", "."]
 LORA = {"task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+AUTOMODEL_LORA = {"dim": 4, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+"""Automodel's PeftConfig names (scale alpha / dim = 4; read as PEFT fields it would be 8 / 8 = 1)."""
+LAYOUTS = ("export", "hub", "automodel")
 PREPROCESSOR = {
     "_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor", "sample_rate": 16000,
     "normalize": "per_feature", "window_size": 0.025, "window_stride": 0.01, "window": "hann", "features": 16,
@@ -101,18 +112,52 @@ def _mel_buffers() -> dict[str, torch.Tensor]:
             "perception.preprocessor.featurizer.window": torch.hann_window(400, periodic=False)}
 
 
-def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: bool = True,
-                    tied: bool = True) -> tuple[Path, Path]:
+def _hub_save(root: Path, weights: dict[str, torch.Tensor], cfg: dict) -> None:
+    """What NeMo's HFHubMixin.save_pretrained does: the mixin's own save of a module holding ``weights``
+    (tensors given under two names are one shared parameter, as a tied head is)."""
+    from huggingface_hub import PyTorchModelHubMixin
+    from torch import nn
+
+    class Saved(nn.Module, PyTorchModelHubMixin):
+        pass
+
+    model, params = Saved(), {}
+    for name, t in weights.items():
+        *path, leaf = name.split(".")
+        mod = model
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if t.is_floating_point():
+            params.setdefault(id(t), nn.Parameter(t, requires_grad=False))
+            mod.register_parameter(leaf, params[id(t)])
+        else:
+            mod.register_buffer(leaf, t)
+    cfg = {**cfg}
+    cfg.setdefault("model_type", "nemo_speechlm")  # parts/hf_hub.py, before the mixin writes config.json
+    cfg.setdefault("architectures", ["NeMoSpeechLMForConditionalGeneration"])
+    model.save_pretrained(root, config=cfg)
+
+
+def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: bool = True, tied: bool = True,
+                    layout: str = "export", prompt_format: str = "qwen",
+                    pretrained_llm: str = "Qwen/Qwen3-1.7B") -> tuple[Path, Path]:
     """Checkpoint dir (config.json + model.safetensors) and LLM dir (config.json + tokenizer files).
 
-    ``tied``: the LLM ties its head to the embedding (as Qwen3-1.7B does), so there is no lm_head key;
-    otherwise ``llm.base_model.model.lm_head.weight`` is stored.
+    ``tied``: the LLM ties its head to the embedding (as Qwen3-1.7B does), so there is no lm_head key
+    (the hub layouts: deduplicated into the kept name); otherwise ``...lm_head.weight`` is stored.
+    ``pretrained_llm``: what config.json names (``str(llm_dir)`` for a local directory).
     """
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    assert layout in LAYOUTS, layout
+    automodel = layout == "automodel"
     g = torch.Generator().manual_seed(seed)
     tok = build_word_tokenizer(WORDS, placeholder="<|unused|>")  # NeMo adds the locator tag itself
+    if prompt_format == "qwen3":
+        tok.add_tokens(["<think>", "</think>"])  # as Qwen3's tokenizer has them (added, not special)
     lm_cfg = Qwen3Config(vocab_size=len(tok) + 6, hidden_size=LLM_HIDDEN, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
                          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
@@ -123,37 +168,45 @@ def write_nemo_salm(root: Path, llm_dir: Path, *, seed: int = 0, model_type: boo
     lm_cfg.save_pretrained(llm_dir)
     tok.save_pretrained(llm_dir)
 
-    w: dict[str, torch.Tensor] = {"embed_tokens.weight": lm.model.embed_tokens.weight.detach().clone()}
-    r = LORA["r"]
+    embed = lm.model.embed_tokens.weight.detach().clone().to(torch.bfloat16)
+    llm = "llm." if automodel else "llm.base_model.model."
+    w: dict[str, torch.Tensor] = {f"{llm}model.embed_tokens.weight" if automodel else "embed_tokens.weight": embed}
+    if tied and layout != "export":  # the module holds the head as the embedding itself
+        w[f"{llm}lm_head.weight"] = embed
+    r = AUTOMODEL_LORA["dim"] if automodel else LORA["r"]
     for key, value in lm.state_dict().items():
         if key == "model.embed_tokens.weight" or (tied and key == "lm_head.weight"):
-            continue  # the embedding was moved out of the LLM; a tied head has no key
+            continue  # the embedding was moved out of the LLM (or is above); a tied head has no key of its own
         module, _, leaf = key.rpartition(".")
         if module.endswith(("q_proj", "v_proj")) and leaf == "weight":
-            base = f"llm.base_model.model.{module}"
-            form = ".default" if ".layers.0." in key else ""  # both PEFT key forms
-            w[f"{base}.base_layer.weight"] = value.detach().clone()
+            base = f"{llm}{module}"
+            # PEFT: base_layer, both key forms; Automodel's LinearLoRA keeps the Linear's own weight
+            form = ".default" if ".layers.0." in key and not automodel else ""
+            w[f"{base}.weight" if automodel else f"{base}.base_layer.weight"] = value.detach().clone()
             w[f"{base}.lora_A{form}.weight"] = torch.randn(r, value.shape[1], generator=g) * 0.2
             w[f"{base}.lora_B{form}.weight"] = torch.randn(value.shape[0], r, generator=g) * 0.2
         else:
-            w[f"llm.base_model.model.{key}"] = value.detach().clone()
+            w[f"{llm}{key}"] = value.detach().clone()
     w.update(_mel_buffers())
     w.update(_conformer("perception.encoder.", ENCODER, g))
     w.update(_conformer("perception.modality_adapter.", ADAPTER, g))
     w["perception.proj.weight"] = torch.randn(LLM_HIDDEN, ADAPTER["d_model"], generator=g) * ADAPTER["d_model"] ** -0.5
     w["perception.proj.bias"] = torch.randn(LLM_HIDDEN, generator=g) * 0.02
     root.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() if v.is_floating_point() else v for k, v in w.items()},
-              str(root / "model.safetensors"))
+    w = {k: v.to(torch.bfloat16).contiguous() if v.is_floating_point() and v is not embed else v for k, v in w.items()}
     cfg = {
-        "pretrained_llm": "Qwen/Qwen3-1.7B", "pretrained_asr": "nvidia/canary-1b-flash", "pretrained_weights": False,
+        "pretrained_llm": pretrained_llm, "pretrained_asr": "nvidia/canary-1b-flash", "pretrained_weights": False,
         "freeze_params": ["^llm\\..+$", "^embed_tokens\\..+$"], "prevent_freeze_params": [],
-        "prompt_format": "qwen", "audio_locator_tag": TAG, "lora": LORA,
+        "prompt_format": prompt_format, "audio_locator_tag": TAG, "lora": AUTOMODEL_LORA if automodel else LORA,
         "perception": {"target": "nemo.collections.speechlm2.modules.perception.AudioPerceptionModule",
                        "preprocessor": PREPROCESSOR, "encoder": ENCODER, "modality_adapter": ADAPTER,
                        "output_dim": LLM_HIDDEN},
         "torch_dtype": "bfloat16",
     }
+    if layout != "export":
+        _hub_save(root, w, cfg)
+        return root, llm_dir
+    save_file(w, str(root / "model.safetensors"))
     if model_type:
         cfg["model_type"] = "nemo_speechlm"
     (root / "config.json").write_text(json.dumps(cfg, indent=2))

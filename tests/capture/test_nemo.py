@@ -15,7 +15,7 @@ from capture.inputs import AudioRef, Conversation
 from capture.load import load_target
 from capture.nemo import NeMoSALMTarget, is_nemo_salm
 from capture.nemo_audio import build_conformer
-from tests.capture.nemo_ckpt import ADAPTER, ENCODER, LORA, TAG, write_nemo_salm
+from tests.capture.nemo_ckpt import ADAPTER, AUTOMODEL_LORA, ENCODER, LORA, TAG, write_nemo_salm
 
 
 @pytest.fixture(scope="session")
@@ -69,12 +69,38 @@ class _LoRALinear(nn.Module):
         return self.base(x) + self.scale * (x @ self.a.T) @ self.b.T
 
 
-def _nemo_reference(ckpt: Path, llm_dir: Path, conv: Conversation) -> tuple[torch.Tensor, list[int], int]:
+def _nemo_turns(messages: list[dict], prompt_format: str) -> list[str]:
+    """The turn texts NeMo's prompt formatter tokenizes one by one (common/prompts/qwen.py, nemo-toolkit 3.0.0;
+    qwen3 without its random /no_think augmentation)."""
+    msgs = [dict(m) for m in messages]
+    if prompt_format == "qwen3":
+        for m in msgs[:-1]:
+            if m["role"] == "assistant" and "</think>" in m["content"]:
+                m["content"] = m["content"].split("</think>")[1].strip()
+        last = msgs[-1]
+        if last["role"] == "assistant":
+            if "<think>" not in last["content"]:
+                last["content"] = "<think>\n\n</think>\n\n" + last["content"]
+            else:
+                reasoning = last["content"].split("<think>")[1].split("</think>")[0].strip()
+                answer = last["content"].split("</think>")[1].lstrip("\n")
+                last["content"] = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+        if msgs[0]["role"] == "system" and msgs[0]["content"].strip() == "":
+            msgs = msgs[1:]
+    return [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs]
+
+
+def _nemo_reference(ckpt: Path, llm_dir: Path, conv: Conversation, *, layout: str = "export",
+                    prompt_format: str = "qwen") -> tuple[torch.Tensor, list[int], int]:
     """Logits [T, V] of NeMo's SALM forward on one conversation, its text ids, and the audio frame count."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
 
     w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        shared = f.metadata() or {}  # save_model's {dropped name: kept name}: one parameter in NeMo's module
+    w.update({dropped: w[kept] for dropped, kept in shared.items() if kept in w})
     sub = lambda p: {k[len(p):]: v for k, v in w.items() if k.startswith(p)}  # noqa: E731
     # perception: preprocessor -> encoder -> modality_adapter -> proj
     feats = _nemo_mel(conv.audios[0].array, w["perception.preprocessor.featurizer.fb"],
@@ -85,28 +111,31 @@ def _nemo_reference(ckpt: Path, llm_dir: Path, conv: Conversation) -> tuple[torc
         h = enc(feats[None]).last_hidden_state
         h = adapter(h).last_hidden_state
         audio = (h @ w["perception.proj.weight"].T + w["perception.proj.bias"])[0]  # [N, H]
-    # LLM: base weights, embedding moved back, LoRA unmerged on q/v, tied head
+    # LLM: base weights, embedding moved back (SALM) or kept (SALMAutomodel), LoRA unmerged on q/v, tied head
     lm = Qwen3ForCausalLM(AutoConfig.from_pretrained(llm_dir)).eval()
-    prefix = "llm.base_model.model."
+    automodel = layout == "automodel"
+    prefix = "llm." if automodel else "llm.base_model.model."
     base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in w.items()
             if k.startswith(prefix) and ".lora_" not in k}
-    base["model.embed_tokens.weight"] = w["embed_tokens.weight"]
+    if not automodel:
+        base["model.embed_tokens.weight"] = w["embed_tokens.weight"]
     missing, unexpected = lm.load_state_dict(base, strict=False)
-    assert set(missing) == ({"lm_head.weight"} if lm.config.tie_word_embeddings else set()) and not unexpected
+    tied_missing = {"lm_head.weight"} if lm.config.tie_word_embeddings and layout == "export" else set()
+    assert set(missing) == tied_missing and not unexpected, (missing, unexpected)
     if lm.config.tie_word_embeddings:
         lm.tie_weights()
+    scale = AUTOMODEL_LORA["alpha"] / AUTOMODEL_LORA["dim"] if automodel else LORA["lora_alpha"] / LORA["r"]
     for i, layer in enumerate(lm.model.layers):
         for name in LORA["target_modules"]:
-            form = ".default" if i == 0 else ""
+            form = ".default" if i == 0 and not automodel else ""
             key = f"{prefix}model.layers.{i}.self_attn.{name}.lora_{{}}{form}.weight"
             setattr(layer.self_attn, name, _LoRALinear(getattr(layer.self_attn, name), w[key.format("A")],
-                                                         w[key.format("B")], LORA["lora_alpha"] / LORA["r"]))
-    # NeMo's qwen prompt format, tokenized per turn; the tag is added as a special token
+                                                         w[key.format("B")], scale))
+    # NeMo's prompt format, tokenized per turn; the tag is added as a special token
     tok = AutoTokenizer.from_pretrained(llm_dir)
     tok.add_special_tokens({"additional_special_tokens": [TAG]})
-    (user, reply) = conv.messages
-    ids = (tok(f"<|im_start|>user\n{user['content']}<|im_end|>\n", add_special_tokens=False)["input_ids"]
-           + tok(f"<|im_start|>assistant\n{reply['content']}<|im_end|>\n", add_special_tokens=False)["input_ids"])
+    ids = [i for turn in _nemo_turns(conv.messages, prompt_format)
+           for i in tok(turn, add_special_tokens=False)["input_ids"]]
     tag_id = tok.convert_tokens_to_ids(TAG)
     pos = ids.index(tag_id)
     emb = lm.model.embed_tokens(torch.tensor([0 if i == tag_id else i for i in ids]))
@@ -226,17 +255,25 @@ def test_system_turn_is_refused(target):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
-def test_capture_verify_train_eval_speculate(tied, nemo_dirs, tone_manifest, tmp_path):
-    """The whole chain on the tiny checkpoint, through the command line, with --llm-config."""
+@pytest.mark.parametrize("kind", ["tied-head", "own-head", "save-pretrained-qwen3"])
+def test_capture_verify_train_eval_speculate(kind, nemo_dirs, tone_manifest, tmp_path):
+    """The whole chain on the tiny checkpoint, through the command line, with --llm-config; and a
+    save_pretrained checkpoint in the qwen3 format whose pretrained_llm is a local directory, without it."""
     from typer.testing import CliRunner
 
     from cli import app
 
-    ckpt, llm = nemo_dirs if tied else write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", tied=False)
+    if kind == "tied-head":
+        ckpt, llm = nemo_dirs
+    elif kind == "own-head":
+        ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", tied=False)
+    else:
+        ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", layout="hub", prompt_format="qwen3",
+                                    pretrained_llm=str(tmp_path / "llm"))
+    llm_args = [] if kind == "save-pretrained-qwen3" else ["--llm-config", str(llm)]
     ds, run = str(tmp_path / "ds"), str(tmp_path / "run")
     cli = CliRunner()
-    r = cli.invoke(app, ["capture", "--target", str(ckpt), "--llm-config", str(llm), "--data", str(tone_manifest),
+    r = cli.invoke(app, ["capture", "--target", str(ckpt), *llm_args, "--data", str(tone_manifest),
                          "--data", f"validation={tone_manifest}", "--out", ds, "--taps", "0,1", "--top-k", "8"])
     assert r.exit_code == 0, (r.output, r.exception)
     r = cli.invoke(app, ["verify", ds])
@@ -246,7 +283,121 @@ def test_capture_verify_train_eval_speculate(tied, nemo_dirs, tone_manifest, tmp
     assert r.exit_code == 0, (r.output, r.exception)
     r = cli.invoke(app, ["eval", "--draft", run, "--data", ds])
     assert r.exit_code == 0 and "tau = " in r.output, (r.output, r.exception)
-    r = cli.invoke(app, ["speculate", "--target", str(ckpt), "--llm-config", str(llm), "--draft", run, "--data", ds,
+    r = cli.invoke(app, ["speculate", "--target", str(ckpt), *llm_args, "--draft", run, "--data", ds,
                          "--conversations", str(tone_manifest), "--max-samples", "3", "--max-new-tokens", "8"])
     assert r.exit_code == 0, (r.output, r.exception)
     assert "output identical to the target's greedy decoding: 3/3" in r.output
+
+
+# ------------------------------------------------------- NeMo 3.0.0: qwen3, local LLM, save_pretrained layouts
+def _logits_match(target, ckpt: Path, llm: Path, *, layout: str, prompt_format: str = "qwen",
+                  reply: str = "you said one two .") -> object:
+    conv = _conv(16000, seed=7, reply=reply)
+    ref, ids, n_audio = _nemo_reference(ckpt, llm, conv, layout=layout, prompt_format=prompt_format)
+    p = target.prepare(conv, 0)
+    with torch.no_grad():
+        exp = target.embed([p])[0]
+        got = target.lm(inputs_embeds=exp.inputs_embeds[None]).logits[0]
+    assert p.length == got.shape[0] == ref.shape[0] == len(ids) - 1 + n_audio
+    assert exp.input_ids[~exp.is_audio].tolist() == [i for i in ids if i != target.salm.placeholder_id]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    return exp
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_save_pretrained_layout_equals_nemo_forward(tied, tmp_path):
+    """SALM.save_pretrained's files: config.json with the HF fields, a tied head deduplicated into
+    embed_tokens.weight with the metadata naming it; pretrained_llm a local directory (no --llm-config)."""
+    from safetensors import safe_open
+
+    ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", seed=2, tied=tied, layout="hub",
+                                pretrained_llm=str(tmp_path / "llm"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "nemo_speechlm" and cfg["architectures"] == ["NeMoSpeechLMForConditionalGeneration"]
+    head = "llm.base_model.model.lm_head.weight"
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert (head in f.keys()) != tied
+        assert (f.metadata() or {}).get(head) == ("embed_tokens.weight" if tied else None)
+    target = load_target(ckpt)
+    assert target.tokenizer_dir == llm
+    _logits_match(target, ckpt, llm, layout="hub")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_salm_automodel_layout_equals_nemo_forward(tied, tmp_path):
+    """SALMAutomodel: the embedding inside the LLM (a tied one deduplicated into llm.lm_head.weight, the
+    alphabetically first name), Automodel's LoRA (weight beside lora_A/B, scale alpha / dim)."""
+    from safetensors import safe_open
+
+    ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", seed=3, tied=tied, layout="automodel")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        keys, meta = set(f.keys()), f.metadata() or {}
+    assert "embed_tokens.weight" not in keys and "llm.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    if tied:
+        assert "llm.model.embed_tokens.weight" not in keys
+        assert meta["llm.model.embed_tokens.weight"] == "llm.lm_head.weight"
+    else:
+        assert {"llm.model.embed_tokens.weight", "llm.lm_head.weight"} <= keys and not meta
+    target = load_target(ckpt, llm_config=llm)
+    _logits_match(target, ckpt, llm, layout="automodel")
+
+
+QWEN3_CASES = [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one ."}],
+     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\none .<|im_end|>\n"),
+    ([{"role": "system", "content": " "}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "<think> two </think>\n\n\none ."}],
+     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\ntwo\n</think>\n\none .<|im_end|>\n"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "<think>x</think> one ."}, {"role": "user", "content": "again"},
+      {"role": "assistant", "content": "two ."}],
+     "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\none ."
+     "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\ntwo .<|im_end|>\n"),
+]
+
+
+def test_qwen3_prompt_format_renders_as_nemo(tmp_path):
+    """The qwen3 template's text equals NeMo's per-turn rendering; only the last reply is supervised, its think
+    block included; the generation prompt adds the empty block only with enable_thinking=False."""
+    ckpt, llm = write_nemo_salm(tmp_path / "ckpt", tmp_path / "llm", seed=4, prompt_format="qwen3")
+    target = load_target(ckpt, llm_config=llm)
+    tok = target.tokenizer
+    for messages, text in QWEN3_CASES:
+        assert "".join(_nemo_turns(messages, "qwen3")) == text  # the reference agrees with the literal
+        assert tok.apply_chat_template(messages, tokenize=False) == text
+    prompt = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    sup = target.template.tokenize(QWEN3_CASES[2][0])
+    assert tok.decode(sup.ids[sup.mask].tolist()) == "<think> </think> two . <|im_end|>"
+    exp = _logits_match(target, ckpt, llm, layout="export", prompt_format="qwen3")
+    assert tok.decode(exp.input_ids[exp.loss_mask].tolist()) == "<think> </think> you said one two . <|im_end|>"
+    conv = _conv(16000)
+    conv = Conversation("s", "mem", [{"role": "system", "content": "be brief"}, *conv.messages], conv.audios)
+    assert target.prepare(conv, 0).length > 0  # qwen3 has system turns
+    bad = Conversation("t", "mem", [*conv.messages[:2], {"role": "assistant", "content": "one </think> two"}],
+                       conv.audios)
+    with pytest.raises(Exception, match="</think> without <think>"):
+        target.prepare(bad, 0)
+
+
+def test_local_pretrained_llm_directory(nemo_dirs, target, tmp_path):
+    """pretrained_llm naming a local directory with config.json + tokenizer is used; --llm-config still wins;
+    a name that is not a local directory still asks for --llm-config."""
+    ckpt, llm = nemo_dirs
+    own = tmp_path / "ckpt"
+    shutil.copytree(ckpt, own)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**cfg, "pretrained_llm": str(llm)}))
+    t = load_target(own)
+    assert t.tokenizer_dir == llm
+    conv = _conv(16000)
+    with torch.no_grad():
+        a = t.embed([t.prepare(conv, 0)])[0].inputs_embeds
+        b = target.embed([target.prepare(conv, 0)])[0].inputs_embeds
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    (own / "config.json").write_text(json.dumps({**cfg, "pretrained_llm": str(tmp_path / "nowhere")}))
+    with pytest.raises(FileNotFoundError, match="--llm-config"):
+        load_target(own)

@@ -42,9 +42,10 @@ TEMPLATE_KWARG_HELP = ("Chat-template variable key=value (JSON value or text), e
 def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
-    Pipeline: regenerate (optional) -> capture -> verify / inspect -> derive (optional) -> train -> eval ->
-    speculate / export. push / pull share a dataset through an object store. `tapdraft demo` runs the whole chain
-    on a built-in task.
+    Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
+
+    derive writes a lighter dataset; push / pull share one through an object store. `tapdraft demo` runs the
+    whole chain on a built-in task.
     """
     _RUN["debug"] = debug
 

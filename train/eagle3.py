@@ -208,11 +208,8 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
             self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
         # the draft's own head: the target's rows (divided by its logits scaling) to start from
         N = cfg.draft_vocab or self.vocab_size
-        head = (self.target_lm_head[:N] / self.head_spec.logits_scaling).clone()
-        if cfg.train_lm_head:
-            self.lm_head = nn.Parameter(head)
-        else:
-            self.register_buffer("lm_head", head)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
         if cfg.draft_vocab is not None:  # EAGLE-3's d2t / t2d, filled by set_draft_vocab (or a checkpoint); -1 = unset
             self.register_buffer("d2t", torch.full((N,), -1, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
@@ -221,6 +218,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=cfg.init_std)
             self.norm.weight.copy_(bundle.norm_weight.float())  # start where the target's final norm is
+            self.lm_head.weight.copy_(self.target_lm_head[:N] / self.head_spec.logits_scaling)
         self.last_tap = exact_last_tap(layout)
         self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         exact_ok = last_hidden_source(layout) is not None
@@ -249,8 +247,8 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         """Install the draft vocabulary and start the draft's head on the target's rows of it."""
         super().set_draft_vocab(vocab)
         with torch.no_grad():
-            self.lm_head.copy_(self.target_lm_head[vocab.ids.to(self.target_lm_head.device)]
-                               / self.head_spec.logits_scaling)
+            self.lm_head.weight.copy_(self.target_lm_head[vocab.ids.to(self.target_lm_head.device)]
+                                      / self.head_spec.logits_scaling)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids (identity without a draft vocabulary)."""
@@ -302,7 +300,8 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
 
     def draft_logits(self, r_RH: torch.Tensor) -> torch.Tensor:
         """[R, N] logits over the draft vocabulary (draft ids) of step outputs: lm_head(norm(r)), as vLLM computes."""
-        return torch.matmul(self.norm(r_RH).to(self.lm_head.dtype), self.lm_head.T).float()
+        w = self.lm_head.weight
+        return torch.matmul(self.norm(r_RH).to(w.dtype), w.T).float()
 
     def logits(self, r_RH: torch.Tensor) -> torch.Tensor:
         """[R, V] logits over the target vocabulary: -inf at target ids outside the draft vocabulary."""

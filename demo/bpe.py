@@ -34,7 +34,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -87,10 +87,11 @@ class BPESize:
 
 
 FULL = BPESize()
-QUICK = BPESize(vocab_size=1024, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, max_steps=150,
+QUICK = BPESize(vocab_size=1024, hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, max_steps=150,
                 train_seconds=120.0, batch_size=8, lr=1e-2, max_new_tokens=12, train_samples=12, val_samples=4)
 """Seconds-long, for tests: 150 steps is about where the tiny LM's greedy replies become text that re-tokenizes
-to the same ids (after 60 steps none did)."""
+to the same ids (after 60 steps none did). Head dim 32: the smallest vLLM's CPU attention serves (16 and 24
+are refused), so the serving tests use this shape too."""
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -259,14 +260,18 @@ class BPEPaths:
     """What each step did, as kept in ``workdir/bpe.json``."""
 
 
-def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, progress: bool = True) -> BPEPaths:
-    """Build (or reuse) DIR/target, DIR/data and DIR/dataset on one torch thread."""
+def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, progress: bool = True,
+                size: BPESize | None = None) -> BPEPaths:
+    """Build (or reuse) DIR/target, DIR/data and DIR/dataset on one torch thread; ``size`` replaces the
+    FULL / QUICK size (a workdir is reused only for the size it was built with)."""
     from capture.config import CaptureConfig
     from capture.pipeline import capture
     from demo.data import one_thread, open_workdir
 
-    size = QUICK if quick else FULL
+    size = size or (QUICK if quick else FULL)
     root, info_path, info = open_workdir(workdir, "bpe.json", quick=quick, seed=seed, what="BPE target")
+    if info.setdefault("size", asdict(size)) != asdict(size):
+        raise ValueError(f"{root} holds a BPE target of another size; use another workdir")
     tdir, ddir, dsdir = root / "target", root / "data", root / "dataset"
     with one_thread():
         if not (tdir / "config.json").is_file():

@@ -105,6 +105,9 @@ class DecodeResult:
     round cut short by eos or the token limit."""
     cut: list[bool] = field(default_factory=list)
     """Whether the round ended at eos or the token limit (drafts after that were never judged)."""
+    agreed: list[int] = field(default_factory=list)
+    """Drafts the verifier accepted per round BEFORE the cut at eos or the token limit: serving engines count
+    this (vLLM's ``per_step_accepted`` and ``num_accepted_tokens``), where ``accepted`` counts what was emitted."""
     proposed: int = 0
     """Drafts proposed per round (block size - 1)."""
 
@@ -189,6 +192,7 @@ def speculative_generate(
                 break
         out.emitted.append(n)
         out.accepted.append(min(a, n))  # drafts accepted past eos are never emitted: not counted
+        out.agreed.append(a)
         out.cut.append(cut)
         x = out.tokens[-1]
     return out

@@ -214,6 +214,10 @@ class _Decoder:
             "tau": emitted / rounds if rounds else float("nan"),
             "alpha": acceptance_by_position(self.results, self.K),
             "seconds_speculative": round(self.spec_s, 3),
+            # per conversation, what an engine's per-request counters hold: emitted tokens and, per verification
+            # round, the drafts accepted before the cut at eos / the token limit (vLLM counts those)
+            "conversations": [{"sample_id": i, "tokens": r.tokens, "agreed": r.agreed}
+                              for i, r in zip(self.sample_ids, self.results)],
         }
         if self.greedy_check:
             result["matches_greedy"] = f"{self.matches}/{self.n}"

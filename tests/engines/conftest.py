@@ -1,0 +1,62 @@
+"""Fixtures of the serving-engine tests: the engine's venv, and a small trained target with a trained drafter."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.engines.serving import engine_venv
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    return engine_venv("vllm")
+
+
+
+def engine_bpe_size():
+    """The quick BPE target (head dim 32, which vLLM's CPU attention serves) with enough conversations for
+    the serving checks: 48 to train the drafter on, 32 held out."""
+    from demo.bpe import QUICK
+
+    return replace(QUICK, train_samples=64, val_samples=32, max_new_tokens=24)
+
+
+@pytest.fixture(scope="session")
+def bpe_target(tmp_path_factory):
+    """A small trained text target with the dataset captured from its own greedy replies."""
+    from demo.bpe import prepare_bpe
+
+    return prepare_bpe(tmp_path_factory.mktemp("bpe"), quick=True, progress=False, size=engine_bpe_size())
+
+
+def train_and_export(data: Path, out: Path, recipe: str, *overrides: str) -> tuple[Path, Path]:
+    """`tapdraft train` then `tapdraft export`, through the CLI; returns (run dir, export dir)."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    run, export = out / "run", out / "export"
+    args = ["train", "--data", str(data), "--recipe", recipe, "--out", str(run), "--threads", "1"]
+    for o in overrides:
+        args += ["--set", o]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--json"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return run, export
+
+
+@pytest.fixture(scope="session")
+def bpe_dflash(bpe_target, tmp_path_factory):
+    """A DFlash drafter (block 8: 7 drafts a round) trained briefly on the BPE target's dataset, exported."""
+    return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("dflash"), "dflash_demo",
+                            "drafter.num_layers=1", "max_steps=200")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

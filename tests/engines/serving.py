@@ -1,0 +1,45 @@
+"""Running a real serving engine from the tests: its venv (engines/venv.sh) and one job in a subprocess.
+
+Engines pin their own torch and transformers, so each runs in its own venv built from the pins in
+``engines/NAME.txt`` by ``engines/venv.sh`` (reused while the pins are unchanged). The tests never skip
+when an engine is missing: building it is part of the test run, and a failed build fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+def engine_venv(name: str) -> Path:
+    """The engine's venv (built on first use: minutes), with the project's plugin for it installed."""
+    res = subprocess.run(["bash", str(ROOT / "engines" / "venv.sh"), name], capture_output=True, text=True,
+                         timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"engines/venv.sh {name} failed:\n{res.stderr[-4000:]}")
+    return Path(res.stdout.strip().splitlines()[-1])
+
+
+def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 900) -> dict[str, Any]:
+    """Run one vllm_runner job in the vLLM venv; its log goes to WORK/vllm-N.log (shown on failure)."""
+    work.mkdir(parents=True, exist_ok=True)
+    n = len(list(work.glob("vllm-*.json")))
+    job_path, out_path, log = work / f"vllm-{n}.json", work / f"vllm-{n}.out.json", work / f"vllm-{n}.log"
+    job_path.write_text(json.dumps(job))
+    # the engine's own environment only: tapdraft's venv must not leak into it
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    with open(log, "w") as f:
+        res = subprocess.run([str(venv / "bin" / "python"), str(RUNNER), str(job_path), str(out_path)],
+                             stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=work)
+    if res.returncode != 0:
+        tail = log.read_text()[-6000:]
+        raise RuntimeError(f"vLLM failed (exit {res.returncode}); the end of {log}:\n{tail}")
+    return json.loads(out_path.read_text())

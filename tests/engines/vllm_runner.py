@@ -1,0 +1,67 @@
+"""Serve one job with vLLM and write what it produced: run INSIDE the vLLM venv (engines/venv.sh vllm).
+
+    python vllm_runner.py JOB.json OUT.json
+
+JOB: {"target": DIR, "speculative": {"method": "dflash", "model": EXPORT, "num_speculative_tokens": K} | null,
+      "requests": [{"prompt_token_ids": [...]} | {"prompt": TEXT, "audio": NPY_PATH, "sample_rate": SR}],
+      "max_tokens": N, "max_model_len": M, "dtype": "float32", "ignore_eos": false}
+OUT: {"vllm": VERSION, "plugins": [...], "outputs": [{"token_ids", "finish_reason", "prompt_token_ids",
+      "spec": {"per_step_accepted", "per_step_drafted", ...} | null}]}
+
+Greedy (temperature 0) and one sequence per request, so vLLM's per-request speculative metrics
+(``per_request_spec_decode_metrics="detailed"``) give every verification step's accepted draft count,
+counted as vLLM counts it: drafts the target's sampled tokens agreed with, before the output is cut at
+eos or ``max_tokens``. Requests run one at a time (``max_num_seqs=1``) so no batching order can
+change what a step sees. This file imports only vLLM and numpy: it is not part of tapdraft.
+"""
+
+import json
+import os
+import sys
+
+
+def main(job_path: str, out_path: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import numpy as np
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    job = json.load(open(job_path))
+    kwargs = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
+                  max_model_len=job.get("max_model_len", 512), max_num_seqs=1, enable_prefix_caching=False,
+                  disable_log_stats=False)
+    if job.get("speculative"):
+        kwargs["speculative_config"] = job["speculative"]
+        kwargs["per_request_spec_decode_metrics"] = "detailed"
+    if any("audio" in r for r in job["requests"]):
+        kwargs["limit_mm_per_prompt"] = {"audio": 1}
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
+    prompts = []
+    for r in job["requests"]:
+        if "audio" in r:
+            prompts.append({"prompt": r["prompt"],
+                            "multi_modal_data": {"audio": (np.load(r["audio"]), r["sample_rate"])}})
+        else:
+            prompts.append({"prompt_token_ids": r["prompt_token_ids"]})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    doc = {"vllm": vllm.__version__, "outputs": []}
+    try:
+        import tapdraft_vllm
+
+        doc["plugins"] = tapdraft_vllm.applied()
+    except ImportError:
+        doc["plugins"] = []
+    for o in outs:
+        c = o.outputs[0]
+        spec = c.spec_decode_metrics.to_dict() if c.spec_decode_metrics is not None else None
+        doc["outputs"].append({"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                               "prompt_token_ids": list(o.prompt_token_ids or []), "spec": spec})
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(out_path + ".tmp", out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

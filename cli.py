@@ -230,7 +230,7 @@ def train(
     data: str = typer.Option(..., "--data", help="Dataset directory or fsspec URL."),
     out: str = typer.Option(..., "--out", help="Run directory (resumes from its latest checkpoint)."),
     recipe: str = typer.Option("dflash", "--recipe", help="Recipe name in train/recipes (dflash, dflash2, mtp, "
-                               "mtp_lk, ...) or a YAML path."),
+                               "mtp_lk, eagle3, ...) or a YAML path."),
     config: str = typer.Option(None, "--config", help="YAML file merged over the recipe (family/drafter/train)."),
     set_: list[str] = typer.Option([], "--set", help="Override one field: key=value (e.g. max_steps=100, "
                                    "drafter.gamma=4). Repeatable."),

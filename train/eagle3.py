@@ -51,12 +51,13 @@ from train.draft_vocab import DraftVocab
 from train.drafter import Drafter, one_sequence_batch, pick_tokens
 from train.eagle3_loss import Eagle3Loss
 from train.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
-from train.mask import eagle3_dense_mask
+from train.mask import eagle3_block_mask, eagle3_dense_mask
 from train.mtp_targets import IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
 from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 
 LOSS_TYPES = ("kl", "ce", "lk")
 TEACHERS = ("auto", "exact", "topk")
+ATTENTION = ("dense", "flex")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class Eagle3Config:
     """N: the draft's vocabulary (train.draft_vocab; vLLM's draft_vocab_size with d2t); None = the target's."""
     train_lm_head: bool = True
     """Train the draft's own lm_head (EAGLE-3 does); false keeps the target's rows frozen."""
+    attention: str = "dense"
+    """dense (an SDPA mask; CPU trains only this way) or flex (FlexAttention's block mask skips the empty blocks)."""
+    flex_block_size: int = 128
+    """FlexAttention block size (a multiple of 16)."""
     chunk_rows: int = 1024
     """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
     init_std: float = 0.02
@@ -101,6 +106,8 @@ class Eagle3Config:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
@@ -275,7 +282,11 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         """Step j for the chains anchored at ``rows_Q`` (step 0: every row, Q = T): (r [Bs, Q, H], grown cache)."""
         Bs, Q = emb_BQH.shape[:2]
         rope = self.rope((rows_Q + j)[None].expand(Bs, Q))
-        r, kv = self.midlayer(emb_BQH.to(h_BQH.dtype), h_BQH, rope, eagle3_dense_mask(rows_Q, T, j), cache)
+        if self.config.attention == "flex":
+            mask = eagle3_block_mask(rows_Q, T, j, self.config.flex_block_size)
+        else:
+            mask = eagle3_dense_mask(rows_Q, T, j)
+        r, kv = self.midlayer(emb_BQH.to(h_BQH.dtype), h_BQH, rope, mask, cache)
         grown = kv if cache is None else (torch.cat([cache[0], kv[0]], 2), torch.cat([cache[1], kv[1]], 2))
         return r, grown
 

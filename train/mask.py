@@ -101,7 +101,9 @@ def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mas
 #
 # This is what live drafting computes (vLLM's EAGLE-3 proposer keeps the verified positions' keys from
 # the target-fed pass and appends each draft step's own), so teacher-forced acceptance is the live one.
-# Step 0 is the same rule with no later keys (plain causal attention). Shapes: Q query rows, T positions.
+# Step 0 is the same rule with no later keys (plain causal attention). The own-chain keys are one per query
+# (a diagonal): the dense mask spends Q x (T + jQ) scores on them where FlexAttention's block mask skips
+# the empty blocks, so long sequences on GPU take ``attention: flex``. Shapes: Q query rows, T positions.
 
 
 def eagle3_mask_mod(rows_Q: torch.Tensor, ctx_len: int) -> MaskMod:
@@ -125,3 +127,13 @@ def eagle3_dense_mask(rows_Q: torch.Tensor, ctx_len: int, step: int) -> torch.Te
     q = torch.arange(Q, device=dev)[None, None, :, None]
     kv = torch.arange(ctx_len + step * Q, device=dev)[None, None, None, :]
     return eagle3_mask_mod(rows_Q, ctx_len)(zero, zero, q, kv)
+
+
+def eagle3_block_mask(rows_Q: torch.Tensor, ctx_len: int, step: int, mask_block: int = 128) -> "BlockMask":
+    """FlexAttention BlockMask of the same rule for step ``step``'s queries (batch and heads broadcast)."""
+    if create_block_mask is None:
+        raise ValueError("this torch has no FlexAttention; use attention='dense'")
+    flex_tile(mask_block)
+    Q = rows_Q.shape[0]
+    return create_block_mask(eagle3_mask_mod(rows_Q, ctx_len), None, None, Q, ctx_len + step * Q,
+                             device=rows_Q.device, BLOCK_SIZE=mask_block)

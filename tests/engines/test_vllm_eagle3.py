@@ -28,11 +28,16 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 K = 4  # drafts per round: eagle3_demo's training-time-test steps
 
 
-@pytest.fixture(scope="module")
-def bpe_eagle3(bpe_target, tmp_path_factory):
-    """An EAGLE-3 drafter trained briefly on the BPE target's dataset (`tapdraft train` + `tapdraft export`)."""
+DRAFT_VOCAB = 384  # of the target's 1,024: vLLM then reads d2t and places the logits itself
+
+
+@pytest.fixture(scope="module", params=["target_vocab", "draft_vocab"])
+def bpe_eagle3(request, bpe_target, tmp_path_factory):
+    """An EAGLE-3 drafter trained briefly on the BPE target's dataset (`tapdraft train` + `tapdraft export`), over
+    the target's vocabulary or a reduced draft vocabulary."""
+    extra = [f"drafter.draft_vocab={DRAFT_VOCAB}"] if request.param == "draft_vocab" else []
     return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("eagle3"), "eagle3_demo", "max_steps=200",
-                            f"drafter.num_steps={K}")
+                            f"drafter.num_steps={K}", *extra)
 
 
 def test_replayed_tau_equals_live_tau(bpe_target, bpe_eagle3, tmp_path):
@@ -54,6 +59,7 @@ def test_vllm_serves_eagle3_export_with_tapdrafts_acceptance(vllm_venv, bpe_targ
     run, export = bpe_eagle3
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["target_layer_ids"]]
+    assert cfg["draft_vocab_size"] in (DRAFT_VOCAB, cfg["vocab_size"])
     convs = prompts(bpe_target)
     requests = [{"prompt_token_ids": ids} for _, ids in convs]
     job = {"target": str(bpe_target.target), "requests": requests, "max_tokens": MAX_TOKENS, "max_model_len": 256}

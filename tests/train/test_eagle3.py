@@ -50,6 +50,16 @@ def test_mask_is_causal_on_step_zero_and_the_own_chain_after():
     assert torch.equal(full, torch.ones(T, T, dtype=torch.bool).tril())
 
 
+def test_flex_forward_matches_dense_cpu():
+    bundle, lay = tiny_bundle(), layout()
+    batch = batch_of(lay, bundle, lengths=(20, 13))
+    dense, flex = drafter(bundle, lay), drafter(bundle, lay, attention="flex", flex_block_size=16)
+    with torch.no_grad():
+        a, b = dense.run_steps(batch), flex.run_steps(batch)
+    for x, y in zip(a["h"], b["h"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
 # -- a float64 re-implementation of vLLM's EAGLE-3 math, on the exported weights' names ---------------
 def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -1,7 +1,8 @@
 """Forward hooks that keep decoder-layer outputs: the one home of how a tap is taken.
 
-A tap is the output of a decoder layer, i.e. the residual stream BEFORE the final norm (HF
-``hidden_states[i + 1]``; never ``hidden_states[-1]``, which is post-norm). Capture (one padded
+A tap is the output of a decoder layer, i.e. the residual stream BEFORE the final norm, the last layer
+included (HF ``hidden_states[i + 1]`` for every layer but the last; never ``hidden_states[-1]``, which is
+post-norm; numbering in ``shards.taps``). Capture (one padded
 forward per batch) and live speculative decoding (one forward per step) both take taps here.
 
     with LayerTaps(decoder.layers, [1, 9, 17]) as taps:

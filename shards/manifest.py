@@ -27,6 +27,7 @@ import fsspec
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
 from shards.integrity import NO_INTEGRITY
 from shards.schema import check_schema_version
+from shards.taps import TAP_NUMBERING
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
@@ -36,10 +37,7 @@ TARGET_DIR = "target"
 EXTENSIONS = {"arrow": "arrow", "wds": "tar"}
 _SPLIT_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
-TAP_CONVENTION = (
-    "tap i = output of decoder layer i (residual stream before the final norm); "
-    "HF hidden_states[i + 1]; vLLM layer id i + 1"
-)
+TAP_CONVENTION = TAP_NUMBERING
 TOPK_ROWS = "row t is stored when loss_mask[t + 1] (topk_rows, ascending); log-probs under the full softmax"
 
 

@@ -1,11 +1,18 @@
 """Tap ids: which target decoder layers a dataset stores, and how engines number them.
 
 The one home for the default-tap rule and the HF/vLLM numbering. A tap with id ``i`` is the
-output of decoder layer ``i`` (the residual stream BEFORE the final norm), which HF exposes as
-``hidden_states[i + 1]`` and vLLM names ``i + 1``.
+output of decoder layer ``i`` (the residual stream BEFORE the final norm, the last layer included),
+which vLLM names ``i + 1`` (its extracted layer id L is the last layer's output before the final norm)
+and HF exposes as ``hidden_states[i + 1]`` for every layer but the last: HF's last entry is taken after
+the final norm, so it is NOT tap L - 1.
 """
 
 from __future__ import annotations
+
+TAP_NUMBERING = ("tap i = output of decoder layer i before the final norm, the last layer included; vLLM layer "
+                 "id = i + 1; HF hidden_states[i + 1] = tap i only for i < L - 1 (HF's last entry is after the "
+                 "final norm)")
+"""The numbering rule as manifests and exports state it."""
 
 
 def default_tap_ids(num_target_layers: int, draft_layers: int) -> list[int]:

@@ -113,7 +113,8 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
             bar.update(decoder.n)
     if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
-    return {**decoder.report(), **offline_estimates(loaded, decoder.sample_ids, cfg)}
+    report = decoder.report()
+    return {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
 
 
 def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
@@ -237,13 +238,26 @@ def dataset_samples(loaded: Trained, sample_ids: list[str]) -> list[dict[str, An
     return [found[i] for i in sample_ids if i in found]
 
 
-def offline_estimates(loaded: Trained, sample_ids: list[str], cfg: SpeculateConfig) -> dict[str, Any]:
-    """Offline tau (uniform anchors, and replayed) over the decoded conversations' own dataset samples;
-    without any of them in the dataset, the run's first eval.json, labelled with what it covers."""
-    res = acceptance_of(loaded, dataset_samples(loaded, sample_ids), device=cfg.device)
+def past_capture(samples: list[dict[str, Any]], decoded: list[dict[str, Any]]) -> dict[str, int]:
+    """How many decoded conversations ran past the reply their dataset sample holds, and by how many tokens in
+    all: the dataset has no target states there, so the replay cannot see those rounds (a drafter trained on
+    replies cut at a length also never saw them)."""
+    reply = {s["sample_id"]: int(s["loss_mask"].shape[0]) - prompt_length(s["loss_mask"]) for s in samples}
+    over = [len(d["tokens"]) - reply[d["sample_id"]] for d in decoded if d["sample_id"] in reply]
+    return {"conversations": sum(x > 0 for x in over), "tokens": sum(max(x, 0) for x in over)}
+
+
+def offline_estimates(loaded: Trained, sample_ids: list[str], cfg: SpeculateConfig,
+                      decoded: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Offline tau (uniform anchors, and replayed) over the decoded conversations' own dataset samples, and how
+    far live decoding ran past what they cover; without any of them in the dataset, the run's first eval.json,
+    labelled with what it covers."""
+    samples = dataset_samples(loaded, sample_ids)
+    res = acceptance_of(loaded, samples, device=cfg.device)
     if res is not None:
         return {"offline_tau": res["tau"], "offline_tau_replayed": res["tau_replayed"],
-                "offline_over": f"the same {res['samples']} conversations"}
+                "offline_over": f"the same {res['samples']} conversations",
+                "past_capture": past_capture(samples, decoded or [])}
     offline = sorted(Path(cfg.draft).glob("eval-*/eval.json"))
     if not offline:
         return {}
@@ -267,4 +281,10 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"offline estimate over {over}: tau = {r['offline_tau']:.3f} (uniform anchors)")
     if r.get("offline_tau_replayed") is not None:
         lines.append(f"offline replay of the same decoding rounds over {over}: tau = {r['offline_tau_replayed']:.3f}")
+    past = r.get("past_capture") or {}
+    if past.get("conversations"):
+        lines.append(f"note: {past['conversations']} of {r['samples']} conversations decoded past the reply their "
+                     f"dataset sample holds ({past['tokens']} tokens in all): the replay cannot cover those rounds "
+                     "and the drafter never trained there; lower --max-new-tokens to the captured length, or "
+                     "regenerate and capture with a larger --max-new-tokens")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shards.head import embed, head_spec, project, teacher_logits
-from shards.taps import to_vllm
+from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
 from train.anchors import allocate_anchor_counts, sample_anchors
 from train.chunks import map_row_chunks
@@ -326,12 +326,23 @@ class DFlashDrafter(DFlashLoss, Drafter):
             "tapdraft": {
                 "family": self.family,
                 "target_fingerprint": self.fingerprint,
-                "tap_numbering": "target_layer_ids: HF decoder-layer ids (output of layer i, pre-norm); "
-                "target_layer_ids_vllm = ids + 1",
+                "tap_numbering": TAP_NUMBERING,
+                **self._last_layer_note(),
                 "uses_target_embedding_and_lm_head": True,
                 "target_layer_types": self.target_layer_types,
+                # vLLM's DFlash / DFlash2 block is 1 + num_speculative_tokens: serve with the trained block
+                "serve_with": {"vllm": {"method": "dflash", "num_speculative_tokens": cfg.block_size - 1}},
             },
         }
+
+    def _last_layer_note(self) -> dict[str, Any]:
+        """What a loader that reads HF ``hidden_states`` would feed a draft that taps the target's last layer."""
+        last = self.target_num_layers - 1
+        if last not in self.config.target_layer_ids:
+            return {}
+        return {"last_layer_tap": f"tap {last} is the last decoder layer's output BEFORE the final norm (vLLM's "
+                f"layer id {last + 1} is the same tensor); HF hidden_states[-1] is after the final norm, so a trainer "
+                "or loader that reads hidden_states (NeMo Automodel's DFlash) would feed this draft post-norm states"}
 
     def _draft_vocab_config(self) -> dict[str, Any]:
         """EAGLE-3's config key for a reduced draft vocabulary (``d2t`` / ``t2d`` ride in the weights); {} when off."""

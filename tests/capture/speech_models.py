@@ -57,8 +57,13 @@ GRANITE_PREPROCESSOR = {
 }
 
 
-def save_qwen2_audio(d: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Qwen2AudioForConditionalGeneration + Qwen2AudioProcessor (Whisper features, 128 mels); its state dict."""
+SERVABLE_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+"""Text-model sizes a serving engine runs: vLLM's CPU attention serves head dim 32 (not 8, 16 or 24)."""
+
+
+def save_qwen2_audio(d: Path, seed: int = 0, text: dict | None = None) -> dict[str, torch.Tensor]:
+    """Qwen2AudioForConditionalGeneration + Qwen2AudioProcessor (Whisper features, 128 mels); its state dict.
+    ``text`` overrides the language model's sizes (e.g. ``SERVABLE_TEXT``)."""
     from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
                               WhisperFeatureExtractor)
 
@@ -67,8 +72,8 @@ def save_qwen2_audio(d: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     cfg = Qwen2AudioConfig(
         audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
                           num_mel_bins=128),
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
+        text_config={**dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2), **(text or {})},
         audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"),
     )
     torch.manual_seed(seed)
@@ -177,8 +182,9 @@ def own_inputs(target, messages: list[dict], waves: list, *, add_generation_prom
     return dict(target.processor(text=text, audio=waves, return_tensors="pt", **extra))
 
 
-def save_qwen3_asr(d: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Qwen3ASRForConditionalGeneration + Qwen3ASRProcessor (128 mels, 1 s encoder chunks); its state dict."""
+def save_qwen3_asr(d: Path, seed: int = 0, text: dict | None = None) -> dict[str, torch.Tensor]:
+    """Qwen3ASRForConditionalGeneration + Qwen3ASRProcessor (128 mels, 1 s encoder chunks); its state dict.
+    ``text`` overrides the language model's sizes (e.g. ``SERVABLE_TEXT``)."""
     from transformers import (Qwen3ASRConfig, Qwen3ASRFeatureExtractor, Qwen3ASRForConditionalGeneration,
                               Qwen3ASRProcessor)
 
@@ -195,9 +201,10 @@ def save_qwen3_asr(d: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     tok = AutoTokenizer.from_pretrained(d)
     cfg = Qwen3ASRConfig(
         audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
-                          output_dim=32, downsample_hidden_size=8, n_window=50, n_window_infer=200),
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+                          output_dim=(text or {}).get("hidden_size", 32), downsample_hidden_size=8, n_window=50, n_window_infer=200),
+        text_config={**dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+                     **(text or {})},
         audio_token_id=tok.convert_tokens_to_ids("<|audio_pad|>"), pad_token_id=tok.pad_token_id,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
     )

@@ -60,3 +60,44 @@ def bpe_dflash(bpe_target, tmp_path_factory):
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+SPEECH_TARGETS = ("qwen2_audio",)
+"""Speech targets served in the CPU venv. Qwen3-ASR's vLLM module imports transformers' Qwen2-VL image
+processor, which needs torchvision, and PyPI has no torchvision for torch 2.13.0+cpu (its builds are CUDA ones
+whose ops fail to register on the CPU torch: ``operator torchvision::nms does not exist``); the plugin's fix
+applies to it all the same (its config has no ``image_token_index``)."""
+
+
+@pytest.fixture(scope="session", params=SPEECH_TARGETS)
+def speech_case(request, tmp_path_factory):
+    """A tiny speech LLM (real on-disk layout, a text model vLLM serves), 24 audio conversations with the
+    target's own greedy replies, the dataset captured from them, and a DFlash drafter trained on it."""
+    from capture.config import CaptureConfig
+    from capture.generate import GenerationConfig
+    from capture.pipeline import capture
+    from capture.regenerate import RegenerateConfig, regenerate
+    from capture.replies import ReplyConfig
+    from tests.capture import speech_models
+    from tests.capture.util import conv_record, write_manifest, write_wav
+
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    target = root / "target"
+    getattr(speech_models, f"save_{kind}")(target, text=speech_models.SERVABLE_TEXT)
+    records = []
+    for i in range(24):
+        digits = [(i + j) % 10 for j in range(2 + i % 3)]
+        wav = write_wav(root / "audio" / f"{i:03d}.wav", digits, seed=i)
+        records.append(conv_record(f"{kind}-{i:03d}", str(wav)))
+    src = write_manifest(root / "corpus.jsonl", records)
+    convs = root / "train.jsonl"
+    regenerate(RegenerateConfig(target=str(target), data=str(src), out=str(convs), progress=False,
+                                replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=16),
+                                                    keep_truncated=True)))
+    dataset = root / "dataset"
+    capture(CaptureConfig(target=str(target), out=str(dataset), data=(("train", str(convs)),), progress=False),
+            target=None)
+    run, export = train_and_export(dataset, root / "dflash", "dflash_demo", "drafter.num_layers=1", "max_steps=150")
+    return {"kind": kind, "target": target, "conversations": convs, "dataset": dataset, "run": run,
+            "export": export, "root": root}

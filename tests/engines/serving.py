@@ -26,8 +26,18 @@ def engine_venv(name: str) -> Path:
     return Path(res.stdout.strip().splitlines()[-1])
 
 
-def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 900) -> dict[str, Any]:
-    """Run one vllm_runner job in the vLLM venv; its log goes to WORK/vllm-N.log (shown on failure)."""
+class EngineFailed(RuntimeError):
+    """The engine exited non-zero; ``log`` is its whole output."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+
+def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 900,
+               plugins: bool = True) -> dict[str, Any]:
+    """Run one vllm_runner job in the vLLM venv; its log goes to WORK/vllm-N.log (its end shown on failure).
+    ``plugins=False`` runs stock vLLM (no general plugin loaded: ``VLLM_PLUGINS`` names none)."""
     work.mkdir(parents=True, exist_ok=True)
     n = len(list(work.glob("vllm-*.json")))
     job_path, out_path, log = work / f"vllm-{n}.json", work / f"vllm-{n}.out.json", work / f"vllm-{n}.log"
@@ -36,10 +46,12 @@ def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if not plugins:
+        env["VLLM_PLUGINS"] = ""
     with open(log, "w") as f:
         res = subprocess.run([str(venv / "bin" / "python"), str(RUNNER), str(job_path), str(out_path)],
                              stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=work)
     if res.returncode != 0:
-        tail = log.read_text()[-6000:]
-        raise RuntimeError(f"vLLM failed (exit {res.returncode}); the end of {log}:\n{tail}")
+        text = log.read_text()
+        raise EngineFailed(f"vLLM failed (exit {res.returncode}); the end of {log}:\n{text[-6000:]}", text)
     return json.loads(out_path.read_text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engines.conftest import read_jsonl
-from tests.engines.serving import serve_vllm
+from tests.engines.serving import EngineFailed, serve_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -64,3 +64,81 @@ def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_targ
     print(f"vLLM {spec['vllm']}: {len(convs)} conversations, {rounds} rounds, {accepted} drafts accepted "
           f"(1 + accepted/rounds = {1 + accepted / rounds:.3f}); tapdraft tau {ours['tau']:.3f}")
     assert accepted > 0, "the trained drafter should get some drafts accepted"
+
+
+def speech_requests(case):
+    """vLLM requests for the case's conversations: the prompt as the target's chat template renders it (audio
+    placeholder and markers included) and the audio at the encoder's rate; tapdraft's expanded prompt ids."""
+    import numpy as np
+
+    from capture.inputs import load_audio, read_inputs
+    from capture.load import load_target
+    from speculate.run import prompt_length
+
+    target = load_target(str(case["target"]))
+    requests, ids = [], []
+    for n, conv in enumerate(read_inputs(str(case["conversations"]), placeholder=target.input_placeholder)):
+        text = target.tokenizer.apply_chat_template(target._wrap(conv.messages[:-1]), tokenize=False,
+                                                    add_generation_prompt=True)
+        (wave,) = [load_audio(a, target_sr=16000, min_sr=16000)[0] for a in conv.audios]
+        path = case["root"] / f"audio-{n:03d}.npy"
+        np.save(path, wave.astype(np.float32))
+        requests.append({"prompt": text, "audio": str(path), "sample_rate": 16000})
+        exp = target.embed([target.prepare(conv, n)])[0]
+        ids.append(exp.input_ids[: prompt_length(exp.loss_mask)].tolist())
+    return requests, ids
+
+
+def test_vllm_serves_dflash_beside_a_speech_target(vllm_venv, speech_case, tmp_path):
+    """With the project's vLLM plugin (installed into the venv by engines/venv.sh), a speech target serves with
+    a DFlash draft: greedy output and per-round acceptance equal to tapdraft's, audio expanded alike."""
+    requests, ids = speech_requests(speech_case)
+    n_new = 16
+    job = {"target": str(speech_case["target"]), "requests": requests, "max_tokens": n_new, "max_model_len": 512}
+    alone = serve_vllm(vllm_venv, job, tmp_path)
+    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(speech_case["export"]),
+                                                          "num_speculative_tokens": K}}, tmp_path)
+    assert "image_token_index" in spec["plugins"]
+    assert [o["prompt_token_ids"] for o in alone["outputs"]] == ids  # vLLM expands the audio as tapdraft does
+    greedy = [o["token_ids"] for o in alone["outputs"]]
+    assert [o["token_ids"] for o in spec["outputs"]] == greedy
+    from speculate.run import SpeculateConfig, run_speculate
+
+    ours = run_speculate(SpeculateConfig(target=str(speech_case["target"]), draft=str(speech_case["run"]),
+                                         data=str(speech_case["dataset"]),
+                                         conversations=str(speech_case["conversations"]), max_samples=len(ids),
+                                         max_new_tokens=n_new), progress=False)
+    assert [c["tokens"] for c in ours["conversations"]] == greedy
+    vllm_rounds = [o["spec"]["per_step_accepted"] for o in spec["outputs"]]
+    our_rounds = [c["agreed"] for c in ours["conversations"]]
+    accepted, rounds = sum(map(sum, our_rounds)), sum(map(len, our_rounds))
+    print(f"{speech_case['kind']} in vLLM {spec['vllm']}: {len(ids)} conversations, {rounds} rounds, {accepted} "
+          f"accepted (1 + accepted/rounds = {1 + accepted / rounds:.3f}); tapdraft tau {ours['tau']:.3f}")
+    assert vllm_rounds == our_rounds
+    assert accepted > 0
+
+
+def test_stock_vllm_refuses_a_speech_target_with_a_draft(vllm_venv, speech_case, tmp_path):
+    """Without the plugin, vLLM 0.32 fails before decoding (the upstream gap the plugin's first fix covers): the
+    proposer copies ``image_token_index`` from any multimodal target not on its list of vision models."""
+    requests, _ = speech_requests(speech_case)
+    job = {"target": str(speech_case["target"]), "requests": requests[:1], "max_tokens": 4, "max_model_len": 512,
+           "speculative": {"method": "dflash", "model": str(speech_case["export"]), "num_speculative_tokens": K}}
+    with pytest.raises(EngineFailed) as failed:
+        serve_vllm(vllm_venv, job, tmp_path, plugins=False)
+    assert "image_token_index" in failed.value.log or "EAGLE3 interface" in failed.value.log
+
+
+def test_decoding_past_the_captured_reply_is_reported(bpe_target, bpe_dflash):
+    """The regenerated replies stop at 24 tokens (most of them cut there): decoding 40 tokens runs past what the
+    dataset holds, where the replay sees nothing and the drafter never trained; speculate says so and how much.
+    (Measured on this target: accepted drafts per round fall from 0.13 before token 24 to 0.05 after it.)"""
+    from speculate.run import format_result
+
+    run, _ = bpe_dflash
+    inside = speculate(bpe_target, run, bpe_target.val_manifest, 32, MAX_TOKENS)
+    assert inside["past_capture"] == {"conversations": 0, "tokens": 0}
+    assert "decoded past" not in format_result(inside)
+    past = speculate(bpe_target, run, bpe_target.val_manifest, 32, 40)
+    assert past["past_capture"]["conversations"] > 0 and past["past_capture"]["tokens"] > 0
+    assert "decoded past the reply their dataset sample holds" in format_result(past)

@@ -3,7 +3,8 @@
     python vllm_runner.py JOB.json OUT.json
 
 JOB: {"target": DIR, "speculative": {"method": "dflash", "model": EXPORT, "num_speculative_tokens": K} | null,
-      "requests": [{"prompt_token_ids": [...]} | {"prompt": TEXT, "audio": NPY_PATH, "sample_rate": SR}],
+      "requests": [{"prompt_token_ids": [...]} | {"prompt": TEXT, "audio": NPY_PATH, "sample_rate": SR}
+                   | {"prompt_embeds": PT_PATH}],  (a [T, H] tensor: the merged input embeddings)
       "max_tokens": N, "max_model_len": M, "dtype": "float32", "ignore_eos": false}
 OUT: {"vllm": VERSION, "plugins": [...], "outputs": [{"token_ids", "finish_reason", "prompt_token_ids",
       "spec": {"per_step_accepted", "per_step_drafted", ...} | null}]}
@@ -36,11 +37,19 @@ def main(job_path: str, out_path: str) -> None:
         kwargs["per_request_spec_decode_metrics"] = "detailed"
     if any("audio" in r for r in job["requests"]):
         kwargs["limit_mm_per_prompt"] = {"audio": 1}
+    if any("prompt_embeds" in r for r in job["requests"]):
+        kwargs["enable_prompt_embeds"] = True
+    if job.get("tokenizer"):
+        kwargs["tokenizer"] = job["tokenizer"]
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
     prompts = []
     for r in job["requests"]:
-        if "audio" in r:
+        if "prompt_embeds" in r:
+            import torch
+
+            prompts.append({"prompt_embeds": torch.load(r["prompt_embeds"], weights_only=True)})
+        elif "audio" in r:
             prompts.append({"prompt": r["prompt"],
                             "multi_modal_data": {"audio": (np.load(r["audio"]), r["sample_rate"])}})
         else:

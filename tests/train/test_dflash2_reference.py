@@ -61,7 +61,9 @@ def test_export_has_exactly_the_reference_keys_and_config(exported):
     assert (K, gs, r, dc["selector_top_k"]) == (2, 8, 8, 5)
     assert "projector_type" not in dc  # the reference refuses any projector on DFlash2
     assert dc["target_layer_ids"] == [1, 2] and dc["mask_token_id"] == model.config.mask_token_id
-    assert cfg["architectures"] == ["Qwen3DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    # the name engines key on (vLLM's registry and V2-runner switch, exllamav3); Automodel's class loads by class
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["tapdraft"]["serve_with"]["vllm"] == {"method": "dflash", "num_speculative_tokens": B - 1}
     assert cfg["block_size"] == B and "auto_map" not in cfg
     for i in range(LAYERS):
         for conv in ("attention_conv", "mlp_conv"):

@@ -50,7 +50,7 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     export_run(tmp_path / "run", tmp_path / "export")
     cfg, weights = load_export(tmp_path / "export")
     if recipe == "dflash2":
-        assert cfg["architectures"] == ["Qwen3DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights
+        assert cfg["architectures"] == ["DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights
     elif recipe == "eagle3_demo":
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["target_layer_ids"]]
         assert {"fc.weight", "midlayer.hidden_norm.weight", "lm_head.weight"} <= set(weights)

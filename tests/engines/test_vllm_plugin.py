@@ -1,0 +1,29 @@
+"""The vLLM plugin's own logic, without vLLM: the version gate and the audio token it reads from configs."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "engines" / "vllm_plugin"))
+import tapdraft_vllm  # noqa: E402
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.5", "0.32.0rc1"])
+def test_versions_it_was_proven_on_are_accepted(version):
+    tapdraft_vllm.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0"])
+def test_other_versions_are_refused_in_one_line(version):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* found " + version.replace(".", r"\.")) as e:
+        tapdraft_vllm.check_version(version)
+    assert "\n" not in str(e.value)
+
+
+def test_audio_token_from_the_config_or_its_thinker():
+    assert tapdraft_vllm.audio_token_id(SimpleNamespace(audio_token_index=7)) == 7
+    assert tapdraft_vllm.audio_token_id(SimpleNamespace(audio_token_id=9)) == 9
+    assert tapdraft_vllm.audio_token_id(SimpleNamespace(thinker_config=SimpleNamespace(audio_token_id=3))) == 3
+    assert tapdraft_vllm.audio_token_id(SimpleNamespace(vocab_size=5)) is None

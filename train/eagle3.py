@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.head import head_spec, teacher_logits
-from shards.taps import eagle3_tap_ids, to_vllm
+from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
@@ -438,9 +438,9 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
             "tapdraft": {
                 "family": self.family,
                 "target_fingerprint": self.fingerprint,
-                "tap_numbering": "target_layer_ids: HF decoder-layer ids (output of layer i, pre-norm); vLLM aux "
-                                 "hidden-state layer id = id + 1",
+                "tap_numbering": TAP_NUMBERING,
                 "uses_target_embedding": True,
+                "serve_with": {"vllm": {"method": "eagle3", "num_speculative_tokens": cfg.num_steps}},
             },
         }
 

@@ -44,6 +44,22 @@ def capture_tap_ids(num_target_layers: int, draft_layers: int, *, with_last: boo
     return sorted(set(ids))
 
 
+EAGLE3_SPREAD = 5
+"""The capture default's draft depth (``CaptureConfig.draft_layers``), whose spread EAGLE-3's triple is taken from."""
+
+
+def eagle3_tap_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's default low / middle / high taps: the first, middle and last of the five-layer spread above.
+
+    For L >= 8 that is (1, about L/2 - 1, L - 3), vLLM ids (2, ~L/2, L - 2), beside vLLM's own default aux
+    layers (2, L // 2, L - 3): the high tap sits one layer higher, so a dataset captured with the defaults
+    (which store that spread and the last layer) trains DFlash, MTP and EAGLE-3 alike, with no extra tap.
+    Qwen3-8B (L = 36): [1, 17, 33]. Shallow targets get the distinct ones (L = 2: [0, 1]).
+    """
+    ids = default_tap_ids(num_target_layers, EAGLE3_SPREAD)
+    return sorted({ids[0], ids[len(ids) // 2], ids[-1]})
+
+
 def to_vllm(tap_ids: list[int] | tuple[int, ...]) -> list[int]:
     """vLLM numbers the same tensors one higher (its 0 is the embedding output)."""
     return [i + 1 for i in tap_ids]

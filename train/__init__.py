@@ -1,4 +1,4 @@
-"""Fit speculative-decoding drafters (DFlash, DFlash2, MTP) from a dataset, never the live target.
+"""Fit speculative-decoding drafters (DFlash, DFlash2, MTP, EAGLE-3) from a dataset, never the live target.
 
 Entry points (what ``cli.py`` and the demo call):
     run = train.config.load_run_config("dflash_demo", overrides=["max_steps=100"])
@@ -10,9 +10,10 @@ Homes (each job is written once):
     config.py      TrainConfig, RunConfig, recipes (``base:`` chains) and overrides
     drafter.py     the Drafter protocol (forward, acceptance, propose, export_config), family registry,
                    the loss-normalisation rule
-    dflash.py, dflash2.py, mtp.py   one file per family (model, eval, export; CONFIG and DRAFTER)
+    dflash.py, dflash2.py, mtp.py, eagle3.py   one file per family (model, eval, export; CONFIG and DRAFTER)
     dflash_config.py, dflash_loss.py   DFlash's settings; its training loss and draft vocabulary (a mixin)
     mtp_heads.py, mtp_targets.py, mtp_loss.py   MTP's head modules, per-depth alignment, training loss
+    eagle3.py, eagle3_loss.py   EAGLE-3 (vLLM's layout: fc, midlayer, norm, lm_head, d2t) and its training loss
     mtp_layouts.py MTP export layouts;  anchors.py  block anchors (DFlash, DFlash2)
     run.py         a run on disk: data source, checkpoints, build_drafter, load_trained
     acceptance.py  acceptance bookkeeping: counts, replayed rounds, the acc@k / alpha@k metrics, tau

@@ -36,36 +36,18 @@ import torch
 
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.anchors import sample_anchors
-from train.draft_vocab import DraftVocab, draft_index
+from train.draft_vocab import DraftVocabMixin, draft_index
 from train.drafter import LossOutput
 from train.losses import row_losses, weighted_terms
 from train.teacher import gather_exact, gather_topk
 
 
-class DFlashLoss:
+class DFlashLoss(DraftVocabMixin):
     """The training half of :class:`train.dflash.DFlashDrafter` (a mixin of it): the draft vocabulary, the
     training anchors, the KD teacher rows and ``forward``. It reads the drafter's config, frozen head
     buffers, ``block_hidden``, ``context`` and ``_targets``."""
 
-    # -- draft vocabulary ----------------------------------------------------------------------
-    def set_draft_vocab(self, vocab: DraftVocab) -> None:
-        """Install the draft vocabulary (``train.draft_vocab.setup`` fits it on the training split)."""
-        if self.config.draft_vocab != vocab.size or vocab.vocab_size != self.vocab_size:
-            raise ValueError(f"a {vocab.size}-token draft vocabulary of a {vocab.vocab_size}-token target does not fit "
-                             f"draft_vocab={self.config.draft_vocab} over {self.vocab_size} tokens")
-        self.d2t.copy_(vocab.d2t)
-        self.t2d.copy_(vocab.t2d)
-
-    def draft_ids(self) -> torch.Tensor | None:
-        """Target ids [N] of the draft vocabulary (None: the full vocabulary)."""
-        if self.config.draft_vocab is None:
-            return None
-        ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
-        if int(ids[0]) < 0:
-            raise RuntimeError("the draft vocabulary was never set: train.draft_vocab.setup (or loading a checkpoint) "
-                               "fills it before the drafter runs")
-        return ids
-
+    # -- draft vocabulary (set_draft_vocab, draft_ids: train.draft_vocab.DraftVocabMixin) ---------------
     def draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
         ids = self.draft_ids()

@@ -79,6 +79,29 @@ class DraftVocab:
         return 1.0 if total == 0 else int(counts_V[self.ids.to(counts_V.device)].sum()) / total
 
 
+class DraftVocabMixin:
+    """The draft vocabulary half of a drafter (DFlash, DFlash2, EAGLE-3): installs the subset into the drafter's
+    persistent ``d2t`` / ``t2d`` buffers and reads it back. It reads ``config.draft_vocab`` and ``vocab_size``."""
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Install the draft vocabulary (:func:`setup` fits it on the training split)."""
+        if self.config.draft_vocab != vocab.size or vocab.vocab_size != self.vocab_size:
+            raise ValueError(f"a {vocab.size}-token draft vocabulary of a {vocab.vocab_size}-token target does not fit "
+                             f"draft_vocab={self.config.draft_vocab} over {self.vocab_size} tokens")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids [N] of the draft vocabulary (None: the full vocabulary)."""
+        if self.config.draft_vocab is None:
+            return None
+        ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        if int(ids[0]) < 0:
+            raise RuntimeError("the draft vocabulary was never set: train.draft_vocab.setup (or loading a checkpoint) "
+                               "fills it before the drafter runs")
+        return ids
+
+
 def draft_index(t2d_V: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Draft ids of ``target_ids`` (any shape), -1 where a target id is outside the subset."""
     rank = t2d_V.long().cumsum(0) - 1  # draft id of every in-subset target id (ascending order)

@@ -1,6 +1,6 @@
 """The drafter protocol the loop, eval and export use, the family registry, and the ONE loss rule.
 
-A drafter family (``dflash``, ``dflash2``, ``mtp``) is a module that defines ``CONFIG`` (a frozen
+A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``) is a module that defines ``CONFIG`` (a frozen
 dataclass, validated in ``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass). The
 registry maps a family name to that module path; nothing is imported until a family is asked for
 (no import-time registration side effects). A new family adds one line to ``FAMILIES``.
@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "dflash": "train.dflash",
     "dflash2": "train.dflash2",
     "mtp": "train.mtp",
+    "eagle3": "train.eagle3",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 

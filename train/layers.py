@@ -1,11 +1,12 @@
-"""Qwen3-style building blocks shared by every drafter family (DFlash, DFlash2, MTP).
+"""Qwen3-style building blocks shared by every drafter family (DFlash, DFlash2, MTP, EAGLE-3).
 
 Why one home: the drafters must match the target's conventions exactly (RMSNorm computed in
 float32, RoPE with the target's base and the rotate-half layout, QK-norm before RoPE), and
 serving engines load the exported weights by these module names (``q_proj``, ``k_norm``,
 ``input_layernorm``, ...), so each rule is written once here.
 
-Attention takes three optional extras the drafters need:
+Attention takes four optional extras the drafters need (and ``input_size``: EAGLE-3's q/k/v read a 2H-wide
+input while its output stays H wide):
 
 - ``kv_prefix``: keys/values computed elsewhere (DFlash's target context, projected by this
   layer's own ``k_proj``/``v_proj`` via :meth:`Attention.project_kv`) prepended to the layer's own
@@ -13,6 +14,8 @@ Attention takes three optional extras the drafters need:
 - ``mask``: ``None`` (full), ``is_causal``, a boolean tensor broadcastable to
   ``[B, 1, Lq, Lkv]`` (True = may attend), an additive float tensor, or a FlexAttention
   ``BlockMask`` (then the Flex kernel runs).
+- ``return_kv``: the own rows' keys and values come back too, so a caller can prepend them to later
+  queries (EAGLE-3's unrolled training-time test caches each step's keys this way).
 - grouped K/V heads are repeated to the query heads before either kernel: Flex's ``enable_gqa``
   backward was measured 10x slower than repeating first.
 
@@ -104,14 +107,16 @@ class Attention(nn.Module):
         head_dim: int,
         eps: float = 1e-6,
         qk_norm: bool = True,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        d_in = input_size or hidden_size  # EAGLE-3's q/k/v read [embedding ; hidden], 2H wide
+        self.q_proj = nn.Linear(d_in, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
@@ -132,12 +137,15 @@ class Attention(nn.Module):
         mask: torch.Tensor | "BlockMask | None" = None,
         is_causal: bool = False,
         kv_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """x [B, L, H] -> [B, L, H]. Keys are ``cat(prefix, own)``, so masks index kv as [prefix | own]."""
+        return_kv: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, L, H] -> [B, L, H]. Keys are ``cat(prefix, own)``, so masks index kv as [prefix | own].
+        ``return_kv``: also return the own rows' keys and values [B, kv, L, D] (a caller's cache for later queries)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, rope)
         k, v = self.project_kv(x, rope)
+        own = (k, v)
         if kv_prefix is not None:
             k = torch.cat([kv_prefix[0].to(k.dtype), k], dim=2)
             v = torch.cat([kv_prefix[1].to(v.dtype), v], dim=2)
@@ -149,7 +157,8 @@ class Attention(nn.Module):
             if is_causal and kv_prefix is not None:
                 raise ValueError("is_causal with a kv_prefix is ambiguous: pass an explicit mask")
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+        return (out, own) if return_kv else out
 
 
 _COMPILED_FLEX = None

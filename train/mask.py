@@ -1,4 +1,5 @@
-"""The DFlash draft-attention visibility rule, written once, and the two masks built from it.
+"""The draft-attention visibility rules, each written once, and the masks built from them: DFlash's blocks
+and EAGLE-3's unrolled training-time test (at the end of this module).
 
 Queries are the draft blocks laid end to end: query q belongs to block j = q // B (B = block
 size). Keys are ``[context (T rows) | draft slots (N * B rows)]``, the order the layers
@@ -86,3 +87,53 @@ def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mas
         device=anchors_BN.device,
         BLOCK_SIZE=mask_block,
     )
+
+
+# -- EAGLE-3 -------------------------------------------------------------------------------------------
+# The training-time test unrolls the draft over steps j = 0..K-1. Step 0 runs every position t of the
+# sequence (T rows) on the target's fused feature; step j >= 1 runs Q chosen rows (every row in training,
+# the last verified one when drafting live), each the j-th step of the chain anchored at its row r_q,
+# at position r_q + j, on the previous step's own output. Keys are ``[step 0 (T rows) | step 1 (Q) | ...
+# | step j (Q)]``; a query of chain q at step j sees
+#
+# - step-0 key s (s < T) iff s <= r_q: the target-fed positions up to the chain's anchor (causal);
+# - the key of its own chain at every step 1..j (kv = T + i*Q + q); nothing of other chains.
+#
+# This is what live drafting computes (vLLM's EAGLE-3 proposer keeps the verified positions' keys from
+# the target-fed pass and appends each draft step's own), so teacher-forced acceptance is the live one.
+# Step 0 is the same rule with no later keys (plain causal attention). The own-chain keys are one per query
+# (a diagonal): the dense mask spends Q x (T + jQ) scores on them where FlexAttention's block mask skips
+# the empty blocks, so long sequences on GPU take ``attention: flex``. Shapes: Q query rows, T positions.
+
+
+def eagle3_mask_mod(rows_Q: torch.Tensor, ctx_len: int) -> MaskMod:
+    """EAGLE-3's visibility as a mask_mod(b, h, q_idx, kv_idx) -> bool; ``rows_Q`` int [Q]: each chain's anchor row."""
+    Q = rows_Q.shape[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_ctx = kv_idx < ctx_len
+        causal = in_ctx & (kv_idx <= rows_Q[q_idx])
+        own_chain = (~in_ctx) & ((kv_idx - ctx_len) % Q == q_idx)
+        return causal | own_chain
+
+    return mask_mod
+
+
+def eagle3_dense_mask(rows_Q: torch.Tensor, ctx_len: int, step: int) -> torch.Tensor:
+    """Bool [1, 1, Q, T + step * Q] (True = may attend) for step ``step``'s queries (batch and heads broadcast)."""
+    dev = rows_Q.device
+    Q = rows_Q.shape[0]
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev)[None, None, :, None]
+    kv = torch.arange(ctx_len + step * Q, device=dev)[None, None, None, :]
+    return eagle3_mask_mod(rows_Q, ctx_len)(zero, zero, q, kv)
+
+
+def eagle3_block_mask(rows_Q: torch.Tensor, ctx_len: int, step: int, mask_block: int = 128) -> "BlockMask":
+    """FlexAttention BlockMask of the same rule for step ``step``'s queries (batch and heads broadcast)."""
+    if create_block_mask is None:
+        raise ValueError("this torch has no FlexAttention; use attention='dense'")
+    flex_tile(mask_block)
+    Q = rows_Q.shape[0]
+    return create_block_mask(eagle3_mask_mod(rows_Q, ctx_len), None, None, Q, ctx_len + step * Q,
+                             device=rows_Q.device, BLOCK_SIZE=mask_block)

@@ -43,14 +43,14 @@ import torch
 from torch import nn
 
 from shards.head import embed, final_norm, head_spec, project, teacher_logits
-from train.acceptance import AcceptanceCounts, replay_rounds
+from train.acceptance import AcceptanceCounts
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
 from train.drafter import Drafter, one_sequence_batch, pick_tokens
 from train.layers import RotaryEmbedding
 from train.mtp_heads import MTPHead, _Model
 from train.mtp_loss import MTPLoss
-from train.mtp_targets import IGNORE, chain_counts, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
+from train.mtp_targets import IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
 from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 
 __all__ = [  # the names other modules import from here (some now live in the modules above)
@@ -284,16 +284,7 @@ class MTPDrafter(MTPLoss, Drafter):
                                       self.config.chunk_rows)
                 hit[rows] = p == tgt[rows]
             hits.append(hit)
-        counts = chain_counts(run["targets"], hits)
-        # replay: a live round anchored at position p (its last token) drafts from row p - 1
-        valid = torch.stack([t != IGNORE for t in run["targets"]], -1)  # [Bs, T, D] by row
-        correct = torch.stack(hits, -1) & valid
-        pad = torch.zeros_like(valid[:, :1])
-        valid_p, correct_p = torch.cat([pad, valid[:, :-1]], 1), torch.cat([pad, correct[:, :-1]], 1)
-        Bs, T = batch["input_ids"].shape
-        anchors = torch.arange(T, device=valid.device)[None].expand(Bs, T)
-        counts.round_tokens, counts.rounds = replay_rounds(batch["loss_mask"], anchors, correct_p, valid_p)
-        return counts
+        return chain_acceptance(run["targets"], hits, batch["loss_mask"])
 
     @torch.no_grad()
     def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

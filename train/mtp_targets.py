@@ -5,6 +5,8 @@ sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's s
 whose target is IGNORE are invalid (``train.mtp`` also masks the rows whose input is an audio frame it
 cannot embed).
 
+The chained drafters (MTP's depths, EAGLE-3's steps) share this alignment and :func:`chain_acceptance`.
+
 Shapes: Bs batch, T positions, D depths.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from train.acceptance import AcceptanceCounts
+from train.acceptance import AcceptanceCounts, replay_rounds
 
 IGNORE = -100
 
@@ -75,3 +77,20 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
         blocks=int(valid[0]),
     )
 
+
+
+def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss_mask: torch.Tensor) -> AcceptanceCounts:
+    """:func:`chain_counts` plus the greedy rounds replayed on the chains (``train.acceptance.replay_rounds``).
+
+    A live round anchored at position p (its last emitted token, which the target has not run yet) drafts
+    from row p - 1, so the chain of row p - 1 is the block of anchor p.
+    """
+    counts = chain_counts(targets, hits)
+    valid = torch.stack([t != IGNORE for t in targets], -1)  # [Bs, T, D] by row
+    correct = torch.stack(hits, -1) & valid
+    pad = torch.zeros_like(valid[:, :1])
+    valid_p, correct_p = torch.cat([pad, valid[:, :-1]], 1), torch.cat([pad, correct[:, :-1]], 1)
+    Bs, T = loss_mask.shape
+    anchors = torch.arange(T, device=valid.device)[None].expand(Bs, T)
+    counts.round_tokens, counts.rounds = replay_rounds(loss_mask, anchors, correct_p, valid_p)
+    return counts

@@ -1,4 +1,4 @@
-"""DFlash2 and MTP through the shared loop, offline eval and export: loss falls, eval and export work."""
+"""DFlash2, MTP and EAGLE-3 through the shared loop, offline eval and export: loss falls, eval and export work."""
 
 import json
 
@@ -29,6 +29,7 @@ SMALL = ["max_steps=40", "warmup_steps=4", "lr=3e-3", "max_tokens=256", "max_bat
         ("mtp", ["num_depths=2"]),
         ("mtp_lk", []),
         ("mtp_lk_adaptive", ["teacher=topk"]),
+        ("eagle3_demo", ["num_steps=3", "lr=3e-3"]),
     ],
 )
 def test_train_eval_export(data, tmp_path, recipe, extra):
@@ -50,6 +51,9 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     cfg, weights = load_export(tmp_path / "export")
     if recipe == "dflash2":
         assert cfg["architectures"] == ["DFlash2DraftModel"] and "candidate_selector.successor_codebook" in weights
+    elif recipe == "eagle3_demo":
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["target_layer_ids"]]
+        assert {"fc.weight", "midlayer.hidden_norm.weight", "lm_head.weight"} <= set(weights)
     else:
         assert cfg["mtp_concat_order"] == "embedding_first"
         assert f"model.layers.{data.layout.num_layers}.eh_proj.weight" in weights

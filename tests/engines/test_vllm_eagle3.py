@@ -1,0 +1,81 @@
+"""vLLM serves tapdraft's EAGLE-3 export unchanged: greedy output is the target's own, and its per-request
+acceptance counters equal ``tapdraft speculate``'s round by round; tapdraft's offline replay equals its live
+decoding on the same conversations.
+
+How each counts (so "equal" is exact): a round is one verifying target forward after the prefill. vLLM's
+EAGLE-3 proposer drafts K tokens per round by chaining its one layer (step 0 over the newly verified tokens
+with the target's aux hidden states, then K - 1 steps on its own pre-norm outputs); ``per_step_accepted``
+(``per_request_spec_decode_metrics="detailed"``) holds per round the drafts the target's tokens agreed with,
+before the output is cut at eos or ``max_tokens``. ``tapdraft speculate`` drafts the same chain
+(``Eagle3Drafter.propose``) and its ``agreed`` holds the same count per round; its ``accepted`` (and tau)
+stop at the cut. The offline replay (``tau_replayed``) walks those rounds on the dataset's teacher-forced
+chains: it equals live decoding on replies that end with the target's own eos inside the dataset (a reply the
+regeneration cut at its token cap continues live past what the dataset holds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.engines.conftest import read_jsonl, train_and_export
+from tests.engines.serving import serve_vllm
+from tests.engines.test_vllm_dflash import MAX_TOKENS, prompts, speculate
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+K = 4  # drafts per round: eagle3_demo's training-time-test steps
+
+
+DRAFT_VOCAB = 384  # of the target's 1,024: vLLM then reads d2t and places the logits itself
+
+
+@pytest.fixture(scope="module", params=["target_vocab", "draft_vocab"])
+def bpe_eagle3(request, bpe_target, tmp_path_factory):
+    """An EAGLE-3 drafter trained briefly on the BPE target's dataset (`tapdraft train` + `tapdraft export`), over
+    the target's vocabulary or a reduced draft vocabulary."""
+    extra = [f"drafter.draft_vocab={DRAFT_VOCAB}"] if request.param == "draft_vocab" else []
+    return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("eagle3"), "eagle3_demo", "max_steps=200",
+                            f"drafter.num_steps={K}", *extra)
+
+
+def test_replayed_tau_equals_live_tau(bpe_target, bpe_eagle3, tmp_path):
+    run, _ = bpe_eagle3
+    whole = [r for r in read_jsonl(bpe_target.val_manifest) if not r.get("truncated")]
+    assert len(whole) >= 8, "the held-out replies should mostly end with the target's eos"
+    path = tmp_path / "whole.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in whole))
+    ours = speculate(bpe_target, run, path, len(whole), 4 * MAX_TOKENS)
+    assert ours["samples"] == len(whole) and ours["matches_greedy"] == f"{len(whole)}/{len(whole)}"
+    assert ours["offline_over"] == f"the same {len(whole)} conversations"
+    print(f"live tau {ours['tau']:.4f}, offline replay {ours['offline_tau_replayed']:.4f}, uniform anchors "
+          f"{ours['offline_tau']:.4f} over {len(whole)} conversations")
+    assert ours["tau"] > 1.2, "the trained drafter should get drafts accepted"
+    assert ours["tau"] == pytest.approx(ours["offline_tau_replayed"], rel=1e-9)
+
+
+def test_vllm_serves_eagle3_export_with_tapdrafts_acceptance(vllm_venv, bpe_target, bpe_eagle3, tmp_path):
+    run, export = bpe_eagle3
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["target_layer_ids"]]
+    assert cfg["draft_vocab_size"] in (DRAFT_VOCAB, cfg["vocab_size"])
+    convs = prompts(bpe_target)
+    requests = [{"prompt_token_ids": ids} for _, ids in convs]
+    job = {"target": str(bpe_target.target), "requests": requests, "max_tokens": MAX_TOKENS, "max_model_len": 256}
+    alone = serve_vllm(vllm_venv, job, tmp_path)
+    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "eagle3", "model": str(export),
+                                                          "num_speculative_tokens": K}}, tmp_path)
+    ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
+
+    greedy = [o["token_ids"] for o in alone["outputs"]]
+    assert [o["token_ids"] for o in spec["outputs"]] == greedy  # the draft changes nothing the target says
+    by_id = {c["sample_id"]: c for c in ours["conversations"]}
+    assert [by_id[i]["tokens"] for i, _ in convs] == greedy  # and tapdraft's decoding says the same
+    vllm_rounds = [o["spec"]["per_step_accepted"] for o in spec["outputs"]]
+    our_rounds = [by_id[i]["agreed"] for i, _ in convs]
+    assert vllm_rounds == our_rounds
+    accepted, rounds = sum(map(sum, our_rounds)), sum(map(len, our_rounds))
+    print(f"vLLM {spec['vllm']}: {len(convs)} conversations, {rounds} rounds, {accepted} drafts accepted "
+          f"(1 + accepted/rounds = {1 + accepted / rounds:.3f}); tapdraft tau {ours['tau']:.3f}")
+    assert accepted > rounds, "the trained drafter should get more than one draft a round accepted"

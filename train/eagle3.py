@@ -1,0 +1,449 @@
+"""EAGLE-3: one decoder layer over [embedding ; fused target feature], unrolled over K steps, served by vLLM.
+
+Model (EAGLE-3, Li et al. 2025; the layout vLLM's ``llama_eagle3.py`` / ``qwen3_eagle3.py`` load):
+
+    f_t     = fc(concat of the target's taps at target_layer_ids, ascending)       (k*H -> H, no bias)
+    step 0  at position t: e = Emb(x_{t+1}), h = f_t
+    step j  at position t + j (the chain anchored at row t): e = Emb(x_{t+j+1}), h = r^{j-1}_t
+    layer   x = [input_layernorm(e) ; hidden_norm(h)]                              (embedding FIRST, 2H)
+            r = h + Attn(x)          (q/k/v take 2H, o_proj gives H; Qwen3 QK-norm, or plain Llama)
+            r = r + MLP(post_attention_layernorm(r))                               r^j_t: the next step's h
+    logits  = lm_head(norm(r^j_t))   (the draft's OWN head [N, H], initialised from the target's rows;
+                                      N = the draft vocabulary, ``train.draft_vocab``) -> predicts x_{t+j+2}
+
+Embeddings are the target's frozen table looked up raw (vLLM's drafter embeds without any scale; its
+RMSNorm makes a scale irrelevant). The training-time test (``train.mask``, EAGLE-3 section): step j's
+chain at row t attends the step-0 keys of positions <= t (fed by the target) and its own keys of steps
+1..j, exactly what live drafting sees, so teacher-forced acceptance is the live one; tokens are the
+dataset's (a greedy chain only goes on while its drafts equal them), hidden states the draft's own.
+
+Taps (``shards.taps.eagle3_tap_ids``): by default the low / middle / high triple of the capture's default
+spread, so the default dataset trains EAGLE-3 beside DFlash and MTP; a dataset without it trains on the
+first, middle and last of its stored taps below the last layer (with a warning), or ``target_layer_ids``.
+
+Alignment is MTP's (``train.mtp_targets``): step j at row t predicts the token at t + j + 2, valid when it
+is supervised and inside the sequence; its teacher row is t + j + 1. Rows whose input token is an audio
+frame the dataset cannot embed (no ``audio_embeds``) are masked, as MTP masks them.
+
+Losses (``train.eagle3_loss``): forward KL against the teacher rows (default; EAGLE-3's own objective), CE
+on the dataset's labels, or LK; step j weighs ``step_decay ** j`` (EAGLE-3: 0.8), each step its own term.
+
+Shapes: Bs batch, T positions, Q chain rows, H hidden, V target vocab, N draft vocab, K steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.head import head_spec, teacher_logits
+from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
+from train.acceptance import AcceptanceCounts
+from train.chunks import map_row_chunks
+from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.draft_vocab import DraftVocab
+from train.drafter import Drafter, one_sequence_batch, pick_tokens
+from train.eagle3_loss import Eagle3Loss
+from train.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from train.mask import eagle3_block_mask, eagle3_dense_mask
+from train.mtp_targets import IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
+from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+
+LOSS_TYPES = ("kl", "ce", "lk")
+TEACHERS = ("auto", "exact", "topk")
+ATTENTION = ("dense", "flex")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """EAGLE-3 drafter: architecture, training-time test and objective; None fields are filled by ``resolve``."""
+
+    num_steps: int = 5
+    """K: steps of the training-time test, = drafts per round when served."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """HF decoder-layer ids fused by fc (default: shards.taps.eagle3_tap_ids if stored)."""
+    qk_norm: bool = True
+    """Qwen3 attention with QK-norm (vLLM Eagle3Qwen3ForCausalLM); false: Llama's (Eagle3LlamaForCausalLM)."""
+    num_heads: int | None = None
+    """Attention heads; None = the target's."""
+    num_kv_heads: int | None = None
+    """K/V heads; None = the target's."""
+    head_dim: int | None = None
+    """Per-head width; None = the target's."""
+    intermediate_size: int | None = None
+    """SwiGLU width; None = the target's."""
+    loss_type: str = "kl"
+    """kl: forward KL(p || q) against the teacher rows; ce: dataset labels; lk: lambda*KL + (1-lambda)*TV."""
+    lk_lambda: float | str = 0.5
+    """LK mixture weight in [0, 1], or 'adaptive'."""
+    lk_eta: float = DEFAULT_ETA
+    """eta of the adaptive lambda."""
+    teacher: str = "auto"
+    """kl / lk teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
+    step_decay: float = 0.8
+    """Step j's loss weight is step_decay ** j (EAGLE-3's 0.8)."""
+    draft_vocab: int | None = None
+    """N: the draft's vocabulary (train.draft_vocab; vLLM's draft_vocab_size with d2t); None = the target's."""
+    train_lm_head: bool = True
+    """Train the draft's own lm_head (EAGLE-3 does); false keeps the target's rows frozen."""
+    attention: str = "dense"
+    """dense (an SDPA mask; CPU trains only this way) or flex (FlexAttention's block mask skips the empty blocks)."""
+    flex_block_size: int = 128
+    """FlexAttention block size (a multiple of 16)."""
+    chunk_rows: int = 1024
+    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+    init_std: float = 0.02
+    """Std of the normal init of fc and the layer's linear maps."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
+        object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
+        if self.lk_eta <= 0 or not 0 < self.step_decay <= 1 or not self.init_std > 0:
+            raise ValueError("need lk_eta > 0, 0 < step_decay <= 1 and init_std > 0")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 or null, got {self.draft_vocab}")
+        if self.target_layer_ids is not None:
+            ids = sorted({int(i) for i in self.target_layer_ids})
+            if not ids:
+                raise ValueError("target_layer_ids must name at least one tap (or be null for the default)")
+            object.__setattr__(self, "target_layer_ids", tuple(ids))  # fc reads them ascending, as vLLM does
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive or null, got {v}")
+
+    def resolve(self, bundle: Any, layout: Any) -> "Eagle3Config":
+        """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""
+        tc = bundle.config
+        H = int(tc["hidden_size"])
+        if layout.hidden_size != H:
+            raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
+        heads = self.num_heads or int(tc["num_attention_heads"])
+        kv = self.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
+        V = int(bundle.lm_head.shape[0])
+        if self.draft_vocab is not None and self.draft_vocab >= V:
+            raise ValueError(f"draft_vocab {self.draft_vocab} is not below the target vocabulary ({V}); drop it "
+                             "(null drafts over the whole vocabulary)")
+        ids = self.target_layer_ids
+        if ids is None:
+            rule = eagle3_tap_ids(layout.num_layers)
+            if set(rule) <= set(layout.tap_ids):
+                ids = tuple(rule)
+            else:
+                below = [i for i in layout.tap_ids if i != layout.num_layers - 1] or list(layout.tap_ids)
+                ids = tuple(sorted({below[0], below[len(below) // 2], below[-1]}))
+                warnings.warn(
+                    f"EAGLE-3's default taps over {layout.num_layers} target layers are {rule}, but the dataset "
+                    f"stores {list(layout.tap_ids)}: fusing {list(ids)} instead (recorded as drafter.target_layer_ids "
+                    "in the run's config.json); set drafter.target_layer_ids to choose, or capture with the default "
+                    "taps", UserWarning, stacklevel=2)
+        missing = [i for i in ids if i not in layout.tap_ids]
+        if missing:
+            raise ValueError(f"target_layer_ids {list(ids)} include {missing}, which the dataset did not store "
+                             f"(stored taps: {list(layout.tap_ids)}); choose stored taps or recapture")
+        return dataclasses.replace(
+            self, num_heads=heads, num_kv_heads=kv, head_dim=self.head_dim or int(tc.get("head_dim") or H // heads),
+            intermediate_size=self.intermediate_size or int(tc["intermediate_size"]), target_layer_ids=tuple(ids))
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer (vLLM's ``midlayer`` / ``layers.0``): its names are the checkpoint's."""
+
+    def __init__(self, H: int, heads: int, kv: int, head_dim: int, inter: int, eps: float, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(H, heads, kv, head_dim, eps, qk_norm, input_size=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = SwiGLU(H, inter)
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, rope, mask: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None):
+        """emb, h [Bs, Q, H] -> (r [Bs, Q, H] before the final norm, this step's (keys, values))."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        a, kv = self.self_attn(x, rope, mask=mask, kv_prefix=cache, return_kv=True)
+        r = h + a
+        return r + self.mlp(self.post_attention_layernorm(r)), kv
+
+
+class Eagle3Drafter(Eagle3Loss, Drafter):
+    family = "eagle3"
+    frozen = ("embed_tokens", "target_norm", "target_lm_head", "target_norm_bias", "target_lm_head_bias")
+
+    def __init__(self, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+        super().__init__(config, bundle, layout)
+        cfg = config.resolve(bundle, layout)
+        self.config = cfg
+        tc = bundle.config
+        H = int(tc["hidden_size"])
+        self.head_spec = head_spec(bundle)
+        self.eps = self.head_spec.eps
+        self.hidden_size = H
+        self.vocab_size = int(bundle.lm_head.shape[0])
+        self.fingerprint = bundle.fingerprint
+        self.target_num_layers = int(layout.num_layers)
+        self.rope_theta = float(tc.get("rope_theta") or 10000.0)
+        if (tc.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ValueError("the target uses RoPE scaling; the drafters implement plain RoPE (rope_theta) only")
+        self.max_positions = int(tc.get("max_position_embeddings") or 32768)
+        self.register_buffer("tap_index", torch.tensor([layout.tap_ids.index(i) for i in cfg.target_layer_ids]),
+                             persistent=False)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.midlayer = Eagle3Layer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                    self.eps, cfg.qk_norm)
+        self.norm = RMSNorm(H, self.eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, self.rope_theta)
+        # frozen target pieces (never trained, checkpointed or exported): the embedding, and the exact teacher
+        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
+        target_head = bundle.embed_tokens if self.head_spec.tied else bundle.lm_head
+        self.register_buffer("target_lm_head", target_head.detach().float().clone(), persistent=False)
+        self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
+        for name, t in (("target_norm_bias", bundle.norm_bias), ("target_lm_head_bias", bundle.lm_head_bias)):
+            self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
+        # the draft's own head: the target's rows (divided by its logits scaling) to start from
+        N = cfg.draft_vocab or self.vocab_size
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
+        if cfg.draft_vocab is not None:  # EAGLE-3's d2t / t2d, filled by set_draft_vocab (or a checkpoint); -1 = unset
+            self.register_buffer("d2t", torch.full((N,), -1, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
+        with torch.no_grad():
+            for m in (self.fc, *self.midlayer.modules()):
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=cfg.init_std)
+            self.norm.weight.copy_(bundle.norm_weight.float())  # start where the target's final norm is
+            self.lm_head.weight.copy_(self.target_lm_head[:N] / self.head_spec.logits_scaling)
+        self.last_tap = exact_last_tap(layout)
+        self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
+        exact_ok = last_hidden_source(layout) is not None
+        self.teacher_kind = None if cfg.loss_type == "ce" else (
+            "exact" if cfg.teacher == "exact" or (cfg.teacher == "auto" and exact_ok) else "topk")
+
+    @classmethod
+    def check_dataset(cls, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+        cfg = config.resolve(bundle, layout)
+        if cfg.loss_type == "ce":
+            return
+        if cfg.teacher == "exact":
+            require_last_hidden(layout, "EAGLE-3's exact teacher")
+        topk = cfg.teacher == "topk" or (cfg.teacher == "auto" and last_hidden_source(layout) is None)
+        if topk and layout.top_k <= 0:
+            raise ValueError(f"loss_type {cfg.loss_type!r} needs teacher rows: this dataset has neither the target's "
+                             "last hidden state nor stored top-k rows; capture with final_hidden or top_k > 0, or "
+                             "use loss_type: ce")
+        if topk and cfg.draft_vocab is not None:
+            raise ValueError("a draft vocabulary restricts the teacher to its tokens, and the stored top-k's tail has "
+                             "no known share of them: use teacher: exact (a dataset with the last hidden state), or "
+                             "loss_type: ce, or drop draft_vocab")
+
+    # -- draft vocabulary ---------------------------------------------------------------------------
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Install the draft vocabulary and start the draft's head on the target's rows of it."""
+        super().set_draft_vocab(vocab)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.target_lm_head[vocab.ids.to(self.target_lm_head.device)]
+                                      / self.head_spec.logits_scaling)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (identity without a draft vocabulary)."""
+        ids = self.draft_ids()
+        return draft_ids if ids is None else ids[draft_ids]
+
+    # -- model ----------------------------------------------------------------------------------------
+    def feature(self, taps_BTnH: torch.Tensor) -> torch.Tensor:
+        """f [Bs, T, H] = fc(concat of the chosen taps, ascending)."""
+        x = taps_BTnH.index_select(2, self.tap_index.to(taps_BTnH.device))
+        return self.fc(x.reshape(*x.shape[:2], -1).to(self.fc.weight.dtype))
+
+    def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embedding at every position [Bs, T, H] (raw table rows; audio frames from ``audio_embeds`` when
+        the dataset stored them) and a bool [Bs, T]: the position's embedding is unknown (an audio frame)."""
+        emb = F.embedding(batch["input_ids"].long(), self.embed_tokens)
+        is_audio = batch["is_audio"]
+        if "audio_embeds" in batch and self.uses_audio_embeds:
+            emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
+            return emb, torch.zeros_like(is_audio)
+        return emb, is_audio
+
+    def step(self, j: int, emb_BQH: torch.Tensor, h_BQH: torch.Tensor, rows_Q: torch.Tensor, T: int, cache):
+        """Step j for the chains anchored at ``rows_Q`` (step 0: every row, Q = T): (r [Bs, Q, H], grown cache)."""
+        Bs, Q = emb_BQH.shape[:2]
+        rope = self.rope((rows_Q + j)[None].expand(Bs, Q))
+        if self.config.attention == "flex":
+            mask = eagle3_block_mask(rows_Q, T, j, self.config.flex_block_size)
+        else:
+            mask = eagle3_dense_mask(rows_Q, T, j)
+        r, kv = self.midlayer(emb_BQH.to(h_BQH.dtype), h_BQH, rope, mask, cache)
+        grown = kv if cache is None else (torch.cat([cache[0], kv[0]], 2), torch.cat([cache[1], kv[1]], 2))
+        return r, grown
+
+    def run_steps(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Every step's outputs r^j [Bs, T, H] and targets [Bs, T] (IGNORE = invalid), teacher-forced tokens."""
+        ids = batch["input_ids"]
+        Bs, T = ids.shape
+        doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
+        labels = next_token_labels(ids, batch["loss_mask"], doc_end)
+        emb, unknown_emb = self.input_embeds(batch)
+        rows = torch.arange(T, device=ids.device)
+        h, cache = self.feature(batch["taps"]), None
+        outs, targets, audio_masked = [], [], []
+        for j in range(self.config.num_steps):
+            h, cache = self.step(j, shift_left(emb, j + 1), h, rows, T, cache)
+            tgt = depth_targets(labels, doc_end, j + 1)
+            unknown = shift_left(unknown_emb, j + 1) & (tgt != IGNORE)
+            audio_masked.append(unknown.sum())
+            targets.append(torch.where(unknown, torch.full_like(tgt, IGNORE), tgt))
+            outs.append(h)
+        return {"h": outs, "targets": targets, "audio_masked": audio_masked}
+
+    def draft_logits(self, r_RH: torch.Tensor) -> torch.Tensor:
+        """[R, N] logits over the draft vocabulary (draft ids) of step outputs: lm_head(norm(r)), as vLLM computes."""
+        w = self.lm_head.weight
+        return torch.matmul(self.norm(r_RH).to(w.dtype), w.T).float()
+
+    def logits(self, r_RH: torch.Tensor) -> torch.Tensor:
+        """[R, V] logits over the target vocabulary: -inf at target ids outside the draft vocabulary."""
+        z = self.draft_logits(r_RH)
+        ids = self.draft_ids()
+        if ids is None:
+            return z
+        out = z.new_full((z.shape[0], self.vocab_size), float("-inf"))
+        out[:, ids] = z
+        return out
+
+    def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
+        """The target's exact logits [R, V] of pre-norm last-layer rows."""
+        return teacher_logits(h_RH, self.target_norm, self.target_lm_head, self.head_spec,
+                              norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.target_lm_head_bias)
+
+    # -- eval -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None,
+                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Chain drafting after a verified prefix: step 0 over every verified row, then steps 1..K-1 on the chain
+        anchored at row P - 1, each fed its own previous output and the token it drafted: K = num_steps drafts."""
+        P = taps_PnH.shape[0]
+        p = next(self.parameters())
+        extras = {k: v for k, v in (extras or {}).items() if k == "is_audio" or (k == "audio_embeds"
+                                                                                  and self.uses_audio_embeds)}
+        batch = one_sequence_batch(ids_T, taps_PnH, dtype=p.dtype, device=p.device, extras=extras)
+        T = ids_T.shape[0]
+        emb, _ = self.input_embeds(batch)
+        h, cache = self.step(0, shift_left(emb, 1), self.feature(batch["taps"]), torch.arange(T, device=p.device), T,
+                             None)
+        r = h[:, P - 1 : P]
+        row = torch.tensor([P - 1], device=p.device)
+        drafted, dists = [], []
+        for j in range(self.config.num_steps):
+            if j > 0:
+                e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.embed_tokens)
+                r, cache = self.step(j, e, r, row, T, cache)
+            tok, q = pick_tokens(self.logits(r[0]), temperature, generator)
+            drafted.append(int(tok[0]))
+            if q is not None:
+                dists.append(q[0])
+        return torch.tensor(drafted), (torch.stack(dists) if dists else None)
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+        """Teacher-forced chains over the steps (a row counts at step k only if steps 1..k all agree), and the
+        greedy rounds replayed on them (``train.mtp_targets.chain_acceptance``)."""
+        run = self.run_steps(batch)
+        hits = []
+        for h, tgt in zip(run["h"], run["targets"]):
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            if rows[0].numel():
+                (pred,) = map_row_chunks(lambda a: (self.draft_to_target(self.draft_logits(a).argmax(-1)),),
+                                         [h[rows]], self.config.chunk_rows)
+                hit[rows] = pred == tgt[rows]
+            hits.append(hit)
+        return chain_acceptance(run["targets"], hits, batch["loss_mask"])
+
+    @torch.no_grad()
+    def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per step k: (sum over valid rows of sum_v min(p_v, q_v), rows), [K] each; p the exact target row t + k,
+        q the draft's sampling distribution, both at ``temperature``, every step teacher-forced on the tokens."""
+        if temperature <= 0:
+            raise ValueError(f"sampled acceptance needs a temperature > 0, got {temperature}")
+        run = self.run_steps(batch)
+        last = last_hidden(batch, self.last_tap)
+        sums, counts = [], []
+        for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+
+            def fn(a, b):
+                q = self.logits(a) / temperature
+                return (1.0 - kl_tv_full(self.teacher(b) / temperature, q)[1],)
+
+            (alpha,) = map_row_chunks(fn, [h[rows], last[(rows[0], rows[1] + j + 1)]], self.config.chunk_rows)
+            sums.append(alpha.double().sum())
+            counts.append(torch.tensor(float(alpha.numel()), dtype=torch.float64))
+        return torch.stack(sums).cpu(), torch.stack(counts)
+
+    # -- export ---------------------------------------------------------------------------------------
+    def export_config(self) -> dict[str, Any]:
+        """vLLM's EAGLE-3 config (``eagle_config`` with the aux layer ids in vLLM numbering, ascending); the
+        weights' names already are vLLM's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` / ``t2d``)."""
+        cfg = self.config
+        N = cfg.draft_vocab or self.vocab_size
+        arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+        return {
+            "architectures": [arch],
+            "model_type": "qwen3" if cfg.qk_norm else "llama",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_positions,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": N,
+            "target_hidden_size": self.hidden_size,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_vllm(cfg.target_layer_ids),
+                             "use_aux_hidden_state": True, "norm_before_fc": False},
+            "norm_before_residual": False,
+            "num_target_layers": self.target_num_layers,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "target_layer_ids_vllm": to_vllm(cfg.target_layer_ids),
+            "num_speculative_tokens": cfg.num_steps,
+            "logits": "lm_head(norm(r)) with the draft's own lm_head [draft_vocab_size, H]; with a draft vocabulary, "
+                      "draft id i is target id i + d2t[i] (-inf at every other target id), as vLLM's EAGLE-3 "
+                      "compute_logits places them",
+            "eagle3_config": asdict(cfg),
+            "tapdraft": {
+                "family": self.family,
+                "target_fingerprint": self.fingerprint,
+                "tap_numbering": TAP_NUMBERING,
+                "uses_target_embedding": True,
+                "serve_with": {"vllm": {"method": "eagle3", "num_speculative_tokens": cfg.num_steps}},
+            },
+        }
+
+
+CONFIG = Eagle3Config
+DRAFTER = Eagle3Drafter

@@ -1,0 +1,112 @@
+"""EAGLE-3's training loss over the unrolled steps (the model is ``train.eagle3``).
+
+Step j (0-based) at row t predicts the token at t + j + 2; its teacher row is t + j + 1 (the target's row
+predicting the same token). Per valid row, with q the draft's distribution over its vocabulary S:
+
+    kl  KL(p || q)                   forward KL against the teacher (EAGLE-3's objective): the exact row
+                                     (last hidden -> final norm -> lm_head) restricted to S and renormalised,
+                                     as EAGLE-3 restricts its target to the draft vocabulary; or, without a
+                                     draft vocabulary, the stored top-k with the tail as one bin
+    ce  -log q(y)                    the dataset's label; a label outside S carries no loss
+    lk  lambda*KL + (1-lambda)*TV    as MTP's (``train.divergences.lk_loss``)
+
+Each step is its own term (weight ``step_decay ** j``, its own denominator over the data-parallel group,
+``train.drafter.combine_terms``). The draft's lm_head is its own and may train, so the rows go through
+checkpointed chunks with autograd (``train.chunks.map_row_chunks``), never [rows, V] whole.
+
+Shapes: Bs batch, T positions, n valid rows of a step, N draft vocab, V target vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from train.acceptance import acceptance_metrics
+from train.chunks import map_row_chunks
+from train.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from train.draft_vocab import DraftVocabMixin, draft_index
+from train.drafter import LossOutput
+from train.mtp_targets import IGNORE, chain_counts
+from train.teacher import last_hidden
+
+
+class Eagle3Loss(DraftVocabMixin):
+    """The training half of :class:`train.eagle3.Eagle3Drafter` (a mixin of it): ``forward``. It reads the drafter's
+    config, ``run_steps``, ``draft_logits``, ``teacher``, ``teacher_kind`` and the draft vocabulary."""
+
+    def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
+        cfg = self.config
+        run = self.run_steps(batch)
+        last = last_hidden(batch, self.last_tap) if self.teacher_kind == "exact" else None
+        terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        hits = []
+        for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
+            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+            y = tgt[rows]
+            trow = (rows[0], rows[1] + j + 1)
+            loss, kl, tv, carries, correct = self._rows(h[rows], y, trow, batch, last)
+            n = carries.sum()
+            name = f"eagle3_s{j}"
+            if cfg.loss_type == "lk":
+                res = lk_loss(kl, tv, carries, cfg.lk_lambda, eta=cfg.lk_eta)
+                terms[name] = (res.loss_sum, n, cfg.step_decay**j)
+                metrics[f"lk_lambda_s{j}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
+            else:
+                terms[name] = ((loss * carries).sum(), n, cfg.step_decay**j)
+            if kl is not None:
+                metrics[f"kl_s{j}"] = ((kl.detach() * carries).sum(), n)
+                metrics[f"acceptance_s{j}"] = (((1.0 - tv.detach()) * carries).sum(), n)
+            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            hit[rows] = correct.detach().bool()
+            hits.append(hit)
+        # every parameter stays in the graph even when no row carries a loss (DDP waits on all grads)
+        first = terms["eagle3_s0"]
+        terms["eagle3_s0"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
+        metrics.update(acceptance_metrics(chain_counts(run["targets"], hits)))
+        masked = torch.stack(run["audio_masked"]).sum()
+        metrics["eagle3_rows_audio_masked"] = (masked, masked + sum(int((t != IGNORE).sum()) for t in run["targets"]))
+        return LossOutput(terms=terms, metrics=metrics)
+
+    def _rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):
+        """Per valid row of one step: (loss [n] or None, kl, tv (None for ce), carries-a-loss bool [n], correct)."""
+        ids = self.draft_ids()
+        in_s = torch.ones_like(y_n, dtype=torch.bool) if ids is None else self.t2d[y_n]
+        kind = self.config.loss_type
+        if kind == "ce":
+            y_d = y_n if ids is None else draft_index(self.t2d, y_n).clamp(min=0)
+
+            def ce(a, yd, yy):
+                z = self.draft_logits(a)
+                return F.cross_entropy(z, yd, reduction="none"), self.draft_to_target(z.argmax(-1)) == yy
+
+            loss, correct = map_row_chunks(ce, [h_nH, y_d, y_n], self.config.chunk_rows)
+            return loss, None, None, in_s, correct
+        carries = torch.ones_like(y_n, dtype=torch.bool)
+        if self.teacher_kind == "exact":
+            def div(a, b, yy):
+                z = self.draft_logits(a)
+                p = self.teacher(b)
+                p = p if ids is None else p[:, ids]  # the target restricted to S: softmax renormalises over it
+                kl, tv = kl_tv_full(p.to(z.dtype), z)
+                return kl, tv, self.draft_to_target(z.argmax(-1)) == yy
+
+            kl, tv, correct = map_row_chunks(div, [h_nH, last[trow], y_n], self.config.chunk_rows)
+        else:
+            if "topk_ids" not in batch:
+                raise ValueError(f"loss_type {kind!r} with teacher 'topk' needs topk_ids/topk_logprobs in the batch")
+            if not bool(batch["topk_valid"][trow].all()):
+                raise ValueError("a supervised EAGLE-3 row's teacher row has no stored top-k; the dataset's topk_rows "
+                                 "are incomplete")
+
+            def div_topk(a, i, lp, yy):
+                z = self.draft_logits(a)
+                kl, tv = kl_tv_topk(i, lp, z)
+                return kl, tv, z.argmax(-1) == yy
+
+            kl, tv, correct = map_row_chunks(
+                div_topk, [h_nH, batch["topk_ids"][trow], batch["topk_logprobs"][trow], y_n], self.config.chunk_rows)
+        return kl, kl, tv, carries, correct

@@ -28,7 +28,9 @@ def test_every_command_has_help_in_pipeline_order():
     rows = [line[2:].split()[0] for line in top.output.splitlines() if line.startswith("│ ") and line[2:3].strip()]
     listed = [r for r in rows if r in COMMANDS]
     assert tuple(listed) == COMMANDS, listed
-    assert "regenerate (optional) -> capture -> verify / inspect -> derive (optional) -> train -> eval" in " ".join(top.output.split())
+    flat = " ".join(top.output.split())
+    assert "regenerate (optional) -> capture -> verify / inspect -> train -> eval" in flat
+    assert "derive writes a lighter dataset; push / pull share one through an object store" in flat
     for name in COMMANDS:
         res = runner.invoke(app, [name, "--help"])
         assert res.exit_code == 0 and "Usage" in res.output, name

@@ -83,3 +83,27 @@ def test_vllm_serves_the_speculators_export_like_the_native_one(vllm_venv, deep_
                                          max_new_tokens=MAX_TOKENS), progress=False)
     assert rounds == [c["agreed"] for c in ours["conversations"]]
     assert sum(map(sum, rounds)) > 0
+
+
+def test_speculators_classes_load_a_dflash2_export(vllm_venv, deep_bpe, tmp_path_factory, tmp_path):
+    """DFlash2 in speculators' format: its ``DFlash2DraftModel`` takes every tensor, conv and selector included.
+    (Serving DFlash2 needs vLLM's V2 runner, GPU only: benchmarks/gpu.sh.)"""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    run, _ = train_and_export(deep_bpe.dataset, tmp_path_factory.mktemp("dflash2_4"), "dflash2_demo",
+                              "drafter.num_layers=1", "max_steps=5")
+    spec = tmp_path / "speculators"
+    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(spec), "--layout", "speculators",
+                                   "--verifier", "bpe-target"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "load.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run([str(vllm_venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(spec),
+                          str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["class"] == "DFlash2DraftModel" and doc["missing"] == [] and doc["unexpected"] == []
+    assert doc["max_abs_diff"] == 0.0 and doc["sliding_window_non_causal"] is True

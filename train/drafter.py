@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "dflash": "train.dflash",
     "dflash2": "train.dflash2",
     "mtp": "train.mtp",
+    "mtp_native": "train.mtp_native",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 

@@ -14,6 +14,9 @@ reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
+The target's own MTP module (family ``mtp_native``) exports as a copy of the target checkpoint with its
+``mtp.*`` tensors replaced (``train.mtp_native.export_native``), which engines serve as the target's MTP.
+
 The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``,
 and :func:`load_export` reads an export back with nothing but json and safetensors.
 """
@@ -102,7 +105,12 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
         meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
                                  "kwargs": state["template"]["kwargs"]}
     weights, cfg = in_layout(state["draft"], cfg, layout)
-    out = write_export(out_dir, weights, cfg, meta)
+    if cfg.get("tapdraft", {}).get("family") == "mtp_native":  # a copy of the target with its mtp.* replaced
+        from train.mtp_native import export_native
+
+        out = export_native(weights, cfg, out_dir, meta)
+    else:
+        out = write_export(out_dir, weights, cfg, meta)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
             "layout": cfg.get("mtp_layout"),

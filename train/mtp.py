@@ -30,6 +30,13 @@ bundle are frozen buffers). The dataset holds no backbone, so a mode that trains
 
 Names (``train.mtp_heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
 
+Serving: NO engine serves these bolt-on heads today. vLLM's ``method: "mtp"`` builds the MTP module from
+the TARGET's own config (a Qwen3 target has none: ``Qwen3NextMTP`` over a ``Qwen3Config`` fails on
+``num_experts``), ``model_type tapdraft_mtp`` is unknown to every loader, and NeMo's speechlm2 has no MTP.
+The export layouts (``train.mtp_layouts``) are for converters and offline study; live decoding is
+``tapdraft speculate``'s. A target that ships its own MTP module (Qwen3.5) trains that module instead,
+which vLLM serves as the target's MTP: family ``mtp_native`` (``train.mtp_native``).
+
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
 

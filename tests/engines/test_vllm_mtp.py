@@ -122,3 +122,30 @@ def test_export_drafts_in_vllms_module_what_tapdraft_speculate_drafted(qwen3_5_c
     print(f"Qwen3.5 MTP export, vLLM's module in float64: {n} conversations, {rounds} rounds, {accepted} drafts "
           f"accepted (1 + accepted/rounds = {1 + accepted / rounds:.3f}); tapdraft tau {ours['tau']:.3f}")
     assert 0 < accepted < rounds  # the fine-tuned head is right sometimes, not always: the check can tell
+
+
+def test_head_starts_from_the_checkpoints_mtp_and_lk_trains_only_it(qwen3_5_case, tmp_path):
+    """The drafter's initial weights are the checkpoint's own ``mtp.*`` (read from the safetensors, which
+    transformers would drop); LK fine-tuning lowers its loss and the export changes nothing but ``mtp.*``."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shards.reader import open_dataset
+    from train.mtp_native import MTPNativeConfig, MTPNativeDrafter, read_checkpoint
+
+    ds = open_dataset(str(qwen3_5_case["dataset"]))
+    _, own = read_checkpoint(qwen3_5_case["target"])
+    d = MTPNativeDrafter(MTPNativeConfig(checkpoint=str(qwen3_5_case["target"])), ds.bundle(), ds.layout)
+    assert {k: v for k, v in d.trainable_state_dict().items()}.keys() == own.keys()
+    assert all(torch.equal(d.trainable_state_dict()[k], v.float()) for k, v in own.items())
+
+    recipe = tmp_path / "lk.yaml"
+    recipe.write_text(f"base: _demo_train\nfamily: mtp_native\ndrafter:\n  loss_type: lk\n  lk_lambda: adaptive\n"
+                      f"  checkpoint: {qwen3_5_case['target']}\n")
+    run, export = train_and_export(qwen3_5_case["dataset"], tmp_path, str(recipe), "max_steps=30")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"]
+    a, b = load_file(str(qwen3_5_case["target"] / "model.safetensors")), load_file(str(export / "model.safetensors"))
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("mtp."))
+    assert not torch.equal(a["mtp.fc.weight"], b["mtp.fc.weight"])

@@ -20,9 +20,9 @@ query and a sigmoid output gate per head; QK-norm; partial RoPE, ``partial_rotar
 dim; SwiGLU) and every norm ``Qwen3_5RMSNorm`` / vLLM's ``GemmaRMSNorm``, which scales by (1 + w). The
 modules are transformers' own (``modeling_qwen3_5``), so the block is the checkpoint family's by
 construction; ``tests/train/test_mtp_native.py`` checks them against a float64 re-implementation of
-vLLM's module. A further step k + 1 reads ``norm``'s output (vLLM returns the normed state as the next
-step's hidden: ``recursion: post_norm``) and the same physical layer (vLLM's Qwen3_5MTP always runs
-``layers[0]`` for one MTP layer).
+vLLM's module. One depth (``num_speculative_tokens: 1``): vLLM drafts a second token by running ``layers[0]``
+again at the NEXT position over its own cache, with ``norm``'s output as the hidden state, which
+``train.mtp``'s depth chain (depth k at row t, shifted inputs) does not reproduce, so ``num_depths`` is 1.
 
 Targets WITHOUT an MTP module: no engine serves a bolt-on head today (vLLM's MTP loaders build the module
 from the target's own config, so a tapdraft head over a Qwen3 target loads nowhere); ``train.mtp`` trains
@@ -64,6 +64,11 @@ class MTPNativeConfig(MTPConfig):
         if not self.checkpoint:
             raise ValueError("drafter.checkpoint must name the target checkpoint directory (its mtp.* weights "
                              "initialise the head); pass --set drafter.checkpoint=DIR")
+        if self.num_depths != 1:
+            raise ValueError(
+                "the target's MTP module trains one depth (num_depths: 1): vLLM drafts a further token by running the "
+                "same layer again at the next position over its own cache, which tapdraft's depth chain does not "
+                "reproduce; serve it with num_speculative_tokens: 1")
         if self.recursion != "post_norm":
             raise ValueError("the target's MTP feeds a further step its normed output: recursion must be post_norm")
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):

@@ -51,6 +51,8 @@ def test_refusals(target, tmp_path):
         MTPNativeConfig()
     with pytest.raises(ValueError, match="post_norm"):
         MTPNativeConfig(checkpoint=str(target), recursion="pre_norm")
+    with pytest.raises(ValueError, match="num_speculative_tokens: 1"):
+        MTPNativeConfig(checkpoint=str(target), num_depths=2)
     with pytest.raises(ValueError, match="leave it null"):
         MTPNativeConfig(checkpoint=str(target), head_dim=16)
     cfg, _ = read_checkpoint(target)

@@ -6,7 +6,7 @@ own ``mtp.*`` tensors. So the drafter here is that module exactly, initialised f
 ``mtp.*`` weights (``drafter.checkpoint``: the target's directory; transformers drops ``mtp.*`` on load,
 so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.mtp_loss``)
 and exported as a copy of the target checkpoint with the fine-tuned ``mtp.*`` swapped in
-(:func:`export_native`), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
+(``train.export.export_native``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
 beside the target (or alone: the copy is the whole target).
 
 Qwen3.5 (``model_type`` ``qwen3_5_text``; vLLM ``qwen3_5_mtp.py``, ``Qwen3_5MultiTokenPredictor``):
@@ -34,7 +34,6 @@ Shapes: Bs batch, T positions, H hidden.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 from torch import nn
 
 from train.drafter import Drafter
+from train.export import weight_files
 from train.mtp import MTPConfig, MTPDrafter
 
 MODEL_TYPES = ("qwen3_5_text",)
@@ -86,21 +86,12 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
                                 "the target's directory")
     cfg = json.loads((root / "config.json").read_text())
     mtp: dict[str, torch.Tensor] = {}
-    for f in _weight_files(root):
+    for f in weight_files(root):
         with safe_open(str(root / f), "pt") as st:
             for k in st.keys():
                 if k.startswith(PREFIX):
                     mtp[k] = st.get_tensor(k)
     return cfg, mtp
-
-
-def _weight_files(root: Path) -> list[str]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    if (root / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    raise FileNotFoundError(f"{root} has no model.safetensors(.index.json)")
 
 
 def text_config(cfg: dict[str, Any]) -> Any:
@@ -168,8 +159,10 @@ class MTPNativeDrafter(MTPDrafter):
         self.arch = {"hidden_size": tc.hidden_size}
         self.first_layer = 0
         self._frozen_target(config, bundle, layout)
-        if self.head_spec.norm != "rms_offset" or self.logits_scaling not in (None, 1.0) or self.lm_head_bias is not None:
-            raise ValueError(f"the dataset's head ({self.head_spec.norm}) is not Qwen3.5's (1 + w) norm and plain lm_head")
+        plain = self.logits_scaling in (None, 1.0) and self.lm_head_bias is None
+        if self.head_spec.norm != "rms_offset" or not plain:
+            raise ValueError(f"the dataset's head ({self.head_spec.norm}) is not Qwen3.5's (1 + w) norm and plain "
+                             "lm_head: it was not captured from this target")
 
     def state_dict(self, *args, **kwargs):  # the rotary table is derived, not a checkpoint tensor
         sd = super().state_dict(*args, **kwargs)
@@ -193,50 +186,6 @@ class MTPNativeDrafter(MTPDrafter):
         return {**self.target_config, "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint,
                                                    "mtp_config": asdict(self.config),
                                                    "num_speculative_tokens": self.config.num_depths}}
-
-
-def export_native(weights: dict[str, torch.Tensor], cfg: dict[str, Any], out_dir: str | Path,
-                  meta: dict[str, Any]) -> Path:
-    """A copy of the target checkpoint (``cfg["tapdraft"]["mtp_config"]["checkpoint"]``) with the fine-tuned
-    ``mtp.*`` tensors in place of its own, in each tensor's stored dtype; every other file copied unchanged."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from shards.atomic import staged
-
-    src = Path(cfg["tapdraft"]["mtp_config"]["checkpoint"])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = _weight_files(src)
-    placed: set[str] = set()
-    for f in files:
-        with safe_open(str(src / f), "pt") as st:
-            keys = list(st.keys())
-            if not any(k.startswith(PREFIX) for k in keys):
-                shutil.copyfile(src / f, out / f)
-                continue
-            sd = {}
-            for k in keys:
-                t = st.get_tensor(k)
-                if k.startswith(PREFIX):
-                    t = weights[k].to(t.dtype)
-                    placed.add(k)
-                sd[k] = t.contiguous()
-            meta_st = st.metadata() or {"format": "pt"}
-        with staged(out / f) as tmp:
-            save_file(sd, str(tmp), metadata=meta_st)
-    left = sorted(set(weights) - placed)
-    assert not left, f"tensors with no place in the checkpoint: {left[:4]}"
-    for p in src.iterdir():
-        if p.is_file() and p.name not in files and p.name != "config.json":
-            shutil.copyfile(p, out / p.name)
-    doc = json.loads((src / "config.json").read_text())
-    t = dict(cfg["tapdraft"])
-    t["mtp_config"] = {k: v for k, v in t["mtp_config"].items() if k != "checkpoint"}  # no local paths
-    doc["tapdraft"] = {**t, **{k: v for k, v in meta.items() if k != "source_checkpoint"}}
-    with staged(out / "config.json") as tmp:
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
-    return out
 
 
 CONFIG = MTPNativeConfig

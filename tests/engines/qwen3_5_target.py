@@ -24,7 +24,8 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def save_qwen3_5(d: Path, seed: int = 0, init_std: float = 0.2) -> Path:
-    """Save the target (vocabulary = the word tokenizer's, so every reply decodes and re-encodes to itself; random init, std ``init_std`` so greedy replies are not one repeated token) to ``d``."""
+    """Save the target to ``d``: vocabulary = the word tokenizer's (every reply decodes and re-encodes to
+    itself); random init with std ``init_std`` (greedy replies are then not one repeated token)."""
     import transformers as tf
     from safetensors.torch import load_file, save_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
@@ -33,7 +34,8 @@ def save_qwen3_5(d: Path, seed: int = 0, init_std: float = 0.2) -> Path:
 
     tok = tokenizer()
     torch.manual_seed(seed)
-    cfg = tf.Qwen3_5TextConfig(**SIZES, vocab_size=len(tok), layer_types=["full_attention"] * SIZES["num_hidden_layers"],
+    layers = ["full_attention"] * SIZES["num_hidden_layers"]
+    cfg = tf.Qwen3_5TextConfig(**SIZES, vocab_size=len(tok), layer_types=layers,
                                initializer_range=init_std)
     model = tf.Qwen3_5ForCausalLM(cfg).eval()
     with torch.no_grad():  # (1 + w) norms start at w = 0: move them off it so a wrong norm shows

@@ -1,7 +1,8 @@
 """The target's own MTP module, fine-tuned by tapdraft, exported where vLLM's ``method: "mtp"`` loads it.
 
 A tiny Qwen3.5 target (real layout, its ``mtp.*`` in the safetensors, every layer full attention) answers 112
-conversations greedily (regenerate keeps those whose reply holds no audio placeholder token: about 70%); tapdraft captures them, fine-tunes the checkpoint's MTP module on the first 48 (family
+conversations greedily (regenerate keeps those whose reply holds no audio placeholder token: about 70%);
+tapdraft captures them, fine-tunes the checkpoint's MTP module on the first 48 (family
 ``mtp_native``, CE) and exports a copy of the checkpoint with the new ``mtp.*``. vLLM 0.32's CPU venv cannot
 run a Qwen3.5 target (its ``qwen3_5.py`` imports torchvision, which PyPI has no build of for torch 2.13.0+cpu:
 the first test pins that), so the served half is checked with vLLM's own code where it runs: its speculative

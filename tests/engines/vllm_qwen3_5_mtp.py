@@ -69,7 +69,8 @@ def load(checkpoint: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                 parts.setdefault(name, {})[0] = w.double()
     params = {n: torch.cat([p[i] for i in sorted(p)], 0) for n, p in parts.items()}
     want = expected_params(cfg)
-    assert set(params) == set(want), f"unloaded {sorted(set(want) - set(params))}, unknown {sorted(set(params) - set(want))}"
+    unloaded, unknown = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+    assert not unloaded and not unknown, f"unloaded {unloaded}, unknown {unknown}"
     bad = {n: (tuple(params[n].shape), s) for n, s in want.items() if tuple(params[n].shape) != s}
     assert not bad, f"shape mismatches {bad}"
     if cfg.get("tie_word_embeddings"):
@@ -120,7 +121,8 @@ def forward(cfg: dict, P: dict[str, torch.Tensor], ids_T: torch.Tensor, hidden_T
     o = (o * torch.sigmoid(gate)) @ P[L + "self_attn.o_proj.weight"].T
     x = o + residual  # post_attention_layernorm(hidden, residual): fused add, then norm
     residual = x
-    g, u = (gemma_norm(x, P[L + "post_attention_layernorm.weight"], eps) @ P[L + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    m = gemma_norm(x, P[L + "post_attention_layernorm.weight"], eps)
+    g, u = (m @ P[L + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
     x = (torch.nn.functional.silu(g) * u) @ P[L + "mlp.down_proj.weight"].T
     return gemma_norm(x + residual, P["model.norm.weight"], eps)
 

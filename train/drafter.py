@@ -33,6 +33,7 @@ FAMILIES: dict[str, str] = {
     "dflash2": "train.dflash2",
     "mtp": "train.mtp",
     "eagle3": "train.eagle3",
+    "mtp_native": "train.mtp_native",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 

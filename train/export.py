@@ -14,6 +14,9 @@ reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
+The target's own MTP module (family ``mtp_native``) exports as a copy of the target checkpoint with its
+``mtp.*`` tensors replaced (:func:`export_native`), which engines serve as the target's MTP.
+
 The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``,
 and :func:`load_export` reads an export back with nothing but json and safetensors.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +77,14 @@ def in_layout(weights: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str
     family = cfg.get("tapdraft", {}).get("family")
     if family == "mtp":
         return convert(weights, cfg, layout or "deepseek")
-    if layout == "speculators":
-        return to_speculators(weights, cfg, verifier=verifier)
-    if layout is not None:
-        raise ValueError(f"unknown layout {layout!r} for a {family!r} draft: its layouts are the native one (no "
+    if layout is None:
+        return weights, cfg
+    if family in ("dflash", "dflash2"):
+        if layout == "speculators":
+            return to_speculators(weights, cfg, verifier=verifier)
+        raise ValueError(f"unknown layout {layout!r} for a {family} draft: its layouts are the native one (no "
                          "--layout) and speculators")
-    return weights, cfg
+    raise ValueError(f"a {family!r} draft has one export layout: drop --layout")
 
 
 def export_drafter(model: Any, out_dir: str | os.PathLike, meta: dict[str, Any], *, layout: str | None = None) -> Path:
@@ -110,7 +116,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
                                  "kwargs": state["template"]["kwargs"]}
     native = cfg
     weights, cfg = in_layout(state["draft"], native, layout, verifier=verifier)
-    out = write_export(out_dir, weights, cfg, meta)
+    if cfg.get("tapdraft", {}).get("family") == "mtp_native":  # a copy of the target with its mtp.* replaced
+        out = export_native(weights, cfg, out_dir, meta)
+    else:
+        out = write_export(out_dir, weights, cfg, meta)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
             "layout": cfg.get("mtp_layout") or layout,
@@ -135,3 +144,56 @@ def load_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torc
     if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
         raise FileNotFoundError(f"{root} is not a draft export: it needs {CONFIG} and {WEIGHTS}")
     return json.loads((root / CONFIG).read_text()), load_file(str(root / WEIGHTS))
+
+
+def weight_files(root: Path) -> list[str]:
+    """The safetensors files of a model checkpoint directory (one file or those its index names)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (root / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{root} has no model.safetensors(.index.json)")
+
+
+def export_native(weights: dict[str, torch.Tensor], cfg: dict[str, Any], out_dir: str | Path,
+                  meta: dict[str, Any]) -> Path:
+    """Family ``mtp_native``: a copy of the target checkpoint (``cfg["tapdraft"]["mtp_config"]["checkpoint"]``)
+    with the fine-tuned ``mtp.*`` tensors in place of its own, in each tensor's stored dtype; every other file
+    copied unchanged; the config is the target's plus a ``tapdraft`` section, with no local paths."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = Path(cfg["tapdraft"]["mtp_config"]["checkpoint"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = weight_files(src)
+    placed: set[str] = set()
+    for f in files:
+        with safe_open(str(src / f), "pt") as st:
+            keys = list(st.keys())
+            if not any(k.startswith("mtp.") for k in keys):
+                shutil.copyfile(src / f, out / f)
+                continue
+            sd = {}
+            for k in keys:
+                t = st.get_tensor(k)
+                if k.startswith("mtp."):
+                    t = weights[k].to(t.dtype)
+                    placed.add(k)
+                sd[k] = t.contiguous()
+            meta_st = st.metadata() or {"format": "pt"}
+        with staged(out / f) as tmp:
+            save_file(sd, str(tmp), metadata=meta_st)
+    left = sorted(set(weights) - placed)
+    assert not left, f"tensors with no place in the checkpoint: {left[:4]}"
+    for p in src.iterdir():
+        if p.is_file() and p.name not in files and p.name != "config.json":
+            shutil.copyfile(p, out / p.name)
+    doc = json.loads((src / "config.json").read_text())
+    t = dict(cfg["tapdraft"])
+    t["mtp_config"] = {k: v for k, v in t["mtp_config"].items() if k != "checkpoint"}  # no local paths
+    doc["tapdraft"] = {**t, **{k: v for k, v in meta.items() if k != "source_checkpoint"}}
+    with staged(out / "config.json") as tmp:
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return out

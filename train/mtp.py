@@ -30,6 +30,13 @@ bundle are frozen buffers). The dataset holds no backbone, so a mode that trains
 
 Names (``train.mtp_heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
 
+Serving: NO engine serves these bolt-on heads today. vLLM's ``method: "mtp"`` builds the MTP module from
+the TARGET's own config (a Qwen3 target has none: ``Qwen3NextMTP`` over a ``Qwen3Config`` fails on
+``num_experts``), ``model_type tapdraft_mtp`` is unknown to every loader, and NeMo's speechlm2 has no MTP.
+The export layouts (``train.mtp_layouts``) are for converters and offline study; live decoding is
+``tapdraft speculate``'s. A target that ships its own MTP module (Qwen3.5) trains that module instead,
+which vLLM serves as the target's MTP: family ``mtp_native`` (``train.mtp_native``).
+
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
 
@@ -131,35 +138,40 @@ class MTPDrafter(MTPLoss, Drafter):
         super().__init__(config, bundle, layout)
         c = bundle.config
         H = int(c["hidden_size"])
-        self.head_spec = head_spec(bundle)
-        self.eps = self.head_spec.eps
-        self.logits_scaling = self.head_spec.logits_scaling
+        eps = head_spec(bundle).eps
         heads = config.num_heads or int(c["num_attention_heads"])
         kv = config.num_kv_heads or int(c.get("num_key_value_heads") or heads)
         hd = config.head_dim or int(c.get("head_dim") or H // heads)
         inter = config.intermediate_size or int(c["intermediate_size"])
         self.arch = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-                     "intermediate_size": inter, "rms_norm_eps": self.eps, "rope_theta": float(c["rope_theta"])}
+                     "intermediate_size": inter, "rms_norm_eps": eps, "rope_theta": float(c["rope_theta"])}
         n_phys = 1 if config.use_repeated_layer else config.num_depths
         self.first_layer = int(layout.num_layers)
         self.model = _Model(
-            {str(self.first_layer + i): MTPHead(H, heads, kv, hd, inter, self.eps) for i in range(n_phys)}
+            {str(self.first_layer + i): MTPHead(H, heads, kv, hd, inter, eps) for i in range(n_phys)}
         )
         self.rope = RotaryEmbedding(hd, float(c["rope_theta"]))
-        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
-        self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied else bundle.lm_head.detach().clone(),
-                             persistent=False)
-        for name, t in (("norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
-            self.register_buffer(name, None if t is None else t.detach().clone(), persistent=False)
+        self._frozen_target(config, bundle, layout)
         with torch.no_grad():
             for m in self.model.modules():
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=config.init_std)
             for h in self.model.layers.values():  # start each output norm where the target's is
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
+
+    def _frozen_target(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
+        """The bundle's frozen embedding, final norm and lm_head as buffers, and what the dataset feeds h^0."""
+        self.head_spec = head_spec(bundle)
+        self.eps = self.head_spec.eps
+        self.logits_scaling = self.head_spec.logits_scaling
+        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
+        self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied else bundle.lm_head.detach().clone(),
+                             persistent=False)
+        for name, t in (("norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
+            self.register_buffer(name, None if t is None else t.detach().clone(), persistent=False)
         self.fingerprint = bundle.fingerprint
-        self.max_positions = int(c.get("max_position_embeddings") or 32768)
+        self.max_positions = int(bundle.config.get("max_position_embeddings") or 32768)
         self.last_tap = exact_last_tap(layout)
         self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         self.teacher_kind = self._pick_teacher(config, layout)
@@ -206,10 +218,17 @@ class MTPDrafter(MTPLoss, Drafter):
         return teacher_logits(h_RH, self.norm_weight, self.lm_head, self.head_spec, norm_bias_H=self.norm_bias,
                               lm_head_bias_V=self.lm_head_bias)
 
+    def out_norm(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """Depth k's output norm (before the shared lm_head)."""
+        return self.head(k).shared_head.norm(h)
+
+    def step(self, k: int, emb: torch.Tensor, h_prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Depth k: input embeddings of x_{t+k} and h^{k-1}_t [Bs, T, H], positions [Bs, T] -> h^k [Bs, T, H]."""
+        return self.head(k).step(emb, h_prev, self.rope(pos))
+
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
-        x = self.head(k).shared_head.norm(h)
-        return project(x, self.lm_head, self.head_spec, self.lm_head_bias)
+        return project(self.out_norm(k, h), self.lm_head, self.head_spec, self.lm_head_bias)
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
         """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
@@ -218,15 +237,14 @@ class MTPDrafter(MTPLoss, Drafter):
         doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
         labels = next_token_labels(ids, batch["loss_mask"], doc_end)
         emb, emb_unknown = self.input_embeds(batch)
-        dtype = self.head(1).eh_proj.weight.dtype
+        dtype = next(self.parameters()).dtype
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
-        rope = self.rope(pos)
         nb = None if self.norm_bias is None else self.norm_bias.to(dtype)
         h_in = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec, nb)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
-            h = self.head(k).step(shift_left(emb, k).to(dtype), h_in, rope)
-            h_in = h if self.config.recursion == "pre_norm" else self.head(k).shared_head.norm(h)
+            h = self.step(k, shift_left(emb, k).to(dtype), h_in, pos)
+            h_in = h if self.config.recursion == "pre_norm" else self.out_norm(k, h)
             tgt = depth_targets(labels, doc_end, k)
             unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
             audio_masked.append(unknown.sum())

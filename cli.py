@@ -196,7 +196,8 @@ def capture(
         split, spec = (split, spec) if sep and not Path(d).exists() else ("train", d)
         pairs.append((split, str(Path(spec).resolve()) if Path(spec).exists() else spec))
     cfg = CaptureConfig(
-        target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples, max_length=max_length,
+        target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples,
+        max_length=max_length,
         shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,

@@ -320,8 +320,9 @@ class DFlash2Drafter(DFlashDrafter):
     def export_config(self) -> dict[str, Any]:
         """DFlash's config in the reference DFlash2 layout under the architecture name engines key on,
         ``DFlash2DraftModel`` (vLLM registers it and switches to its V2 runner for it alone, exllamav3 gates on it;
-        Automodel's ``Qwen3DFlash2DraftModel.from_pretrained`` loads by class, whatever the name), its ``dflash_config`` fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k;
-        no projector_type, which it refuses) beside DFlash's; no ``auto_map``: the shipped modeling file is
+        Automodel's ``Qwen3DFlash2DraftModel.from_pretrained`` loads by class, whatever the name), its
+        ``dflash_config`` fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k; no
+        projector_type, which it refuses) beside DFlash's; no ``auto_map``: the shipped modeling file is
         DFlash's."""
         doc = super().export_config()
         cfg = self.config

@@ -38,7 +38,8 @@ def to_speculators(state: dict[str, torch.Tensor], config: dict[str, Any], *, ve
     """(weights, native export config) of a DFlash / DFlash2 draft -> the same draft in speculators' format."""
     family = config.get("tapdraft", {}).get("family")
     if family not in ("dflash", "dflash2"):
-        raise ValueError(f"--layout speculators is for DFlash and DFlash2 drafts; a {family!r} draft has its own layout")
+        raise ValueError(f"--layout speculators is for DFlash and DFlash2 drafts; a {family!r} draft has its own "
+                         "layout")
     if not verifier:
         raise ValueError("the speculators format names the target model (speculators_config.verifier): pass "
                          "--verifier NAME, the hub id or directory name vLLM will serve as the target")

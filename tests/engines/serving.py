@@ -55,3 +55,23 @@ def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 
         text = log.read_text()
         raise EngineFailed(f"vLLM failed (exit {res.returncode}); the end of {log}:\n{text[-6000:]}", text)
     return json.loads(out_path.read_text())
+
+
+def check_served(alone: dict[str, Any], served: dict[str, Any], ours: dict[str, Any],
+                 sample_ids: list[str] | None = None) -> tuple[int, int]:
+    """The served checks, given vLLM's run without and with the draft and ``tapdraft speculate``'s report on the
+    same conversations (in ``sample_ids`` order, default the report's): the draft changes nothing the target
+    says, tapdraft decodes the same tokens, and per conversation and round the accepted drafts are equal.
+    Prints and returns (rounds, accepted)."""
+    greedy = [o["token_ids"] for o in alone["outputs"]]
+    assert [o["token_ids"] for o in served["outputs"]] == greedy  # the draft changes nothing the target says
+    by_id = {c["sample_id"]: c for c in ours["conversations"]}
+    convs = [by_id[i] for i in sample_ids] if sample_ids is not None else ours["conversations"]
+    assert [c["tokens"] for c in convs] == greedy  # and tapdraft's decoding says the same
+    vllm_rounds = [o["spec"]["per_step_accepted"] for o in served["outputs"]]
+    our_rounds = [c["agreed"] for c in convs]
+    assert vllm_rounds == our_rounds
+    accepted, rounds = sum(map(sum, our_rounds)), sum(map(len, our_rounds))
+    print(f"vLLM {served['vllm']}: {len(convs)} conversations, {rounds} rounds, {accepted} drafts accepted "
+          f"(1 + accepted/rounds = {1 + accepted / rounds:.3f}); tapdraft tau {ours['tau']:.3f}")
+    return rounds, accepted

@@ -21,6 +21,17 @@ from tests.engines.test_vllm_dflash import K, MAX_TOKENS, prompts
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
+def load_with_speculators(venv: Path, export: Path, work: Path) -> dict:
+    """What speculators' own classes made of an export (engines/speculators_load.py, run in the engine venv)."""
+    out = work / "load.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(export),
+                          str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
+                         cwd=work)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def deep_bpe(tmp_path_factory):
     from demo.bpe import prepare_bpe
@@ -46,13 +57,7 @@ def exports(deep_bpe, tmp_path_factory):
 
 def test_speculators_classes_load_the_export_as_written(vllm_venv, exports, tmp_path):
     _, native, spec = exports
-    out = tmp_path / "load.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    res = subprocess.run([str(vllm_venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(spec),
-                          str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
-                         cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    doc = json.loads(out.read_text())
+    doc = load_with_speculators(vllm_venv, spec, tmp_path)
     native_cfg = json.loads((native / "config.json").read_text())
     assert doc["class"] == "DFlashDraftModel" and doc["missing"] == [] and doc["unexpected"] == []
     assert doc["max_abs_diff"] == 0.0
@@ -98,12 +103,6 @@ def test_speculators_classes_load_a_dflash2_export(vllm_venv, deep_bpe, tmp_path
     res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(spec), "--layout", "speculators",
                                    "--verifier", "bpe-target"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    out = tmp_path / "load.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    res = subprocess.run([str(vllm_venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(spec),
-                          str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
-                         cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    doc = json.loads(out.read_text())
+    doc = load_with_speculators(vllm_venv, spec, tmp_path)
     assert doc["class"] == "DFlash2DraftModel" and doc["missing"] == [] and doc["unexpected"] == []
     assert doc["max_abs_diff"] == 0.0 and doc["sliding_window_non_causal"] is True

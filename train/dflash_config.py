@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shards.taps import default_tap_ids
+from train.drafter import layer_shape
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
@@ -115,14 +116,9 @@ class DFlashConfig:
 
     def resolve(self, bundle: Any, layout: Any) -> "DFlashConfig":
         """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""
-        tc = bundle.config
-        H = int(tc["hidden_size"])
+        H, heads, kv, head_dim, inter = layer_shape(bundle, self)
         if layout.hidden_size != H:
             raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
-        heads = self.num_heads or int(tc["num_attention_heads"])
-        kv = self.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
-        head_dim = self.head_dim or int(tc.get("head_dim") or H // heads)
-        inter = self.intermediate_size or int(tc.get("intermediate_size") or 4 * H)
         V = int(bundle.lm_head.shape[0])
         mask_id = self.mask_token_id
         if mask_id is None:

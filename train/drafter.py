@@ -173,6 +173,18 @@ def pick_tokens(logits_KV: torch.Tensor, temperature: float,
     return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
 
 
+def layer_shape(bundle: Any, config: Any) -> tuple[int, int, int, int, int]:
+    """(hidden, heads, kv heads, head dim, intermediate) of a draft layer: the config's ``num_heads``,
+    ``num_kv_heads``, ``head_dim`` and ``intermediate_size`` where set, else the target's (from the bundle)."""
+    tc = bundle.config
+    H = int(tc["hidden_size"])
+    heads = config.num_heads or int(tc["num_attention_heads"])
+    kv = config.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
+    head_dim = config.head_dim or int(tc.get("head_dim") or H // heads)
+    inter = config.intermediate_size or int(tc.get("intermediate_size") or 4 * H)
+    return H, heads, kv, head_dim, inter
+
+
 def get_family(name: str) -> tuple[type, type[Drafter]]:
     """Family name -> (ConfigClass, DrafterClass); ValueError lists the known names."""
     if name not in FAMILIES:

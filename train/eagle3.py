@@ -48,7 +48,7 @@ from train.acceptance import AcceptanceCounts
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
 from train.draft_vocab import DraftVocab
-from train.drafter import Drafter, one_sequence_batch, pick_tokens
+from train.drafter import Drafter, layer_shape, one_sequence_batch, pick_tokens
 from train.eagle3_loss import Eagle3Loss
 from train.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from train.mask import eagle3_block_mask, eagle3_dense_mask
@@ -127,12 +127,9 @@ class Eagle3Config:
 
     def resolve(self, bundle: Any, layout: Any) -> "Eagle3Config":
         """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""
-        tc = bundle.config
-        H = int(tc["hidden_size"])
+        H, heads, kv, head_dim, inter = layer_shape(bundle, self)
         if layout.hidden_size != H:
             raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
-        heads = self.num_heads or int(tc["num_attention_heads"])
-        kv = self.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
         V = int(bundle.lm_head.shape[0])
         if self.draft_vocab is not None and self.draft_vocab >= V:
             raise ValueError(f"draft_vocab {self.draft_vocab} is not below the target vocabulary ({V}); drop it "
@@ -155,8 +152,8 @@ class Eagle3Config:
             raise ValueError(f"target_layer_ids {list(ids)} include {missing}, which the dataset did not store "
                              f"(stored taps: {list(layout.tap_ids)}); choose stored taps or recapture")
         return dataclasses.replace(
-            self, num_heads=heads, num_kv_heads=kv, head_dim=self.head_dim or int(tc.get("head_dim") or H // heads),
-            intermediate_size=self.intermediate_size or int(tc["intermediate_size"]), target_layer_ids=tuple(ids))
+            self, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
+            target_layer_ids=tuple(ids))
 
 
 class Eagle3Layer(nn.Module):

@@ -53,7 +53,7 @@ from shards.head import embed, final_norm, head_spec, project, teacher_logits
 from train.acceptance import AcceptanceCounts
 from train.chunks import map_row_chunks
 from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
-from train.drafter import Drafter, one_sequence_batch, pick_tokens
+from train.drafter import Drafter, layer_shape, one_sequence_batch, pick_tokens
 from train.layers import RotaryEmbedding
 from train.mtp_heads import MTPHead, _Model
 from train.mtp_loss import MTPLoss
@@ -137,12 +137,8 @@ class MTPDrafter(MTPLoss, Drafter):
     def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
         c = bundle.config
-        H = int(c["hidden_size"])
+        H, heads, kv, hd, inter = layer_shape(bundle, config)
         eps = head_spec(bundle).eps
-        heads = config.num_heads or int(c["num_attention_heads"])
-        kv = config.num_kv_heads or int(c.get("num_key_value_heads") or heads)
-        hd = config.head_dim or int(c.get("head_dim") or H // heads)
-        inter = config.intermediate_size or int(c["intermediate_size"])
         self.arch = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
                      "intermediate_size": inter, "rms_norm_eps": eps, "rope_theta": float(c["rope_theta"])}
         n_phys = 1 if config.use_repeated_layer else config.num_depths

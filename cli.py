@@ -146,6 +146,8 @@ def capture(
     shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size in bytes (1 GiB)."),
     zstd_level: int = typer.Option(1, "--zstd-level", help="Shard compression level; 0 = uncompressed Arrow: the "
                                    "fastest read (with --bf16-layout raw), ~1.45x the default's bytes on disk."),
+    writers: int = typer.Option(1, "--writers", help="Writer threads per rank, each compressing its own shards: "
+                                "what keeps up with a fast GPU (docs/performance.md)."),
     bf16_layout: str = typer.Option("planes", "--bf16-layout", help="planes (compresses better) | raw (uint16 words: "
                                     "with --zstd-level 0, taps are read without a decode pass)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
@@ -198,7 +200,8 @@ def capture(
     cfg = CaptureConfig(
         target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples,
         max_length=max_length,
-        shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout),
+        shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout,
+                          writers=writers),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
         audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,

@@ -5,14 +5,18 @@ captures (6 taps: five DFlash taps + the last layer) and top-64 teacher rows on 
 bf16 N(0, 1) with a few outlier channels (what a decoder's pre-norm stream looks like; random data
 is the pessimistic case for compression, so the MB/s is a floor for zstd's share).
 
-    A  tapdraft   DatasetWriter.write for every sample + close (Arrow, CLI defaults), fresh directory
+    A  tapdraft   DatasetWriter.write for every sample + close (Arrow), fresh directory, for each
+                  (zstd level, writer lanes) asked for: lanes are threads, each with its own shards
     B  peer       one uncompressed torch.save dict per sample (benchmarks/baseline_pt.py)
 
 Ratio = B time / A time (higher is better: > 1 means tapdraft writes the same content faster than
-the uncompressed baseline). Interleaved A B A B, median of the pairs; MB/s counts the tensors'
-in-memory bytes (what capture hands the writer), tokens/s the tokens.
+the uncompressed baseline). Interleaved A.. B A.. B, median of the rounds; MB/s counts the tensors'
+in-memory bytes (what capture hands the writer), tokens/s the tokens. Each config also reports its
+tokens/s per core used (lanes capped at the machine's cores) and, from that, the cores a capture at
+``--goal`` tokens/s would need, assuming the per-core rate holds (lanes share nothing but the disk).
 
     python -m benchmarks.write [--hidden 4096] [--samples 12] [--tokens 1024] [--pairs 5]
+                               [--levels 1,0] [--writers 1,2] [--goal 37000]
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--format", default="arrow")
+    ap.add_argument("--levels", default="1", help="zstd levels to time, comma-separated (0: uncompressed)")
+    ap.add_argument("--writers", default="1", help="writer lanes to time, comma-separated")
+    ap.add_argument("--goal", type=int, default=37_000, help="tokens/s a capture must sustain (an H100's prefill)")
     ap.add_argument("--name", default="write.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -79,40 +86,56 @@ def main() -> None:
     samples = make_samples(args.samples, args.tokens, args.hidden)
     nbytes = sum(t.numel() * t.element_size() for s in samples for t in s.values() if isinstance(t, torch.Tensor))
     tokens = args.samples * args.tokens
-    cfg = ShardConfig(format=args.format)
+    configs = [ShardConfig(format=args.format, zstd_level=lvl, writers=w)
+               for lvl in map(int, args.levels.split(",")) for w in map(int, args.writers.split(","))]
     scratch = Path(tempfile.mkdtemp(prefix="write-bench-"))
-    a, b, loads, disk = [], [], [], 0
+    a: list[list[float]] = [[] for _ in configs]
+    b, loads, disk = [], [], [0] * len(configs)
     for i in range(args.pairs):
         loads.append(os.getloadavg()[0])
-        a.append(write_tapdraft(scratch / f"t{i}", samples, layout, cfg))
-        disk = sum(p.stat().st_size for p in (scratch / f"t{i}").rglob("*") if p.is_file())
-        shutil.rmtree(scratch / f"t{i}")
+        for c, cfg in enumerate(configs):
+            a[c].append(write_tapdraft(scratch / f"t{i}", samples, layout, cfg))
+            disk[c] = sum(p.stat().st_size for p in (scratch / f"t{i}").rglob("*") if p.is_file())
+            shutil.rmtree(scratch / f"t{i}")
         t0 = time.perf_counter()
         write_pt_dataset(scratch / f"p{i}", samples)
         b.append(time.perf_counter() - t0)
         shutil.rmtree(scratch / f"p{i}")
-        print(f"pair {i}: tapdraft {a[-1]:.2f} s ({nbytes / a[-1] / 1e6:.0f} MB/s)  torch.save {b[-1]:.2f} s  "
-              f"ratio {b[-1] / a[-1]:.3f}")
+        print(f"round {i}: torch.save {b[-1]:.2f} s; " + "; ".join(
+            f"zstd {cfg.zstd_level} x{cfg.writers} {a[c][-1]:.2f} s ({tokens / a[c][-1]:,.0f} tok/s)"
+            for c, cfg in enumerate(configs)), flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    ratios = [y / x for x, y in zip(a, b)]
+    cores = os.cpu_count() or 1
+    rows = []
+    for c, cfg in enumerate(configs):
+        med = statistics.median(a[c])
+        tps = tokens / med
+        per_core = tps / min(cfg.writers, cores)
+        rows.append({"zstd_level": cfg.zstd_level, "writers": cfg.writers, "seconds_median": round(med, 3),
+                     "ratio_median": round(statistics.median(y / x for x, y in zip(a[c], b)), 3),
+                     "tokens_per_s": round(tps), "MB_per_s": round(nbytes / med / 1e6, 1),
+                     "tokens_per_s_per_core": round(per_core), "disk_bytes": disk[c],
+                     "disk_ratio": round(disk[c] / nbytes, 3),
+                     "cores_for_goal": round(args.goal / per_core, 2)})
+        print(f"zstd {cfg.zstd_level} x{cfg.writers}: {tps:,.0f} tok/s ({per_core:,.0f} a core), "
+              f"{nbytes / med / 1e6:.0f} MB/s, ratio vs torch.save {rows[-1]['ratio_median']}, disk "
+              f"{rows[-1]['disk_ratio']}x; {args.goal:,} tok/s needs {rows[-1]['cores_for_goal']} cores")
     res = {
         "benchmark": "write",
-        "what": "DatasetWriter (A) vs per-sample torch.save (B), same content; ratio = B/A (higher is better)",
+        "what": "DatasetWriter (A, per zstd level and writer lanes) vs per-sample torch.save (B), same content; "
+                "ratio = B/A (higher is better)",
         "target_shape": {"hidden_size": args.hidden, "num_taps": len(TAPS), "top_k": 64,
                          "tokens_per_sample": args.tokens},
-        "ratio_median": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
-        "tapdraft_s_median": round(statistics.median(a), 3), "torch_save_s_median": round(statistics.median(b), 3),
-        "tapdraft_MB_per_s": round(nbytes / statistics.median(a) / 1e6, 1),
-        "tapdraft_tokens_per_s": round(tokens / statistics.median(a)),
+        "configs": rows, "goal_tokens_per_s": args.goal,
+        "torch_save_s_median": round(statistics.median(b), 3),
         "torch_save_MB_per_s": round(nbytes / statistics.median(b) / 1e6, 1),
-        "input_bytes": nbytes, "disk_bytes": disk, "samples": args.samples, "tokens": tokens,
-        "load_avg_1m_per_pair": [round(x, 2) for x in loads],
+        "input_bytes": nbytes, "samples": args.samples, "tokens": tokens,
+        "load_avg_1m_per_round": [round(x, 2) for x in loads],
         "command": f"python -m benchmarks.write --hidden {args.hidden} --samples {args.samples} "
-                   f"--tokens {args.tokens} --pairs {args.pairs} --format {args.format}",
-        "config": cfg.to_dict(), "machine_extra": {"threads": 1},
+                   f"--tokens {args.tokens} --pairs {args.pairs} --format {args.format} --levels {args.levels} "
+                   f"--writers {args.writers} --goal {args.goal}",
+        "config": configs[0].to_dict(), "machine_extra": {"torch_threads": 1},
     }
-    print(f"tapdraft {res['tapdraft_MB_per_s']} MB/s ({res['tapdraft_tokens_per_s']:,} tok/s), "
-          f"torch.save {res['torch_save_MB_per_s']} MB/s; ratio (median of {args.pairs}) {res['ratio_median']}")
     write_result(args.name, res)
 
 

@@ -49,6 +49,10 @@ RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_py
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
 handled): they do not change what is written."""
 
+PLACEMENT_FIELDS = ("writers",)
+"""Fields that decide which shard holds a sample, not what a sample is: a resume must keep them (the shards' names
+follow from them), a dataset's lineage leaves them out (``capture.pipeline.lineage``)."""
+
 PATH_FIELDS = ("target", "out", "llm_config", "chat_template", "vllm_python")
 """Fields holding one local path; recorded by name (:func:`portable_path`), like each input in ``data``."""
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.config import INPUTS_KEY, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
+from capture.config import INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
 from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
 from capture.fused import fused_window
 from capture.load import load_target
@@ -447,9 +447,9 @@ def _close_or_abort(writer: DatasetWriter, wt: "_WriterThread") -> None:
 
 
 def lineage(record: dict[str, Any], split: str) -> str:
-    """What a split's shards are made from: the capture's settings (less those a resume may change) and the
-    input's hash."""
-    ident = {k: v for k, v in record.items() if k not in RUNTIME_FIELDS and k != INPUTS_KEY}
+    """What a split's shards are made from: the capture's settings (less those a resume may change and those that
+    only place samples) and the input's hash."""
+    ident = {k: v for k, v in record.items() if k not in RUNTIME_FIELDS + PLACEMENT_FIELDS and k != INPUTS_KEY}
     doc = {"capture": ident, "split": split, "input": record[INPUTS_KEY][split]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 

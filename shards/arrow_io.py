@@ -100,6 +100,9 @@ def _binary_column(cells: list[Any], name: str, scratch: dict[str, np.ndarray]) 
     if total >= 1 << 31:
         raise ValueError(f"column {name!r} of one record batch holds {total} bytes; Arrow binary columns stop at "
                          "2 GiB: capture shorter sequences or fewer taps")
+    if len(views) == 1:  # a sample of its own batch (real widths): its cell is the column, no copy
+        return pa.BinaryArray.from_buffers(pa.binary(), 1, [None, pa.py_buffer(offsets.astype(np.int32)),
+                                                            pa.py_buffer(views[0])])
     buf = scratch.get(name)
     if buf is None or buf.size < total:
         buf = scratch[name] = np.empty(total, dtype=np.uint8)

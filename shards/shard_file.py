@@ -28,8 +28,8 @@ from shards.schema import Layout
 from shards.shard_index import index_doc, index_name, write_index
 from shards.wds_io import TarShardWriter, sample_key
 
-LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT}
-"""What a shard config recorded before a field existed used for it (fp8 taps were one byte a value)."""
+LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT, "writers": 1}
+"""What a shard config recorded before a field existed used for it (fp8 taps were one byte a value, one writer)."""
 FORMATS = ("arrow", "wds")
 
 
@@ -57,6 +57,10 @@ class ShardConfig:
     fp8_layout: str = "packed"
     """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
     zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
+    writers: int = 1
+    """Writer lanes per rank, each on its own thread with its own shards (input i goes to lane i % writers).
+    Encoding, zstd and hashing are a writer's CPU; lanes share nothing, so the rate scales with the cores given
+    (benchmarks/write.py: what one lane does a core at a real width, and two lanes). A resume keeps the count."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -75,6 +79,8 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
         if self.fp8_layout not in FP8_LAYOUTS:
             raise ValueError(f"ShardConfig.fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
+        if not 1 <= self.writers <= 64:
+            raise ValueError(f"ShardConfig.writers must be in [1, 64] (writer threads per rank), got {self.writers}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

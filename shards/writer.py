@@ -6,7 +6,10 @@
     w.close()
     finalize_dataset(out_dir, layout=layout, fingerprint=fp, capture_config={...})   # once, after all ranks
 
-Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>``; a shard is written under
+Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>``, through ``ShardConfig.writers``
+lanes: input index i goes to lane i % writers, lane j's k-th shard is seq k * writers + j, and with more than
+one lane each lane encodes, compresses and hashes its shards on its own thread (compression is most of a
+writer's CPU; benchmarks/write.py), so a lane's shards are a pure function of its inputs whatever the timing; a shard is written under
 ``<name>.tmp`` (sha256 and size computed while streaming) and renamed once complete, then the
 shard's own index ``index/<split>-rank<r>-<seq>.<ext>.json`` is written (shards.shard_index) and the
 rank's partial index ``_parts/<split>-rank<r>.json`` is rewritten atomically. That index is the
@@ -21,6 +24,9 @@ The writer's API is importable from here: ``ShardConfig`` and ``LEGACY_SHARD_FIE
 from __future__ import annotations
 
 import json
+import queue
+import re
+import threading
 import warnings
 from typing import Any
 
@@ -75,11 +81,16 @@ class DatasetWriter:
             for a, b in entry["indices"]:
                 self._done.update(range(a, b))
         self._done.update(s["index"] for s in self._skipped)
-        self._pending_skips: list[dict[str, Any]] = []
-        self._pending_idx: set[int] = set()
-        self._shard: _Shard | None = None
+        self._pending_idx: set[int] = set()  # indices in open shards or unrecorded skips, over all lanes
+        self._lock = threading.Lock()  # lanes' threads finish shards while the caller asks is_done
+        n = config.writers
+        seqs = [_seq(e["name"]) for e in self._shards]
+        self._lanes = [_Lane(j, sum(1 for q in seqs if q % n == j)) for j in range(n)]
         self._closed = False
         self._warned_dup = False
+        if n > 1:
+            for lane in self._lanes:
+                lane.start(self._run_lane)
 
     def _resume(self) -> None:
         with self.fs.open(self._part_path, "rb") as f:
@@ -120,29 +131,35 @@ class DatasetWriter:
     @property
     def next_index(self) -> int:
         """First input index not yet in a finished shard (or recorded skip); resume from here."""
-        i = 0
-        while i in self._done:
-            i += 1
-        return i
+        with self._lock:
+            i = 0
+            while i in self._done:
+                i += 1
+            return i
 
     @property
     def num_done(self) -> int:
         """Inputs already in finished shards or recorded skips."""
-        return len(self._done)
+        with self._lock:
+            return len(self._done)
 
     def is_done(self, index: int) -> bool:
         """Whether ``index`` is already in a finished shard or a recorded skip (a resume need not redo it)."""
-        return index in self._done
+        with self._lock:
+            return index in self._done
 
     def _check_index(self, index: int) -> bool:
         if self._closed:
             raise ValueError(f"writer for {self.split} rank {self.rank} is closed; open a new DatasetWriter to resume")
         if index < 0:
             raise ValueError(f"input index must be >= 0, got {index}")
-        if index in self._pending_idx:
+        self._raise_lane_error()
+        with self._lock:
+            pending, done = index in self._pending_idx, index in self._done
+        if pending:
             raise ValueError(f"input index {index} was already written to the open shard "
                              f"({self.split} rank {self.rank})")
-        if index in self._done:
+        if done:
             if not self._warned_dup:
                 warnings.warn(f"input index {index} is already in a finished shard; ignoring it (resume overlap)",
                               stacklevel=3)
@@ -151,41 +168,86 @@ class DatasetWriter:
         return True
 
     def write(self, sample: dict[str, Any], index: int) -> bool:
-        """Validate and append one sample; returns False when ``index`` was already finished (ignored)."""
+        """Validate and append one sample; returns False when ``index`` was already finished (ignored).
+
+        With more than one writer lane the sample is encoded on its lane's thread after this returns: hand over
+        tensors nothing writes to afterwards (capture's are fresh host copies of each batch)."""
         if not self._check_index(index):
             return False
         try:
             validate_sample(sample, self.layout)
         except ValueError as e:
             raise type(e)(f"{e} (input index {index}, split {self.split}, rank {self.rank})") from e
-        if self._shard is None:
-            name = mf.rank_shard_name(self.split, self.rank, len(self._shards), self.config.format)
-            self._shard = _Shard(self.fs, mf.join(self.root, name), self.config, self.meta, self.fingerprint,
-                                 self.rank, name, self.lineage)
-        self._shard.add(sample, index)
-        self._pending_idx.add(index)
-        if self._shard.full:
-            self._finish_shard()
+        self._submit(("write", sample, index), index)
         return True
 
     def skip(self, index: int, sample_id: str, reason: str) -> None:
         """Record an input that is not written (bad, too long); a resume will not redo it."""
         if not self._check_index(index):
             return
-        self._pending_skips.append({"index": int(index), "sample_id": str(sample_id), "reason": str(reason),
-                                    "rank": self.rank})
-        self._pending_idx.add(index)
+        self._submit(("skip", {"index": int(index), "sample_id": str(sample_id), "reason": str(reason),
+                               "rank": self.rank}, index), index)
 
-    def _finish_shard(self) -> None:
-        if self._shard is not None:
-            entry = self._shard.finish()
-            entry["name"] = self._shard.name
-            self._shards.append(entry)
-            self._shard = None
-        self._skipped.extend(self._pending_skips)
-        self._done.update(self._pending_idx)
-        self._pending_skips, self._pending_idx = [], set()
-        self._write_part(closed=False)
+    def _submit(self, item: tuple[str, Any, int], index: int) -> None:
+        """Hand a write or a skip to its lane: at once with one lane, else through the lane's queue (in order)."""
+        with self._lock:
+            self._pending_idx.add(index)
+        lane = self._lanes[index % len(self._lanes)]
+        if lane.thread is None:
+            self._handle(lane, item)
+        else:
+            lane.put(item)
+
+    def _handle(self, lane: "_Lane", item: tuple[str, Any, int]) -> None:
+        kind, payload, index = item
+        lane.indices.add(index)
+        if kind == "skip":
+            lane.skips.append(payload)
+            return
+        if lane.shard is None:
+            name = mf.rank_shard_name(self.split, self.rank, lane.next_seq(len(self._lanes)), self.config.format)
+            lane.shard = _Shard(self.fs, mf.join(self.root, name), self.config, self.meta, self.fingerprint,
+                                self.rank, name, self.lineage)
+        lane.shard.add(payload, index)
+        if lane.shard.full:
+            self._finish_shard(lane)
+
+    def _run_lane(self, lane: "_Lane") -> None:
+        """A lane's thread: writes and skips in order; at the end (None) finishes its open shard."""
+        try:
+            while True:
+                item = lane.q.get()
+                if lane.stop.is_set():
+                    return
+                if item is None:
+                    self._finish_shard(lane)
+                    return
+                self._handle(lane, item)
+        except BaseException as e:  # surfaced on the caller's next write or at close
+            lane.error = e
+
+    def _raise_lane_error(self) -> None:
+        for lane in self._lanes:
+            if lane.error is not None:
+                raise lane.error
+
+    def _finish_shard(self, lane: "_Lane") -> None:
+        """Close the lane's open shard (if any) and record it with the lane's skips: its indices are done."""
+        entry = None
+        if lane.shard is not None:
+            entry = lane.shard.finish()
+            entry["name"] = lane.shard.name
+            lane.shard = None
+        with self._lock:
+            if entry is not None:
+                self._shards.append(entry)
+                self._shards.sort(key=lambda e: _seq(e["name"]))  # lanes finish in any order; the index does not
+            self._skipped.extend(lane.skips)
+            self._skipped.sort(key=lambda s: s["index"])
+            self._done.update(lane.indices)
+            self._pending_idx.difference_update(lane.indices)
+            lane.skips, lane.indices = [], set()
+            self._write_part(closed=False)
 
     def _write_part(self, closed: bool) -> None:
         doc = {"version": PART_VERSION, "split": self.split, "rank": self.rank, "schema_version": SCHEMA_VERSION,
@@ -195,18 +257,30 @@ class DatasetWriter:
         write_json_atomic(self.fs, self._part_path, doc)
 
     def close(self) -> None:
-        """Finish the last shard and mark this rank's partial index closed."""
+        """Finish every lane's last shard and mark this rank's partial index closed."""
         if self._closed:
             return
-        self._finish_shard()
+        for lane in self._lanes:
+            if lane.thread is None:
+                self._finish_shard(lane)
+            else:
+                lane.put(None)
+        for lane in self._lanes:
+            lane.join()
+        if any(lane.error is not None for lane in self._lanes):
+            self.abort()
+            self._raise_lane_error()
         self._write_part(closed=True)
         self._closed = True
 
     def abort(self) -> None:
-        """Drop the open shard (its samples will be redone on resume)."""
-        if self._shard is not None:
-            self._shard.abort()
-            self._shard = None
+        """Drop the open shards (their samples will be redone on resume)."""
+        for lane in self._lanes:
+            lane.halt()
+        for lane in self._lanes:
+            if lane.shard is not None:
+                lane.shard.abort()
+                lane.shard = None
         self._closed = True
 
     def __enter__(self) -> "DatasetWriter":
@@ -217,3 +291,62 @@ class DatasetWriter:
             self.close()
         else:
             self.abort()
+
+
+_SEQ_RE = re.compile(r"-(\d+)\.[a-z.]+$")
+
+
+def _seq(name: str) -> int:
+    """The sequence number of a rank shard's name (``data/train-rank00000-00003.arrow`` -> 3)."""
+    m = _SEQ_RE.search(name)
+    assert m is not None, f"not a rank shard name: {name}"
+    return int(m.group(1))
+
+
+class _Lane:
+    """One of a rank's writers: its open shard, the inputs it holds, and with more than one lane its thread."""
+
+    QUEUE = 2
+    """Samples waiting per lane: enough to keep its thread busy, few enough to bound memory at real widths."""
+
+    def __init__(self, j: int, finished: int) -> None:
+        self.j, self.finished = j, finished
+        self.shard: _Shard | None = None
+        self.indices: set[int] = set()  # written to the open shard or skipped, not yet recorded
+        self.skips: list[dict[str, Any]] = []
+        self.q: queue.Queue = queue.Queue(maxsize=self.QUEUE)
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def next_seq(self, lanes: int) -> int:
+        """Lane j's k-th shard is seq k * lanes + j: names depend on the lane's inputs only."""
+        seq = self.finished * lanes + self.j
+        self.finished += 1
+        return seq
+
+    def start(self, run: Any) -> None:
+        self.thread = threading.Thread(target=run, args=(self,), name=f"shard-writer-{self.j}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Any) -> None:
+        while self.thread is not None and self.thread.is_alive():
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def halt(self) -> None:
+        """Stop the thread without finishing its shard (abort)."""
+        if self.thread is not None and self.thread.is_alive():
+            self.stop.set()
+            try:
+                self.q.put_nowait(None)
+            except queue.Full:
+                pass
+            self.thread.join()

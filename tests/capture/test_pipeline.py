@@ -31,7 +31,7 @@ def _cfg(salm_dir, manifest, out, **kw) -> CaptureConfig:
     base = dict(target=str(salm_dir), out=str(out), data=(("train", str(manifest)),), top_k=4, window=4,
                 batch_tokens=120, progress=False)
     base.update(kw)
-    shard = {k: base.pop(k) for k in ("format", "shard_bytes") if k in base}
+    shard = {k: base.pop(k) for k in ("format", "shard_bytes", "writers") if k in base}
     base["shard"] = ShardConfig(**{"shard_bytes": 6000, **shard})
     return CaptureConfig(**base)
 
@@ -72,9 +72,10 @@ def test_capture_writes_what_the_target_computes(salm_dir, tone_manifest, tmp_pa
 
 
 @pytest.mark.slow
-def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path):
+@pytest.mark.parametrize("writers", [1, 2])
+def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path, writers):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    kw = dict(batch_tokens=70, shard_bytes=3000)  # ~2 samples a batch, ~1 a shard
+    kw = dict(batch_tokens=70, shard_bytes=3000, writers=writers)  # ~2 samples a batch, ~1 a shard
     capture(_cfg(salm_dir, tone_manifest, ref_dir, **kw))
     script = textwrap.dedent("""
         import os, signal, time, torch
@@ -110,6 +111,9 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
     for x, y in zip(a, b):
         _equal(x, y)
     assert verify_dataset(str(cut_dir), progress=False).ok
+    shards = [[(s["name"], s["sha256"]) for s in open_dataset(str(d)).manifest["splits"]["train"]["shards"]]
+              for d in (ref_dir, cut_dir)]
+    assert shards[0] == shards[1]  # the same files, byte for byte, whatever the lanes' timing
 
 
 def test_changed_config_is_refused_naming_the_field(salm_dir, tone_manifest, tmp_path):

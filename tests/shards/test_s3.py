@@ -248,8 +248,8 @@ def test_capture_into_s3(s3, salm_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(StagedUpload, "EVERY_S", 0.05)  # this capture takes a second, not hours
     finish = DatasetWriter._finish_shard
 
-    def slow_finish(self):  # a shard takes minutes to fill at real sizes: leave the uploader time to see each
-        finish(self)
+    def slow_finish(self, lane):  # a shard takes minutes to fill at real sizes: leave the uploader time to see each
+        finish(self, lane)
         time.sleep(0.2)
 
     monkeypatch.setattr(DatasetWriter, "_finish_shard", slow_finish)

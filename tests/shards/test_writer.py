@@ -24,9 +24,9 @@ def test_resume_discards_temp_shard_and_continues(tmp_path):
     fp = tiny_bundle(str(tmp_path / "target"), layout)
     w = DatasetWriter(str(tmp_path), CFG, layout)
     _write(w, range(19), layout)
-    if w._shard is None:  # make sure some samples sit in an open temp shard
+    if w._lanes[0].shard is None:  # make sure some samples sit in an open temp shard
         _write(w, [19], layout)
-    total = 20 if w._shard is not None else 19
+    total = 20 if w._lanes[0].shard is not None else 19
     _write(w, range(total, 20), layout)
     finished = sum(e["samples"] for e in w._shards)
     assert 0 < finished < 20

@@ -290,9 +290,13 @@ def derive(
                                     help="At most N samples per split, the first in file order."),
     top_k: int = typer.Option(None, "--top-k",
                               help="Teacher top-k to keep, at most the source's (0: drop teacher rows)."),
+    zstd_level: int = typer.Option(None, "--zstd-level", help="Recompress the shards at this zstd level (0: "
+                                   "uncompressed; default: the source's)."),
+    bf16_layout: str = typer.Option(None, "--bf16-layout", help="planes | raw (default: the source's)."),
+    writers: int = typer.Option(1, "--writers", help="Writer threads, each compressing its own shards."),
 ) -> None:
     """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,
-    a smaller top-k; the bundle is copied and the lineage recorded in the manifest."""
+    a smaller top-k, other compression; the bundle is copied and the lineage recorded in the manifest."""
     from shards.derive import DeriveConfig, derive_dataset
     from shards.inspect import render_summary, summary
     from shards.reader import open_dataset
@@ -305,7 +309,7 @@ def derive(
     except ValueError:
         raise ValueError(f"--taps {taps!r}: give comma-separated integer tap ids, e.g. 1,9,17") from None
     cfg = DeriveConfig(src=src, out=out, taps=tap_ids, codec=codec, splits=_list(splits), max_samples=max_samples,
-                       top_k=top_k)
+                       top_k=top_k, zstd_level=zstd_level, bf16_layout=bf16_layout, writers=writers)
     derive_dataset(cfg)
     typer.echo(render_summary(summary(open_dataset(out))))
 

@@ -3,6 +3,9 @@
     derive_dataset(DeriveConfig(src="ds", out="ds-light", taps=(9, 17), codec="fp8", top_k=8,
                                 splits=("train",), max_samples=10_000))
 
+``zstd_level`` / ``bf16_layout`` rewrite the shards' compression (a capture written uncompressed at GPU
+speed, recompressed on CPU nodes afterwards) and ``writers`` spreads that work over threads.
+
 The source is read in file order (``stream(shuffle=False)``) and each sample is cut down: taps to
 the chosen subset, teacher top-k to its first K (capture stores them in descending order and the
 log-probs are under the full softmax, so the first K of them are exactly a top-K capture's), taps
@@ -63,6 +66,13 @@ class DeriveConfig:
     """At most this many samples per split, the first in file order; None keeps them all."""
     top_k: int | None = None
     """Teacher top-k to keep, at most the source's (0 drops the teacher rows); None keeps the source's."""
+    zstd_level: int | None = None
+    """zstd level of the new shards (0: uncompressed); None keeps the source's. What recompresses a capture written
+    uncompressed to keep up with its GPU (docs/performance.md)."""
+    bf16_layout: str | None = None
+    """bf16 byte layout of the new shards ('planes' | 'raw'); None keeps the source's."""
+    writers: int = 1
+    """Writer lanes (threads) of the new dataset (ShardConfig.writers); where samples go, not what they are."""
     progress: bool = True
     """Show progress."""
 
@@ -110,6 +120,20 @@ def cut_sample(sample: dict[str, Any], src: Layout, new: Layout) -> dict[str, An
     return out
 
 
+def shard_config(src: ShardConfig, cfg: DeriveConfig) -> ShardConfig:
+    """The new dataset's shard config: the source's, with the compression and lanes asked for."""
+    over = {k: getattr(cfg, k) for k in ("zstd_level", "bf16_layout") if getattr(cfg, k) is not None}
+    return dataclasses.replace(src, **over, writers=cfg.writers)
+
+
+def _key_settings(cfg: DeriveConfig) -> dict[str, Any]:
+    """The settings a resume must share: not where the output goes or how progress shows, nor the lanes; the
+    shard settings only when given (derives made before they existed keep their key)."""
+    d = dataclasses.asdict(cfg) | {"progress": None, "out": None}
+    del d["writers"]
+    return {k: v for k, v in d.items() if v is not None or k not in ("zstd_level", "bf16_layout")}
+
+
 def _lineage(src_url: str, man: dict[str, Any], man_sha: str, cfg: DeriveConfig, layout: Layout,
              splits: list[str], counts: dict[str, int]) -> dict[str, Any]:
     src = Layout.from_dict(man["layout"])
@@ -128,7 +152,8 @@ def _lineage(src_url: str, man: dict[str, Any], man_sha: str, cfg: DeriveConfig,
             "source_code_version": man.get("code_version"), "dropped": dropped,
             "settings": {"taps": None if cfg.taps is None else list(cfg.taps), "codec": cfg.codec,
                          "splits": None if cfg.splits is None else list(cfg.splits),
-                         "max_samples": cfg.max_samples, "top_k": cfg.top_k}}
+                         "max_samples": cfg.max_samples, "top_k": cfg.top_k, "zstd_level": cfg.zstd_level,
+                         "bf16_layout": cfg.bf16_layout}}
 
 
 def derived_note(manifest: dict[str, Any]) -> str | None:
@@ -174,15 +199,14 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     if Path(str(ds.root)).resolve() == out.resolve():
         raise ValueError(f"--out {cfg.out} is the source dataset; derive into a new directory")
     done = mf.complete_manifest(str(out))
-    lineage = hashlib.sha256(json.dumps([man_sha, dataclasses.asdict(cfg) | {"progress": None, "out": None}],
-                                        sort_keys=True).encode()).hexdigest()
+    lineage = hashlib.sha256(json.dumps([man_sha, _key_settings(cfg)], sort_keys=True).encode()).hexdigest()
     if done is not None:
         if (done.get("extra") or {}).get("derive_key") != lineage:
             raise ValueError(f"{out} is already a finished dataset made otherwise; derive into a new --out directory")
         return done
     if mf.foreign_directory(str(out)):
         raise ValueError(f"{out} is a non-empty directory that is not a tapdraft dataset; choose a new --out")
-    shard_cfg = ShardConfig.from_dict(man["shard_config"])
+    shard_cfg = shard_config(ShardConfig.from_dict(man["shard_config"]), cfg)
     out.mkdir(parents=True, exist_ok=True)
     _copy_bundle(ds.fs, ds.root, out, ds.fingerprint)
     counts: dict[str, int] = {}

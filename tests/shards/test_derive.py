@@ -105,3 +105,28 @@ def test_derive_command(src, tmp_path, capsys):
         main(["derive", str(src), "--out", str(tmp_path / "d"), "--taps", "x"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --taps 'x'"), err
+
+
+def test_derive_recompresses_with_writer_lanes_and_keeps_old_keys(src, tmp_path):
+    """A capture written uncompressed (the GPU-rate setting) is recompressed afterwards, samples unchanged."""
+    raw = tmp_path / "raw"
+    man = derive_dataset(DeriveConfig(src=str(src), out=str(raw), zstd_level=0, bf16_layout="raw", writers=2,
+                                      progress=False))
+    assert {k: man["shard_config"][k] for k in ("zstd_level", "bf16_layout", "writers")} == \
+        {"zstd_level": 0, "bf16_layout": "raw", "writers": 2}
+    packed = tmp_path / "packed"
+    derive_dataset(DeriveConfig(src=str(raw), out=str(packed), zstd_level=1, bf16_layout="planes", progress=False))
+    for d in (raw, packed):
+        assert verify_dataset(str(d), progress=False).ok
+        for split in ("train", "validation"):
+            got = {s["sample_id"]: s for s in _samples(d, split)}
+            want = _samples(src, split)
+            assert sorted(got) == sorted(s["sample_id"] for s in want)
+            for w in want:
+                assert_same(got[w["sample_id"]], w)
+    assert open_dataset(str(packed)).manifest["shard_config"]["zstd_level"] == 1
+    from shards.derive import _key_settings
+
+    # a derive without the shard settings keeps the key it had before they existed (a finished one stays finished)
+    assert set(_key_settings(DeriveConfig(src="a", out="b"))) == {"src", "out", "taps", "codec", "splits",
+                                                                   "max_samples", "top_k", "progress"}

@@ -12,11 +12,13 @@ is the pessimistic case for compression, so the MB/s is a floor for zstd's share
 Ratio = B time / A time (higher is better: > 1 means tapdraft writes the same content faster than
 the uncompressed baseline). Interleaved A.. B A.. B, median of the rounds; MB/s counts the tensors'
 in-memory bytes (what capture hands the writer), tokens/s the tokens. Each config also reports its
-tokens/s per core used (lanes capped at the machine's cores) and, from that, the cores a capture at
-``--goal`` tokens/s would need, assuming the per-core rate holds (lanes share nothing but the disk).
+tokens per CPU second (the process's CPU time over all threads: what one core does, which other load on
+the machine disturbs less than the wall clock) and, from that, the cores a capture at ``--goal`` tokens/s
+needs if lanes scale (they share nothing but the disk; the wall-clock rate of 1 vs 2 lanes on a quiet
+machine shows how far they do).
 
     python -m benchmarks.write [--hidden 4096] [--samples 12] [--tokens 1024] [--pairs 5]
-                               [--levels 1,0] [--writers 1,2] [--goal 37000]
+                               [--levels 1,0,0/raw] [--writers 1,2] [--goal 37000]
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ def make_samples(n: int, T: int, H: int, k: int = 64, seed: int = 0) -> list[dic
     return out
 
 
-def write_tapdraft(out: Path, samples: list[dict], layout: Layout, cfg: ShardConfig) -> float:
-    t0 = time.perf_counter()
+def write_tapdraft(out: Path, samples: list[dict], layout: Layout, cfg: ShardConfig,
+                   cpu: list[float] | None = None) -> float:
+    """Seconds to write ``samples``; ``cpu`` gets the process's CPU seconds appended (all threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     w = DatasetWriter(str(out), cfg, layout, fingerprint="0" * 64)
     for i, s in enumerate(samples):
         w.write(s, i)
     w.close()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -76,7 +82,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--format", default="arrow")
-    ap.add_argument("--levels", default="1", help="zstd levels to time, comma-separated (0: uncompressed)")
+    ap.add_argument("--levels", default="1", help="zstd level/bf16 layout pairs to time, comma-separated, e.g. "
+                    "1/planes,0/raw (0: uncompressed; the layout defaults to planes)")
     ap.add_argument("--writers", default="1", help="writer lanes to time, comma-separated")
     ap.add_argument("--goal", type=int, default=37_000, help="tokens/s a capture must sustain (an H100's prefill)")
     ap.add_argument("--name", default="write.json")
@@ -86,15 +93,17 @@ def main() -> None:
     samples = make_samples(args.samples, args.tokens, args.hidden)
     nbytes = sum(t.numel() * t.element_size() for s in samples for t in s.values() if isinstance(t, torch.Tensor))
     tokens = args.samples * args.tokens
-    configs = [ShardConfig(format=args.format, zstd_level=lvl, writers=w)
-               for lvl in map(int, args.levels.split(",")) for w in map(int, args.writers.split(","))]
+    levels = [(int(x.split("/")[0]), (x.split("/") + ["planes"])[1]) for x in args.levels.split(",")]
+    configs = [ShardConfig(format=args.format, zstd_level=lvl, bf16_layout=lay, writers=w)
+               for lvl, lay in levels for w in map(int, args.writers.split(","))]
     scratch = Path(tempfile.mkdtemp(prefix="write-bench-"))
     a: list[list[float]] = [[] for _ in configs]
+    cpu: list[list[float]] = [[] for _ in configs]
     b, loads, disk = [], [], [0] * len(configs)
     for i in range(args.pairs):
         loads.append(os.getloadavg()[0])
         for c, cfg in enumerate(configs):
-            a[c].append(write_tapdraft(scratch / f"t{i}", samples, layout, cfg))
+            a[c].append(write_tapdraft(scratch / f"t{i}", samples, layout, cfg, cpu[c]))
             disk[c] = sum(p.stat().st_size for p in (scratch / f"t{i}").rglob("*") if p.is_file())
             shutil.rmtree(scratch / f"t{i}")
         t0 = time.perf_counter()
@@ -102,22 +111,22 @@ def main() -> None:
         b.append(time.perf_counter() - t0)
         shutil.rmtree(scratch / f"p{i}")
         print(f"round {i}: torch.save {b[-1]:.2f} s; " + "; ".join(
-            f"zstd {cfg.zstd_level} x{cfg.writers} {a[c][-1]:.2f} s ({tokens / a[c][-1]:,.0f} tok/s)"
+            f"zstd {cfg.zstd_level} {cfg.bf16_layout} x{cfg.writers} {a[c][-1]:.2f} s ({tokens / a[c][-1]:,.0f} tok/s)"
             for c, cfg in enumerate(configs)), flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    cores = os.cpu_count() or 1
     rows = []
     for c, cfg in enumerate(configs):
         med = statistics.median(a[c])
         tps = tokens / med
-        per_core = tps / min(cfg.writers, cores)
-        rows.append({"zstd_level": cfg.zstd_level, "writers": cfg.writers, "seconds_median": round(med, 3),
+        per_core = tokens / statistics.median(cpu[c])  # tokens a CPU second: what a core does, whatever the load
+        rows.append({"zstd_level": cfg.zstd_level, "bf16_layout": cfg.bf16_layout, "writers": cfg.writers, "seconds_median": round(med, 3),
                      "ratio_median": round(statistics.median(y / x for x, y in zip(a[c], b)), 3),
                      "tokens_per_s": round(tps), "MB_per_s": round(nbytes / med / 1e6, 1),
-                     "tokens_per_s_per_core": round(per_core), "disk_bytes": disk[c],
+                     "tokens_per_cpu_s": round(per_core), "cpu_s_median": round(statistics.median(cpu[c]), 3),
+                     "disk_bytes": disk[c],
                      "disk_ratio": round(disk[c] / nbytes, 3),
                      "cores_for_goal": round(args.goal / per_core, 2)})
-        print(f"zstd {cfg.zstd_level} x{cfg.writers}: {tps:,.0f} tok/s ({per_core:,.0f} a core), "
+        print(f"zstd {cfg.zstd_level} {cfg.bf16_layout} x{cfg.writers}: {tps:,.0f} tok/s ({per_core:,.0f} a core), "
               f"{nbytes / med / 1e6:.0f} MB/s, ratio vs torch.save {rows[-1]['ratio_median']}, disk "
               f"{rows[-1]['disk_ratio']}x; {args.goal:,} tok/s needs {rows[-1]['cores_for_goal']} cores")
     res = {

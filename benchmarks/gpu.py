@@ -11,6 +11,8 @@
                mask: median step time and peak memory, bf16 autocast as the training loop uses on GPU
     fused_ce   the chunked lm_head + CE (``train.losses.row_losses``) vs dense logits + F.cross_entropy
                at V = 151,936: forward + backward time, peak memory, loss and gradient agreement
+    writer     the host's shard writer at hidden 4096 with six taps: 1, 2, 4 writer lanes, zstd 1 and
+               uncompressed, against the ~37k tokens/s an H100 prefills an 8B target at (CPU only)
 
 Without CUDA the GPU parts are recorded as skipped; ``--cpu-check`` runs them on the CPU instead (a
 code check at ``--tiny`` shapes: Flex then runs forward only, its backward needs a GPU). ``--tiny``
@@ -321,8 +323,32 @@ def part_fused_ce(args: argparse.Namespace, device: torch.device, scratch: Path)
     return out
 
 
+def part_writer(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
+    """The GPU host's writer: tokens/s of 1, 2, 4 writer lanes at hidden 4096 with six taps (benchmarks/write.py's
+    content), compressed (zstd 1) and uncompressed (zstd 0, raw), against the prefill rate a GPU asks of it."""
+    from benchmarks.write import TAPS, make_samples, write_tapdraft
+    from shards.schema import Layout
+    from shards.writer import ShardConfig
+
+    hidden, n, T = (256, 8, 128) if args.tiny else (4096, 16, 1024)
+    layout = Layout(hidden_size=hidden, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)
+    samples = make_samples(n, T, hidden)
+    rows = []
+    for level, lay in ((1, "planes"), (0, "raw")):
+        for lanes in (1, 2, 4):
+            cfg = ShardConfig(zstd_level=level, bf16_layout=lay, writers=lanes)
+            secs = []
+            for i in range(2):
+                secs.append(write_tapdraft(scratch / f"w{i}", samples, layout, cfg))
+                shutil.rmtree(scratch / f"w{i}")
+            rows.append({"zstd_level": level, "bf16_layout": lay, "writers": lanes,
+                         "tokens_per_s": round(n * T / min(secs))})
+    return {"hidden_size": hidden, "num_taps": len(TAPS), "tokens": n * T, "goal_tokens_per_s": 37_000,
+            "configs": rows}
+
+
 PARTS = {"parity": (part_parity, False), "capture": (part_capture, True), "attention": (part_attention, True),
-         "fused_ce": (part_fused_ce, True)}
+         "fused_ce": (part_fused_ce, True), "writer": (part_writer, False)}
 """name -> (function, needs a GPU)."""
 
 

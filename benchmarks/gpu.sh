@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tapdraft's GPU checks and figures in one run (under 8 minutes on one GPU): CUDA capture parity with
 # the CPU, bf16 capture overhead at the Qwen shape, Flex vs dense DFlash training step, fused CE at
-# V=151,936. Details and options: benchmarks/gpu.py. Writes benchmarks/results/gpu.json (or --name).
+# V=151,936, the host's shard writer with 1/2/4 lanes. Details and options: benchmarks/gpu.py.
+# Writes benchmarks/results/gpu.json (or --name).
 # Without a GPU the GPU parts are recorded as skipped (add --tiny for a seconds-long run).
 #
 #   bash benchmarks/gpu.sh                      # the full run

@@ -119,7 +119,8 @@ def main() -> None:
         med = statistics.median(a[c])
         tps = tokens / med
         per_core = tokens / statistics.median(cpu[c])  # tokens a CPU second: what a core does, whatever the load
-        rows.append({"zstd_level": cfg.zstd_level, "bf16_layout": cfg.bf16_layout, "writers": cfg.writers, "seconds_median": round(med, 3),
+        rows.append({"zstd_level": cfg.zstd_level, "bf16_layout": cfg.bf16_layout, "writers": cfg.writers,
+                     "seconds_median": round(med, 3),
                      "ratio_median": round(statistics.median(y / x for x, y in zip(a[c], b)), 3),
                      "tokens_per_s": round(tps), "MB_per_s": round(nbytes / med / 1e6, 1),
                      "tokens_per_cpu_s": round(per_core), "cpu_s_median": round(statistics.median(cpu[c]), 3),

@@ -6,10 +6,11 @@
     w.close()
     finalize_dataset(out_dir, layout=layout, fingerprint=fp, capture_config={...})   # once, after all ranks
 
-Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>``, through ``ShardConfig.writers``
-lanes: input index i goes to lane i % writers, lane j's k-th shard is seq k * writers + j, and with more than
-one lane each lane encodes, compresses and hashes its shards on its own thread (compression is most of a
-writer's CPU; benchmarks/write.py), so a lane's shards are a pure function of its inputs whatever the timing; a shard is written under
+Each rank writes its own shards ``data/<split>-rank<r>-<seq>.<ext>`` through ``ShardConfig.writers``
+lanes: input index i goes to lane i % writers, lane j's k-th shard is seq k * writers + j, and with more
+than one lane each lane encodes, compresses and hashes its shards on its own thread (compression is most
+of a writer's CPU; benchmarks/write.py), so a lane's shards are a pure function of its inputs whatever
+the timing. A shard is written under
 ``<name>.tmp`` (sha256 and size computed while streaming) and renamed once complete, then the
 shard's own index ``index/<split>-rank<r>-<seq>.<ext>.json`` is written (shards.shard_index) and the
 rank's partial index ``_parts/<split>-rank<r>.json`` is rewritten atomically. That index is the

@@ -7,6 +7,7 @@ capture.granite_speech, capture.nemo) import nothing back: this module sits abov
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from capture.granite_speech import load_granite_speech
+from capture.head_only import load_head_only
 from capture.hf_native import load_qwen2_audio, load_qwen3_asr
 from capture.nemo import is_nemo_salm, load_nemo_target
 from capture.salm import SALM
@@ -84,7 +86,7 @@ def quiet_loading() -> Iterator[None]:
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 llm_config: str | Path | None = None, template: str | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> Target:
+                template_kwargs: dict[str, Any] | None = None, head_only: bool = False) -> Target:
     """A SALM directory (salm_config.json), a NeMo SALM checkpoint, an HF-native speech LLM or an HF causal LM.
 
     A NeMo speechlm2 SALM is recognised by config.json's content (:func:`capture.nemo.is_nemo_salm`), its
@@ -94,17 +96,20 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     ``template``: chat-template text replacing the tokenizer's; ``template_kwargs``: the variables it is
     rendered with (``Target.use_template``). The target's head is derived and proven here
     (``Target.head``), so a head the bundle cannot describe is refused at load, not mid-capture.
+    ``head_only``: a causal LM's decoder layers stay on the meta device (``capture.head_only``: for an engine
+    that runs the forward elsewhere); its head is then derived here and proven by that engine.
     """
     root = Path(path)
     with quiet_loading():
-        target = _load(root, dtype=dtype, device=device, llm_config=llm_config)
+        target = _load(root, dtype=dtype, device=device, llm_config=llm_config, head_only=head_only)
     target.use_template(template, template_kwargs)  # a tokenizer without a template is refused here, at load
     target.checkpoint_dtype = checkpoint_dtype(root / "lm" if (root / "salm_config.json").is_file() else root)
     target.head  # derive and check now
     return target
 
 
-def _load(root: Path, *, dtype: torch.dtype, device: str, llm_config: str | Path | None) -> Target:
+def _load(root: Path, *, dtype: torch.dtype, device: str, llm_config: str | Path | None,
+          head_only: bool = False) -> Target:
     if not root.is_dir():
         raise FileNotFoundError(f"target directory {root} does not exist")
     if (root / "salm_config.json").is_file():
@@ -121,7 +126,12 @@ def _load(root: Path, *, dtype: torch.dtype, device: str, llm_config: str | Path
             return NATIVE_LOADERS[model_type](root, dtype=dtype, device=device)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise _unsupported(root, model_type)
-        lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
+        lm = load_head_only(root, dtype=dtype, device=device) if head_only else None
+        if head_only and lm is None:
+            warnings.warn(f"{root}: its head cannot be loaded alone (its checkpoint names the head tensors otherwise, "
+                          "or the head holds a buffer); loading the whole model", stacklevel=3)
+        if lm is None:
+            lm = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype).to(device)
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
         return CausalLMTarget(lm, tok, root)
     raise FileNotFoundError(

@@ -135,9 +135,16 @@ class Target(ABC):
         ``capture.head.UnsupportedHead`` for a head the bundle cannot describe)."""
         if self._head is None:
             h = derive_head(self.lm)
-            check_head(self.lm, h, forward_scales_logits=self.forward_scales_logits)
+            if not self.decoder_elsewhere:
+                check_head(self.lm, h, forward_scales_logits=self.forward_scales_logits)
             self._head = h
         return self._head
+
+    @property
+    def decoder_elsewhere(self) -> bool:
+        """Whether the decoder layers are not in this process (``capture.head_only``): the head is then proven by
+        the engine that runs them."""
+        return any(p.device.type == "meta" for p in self.layers.parameters())
 
     @property
     def logits_scaling(self) -> float:
@@ -145,7 +152,7 @@ class Target(ABC):
 
     @property
     def device(self) -> torch.device:
-        return next(self.lm.parameters()).device
+        return self.lm.get_input_embeddings().weight.device  # in memory even when the decoder is not
 
     @property
     def input_placeholder(self) -> str:

@@ -178,7 +178,8 @@ def capture(
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor "
                                              "parallelism."),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", help="With --engine vllm: vLLM's "
-                                               "pipeline parallelism."),
+                                               "pipeline parallelism (vLLM <= 0.32 refuses it for hidden-state "
+                                               "extraction)."),
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
                                            "engines sharing each window."),
 ) -> None:

@@ -559,7 +559,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}
     if cfg.engine == "vllm":
-        check_vllm_python(cfg.vllm_python)  # before anything is loaded or written
+        check_vllm_python(cfg.vllm_python, cfg.vllm)  # before anything is loaded or written
     device = resolve_device(cfg)
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:

@@ -11,8 +11,9 @@ vLLM runs in its own Python environment (it pins torch and transformers; docs/ca
 nothing else of tapdraft enters vLLM's interpreter), listens on a Unix socket in that directory, and
 receives each request's states from :class:`capture.vllm_side.connector.TapConnector` as one frame:
 no per-request files, no /dev/shm staging, no pinned memory. Each worker gets
-``tensor_parallel_size x pipeline_parallel_size`` devices; a window's requests are dealt to the
-workers in turn.
+``tensor_parallel_size x pipeline_parallel_size`` devices (on CPU: ranks of vLLM's multiprocessing
+executor, the thread budget split among them); a window's requests are dealt to the workers in turn.
+Pipeline parallelism is refused up front where vLLM is known to refuse it (:func:`check_layout`).
 
 Layer numbering: vLLM's id i is the INPUT of decoder layer i, so tapdraft's tap t (output of layer t)
 is vLLM id t + 1 (``shards.taps.to_vllm``) and the last layer's pre-norm output is id L, always
@@ -50,19 +51,50 @@ SIDE_NAME = "tapdraft_vllm_side"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_python(python: str | None) -> str:
-    """The vLLM environment's interpreter, checked to hold vllm (found, not imported: that takes seconds);
-    CaptureError saying what to give otherwise."""
+_PROBE = ("import importlib.util as u, importlib.metadata as m, sys\n"
+          "if u.find_spec('vllm') is None: sys.exit(1)\n"
+          "print(m.version(m.packages_distributions().get('vllm', ['vllm'])[0]))")
+"""Finds vllm and prints its release without importing it (that takes seconds)."""
+PP_REFUSED_THROUGH = (0, 32)
+"""vLLM releases up to this one refuse ``extract_hidden_states`` with pipeline parallelism (docs/capture-engines.md)."""
+
+
+def check_python(python: str | None, layout: VLLMConfig | None = None) -> str:
+    """The vLLM environment's interpreter, checked to hold vllm, and its vLLM to run ``layout``; CaptureError
+    saying what to give otherwise."""
     exe = python or sys.executable
     if python is not None and not Path(python).is_file():
         raise CaptureError(f"--vllm-python {python} does not exist; give the python of an environment with vllm "
                            "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
-    res = subprocess.run([exe, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
-                         capture_output=True, env=_engine_env({}, None), timeout=120)
+    res = subprocess.run([exe, "-c", _PROBE], capture_output=True, text=True, env=_engine_env({}, None), timeout=120)
     if res.returncode != 0:
         raise CaptureError(f"{exe} has no vllm installed; give --vllm-python the python of an environment with vllm "
                            "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
+    if layout is not None:
+        check_layout(layout, res.stdout.strip())
     return exe
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as '0.32.0' or '0.33.1.dev4+gabc'; () when it has none."""
+    parts = version.split(".")[:2]
+    return tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else ()
+
+
+def check_layout(cfg: VLLMConfig, version: str) -> None:
+    """Refuse a parallel layout that this vLLM release is known not to run, before anything is loaded.
+
+    Pipeline parallelism: vLLM 0.32 builds ``extract_hidden_states``' draft model config from the target's
+    and checks it against the target's parallel config; its architecture (``ExtractHiddenStatesModel``)
+    does not implement ``SupportsPP``, so any PP > 1 fails in ``ModelConfig.verify_with_parallel_config``
+    (vllm/config/speculative.py, vllm/config/model.py), on CPU and GPU alike; and the V1 model runner
+    puts the drafter, hence the cache-only layer, on the last stage only (vllm/v1/worker/gpu_model_runner.py).
+    """
+    rel = _release(version)
+    if cfg.pipeline_parallel_size > 1 and rel and rel <= PP_REFUSED_THROUGH:
+        raise CaptureError(f"--pipeline-parallel-size {cfg.pipeline_parallel_size}: vLLM {version} cannot extract "
+                           "hidden states with pipeline parallelism (its extract_hidden_states model does not support "
+                           "PP); split the target with --tensor-parallel-size instead")
 
 
 def _engine_env(extra: dict[str, str], path: str | None) -> dict[str, str]:
@@ -81,7 +113,7 @@ class VLLMEngine:
     def __init__(self, cfg: VLLMConfig, *, python: str | None, target_dir: str, layer_ids: Sequence[int],
                  dtype: str, max_model_len: int, threads: int | None = None, timeout: float = 900.0):
         self.cfg, self.layer_ids, self.timeout = cfg, list(layer_ids), timeout
-        self.python = check_python(python)
+        self.python = check_python(python, cfg)
         self.dir = Path(tempfile.mkdtemp(prefix="tapdraft-vllm-"))
         (self.dir / SIDE_NAME).symlink_to(Path(__file__).with_name("vllm_side").resolve(), target_is_directory=True)
         self.address = str(self.dir / "socket")
@@ -102,8 +134,9 @@ class VLLMEngine:
             llm["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         per = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
         extra = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}
-        if threads:
-            extra.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        if threads:  # the budget is shared by every rank of every engine
+            extra.update(OMP_NUM_THREADS=str(max(1, threads // (per * cfg.data_parallel_size))),
+                         VLLM_CPU_OMP_THREADS_BIND="nobind")
         try:
             for r in range(cfg.data_parallel_size):
                 env = _engine_env(extra, str(self.dir))

@@ -91,3 +91,15 @@ def test_a_python_without_vllm_is_one_line_before_anything_is_written(salm_dir, 
     code, err = run(args, capsys)  # this interpreter has no vllm
     assert_one_line(code, err, contains="has no vllm installed")
     assert not (out / "target").exists()
+
+
+def test_pipeline_parallel_is_refused_only_where_vllm_refuses_it():
+    from capture.vllm_engine import check_layout
+    from shards.errors import CaptureError
+
+    for version in ("0.32.0", "0.31.2", "0.32.1.dev4+g1a2b"):
+        with pytest.raises(CaptureError, match="vLLM .* cannot extract hidden states with pipeline parallelism"):
+            check_layout(VLLMConfig(pipeline_parallel_size=2), version)
+    check_layout(VLLMConfig(tensor_parallel_size=2, data_parallel_size=2), "0.32.0")
+    check_layout(VLLMConfig(pipeline_parallel_size=2), "0.33.0")  # a release that may run it: vLLM decides
+    check_layout(VLLMConfig(pipeline_parallel_size=2), "main")

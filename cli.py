@@ -172,7 +172,7 @@ def capture(
     restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
                                  "over (after a changed input or setting)."),
     engine: str = typer.Option("transformers", "--engine", help="What runs the target: transformers (in-process) | "
-                               "vllm (a vLLM worker in its own environment; text causal LMs)."),
+                               "vllm (a vLLM worker in its own environment; text causal LMs and Qwen2-Audio)."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
                                     "vLLM is installed in (default: this one)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor "

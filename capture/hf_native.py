@@ -50,6 +50,7 @@ class NativePrepared(Prepared):
     """:class:`Prepared` whose ``token_ids``/``assistant_mask`` are already expanded, plus feature masks."""
 
     feature_masks: list[torch.Tensor] = field(default_factory=list)  # per audio bool [F]
+    prompt_ids: torch.Tensor | None = None  # int64 [L0]: the template's ids before expansion (one audio token an audio)
 
 
 class HFSpeechTarget(Target):
@@ -133,18 +134,28 @@ class HFSpeechTarget(Target):
             )
         mask = mask.repeat_interleave(reps) & (exp_ids != self.audio_token_id)
         return NativePrepared(index, conv.sample_id, conv.source, exp_ids, mask, waves, feats, seconds,
-                              int(exp_ids.shape[0]), conv.line, len(tok.unsupervised), feature_masks=fmasks)
+                              int(exp_ids.shape[0]), conv.line, len(tok.unsupervised), feature_masks=fmasks,
+                              prompt_ids=ids)
+
+    def expand_tokens(self, batch: Sequence[Prepared]) -> list[Expanded]:
+        """Ids, is_audio (the audio token's runs) and loss mask (never on audio) of each sample; no encoder runs,
+        ``inputs_embeds`` is None. :meth:`embed` adds the embeddings to exactly these."""
+        dev = self.device
+        out = []
+        for p in batch:
+            ids = p.token_ids.to(dev).long()
+            is_audio = ids == self.audio_token_id
+            out.append(Expanded(ids, is_audio, p.assistant_mask.to(dev) & ~is_audio, None))  # type: ignore[arg-type]
+        return out
 
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
-        dev = self.device
         feats = [f for p in batch for f in p.features]
         fmasks = [m for p in batch for m in getattr(p, "feature_masks", [])]
         audio = self._audio_frames(feats, fmasks) if feats else []
         emb = self.lm.get_input_embeddings()
         out, k = [], 0
-        for p in batch:
-            ids = p.token_ids.to(dev).long()
-            is_audio = ids == self.audio_token_id
+        for p, e in zip(batch, self.expand_tokens(batch)):
+            ids, is_audio = e.input_ids, e.is_audio
             x = emb(torch.where(is_audio, 0, ids))  # audio rows are overwritten (Granite's id is outside the vocab)
             n = len(p.features)
             if n:
@@ -153,7 +164,7 @@ class HFSpeechTarget(Target):
                     raise AssertionError(f"{frames.shape[0]} audio frames for {int(is_audio.sum())} audio tokens")
                 x = x.masked_scatter(is_audio[:, None], frames)
             k += n
-            out.append(Expanded(ids, is_audio, p.assistant_mask.to(dev) & ~is_audio, x))
+            out.append(dataclasses.replace(e, inputs_embeds=x))
         return out
 
     def audio_bundle(self) -> dict[str, Any]:

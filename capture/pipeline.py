@@ -567,11 +567,11 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
+    if cfg.engine == "vllm":
+        check_vllm_target(target, audio_embeds=cfg.audio_embeds)
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
         check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
-    if cfg.engine == "vllm":
-        check_vllm_target(target)
     if rank == 0:
         fingerprint = write_or_check_bundle(str(out), fingerprint=lambda: target_fingerprint(target),
                                            **target.bundle_parts())

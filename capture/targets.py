@@ -76,6 +76,11 @@ class Target(ABC):
     def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
         """Expanded ids / is_audio / loss_mask / inputs_embeds per sample, on the target's device."""
 
+    def expand_tokens(self, batch: Sequence[Prepared]) -> list[Expanded]:
+        """:meth:`embed`'s ids / is_audio / loss_mask, for an engine that embeds by itself (capture.vllm_engine);
+        an adapter whose embeddings cost an encoder run leaves ``inputs_embeds`` None."""
+        return self.embed(batch)
+
     @abstractmethod
     def audio_bundle(self) -> dict[str, Any]:
         """The bundle's audio dict (empty for a text-only target)."""

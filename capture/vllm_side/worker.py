@@ -4,8 +4,11 @@ It connects to tapdraft's socket at ADDRESS, says ``{"kind": "hello", "worker": 
 ``{"kind": "start", "llm": {...}, "layer_ids": [...]}``, builds vLLM's ``LLM`` with the
 ``extract_hidden_states`` speculative method and :class:`TapConnector` (prefix caching off: a cached prefix is never recomputed, and its states would be another request's;
 vLLM #44485), answers ``{"kind": "ready", "vllm": VERSION}``, then serves
-``{"kind": "run", "window": W, "requests": [{"tag", "prompt_token_ids"}]}`` with one ``generate`` call
-(``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``. The states themselves travel on the
+``{"kind": "run", "window": W, "requests": [{"tag", "prompt_token_ids", "audio": [N, ...], "sample_rate"}]}``
+with one ``generate`` call (``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``. The frame's
+payload holds the requests' audio, float32, one waveform of N samples after another in request order;
+each goes to vLLM as ``multi_modal_data`` (waveform, sample rate), so vLLM's processor computes the
+features and expands the audio token. The states themselves travel on the
 connector's own connection, from whichever vLLM process holds the cache. A closed socket (tapdraft
 exited or was killed) ends the worker; any failure is sent as ``{"kind": "error", "message"}`` first.
 """
@@ -19,11 +22,45 @@ import sys
 import traceback
 from typing import Any
 
+import numpy as np
+
 from . import wire
 from .connector import SOCKET_KEY, TAG_KEY
 
 
+EAGLE3_HINT = ("stock vLLM 0.32 lets extract_hidden_states read the layers of a speech target's language model only "
+               "when the target class declares SupportsEagle3, which Qwen2-Audio's does not: install tapdraft's vLLM "
+               "plugin into this environment (in a tapdraft checkout: pip install engines/vllm_plugin; "
+               "engines/venv.sh vllm does it)")
+
+
 def build_llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:
+    try:
+        return _llm(address, llm, layer_ids)
+    except RuntimeError as e:
+        if "does not support EAGLE3 interface" in str(e):
+            raise RuntimeError(EAGLE3_HINT) from e
+        raise
+
+
+def prompts(reqs: list[dict[str, Any]], payload: bytearray) -> list[dict[str, Any]]:
+    """vLLM prompts of a run frame: token ids, and each request's waveforms from the payload as multi_modal_data."""
+    out, at = [], 0
+    for r in reqs:
+        prompt: dict[str, Any] = {"prompt_token_ids": r["prompt_token_ids"]}
+        waves = []
+        for n in r.get("audio") or []:
+            waves.append((np.frombuffer(payload, dtype=np.float32, count=n, offset=at), r["sample_rate"]))
+            at += 4 * n
+        if waves:
+            prompt["multi_modal_data"] = {"audio": waves}
+        out.append(prompt)
+    if at != len(payload):
+        raise ValueError(f"run frame: {len(payload)} payload bytes for {at} bytes of audio")
+    return out
+
+
+def _llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:
     from vllm import LLM
 
     connector = __package__ + ".connector"
@@ -62,7 +99,7 @@ def serve(address: str, worker: int) -> None:
         wire.send(sock, {"kind": "ready", "vllm": __version__})
         while True:
             try:
-                msg, _ = wire.recv(sock)
+                msg, payload = wire.recv(sock)
             except wire.Closed:
                 return
             if msg["kind"] == "stop":
@@ -73,7 +110,7 @@ def serve(address: str, worker: int) -> None:
             reqs = msg["requests"]
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                      extra_args={"kv_transfer_params": {TAG_KEY: r["tag"]}}) for r in reqs]
-            llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+            llm.generate(prompts(reqs, payload), params, use_tqdm=False)
             drain(llm)
             wire.send(sock, {"kind": "done", "window": msg["window"]})
     except wire.Closed:

@@ -45,11 +45,11 @@ def _cfg(bpe_target, out, engine, vllm_venv=None):
                          engine=engine, vllm_python=None if vllm_venv is None else str(vllm_venv / "bin" / "python"))
 
 
-def _samples(path):
+def samples(path, split="train"):
     from shards.reader import open_dataset
 
     ds = open_dataset(str(path))
-    return [ds.sample("train", i) for i in range(ds.num_samples("train"))]
+    return [ds.sample(split, i) for i in range(ds.num_samples(split))]
 
 
 def _near_tie_rows(a, b) -> int:
@@ -65,6 +65,31 @@ def _near_tie_rows(a, b) -> int:
     return rows
 
 
+def compare(a: list[dict], b: list[dict], split: str = "train") -> dict[str, float]:
+    """The module docstring's checks on two engines' samples of one split (same order); prints and returns
+    the counts (tap elements one bf16 step apart, near-tie rows, largest log-prob difference)."""
+    differing = total = ties = rows = 0
+    lp_err = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert x["sample_id"] == y["sample_id"] and x["audio_seconds"] == y["audio_seconds"]
+        for k in ("input_ids", "is_audio", "loss_mask", "topk_rows"):
+            assert torch.equal(x[k], y[k]), k
+        ta, tb = x["taps"].float(), y["taps"].float()
+        assert ((ta - tb).abs() <= 2.0 ** -7 * torch.maximum(ta.abs(), tb.abs()) + TAP_ATOL).all()
+        differing += int((x["taps"] != y["taps"]).sum())
+        total += x["taps"].numel()
+        ties += _near_tie_rows(x, y)
+        rows += x["topk_ids"].shape[0]
+        same = x["topk_ids"] == y["topk_ids"]
+        lp_err = max(lp_err, float((x["topk_logprobs"] - y["topk_logprobs"]).abs()[same].max()))
+    print(f"vLLM vs in-process ({split}, {len(a)} samples): {differing} of {total} bf16 tap elements one step apart; "
+          f"{ties} of {rows} teacher rows with top-k ids reordered at near-ties; log-prob max |diff| {lp_err:.2e}")
+    assert differing <= 0.01 * total
+    assert ties <= 0.02 * rows
+    assert lp_err <= LP_TOL
+    return {"differing": differing, "total": total, "ties": ties, "rows": rows, "lp_err": lp_err}
+
+
 def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_target, tmp_path):
     from capture.pipeline import capture
     from shards.verify import verify_dataset
@@ -76,27 +101,9 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
     ref = json.loads((ours / "manifest.json").read_text())
     assert m["fingerprint"] == ref["fingerprint"] and m["layout"] == ref["layout"]
 
-    a, b = _samples(ours), _samples(theirs)
+    a, b = samples(ours), samples(theirs)
     assert len(a) == len(b) == 64
-    differing = total = ties = rows = 0
-    lp_err = 0.0
-    for x, y in zip(a, b):
-        assert x["sample_id"] == y["sample_id"]
-        for k in ("input_ids", "is_audio", "loss_mask", "topk_rows"):
-            assert torch.equal(x[k], y[k]), k
-        ta, tb = x["taps"].float(), y["taps"].float()
-        assert ((ta - tb).abs() <= 2.0 ** -7 * torch.maximum(ta.abs(), tb.abs()) + TAP_ATOL).all()
-        differing += int((x["taps"] != y["taps"]).sum())
-        total += x["taps"].numel()
-        ties += _near_tie_rows(x, y)
-        rows += x["topk_ids"].shape[0]
-        same = x["topk_ids"] == y["topk_ids"]
-        lp_err = max(lp_err, float((x["topk_logprobs"] - y["topk_logprobs"]).abs()[same].max()))
-    print(f"vLLM vs in-process: {differing} of {total} bf16 tap elements one step apart; {ties} of {rows} teacher "
-          f"rows with top-k ids reordered at near-ties; log-prob max |diff| {lp_err:.2e}")
-    assert differing <= 0.01 * total
-    assert ties <= 0.02 * rows
-    assert lp_err <= LP_TOL
+    compare(a, b)
 
     # kill -9 in the third window (after a shard is final), then rerun: the uninterrupted vLLM dataset
     part = cut / "_parts" / "train-rank00000.json"
@@ -125,7 +132,7 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
     assert not (cut / "manifest.json").exists() and json.loads(part.read_text())["shards"]
     m = capture(_cfg(bpe_target, cut, "vllm", vllm_venv))
     assert m["complete"] and 0 < m["run_stats"]["train"]["written"] < 64
-    for x, y in zip(b, _samples(cut), strict=True):
+    for x, y in zip(b, samples(cut), strict=True):
         assert x.keys() == y.keys()
         for k in x:
             assert torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k], k

@@ -61,7 +61,7 @@ from capture.stages import barrier as _barrier
 from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env
 from capture.targets import Prepared, Target, run_batch
-from capture.vllm_engine import VLLMEngine, vllm_batches
+from capture.vllm_engine import VLLMEngine, prove_head, vllm_batches
 from capture.vllm_engine import check_python as check_vllm_python
 from capture.vllm_engine import check_target as check_vllm_target
 from capture.vllm_engine import layer_ids as vllm_layer_ids
@@ -564,7 +564,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
-                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
+                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
+                             head_only=cfg.engine == "vllm")  # vLLM runs the decoder: only the head is loaded here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
     if cfg.engine == "vllm":
@@ -624,6 +625,7 @@ def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLM
                     layer_ids=vllm_layer_ids(layout.tap_ids, layout.num_layers),
                     dtype=str(resolve_dtype(cfg, target.device)).removeprefix("torch."), max_model_len=longest,
                     threads=torch.get_num_threads()) as engine:
+        prove_head(engine, target, layout)  # before any sample: the teacher rows are tapdraft's head on vLLM's states
         yield engine
 
 

@@ -51,10 +51,12 @@ import numpy as np
 import torch
 
 from capture.config import VLLMConfig
+from capture.head import UnsupportedHead
 from capture.hf_native import Qwen2AudioTarget
 from capture.targets import CausalLMTarget, Prepared, Target, sample_fields
 from capture.vllm_side import wire
 from shards.errors import CaptureError
+from shards.schema import Layout
 from shards.taps import to_vllm
 
 SIDE_NAME = "tapdraft_vllm_side"
@@ -138,6 +140,23 @@ def request(target: Target, p: Prepared) -> Request:
         return Request(p.index, p.sample_id, ids, ids, [])
     waves = [np.ascontiguousarray(w, dtype=np.float32) for w in p.waveforms]
     return Request(p.index, p.sample_id, prompt.tolist(), ids, waves, target.sample_rate)
+
+
+def _checked_states(header: dict[str, Any], payload: bytearray, req: Request) -> torch.Tensor:
+    """A states frame as a tensor [T, n_layers, H], checked to cover exactly the request's expected ids."""
+    if header["token_ids"] != req.expected_ids:
+        n, m = len(header["token_ids"]), len(req.expected_ids)
+        if req.audio:
+            raise CaptureError(
+                f"vLLM expanded the audio of sample {req.sample_id!r} into {n} prompt tokens, not the {m} "
+                "tapdraft's processor gives: its dataset would record other audio positions than the "
+                "in-process engine's, so the capture stops before writing it (the two environments' audio "
+                "processors disagree: compare their transformers versions); capture this target in-process "
+                "(drop --engine vllm)")
+        raise CaptureError(f"vLLM's states for sample {req.tag} cover {n} tokens that are "
+                           f"not the {m} prompt tokens sent (prefix caching or truncation?)")
+    dtype = _TORCH_DTYPES[header["dtype"]]
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(header["shape"])
 
 
 class VLLMEngine:
@@ -249,15 +268,7 @@ class VLLMEngine:
         """(tag, states [T, n_layers, H]) for each request, in arrival order; each is checked to cover exactly
         the expected (expanded) ids."""
         want = {r.tag: r for r in requests}
-        self._window += 1
-        for w, conn in sorted(self.drivers.items()):
-            mine = [r for k, r in enumerate(requests) if k % len(self.drivers) == w]
-            if mine:
-                head = [{"tag": r.tag, "prompt_token_ids": r.prompt_ids, "audio": [int(a.shape[0]) for a in r.audio],
-                         "sample_rate": r.sample_rate} for r in mine]
-                audio = [a for r in mine for a in r.audio]
-                payload = np.concatenate(audio) if audio else b""
-                wire.send(conn, {"kind": "run", "window": self._window, "requests": head}, payload)
+        self._send(requests)
         got = 0
         while got < len(want):
             _, header, payload = self._next()
@@ -266,22 +277,36 @@ class VLLMEngine:
             tag = header["tag"]
             if tag not in want:
                 raise AssertionError(f"vLLM returned states for request {tag!r}, which this window did not send")
-            req = want[tag]
-            if header["token_ids"] != req.expected_ids:
-                n, m = len(header["token_ids"]), len(req.expected_ids)
-                if req.audio:
-                    raise CaptureError(
-                        f"vLLM expanded the audio of sample {req.sample_id!r} into {n} prompt tokens, not the {m} "
-                        "tapdraft's processor gives: its dataset would record other audio positions than the "
-                        "in-process engine's, so the capture stops before writing it (the two environments' audio "
-                        "processors disagree: compare their transformers versions); capture this target in-process "
-                        "(drop --engine vllm)")
-                raise CaptureError(f"vLLM's states for sample {tag} cover {n} tokens that are "
-                                   f"not the {m} prompt tokens sent (prefix caching or truncation?)")
-            dtype = _TORCH_DTYPES[header["dtype"]]
-            hs = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(header["shape"])
+            hs = _checked_states(header, payload, want[tag])
             got += 1
             yield tag, hs
+
+    def _send(self, requests: Sequence[Request], logprobs: int | None = None) -> None:
+        """One window's run frames: its requests dealt to the workers in turn."""
+        self._window += 1
+        for w, conn in sorted(self.drivers.items()):
+            mine = [r for k, r in enumerate(requests) if k % len(self.drivers) == w]
+            if mine:
+                head = [{"tag": r.tag, "prompt_token_ids": r.prompt_ids, "audio": [int(a.shape[0]) for a in r.audio],
+                         "sample_rate": r.sample_rate} for r in mine]
+                audio = [a for r in mine for a in r.audio]
+                payload = np.concatenate(audio) if audio else b""
+                frame = {"kind": "run", "window": self._window, "requests": head}
+                if logprobs:
+                    frame["logprobs"] = logprobs
+                wire.send(conn, frame, payload)
+
+    def probe(self, request: Request, k: int) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+        """One request's states [T, n_layers, H] and vLLM's own top-``k`` next-token log-probs after its prompt."""
+        self._send([request], logprobs=k)
+        window, states, top = self._window, None, None
+        while states is None or top is None:  # the done frame and the states come on two connections, either first
+            _, header, payload = self._next()
+            if header.get("kind") == "states" and header.get("tag") == request.tag:
+                states = _checked_states(header, payload, request)
+            elif header.get("kind") == "done" and header.get("window") == window:
+                top = [(int(i), float(lp)) for i, lp in header["logprobs"][str(request.tag)]]
+        return states, top
 
     keep_logs = False
 
@@ -339,6 +364,35 @@ def check_target(target: Target, *, audio_embeds: bool = False) -> None:
     if audio_embeds and target.placeholder is not None:
         raise CaptureError("--audio-embeds stores the in-process encoder's frames, which vLLM computes inside its "
                            "forward and does not return; drop --audio-embeds or --engine vllm")
+
+
+PROBE_TOKENS, PROBE_TOP = 8, 5
+"""The head proof's prompt length and how many of vLLM's next-token log-probs it compares."""
+
+
+def prove_head(engine: VLLMEngine, target: Target, layout: Layout) -> float:
+    """Prove the head tapdraft derived (``target.head``) against vLLM's own, or raise UnsupportedHead.
+
+    The in-process engine proves it on the model's forward (``capture.head.check_head``); here the forward
+    is vLLM's, and with a head-only target (``capture.head_only``) no decoder is in this process at all. So
+    one probe prompt goes to vLLM with its top next-token log-probs asked for: tapdraft's head applied to
+    the last layer's state vLLM returns at the prompt's last position must give the same log-probs for
+    those ids (tolerance as ``check_head``'s). Returns the largest difference.
+    """
+    V = int(target.head.embed_tokens.shape[0])
+    ids = [int(i) for i in torch.arange(PROBE_TOKENS) * 7919 % V]  # spread over the vocabulary, deterministic
+    states, top = engine.probe(Request(-1, "head probe", ids, ids, []), PROBE_TOP)
+    last = layer_ids(layout.tap_ids, layout.num_layers).index(layout.num_layers)
+    logits = target.head.logits(states[-1:, last].to(target.device)).double()[0]
+    ours = torch.log_softmax(logits, dim=-1)
+    tol = 1e-4 if target.head.lm_head.dtype == torch.float32 else 3e-2
+    err = max(abs(float(ours[i]) - lp) for i, lp in top)
+    if err > tol * (1 + float(logits.abs().max())):
+        raise UnsupportedHead(
+            f"vLLM's next-token log-probs differ from the head tapdraft derived ({target.head.spec}) by up to "
+            f"{err:.3g}: vLLM computes this target's logits otherwise, so its teacher rows would not be the "
+            "target's; capture it in-process (drop --engine vllm)")
+    return err
 
 
 def layer_ids(tap_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -5,7 +5,9 @@ It connects to tapdraft's socket at ADDRESS, says ``{"kind": "hello", "worker": 
 ``extract_hidden_states`` speculative method and :class:`TapConnector` (prefix caching off: a cached prefix is never recomputed, and its states would be another request's;
 vLLM #44485), answers ``{"kind": "ready", "vllm": VERSION}``, then serves
 ``{"kind": "run", "window": W, "requests": [{"tag", "prompt_token_ids", "audio": [N, ...], "sample_rate"}]}``
-with one ``generate`` call (``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``. The frame's
+with one ``generate`` call (``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``; a run frame
+with ``"logprobs": K`` also gets each request's top-K next-token log-probs in its done frame (``{"logprobs":
+{tag: [[id, log-prob], ...]}}``: vLLM's own head, which tapdraft's is proven against). The frame's
 payload holds the requests' audio, float32, one waveform of N samples after another in request order;
 each goes to vLLM as ``multi_modal_data`` (waveform, sample rate), so vLLM's processor computes the
 features and expands the audio token. The states themselves travel on the
@@ -74,6 +76,13 @@ def _llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:
     )
 
 
+def next_logprobs(out: Any) -> list[list[float]]:
+    """[[token id, log-prob], ...] of a request's first generated token: vLLM's own head on the prompt's last
+    position (raw log-probs, before any sampling transform: ``logprobs_mode`` "raw_logprobs", vLLM 0.32's default in
+    vllm/config/model.py)."""
+    return [[int(i), float(lp.logprob)] for i, lp in out.outputs[0].logprobs[0].items()]
+
+
 def drain(llm: Any) -> None:
     """Step the engine until no finished request holds blocks any more.
 
@@ -108,11 +117,15 @@ def serve(address: str, worker: int) -> None:
                     os._exit(0)  # one in-process engine holds nothing to release; its teardown took 8 s
                 return
             reqs = msg["requests"]
-            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+            k = msg.get("logprobs")
+            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=k,
                                      extra_args={"kv_transfer_params": {TAG_KEY: r["tag"]}}) for r in reqs]
-            llm.generate(prompts(reqs, payload), params, use_tqdm=False)
+            outs = llm.generate(prompts(reqs, payload), params, use_tqdm=False)
             drain(llm)
-            wire.send(sock, {"kind": "done", "window": msg["window"]})
+            done: dict[str, Any] = {"kind": "done", "window": msg["window"]}
+            if k:
+                done["logprobs"] = {str(r["tag"]): next_logprobs(o) for r, o in zip(reqs, outs)}
+            wire.send(sock, done)
     except wire.Closed:
         return
     except BaseException as e:  # reported to tapdraft, which turns it into its error line

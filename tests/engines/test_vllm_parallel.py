@@ -23,9 +23,8 @@ import subprocess
 import textwrap
 
 import pytest
-import torch
 
-from tests.engines.test_vllm_capture import LP_TOL, TAP_ATOL, _near_tie_rows, _samples
+from tests.engines.test_vllm_capture import compare, samples
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -46,41 +45,25 @@ def _capture(bpe_target, vllm_venv, out, **layout):
 @pytest.fixture(scope="module")
 def size1(bpe_target, vllm_venv, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-size1") / "ds"
-    return _capture(bpe_target, vllm_venv, out), _samples(out)
+    return _capture(bpe_target, vllm_venv, out), samples(out)
 
 
 def _assert_same_dataset(ref, got, what: str) -> None:
     (m0, a), (m1, b) = ref, got
     assert m1["complete"] and m1["fingerprint"] == m0["fingerprint"] and m1["layout"] == m0["layout"]
     assert len(a) == len(b) == N
-    differing = total = ties = rows = 0
-    lp_err = 0.0
-    for x, y in zip(a, b):
-        assert x["sample_id"] == y["sample_id"]
-        for k in ("input_ids", "is_audio", "loss_mask", "topk_rows"):
-            assert torch.equal(x[k], y[k]), k
-        ta, tb = x["taps"].float(), y["taps"].float()
-        assert ((ta - tb).abs() <= 2.0 ** -7 * torch.maximum(ta.abs(), tb.abs()) + TAP_ATOL).all()
-        differing += int((x["taps"] != y["taps"]).sum())
-        total += x["taps"].numel()
-        ties += _near_tie_rows(x, y)
-        rows += x["topk_ids"].shape[0]
-        same = x["topk_ids"] == y["topk_ids"]
-        lp_err = max(lp_err, float((x["topk_logprobs"] - y["topk_logprobs"]).abs()[same].max()))
-    print(f"vLLM {what} vs size 1: {differing} of {total} bf16 tap elements one step apart; {ties} of {rows} "
-          f"teacher rows reordered at near-ties; log-prob max |diff| {lp_err:.2e}")
-    assert differing <= 0.01 * total and ties <= 0.02 * rows and lp_err <= LP_TOL
+    compare(a, b, f"train, {what} vs size 1")
 
 
 def test_tensor_parallel_2_captures_the_size_1_dataset(bpe_target, vllm_venv, size1, tmp_path):
     m = _capture(bpe_target, vllm_venv, tmp_path / "tp2", tensor_parallel_size=2)
     assert m["capture_config"]["vllm"]["tensor_parallel_size"] == 2
-    _assert_same_dataset(size1, (m, _samples(tmp_path / "tp2")), "TP 2")
+    _assert_same_dataset(size1, (m, samples(tmp_path / "tp2")), "TP 2")
 
 
 def test_data_parallel_2_captures_the_size_1_dataset(bpe_target, vllm_venv, size1, tmp_path):
     m = _capture(bpe_target, vllm_venv, tmp_path / "dp2", data_parallel_size=2)
-    _assert_same_dataset(size1, (m, _samples(tmp_path / "dp2")), "DP 2")
+    _assert_same_dataset(size1, (m, samples(tmp_path / "dp2")), "DP 2")
 
 
 def test_pipeline_parallel_is_one_line_before_anything_is_written(bpe_target, vllm_venv, tmp_path, capsys):

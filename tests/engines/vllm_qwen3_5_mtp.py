@@ -95,7 +95,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, theta: float) -> 
 def forward(cfg: dict, P: dict[str, torch.Tensor], ids_T: torch.Tensor, hidden_TH: torch.Tensor,
             pos_T: torch.Tensor, step: int = 0) -> torch.Tensor:
     """Qwen3_5MultiTokenPredictor.forward over T causal positions -> its output [T, H] (after ``norm``)."""
-    eps, H = cfg["rms_norm_eps"], cfg["hidden_size"]
+    eps = cfg["rms_norm_eps"]
     nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     rope = cfg.get("rope_parameters") or {}
     rotary_dim = int(hd * float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))

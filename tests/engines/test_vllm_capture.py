@@ -11,7 +11,8 @@ forward implementations compute is compared with stated tolerances:
 - top-k log-probabilities within ``LP_TOL`` where the ids agree.
 
 A vLLM capture killed with SIGKILL in its third window and rerun gives the uninterrupted vLLM dataset
-bit for bit; the resumed dataset verifies and trains. About three vLLM start-ups (~50 s each on a
+bit for bit; the resumed dataset verifies, and drafters trained on the two engines' datasets reach the same
+replayed tau within the spread of two seeds. About three vLLM start-ups (~50 s each on a
 loaded 2-core machine) dominate the runtime.
 """
 
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 TAP_ATOL = 1e-6  # near zero, fp32 states 3e-8 apart are several bf16 steps apart (measured at |x| ~ 1e-6)
 LP_TOL = 1e-4  # fp32 log-probs of the same id from the two engines' last layer (measured: 6e-6)
+TAU_STEPS = 60  # DFlash steps each drafter trains for the replayed-tau comparison
 TIE = 1e-3  # candidates this close in log-probability may swap ranks between engines
 
 
@@ -138,7 +140,16 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
             assert torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k], k
     assert verify_dataset(str(cut), progress=False).ok
 
+    # a drafter trained on either engine's dataset reaches the same replayed tau, within seed noise
     from tests.engines.conftest import train_and_export
+    from train.evaluate import evaluate
 
-    _, export = train_and_export(cut, tmp_path / "train", "dflash_demo", "drafter.num_layers=1", "max_steps=3")
-    assert any(export.glob("*.safetensors"))
+    taus = {}
+    for name, data, seed in (("in-process", ours, 0), ("vllm", cut, 0), ("in-process seed 1", ours, 1)):
+        run, export = train_and_export(data, tmp_path / name, "dflash_demo", "drafter.num_layers=1",
+                                       f"max_steps={TAU_STEPS}", f"seed={seed}")
+        assert any(export.glob("*.safetensors"))
+        taus[name] = evaluate(run, str(ours), split="train", plot=False, temperature=0.0)["tau_replayed"]
+    gap, noise = abs(taus["vllm"] - taus["in-process"]), abs(taus["in-process seed 1"] - taus["in-process"])
+    print(f"replayed tau after {TAU_STEPS} steps: {taus}; engines {gap:.4f} apart, seeds {noise:.4f}")
+    assert gap <= 2 * noise + 0.02

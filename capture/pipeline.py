@@ -504,9 +504,9 @@ def _capture_to_store(cfg: CaptureConfig, target: Target | None, restart: bool =
     with StagedUpload(stage, cfg.out, rank) as up:
         manifest = _capture(dataclasses.replace(cfg, out=stage), target, restart)
     if rank == 0:
-        manifest["run_stats"] = {**manifest.get("run_stats", {}), "upload": {**up.finish(), "stage": stage,
-                                                                            "background": len(up.sent), "background_errors": up.errors,
-                                                                            "last_error": up.last_error}}
+        upload = {**up.finish(), "stage": stage, "background": len(up.sent), "background_errors": up.errors,
+                  "last_error": up.last_error}
+        manifest["run_stats"] = {**manifest.get("run_stats", {}), "upload": upload}
         manifest["url"] = cfg.out
     return manifest
 

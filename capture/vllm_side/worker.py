@@ -2,7 +2,8 @@
 
 It connects to tapdraft's socket at ADDRESS, says ``{"kind": "hello", "worker": N}``, receives
 ``{"kind": "start", "llm": {...}, "layer_ids": [...]}``, builds vLLM's ``LLM`` with the
-``extract_hidden_states`` speculative method and :class:`TapConnector` (prefix caching off: a cached prefix is never recomputed, and its states would be another request's;
+``extract_hidden_states`` speculative method and :class:`TapConnector` (prefix caching off: a cached
+prefix is never recomputed, and its states would be another request's;
 vLLM #44485), answers ``{"kind": "ready", "vllm": VERSION}``, then serves
 ``{"kind": "run", "window": W, "requests": [{"tag", "prompt_token_ids", "audio": [N, ...], "sample_rate"}]}``
 with one ``generate`` call (``max_tokens=1``, greedy) and ``{"kind": "done", "window": W}``; a run frame

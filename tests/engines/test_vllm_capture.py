@@ -126,7 +126,8 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
             return real(*a, **k)
         pipeline.vllm_batches = dying
         cfg = CFG
-        pipeline.capture(CaptureConfig(**{**cfg, "shard": ShardConfig(**cfg["shard"]), "vllm": VLLMConfig(**cfg["vllm"])}))
+        pipeline.capture(CaptureConfig(**{**cfg, "shard": ShardConfig(**cfg["shard"]),
+                                          "vllm": VLLMConfig(**cfg["vllm"])}))
     """).replace("CFG", repr(dataclasses.asdict(_cfg(bpe_target, cut, "vllm", vllm_venv)))).replace(
         "PART", repr(str(part)))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -69,9 +69,10 @@ def test_lanes_write_the_samples_one_writer_writes(tmp_path, target):
 
 
 @pytest.mark.filterwarnings("ignore:input index")
-def test_lanes_write_the_same_bytes_every_run_and_a_crash_resumes_to_them(tmp_path, target):
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_lanes_write_the_same_bytes_every_run_and_a_crash_resumes_to_them(tmp_path, target, fmt):
     layout, fp = target
-    cfg = dataclasses.replace(CFG, writers=3)
+    cfg = dataclasses.replace(CFG, writers=3, format=fmt)
     runs = {}
     for name, crash in (("a", None), ("b", None), ("killed", 17)):
         root = tmp_path / name

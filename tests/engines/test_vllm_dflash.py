@@ -40,19 +40,24 @@ def speculate(bpe_target, run, split_file, n, max_new_tokens):
     return run_speculate(cfg, progress=False)
 
 
-def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_target, bpe_dflash, tmp_path):
-    run, export = bpe_dflash
+def serve_and_check(vllm_venv, bpe_target, drafter, method: str, k: int, tmp_path) -> tuple[int, int]:
+    """The BPE target's validation prompts served alone and with the exported ``drafter`` (run, export) as
+    ``method``, against tapdraft's speculate of the same run: ``check_served``'s (rounds, accepted)."""
+    run, export = drafter
     convs = prompts(bpe_target)
     assert len(convs) >= 32
     requests = [{"prompt_token_ids": ids} for _, ids in convs]
     job = {"target": str(bpe_target.target), "requests": requests, "max_tokens": MAX_TOKENS, "max_model_len": 256}
     alone = serve_vllm(vllm_venv, job, tmp_path)
-    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(export),
-                                                          "num_speculative_tokens": K}}, tmp_path)
+    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": method, "model": str(export),
+                                                          "num_speculative_tokens": k}}, tmp_path)
     ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
-
     assert [o["prompt_token_ids"] for o in alone["outputs"]] == [ids for _, ids in convs]
-    _, accepted = check_served(alone, spec, ours, [i for i, _ in convs])
+    return check_served(alone, spec, ours, [i for i, _ in convs])
+
+
+def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_target, bpe_dflash, tmp_path):
+    _, accepted = serve_and_check(vllm_venv, bpe_target, bpe_dflash, "dflash", K, tmp_path)
     assert accepted > 0, "the trained drafter should get some drafts accepted"
 
 

@@ -20,8 +20,7 @@ import json
 import pytest
 
 from tests.engines.conftest import read_jsonl, train_and_export
-from tests.engines.serving import check_served, serve_vllm
-from tests.engines.test_vllm_dflash import MAX_TOKENS, prompts, speculate
+from tests.engines.test_vllm_dflash import MAX_TOKENS, serve_and_check, speculate
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -56,17 +55,9 @@ def test_replayed_tau_equals_live_tau(bpe_target, bpe_eagle3, tmp_path):
 
 
 def test_vllm_serves_eagle3_export_with_tapdrafts_acceptance(vllm_venv, bpe_target, bpe_eagle3, tmp_path):
-    run, export = bpe_eagle3
+    _, export = bpe_eagle3
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["target_layer_ids"]]
     assert cfg["draft_vocab_size"] in (DRAFT_VOCAB, cfg["vocab_size"])
-    convs = prompts(bpe_target)
-    requests = [{"prompt_token_ids": ids} for _, ids in convs]
-    job = {"target": str(bpe_target.target), "requests": requests, "max_tokens": MAX_TOKENS, "max_model_len": 256}
-    alone = serve_vllm(vllm_venv, job, tmp_path)
-    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "eagle3", "model": str(export),
-                                                          "num_speculative_tokens": K}}, tmp_path)
-    ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
-
-    rounds, accepted = check_served(alone, spec, ours, [i for i, _ in convs])
+    rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_eagle3, "eagle3", K, tmp_path)
     assert accepted > rounds, "the trained drafter should get more than one draft a round accepted"

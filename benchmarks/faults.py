@@ -111,7 +111,7 @@ def _read_stock(root: Path, fmt: str, cache: Path) -> list[dict[str, Any]]:
     if fmt == "arrow":
         import datasets
 
-        from shards.arrow_io import decode_row
+        from shards.formats.arrow import decode_row
 
         meta = json.loads((root / "manifest.json").read_text())["field_meta"]
         datasets.disable_progress_bars()
@@ -119,7 +119,7 @@ def _read_stock(root: Path, fmt: str, cache: Path) -> list[dict[str, Any]]:
         return [decode_row(r, meta) for r in ds]
     import webdataset
 
-    from shards.wds_io import decode_wds_sample
+    from shards.formats.wds import decode_wds_sample
 
     return list(webdataset.WebDataset(files, shardshuffle=False).map(decode_wds_sample))
 

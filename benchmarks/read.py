@@ -115,7 +115,7 @@ def tiled(samples: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
 def checks_off():
     """Replace the readers' checksum checks with no-ops (a benchmark baseline, never the product)."""
     import shards.reader as rd
-    import shards.wds_io as wd
+    import shards.formats.wds as wd
 
     saved = (rd.check_block, wd.check_block, wd.check_sealed)
     rd.check_block = wd.check_block = wd.check_sealed = lambda *a, **k: None

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import fsspec
 
 from shards import manifest as mf
-from shards.arrow_io import shard_metadata
+from shards.formats.arrow import shard_metadata
 from shards.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
 from shards.integrity import INTEGRITY
 from shards.limits import safe_relpath

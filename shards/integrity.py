@@ -12,7 +12,7 @@ a bad copy or a foreign file is an error naming the shard, never different activ
                    verifies too.
     WebDataset     in each sample's ``meta.json``: ``checksums`` {member: h} of every ``.zst``
                    member's stored bytes, and ``checksum``, a hash of the meta document itself; the
-                   tar framing (headers, padding, end blocks) is checked by ``shards.wds_io``.
+                   tar framing (headers, padding, end blocks) is checked by ``shards.formats.wds``.
                    Manifest, per shard: ``head`` [n, h] = the first tar member (its meta.json).
 
 When a dataset is opened every shard is checked cheaply: its size against the manifest (one

@@ -323,7 +323,7 @@ def render_card(m: dict[str, Any]) -> str:
     if fmt == "arrow":
         stock = f"""```python
 import datasets, json
-from shards.arrow_io import decode_row
+from shards.formats.arrow import decode_row
 DATASET = "path/to/this/directory"
 manifest = json.load(open(f"{{DATASET}}/manifest.json"))
 ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above
@@ -335,7 +335,7 @@ sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft
     else:
         stock = f"""```python
 import glob, webdataset as wds
-from shards.wds_io import decode_wds_sample
+from shards.formats.wds import decode_wds_sample
 DATASET = "path/to/this/directory"
 ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs

@@ -40,7 +40,7 @@ import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
 from shards import manifest as mf
-from shards.arrow_io import decode_batch, read_batch, read_schema, schema_meta
+from shards.formats.arrow import decode_batch, read_batch, read_schema, schema_meta
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError, SampleIndexError
@@ -49,7 +49,7 @@ from shards.remote import RemoteConfig, is_local, open_url
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.shard_index import IndexCache, ShardIndex, load_index
-from shards.wds_io import decode_wds_sample, iter_tar_samples
+from shards.formats.wds import decode_wds_sample, iter_tar_samples
 
 STATE_VERSION = 2
 """2: Arrow order units are ``order_unit`` samples, no longer record batches (a version-1 position names
@@ -192,7 +192,7 @@ class Dataset:
         path = self.shard_path(shard)
         schema = self._schema(shard)
         # the schema message goes before the batch (a range that starts at 0 already has it), so that the
-        # bytes parse as a stream read on this thread (arrow_io.read_batch)
+        # bytes parse as a stream read on this thread (shards.formats.arrow.read_batch)
         head = b"" if start == 0 else schema.serialize()
         data = self._batch_bytes(shard, b, head)
         try:

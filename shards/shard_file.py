@@ -19,14 +19,14 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 
-from shards.arrow_io import arrow_schema, make_batch
+from shards.formats.arrow import arrow_schema, make_batch
 from shards.atomic import commit, temp_name
 from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
 from shards.integrity import BlockHasher, digest
 from shards.limits import MAX_SHARD_BYTES
 from shards.schema import Layout
 from shards.shard_index import index_doc, index_name, write_index
-from shards.wds_io import TarShardWriter, sample_key
+from shards.formats.wds import TarShardWriter, sample_key
 
 LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT, "writers": 1}
 """What a shard config recorded before a field existed used for it (fp8 taps were one byte a value, one writer)."""

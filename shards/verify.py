@@ -21,7 +21,7 @@ import fsspec
 import pyarrow as pa
 
 from shards import manifest as mf
-from shards.arrow_io import decode_batch, iter_batches, schema_meta
+from shards.formats.arrow import decode_batch, iter_batches, schema_meta
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError
@@ -30,7 +30,7 @@ from shards.progress import Progress
 from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
 from shards.shard_index import INDEX_DIR, index_name, load_index
-from shards.wds_io import decode_wds_sample, iter_tar_samples
+from shards.formats.wds import decode_wds_sample, iter_tar_samples
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
                  "top_k", "dtypes", "codec", "capture_config", "code_version")

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app, main
-from shards.arrow_io import decode_row
+from shards.formats.arrow import decode_row
 from shards.codec import fp8_decode, fp8_encode
 from shards.derive import DeriveConfig, derive_dataset, derived_note
 from shards.reader import open_dataset

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pytest
 import webdataset
 
-from shards.arrow_io import META_KEY, decode_row
+from shards.formats.arrow import META_KEY, decode_row
 from shards.errors import CorruptShardError
 from shards.integrity import ROW_COLUMN
 from shards.reader import open_dataset
-from shards.wds_io import TarShardWriter, decode_wds_sample
+from shards.formats.wds import TarShardWriter, decode_wds_sample
 from shards.writer import ShardConfig
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same

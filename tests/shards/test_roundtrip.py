@@ -8,7 +8,7 @@ import pyarrow as pa
 import torch
 import pytest
 
-from shards.arrow_io import decode_batch
+from shards.formats.arrow import decode_batch
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.writer import ShardConfig
@@ -115,7 +115,7 @@ def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
 
 
 def test_a_reader_that_predates_packed_fp8_stops_instead_of_misreading(tmp_path):
-    from shards.arrow_io import decode_row
+    from shards.formats.arrow import decode_row
 
     layout = tiny_layout(taps_codec="fp8")
     man = write_dataset(str(tmp_path), layout, ShardConfig(), [5, 9])

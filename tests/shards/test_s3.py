@@ -277,7 +277,7 @@ def test_stock_datasets_library_reads_the_pushed_shards(s3, small, tmp_path):
 
     import datasets
 
-    from shards.arrow_io import decode_row
+    from shards.formats.arrow import decode_row
 
     url = s3.url("stock")
     push(small, url, config=remote(s3, tmp_path), progress=False)

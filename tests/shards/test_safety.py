@@ -13,7 +13,7 @@ from shards.limits import MAX_SHARD_BYTES, decompress_bounded, safe_relpath
 from shards.reader import open_dataset
 from shards.shard_index import index_name, write_index
 from shards.verify import verify_dataset
-from shards.wds_io import decode_wds_sample
+from shards.formats.wds import decode_wds_sample
 from shards.writer import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 

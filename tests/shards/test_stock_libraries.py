@@ -7,10 +7,10 @@ import pytest
 import torch
 import webdataset
 
-from shards.arrow_io import decode_row, read_shard_metadata
+from shards.formats.arrow import decode_row, read_shard_metadata
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
-from shards.wds_io import decode_wds_sample
+from shards.formats.wds import decode_wds_sample
 from shards.writer import ShardConfig
 from tests.shards.test_roundtrip import assert_same
 

@@ -190,7 +190,7 @@ def capture(
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
     from shards.template import parse_template_kwargs
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     _threads(threads)
     pairs = []

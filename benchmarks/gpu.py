@@ -328,7 +328,7 @@ def part_writer(args: argparse.Namespace, device: torch.device, scratch: Path) -
     content), compressed (zstd 1) and uncompressed (zstd 0, raw), against the prefill rate a GPU asks of it."""
     from benchmarks.write import TAPS, make_samples, write_tapdraft
     from shards.schema import Layout
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     hidden, n, T = (256, 8, 128) if args.tiny else (4096, 16, 1024)
     layout = Layout(hidden_size=hidden, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)

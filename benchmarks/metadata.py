@@ -75,7 +75,8 @@ def _prototype(work: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
     """A real shard of SAMPLES one-sample batches, padded sparsely to 1 GiB, and its index (bytes fixed up)."""
     from shards.schema import Layout
     from shards.shard_index import index_name, write_index
-    from shards.writer import DatasetWriter, ShardConfig
+    from shards.shard_file import ShardConfig
+    from shards.writer import DatasetWriter
 
     import fsspec
     import torch

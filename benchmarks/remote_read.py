@@ -32,7 +32,7 @@ from benchmarks.common import write_result
 from shards.reader import open_dataset
 from shards.remote import RemoteConfig
 from shards.transfer import push
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.s3server import SeaweedS3
 from tests.shards.synthetic import tiny_layout, write_dataset
 

@@ -47,7 +47,9 @@ from benchmarks.common import write_result
 from benchmarks.baseline_pt import to_peer_dict, write_pt_dataset
 from shards.codec import encode_fields
 from shards.schema import Layout
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 
 TAPS = (1, 2, 4, 5)
 

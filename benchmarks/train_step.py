@@ -45,7 +45,9 @@ from benchmarks.shapes import SHAPES, shape_facts
 from shards.bundle import write_bundle
 from shards.schema import Layout
 from shards.taps import default_tap_ids
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 
 SHAPE = "qwen3-1024x8"
 

@@ -36,7 +36,8 @@ import torch
 from benchmarks.baseline_pt import write_pt_dataset
 from benchmarks.common import write_result
 from shards.schema import Layout, teacher_rows
-from shards.writer import DatasetWriter, ShardConfig
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 
 TAPS = (1, 9, 17, 25, 33, 35)
 

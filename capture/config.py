@@ -34,7 +34,7 @@ from capture.replies import ReplyConfig
 from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
-from shards.writer import LEGACY_SHARD_FIELDS, ShardConfig
+from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
 
 _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, **LEGACY_SHARD_FIELDS}
 """What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys

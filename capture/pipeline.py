@@ -74,7 +74,8 @@ from shards.schema import Layout, NonFiniteError
 from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
 from shards.transfer import StagedUpload, is_remote_url, staging_dir
-from shards.writer import DatasetWriter, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.writer import DatasetWriter
 
 CONFIG_FILE = "capture_config.json"
 

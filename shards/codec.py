@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shards.schema import SCALAR_FIELDS, Layout, field_specs
+from shards.schema import SCALAR_FIELDS, SCHEMA_VERSION, Layout, field_specs
 
 assert sys.byteorder == "little", "tapdraft's byte layout assumes a little-endian host"
 
@@ -97,6 +97,26 @@ def stored_fields(meta: FieldMeta) -> list[str]:
         i = names.index("taps")
         names[i:i + 1] = FP8_FIELDS[meta.fp8_layout] + ["taps_scale"]
     return names
+
+
+def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> dict[str, Any]:
+    """The fields' metadata every shard carries (an Arrow schema's ``tapdraft`` JSON; a tar sample's ``field_meta``
+    is its ``FieldMeta.to_dict``) and, without ``lineage``, the manifest's ``field_meta``."""
+    dtypes = {name: str(dt).replace("torch.", "") for name, (dt, _) in field_specs(meta.layout).items()}
+    shapes = {name: list(shape) for name, (_, shape) in field_specs(meta.layout).items()}
+    if meta.layout.taps_codec == "fp8":
+        dtypes["taps_stored"] = "float8_e4m3fn"
+        dtypes["taps_scale"] = "float32"
+        shapes["taps_scale"] = ["T", meta.layout.n_taps]
+        if meta.fp8_layout == "packed":  # the e4m3 values split into two fields (stored_fields)
+            dtypes["taps_exponent"] = "uint8 (e4m3 sign+exponent: byte >> 3)"
+            dtypes["taps_mantissa"] = "uint3, 8 per 3 bytes"
+            shapes["taps_exponent"] = shapes["taps_mantissa"] = shapes["taps"]
+    out = {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
+           "fingerprint": fingerprint}
+    if lineage is not None:
+        out["lineage"] = lineage
+    return out
 
 
 def bf16_to_bytes(t: torch.Tensor, bf16_layout: str) -> bytes | memoryview:

@@ -18,8 +18,9 @@ from typing import Any, Callable
 import fsspec
 
 from shards import manifest as mf
-from shards.formats.arrow import shard_metadata
 from shards.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
+from shards.codec import shard_metadata
+from shards.formats import FORMATS
 from shards.integrity import INTEGRITY
 from shards.limits import safe_relpath
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
@@ -140,7 +141,7 @@ def migrate_part_entry(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, An
     if "index" in e:
         return
     inline = migrate_inline_index(e).get(INLINE_KEY, {})
-    if fmt == "arrow" and "batches" not in inline:
+    if FORMATS[fmt].reader.random_access and "batches" not in inline:
         raise ValueError(f"{mf.join(root, e['name'])}: its partial index entry has neither an index record nor "
                          "record batches; re-run the capture for its rank")
     doc = index_doc(fmt, e["bytes"], e["samples"], inline.get("head"), inline.get("batches"), inline.get("tail"))
@@ -176,8 +177,7 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
         "taps": {"hf": list(layout.tap_ids), "vllm": layout.vllm_tap_ids, "convention": mf.TAP_CONVENTION},
         "top_k": {"k": layout.top_k, "rows": mf.TOPK_ROWS},
         "dtypes": fm["dtypes"],
-        "codec": {"container": ("arrow-ipc-stream" + ("+zstd" if config.zstd_level else "") if config.format == "arrow"
-                                else "webdataset-tar+zstd"),
+        "codec": {"container": FORMATS[config.format].writer.container(config.zstd_level),
                   "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
                   "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
         "field_meta": fm,

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import fsspec
 
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
+from shards.formats import FORMATS, get_format
 from shards.integrity import NO_INTEGRITY
 from shards.limits import MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_size, safe_relpath
 from shards.schema import check_schema_version
@@ -40,7 +41,6 @@ CARD = "README.md"
 DATA_DIR = "data"
 PARTS_DIR = "_parts"
 TARGET_DIR = "target"
-EXTENSIONS = {"arrow": "arrow", "wds": "tar"}
 _SPLIT_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 TAP_CONVENTION = TAP_NUMBERING
@@ -55,7 +55,7 @@ def check_split(split: str) -> str:
 
 def rank_shard_name(split: str, rank: int, seq: int, fmt: str) -> str:
     """Name of a finished shard before finalize: data/<split>-rank<rank>-<seq>.<ext>."""
-    return f"{DATA_DIR}/{split}-rank{rank:05d}-{seq:05d}.{EXTENSIONS[fmt]}"
+    return f"{DATA_DIR}/{split}-rank{rank:05d}-{seq:05d}.{FORMATS[fmt].extension}"
 
 
 def is_rank_shard(name: str, rank: int) -> bool:
@@ -64,11 +64,12 @@ def is_rank_shard(name: str, rank: int) -> bool:
     return m is not None and int(m.group(1)) == rank
 
 
-_RANK_SHARD_RE = re.compile(rf"^{DATA_DIR}/[A-Za-z0-9_]+-rank(\d{{5}})-\d{{5}}\.({'|'.join(EXTENSIONS.values())})$")
+_EXTENSIONS = "|".join(f.extension for f in FORMATS.values())
+_RANK_SHARD_RE = re.compile(rf"^{DATA_DIR}/[A-Za-z0-9_]+-rank(\d{{5}})-\d{{5}}\.({_EXTENSIONS})$")
 
 
 def final_shard_name(split: str, i: int, n: int, fmt: str) -> str:
-    return f"{DATA_DIR}/{split}-{i:05d}-of-{n:05d}.{EXTENSIONS[fmt]}"
+    return f"{DATA_DIR}/{split}-{i:05d}-of-{n:05d}.{FORMATS[fmt].extension}"
 
 
 def part_name(split: str, rank: int) -> str:
@@ -149,6 +150,7 @@ def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
             "Resume the capture (it picks up finished shards), then finalize the dataset."
         )
     check_schema_version(doc.get("schema_version"), where)
+    get_format(doc.get("format"), where)
     doc = migrate_manifest(doc)
     check_shard_entries(doc, where)
     return doc
@@ -296,7 +298,7 @@ def card_front_matter(m: dict[str, Any]) -> str:
     ``data_files`` name each split's shards, so ``datasets.load_dataset(DATASET_DIR)`` (or of the Hub repo
     the directory is uploaded to) needs no arguments and never picks up ``index/`` or ``target/`` files.
     Split names are plain (``check_split``), so they need no YAML quoting."""
-    ext = EXTENSIONS[m["format"]]
+    ext = FORMATS[m["format"]].extension
     files = "".join(f"  - split: {s}\n    path: {DATA_DIR}/{check_split(s)}-*.{ext}\n" for s in m["splits"])
     return f"---\nconfigs:\n- config_name: default\n  data_files:\n{files}tags:\n- tapdraft\n---\n"
 
@@ -319,30 +321,8 @@ def render_card(m: dict[str, Any]) -> str:
         for s, d in m["splits"].items()
     )
     first = next(iter(m["splits"]), "train")
-    ext = EXTENSIONS[fmt]
-    if fmt == "arrow":
-        stock = f"""```python
-import datasets, json
-from shards.formats.arrow import decode_row
-DATASET = "path/to/this/directory"
-manifest = json.load(open(f"{{DATASET}}/manifest.json"))
-ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above
-# or one split by its files:
-# ds = datasets.load_dataset("arrow", data_files=f"{{DATASET}}/data/{first}-*.arrow", split="train")
-# or, memory-mapped without a copy: datasets.Dataset.from_file(f"{{DATASET}}/data/{first}-00000-of-....arrow")
-sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft returns them
-```"""
-    else:
-        stock = f"""```python
-import glob, webdataset as wds
-from shards.formats.wds import decode_wds_sample
-DATASET = "path/to/this/directory"
-ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
-sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
-# or with datasets (webdataset builder, every split from the front matter above):
-# (it decompresses the .zst members itself): row = datasets.load_dataset(DATASET)["{first}"][0]
-# sample = decode_wds_sample(row, decompressed=True)
-```"""
+    ext = FORMATS[fmt].extension
+    stock = FORMATS[fmt].reader.stock_snippet(first)
     codec = lay["taps_codec"]
     fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
     split = " (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)"

@@ -17,7 +17,8 @@ so a missing or truncated shard is refused before the first sample; the first re
 fetches its index (shards.shard_index, checked against the manifest's hash) and checks the shard's
 head (target fingerprint, layout), so a foreign shard is refused before any of its samples; each
 record batch (Arrow) or tar member (WebDataset) is checked against its checksum as it is decoded.
-Opening reads only the manifest: memory and time are O(shards), never O(record batches).
+Opening reads only the manifest: memory and time are O(shards), never O(record batches). How a shard's
+bytes are read is its format's (``shards.formats``: ``Dataset.reader``); this module is the same for all.
 
 Order: see shards.order (a pure function of seed, epoch, world_size, num_workers, and for Arrow of the
 sample count, token count and layout width, not of record-batch boundaries; every rank gets
@@ -30,26 +31,24 @@ most ``shuffle_buffer`` decoded samples.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import warnings
 from typing import Any, Iterator
 
 import numpy as np
-import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
 from shards import manifest as mf
-from shards.formats.arrow import decode_batch, read_batch, read_schema, schema_meta
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError, SampleIndexError
+from shards.formats import get_format
+from shards.formats.base import ShardReader
 from shards.integrity import check_block
 from shards.remote import RemoteConfig, is_local, open_url
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
 from shards.shard_index import IndexCache, ShardIndex, load_index
-from shards.formats.wds import decode_wds_sample, iter_tar_samples
 
 STATE_VERSION = 2
 """2: Arrow order units are ``order_unit`` samples, no longer record batches (a version-1 position names
@@ -68,12 +67,12 @@ class Dataset:
         self.layout: Layout = Layout.from_dict(self.manifest["layout"])
         self.fingerprint: str = self.manifest["fingerprint"]
         self.format: str = self.manifest["format"]
+        self.reader: ShardReader = get_format(self.format, mf.join(self.root, mf.MANIFEST)).reader(self)
+        """Reads this dataset's shards (its format's class, shards.formats)."""
         self.field_meta = FieldMeta.from_dict(self.manifest["field_meta"])
         self._cum = {s: np.cumsum([0] + [sh["samples"] for sh in d["shards"]]).tolist()
                      for s, d in self.manifest["splits"].items()}
-        self._schemas: dict[str, pa.Schema] = {}
         self._indexes = IndexCache(self._load_index)
-        self._batch_cache: tuple[Any, list[Any]] | None = None
         self._bundle: TargetBundle | None = None
         self.integrity: dict[str, Any] = self.manifest["integrity"]
         if not self.integrity["blocks"]:
@@ -110,17 +109,16 @@ class Dataset:
 
     def shard_index(self, shard: dict[str, Any]) -> ShardIndex:
         """The shard's checked index (shards.shard_index), read on first use and cached for the last few shards;
-        its head is checked then too (Arrow: the schema carries the target fingerprint and layout)."""
+        its head is checked then too (by the format's reader: an Arrow schema carries the target fingerprint)."""
         return self._indexes.get(shard)
 
     def _load_index(self, shard: dict[str, Any]) -> ShardIndex:
-        idx = load_index(self.fs, self.root, shard, self.format)
+        idx = load_index(self.fs, self.root, shard, self.format, self.reader.random_access)
         if idx.head is not None:
             path = self.shard_path(shard)
             head = self.fs.cat_file(path, start=0, end=idx.head[0])
             check_block(head, idx.head[1], f"{path} (head)")
-            if self.format == "arrow":
-                self._schemas[shard["name"]] = self._checked_schema(head, path)
+            self.reader.check_head(shard, head, path)
         return idx
 
     @property
@@ -149,62 +147,7 @@ class Dataset:
             self._bundle = b
         return self._bundle
 
-    # ---- Arrow record batches --------------------------------------------------------------
-    def _schema(self, shard: dict[str, Any]) -> pa.Schema:
-        name = shard["name"]
-        idx = self.shard_index(shard)
-        if name not in self._schemas:  # a shard of schema 1.0 has no head: its first range holds the schema
-            path = self.shard_path(shard)
-            self._schemas[name] = self._checked_schema(self.fs.cat_file(path, start=0, end=idx.batches[0][1]), path)
-        return self._schemas[name]
-
-    def _checked_schema(self, head: bytes, path: str) -> pa.Schema:
-        schema = read_schema(head)
-        fp = schema_meta(schema, path).get("fingerprint")
-        if fp is not None and fp != self.fingerprint:
-            raise ValueError(f"{path} holds target fingerprint {fp[:12]}, the manifest "
-                             f"{self.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
-        return schema
-
-    def _batch_bytes(self, shard: dict[str, Any], b: int, prefix: Any = b"") -> Any:
-        """``prefix`` + the stored bytes of record batch ``b``, checked against its checksum (the last batch's
-        end-of-stream marker is read with it, checked and cut off)."""
-        idx = self.shard_index(shard)
-        start, end, n, *h = idx.batches[b]
-        path = self.shard_path(shard)
-        tail = idx.tail if b == len(idx.batches) - 1 else None
-        stop = tail[1] if tail else end
-
-        def check(stored: Any) -> None:
-            if len(stored) != stop - start:
-                raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
-                                        "run `tapdraft verify`")
-            if tail:
-                check_block(stored[end - start:], tail[2], f"{path} (end of stream)")
-            if h:
-                check_block(stored[: end - start], h[0], f"{path} record batch {b}")
-
-        data = self._read_range(path, start, stop, prefix, check)
-        return data[: len(prefix) + end - start]
-
-    def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
-        start, end, n, *h = self.shard_index(shard).batches[b]
-        path = self.shard_path(shard)
-        schema = self._schema(shard)
-        # the schema message goes before the batch (a range that starts at 0 already has it), so that the
-        # bytes parse as a stream read on this thread (shards.formats.arrow.read_batch)
-        head = b"" if start == 0 else schema.serialize()
-        data = self._batch_bytes(shard, b, head)
-        try:
-            batch = read_batch(data)
-        except (ValueError, OSError) as e:  # pa.ArrowInvalid is a ValueError
-            raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
-        if batch.num_rows != n:
-            raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
-        return batch
-
-    def _read_range(self, path: str, start: int, end: int, prefix: Any = b"",
-                    check: Any = None) -> Any:
+    def read_range(self, path: str, start: int, end: int, prefix: Any = b"", check: Any = None) -> Any:
         """``prefix`` + bytes [start, end) of a shard, after ``check(bytes)`` (raises on bad bytes) passed. A local
         file is read with one ``os.preadv`` into a fresh writable buffer after the prefix (no fsspec file
         object, no concatenation, and tensors of an uncompressed batch may view it without a copy); a remote
@@ -248,30 +191,14 @@ class Dataset:
         """Sample ``i`` of ``split`` in file order. Arrow seeks to its record batch; a WebDataset tar has no
         index, so its shard is read up to the sample (fine for a look, slow as a training access path)."""
         s, row = self.locate(split, i)
-        shard = self._split(split)["shards"][s]
-        if self.format != "arrow":
-            return next(iter(self.read_block_rows(split, (s, -1, shard["samples"]), [row])))
-        bounds = self.shard_index(shard).bounds
-        b = bisect.bisect_right(bounds, row) - 1
-        key = (split, s, b)
-        if self._batch_cache is None or self._batch_cache[0] != key:
-            self._batch_cache = (key, self.read_record_batch(shard, b))
-        try:
-            return decode_batch(self._batch_cache[1], self.field_meta, [row - bounds[b]])[0]
-        except ValueError as e:
-            raise ValueError(f"{self.shard_path(shard)}: sample {i} does not match the manifest layout ({e}); "
-                             "run `tapdraft verify`") from e
+        return self.reader.sample(self._split(split)["shards"][s], row, (split, s), i)
 
     def prefetch(self, split: str, block: tuple[int, int, int]) -> None:
         """Start reading one streaming block in the background (remote datasets; a no-op for a local path)."""
         if not self.prefetch_depth:
             return
         s, _, _ = block
-        shard = self._split(split)["shards"][s]
-        if self.format == "arrow":  # a block is a whole shard: its index and first record batch, not all of it
-            self.fs.prefetch(self._batch_bytes, shard, 0)
-        else:
-            self.fs.prefetch(self.fs.local_copy, self.shard_path(shard))
+        self.reader.prefetch(self._split(split)["shards"][s])
 
     # ---- streaming -------------------------------------------------------------------------
     def blocks(self, split: str) -> list[tuple[int, int, int]]:
@@ -282,52 +209,7 @@ class Dataset:
     def read_block_rows(self, split: str, block: tuple[int, int, int], rows: list[int]) -> Iterator[dict[str, Any]]:
         """Decode the given (ascending) rows of one shard; Arrow reads each record batch that holds some of them
         once, in order."""
-        s, _, n = block
-        shard = self._split(split)["shards"][s]
-        if self.format == "arrow":
-            idx = self.shard_index(shard)
-            i = 0
-            while i < len(rows):
-                b = idx.batch_of(rows[i])
-                j = bisect.bisect_left(rows, idx.bounds[b + 1], i)
-                local = [r - idx.bounds[b] for r in rows[i:j]]
-                try:
-                    decoded = decode_batch(self.read_record_batch(shard, b), self.field_meta, local, share=True)
-                except ValueError as e:
-                    if self.shard_path(shard) in str(e):
-                        raise
-                    raise ValueError(f"{self.shard_path(shard)}: record batch {b} does not match the manifest "
-                                     f"layout ({e}); run `tapdraft verify`") from e
-                yield from decoded
-                i = j
-            return
-        self.shard_index(shard)  # the head (first meta.json) against its hash
-        path = self.shard_path(shard)
-        size = self.fs.size(path)
-        if size != shard["bytes"]:
-            raise ValueError(f"{path} has {size} bytes, the manifest says {shard['bytes']} (truncated or replaced); "
-                             "run `tapdraft verify` and re-copy or re-capture the shard")
-        wanted = set(rows)
-        seen = 0
-        with self.fs.open(path, "rb") as f:
-            for r, raw in enumerate(iter_tar_samples(f, path)):
-                seen = r + 1
-                if r > rows[-1]:
-                    break
-                if r in wanted:
-                    try:
-                        sample = decode_wds_sample(raw)
-                    except CorruptShardError:
-                        raise  # names the shard (iter_tar_samples sets __url__)
-                    except (ValueError, KeyError) as e:
-                        raise ValueError(f"{path}: sample {r} is unreadable ({e}); run `tapdraft verify`") from e
-                    meta = json.loads(raw["meta.json"])
-                    if meta.get("fingerprint") not in (None, self.fingerprint):
-                        raise ValueError(f"{path}: sample {sample['sample_id']!r} has target fingerprint "
-                                         f"{meta['fingerprint'][:12]}, the manifest {self.fingerprint[:12]}")
-                    yield sample
-        if seen <= rows[-1]:
-            raise CorruptShardError(f"{path} holds {seen} samples, the manifest says {n}: re-copy or re-capture it")
+        return self.reader.read_rows(self._split(split)["shards"][block[0]], rows)
 
     def stream(self, split: str, *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
                worker_id: int = 0, num_workers: int = 1, shuffle_buffer: int = 0, shuffle: bool = True,
@@ -352,7 +234,7 @@ class SampleStream:
                  worker_id: int, num_workers: int, shuffle_buffer: int, shuffle: bool, order_unit: int | None,
                  state: dict[str, Any] | None) -> None:
         self.ds, self.split = ds, split
-        if ds.format == "arrow":
+        if ds.reader.random_access:
             unit = ds.order_unit(split) if order_unit is None else int(order_unit)
             if unit < 1:
                 raise ValueError(f"order_unit must be >= 1 sample, got {unit}")

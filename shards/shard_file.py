@@ -3,10 +3,10 @@
 ``ShardConfig`` says how samples become files; ``_Shard`` writes one shard under ``<name>.tmp``
 through ``_HashingSink``, which hashes every byte on its way (whole-file sha256, one block hash per
 record batch, the head's checksum), renames it into place once complete and writes its index file
-(``shards.shard_index``: batch ranges and hashes, kept out of the manifest). Arrow samples are
-gathered into record batches of at most ``batch_bytes`` uncompressed bytes (cut smaller as the shard
-nears ``shard_bytes``); WebDataset samples go straight to the tar. ``DatasetWriter``
-(``shards.writer``) rolls shards and keeps the rank's index.
+(``shards.shard_index``: batch ranges and hashes, kept out of the manifest). The bytes themselves are
+the format's writer's (``shards.formats``: Arrow gathers samples into record batches of at most
+``batch_bytes``, WebDataset writes them straight to the tar). ``DatasetWriter`` (``shards.writer``)
+rolls shards and keeps the rank's index.
 """
 
 from __future__ import annotations
@@ -17,28 +17,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import pyarrow as pa
 
-from shards.formats.arrow import arrow_schema, make_batch
 from shards.atomic import commit, temp_name
 from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
+from shards.formats import DEFAULT_FORMAT, FORMATS
 from shards.integrity import BlockHasher, digest
 from shards.limits import MAX_SHARD_BYTES
 from shards.schema import Layout
-from shards.shard_index import index_doc, index_name, write_index
-from shards.formats.wds import TarShardWriter, sample_key
+from shards.shard_index import index_name, write_index
 
 LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT, "writers": 1}
 """What a shard config recorded before a field existed used for it (fp8 taps were one byte a value, one writer)."""
-FORMATS = ("arrow", "wds")
 
 
 @dataclass(frozen=True)
 class ShardConfig:
     """How samples become files."""
 
-    format: str = "arrow"
-    """'arrow' (IPC stream, zstd buffers, random access) or 'wds' (WebDataset tar, zstd per member)."""
+    format: str = DEFAULT_FORMAT
+    """A name in ``shards.formats.FORMATS``: 'arrow' (IPC stream, zstd buffers, random access) or 'wds'
+    (WebDataset tar, zstd per member)."""
     shard_bytes: int = 1 << 30
     """Roll to a new shard once a shard reaches this many bytes on disk."""
     zstd_level: int = 1
@@ -64,15 +62,13 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"ShardConfig.format must be one of {FORMATS}, got {self.format!r}")
+            raise ValueError(f"ShardConfig.format must be one of {tuple(FORMATS)}, got {self.format!r}")
         if not 1 <= self.shard_bytes <= MAX_SHARD_BYTES:
             raise ValueError(f"ShardConfig.shard_bytes must be in [1, {MAX_SHARD_BYTES}] (readers refuse larger "
                              f"shards), got {self.shard_bytes}")
         if not 0 <= self.zstd_level <= 22:
             raise ValueError(f"ShardConfig.zstd_level must be in [0, 22] (0: uncompressed), got {self.zstd_level}")
-        if self.zstd_level == 0 and self.format != "arrow":
-            raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are zstd "
-                             "frames; use format 'arrow' or a level in [1, 22]")
+        FORMATS[self.format].writer.check_config(self)
         if self.bf16_layout not in BF16_LAYOUTS:
             raise ValueError(f"ShardConfig.bf16_layout must be one of {BF16_LAYOUTS}, got {self.bf16_layout!r}")
         if self.batch_bytes < 1:
@@ -149,17 +145,7 @@ class _Shard:
         self.sink = _HashingSink(self.file)
         self.stats = {"samples": 0, "tokens": 0, "supervised_tokens": 0, "audio_seconds": 0.0}
         self.indices: list[int] = []
-        self.batches: list[list[int]] = []
-        self._pending: list[tuple[dict[str, Any], dict[str, bytes]]] = []
-        self._pending_bytes = 0
-        self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
-        if cfg.format == "arrow":
-            self.schema = arrow_schema(meta, fingerprint, lineage)
-            codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
-            opts = pa.ipc.IpcWriteOptions(compression=codec)
-            self._writer = pa.ipc.new_stream(self.sink, self.schema, options=opts)
-        else:
-            self._writer = TarShardWriter(self.sink, meta, cfg.zstd_level, fingerprint, lineage)
+        self._writer = FORMATS[cfg.format].writer(self.sink, cfg, meta, fingerprint, lineage, rank)
 
     def add(self, sample: dict[str, Any], index: int) -> None:
         enc = encode_fields(sample, self.meta)
@@ -170,27 +156,7 @@ class _Shard:
         self.stats["supervised_tokens"] += int(sample["loss_mask"].sum())
         self.stats["audio_seconds"] += scalars["audio_seconds"]
         self.indices.append(index)
-        if self.cfg.format == "wds":
-            self._writer.add(sample_key(self.rank, index), scalars, enc)
-            return
-        nbytes = sum(len(b) for b in enc.values())
-        room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
-        limit = min(self.cfg.batch_bytes, room)
-        if self._pending and self._pending_bytes + nbytes > limit:
-            self._flush_batch()  # a batch never grows past the limit, so random access reads about one sample's bytes
-        self._pending.append((scalars, enc))
-        self._pending_bytes += nbytes
-        if self._pending_bytes >= limit:
-            self._flush_batch()
-
-    def _flush_batch(self) -> None:
-        if not self._pending:
-            return
-        self.sink.blocks.cut()
-        self._writer.write_batch(make_batch(self.schema, self._pending, self._scratch))
-        start, end, h = self.sink.blocks.cut()
-        self.batches.append([start, end, len(self._pending), h])
-        self._pending, self._pending_bytes = [], 0
+        self._writer.add(index, scalars, enc)
 
     @property
     def full(self) -> bool:
@@ -199,15 +165,10 @@ class _Shard:
     def finish(self) -> dict[str, Any]:
         """Close, rename into place, write the shard's index file (shards.shard_index), return the rank index's
         entry: the shard's size, sha256, counts, input indices and the index file's [bytes, hash]."""
-        self._flush_batch()
         self._writer.close()
         self.file.close()
         commit(self.fs, self.tmp, self.path)
-        if self.cfg.format == "arrow":
-            doc = index_doc("arrow", self.sink.n, self.stats["samples"], self.sink.head(len(self.schema.serialize())),
-                            self.batches, list(self.sink.blocks.cut()))
-        else:
-            doc = index_doc("wds", self.sink.n, self.stats["samples"], self.sink.head(self._writer.head_bytes))
+        doc = self._writer.index_doc(self.stats["samples"])
         root = self.path[: -len(self.name)]
         return {"bytes": self.sink.n, "sha256": self.sink.sha.hexdigest(), **self.stats,
                 "indices": _to_ranges(self.indices), "index": write_index(self.fs, root + index_name(self.name), doc)}

@@ -15,11 +15,13 @@ of ``data/`` (what opening a dataset reads) and the stock libraries' ``data/*.ar
 Index document (JSON, sorted keys; ~60 bytes a record batch, so ~60 KB for a 1 GiB shard of
 1 MiB batches, parsed in about a millisecond; JSON so that ``tapdraft`` is not needed to read it):
 
-    {"version": 1, "format": "arrow" | "wds", "bytes": <shard bytes>, "samples": <rows>,
+    {"version": 1, "format": <format name>, "bytes": <shard bytes>, "samples": <rows>,
      "head": [n, h],                                 bytes [0, n) of the shard (schema message /
                                                      first tar member) hash to h
-     "batches": [[start, end, rows, h], ...],        Arrow: each record batch's byte range and hash
-     "tail": [start, end, h]}                        Arrow: the end-of-stream marker
+     "batches": [[start, end, rows, h], ...],        a format with record batches (Arrow): each batch's
+                                                     byte range and hash
+     "tail": [start, end, h]}                        with batches: the end of the file (Arrow's
+                                                     end-of-stream marker)
 
 The manifest records per shard only ``index: [bytes, h]`` of this file, so opening a dataset is
 O(shards); a reader fetches, checks and parses a shard's index the first time it reads that shard
@@ -55,9 +57,10 @@ def index_name(shard_name: str) -> str:
 
 def index_doc(fmt: str, nbytes: int, samples: int, head: list[Any], batches: list[list[Any]] | None = None,
               tail: list[Any] | None = None) -> dict[str, Any]:
+    """The index document of a shard of format ``fmt``; ``batches`` (and ``tail``) only for a format that has them."""
     doc: dict[str, Any] = {"version": INDEX_VERSION, "format": fmt, "bytes": nbytes, "samples": samples, "head": head}
-    if fmt == "arrow":
-        doc["batches"], doc["tail"] = batches or [], tail
+    if batches is not None:
+        doc["batches"], doc["tail"] = batches, tail
     return doc
 
 
@@ -82,9 +85,10 @@ class ShardIndex:
         return bisect.bisect_right(self.bounds, row) - 1
 
 
-def checked_index(doc: Any, shard: dict[str, Any], fmt: str, where: str) -> ShardIndex:
+def checked_index(doc: Any, shard: dict[str, Any], fmt: str, where: str, batches: bool) -> ShardIndex:
     """Validate an index document against its manifest entry (bytes, samples, format) and against itself:
-    batch ranges ascending, inside the shard, never overlapping, rows adding up; otherwise CorruptShardError.
+    batch ranges ascending, inside the shard, never overlapping, rows adding up (to the shard's samples when
+    the format ``batches`` its shards); otherwise CorruptShardError.
     So no offset or size read from it can make a reader allocate past the shard's (bounded) size."""
     def bad(what: str) -> CorruptShardError:
         return CorruptShardError(f"{where}: {what}; the index is damaged or belongs to another shard: re-copy the "
@@ -96,14 +100,14 @@ def checked_index(doc: Any, shard: dict[str, Any], fmt: str, where: str) -> Shar
     if doc.get("format", fmt) != fmt or doc.get("bytes", size) != size or doc.get("samples", samples) != samples:
         raise bad(f"it describes a {doc.get('format')} shard of {doc.get('bytes')} bytes and {doc.get('samples')} "
                   f"samples, the manifest a {fmt} shard of {size} bytes and {samples} samples")
-    head, tail, batches = doc.get("head"), doc.get("tail"), doc.get("batches") or []
+    head, tail, ranges = doc.get("head"), doc.get("tail"), doc.get("batches") or []
     if head is not None and not (isinstance(head, list) and len(head) == 2 and isinstance(head[0], int)
                                  and 0 < head[0] <= size):
         raise bad(f"head {head!r} is not inside the shard")
-    if not isinstance(batches, list):
+    if not isinstance(ranges, list):
         raise bad("batches is not a list")
     end, bounds = 0, [0]
-    for b, bt in enumerate(batches):
+    for b, bt in enumerate(ranges):
         if not (isinstance(bt, list) and len(bt) >= 3 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                for x in bt[:3])):
             raise bad(f"record batch {b} entry {bt!r} is malformed")
@@ -112,11 +116,11 @@ def checked_index(doc: Any, shard: dict[str, Any], fmt: str, where: str) -> Shar
             raise bad(f"record batch {b} range {start}..{stop} ({rows} rows) is not after {end} inside {size} bytes")
         end = stop
         bounds.append(bounds[-1] + rows)
-    if fmt == "arrow" and bounds[-1] != samples:
+    if batches and bounds[-1] != samples:
         raise bad(f"its record batches hold {bounds[-1]} rows, the manifest says {samples} samples")
     if tail is not None and not (isinstance(tail, list) and len(tail) == 3 and end <= tail[0] <= tail[1] <= size):
         raise bad(f"end-of-stream range {tail!r} is not after the last record batch inside the shard")
-    return ShardIndex(head=head, batches=batches, tail=tail, bounds=bounds)
+    return ShardIndex(head=head, batches=ranges, tail=tail, bounds=bounds)
 
 
 def migrate_inline_index(shard: dict[str, Any]) -> dict[str, Any]:
@@ -129,14 +133,15 @@ of them: an empty one); entries with an ``index`` record are returned as they ar
     return {**{k: v for k, v in shard.items() if k not in inline}, INLINE_KEY: inline}
 
 
-def load_index(fs: fsspec.AbstractFileSystem, root: str, shard: dict[str, Any], fmt: str) -> ShardIndex:
-    """The checked index of one manifest shard entry: its ``index`` file (size and hash against the
-    manifest's ``[bytes, h]``), or the inline entries of a migrated schema-1 manifest."""
+def load_index(fs: fsspec.AbstractFileSystem, root: str, shard: dict[str, Any], fmt: str, batches: bool) -> ShardIndex:
+    """The checked index of one manifest shard entry of format ``fmt`` (``batches``: its shards are record batches
+    that the index lists): its ``index`` file (size and hash against the manifest's ``[bytes, h]``), or the
+    inline entries of a migrated schema-1 manifest."""
     def join(rel: str) -> str:
         return root.rstrip("/") + "/" + rel
 
     if INLINE_KEY in shard:
-        return checked_index(shard[INLINE_KEY], shard, fmt, f"{join(shard['name'])} (manifest entries)")
+        return checked_index(shard[INLINE_KEY], shard, fmt, f"{join(shard['name'])} (manifest entries)", batches)
     path = join(index_name(shard["name"]))
     rec = shard.get("index")
     if not (isinstance(rec, list) and len(rec) == 2):
@@ -159,7 +164,7 @@ def load_index(fs: fsspec.AbstractFileSystem, root: str, shard: dict[str, Any], 
     if doc.get("version") != INDEX_VERSION:
         raise CorruptShardError(f"{path} has index version {doc.get('version')!r}, this tapdraft reads "
                                 f"{INDEX_VERSION}: use a matching release")
-    return checked_index(doc, shard, fmt, path)
+    return checked_index(doc, shard, fmt, path, batches)
 
 
 class IndexCache:

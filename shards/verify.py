@@ -15,22 +15,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 import fsspec
 import pyarrow as pa
 
 from shards import manifest as mf
-from shards.formats.arrow import decode_batch, iter_batches, schema_meta
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
-from shards.errors import CorruptShardError
-from shards.integrity import check_block
+from shards.formats import get_format
 from shards.progress import Progress
 from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
-from shards.shard_index import INDEX_DIR, index_name, load_index
-from shards.formats.wds import decode_wds_sample, iter_tar_samples
+from shards.shard_index import INDEX_DIR, index_name
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
                  "top_k", "dtypes", "codec", "capture_config", "code_version")
@@ -93,6 +89,11 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     except (KeyError, TypeError, ValueError) as e:
         rep.problems.append(f"{man_path}: layout is invalid ({e}); re-run finalize")
         return rep
+    try:
+        reader = get_format(m["format"], man_path).reader
+    except ValueError as e:
+        rep.problems.append(str(e))
+        return rep
     _check_bundle(fs, root, fp, rep)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
@@ -108,7 +109,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     seen: dict[str, dict[str, str]] = {s: {} for s in m["splits"]}  # split -> sample id -> first shard holding it
     with Progress(f"verify {url}", total, enabled=progress, transient=True, fmt_count=mf.fmt_bytes) as bar:
         for split, sh in shards:
-            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, bar.advance, seen[split])
+            _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, bar.advance, seen[split], reader)
     if not m["splits"]:
         rep.problems.append(f"{man_path}: lists no split; the dataset holds nothing (re-capture it)")
     for split, d in m["splits"].items():
@@ -140,7 +141,7 @@ def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: Verify
                             "bundle belongs to another target")
 
 
-def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen: dict[str, str]) -> None:
+def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen: dict[str, str], reader) -> None:
     path = mf.join(root, sh["name"])
     if not fs.exists(path):
         rep.problems.append(f"{path}: missing; re-copy it or re-capture its samples")
@@ -166,7 +167,7 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
     counts = {k: 0 for k in COUNT_KEYS}
     counts["audio_seconds"] = 0.0
     try:
-        for sample in _iter_shard(fs, root, path, m, meta, sh, rep):
+        for sample in reader.verify_shard(fs, root, path, m, meta, sh, rep.problems.append):
             rep.samples_checked += 1
             try:
                 validate_sample(sample, layout)
@@ -188,58 +189,3 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
     for k in COUNT_KEYS:
         if abs(counts[k] - sh[k]) > 1e-6 * max(1.0, abs(sh[k])):
             rep.problems.append(f"{path}: holds {k}={counts[k]}, manifest says {sh[k]}; re-run finalize or re-capture")
-
-
-def _iter_shard(fs, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any], rep: VerifyReport):
-    fp = m["fingerprint"]
-    if m["format"] == "arrow":
-        with fs.open(path, "rb") as f:
-            data = f.read()
-        reader = pa.ipc.open_stream(pa.py_buffer(data))
-        smeta = schema_meta(reader.schema, path)
-        try:
-            check_schema_version(smeta.get("schema_version"), path)
-        except ValueError as e:
-            rep.problems.append(str(e))
-        if smeta.get("fingerprint") not in (None, fp):
-            rep.problems.append(f"{path}: shard fingerprint {smeta['fingerprint'][:12]} differs from the manifest's "
-                                f"{fp[:12]}; shards of different targets were mixed, re-capture this one")
-        if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
-            rep.problems.append(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
-        try:
-            idx = load_index(fs, root, sh, "arrow")
-        except (CorruptShardError, FileNotFoundError) as e:
-            rep.problems.append(str(e))
-            return
-        batches = idx.batches
-        blocks = [(f"record batch {b}", bt[0], bt[1], bt[3]) for b, bt in enumerate(batches) if len(bt) > 3]
-        if idx.head is not None:
-            blocks.append(("head", 0, idx.head[0], idx.head[1]))
-        if idx.tail is not None:
-            blocks.append(("end of stream", *idx.tail))
-        for what, start, end, h in blocks:
-            try:
-                check_block(memoryview(data)[start:end], h, f"{path} {what}")
-            except CorruptShardError as e:
-                rep.problems.append(str(e))
-        for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
-            if b < len(batches) and batches[b][2] != batch.num_rows:
-                rep.problems.append(f"{path}: record batch {b} has {batch.num_rows} rows, "
-                                    f"manifest says {batches[b][2]}")
-            yield from decode_batch(batch, meta, check_rows=path)
-        if batches and batches[-1][1] > len(data):
-            rep.problems.append(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")
-    else:
-        try:
-            head = load_index(fs, root, sh, "wds").head
-            if head is not None:
-                check_block(fs.cat_file(path, start=0, end=head[0]), head[1], f"{path} head")
-        except (CorruptShardError, FileNotFoundError) as e:
-            rep.problems.append(str(e))
-        with fs.open(path, "rb") as f:
-            for raw in iter_tar_samples(f, path):
-                doc = json.loads(raw.get("meta.json", b"{}"))
-                if doc.get("fingerprint") not in (None, fp):
-                    rep.problems.append(f"{path}: sample {raw['__key__']} has fingerprint {doc['fingerprint'][:12]}, "
-                                        f"the manifest {fp[:12]}; re-capture this shard")
-                yield decode_wds_sample(raw)

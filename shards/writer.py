@@ -17,9 +17,7 @@ rank's partial index ``_parts/<split>-rank<r>.json`` is rewritten atomically. Th
 only truth on resume: reopening picks up its shards, deletes a leftover ``.tmp`` (and any shard
 renamed but not yet indexed), and ``next_index`` says where to continue. Shards roll when their
 size reaches ``shard_bytes`` (they overshoot by at most one record batch / one sample).
-
-The writer's API is importable from here: ``ShardConfig`` and ``LEGACY_SHARD_FIELDS`` live in
-``shards.shard_file``, ``finalize_dataset`` in ``shards.finalize``.
+``ShardConfig`` lives in ``shards.shard_file``, ``finalize_dataset`` in ``shards.finalize``.
 """
 
 from __future__ import annotations
@@ -36,12 +34,10 @@ import fsspec
 from shards import manifest as mf
 from shards.atomic import write_json_atomic
 from shards.bundle import stored_fingerprint
-from shards.finalize import _LEGACY_MOVING, finalize_dataset
+from shards.finalize import _LEGACY_MOVING
 from shards.schema import SCHEMA_VERSION, Layout, validate_sample
-from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig, _Shard
+from shards.shard_file import ShardConfig, _Shard
 from shards.shard_index import INDEX_DIR, index_name
-
-__all__ = ["LEGACY_SHARD_FIELDS", "PART_VERSION", "DatasetWriter", "ShardConfig", "finalize_dataset"]
 
 PART_VERSION = 2
 """2: a shard entry records its index file (``index``) instead of its record batches; finalize migrates 1."""

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli import app, main
 from shards.reader import open_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.capture.util import conv_record, write_manifest, write_wav
 from tests.shards.synthetic import tiny_layout, write_dataset
 

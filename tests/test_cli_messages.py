@@ -81,7 +81,7 @@ def test_train_lists_and_shows_recipes(capsys):
 
 def test_the_public_entry_point_opens_a_dataset(tmp_path):
     import tapdraft
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
     from tests.shards.synthetic import tiny_layout, write_dataset
 
     root = tmp_path / "ds"

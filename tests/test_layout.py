@@ -112,3 +112,20 @@ def test_shards_imports_no_model_code():
         if mod.split(".")[0] == "shards":
             bad += [f"{mod} -> {i}" for i in imports_of(f, set()) if i.startswith(MODEL_CODE)]
     assert not bad, bad
+
+
+def test_storage_formats_are_named_only_in_shards_formats(tmp_path):
+    """A format is known through its registry entry (shards.formats.FORMATS): no "arrow" / "wds" string outside
+    shards/formats/ but the CLI's --format option, so a new format is one module, not edits in many files."""
+    names = {"arrow", "wds"}
+
+    def named(path: Path) -> list[int]:
+        return [n.lineno for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.Constant) and n.value in names]
+
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(cfg):\n    """Mentions arrow in prose."""\n    return cfg.format == "wds"\n')
+    assert named(probe) == [3]  # the check sees a comparison, not a docstring
+    bad = [f"{f.relative_to(ROOT)}:{line}" for mod, f in _modules().items()
+           if mod != "cli" and not mod.startswith("shards.formats") for line in named(f)]
+    assert not bad, f"storage format named outside shards/formats/ (ask the registry): {bad}"

@@ -3,8 +3,14 @@ fastest read), record batches of about 1 MiB (one batch per sample when samples 
 
 Why the stream format (not the IPC file format): ``datasets.Dataset.from_file`` memory-maps only
 streams, and ``datasets.load_dataset("arrow", data_files=...)`` reads both. Random access does not
-need the file footer: the writer records each record batch's byte range in the manifest, and a
-reader seeks there and parses one message.
+need the file footer: the writer records each record batch's byte range in the shard's index file
+(shards.shard_index), and a reader seeks there and parses one message.
+
+``ArrowShardWriter`` and ``ArrowShardReader`` are the format's registry entry (``shards.formats``):
+samples are gathered into record batches of at most ``ShardConfig.batch_bytes`` uncompressed bytes (cut
+smaller as the shard nears ``shard_bytes``), each batch's byte range and hash go to the shard's index, and
+the reader reads one record batch per random access (the schema message, kept from the shard's checked
+head, goes before it so that the bytes parse as a stream).
 
 One row = one sample. Columns, all declared (never inferred):
 
@@ -26,39 +32,24 @@ a core here) costs more than ``torch.load`` of the uncompressed bytes does in al
 
 from __future__ import annotations
 
+import bisect
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
-from shards.codec import FieldMeta, decode_fields, stored_fields
+from shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
 from shards.errors import CorruptShardError
-from shards.integrity import ROW_COLUMN, check_row, row_checksum
-from shards.schema import SCHEMA_VERSION, field_specs, has_checksums
+from shards.formats.base import Format, ShardReader, ShardWriter
+from shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
+from shards.schema import check_schema_version, has_checksums
+from shards.shard_index import index_doc, load_index
 
+NAME = "arrow"
 META_KEY = b"tapdraft"
 SCALAR_COLUMNS = (("sample_id", pa.string()), ("source", pa.string()), ("audio_seconds", pa.float64()),
                   ("num_tokens", pa.int32()))
-
-
-def shard_metadata(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> dict[str, Any]:
-    """The JSON stored under ``tapdraft`` in every shard's schema (and, without ``lineage``, in the manifest)."""
-    dtypes = {name: str(dt).replace("torch.", "") for name, (dt, _) in field_specs(meta.layout).items()}
-    shapes = {name: list(shape) for name, (_, shape) in field_specs(meta.layout).items()}
-    if meta.layout.taps_codec == "fp8":
-        dtypes["taps_stored"] = "float8_e4m3fn"
-        dtypes["taps_scale"] = "float32"
-        shapes["taps_scale"] = ["T", meta.layout.n_taps]
-        if meta.fp8_layout == "packed":  # the e4m3 values split into two fields (shards.codec)
-            dtypes["taps_exponent"] = "uint8 (e4m3 sign+exponent: byte >> 3)"
-            dtypes["taps_mantissa"] = "uint3, 8 per 3 bytes"
-            shapes["taps_exponent"] = shapes["taps_mantissa"] = shapes["taps"]
-    out = {"schema_version": SCHEMA_VERSION, **meta.to_dict(), "dtypes": dtypes, "shapes": shapes,
-           "fingerprint": fingerprint}
-    if lineage is not None:
-        out["lineage"] = lineage
-    return out
 
 
 def arrow_schema(meta: FieldMeta, fingerprint: str | None, lineage: str | None = None) -> pa.Schema:
@@ -218,3 +209,214 @@ def read_shard_metadata(path: str) -> dict[str, Any]:
 
     with fsspec.open(path, "rb") as f:
         return schema_meta(pa.ipc.open_stream(f).schema, path)
+
+
+class ArrowShardWriter(ShardWriter):
+    """One Arrow IPC stream: samples gathered into record batches, each batch's byte range and hash recorded."""
+
+    def __init__(self, sink: Any, cfg: Any, meta: FieldMeta, fingerprint: str | None, lineage: str | None,
+                 rank: int) -> None:
+        super().__init__(sink, cfg, meta, fingerprint, lineage, rank)
+        self.schema = arrow_schema(meta, fingerprint, lineage)
+        codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
+        self._stream = pa.ipc.new_stream(sink, self.schema, options=pa.ipc.IpcWriteOptions(compression=codec))
+        self.batches: list[list[Any]] = []
+        self._pending: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._pending_bytes = 0
+        self._scratch: dict[str, Any] = {}  # column buffers reused batch after batch
+
+    @classmethod
+    def container(cls, zstd_level: int) -> str:
+        return "arrow-ipc-stream" + ("+zstd" if zstd_level else "")
+
+    def add(self, index: int, scalars: dict[str, Any], fields: dict[str, Any]) -> None:
+        nbytes = sum(len(b) for b in fields.values())
+        room = max(self.cfg.shard_bytes - self.sink.n, 1)  # uncompressed >= compressed: never overshoots much
+        limit = min(self.cfg.batch_bytes, room)
+        if self._pending and self._pending_bytes + nbytes > limit:
+            self._flush_batch()  # a batch never grows past the limit, so random access reads about one sample's bytes
+        self._pending.append((scalars, fields))
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= limit:
+            self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        if not self._pending:
+            return
+        self.sink.blocks.cut()
+        self._stream.write_batch(make_batch(self.schema, self._pending, self._scratch))
+        start, end, h = self.sink.blocks.cut()
+        self.batches.append([start, end, len(self._pending), h])
+        self._pending, self._pending_bytes = [], 0
+
+    def close(self) -> None:
+        self._flush_batch()
+        self._stream.close()
+
+    def index_doc(self, samples: int) -> dict[str, Any]:
+        """Head: the schema message; batches; tail: the end-of-stream marker (the bytes since the last batch)."""
+        return index_doc(NAME, self.sink.n, samples, self.sink.head(len(self.schema.serialize())), self.batches,
+                         list(self.sink.blocks.cut()))
+
+
+class ArrowShardReader(ShardReader):
+    """Random access by record batch: each read is one checked byte range (the batch, and the end-of-stream
+    marker with the last one); the schema of each shard comes from its checked head."""
+
+    random_access = True
+
+    def __init__(self, ds: Any) -> None:
+        super().__init__(ds)
+        self._schemas: dict[str, pa.Schema] = {}
+        self._batch_cache: tuple[Any, pa.RecordBatch] | None = None
+
+    def check_head(self, shard: dict[str, Any], head: Any, path: str) -> None:
+        self._schemas[shard["name"]] = self._checked_schema(head, path)
+
+    def _schema(self, shard: dict[str, Any]) -> pa.Schema:
+        name = shard["name"]
+        idx = self.ds.shard_index(shard)
+        if name not in self._schemas:  # a shard of schema 1.0 has no head: its first range holds the schema
+            path = self.ds.shard_path(shard)
+            self._schemas[name] = self._checked_schema(self.ds.fs.cat_file(path, start=0, end=idx.batches[0][1]),
+                                                       path)
+        return self._schemas[name]
+
+    def _checked_schema(self, head: Any, path: str) -> pa.Schema:
+        schema = read_schema(head)
+        fp = schema_meta(schema, path).get("fingerprint")
+        if fp is not None and fp != self.ds.fingerprint:
+            raise ValueError(f"{path} holds target fingerprint {fp[:12]}, the manifest "
+                             f"{self.ds.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
+        return schema
+
+    def batch_bytes(self, shard: dict[str, Any], b: int, prefix: Any = b"") -> Any:
+        """``prefix`` + the stored bytes of record batch ``b``, checked against its checksum (the last batch's
+        end-of-stream marker is read with it, checked and cut off)."""
+        idx = self.ds.shard_index(shard)
+        start, end, n, *h = idx.batches[b]
+        path = self.ds.shard_path(shard)
+        tail = idx.tail if b == len(idx.batches) - 1 else None
+        stop = tail[1] if tail else end
+
+        def check(stored: Any) -> None:
+            if len(stored) != stop - start:
+                raise CorruptShardError(f"{path} is truncated (batch {b} wants bytes {start}..{end}); "
+                                        "run `tapdraft verify`")
+            if tail:
+                check_block(stored[end - start:], tail[2], f"{path} (end of stream)")
+            if h:
+                check_block(stored[: end - start], h[0], f"{path} record batch {b}")
+
+        data = self.ds.read_range(path, start, stop, prefix, check)
+        return data[: len(prefix) + end - start]
+
+    def read_record_batch(self, shard: dict[str, Any], b: int) -> pa.RecordBatch:
+        start, end, n, *h = self.ds.shard_index(shard).batches[b]
+        path = self.ds.shard_path(shard)
+        schema = self._schema(shard)
+        # the schema message goes before the batch (a range that starts at 0 already has it), so that the
+        # bytes parse as a stream read on this thread (read_batch)
+        head = b"" if start == 0 else schema.serialize()
+        data = self.batch_bytes(shard, b, head)
+        try:
+            batch = read_batch(data)
+        except (ValueError, OSError) as e:  # pa.ArrowInvalid is a ValueError
+            raise ValueError(f"{path}: record batch {b} is unreadable ({e}); run `tapdraft verify`") from e
+        if batch.num_rows != n:
+            raise ValueError(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {n}")
+        return batch
+
+    def sample(self, shard: dict[str, Any], row: int, key: Any, i: int) -> dict[str, Any]:
+        """Seeks to the row's record batch; the last batch read is kept for the next call."""
+        bounds = self.ds.shard_index(shard).bounds
+        b = bisect.bisect_right(bounds, row) - 1
+        if self._batch_cache is None or self._batch_cache[0] != (key, b):
+            self._batch_cache = ((key, b), self.read_record_batch(shard, b))
+        try:
+            return decode_batch(self._batch_cache[1], self.ds.field_meta, [row - bounds[b]])[0]
+        except ValueError as e:
+            raise ValueError(f"{self.ds.shard_path(shard)}: sample {i} does not match the manifest layout ({e}); "
+                             "run `tapdraft verify`") from e
+
+    def prefetch(self, shard: dict[str, Any]) -> None:
+        """A streamed shard's index and first record batch, not all of it."""
+        self.ds.fs.prefetch(self.batch_bytes, shard, 0)
+
+    def read_rows(self, shard: dict[str, Any], rows: list[int]) -> Iterator[dict[str, Any]]:
+        """Each record batch that holds some of ``rows`` is read once, in order."""
+        idx = self.ds.shard_index(shard)
+        path = self.ds.shard_path(shard)
+        i = 0
+        while i < len(rows):
+            b = idx.batch_of(rows[i])
+            j = bisect.bisect_left(rows, idx.bounds[b + 1], i)
+            local = [r - idx.bounds[b] for r in rows[i:j]]
+            try:
+                decoded = decode_batch(self.read_record_batch(shard, b), self.ds.field_meta, local, share=True)
+            except ValueError as e:
+                if path in str(e):
+                    raise
+                raise ValueError(f"{path}: record batch {b} does not match the manifest layout ({e}); "
+                                 "run `tapdraft verify`") from e
+            yield from decoded
+            i = j
+
+    @classmethod
+    def verify_shard(cls, fs: Any, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any],
+                     problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+        """The schema's metadata against the manifest, the index's head, batch and tail hashes, each batch's row
+        count and every row's checksum."""
+        fp = m["fingerprint"]
+        with fs.open(path, "rb") as f:
+            data = f.read()
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        smeta = schema_meta(reader.schema, path)
+        try:
+            check_schema_version(smeta.get("schema_version"), path)
+        except ValueError as e:
+            problem(str(e))
+        if smeta.get("fingerprint") not in (None, fp):
+            problem(f"{path}: shard fingerprint {smeta['fingerprint'][:12]} differs from the manifest's {fp[:12]}; "
+                    "shards of different targets were mixed, re-capture this one")
+        if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
+            problem(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
+        try:
+            idx = load_index(fs, root, sh, NAME, batches=True)
+        except (CorruptShardError, FileNotFoundError) as e:
+            problem(str(e))
+            return
+        batches = idx.batches
+        blocks = [(f"record batch {b}", bt[0], bt[1], bt[3]) for b, bt in enumerate(batches) if len(bt) > 3]
+        if idx.head is not None:
+            blocks.append(("head", 0, idx.head[0], idx.head[1]))
+        if idx.tail is not None:
+            blocks.append(("end of stream", *idx.tail))
+        for what, start, end, h in blocks:
+            try:
+                check_block(memoryview(data)[start:end], h, f"{path} {what}")
+            except CorruptShardError as e:
+                problem(str(e))
+        for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
+            if b < len(batches) and batches[b][2] != batch.num_rows:
+                problem(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {batches[b][2]}")
+            yield from decode_batch(batch, meta, check_rows=path)
+        if batches and batches[-1][1] > len(data):
+            problem(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")
+
+    @classmethod
+    def stock_snippet(cls, first: str) -> str:
+        return f"""```python
+import datasets, json
+from shards.formats.arrow import decode_row
+DATASET = "path/to/this/directory"
+manifest = json.load(open(f"{{DATASET}}/manifest.json"))
+ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above
+# or one split by its files:
+# ds = datasets.load_dataset("arrow", data_files=f"{{DATASET}}/data/{first}-*.arrow", split="train")
+# or, memory-mapped without a copy: datasets.Dataset.from_file(f"{{DATASET}}/data/{first}-00000-of-....arrow")
+sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft returns them
+```"""
+
+
+FORMAT = Format(NAME, "arrow", ArrowShardWriter, ArrowShardReader)

@@ -16,21 +16,29 @@ own ``checksum``. ``iter_tar_samples`` (tapdraft's reader and ``verify``) also c
 that a member checksum cannot see: each header's tar checksum, zero padding, and zero end blocks
 with nothing after them, so a flip anywhere in the file is an error. The writer emits the tar
 bytes itself (USTAR headers from ``tarfile.TarInfo``, the same bytes ``tarfile`` writes) so that it
-knows where the first member ends: that head is what the manifest hashes for the open-time check.
+knows where the first member ends: that head is what the shard's index hashes for the open-time check.
+
+``TarShardWriter`` and ``TarShardReader`` are the format's registry entry (``shards.formats``). A tar has
+no index of its samples, so its order unit is the whole shard and one sample is read by reading the
+shard up to it (fine for a look, slow as a training access path).
 """
 
 from __future__ import annotations
 
 import json
 import tarfile
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import zstandard
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
 from shards.errors import CorruptShardError
+from shards.formats.base import Format, ShardReader, ShardWriter
 from shards.integrity import check_block, check_sealed, digest, seal_doc
 from shards.limits import decompress_bounded
+from shards.shard_index import index_doc, load_index
+
+NAME = "wds"
 
 META_MEMBER = "meta.json"
 META_KEYS = {"sample_id", "source", "audio_seconds", "field_meta", "fingerprint"}
@@ -43,18 +51,27 @@ def sample_key(rank: int, index: int) -> str:
     return f"r{rank:05d}-{index:012d}"
 
 
-class TarShardWriter:
-    """Appends samples to an open binary stream as tar members (streaming, no seeks)."""
+class TarShardWriter(ShardWriter):
+    """Appends samples to the sink as tar members (streaming, no seeks): ``<key>.meta.json``, then one
+    ``<key>.<field>.zst`` per stored field."""
 
-    def __init__(self, sink: BinaryIO, meta: FieldMeta, zstd_level: int, fingerprint: str | None = None,
-                 lineage: str | None = None) -> None:
-        self._fingerprint, self._lineage = fingerprint, lineage
-        self._sink = sink
+    def __init__(self, sink: BinaryIO, cfg: Any, meta: FieldMeta, fingerprint: str | None = None,
+                 lineage: str | None = None, rank: int = 0) -> None:
+        super().__init__(sink, cfg, meta, fingerprint, lineage, rank)
         self._offset = 0
-        self._meta = meta
-        self._zstd = zstandard.ZstdCompressor(level=zstd_level)
+        self._zstd = zstandard.ZstdCompressor(level=cfg.zstd_level)
         self.head_bytes: int | None = None
-        """Where the first member (the first sample's meta.json) ends: the manifest hashes [0, head_bytes)."""
+        """Where the first member (the first sample's meta.json) ends: the index hashes [0, head_bytes)."""
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        if cfg.zstd_level == 0:
+            raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are "
+                             "zstd frames; use format 'arrow' or a level in [1, 22]")
+
+    @classmethod
+    def container(cls, zstd_level: int) -> str:
+        return "webdataset-tar+zstd"
 
     def _add(self, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -63,18 +80,19 @@ class TarShardWriter:
         info.mode = 0o644
         pad = -len(data) % _BLOCK
         for chunk in (info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"), data, b"\0" * pad):
-            self._sink.write(chunk)
+            self.sink.write(chunk)
             self._offset += len(chunk)
 
-    def add(self, key: str, scalars: dict[str, Any], fields: dict[str, bytes]) -> None:
-        members = {f"{name}.zst": self._zstd.compress(fields[name]) for name in stored_fields(self._meta)}
+    def add(self, index: int, scalars: dict[str, Any], fields: dict[str, Any]) -> None:
+        key = sample_key(self.rank, index)
+        members = {f"{name}.zst": self._zstd.compress(fields[name]) for name in stored_fields(self.meta)}
         meta = {k: scalars[k] for k in ("sample_id", "source", "audio_seconds")}
-        meta["field_meta"] = self._meta.to_dict()
-        meta["fingerprint"] = self._fingerprint
-        if self._lineage is not None:
-            meta["lineage"] = self._lineage
+        meta["field_meta"] = self.meta.to_dict()
+        meta["fingerprint"] = self.fingerprint
+        if self.lineage is not None:
+            meta["lineage"] = self.lineage
         meta["checksums"] = {m: digest(b) for m, b in members.items()}
-        meta["content_checksums"] = {f"{name}.zst": digest(fields[name]) for name in stored_fields(self._meta)}
+        meta["content_checksums"] = {f"{name}.zst": digest(fields[name]) for name in stored_fields(self.meta)}
         self._add(f"{key}.{META_MEMBER}", json.dumps(seal_doc(meta), sort_keys=True).encode())
         if self.head_bytes is None:
             self.head_bytes = self._offset
@@ -84,7 +102,11 @@ class TarShardWriter:
     def close(self) -> None:
         """Two zero blocks, then zeros up to a whole record, as tarfile ends an archive."""
         end = self._offset + 2 * _BLOCK
-        self._sink.write(b"\0" * (2 * _BLOCK + (-end % _RECORD)))
+        self.sink.write(b"\0" * (2 * _BLOCK + (-end % _RECORD)))
+
+    def index_doc(self, samples: int) -> dict[str, Any]:
+        """Head: the first sample's meta.json; no record batches."""
+        return index_doc(NAME, self.sink.n, samples, self.sink.head(self.head_bytes))
 
 
 def decode_wds_sample(sample: dict[str, Any], *, decompressed: bool = False) -> dict[str, Any]:
@@ -183,3 +205,77 @@ def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>") -> Iterator[dict[s
         current[ext] = data[: info.size]
     if current is not None:
         yield current
+
+
+class TarShardReader(ShardReader):
+    """Reads a tar shard from its start, checking its framing, every member and each sample's fingerprint."""
+
+    def read_rows(self, shard: dict[str, Any], rows: list[int]) -> Iterator[dict[str, Any]]:
+        ds = self.ds
+        ds.shard_index(shard)  # the head (first meta.json) against its hash
+        path = ds.shard_path(shard)
+        size = ds.fs.size(path)
+        if size != shard["bytes"]:
+            raise ValueError(f"{path} has {size} bytes, the manifest says {shard['bytes']} (truncated or replaced); "
+                             "run `tapdraft verify` and re-copy or re-capture the shard")
+        wanted = set(rows)
+        seen = 0
+        with ds.fs.open(path, "rb") as f:
+            for r, raw in enumerate(iter_tar_samples(f, path)):
+                seen = r + 1
+                if r > rows[-1]:
+                    break
+                if r in wanted:
+                    try:
+                        sample = decode_wds_sample(raw)
+                    except CorruptShardError:
+                        raise  # names the shard (iter_tar_samples sets __url__)
+                    except (ValueError, KeyError) as e:
+                        raise ValueError(f"{path}: sample {r} is unreadable ({e}); run `tapdraft verify`") from e
+                    meta = json.loads(raw["meta.json"])
+                    if meta.get("fingerprint") not in (None, ds.fingerprint):
+                        raise ValueError(f"{path}: sample {sample['sample_id']!r} has target fingerprint "
+                                         f"{meta['fingerprint'][:12]}, the manifest {ds.fingerprint[:12]}")
+                    yield sample
+        if seen <= rows[-1]:
+            raise CorruptShardError(f"{path} holds {seen} samples, the manifest says {shard['samples']}: re-copy or "
+                                    "re-capture it")
+
+    def prefetch(self, shard: dict[str, Any]) -> None:
+        """The whole tar: a stream reads it from its start."""
+        self.ds.fs.prefetch(self.ds.fs.local_copy, self.ds.shard_path(shard))
+
+    @classmethod
+    def verify_shard(cls, fs: Any, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any],
+                     problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+        """The head against the index, the tar framing, every member and each sample's fingerprint."""
+        fp = m["fingerprint"]
+        try:
+            head = load_index(fs, root, sh, NAME, batches=False).head
+            if head is not None:
+                check_block(fs.cat_file(path, start=0, end=head[0]), head[1], f"{path} head")
+        except (CorruptShardError, FileNotFoundError) as e:
+            problem(str(e))
+        with fs.open(path, "rb") as f:
+            for raw in iter_tar_samples(f, path):
+                doc = json.loads(raw.get("meta.json", b"{}"))
+                if doc.get("fingerprint") not in (None, fp):
+                    problem(f"{path}: sample {raw['__key__']} has fingerprint {doc['fingerprint'][:12]}, the manifest "
+                            f"{fp[:12]}; re-capture this shard")
+                yield decode_wds_sample(raw)
+
+    @classmethod
+    def stock_snippet(cls, first: str) -> str:
+        return f"""```python
+import glob, webdataset as wds
+from shards.formats.wds import decode_wds_sample
+DATASET = "path/to/this/directory"
+ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
+sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs
+# or with datasets (webdataset builder, every split from the front matter above):
+# (it decompresses the .zst members itself): row = datasets.load_dataset(DATASET)["{first}"][0]
+# sample = decode_wds_sample(row, decompressed=True)
+```"""
+
+
+FORMAT = Format(NAME, "tar", TarShardWriter, TarShardReader)

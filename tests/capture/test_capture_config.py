@@ -5,7 +5,7 @@ import json
 import pytest
 
 from capture.config import CaptureConfig, check_resume, migrate_capture_record
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 
 
 def _cfg(**kw):

@@ -18,7 +18,7 @@ from shards.errors import Interrupted
 from shards.manifest import foreign_directory
 from shards.reader import open_dataset
 from shards.verify import verify_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.capture.util import conv_record, write_manifest
 
 

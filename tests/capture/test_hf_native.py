@@ -112,7 +112,7 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
     from capture.pipeline import capture
     from shards.reader import open_dataset
     from shards.verify import verify_dataset
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     cfg = CaptureConfig(target=str(qwen2_audio_dir), out=str(tmp_path / "ds"), data=(("train", str(tone_manifest)),),
                         top_k=4, window=4, batch_tokens=400, shard=ShardConfig(shard_bytes=20000), progress=False)

@@ -20,7 +20,7 @@ from capture.load import load_target
 from capture.targets import run_batch
 from shards.manifest import write_or_check_bundle
 from shards.reader import open_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from shards.verify import verify_dataset
 from tests.capture.util import conv_record, write_manifest, write_wav
 
@@ -94,7 +94,7 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
         pipeline.run_batch = dying
-        from shards.writer import ShardConfig
+        from shards.shard_file import ShardConfig
         cfg = CFG
         pipeline.capture(CaptureConfig(**{**cfg, "shard": ShardConfig(**cfg["shard"])}))
     """).replace("CFG", repr(dataclasses.asdict(_cfg(salm_dir, tone_manifest, cut_dir, **kw)))).replace(

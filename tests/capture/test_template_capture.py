@@ -15,7 +15,7 @@ from capture.template import ChatTemplate
 from shards.manifest import complete_manifest
 from shards.reader import open_dataset
 from shards.template import template_sha
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.capture.chat_templates import QWEN3, end_ids, make_tokenizer, save_qwen3
 
 CONVS = [

@@ -40,7 +40,7 @@ TIE = 1e-3  # candidates this close in log-probability may swap ranks between en
 
 def _cfg(bpe_target, out, engine, vllm_venv=None):
     from capture.config import CaptureConfig
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     return CaptureConfig(target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),
                          top_k=8, window=16, batch_tokens=512, progress=False, shard=ShardConfig(shard_bytes=100_000),
@@ -113,7 +113,7 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
         import os, signal, time
         from capture import pipeline
         from capture.config import CaptureConfig, VLLMConfig
-        from shards.writer import ShardConfig
+        from shards.shard_file import ShardConfig
         real, calls = pipeline.vllm_batches, [0]
         def dying(*a, **k):
             calls[0] += 1

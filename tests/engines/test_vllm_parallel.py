@@ -34,7 +34,7 @@ N = 8
 def _capture(bpe_target, vllm_venv, out, **layout):
     from capture.config import CaptureConfig, VLLMConfig
     from capture.pipeline import capture
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     return capture(CaptureConfig(
         target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),

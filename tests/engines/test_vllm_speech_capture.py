@@ -46,7 +46,7 @@ def _data(case):
 
 def _cfg(case, out, engine, vllm_venv=None):
     from capture.config import CaptureConfig
-    from shards.writer import ShardConfig
+    from shards.shard_file import ShardConfig
 
     return CaptureConfig(target=str(case["target"]), out=str(out), data=_data(case), top_k=8, window=8,
                          batch_tokens=512, progress=False, shard=ShardConfig(shard_bytes=100_000), engine=engine,

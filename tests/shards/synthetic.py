@@ -77,7 +77,8 @@ def tiny_bundle(out_dir: str, layout: Layout, vocab: int = 64, seed: int = 0) ->
 def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int], *, split: str = "train",
                   ranks: int = 1, seed: int = 0) -> dict[str, Any]:
     """A finished dataset of random samples (lengths round-robin over ranks); returns the manifest."""
-    from shards.writer import DatasetWriter, finalize_dataset
+    from shards.finalize import finalize_dataset
+    from shards.writer import DatasetWriter
 
     import tempfile
 

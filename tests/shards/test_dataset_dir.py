@@ -6,7 +6,7 @@ import torch
 from shards.bundle import load_bundle
 from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
 from tests.shards.synthetic import tiny_layout, write_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 
 
 def _parts(H: int, seed: int) -> dict:

@@ -14,7 +14,7 @@ from shards.codec import fp8_decode, fp8_encode
 from shards.derive import DeriveConfig, derive_dataset, derived_note
 from shards.reader import open_dataset
 from shards.verify import verify_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 

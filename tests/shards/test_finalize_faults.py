@@ -7,7 +7,9 @@ import pytest
 
 import shards.atomic as atomic
 from shards.reader import open_dataset
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)

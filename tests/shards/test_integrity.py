@@ -19,7 +19,7 @@ from shards.errors import CorruptShardError
 from shards.integrity import ROW_COLUMN
 from shards.reader import open_dataset
 from shards.formats.wds import TarShardWriter, decode_wds_sample
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 
@@ -99,10 +99,10 @@ def test_tar_writer_emits_the_bytes_tarfile_writes(tmp_path):
 
     meta = FieldMeta(layout, "planes")
     ours = io.BytesIO()
-    w = TarShardWriter(ours, meta, 1, "f" * 64)
+    w = TarShardWriter(ours, ShardConfig(format="wds", zstd_level=1), meta, "f" * 64)
     for i in range(3):
         s = random_sample(layout, 5 + i, i)
-        w.add(f"r00000-{i:012d}", s, encode_fields(s, meta))
+        w.add(i, s, encode_fields(s, meta))  # member keys r00000-<i>
     w.close()
     ref = io.BytesIO()
     with tarfile.open(fileobj=ref, mode="w|", format=tarfile.USTAR_FORMAT) as tar:

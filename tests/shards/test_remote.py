@@ -16,7 +16,7 @@ import pytest
 from shards.errors import CorruptShardError, RemoteError
 from shards.reader import open_dataset
 from shards.remote import RemoteConfig, RemoteFS, transient
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 

@@ -11,7 +11,7 @@ import pytest
 from shards.formats.arrow import decode_batch
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 
 
 def assert_same(a, b):
@@ -73,7 +73,7 @@ def test_streamed_tensors_view_only_their_own_batch_and_random_access_copies(tmp
         return buf.address <= t.data_ptr() < buf.address + buf.size
 
     for b, shared in ((0, True), (1, False)):
-        batch = ds.read_record_batch(shard, b)
+        batch = ds.reader.read_record_batch(shard, b)
         got = decode_batch(batch, ds.field_meta, share=True)
         assert [inside(g["taps"], batch) for g in got] == [shared] * batch.num_rows
         assert not any(inside(g["taps"], batch) for g in decode_batch(batch, ds.field_meta))

@@ -17,7 +17,7 @@ from shards.errors import CorruptShardError, RemoteError
 from shards.reader import open_dataset
 from shards.remote import RemoteConfig
 from shards.transfer import pull, push
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.s3server import SeaweedS3, weed_binary
 from tests.shards.synthetic import tiny_layout, write_dataset
 

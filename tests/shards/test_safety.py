@@ -14,7 +14,7 @@ from shards.reader import open_dataset
 from shards.shard_index import index_name, write_index
 from shards.verify import verify_dataset
 from shards.formats.wds import decode_wds_sample
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 LENGTHS = [5, 7, 4, 6]

@@ -9,7 +9,9 @@ from shards.errors import CorruptShardError
 from shards.reader import open_dataset
 from shards.shard_index import INDEX_DIR, IndexCache, index_name, migrate_inline_index
 from shards.verify import verify_dataset
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 
@@ -50,9 +52,9 @@ def test_opening_reads_no_index_and_reading_reads_only_the_shards_it_touches(mad
 
     loaded = []
     real = reader.load_index
-    def counting(fs, r, sh, fmt):
+    def counting(fs, r, sh, *fmt):
         loaded.append(sh["name"])
-        return real(fs, r, sh, fmt)
+        return real(fs, r, sh, *fmt)
 
     monkeypatch.setattr(reader, "load_index", counting)
     ds = open_dataset(str(root))

@@ -11,7 +11,7 @@ from shards.formats.arrow import decode_row, read_shard_metadata
 from shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.formats.wds import decode_wds_sample
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 from tests.shards.test_roundtrip import assert_same
 
 LENGTHS = [6, 3, 9, 4, 8]

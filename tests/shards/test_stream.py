@@ -8,7 +8,7 @@ import pytest
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.reader import open_dataset
 from tests.shards.synthetic import tiny_layout, write_dataset
-from shards.writer import ShardConfig
+from shards.shard_file import ShardConfig
 
 N = 37
 

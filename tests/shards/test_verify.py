@@ -12,7 +12,8 @@ from shards.reader import open_dataset
 from shards.shard_index import index_name
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from shards.verify import verify_dataset
-from shards.writer import DatasetWriter, ShardConfig
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)
 LENGTHS = [5, 8, 3, 9, 6, 4, 7]
@@ -158,7 +159,7 @@ def test_wrong_shape_between_manifest_and_shards_is_reported(tmp_path):
 
 
 def test_duplicate_sample_ids_fail_verify(tmp_path):
-    from shards.writer import finalize_dataset
+    from shards.finalize import finalize_dataset
     from tests.shards.synthetic import tiny_bundle
 
     layout = tiny_layout()

@@ -9,7 +9,9 @@ from shards.codec import encode_fields
 from shards.reader import open_dataset
 from shards.verify import verify_dataset
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
-from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+from shards.finalize import finalize_dataset
+from shards.shard_file import ShardConfig
+from shards.writer import DatasetWriter
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)
 

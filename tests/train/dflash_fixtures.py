@@ -115,7 +115,9 @@ def synthetic_samples(bundle, layout: Layout, n: int, *, min_len: int = 24, max_
 def write_synthetic_dataset(root: Path, bundle, layout: Layout, splits: dict[str, list[dict]], *,
                             fmt: str = "arrow", regenerated: bool | None = None) -> str:
     """A finished dataset at ``root`` (whose ``target/`` already holds ``bundle``) from samples per split."""
-    from shards.writer import DatasetWriter, ShardConfig, finalize_dataset
+    from shards.finalize import finalize_dataset
+    from shards.shard_file import ShardConfig
+    from shards.writer import DatasetWriter
 
     cfg = ShardConfig(format=fmt, shard_bytes=64 << 10, batch_bytes=16 << 10)
     for split, samples in splits.items():

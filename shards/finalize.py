@@ -25,7 +25,9 @@ from shards.integrity import INTEGRITY
 from shards.limits import safe_relpath
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
 from shards.shard_file import ShardConfig
-from shards.shard_index import INLINE_KEY, index_doc, index_name, migrate_inline_index, write_index
+from shards.shard_index import index_name
+from shards.writer import check_part_version
+
 
 def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:
     pdir = mf.join(root, mf.PARTS_DIR)
@@ -40,10 +42,15 @@ def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dic
 
 
 def _check_parts(parts: list[tuple[str, dict[str, Any]]], root: str, layout: Layout, fingerprint: str) -> None:
-    """Every rank closed, with the same shard config, layout, target and a known schema major."""
+    """Every rank closed, with the same shard config, layout, target, part version and a known schema major."""
     problems = []
     cfg0 = parts[0][1]["shard_config"]
     for path, part in parts:
+        try:
+            check_part_version(part, path)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
         if not part["closed"]:
             problems.append(f"{path}: rank {part['rank']} of split {part['split']} was not closed (still running or "
                             "crashed); rerun that rank's capture to resume it")
@@ -82,10 +89,6 @@ def _check_not_empty(by_split: dict[str, list[tuple[str, dict[str, Any]]]], root
                          "template, then capture into a new --out directory")
 
 
-_LEGACY_MOVING = ".finalizing"
-"""Older finalizes moved a shard to ``<name>.finalizing`` between its two names; such files are found and moved on."""
-
-
 def _plan_final_names(split: str, entries: list[dict[str, Any]], fmt: str) -> None:
     """Record each shard's final name (``final``) in list order: the journal a restarted finalize replays.
 
@@ -108,8 +111,7 @@ def _locate(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any], rel: Ca
     if fs.exists(mf.join(root, final)):
         return None
     names = [rel(safe_relpath(x, "a partial index", mf.DATA_DIR)) for x in (e["name"], e.get("was")) if x]
-    moving = [x + _LEGACY_MOVING for x in names + [final]] if rel is _same else []
-    for cand in names + moving:
+    for cand in names:
         if fs.exists(mf.join(root, cand)):
             return cand
     raise FileNotFoundError(f"{mf.join(root, rel(e['name']))} is listed in a partial index but missing (nor is it at "
@@ -133,21 +135,6 @@ def _move_to_final(fs: fsspec.AbstractFileSystem, root: str, entries: list[dict[
             for old in (e["name"], e.get("was")):  # an object store's mv may leave the source behind
                 if old and old != e["final"] and fs.exists(mf.join(root, rel(old))):
                     fs.rm(mf.join(root, rel(old)))
-
-
-def migrate_part_entry(fs: fsspec.AbstractFileSystem, root: str, e: dict[str, Any], fmt: str) -> None:
-    """Part version 1 -> 2: a shard entry written with its record batches inline (a capture begun before
-    schema 2) gets its index file, beside the shard's current name, and ``index`` in place of those entries."""
-    if "index" in e:
-        return
-    inline = migrate_inline_index(e).get(INLINE_KEY, {})
-    if FORMATS[fmt].reader.random_access and "batches" not in inline:
-        raise ValueError(f"{mf.join(root, e['name'])}: its partial index entry has neither an index record nor "
-                         "record batches; re-run the capture for its rank")
-    doc = index_doc(fmt, e["bytes"], e["samples"], inline.get("head"), inline.get("batches"), inline.get("tail"))
-    e["index"] = write_index(fs, mf.join(root, index_name(e["name"])), doc)
-    for key in ("batches", "head", "tail"):
-        e.pop(key, None)
 
 
 def _split_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,9 +195,6 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
     splits: dict[str, Any] = {}
     skipped: dict[str, list[dict[str, Any]]] = {}
     for split, sparts in by_split.items():  # journal first: every part records its shards' final names
-        for _, part in sparts:
-            for e in part["shards"]:
-                migrate_part_entry(fs, root, e, config.format)
         _plan_final_names(split, [e for _, part in sparts for e in part["shards"]], config.format)
         for path, part in sparts:
             write_json_atomic(fs, path, part, indent=None)  # 1,024 parts of a 30k-shard capture: compact

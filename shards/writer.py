@@ -34,13 +34,21 @@ import fsspec
 from shards import manifest as mf
 from shards.atomic import write_json_atomic
 from shards.bundle import stored_fingerprint
-from shards.finalize import _LEGACY_MOVING
 from shards.schema import SCHEMA_VERSION, Layout, validate_sample
 from shards.shard_file import ShardConfig, _Shard
 from shards.shard_index import INDEX_DIR, index_name
 
 PART_VERSION = 2
-"""2: a shard entry records its index file (``index``) instead of its record batches; finalize migrates 1."""
+"""2: a shard entry records its index file (``index``) instead of its record batches (version 1, written
+before schema 2.0, is refused: resume or finalize it with the release that began it)."""
+
+
+def check_part_version(part: dict[str, Any], path: str) -> None:
+    """ValueError unless the partial index ``part`` (read from ``path``) is of ``PART_VERSION``."""
+    if part.get("version") != PART_VERSION:
+        raise ValueError(f"{path} is a partial index of version {part.get('version')!r}, this tapdraft reads "
+                         f"{PART_VERSION}: finish that capture with the release that began it, or capture into a new "
+                         "--out directory")
 
 
 class DatasetWriter:
@@ -92,6 +100,7 @@ class DatasetWriter:
     def _resume(self) -> None:
         with self.fs.open(self._part_path, "rb") as f:
             part = json.loads(f.read())
+        check_part_version(part, self._part_path)
         mine = {"shard_config": self.config.to_dict(), "layout": self.layout.to_dict()}
         part = {**part, "shard_config": ShardConfig.from_dict(part["shard_config"]).to_dict()}
         if self.layout.taps_codec != "fp8":  # the fp8 byte layout does not touch bf16 taps
@@ -106,19 +115,16 @@ class DatasetWriter:
             raise ValueError(f"{self._part_path} holds shards of target {part['fingerprint'][:12]}, this writer's "
                              f"target is {self.fingerprint[:12]}: write to a new directory")
         self.fingerprint = self.fingerprint or part.get("fingerprint")
-        if "lineage" in part and part["lineage"] != self.lineage:  # parts of older writers have none
+        if part.get("lineage") != self.lineage:
             raise ValueError(f"{self._part_path} holds shards made from other inputs (lineage "
                              f"{str(part.get('lineage'))[:12]}, this writer's {str(self.lineage)[:12]}): resume with "
                              "the original inputs, or write to a new directory")
         self._shards, self._skipped = part["shards"], part["skipped"]
 
     def _clean_leftovers(self) -> None:
-        """Delete this rank's temp shards and shards not in its index (renamed just before a crash).
-
-        A shard that an older finalize left under ``<name>.finalizing`` is indexed: it is kept, and
-        the next finalize moves it on (``shards.finalize._locate``)."""
+        """Delete this rank's temp shards and shards not in its index (renamed just before a crash)."""
         prefix = f"{self.split}-rank{self.rank:05d}-"
-        known = {n for e in self._shards for n in (e["name"], e["name"] + _LEGACY_MOVING, index_name(e["name"]))}
+        known = {n for e in self._shards for n in (e["name"], index_name(e["name"]))}
         for folder in (mf.DATA_DIR, INDEX_DIR):
             for path in self.fs.ls(mf.join(self.root, folder), detail=False):
                 name = path.rstrip("/").split("/")[-1]

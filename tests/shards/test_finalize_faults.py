@@ -92,15 +92,3 @@ def test_kill_at_every_finalize_rename_then_rerun_gives_the_same_dataset(staged_
         assert got.keys() == ref.keys(), f"kill before rename {k}: files differ"
         assert all(got[f] == ref[f] for f in ref), f"kill before rename {k}: contents differ"
     assert len(list(open_dataset(str(work)).stream("train", seed=0, shuffle=False))) == len(SPLITS["train"])
-
-
-def test_shards_an_older_finalize_left_mid_move_are_recovered(staged_capture, tmp_path):
-    """Older code moved shards to <name>.finalizing and a rerun deleted them; now they are moved on."""
-    pre, layout, fp, ref = staged_capture
-    work = tmp_path / "old"
-    shutil.copytree(pre, work)
-    for p in sorted((work / "data").glob("train-rank*"))[:3]:
-        p.rename(str(p) + ".finalizing")
-    _writers(work, layout, fp)
-    _finalize(work, layout, fp)
-    assert _tree(work) == ref

@@ -123,8 +123,9 @@ def test_schema_1_2_datasets_read_through_the_inline_index_migration(made, tmp_p
     assert rep.ok, rep.problems
 
 
-def test_a_capture_begun_before_index_files_finalizes_with_them(tmp_path):
-    """Part version 1 (record batches inline in the rank's index) -> finalize writes each shard's index file."""
+def test_a_capture_begun_before_index_files_is_refused_not_misread(tmp_path):
+    """Part version 1 (record batches inline in the rank's index, before schema 2.0): finalize and a resuming writer
+    refuse it, saying what to do, and leave the directory as it was."""
     layout = tiny_layout()
     fp = tiny_bundle(str(tmp_path / "target"), layout)
     with DatasetWriter(str(tmp_path), ShardConfig(shard_bytes=2500, batch_bytes=700), layout) as w:
@@ -139,7 +140,9 @@ def test_a_capture_begun_before_index_files_finalizes_with_them(tmp_path):
         (tmp_path / index_name(e["name"])).unlink()
     part["version"], part["schema_version"] = 1, "1.2"
     part_path.write_text(json.dumps(part))
-    man = finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
-    assert all("index" in sh and "batches" not in sh for sh in man["splits"]["train"]["shards"])
-    assert verify_dataset(str(tmp_path), progress=False).ok
-    assert [s["sample_id"] for s in _all(tmp_path)] == [f"s{i}" for i in range(len(LENGTHS))]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="partial index of version 1.*release that began it"):
+        finalize_dataset(str(tmp_path), layout=layout, fingerprint=fp, capture_config={})
+    with pytest.raises(ValueError, match="partial index of version 1"):
+        DatasetWriter(str(tmp_path), ShardConfig(shard_bytes=2500, batch_bytes=700), layout)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before and not (tmp_path / "manifest.json").exists()

@@ -126,3 +126,12 @@ def test_a_schema_2_shard_without_an_index_record_is_refused(good, tmp_path):
     work = _edited(good, tmp_path, lambda m: m["splits"]["train"]["shards"][0].pop("index"))
     with pytest.raises(CorruptShardError, match="has no index record"):
         open_dataset(str(work)).sample("train", 0)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", None, ["wds"]])
+def test_a_manifest_of_an_unknown_storage_format_is_refused_not_read_as_another(good, tmp_path, fmt):
+    work = _edited(good, tmp_path, lambda m: m.update(format=fmt))
+    with pytest.raises(ValueError, match="storage format .* is not one of \\['arrow', 'wds'\\]"):
+        open_dataset(str(work))
+    problems = verify_dataset(str(work), progress=False).problems
+    assert len(problems) == 1 and "storage format" in problems[0], problems

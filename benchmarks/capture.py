@@ -105,9 +105,9 @@ def main() -> None:
         return engines(args)
 
     from capture.config import CaptureConfig
-    from capture.load import load_target
+    from capture.targets.load import load_target
     from capture.pipeline import capture, make_layout, plan_window, prepare_window, rank_items, windows
-    from capture.targets import run_batch
+    from capture.forward import run_batch
     from shards.writer import DatasetWriter
 
     target_dir, data, shape = _resolve_target(args)
@@ -186,7 +186,7 @@ def main() -> None:
 def engines(args) -> None:
     """In-process capture (A) vs ``--engine vllm`` (V): same target, data, settings and threads, interleaved."""
     from capture.config import CaptureConfig
-    from capture.load import load_target
+    from capture.targets.load import load_target
     from capture.pipeline import capture
 
     target_dir, data, shape = _resolve_target(args)

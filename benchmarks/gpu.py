@@ -162,7 +162,7 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
     from benchmarks.shapes import shape_facts
     from capture.config import CaptureConfig
-    from capture.load import load_target
+    from capture.targets.load import load_target
     from capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
     from shards.schema import teacher_rows
 

@@ -52,19 +52,20 @@ import torch
 
 from capture.config import INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
 from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
-from capture.fused import fused_window
-from capture.load import load_target
+from capture.replies.fused import fused_window
+from capture.targets.load import load_target
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
-from capture.regenerate import RegenerateConfig, regenerate
-from capture.replies import REPLY_DROP_REASONS
+from capture.replies.regenerate import RegenerateConfig, regenerate
+from capture.replies.windows import REPLY_DROP_REASONS
 from capture.stages import barrier as _barrier
 from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env
-from capture.targets import Prepared, Target, run_batch
-from capture.vllm_engine import VLLMEngine, prove_head, vllm_batches
-from capture.vllm_engine import check_python as check_vllm_python
-from capture.vllm_engine import check_target as check_vllm_target
-from capture.vllm_engine import layer_ids as vllm_layer_ids
+from capture.forward import run_batch
+from capture.targets.base import Prepared, Target
+from capture.vllm.engine import VLLMEngine, prove_head, vllm_batches
+from capture.vllm.engine import check_python as check_vllm_python
+from capture.vllm.engine import check_target as check_vllm_target
+from capture.vllm.engine import layer_ids as vllm_layer_ids
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
 from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
@@ -319,7 +320,7 @@ def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: Window
 def _forward(target: Target, engine: VLLMEngine | None, batches: list[list[Prepared]], todo: list[int],
              cfg: CaptureConfig, layout: Layout) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
     """(batch, stored fields) for each batch with unfinished samples, in plan order: one padded forward a batch
-    in-process, or the whole window through vLLM (capture.vllm_engine) when any of it is unfinished."""
+    in-process, or the whole window through vLLM (capture.vllm.engine) when any of it is unfinished."""
     fields = dict(tap_ids=layout.tap_ids, top_k=layout.top_k, final_hidden=layout.has_final_hidden,
                   audio_embeds=layout.has_audio_embeds, row_chunk=cfg.row_chunk)
     if engine is not None:

@@ -12,7 +12,7 @@ import pytest
 from capture import pipeline
 from capture.config import CaptureConfig, migrate_capture_record
 from capture.inputs import BadInput, Conversation, read_jsonl
-from capture.load import load_target
+from capture.targets.load import load_target
 from capture.pipeline import capture
 from shards.errors import Interrupted
 from shards.manifest import foreign_directory

@@ -17,8 +17,8 @@ import torch
 from typer.testing import CliRunner
 
 from capture.inputs import Conversation
-from capture.load import TESTED_LM_FAMILIES, load_target
-from capture.targets import run_batch
+from capture.targets.load import TESTED_LM_FAMILIES, load_target
+from capture.forward import run_batch
 from cli import app
 from shards.bundle import TOKENIZER_DIR, WEIGHTS_FILE, load_bundle, write_bundle
 from shards.head import HeadSpec, teacher_logits

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from capture.config import CaptureConfig
-from capture.generate import GenerationConfig
+from capture.replies.generate import GenerationConfig
 from capture.pipeline import capture
-from capture.regenerate import RegenerateConfig, regenerate
-from capture.replies import ReplyConfig
+from capture.replies.regenerate import RegenerateConfig, regenerate
+from capture.replies.windows import ReplyConfig
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from tests.capture.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from capture.generate import GenerationConfig, generate, row_seed
+from capture.replies.generate import GenerationConfig, generate, row_seed
 from capture.inputs import AudioRef, Conversation
-from capture.targets import CausalLMTarget, SALMTarget
+from capture.targets.causal_lm import CausalLMTarget
+from capture.targets.salm.target import SALMTarget
 from tests.capture.test_hf_native import qwen2_audio_dir  # noqa: F401  (fixture)
 
 
@@ -83,7 +84,7 @@ def test_generation_states_match_a_full_forward(salm):
 def test_hf_native_speech_llm_generation_equals_its_own_generate(qwen2_audio_dir):  # noqa: F811
     """Qwen2-Audio: our batched decode over the adapter's merged embeddings = the model's own generate
     from the processor's inputs (audio features, expanded audio tokens)."""
-    from capture.load import load_target
+    from capture.targets.load import load_target
 
     target = load_target(qwen2_audio_dir)
     convs = [Conversation(sid, "mem", [{"role": "user", "content": "<|AUDIO|> what did i say ?"}],

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from capture.head_only import resident_bytes
-from capture.load import load_target
+from capture.targets.head_only import resident_bytes
+from capture.targets.load import load_target
 from capture.provenance import target_fingerprint
 from tests.capture.lm_families import FAMILIES, save_family
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.hf_native import HFSpeechTarget
-from capture.load import load_target
-from capture.targets import run_batch
+from capture.targets.hf_speech import HFSpeechTarget
+from capture.targets.load import load_target
+from capture.forward import run_batch
 from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, layers_and_logits, save_qwen2_audio
 
 
@@ -132,7 +132,7 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
 
 def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path):
     """Qwen3-ASR rides the same mechanism: its processor's expansion, its model's packed encoder and merge."""
-    from capture.hf_native import Qwen3ASRTarget
+    from capture.targets.hf_speech import Qwen3ASRTarget
     from tests.capture.speech_models import own_inputs, save_qwen3_asr
 
     save_qwen3_asr(tmp_path)

@@ -16,8 +16,8 @@ import torch
 from capture import pipeline
 from capture.config import CaptureConfig
 from capture.pipeline import CaptureError, bucket, capture, rank_slice
-from capture.load import load_target
-from capture.targets import run_batch
+from capture.targets.load import load_target
+from capture.forward import run_batch
 from shards.manifest import write_or_check_bundle
 from shards.reader import open_dataset
 from shards.writer import ShardConfig

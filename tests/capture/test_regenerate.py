@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.generate import GenerationConfig
+from capture.replies.generate import GenerationConfig
 from capture.inputs import read_inputs, read_jsonl
-from capture.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
-from capture.replies import RegenerateError, ReplyConfig
-from capture.salm import SALM
+from capture.replies.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
+from capture.replies.windows import RegenerateError, ReplyConfig
+from capture.targets.salm.model import SALM
 from shards.errors import LockedError
 from shards.lock import exclusive_lock
 from tests.capture.util import conv_record, write_manifest, write_wav
@@ -84,7 +84,7 @@ def test_sampled_runs_with_one_seed_write_the_same_file(lm_dir, tmp_path):
 _KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import capture.regenerate as rg
+import capture.replies.regenerate as rg
 calls = [0]
 orig = rg.process_window
 def dying(*a, **k):
@@ -93,8 +93,8 @@ def dying(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     return orig(*a, **k)
 rg.process_window = dying
-from capture.generate import GenerationConfig
-from capture.replies import RegenerateError, ReplyConfig
+from capture.replies.generate import GenerationConfig
+from capture.replies.windows import RegenerateError, ReplyConfig
 rg.regenerate(rg.RegenerateConfig(target={target!r}, data={data!r}, out={out!r}, window=3, max_batch_size=2,
               replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6, temperature=1.0, seed=1),
                                   keep_truncated=True), progress=False))
@@ -133,7 +133,7 @@ def test_truncated_and_empty_replies_are_counted_and_dropped(lm_dir, tmp_path):
     # a target whose every first token is the end of turn: every reply is empty
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from capture.targets import CausalLMTarget
+    from capture.targets.causal_lm import CausalLMTarget
 
     lm = AutoModelForCausalLM.from_pretrained(lm_dir)
     eos = lm.config.eos_token_id
@@ -176,7 +176,7 @@ def test_too_long_for_the_context_is_skipped(lm_dir, tmp_path):
 
 
 def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path, monkeypatch):
-    import capture.regenerate as rg
+    import capture.replies.regenerate as rg
 
     data, out = _text_manifest(tmp_path / "in.jsonl", n=2), tmp_path / "out.jsonl"
     refused = []
@@ -197,7 +197,7 @@ def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path,
     other = tmp_path / "other.jsonl"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from capture.regenerate import lock_path
+        from capture.replies.regenerate import lock_path
         from shards.lock import exclusive_lock
         with exclusive_lock(lock_path({str(other)!r}, 0), "a regeneration (rank 0)"):
             print("held", flush=True)
@@ -218,7 +218,7 @@ def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path,
 
 
 def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, monkeypatch):
-    import capture.regenerate as rg
+    import capture.replies.regenerate as rg
 
     data = _text_manifest(tmp_path / "in.jsonl", n=7)
     monkeypatch.setattr(rg, "barrier", lambda world: None)
@@ -243,7 +243,7 @@ def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, mon
 
 def test_audio_given_as_bytes_is_written_beside_the_output_and_reads_back(tmp_path):
     from capture.inputs import AudioRef, Conversation
-    from capture.replies import output_record
+    from capture.replies.windows import output_record
 
     write_wav(tmp_path / "src.wav", [3, 4], seed=2)
     data = (tmp_path / "src.wav").read_bytes()
@@ -263,7 +263,7 @@ def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
     """A template variable changes the rendered prompt (so the replies) and is recorded per file."""
     import dataclasses
 
-    from capture.load import load_target
+    from capture.targets.load import load_target
 
     tgt = load_target(lm_dir)
     template = tmp_path / "t.jinja"

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from capture.inputs import Conversation
-from capture.targets import CausalLMTarget, SALMTarget, run_batch, topk_teacher
+from capture.forward import run_batch, topk_teacher
+from capture.targets.causal_lm import CausalLMTarget
+from capture.targets.salm.target import SALMTarget
 from shards.schema import teacher_rows
 from tests.capture.speech_models import audio_conv
 
@@ -141,7 +143,7 @@ def test_features_from_prepare_equal_batched_featurization(target):
 def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, model_type):
     import json
 
-    from capture.load import load_target
+    from capture.targets.load import load_target
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(ValueError) as e:

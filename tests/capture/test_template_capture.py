@@ -9,7 +9,7 @@ import json
 import pytest
 
 from capture.config import CaptureConfig
-from capture.load import load_target
+from capture.targets.load import load_target
 from capture.pipeline import capture, summary
 from capture.template import ChatTemplate
 from shards.manifest import complete_manifest

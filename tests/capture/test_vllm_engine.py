@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from capture.config import CaptureConfig, VLLMConfig, check_resume, migrate_capture_record
-from capture.vllm_engine import layer_ids
-from capture.vllm_side import wire
+from capture.vllm.engine import layer_ids
+from capture.vllm.side import wire
 from tests.capture.util import conv_record, write_manifest
 from tests.test_cli import assert_one_line, run
 
-SIDE = Path(__file__).resolve().parents[2] / "capture" / "vllm_side"
+SIDE = Path(__file__).resolve().parents[2] / "capture" / "vllm" / "side"
 
 
 def _cfg(**kw):
@@ -73,7 +73,9 @@ def test_frames_round_trip_tensors_over_a_socket():
 
 def test_the_vllm_side_imports_nothing_of_tapdraft():
     """It runs in vLLM's interpreter, under another name: only relative imports, stdlib, torch and vllm."""
-    for path in SIDE.glob("*.py"):
+    paths = sorted(SIDE.glob("*.py"))
+    assert len(paths) >= 4, SIDE  # __init__, connector, wire, worker
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert node.module.split(".")[0] in ("__future__", "dataclasses", "typing", "torch", "vllm"), path
@@ -94,7 +96,7 @@ def test_a_python_without_vllm_is_one_line_before_anything_is_written(salm_dir, 
 
 
 def test_pipeline_parallel_is_refused_only_where_vllm_refuses_it():
-    from capture.vllm_engine import check_layout
+    from capture.vllm.engine import check_layout
     from shards.errors import CaptureError
 
     for version in ("0.32.0", "0.31.2", "0.32.1.dev4+g1a2b"):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.load import load_target
-from capture.targets import run_batch
-from capture.voxtral import VoxtralTarget
+from capture.targets.load import load_target
+from capture.forward import run_batch
+from capture.targets.voxtral import VoxtralTarget
 from tests.capture.speech_models import (audio_conv, decoder_inputs_embeds, layers_and_logits, own_inputs,
                                          save_voxtral)
 

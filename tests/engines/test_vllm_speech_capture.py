@@ -79,7 +79,7 @@ def test_vllm_captures_qwen2_audio_as_the_in_process_engine(vllm_venv, speech_ca
 def test_vllm_capture_stops_when_vllms_expansion_differs(vllm_venv, speech_case, tmp_path, monkeypatch):
     import dataclasses
 
-    from capture import vllm_engine
+    from capture.vllm import engine as vllm_engine
     from capture.pipeline import capture
     from shards.errors import CaptureError
 

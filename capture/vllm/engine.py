@@ -7,9 +7,9 @@ dataset contract (schema, fingerprint, bundle, resume, skips, lock) is the pipel
 
 vLLM runs in its own Python environment (it pins torch and transformers; docs/capture-engines.md):
 :class:`VLLMEngine` starts ``data_parallel_size`` worker processes with that environment's Python
-(``capture.vllm_side.worker``, imported under a private top-level name from a temporary directory, so
+(``capture.vllm.side.worker``, imported under a private top-level name from a temporary directory, so
 nothing else of tapdraft enters vLLM's interpreter), listens on a Unix socket in that directory, and
-receives each request's states from :class:`capture.vllm_side.connector.TapConnector` as one frame:
+receives each request's states from :class:`capture.vllm.side.connector.TapConnector` as one frame:
 no per-request files, no /dev/shm staging, no pinned memory. Each worker gets
 ``tensor_parallel_size x pipeline_parallel_size`` devices (on CPU: ranks of vLLM's multiprocessing
 executor, the thread budget split among them); a window's requests are dealt to the workers in turn.
@@ -19,7 +19,7 @@ Speech targets (Qwen2-Audio): a request is the template's ids with ONE audio tok
 waveforms tapdraft decoded and resampled (``multi_modal_data``, float32 at the encoder's rate, sent as the
 run frame's payload); vLLM's own processor computes the features and expands each audio token to its
 frames, and the connector returns the expanded prompt ids, which must equal tapdraft's expansion
-(capture.hf_native) token for token or the capture stops with a CaptureError: ``is_audio`` and the loss
+(capture.targets.hf_speech) token for token or the capture stops with a CaptureError: ``is_audio`` and the loss
 mask are tapdraft's, on ids both engines agree on. Which targets run here, and why the others do not:
 :data:`REFUSED` and docs/capture-engines.md.
 
@@ -52,15 +52,17 @@ import torch
 
 from capture.config import VLLMConfig
 from capture.head import UnsupportedHead
-from capture.hf_native import Qwen2AudioTarget
-from capture.targets import CausalLMTarget, Prepared, Target, sample_fields
-from capture.vllm_side import wire
+from capture.targets.hf_speech import Qwen2AudioTarget
+from capture.forward import sample_fields
+from capture.targets.base import Prepared, Target
+from capture.targets.causal_lm import CausalLMTarget
+from capture.vllm.side import wire
 from shards.errors import CaptureError
 from shards.schema import Layout
 from shards.taps import to_vllm
 
 SIDE_NAME = "tapdraft_vllm_side"
-"""The top-level name ``capture/vllm_side`` is imported under inside vLLM's interpreter."""
+"""The top-level name ``capture/vllm/side`` is imported under inside vLLM's interpreter."""
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -167,7 +169,7 @@ class VLLMEngine:
         self.cfg, self.layer_ids, self.timeout = cfg, list(layer_ids), timeout
         self.python = check_python(python, cfg)
         self.dir = Path(tempfile.mkdtemp(prefix="tapdraft-vllm-"))
-        (self.dir / SIDE_NAME).symlink_to(Path(__file__).with_name("vllm_side").resolve(), target_is_directory=True)
+        (self.dir / SIDE_NAME).symlink_to(Path(__file__).with_name("side").resolve(), target_is_directory=True)
         self.address = str(self.dir / "socket")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.address)
@@ -374,7 +376,7 @@ def prove_head(engine: VLLMEngine, target: Target, layout: Layout) -> float:
     """Prove the head tapdraft derived (``target.head``) against vLLM's own, or raise UnsupportedHead.
 
     The in-process engine proves it on the model's forward (``capture.head.check_head``); here the forward
-    is vLLM's, and with a head-only target (``capture.head_only``) no decoder is in this process at all. So
+    is vLLM's, and with a head-only target (``capture.targets.head_only``) no decoder is in this process at all. So
     one probe prompt goes to vLLM with its top next-token log-probs asked for: tapdraft's head applied to
     the last layer's state vLLM returns at the prompt's last position must give the same log-probs for
     those ids (tolerance as ``check_head``'s). Returns the largest difference.
@@ -406,7 +408,7 @@ def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[P
     """(batch, stored fields) for the batches of ``window`` whose ``todo`` is set, in window order.
 
     The whole window goes to vLLM (same requests, same schedule on a resume); each batch is yielded as
-    soon as its samples' states are in, with the fields :func:`capture.targets.sample_fields` builds for
+    soon as its samples' states are in, with the fields :func:`capture.forward.sample_fields` builds for
     the in-process engine from (taps, last layer).
     """
     L = target.num_layers

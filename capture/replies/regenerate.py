@@ -2,7 +2,7 @@
 
 A drafter learns the target's distribution best from the target's own replies. For each
 conversation every assistant turn (or only the last) is replaced by what the target says given
-everything before it (earlier turns already replaced), decoded by :mod:`capture.generate`.
+everything before it (earlier turns already replaced), decoded by :mod:`capture.replies.generate`.
 
 Stages, per rank (``rank_slice`` of the input, as capture does):
 
@@ -50,9 +50,9 @@ import torch
 
 from capture.inputs import read_inputs
 from capture.provenance import sidecar_path, target_fingerprint
-from capture.replies import ReplyConfig, RunStats, prefix_key, process_window
+from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
-from capture.targets import Target
+from capture.targets.base import Target
 from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.progress import Progress
@@ -66,7 +66,7 @@ class RegenerateConfig:
     """One regeneration: target, input, output, how replies are decoded and batched."""
 
     target: str
-    """Target directory (any kind ``capture.load.load_target`` loads)."""
+    """Target directory (any kind ``capture.targets.load.load_target`` loads)."""
     data: str
     """Input conversations: a JSONL manifest, a directory of JSONL shards, an HF dataset dir or ``hf:NAME[:split]``."""
     out: str
@@ -177,7 +177,7 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
 
 
 def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, world: int) -> dict[str, Any]:
-    from capture.load import load_target
+    from capture.targets.load import load_target
 
     out, work = Path(cfg.out), work_dir(cfg.out)
     side = sidecar_path(out)

@@ -1,22 +1,16 @@
-"""Frozen targets behind one interface, and the one function that turns a batch into sample tensors.
+"""The interface every frozen target implements, and the inputs it hands to the forward.
 
 A :class:`Target` knows how to (1) turn a parsed conversation into CPU inputs with a known expanded
 length (:meth:`Target.prepare`: tokenization, audio decoding, frame counting; all input errors
 surface here, before any compute) and (2) embed a batch of them into expanded input embeddings
-(:meth:`Target.embed`). Everything after that is shared (:func:`run_batch`):
+(:meth:`Target.embed`). Everything after that is shared (capture.forward). Each adapter also declares
+what it is outside this process: its stable ``kind`` (the manifest's ``target_kind``, never a class name)
+and whether ``--engine vllm`` captures it (:attr:`Target.vllm`).
 
-- taps come from forward hooks on the decoder layers (capture.hooks): the residual stream BEFORE the final norm,
-  for every tapped layer including the last. HF's ``hidden_states[-1]`` is post-norm and is never
-  used. Only the base decoder runs, so [B, T, vocab] logits are never built.
-- teacher rows: for each row t with loss_mask[t + 1], the top-k ids and log-probs under the FULL
-  softmax of the target's head applied to h_t (``Target.head``: derived from the model and checked
-  against its own forward when the target loads, capture.head), computed ``row_chunk`` rows at a
-  time (peak [row_chunk, vocab] float32, 0.6 GB for 1024 x 152k).
-
-Adapters: :class:`SALMTarget` (capture.salm), :class:`CausalLMTarget` (any HF causal LM,
-text-only conversations), :class:`capture.hf_native.HFSpeechTarget` (HF-native speech LLMs whose
-processor expands the audio token: Qwen2-Audio, Granite Speech).
-Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
+Adapters, one family a module under capture/targets/ (capture.targets.load picks one): causal_lm (any HF
+causal LM, text-only conversations), salm/ (tapdraft's own SALM directories), nemo/ (NeMo speechlm2 SALM
+checkpoints), hf_speech (Qwen2-Audio, Qwen3-ASR), voxtral, granite_speech.
+Shapes: T expanded length, H width, L tokens.
 """
 
 from __future__ import annotations
@@ -32,12 +26,58 @@ import torch
 from torch import nn
 
 from capture.head import LiveHead, check_head, derive_head
-from capture.hooks import LayerTaps
-from capture.inputs import Conversation, load_audio
-from capture.salm import DEFAULT_PLACEHOLDER, SALM, Expanded, expand_placeholders
+from capture.inputs import Conversation
 from capture.template import ChatTemplate, Tokenized
-from shards.head import row_spans
-from shards.schema import teacher_rows
+
+DEFAULT_PLACEHOLDER = "<|audioplaceholder|>"
+"""The audio marker of input conversations unless a target names its own."""
+
+
+@dataclass
+class Expanded:
+    """One conversation after placeholder expansion (all [T] or [T, H])."""
+
+    input_ids: torch.Tensor  # int64 [T], audio rows carry the sentinel id
+    is_audio: torch.Tensor  # bool [T]
+    loss_mask: torch.Tensor  # bool [T]
+    inputs_embeds: torch.Tensor  # [T, H]
+
+
+def expand_placeholders(
+    token_ids: torch.Tensor,
+    assistant_mask: torch.Tensor,
+    audio_embeds: Sequence[torch.Tensor],
+    *,
+    placeholder_id: int,
+    audio_token_id: int,
+    embed: nn.Module,
+) -> Expanded:
+    """Replace the i-th placeholder in ``token_ids`` [L] by ``audio_embeds[i]`` [N_i, H].
+
+    The count of placeholders must equal ``len(audio_embeds)``; audio rows are never supervised.
+    """
+    token_ids = token_ids.long()
+    where = torch.nonzero(token_ids == placeholder_id, as_tuple=False).flatten().tolist()
+    if len(where) != len(audio_embeds):
+        raise ValueError(
+            f"the text has {len(where)} audio placeholder(s) but {len(audio_embeds)} audio(s) were given; "
+            "put exactly one placeholder per audio in the conversation"
+        )
+    text_emb = embed(token_ids)
+    ids, aud, mask, embs = [], [], [], []
+    start = 0
+    for pos, a in zip(where, audio_embeds):
+        n = int(a.shape[0])
+        ids += [token_ids[start:pos], torch.full((n,), audio_token_id, dtype=torch.long)]
+        aud += [torch.zeros(pos - start, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]
+        mask += [assistant_mask[start:pos].bool(), torch.zeros(n, dtype=torch.bool)]
+        embs += [text_emb[start:pos], a.to(text_emb.dtype)]
+        start = pos + 1
+    ids.append(token_ids[start:])
+    aud.append(torch.zeros(len(token_ids) - start, dtype=torch.bool))
+    mask.append(assistant_mask[start:].bool())
+    embs.append(text_emb[start:])
+    return Expanded(torch.cat(ids), torch.cat(aud), torch.cat(mask), torch.cat(embs))
 
 
 @dataclass
@@ -77,7 +117,7 @@ class Target(ABC):
         """Expanded ids / is_audio / loss_mask / inputs_embeds per sample, on the target's device."""
 
     def expand_tokens(self, batch: Sequence[Prepared]) -> list[Expanded]:
-        """:meth:`embed`'s ids / is_audio / loss_mask, for an engine that embeds by itself (capture.vllm_engine);
+        """:meth:`embed`'s ids / is_audio / loss_mask, for an engine that embeds by itself (capture.vllm.engine);
         an adapter whose embeddings cost an encoder run leaves ``inputs_embeds`` None."""
         return self.embed(batch)
 
@@ -147,7 +187,7 @@ class Target(ABC):
 
     @property
     def decoder_elsewhere(self) -> bool:
-        """Whether the decoder layers are not in this process (``capture.head_only``): the head is then proven by
+        """Whether the decoder layers are not in this process (``capture.targets.head_only``): the head is then proven by
         the engine that runs them."""
         return any(p.device.type == "meta" for p in self.layers.parameters())
 
@@ -259,199 +299,3 @@ class Target(ABC):
             "dtype": self.checkpoint_dtype,
             **self.head.bundle_parts(),
         }
-
-
-class SALMTarget(Target):
-    """A :class:`capture.salm.SALM` directory."""
-
-    def __init__(self, salm: SALM, path: str | Path | None = None):
-        self.salm = salm.eval()
-        self.lm = salm.lm
-        self.tokenizer = salm.tokenizer
-        self.placeholder = salm.config.audio.placeholder
-        self.audio_token_id = salm.audio_token_id
-        self.sample_rate = salm.config.audio.sample_rate
-        self._path = None if path is None else Path(path)
-
-    def prepare(self, conv: Conversation, index: int) -> Prepared:
-        tok = self._tokenize(conv)
-        ids, mask = tok.ids, tok.mask
-        n_ph = int((ids == self.salm.placeholder_id).sum())
-        if n_ph != len(conv.audios):
-            raise ValueError(f"has {n_ph} audio placeholder(s) after tokenization but {len(conv.audios)} audio(s)")
-        waves, feats, seconds, frames = [], [], 0.0, 0
-        acfg = self.salm.config.audio
-        for ref in conv.audios:
-            w, s = load_audio(ref, target_sr=acfg.sample_rate, min_sr=acfg.min_sample_rate)
-            n = self.salm.num_frames(w.shape[0])
-            if n < 1:
-                raise ValueError(f"audio {ref.path or '<array>'} is {s:.3f}s: too short for one encoder frame")
-            # log-mel here, on the prefetch thread (normalisation is per utterance, so this equals batched)
-            f, fm = self.salm.featurize([w])
-            waves.append(w)
-            feats.append(f[0, : int(fm[0].sum())])
-            seconds += s
-            frames += n
-        return Prepared(index, conv.sample_id, conv.source, ids, mask, waves, feats, seconds,
-                        int(ids.shape[0]) - n_ph + frames, conv.line, len(tok.unsupervised))
-
-    def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
-        feats = [f for p in batch for f in p.features]
-        if len(feats) != sum(len(p.waveforms) for p in batch):  # built without prepare(): featurize now
-            audio = self.salm.encode_audio([w for p in batch for w in p.waveforms])
-        elif feats:
-            F = max(f.shape[0] for f in feats)
-            padded = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, F - f.shape[0])) for f in feats])
-            fmask = torch.arange(F)[None, :] < torch.tensor([f.shape[0] for f in feats])[:, None]
-            audio = self.salm.encode_features(padded, fmask)
-        else:
-            audio = []
-        out, k = [], 0
-        for p in batch:
-            n = len(p.waveforms)
-            out.append(self.salm.expand(p.token_ids, p.assistant_mask, audio[k : k + n]))
-            k += n
-        return out
-
-    def audio_bundle(self) -> dict[str, Any]:
-        a = self.salm.config.audio
-        return {
-            "sample_rate": a.sample_rate,
-            "frame_seconds": a.frame_seconds,
-            "placeholder": a.placeholder,
-            "placeholder_token_id": self.salm.placeholder_id,
-            "audio_token_id": self.audio_token_id,
-            "encoder": "ParakeetEncoder",
-        }
-
-
-class CausalLMTarget(Target):
-    """Any HF causal LM on text-only conversations, with its tokenizer's chat template (or an override)."""
-
-    tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
-
-    def __init__(self, lm: nn.Module, tokenizer, path: str | Path | None = None):
-        self.lm = lm.eval()
-        self.tokenizer = tokenizer
-        self.audio_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        self._path = None if path is None else Path(path)
-
-    def prepare(self, conv: Conversation, index: int) -> Prepared:
-        if conv.audios:
-            raise ValueError(f"has {len(conv.audios)} audio(s) but the target is a text-only causal LM")
-        tok = self._tokenize(conv)
-        return Prepared(index, conv.sample_id, conv.source, tok.ids, tok.mask, [], [], 0.0, int(tok.ids.shape[0]),
-                        conv.line, len(tok.unsupervised))
-
-    def embed(self, batch: Sequence[Prepared]) -> list[Expanded]:
-        emb = self.lm.get_input_embeddings()
-        return [
-            expand_placeholders(p.token_ids.to(self.device), p.assistant_mask.to(self.device), [],
-                                placeholder_id=-1, audio_token_id=self.audio_token_id, embed=emb)
-            for p in batch
-        ]
-
-    def audio_bundle(self) -> dict[str, Any]:
-        return {}
-
-
-# ------------------------------------------------------------------------------------------ compute
-def topk_teacher(
-    last_RH: torch.Tensor, head: LiveHead, k: int, *, row_chunk: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids (int32 [R, k]) and full-softmax log-probs (float32 [R, k]) of the pre-norm rows."""
-    R = last_RH.shape[0]
-    ids = torch.empty(R, k, dtype=torch.int32, device=last_RH.device)
-    lps = torch.empty(R, k, dtype=torch.float32, device=last_RH.device)
-    for s, e in row_spans(R, row_chunk):
-        logits = head.logits(last_RH[s:e])  # [r, V], ours to overwrite
-        v, i = torch.topk(logits, k, dim=-1)  # top-k of the logits = top-k of the log-probs: no [r, V] log_softmax
-        top = v[:, :1]  # the row max (sorted top-k), so exp never overflows
-        # logsumexp in place, reusing the logits' memory: 2.5x faster than topk + torch.logsumexp on CPU
-        # (0.56 vs 1.42 s for 1024 rows x 152k, one thread; equal to the last bit), no [r, V] temporary
-        lse = top + logits.sub_(top).exp_().sum(dim=-1, keepdim=True).log_()
-        ids[s:e] = i.to(torch.int32)
-        lps[s:e] = v - lse
-    return ids, lps
-
-
-@torch.no_grad()
-def run_batch(
-    target: Target,
-    batch: Sequence[Prepared],
-    *,
-    tap_ids: Sequence[int],
-    top_k: int,
-    final_hidden: bool = False,
-    audio_embeds: bool = False,
-    row_chunk: int = 1024,
-) -> list[dict[str, torch.Tensor]]:
-    """One padded forward of the base decoder -> per-sample tensor fields (on the target's device).
-
-    Finiteness is checked once, by the writer on the host copy (``shards.schema.all_finite``, on the
-    exponent bits), which raises ``NonFiniteError`` for the capture to count as a skip.
-    """
-    L = target.num_layers
-    if any(i < 0 or i >= L for i in tap_ids):
-        raise ValueError(f"tap ids {list(tap_ids)} out of range for a target of {L} decoder layers")
-    exps = target.embed(batch)
-    dev = target.device
-    B, Tmax = len(exps), max(int(e.input_ids.shape[0]) for e in exps)
-    H = exps[0].inputs_embeds.shape[-1]
-    emb = torch.zeros(B, Tmax, H, dtype=exps[0].inputs_embeds.dtype, device=dev)
-    attn = torch.zeros(B, Tmax, dtype=torch.long, device=dev)
-    for b, e in enumerate(exps):
-        T = e.input_ids.shape[0]
-        emb[b, :T] = e.inputs_embeds
-        attn[b, :T] = 1
-    with LayerTaps(target.layers, sorted(set(tap_ids) | {L - 1})) as hooks:
-        target.decoder(inputs_embeds=emb, attention_mask=attn, use_cache=False)
-    states = []
-    for b, (p, e) in enumerate(zip(batch, exps)):
-        T = int(e.input_ids.shape[0])
-        if T != p.length:
-            raise AssertionError(f"expanded length {T} != predicted {p.length} for {p.sample_id}")
-        states.append((torch.stack([hooks.out[i][b, :T] for i in tap_ids], dim=1), hooks.out[L - 1][b, :T]))
-    return sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden, audio_embeds=audio_embeds,
-                         row_chunk=row_chunk)
-
-
-def sample_fields(
-    target: Target,
-    exps: Sequence[Expanded],
-    states: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    top_k: int,
-    final_hidden: bool = False,
-    audio_embeds: bool = False,
-    row_chunk: int = 1024,
-) -> list[dict[str, torch.Tensor]]:
-    """Per-sample stored fields from each sample's (taps [T, n, H], last layer pre-norm [T, H]).
-
-    The one home of what a sample holds (teacher rows, bf16 casts), shared by the padded forward
-    (:func:`run_batch`) and fused capture (states gathered during generation). Finiteness is the
-    writer's check.
-    """
-    head = target.head
-    dev = target.device
-    samples = []
-    for e, (tap_TnH, last_TH) in zip(exps, states):
-        s: dict[str, torch.Tensor] = {
-            "input_ids": e.input_ids.to(torch.int32),
-            "is_audio": e.is_audio,
-            "loss_mask": e.loss_mask,
-            "taps": tap_TnH,
-        }
-        if final_hidden:
-            s["final_hidden"] = last_TH
-        if audio_embeds:
-            s["audio_embeds"] = e.inputs_embeds[e.is_audio]
-        if top_k > 0:
-            rows = teacher_rows(e.loss_mask.cpu()).to(dev)
-            ids, lps = topk_teacher(last_TH[rows.long()], head, top_k, row_chunk=row_chunk)
-            s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
-        for name in ("taps", "final_hidden", "audio_embeds"):
-            if name in s:
-                s[name] = s[name].to(torch.bfloat16)
-        samples.append(s)
-    return samples

@@ -1,9 +1,9 @@
 """Fused capture (``capture --regenerate``): taps and teacher rows from the generation pass itself.
 
 Generation already runs the target over every prompt position (prefill) and every reply token
-(one step each), so the states a dataset stores are there: :func:`capture.generate.generate` with
+(one step each), so the states a dataset stores are there: :func:`capture.replies.generate.generate` with
 ``tap_ids`` keeps them, and :func:`fused_window` turns each finished conversation into the same
-fields :func:`capture.targets.run_batch` writes (one home: ``sample_fields``), without a second
+fields :func:`capture.forward.run_batch` writes (one home: ``sample_fields``), without a second
 forward. The row is the prompt (template generation prompt included) followed by the reply ids as
 generated, end of turn included; the template's text after the end-of-turn token (ChatML's newline)
 is never run, so a fused row is that many unsupervised positions shorter than a two-pass row.
@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from capture.replies import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
-from capture.salm import Expanded
-from capture.targets import Prepared, Target, sample_fields
+from capture.replies.windows import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
+from capture.targets.base import Expanded
+from capture.forward import sample_fields
+from capture.targets.base import Prepared, Target
 
 SkipTuple = tuple[int, str, str, str, Any, str]
 """(index, sample id, reason, kind, line, source): what capture's writer records for a skipped input."""

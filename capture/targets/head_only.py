@@ -7,7 +7,7 @@ and minutes of reading for weights nothing uses. So the model is built on the me
 config and just those tensors are read from its safetensors files (one file, or the shards named by
 ``model.safetensors.index.json``), by the names the model's own ``named_parameters`` gives them; a tied
 lm_head is the embedding tensor again. The head is then proven against the engine's own forward
-(``capture.vllm_engine``), since the decoder that ``capture.head.check_head`` runs is not here.
+(``capture.vllm.engine``), since the decoder that ``capture.head.check_head`` runs is not here.
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ how its processor is called and how its encoder turns features into frames:
                     longer audio is refused) -> audio_tower + projector; 40 ms per frame
     qwen3_asr       the same as qwen2_audio with 1 s mel chunks -> 13 frames each; no window; one audio
     voxtral         Whisper log-mel in 30 s chunks [chunks, 128, 3000] -> encoder -> projector joining 4
-                    frames (capture.voxtral: the expansion follows mistral-common); 80 ms per frame
-    granite_speech  log-mel [F/2, 160] (capture.granite_speech computes it in torch) -> conformer
+                    frames (capture.targets.voxtral: the expansion follows mistral-common); 80 ms per frame
+    granite_speech  log-mel [F/2, 160] (capture.targets.granite_speech computes it in torch) -> conformer
                     -> q-former projector; 100 ms per frame; no window
 
-Which one loads comes from ``config.json``'s ``model_type`` (``capture.load.NATIVE_LOADERS``).
+Which one loads comes from ``config.json``'s ``model_type`` (``capture.targets.load.NATIVE_LOADERS``).
 
 The supervised mask comes from the chat template (capture.template: prefix rendering, or the
 ``{% generation %}`` markers where the template has them) on the unexpanded text, repeated over each
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from capture.inputs import Conversation, load_audio
-from capture.salm import Expanded
-from capture.targets import Prepared, Target
+from capture.targets.base import Expanded
+from capture.targets.base import Prepared, Target
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""

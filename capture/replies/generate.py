@@ -1,4 +1,4 @@
-"""Batched generation with a KV cache on any :class:`capture.targets.Target`: the target's own replies.
+"""Batched generation with a KV cache on any :class:`capture.targets.base.Target`: the target's own replies.
 
 One call decodes a batch of prompts (each a :class:`Prepared` rendered with the chat template's
 generation prompt, audio already expanded by the adapter):
@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 
 from capture.hooks import LayerTaps
-from capture.salm import Expanded
-from capture.targets import Prepared, Target
+from capture.targets.base import Expanded
+from capture.targets.base import Prepared, Target
 from shards.order import epoch_rng
 
 

@@ -1,7 +1,7 @@
 """Load a frozen target from its directory: picks the adapter from what the directory holds.
 
-Its own module so that the adapters (capture.targets, capture.salm, capture.hf_native, capture.voxtral,
-capture.granite_speech, capture.nemo) import nothing back: this module sits above all of them.
+Its own module so that the adapters (every other module under capture/targets/) import nothing back: this
+module sits above all of them.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from typing import Any, Iterator
 
 import torch
 
-from capture.granite_speech import load_granite_speech
-from capture.head_only import load_head_only
-from capture.hf_native import load_qwen2_audio, load_qwen3_asr
-from capture.nemo import is_nemo_salm, load_nemo_target
-from capture.salm import SALM
-from capture.targets import CausalLMTarget, SALMTarget, Target
-from capture.voxtral import load_voxtral
+from capture.targets.granite_speech import load_granite_speech
+from capture.targets.head_only import load_head_only
+from capture.targets.hf_speech import load_qwen2_audio, load_qwen3_asr
+from capture.targets.nemo.salm import is_nemo_salm, load_nemo_target
+from capture.targets.salm.model import SALM
+from capture.targets.base import Target
+from capture.targets.causal_lm import CausalLMTarget
+from capture.targets.salm.target import SALMTarget
+from capture.targets.voxtral import load_voxtral
 
 NATIVE_LOADERS = {
     "qwen2_audio": load_qwen2_audio,
@@ -28,7 +30,7 @@ NATIVE_LOADERS = {
     "voxtral": load_voxtral,
     "granite_speech": load_granite_speech,
 }
-"""``config.json`` model types of the speech LLMs read with their own processor (capture.hf_native)."""
+"""``config.json`` model types of the speech LLMs read with their own processor (capture.targets.hf_speech)."""
 
 TESTED_LM_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi",
                       "granite", "qwen3_moe", "olmoe")
@@ -64,7 +66,7 @@ def _unsupported(root: Path, model_type: Any) -> ValueError:
         f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, a NeMo SALM "
         f"checkpoint, the speech LLMs "
         f"{', '.join(NATIVE_LOADERS)}, or a text causal LM that transformers loads (tested: "
-        f"{', '.join(TESTED_LM_FAMILIES)}). To add a speech LLM, register its loader in capture.load.NATIVE_LOADERS; "
+        f"{', '.join(TESTED_LM_FAMILIES)}). To add a speech LLM, register its loader in capture.targets.load.NATIVE_LOADERS; "
         "a causal LM needs a transformers release that knows its model type"
     )
 
@@ -96,7 +98,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     ``template``: chat-template text replacing the tokenizer's; ``template_kwargs``: the variables it is
     rendered with (``Target.use_template``). The target's head is derived and proven here
     (``Target.head``), so a head the bundle cannot describe is refused at load, not mid-capture.
-    ``head_only``: a causal LM's decoder layers stay on the meta device (``capture.head_only``: for an engine
+    ``head_only``: a causal LM's decoder layers stay on the meta device (``capture.targets.head_only``: for an engine
     that runs the forward elsewhere); its head is then derived here and proven by that engine.
     """
     root = Path(path)

@@ -21,12 +21,12 @@ Automodel's own LoRA (``...q_proj.weight`` + ``...q_proj.lora_{A,B}.weight``, co
 Otherwise ``pretrained_llm`` names the LLM, and nothing is downloaded here: its config and tokenizer
 come from a local directory, the one the user gives (``--llm-config DIR``, e.g. a local copy of
 Qwen/Qwen3-1.7B) or ``pretrained_llm`` (and ``tokenizer_path``) itself when that is one. The import
-maps every part onto the project's own SALM (:mod:`capture.salm`):
+maps every part onto the project's own SALM (:mod:`capture.targets.salm.model`):
 
 - LLM: ``AutoModelForCausalLM`` from that config, ``embed_tokens`` put back, LoRA merged in float32
   as W + scale * B @ A (scale = lora_alpha / r, or / sqrt(r) with use_rslora), tied head when the
   checkpoint has no lm_head;
-- audio: :mod:`capture.nemo_audio` (NeMo's mel front end with its stored buffers, the FastConformer
+- audio: :mod:`capture.targets.nemo.audio` (NeMo's mel front end with its stored buffers, the FastConformer
   on ParakeetEncoder, the conformer adapter and projection);
 - prompt: NeMo's ``qwen`` format (user/assistant turns only, no BOS) or ``qwen3`` (system turns too,
   the think block: :data:`QWEN3_PROMPT_TEMPLATE`) as a chat template; the locator tag
@@ -59,10 +59,11 @@ import torch
 from torch import nn
 
 from capture.inputs import Conversation
-from capture.nemo_audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
+from capture.targets.nemo.audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
                                 no_init)
-from capture.salm import SALM, AdapterConfig, AudioConfig, SALMConfig
-from capture.targets import Prepared, SALMTarget
+from capture.targets.salm.model import SALM, AdapterConfig, AudioConfig, SALMConfig
+from capture.targets.base import Prepared
+from capture.targets.salm.target import SALMTarget
 
 WEIGHTS_FILE = "model.safetensors"
 LLM_BACKBONE_DIR = "llm_backbone"

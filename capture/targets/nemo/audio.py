@@ -104,7 +104,7 @@ class MelSettings:
 class NeMoMelFrontEnd:
     """Log-mel features exactly as NeMo's ``FilterbankFeatures`` computes them at eval time (no dither).
 
-    Called like a transformers feature extractor (what :class:`capture.salm.SALM` expects): a list of
+    Called like a transformers feature extractor (what :class:`capture.targets.salm.model.SALM` expects): a list of
     mono float waveforms -> ``input_features`` [B, F, M] (zero past each length) and ``attention_mask`` [B, F].
     """
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from capture.hf_native import HFSpeechTarget
+from capture.targets.hf_speech import HFSpeechTarget
 
 BEGIN_AUDIO = "[BEGIN_AUDIO]"
 

@@ -36,9 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from capture.targets.base import DEFAULT_PLACEHOLDER, Expanded, expand_placeholders
+
 SALM_CONFIG_FILE = "salm_config.json"
 ADAPTER_FILE = "adapter.safetensors"
-DEFAULT_PLACEHOLDER = "<|audioplaceholder|>"
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -142,53 +143,6 @@ class ModalityAdapter(nn.Module):
         for layer in self.layers:
             h = layer(h, src_key_padding_mask=~valid_BN)
         return h
-
-
-@dataclass
-class Expanded:
-    """One conversation after placeholder expansion (all [T] or [T, H])."""
-
-    input_ids: torch.Tensor  # int64 [T], audio rows carry the sentinel id
-    is_audio: torch.Tensor  # bool [T]
-    loss_mask: torch.Tensor  # bool [T]
-    inputs_embeds: torch.Tensor  # [T, H]
-
-
-def expand_placeholders(
-    token_ids: torch.Tensor,
-    assistant_mask: torch.Tensor,
-    audio_embeds: Sequence[torch.Tensor],
-    *,
-    placeholder_id: int,
-    audio_token_id: int,
-    embed: nn.Module,
-) -> Expanded:
-    """Replace the i-th placeholder in ``token_ids`` [L] by ``audio_embeds[i]`` [N_i, H].
-
-    The count of placeholders must equal ``len(audio_embeds)``; audio rows are never supervised.
-    """
-    token_ids = token_ids.long()
-    where = torch.nonzero(token_ids == placeholder_id, as_tuple=False).flatten().tolist()
-    if len(where) != len(audio_embeds):
-        raise ValueError(
-            f"the text has {len(where)} audio placeholder(s) but {len(audio_embeds)} audio(s) were given; "
-            "put exactly one placeholder per audio in the conversation"
-        )
-    text_emb = embed(token_ids)
-    ids, aud, mask, embs = [], [], [], []
-    start = 0
-    for pos, a in zip(where, audio_embeds):
-        n = int(a.shape[0])
-        ids += [token_ids[start:pos], torch.full((n,), audio_token_id, dtype=torch.long)]
-        aud += [torch.zeros(pos - start, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]
-        mask += [assistant_mask[start:pos].bool(), torch.zeros(n, dtype=torch.bool)]
-        embs += [text_emb[start:pos], a.to(text_emb.dtype)]
-        start = pos + 1
-    ids.append(token_ids[start:])
-    aud.append(torch.zeros(len(token_ids) - start, dtype=torch.bool))
-    mask.append(assistant_mask[start:].bool())
-    embs.append(text_emb[start:])
-    return Expanded(torch.cat(ids), torch.cat(aud), torch.cat(mask), torch.cat(embs))
 
 
 def _subsampled_length(n_feat: torch.Tensor, factor: int, kernel: int = 3) -> torch.Tensor:

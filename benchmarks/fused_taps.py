@@ -33,8 +33,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from capture.config import CaptureConfig
-    from capture.replies.generate import GenerationConfig
     from capture.pipeline import capture
+    from capture.replies.generate import GenerationConfig
     from capture.replies.windows import ReplyConfig
     from demo.data import prepare_demo
     from demo.target import FULL

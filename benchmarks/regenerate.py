@@ -123,12 +123,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from capture.config import CaptureConfig
-    from capture.replies.generate import GenerationConfig
     from capture.inputs import Conversation, read_jsonl
-    from capture.targets.load import load_target
     from capture.pipeline import capture
+    from capture.replies.generate import GenerationConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
     from capture.replies.windows import ReplyConfig
+    from capture.targets.load import load_target
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))

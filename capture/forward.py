@@ -15,6 +15,7 @@ Shapes: B batch, T expanded length, H width, n taps, R teacher rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,7 +24,33 @@ from capture.head import LiveHead
 from capture.hooks import LayerTaps
 from capture.targets.base import Expanded, Prepared, Target
 from shards.head import row_spans
-from shards.schema import teacher_rows
+from shards.schema import Layout, teacher_rows
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """What each stored sample holds beyond its ids and masks, and how its teacher rows are computed."""
+
+    tap_ids: tuple[int, ...]
+    """Decoder layers whose outputs are stored (0-based; the layout's ``tap_ids``)."""
+    top_k: int
+    """Teacher ids and log-probs per supervised row (0: none)."""
+    final_hidden: bool = False
+    """Whether the last layer's pre-norm output is stored too."""
+    audio_embeds: bool = False
+    """Whether the audio rows' input embeddings are stored."""
+    row_chunk: int = 1024
+    """Teacher rows computed at a time (peak [row_chunk, vocab] float32)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tap_ids", tuple(int(i) for i in self.tap_ids))
+        if self.top_k < 0 or self.row_chunk < 1:
+            raise ValueError(f"SampleSpec: top_k must be >= 0 and row_chunk >= 1, got {self.top_k}, {self.row_chunk}")
+
+    @classmethod
+    def of(cls, layout: Layout, row_chunk: int = 1024) -> "SampleSpec":
+        """The spec a dataset's layout fixes (plus the compute-only ``row_chunk``)."""
+        return cls(tuple(layout.tap_ids), layout.top_k, layout.has_final_hidden, layout.has_audio_embeds, row_chunk)
 
 
 def topk_teacher(
@@ -49,19 +76,14 @@ def topk_teacher(
 def run_batch(
     target: Target,
     batch: Sequence[Prepared],
-    *,
-    tap_ids: Sequence[int],
-    top_k: int,
-    final_hidden: bool = False,
-    audio_embeds: bool = False,
-    row_chunk: int = 1024,
+    spec: SampleSpec,
 ) -> list[dict[str, torch.Tensor]]:
     """One padded forward of the base decoder -> per-sample tensor fields (on the target's device).
 
     Finiteness is checked once, by the writer on the host copy (``shards.schema.all_finite``, on the
     exponent bits), which raises ``NonFiniteError`` for the capture to count as a skip.
     """
-    L = target.num_layers
+    L, tap_ids = target.num_layers, spec.tap_ids
     if any(i < 0 or i >= L for i in tap_ids):
         raise ValueError(f"tap ids {list(tap_ids)} out of range for a target of {L} decoder layers")
     exps = target.embed(batch)
@@ -82,19 +104,14 @@ def run_batch(
         if T != p.length:
             raise AssertionError(f"expanded length {T} != predicted {p.length} for {p.sample_id}")
         states.append((torch.stack([hooks.out[i][b, :T] for i in tap_ids], dim=1), hooks.out[L - 1][b, :T]))
-    return sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden, audio_embeds=audio_embeds,
-                         row_chunk=row_chunk)
+    return sample_fields(target, exps, states, spec)
 
 
 def sample_fields(
     target: Target,
     exps: Sequence[Expanded],
     states: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    top_k: int,
-    final_hidden: bool = False,
-    audio_embeds: bool = False,
-    row_chunk: int = 1024,
+    spec: SampleSpec,
 ) -> list[dict[str, torch.Tensor]]:
     """Per-sample stored fields from each sample's (taps [T, n, H], last layer pre-norm [T, H]).
 
@@ -112,13 +129,13 @@ def sample_fields(
             "loss_mask": e.loss_mask,
             "taps": tap_TnH,
         }
-        if final_hidden:
+        if spec.final_hidden:
             s["final_hidden"] = last_TH
-        if audio_embeds:
+        if spec.audio_embeds:
             s["audio_embeds"] = e.inputs_embeds[e.is_audio]
-        if top_k > 0:
+        if spec.top_k > 0:
             rows = teacher_rows(e.loss_mask.cpu()).to(dev)
-            ids, lps = topk_teacher(last_TH[rows.long()], head, top_k, row_chunk=row_chunk)
+            ids, lps = topk_teacher(last_TH[rows.long()], head, spec.top_k, row_chunk=spec.row_chunk)
             s.update(topk_rows=rows, topk_ids=ids, topk_logprobs=lps)
         for name in ("taps", "final_hidden", "audio_embeds"):
             if name in s:

@@ -26,15 +26,15 @@ import torch
 
 from capture.config import CaptureConfig
 from capture.replies.generate import GenerationConfig
-from capture.targets.load import quiet_loading
 from capture.replies.regenerate import RegenerateConfig
 from capture.replies.regenerate import regenerate as run_regenerate
 from capture.replies.windows import ReplyConfig
+from capture.targets.load import quiet_loading
 from capture.targets.salm.model import SALM
 from capture.targets.salm.target import SALMTarget
-from shards.atomic import staged
 from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
 from demo.task import SAMPLE_RATE, sample_example, tone_audio
+from shards.atomic import staged
 
 
 @contextmanager

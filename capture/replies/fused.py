@@ -20,14 +20,10 @@ from typing import Any, Callable
 
 import torch
 
+from capture.forward import SampleSpec, sample_fields
 from capture.replies.windows import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
-from capture.targets.base import Expanded
-from capture.forward import sample_fields
-from capture.targets.base import Prepared, Target
-
-SkipTuple = tuple[int, str, str, str, Any, str]
-"""(index, sample id, reason, kind, line, source): what capture's writer records for a skipped input."""
-
+from capture.stages import Skip
+from capture.targets.base import Expanded, Prepared, Target
 
 def reply_expanded(target: Target, prompt: Expanded, reply_ids: list[int]) -> Expanded:
     """The prompt followed by the generated ids, which are supervised (the template's generation block)."""
@@ -43,11 +39,10 @@ def reply_expanded(target: Target, prompt: Expanded, reply_ids: list[int]) -> Ex
 
 
 def fused_window(
-    target: Target, replies: ReplyConfig, chunk: list[tuple[int, Any]], *, tap_ids: list[int], top_k: int,
-    final_hidden: bool, audio_embeds: bool, row_chunk: int, batch_tokens: int, max_batch_size: int,
-    max_length: int | None, on_error: str, stats: RunStats | None = None,
+    target: Target, replies: ReplyConfig, chunk: list[tuple[int, Any]], spec: SampleSpec, *, batch_tokens: int,
+    max_batch_size: int, max_length: int | None, on_error: str, stats: RunStats | None = None,
     report: Callable[[], None] = lambda: None,
-) -> tuple[list[SkipTuple], list[Prepared], list[dict[str, torch.Tensor]]]:
+) -> tuple[list[Skip], list[Prepared], list[dict[str, torch.Tensor]]]:
     """Regenerate one capture window ((local index, Conversation | BadInput)) with states kept.
 
     Returns the skips (bad input, too long, and dropped replies with their reason as the kind), and
@@ -55,8 +50,8 @@ def fused_window(
     """
     items = [(li, li, item, "") for li, item in chunk]
     entries = process_window(target, replies, items, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
-                             on_error=on_error, stats=stats or RunStats(), tap_ids=list(tap_ids), report=report)
-    skips: list[SkipTuple] = []
+                             on_error=on_error, stats=stats or RunStats(), tap_ids=list(spec.tap_ids), report=report)
+    skips: list[Skip] = []
     batch: list[Prepared] = []
     exps: list[Expanded] = []
     states: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -66,20 +61,19 @@ def fused_window(
             kind = "too_long" if e["status"] == "too_long" else "error" if e["status"] in BAD_INPUT_REASONS \
                 else e["status"]
             reason = e["message"] if kind in ("error", "too_long") else f"{e['status']}: {e['message']}"
-            skips.append((li, e["sample_id"], reason, kind, line, src))
+            skips.append(Skip(li, e["sample_id"], reason, kind, line, src))
             continue
         g = e["generation"]
         full = reply_expanded(target, g.expanded, g.ids)
         T = int(full.input_ids.shape[0])
         if max_length is not None and T > max_length:
-            skips.append((li, item.sample_id, f"too long: {T} positions > max_length {max_length}", "too_long",
-                          line, src))
+            skips.append(Skip(li, item.sample_id, f"too long: {T} positions > max_length {max_length}", "too_long",
+                              line, src))
             continue
         empty = torch.empty(0, dtype=torch.long)
         batch.append(Prepared(li, item.sample_id, item.source, empty, empty.bool(), audio_seconds=g.audio_seconds,
                               length=T, line=line))
         exps.append(full)
         states.append((g.taps, g.last))
-    results = sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden,
-                            audio_embeds=audio_embeds, row_chunk=row_chunk) if batch else []
+    results = sample_fields(target, exps, states, spec) if batch else []
     return skips, batch, results

@@ -30,8 +30,7 @@ from typing import Sequence
 import torch
 
 from capture.hooks import LayerTaps
-from capture.targets.base import Expanded
-from capture.targets.base import Prepared, Target
+from capture.targets.base import Expanded, Prepared, Target
 from shards.order import epoch_rng
 
 

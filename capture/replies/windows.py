@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.replies.generate import Generation, GenerationConfig, context_length, generate, row_seed
 from capture.inputs import AudioRef, BadInput, Conversation
+from capture.replies.generate import Generation, GenerationConfig, context_length, generate, row_seed
 from capture.stages import bucket
 from capture.targets.base import Prepared, Target
 from shards.atomic import staged

@@ -19,7 +19,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -97,8 +97,28 @@ class Prepared:
     unsupervised_turns: int = 0  # assistant turns the chat template leaves unsupervised (capture.template)
 
 
+NOT_PROVEN_ON_VLLM = "it is not among the targets whose vLLM capture is proven equal to the in-process one"
+
+
 class Target(ABC):
-    """A frozen model whose decoder layers can be tapped."""
+    """A frozen model whose decoder layers can be tapped.
+
+    Each concrete adapter declares, in its own class body, what it is outside this process: ``kind`` and
+    ``vllm_refused``. Neither is inherited: a subclass that declares no ``vllm_refused`` is refused by
+    ``--engine vllm`` (Qwen3-ASR subclasses Qwen2-Audio, whose vLLM capture is proven; its own is not).
+    """
+
+    kind: ClassVar[str] = ""
+    """The family's stable name, recorded as the manifest's ``target_kind`` (a class rename must not change what is
+    on disk; capture.targets.load.LEGACY_TARGET_KINDS reads manifests that recorded class names)."""
+    vllm_refused: ClassVar[str | None] = NOT_PROVEN_ON_VLLM
+    """Why ``capture --engine vllm`` does not capture this family; None: it does, proven equal to the in-process
+    engine (tests/engines; docs/capture-engines.md)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = cls.__dict__.get("kind", "")
+        cls.vllm_refused = cls.__dict__.get("vllm_refused", NOT_PROVEN_ON_VLLM)
 
     lm: nn.Module
     tokenizer: Any
@@ -187,8 +207,8 @@ class Target(ABC):
 
     @property
     def decoder_elsewhere(self) -> bool:
-        """Whether the decoder layers are not in this process (``capture.targets.head_only``): the head is then proven by
-        the engine that runs them."""
+        """Whether the decoder layers are not in this process (``capture.targets.head_only``): the head is then
+        proven by the engine that runs them."""
         return any(p.device.type == "meta" for p in self.layers.parameters())
 
     @property

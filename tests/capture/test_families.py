@@ -16,9 +16,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from capture.forward import SampleSpec, run_batch
 from capture.inputs import Conversation
 from capture.targets.load import TESTED_LM_FAMILIES, load_target
-from capture.forward import run_batch
 from cli import app
 from shards.bundle import TOKENIZER_DIR, WEIGHTS_FILE, load_bundle, write_bundle
 from shards.head import HeadSpec, teacher_logits
@@ -57,7 +57,7 @@ def test_capture_and_bundle_equal_the_models_own_forward(family, tmp_path):
     assert target.head.spec == want
     L, k = target.num_layers, 8
     batch = [target.prepare(_conv(0, 9, 12), 0), target.prepare(_conv(1, 4, 6), 1)]  # padded batch
-    res = run_batch(target, batch, tap_ids=list(range(L)), top_k=k, final_hidden=True)
+    res = run_batch(target, batch, SampleSpec(tap_ids=list(range(L)), top_k=k, final_hidden=True))
     write_bundle(tmp_path / "target", **target.bundle_parts())
     bundle = load_bundle(tmp_path / "target", verify=True)
     assert bundle.head == target.head.spec

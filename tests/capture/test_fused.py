@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from capture.config import CaptureConfig
-from capture.replies.generate import GenerationConfig
 from capture.pipeline import capture
+from capture.replies.generate import GenerationConfig
 from capture.replies.regenerate import RegenerateConfig, regenerate
 from capture.replies.windows import ReplyConfig
 from shards.manifest import responses_from_target

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from capture.replies.generate import GenerationConfig, generate, row_seed
 from capture.inputs import AudioRef, Conversation
+from capture.replies.generate import GenerationConfig, generate, row_seed
 from capture.targets.causal_lm import CausalLMTarget
 from capture.targets.salm.target import SALMTarget
 from tests.capture.test_hf_native import qwen2_audio_dir  # noqa: F401  (fixture)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from capture.forward import SampleSpec, run_batch
 from capture.targets.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_filterbank
 from capture.targets.load import load_target
-from capture.forward import run_batch
 from tests.capture.speech_models import (GRANITE_PREPROCESSOR, audio_conv, decoder_inputs_embeds,
                                          layers_and_logits, save_granite_speech)
 
@@ -103,7 +103,7 @@ def test_taps_and_teacher_equal_the_models_own_forward(target):
     batch = [target.prepare(c, i) for i, c in enumerate(convs)]
     assert batch[0].length != batch[1].length  # the batch is padded
     with torch.no_grad():
-        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4)
+        res = run_batch(target, batch, SampleSpec(tap_ids=list(range(L)), top_k=4))
         for c, p, r in zip(convs, batch, res):
             inputs, hs, logits = _own_forward(target, c)
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()  # the processor's expansion

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from capture.forward import SampleSpec, run_batch
 from capture.targets.hf_speech import HFSpeechTarget
 from capture.targets.load import load_target
-from capture.forward import run_batch
 from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, layers_and_logits, save_qwen2_audio
 
 
@@ -58,7 +58,7 @@ def test_taps_equal_the_models_own_forward(target):
     batch = [target.prepare(c, i) for i, c in enumerate(convs)]
     assert batch[0].length != batch[1].length  # the batch is padded
     with torch.no_grad():
-        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4, final_hidden=True)
+        res = run_batch(target, batch, SampleSpec(tap_ids=list(range(L)), top_k=4, final_hidden=True))
         for c, p, r in zip(convs, batch, res):
             inputs = _processor_inputs(target, c)
             assert p.length == inputs["input_ids"].shape[1]  # expanded length = the processor's
@@ -123,7 +123,7 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
     got = {s["sample_id"]: s for s in (ds.sample("train", i) for i in range(ds.num_samples("train")))}
     target = load_target(qwen2_audio_dir)
     conv = list(read_jsonl(tone_manifest, placeholder=target.placeholder))[3]
-    ref = run_batch(target, [target.prepare(conv, 0)], tap_ids=m["layout"]["tap_ids"], top_k=4)[0]
+    ref = run_batch(target, [target.prepare(conv, 0)], SampleSpec(tap_ids=m["layout"]["tap_ids"], top_k=4))[0]
     s = got["u3"]
     assert torch.equal(s["input_ids"], ref["input_ids"]) and torch.equal(s["loss_mask"], ref["loss_mask"])
     assert int(s["is_audio"].sum()) > 0 and m["extra"]["audio_token_id"] == target.audio_token_id
@@ -146,7 +146,7 @@ def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path)
     batch = [target.prepare(c, i) for i, c in enumerate(convs)]
     L = target.num_layers
     with torch.no_grad():
-        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4)
+        res = run_batch(target, batch, SampleSpec(tap_ids=list(range(L)), top_k=4))
         for c, p, r in zip(convs, batch, res):
             inputs = own_inputs(target, c.messages, [a.array for a in c.audios])
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()

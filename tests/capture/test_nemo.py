@@ -13,8 +13,8 @@ from torch import nn
 
 from capture.inputs import AudioRef, Conversation
 from capture.targets.load import load_target
-from capture.targets.nemo.salm import NeMoSALMTarget, is_nemo_salm
 from capture.targets.nemo.audio import build_conformer
+from capture.targets.nemo.salm import NeMoSALMTarget, is_nemo_salm
 from tests.capture.nemo_ckpt import ADAPTER, AUTOMODEL_LORA, ENCODER, LORA, TAG, write_nemo_salm
 
 

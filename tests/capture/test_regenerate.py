@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.replies.generate import GenerationConfig
 from capture.inputs import read_inputs, read_jsonl
+from capture.replies.generate import GenerationConfig
 from capture.replies.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
 from capture.replies.windows import RegenerateError, ReplyConfig
 from capture.targets.salm.model import SALM

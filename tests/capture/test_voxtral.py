@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from capture.forward import SampleSpec, run_batch
 from capture.targets.load import load_target
-from capture.forward import run_batch
 from capture.targets.voxtral import VoxtralTarget
 from tests.capture.speech_models import (audio_conv, decoder_inputs_embeds, layers_and_logits, own_inputs,
                                          save_voxtral)
@@ -53,7 +53,7 @@ def test_taps_and_teacher_equal_the_models_own_forward(target):
     batch = [target.prepare(c, i) for i, c in enumerate(convs)]
     assert batch[0].length != batch[1].length  # the batch is padded
     with torch.no_grad():
-        res = run_batch(target, batch, tap_ids=list(range(L)), top_k=4)
+        res = run_batch(target, batch, SampleSpec(tap_ids=list(range(L)), top_k=4))
         for c, r in zip(convs, res):
             inputs, hs, logits = _own_forward(target, c)  # the model checks audio tokens == projected frames
             assert r["input_ids"].tolist() == inputs["input_ids"][0].tolist()

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from capture.replies.generate import GenerationConfig, generate
 from capture.inputs import read_jsonl
+from capture.replies.generate import GenerationConfig, generate
 from capture.targets.salm.model import SALM
 from capture.targets.salm.target import SALMTarget
 from demo.data import one_thread, open_workdir, prepare_demo

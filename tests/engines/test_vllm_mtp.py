@@ -38,8 +38,8 @@ def _conversations(n: int, offset: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def qwen3_5_case(tmp_path_factory):
     from capture.config import CaptureConfig
-    from capture.replies.generate import GenerationConfig
     from capture.pipeline import capture
+    from capture.replies.generate import GenerationConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
     from capture.replies.windows import ReplyConfig
     from tests.capture.util import write_manifest

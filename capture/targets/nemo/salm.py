@@ -61,8 +61,8 @@ from torch import nn
 from capture.inputs import Conversation
 from capture.targets.nemo.audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
                                 no_init)
-from capture.targets.salm.model import SALM, AdapterConfig, AudioConfig, SALMConfig
 from capture.targets.base import Prepared
+from capture.targets.salm.model import SALM, AdapterConfig, AudioConfig, SALMConfig
 from capture.targets.salm.target import SALMTarget
 
 WEIGHTS_FILE = "model.safetensors"
@@ -335,6 +335,9 @@ def load_nemo_salm(root: Path, *, llm_config: str | Path | None = None) -> tuple
 
 class NeMoSALMTarget(SALMTarget):
     """A NeMo SALM checkpoint; its tokenizer files live beside it or in the ``--llm-config`` directory."""
+
+    kind = "nemo_salm"
+    vllm_refused = "vLLM does not load NeMo SALM checkpoints (PEFT prefixes, LoRA to merge, NeMo encoder names)"
 
     def __init__(self, salm: SALM, path: str | Path, tokenizer_dir: Path, prompt_format: str = "qwen"):
         super().__init__(salm, path)

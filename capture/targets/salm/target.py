@@ -16,6 +16,9 @@ from capture.targets.salm.model import SALM
 class SALMTarget(Target):
     """A :class:`capture.targets.salm.model.SALM` directory."""
 
+    kind = "salm"
+    vllm_refused = "vLLM does not load SALM directories (their encoder and projector are tapdraft's own modules)"
+
     def __init__(self, salm: SALM, path: str | Path | None = None):
         self.salm = salm.eval()
         self.lm = salm.lm

@@ -34,7 +34,7 @@ NATIVE_LOADERS = {
 
 TESTED_LM_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "phi",
                       "granite", "qwen3_moe", "olmoe")
-"""Causal-LM model types tested end to end (tests/capture/test_families.py). Any other type transformers
+"""Causal-LM model types tested end to end (tests/capture/targets/test_families.py). Any other type transformers
 loads as a causal LM is accepted when its head passes ``capture.head.check_head``."""
 
 LEGACY_TARGET_KINDS = {

@@ -10,7 +10,7 @@ from capture.inputs import AudioRef, Conversation
 from capture.replies.generate import GenerationConfig, generate, row_seed
 from capture.targets.causal_lm import CausalLMTarget
 from capture.targets.salm.target import SALMTarget
-from tests.capture.test_hf_native import qwen2_audio_dir  # noqa: F401  (fixture)
+from tests.capture.targets.test_hf_speech import qwen2_audio_dir  # noqa: F401  (fixture)
 
 
 def _prompt(sid, n_samples, seed, question="what did i say ?"):

@@ -16,7 +16,7 @@ from capture.vllm.side import wire
 from tests.capture.util import conv_record, write_manifest
 from tests.test_cli import assert_one_line, run
 
-SIDE = Path(__file__).resolve().parents[2] / "capture" / "vllm" / "side"
+SIDE = Path(__file__).resolve().parents[3] / "capture" / "vllm" / "side"
 
 
 def _cfg(**kw):

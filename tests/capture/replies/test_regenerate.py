@@ -23,7 +23,7 @@ from shards.errors import LockedError
 from shards.lock import exclusive_lock
 from tests.capture.util import conv_record, write_manifest, write_wav
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from capture.replies.regenerate import RegenerateConfig, regenerate
 from capture.replies.windows import ReplyConfig
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
-from tests.capture.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
+from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
 
 TAP_ATOL = 0.02
 """Fused vs two-pass taps, stored bf16: the states differ by kernel rounding only (measured 0.0 on CPU float32)."""

@@ -559,6 +559,9 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                              head_only=cfg.engine == "vllm")  # vLLM runs the decoder: only the head is loaded here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
+    if not target.kind:  # before anything is written: the manifest records it
+        raise ValueError(f"{type(target).__name__} declares no kind; set ``kind`` in its class body (the manifest's "
+                         "target_kind, capture/targets/base.py)")
     if cfg.engine == "vllm":
         check_vllm_target(target, audio_embeds=cfg.audio_embeds)
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):

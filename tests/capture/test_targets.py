@@ -227,3 +227,18 @@ def test_old_manifests_name_the_target_kind_by_class():
     assert manifest_target_kind({"target_kind": "salm"}) == "salm"
     assert manifest_target_kind({"placeholder": None}) is None
     assert len(LEGACY_TARGET_KINDS) == 7 and all(k.endswith("Target") for k in LEGACY_TARGET_KINDS)
+
+
+def test_a_capture_refuses_a_target_without_a_kind_before_writing(salm, tmp_path):
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+    from tests.capture.util import conv_record, write_manifest
+
+    class Unnamed(SALMTarget):
+        pass
+
+    man = write_manifest(tmp_path / "in.jsonl", [conv_record("u0", "missing.wav")])
+    cfg = CaptureConfig(target=str(tmp_path), out=str(tmp_path / "ds"), data=(("train", str(man)),), progress=False)
+    with pytest.raises(ValueError, match="Unnamed declares no kind"):
+        capture(cfg, target=Unnamed(salm))
+    assert not (tmp_path / "ds").exists()  # nothing written, the --out this run made removed

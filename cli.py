@@ -66,8 +66,8 @@ def _threads(n: int) -> int:
 
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
                   keep_truncated: bool):
-    from capture.generate import GenerationConfig
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.windows import ReplyConfig
 
     return ReplyConfig(
         generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
@@ -104,8 +104,8 @@ def regenerate(
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
 
-    from capture.regenerate import RegenerateConfig, summary
-    from capture.regenerate import regenerate as run_regenerate
+    from capture.replies.regenerate import RegenerateConfig, summary
+    from capture.replies.regenerate import regenerate as run_regenerate
     from shards.template import parse_template_kwargs
 
     _threads(threads)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from capture.load import load_target
+from capture.targets.load import load_target
 from shards.bundle import load_bundle, write_bundle
 
 

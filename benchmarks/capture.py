@@ -105,17 +105,19 @@ def main() -> None:
         return engines(args)
 
     from capture.config import CaptureConfig
-    from capture.load import load_target
+    from capture.forward import SampleSpec, run_batch
     from capture.pipeline import capture, make_layout, plan_window, prepare_window, rank_items, windows
-    from capture.targets import run_batch
+    from capture.targets.load import load_target
     from shards.writer import DatasetWriter
 
     target_dir, data, shape = _resolve_target(args)
     target = load_target(target_dir)
     cfg = CaptureConfig(target=str(target_dir), out="", data=(("train", str(data)),), max_samples=args.samples,
                         progress=False)  # everything else: the CLI's defaults
-    items = list(rank_items(target, cfg, str(data), 0, 1))  # the capture's own input stage
-    plans = [b for chunk in windows(items, cfg.window) for b in plan_window(prepare_window(target, chunk), cfg).batches]
+    items = list(rank_items(target, str(data), 0, 1, cfg.max_samples))  # the capture's own input stage
+    plans = [b for chunk in windows(items, cfg.window)
+             for b in plan_window(prepare_window(target, chunk), max_length=cfg.max_length,
+                                  batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size).batches]
     tokens = sum(p.length for b in plans for p in b)
     scratch = Path(tempfile.mkdtemp(prefix="capture-bench-"))
     _minimal(target, plans[:1])  # warm up
@@ -134,7 +136,7 @@ def main() -> None:
     layout = make_layout(cfg, target)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        results = [run_batch(target, b, tap_ids=layout.tap_ids, top_k=layout.top_k, row_chunk=cfg.row_chunk)
+        results = [run_batch(target, b, SampleSpec(tap_ids=layout.tap_ids, top_k=layout.top_k, row_chunk=cfg.row_chunk))
                    for b in plans]
     tapped_s = time.perf_counter() - t0
     w = DatasetWriter(str(scratch / "w"), cfg.shard, layout, fingerprint="0" * 64)
@@ -186,8 +188,8 @@ def main() -> None:
 def engines(args) -> None:
     """In-process capture (A) vs ``--engine vllm`` (V): same target, data, settings and threads, interleaved."""
     from capture.config import CaptureConfig
-    from capture.load import load_target
     from capture.pipeline import capture
+    from capture.targets.load import load_target
 
     target_dir, data, shape = _resolve_target(args)
     target = load_target(target_dir)

@@ -33,9 +33,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from capture.config import CaptureConfig
-    from capture.generate import GenerationConfig
     from capture.pipeline import capture
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.windows import ReplyConfig
     from demo.data import prepare_demo
     from demo.target import FULL
     from shards.reader import open_dataset

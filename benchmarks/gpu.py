@@ -162,8 +162,8 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
     from benchmarks.shapes import shape_facts
     from capture.config import CaptureConfig
-    from capture.load import load_target
     from capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
+    from capture.targets.load import load_target
     from shards.schema import teacher_rows
 
     shape = TINY if args.tiny else QWEN
@@ -174,8 +174,10 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
     hidden = shape_facts(shape)["hidden_size"]
     cfg = CaptureConfig(target=str(target_dir), out="", data=(("train", str(data)),), device=str(device),
                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32", progress=False)
-    items = list(rank_items(target, cfg, str(data), 0, 1))  # the capture's own input stage
-    plans = [b for chunk in windows(items, cfg.window) for b in plan_window(prepare_window(target, chunk), cfg).batches]
+    items = list(rank_items(target, str(data), 0, 1, cfg.max_samples))  # the capture's own input stage
+    plans = [b for chunk in windows(items, cfg.window)
+             for b in plan_window(prepare_window(target, chunk), max_length=cfg.max_length,
+                                  batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size).batches]
     tokens = sum(p.length for b in plans for p in b)
     lm_head = target.lm.get_output_embeddings()
 

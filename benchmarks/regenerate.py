@@ -2,7 +2,7 @@
 
 Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute seconds beside:
 
-    generate   A  capture.regenerate.regenerate into a fresh file: prompt preparation (template, audio
+    generate   A  capture.replies.regenerate.regenerate into a fresh file: prompt preparation (template, audio
                   decode, encoder), length buckets, batched KV-cache decoding, drop checks, part files,
                   keyed merge, sidecar. The target is loaded once, outside the timing.
                B  the plain loop a user would write: for each batch of the same size, in input order,
@@ -123,12 +123,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from capture.config import CaptureConfig
-    from capture.generate import GenerationConfig
     from capture.inputs import Conversation, read_jsonl
-    from capture.load import load_target
     from capture.pipeline import capture
-    from capture.regenerate import RegenerateConfig, regenerate
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.regenerate import RegenerateConfig, regenerate
+    from capture.replies.windows import ReplyConfig
+    from capture.targets.load import load_target
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))

@@ -18,7 +18,7 @@ import statistics
 import time
 
 from benchmarks.common import write_result
-from capture.salm import CHAT_TEMPLATE
+from capture.targets.salm.model import CHAT_TEMPLATE
 from capture.template import ChatTemplate
 
 USER = "What did the speaker say about the weather in the second half of the recording? "

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.inputs import stored_source
-from capture.replies import ReplyConfig
+from capture.replies.windows import ReplyConfig
 from shards.errors import InputChangedError
 from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
@@ -63,7 +63,7 @@ INPUTS_KEY = "inputs"
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """How ``capture --engine vllm`` runs vLLM (capture.vllm_engine); recorded, since parallel layouts change
+    """How ``capture --engine vllm`` runs vLLM (capture.vllm.engine); recorded, since parallel layouts change
     the rounding of the states."""
 
     tensor_parallel_size: int = 1
@@ -153,7 +153,7 @@ class CaptureConfig:
     """With ``replies``: store the states of the generation pass itself (no second forward); False = two passes
     (regenerate into ``OUT.regenerated/``, then capture that), for bit-identical prefill taps."""
     engine: str = "transformers"
-    """What runs the target's forward: 'transformers' (in-process, the default) or 'vllm' (capture.vllm_engine)."""
+    """What runs the target's forward: 'transformers' (in-process, the default) or 'vllm' (capture.vllm.engine)."""
     vllm: VLLMConfig | None = None
     """With engine 'vllm': how vLLM runs (defaults when None); must be None otherwise."""
     vllm_python: str | None = None

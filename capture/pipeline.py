@@ -10,7 +10,7 @@ A chain of small stages, composed once in :func:`capture_split`:
     plan_window                bad inputs and too-long samples first (index order), then length
                                buckets: sorted by length, longest batches first, <= batch_tokens
                                padded tokens and <= max_batch_size samples
-    run_batch (targets.py)     one forward per bucket, taps by hooks, teacher top-k
+    run_batch (forward.py)     one forward per bucket, taps by hooks, teacher top-k
     to_host                    device-to-host copies into pinned memory (non_blocking) + an event,
                                so the next forward starts while the copy runs
     writer thread              bounded queue; waits for each batch's event, then
@@ -51,28 +51,29 @@ from typing import Any, Callable, Iterator
 import torch
 
 from capture.config import INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
+from capture.forward import SampleSpec, run_batch
 from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
-from capture.fused import fused_window
-from capture.load import load_target
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
-from capture.regenerate import RegenerateConfig, regenerate
-from capture.replies import REPLY_DROP_REASONS
+from capture.replies.fused import fused_window
+from capture.replies.regenerate import RegenerateConfig, regenerate
+from capture.replies.windows import REPLY_DROP_REASONS
 from capture.stages import barrier as _barrier
-from capture.stages import bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from capture.stages import Skip, bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.stages import dist_env as _dist_env
-from capture.targets import Prepared, Target, run_batch
-from capture.vllm_engine import VLLMEngine, prove_head, vllm_batches
-from capture.vllm_engine import check_python as check_vllm_python
-from capture.vllm_engine import check_target as check_vllm_target
-from capture.vllm_engine import layer_ids as vllm_layer_ids
+from capture.targets.base import Prepared, Target
+from capture.targets.load import load_target
+from capture.vllm.engine import VLLMEngine, prove_head, vllm_batches
+from capture.vllm.engine import check_python as check_vllm_python
+from capture.vllm.engine import check_target as check_vllm_target
+from capture.vllm.engine import layer_ids as vllm_layer_ids
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
 from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
                              foreign_directory, write_or_check_bundle, writer_lock)
 from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
-from shards.template import read_template_file, template_sha
 from shards.taps import capture_tap_ids
+from shards.template import read_template_file, template_sha
 from shards.transfer import StagedUpload, is_remote_url, staging_dir
 from shards.finalize import finalize_dataset
 from shards.writer import DatasetWriter
@@ -81,16 +82,6 @@ CONFIG_FILE = "capture_config.json"
 
 
 # ------------------------------------------------------------------------------------------ stages
-@dataclass
-class Skip:
-    index: int
-    sample_id: str
-    reason: str
-    kind: str  # "error" | "too_long"
-    line: int | None = None
-    source: str = ""
-
-
 @dataclass
 class WindowPlan:
     """What one window turns into: skips first (index order), then forward batches."""
@@ -112,26 +103,25 @@ def prepare_window(target: Target, chunk: list[tuple[int, Any]]) -> list[Prepare
     return out
 
 
-def plan_window(prepared: list[Prepared | Skip], cfg: CaptureConfig, *, max_positions: int | None = None
-                ) -> WindowPlan:
-    """Skips (bad inputs; samples longer than ``cfg.max_length`` or the target's ``max_positions``,
-    whose states past that length the target was never trained for) and length-bucketed batches."""
+def plan_window(prepared: list[Prepared | Skip], *, max_length: int | None, batch_tokens: int, max_batch_size: int,
+                max_positions: int | None = None) -> WindowPlan:
+    """Skips (bad inputs; samples longer than ``max_length`` or the target's ``max_positions``, whose states
+    past that length the target was never trained for) and length-bucketed batches (``stages.bucket``)."""
     plan = WindowPlan()
     ok: dict[int, Prepared] = {}
     for p in prepared:
         if isinstance(p, Skip):
             plan.skips.append(p)
-        elif cfg.max_length is not None and p.length > cfg.max_length:
+        elif max_length is not None and p.length > max_length:
             plan.skips.append(Skip(p.index, p.sample_id, f"too long: {p.length} positions > max_length "
-                                   f"{cfg.max_length}", "too_long", p.line, p.source))
+                                   f"{max_length}", "too_long", p.line, p.source))
         elif max_positions is not None and p.length > max_positions:
             plan.skips.append(Skip(p.index, p.sample_id, f"too long: {p.length} positions > the target's "
                                    f"max_position_embeddings {max_positions}", "too_long", p.line, p.source))
         else:
             ok[p.index] = p
     plan.skips.sort(key=lambda s: s.index)
-    groups = bucket({i: p.length for i, p in ok.items()}, batch_tokens=cfg.batch_tokens,
-                    max_batch_size=cfg.max_batch_size)
+    groups = bucket({i: p.length for i, p in ok.items()}, batch_tokens=batch_tokens, max_batch_size=max_batch_size)
     plan.batches = [[ok[i] for i in g] for g in groups]
     return plan
 
@@ -188,11 +178,11 @@ class Stats:
 class _WriterThread:
     """Consumes (kind, payload) items in order from a bounded queue and drives the DatasetWriter."""
 
-    def __init__(self, writer: DatasetWriter, cfg: CaptureConfig, stats: Stats, source: str,
+    def __init__(self, writer: DatasetWriter, stats: Stats, *, on_error: str, queue_size: int,
                  unk_token_id: int | None = None):
-        self.writer, self.cfg, self.stats, self.source = writer, cfg, stats, source
+        self.writer, self.stats, self.on_error = writer, stats, on_error
         self.unk_token_id = unk_token_id
-        self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
+        self.q: queue.Queue = queue.Queue(maxsize=queue_size)
         self.error: BaseException | None = None
         self.failed_on: Skip | None = None
         self.thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
@@ -211,7 +201,7 @@ class _WriterThread:
     def _skip(self, s: Skip) -> None:
         if self.writer.is_done(s.index) or self._after_failure(s.index):
             return
-        if s.kind == "error" and self.cfg.on_error == "fail":
+        if s.kind == "error" and self.on_error == "fail":
             self.failed_on = s  # keep writing the window's earlier indices, stop at its end
             return
         self.writer.skip(s.index, s.sample_id, s.reason)
@@ -290,9 +280,9 @@ def _rates(stats: Stats, t0: float) -> str:
             f"{stats.raw_bytes / dt / 1e6:.1f} MB/s written")
 
 
-def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: WindowPlan, writer: DatasetWriter,
-                wt: "_WriterThread", report: Callable[[int], None], done: int,
-                engine: VLLMEngine | None = None) -> tuple[int, bool]:
+def _run_window(target: Target, engine: VLLMEngine | None, spec: SampleSpec, plan: WindowPlan,
+                writer: DatasetWriter, wt: "_WriterThread", report: Callable[[int], None], done: int, *,
+                on_error: str) -> tuple[int, bool]:
     """Queue one window's skips and forward its batches; returns the updated count of finished inputs and
     whether the capture stops after this window (a bad input under on_error='fail').
 
@@ -302,13 +292,13 @@ def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: Window
     """
     skips = [s for s in plan.skips if not writer.is_done(s.index)]
     errors = [s.index for s in skips if s.kind == "error"]
-    fail_at = min(errors) if errors and cfg.on_error == "fail" else None
+    fail_at = min(errors) if errors and on_error == "fail" else None
     wt.put(("skips", skips))
     done += len(skips)
     batches = [b for b in plan.batches if fail_at is None or b[0].index <= fail_at]
     todo = [sum(1 for p in b if not writer.is_done(p.index)) for b in batches]
     counts = {b[0].index: n for b, n in zip(batches, todo)}
-    for batch, results in _forward(target, engine, batches, todo, cfg, layout):
+    for batch, results in _forward(target, engine, batches, todo, spec):
         if wt.error is not None or not wt.thread.is_alive():
             break
         wt.put(("batch", (batch, *to_host(results))))
@@ -318,21 +308,19 @@ def _run_window(target: Target, cfg: CaptureConfig, layout: Layout, plan: Window
 
 
 def _forward(target: Target, engine: VLLMEngine | None, batches: list[list[Prepared]], todo: list[int],
-             cfg: CaptureConfig, layout: Layout) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
+             spec: SampleSpec) -> Iterator[tuple[list[Prepared], list[dict[str, torch.Tensor]]]]:
     """(batch, stored fields) for each batch with unfinished samples, in plan order: one padded forward a batch
-    in-process, or the whole window through vLLM (capture.vllm_engine) when any of it is unfinished."""
-    fields = dict(tap_ids=layout.tap_ids, top_k=layout.top_k, final_hidden=layout.has_final_hidden,
-                  audio_embeds=layout.has_audio_embeds, row_chunk=cfg.row_chunk)
+    in-process, or the whole window through vLLM (capture.vllm.engine) when any of it is unfinished."""
     if engine is not None:
         if any(todo):
-            yield from vllm_batches(engine, target, batches, [n > 0 for n in todo], **fields)
+            yield from vllm_batches(engine, target, batches, [n > 0 for n in todo], spec)
         return
     for batch, n in zip(batches, todo):
         if n:
-            yield batch, run_batch(target, batch, **fields)
+            yield batch, run_batch(target, batch, spec)
 
 
-def _run_fused_window(target: Target, cfg: CaptureConfig, layout: Layout, chunk: list[tuple[int, Any]],
+def _run_fused_window(target: Target, cfg: CaptureConfig, spec: SampleSpec, chunk: list[tuple[int, Any]],
                       writer: DatasetWriter, wt: "_WriterThread", report: Callable[[int], None], done: int) -> int:
     """One window of ``capture --regenerate``: regenerate with states kept, queue skips and samples.
 
@@ -344,11 +332,9 @@ def _run_fused_window(target: Target, cfg: CaptureConfig, layout: Layout, chunk:
         return done
     assert cfg.replies is not None
     skips, batch, results = fused_window(
-        target, cfg.replies, chunk, tap_ids=list(layout.tap_ids), top_k=layout.top_k,
-        final_hidden=layout.has_final_hidden, audio_embeds=layout.has_audio_embeds, row_chunk=cfg.row_chunk,
-        batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size, max_length=cfg.max_length,
-        on_error=cfg.on_error)
-    wt.put(("skips", [Skip(*s) for s in skips]))
+        target, cfg.replies, chunk, spec, batch_tokens=cfg.batch_tokens,
+        max_batch_size=cfg.max_batch_size, max_length=cfg.max_length, on_error=cfg.on_error)
+    wt.put(("skips", skips))
     if batch:
         wt.put(("batch", (batch, *to_host(results))))
     done += todo
@@ -368,11 +354,11 @@ def _raise_if_failed(wt: "_WriterThread") -> None:
         )
 
 
-def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_size: int
+def rank_items(target: Target, spec: str, rank: int, world_size: int, max_samples: int | None = None
                ) -> Iterator[tuple[int, Any]]:
-    """This rank's (local index, Conversation | BadInput) of one split's inputs."""
+    """This rank's (local index, Conversation | BadInput) of one split's first ``max_samples`` inputs."""
     placeholder = target.input_placeholder
-    return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), cfg.max_samples), rank, world_size)
+    return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), max_samples), rank, world_size)
 
 
 def capture_split(
@@ -383,10 +369,12 @@ def capture_split(
     writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint,
                            lineage=lineage)
     stats = Stats()
-    total = sum(1 for _ in rank_items(target, cfg, spec, rank, world_size))
-    wins = islice(windows(rank_items(target, cfg, spec, rank, world_size), cfg.window),
+    total = sum(1 for _ in rank_items(target, spec, rank, world_size, cfg.max_samples))
+    wins = islice(windows(rank_items(target, spec, rank, world_size, cfg.max_samples), cfg.window),
                   writer.next_index // cfg.window, None)
-    wt = _WriterThread(writer, cfg, stats, spec, unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
+    wt = _WriterThread(writer, stats, on_error=cfg.on_error, queue_size=cfg.queue_size,
+                       unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
+    sample_spec = SampleSpec.of(layout, cfg.row_chunk)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
     done = min(writer.num_done, total)
@@ -395,7 +383,7 @@ def capture_split(
             report = lambda n: bar.update(n, _rates(stats, t0))  # noqa: E731
             if cfg.replies is not None:  # fused: generation is the forward; nothing to prefetch
                 for chunk in wins:
-                    done = _run_fused_window(target, cfg, layout, chunk, writer, wt, report, done)
+                    done = _run_fused_window(target, cfg, sample_spec, chunk, writer, wt, report, done)
                     wt.put(("end", None))
                     if wt.error is not None or not wt.thread.is_alive():
                         break
@@ -407,8 +395,10 @@ def capture_split(
                 prepared = fut.result()
                 nxt = next(wins, None)
                 fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
-                plan = plan_window(prepared, cfg, max_positions=target.max_positions)
-                done, stop = _run_window(target, cfg, layout, plan, writer, wt, report, done, engine)
+                plan = plan_window(prepared, max_length=cfg.max_length, batch_tokens=cfg.batch_tokens,
+                                   max_batch_size=cfg.max_batch_size, max_positions=target.max_positions)
+                done, stop = _run_window(target, engine, sample_spec, plan, writer, wt, report, done,
+                                         on_error=cfg.on_error)
                 wt.put(("end", None))
                 if stop or wt.error is not None or not wt.thread.is_alive():
                     break
@@ -468,15 +458,16 @@ def capture(cfg: CaptureConfig, *, target: Target | None = None, restart: bool =
     is then accepted) and starts over.
     """
     try:
-        return _capture(cfg, target, restart)
+        if is_remote_url(cfg.out):
+            return _capture_to_store(cfg, target, restart)
+        return _capture_local(cfg, target, restart)
     except KeyboardInterrupt:
         raise Interrupted(f"capture interrupted outside its sample loop (loading the target or finalizing): the "
                           f"finished shards in {cfg.out} are kept; rerun the same command to resume") from None
 
 
-def _capture(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[str, Any]:
-    if is_remote_url(cfg.out):
-        return _capture_to_store(cfg, target, restart)
+def _capture_local(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[str, Any]:
+    """A capture into the local directory ``cfg.out``."""
     rank, world = _dist_env()
     out = Path(cfg.out)
     if foreign_directory(str(out), own=(CONFIG_FILE,)):
@@ -497,13 +488,13 @@ def _capture(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[s
         raise
 
 
-def _capture_to_store(cfg: CaptureConfig, target: Target | None, restart: bool = False) -> dict[str, Any]:
+def _capture_to_store(cfg: CaptureConfig, target: Target | None, restart: bool) -> dict[str, Any]:
     """Capture into the local stage while finished shards upload in the background; rank 0 then pushes the
     finalized dataset (manifest last). A rerun resumes the stage, then the upload."""
     rank, _ = _dist_env()
     stage = cfg.stage or staging_dir(cfg.out)
     with StagedUpload(stage, cfg.out, rank) as up:
-        manifest = _capture(dataclasses.replace(cfg, out=stage), target, restart)
+        manifest = _capture_local(dataclasses.replace(cfg, out=stage), target, restart)
     if rank == 0:
         upload = {**up.finish(), "stage": stage, "background": len(up.sent), "background_errors": up.errors,
                   "last_error": up.last_error}
@@ -569,6 +560,9 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                              head_only=cfg.engine == "vllm")  # vLLM runs the decoder: only the head is loaded here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
+    if not target.kind:  # before anything is written: the manifest records it
+        raise ValueError(f"{type(target).__name__} declares no kind; set ``kind`` in its class body (the manifest's "
+                         "target_kind, capture/targets/base.py)")
     if cfg.engine == "vllm":
         check_vllm_target(target, audio_embeds=cfg.audio_embeds)
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
@@ -607,7 +601,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     manifest = finalize_dataset(
         str(out), layout=layout, fingerprint=fingerprint, capture_config=record,
         extra={"audio_token_id": layout.audio_token_id, "placeholder": target.placeholder,
-               "target_kind": type(target).__name__, "chat_template": template_record(target)},
+               "target_kind": target.kind, "chat_template": template_record(target)},
     )
     manifest["run_stats"] = {**run_stats, "seconds": round(time.perf_counter() - t0, 3)}
     return manifest
@@ -636,17 +630,25 @@ def template_record(target: Target) -> dict[str, Any]:
     return {"sha256": template_sha(t.text), "kwargs": t.kwargs, "assistant_mask": t.mask_source}
 
 
-def _regenerate_split(target: Target, cfg: CaptureConfig, split: str, spec: str) -> str:
-    """The two-pass path's first pass: ``OUT.regenerated/SPLIT.jsonl`` (resumed or reused like any regenerate)."""
+SHARED_WITH_REGENERATE = tuple(sorted(
+    {f.name for f in dataclasses.fields(RegenerateConfig)} & {f.name for f in dataclasses.fields(CaptureConfig)}
+    - {"data", "out"}))
+"""The settings a two-pass ``capture --regenerate`` hands to its regenerate pass: every field the two configs
+share by name (a field of the same name means the same in both), less the input and output."""
+
+
+def regenerate_config(cfg: CaptureConfig, split: str, spec: str) -> RegenerateConfig:
+    """The two-pass path's first pass for one split: ``spec`` regenerated into ``OUT.regenerated/SPLIT.jsonl``."""
     assert cfg.replies is not None
-    path = Path(str(cfg.out).rstrip("/") + ".regenerated") / f"{split}.jsonl"
-    regenerate(RegenerateConfig(
-        target=cfg.target, data=spec, out=str(path), replies=cfg.replies, max_samples=cfg.max_samples,
-        batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size, window=cfg.window, dtype=cfg.dtype,
-        device=cfg.device, llm_config=cfg.llm_config, chat_template=cfg.chat_template,
-        template_kwargs=dict(cfg.template_kwargs), on_error=cfg.on_error, progress=cfg.progress,
-    ), target=target)
-    return str(path)
+    out = Path(str(cfg.out).rstrip("/") + ".regenerated") / f"{split}.jsonl"
+    return RegenerateConfig(data=spec, out=str(out), **{k: getattr(cfg, k) for k in SHARED_WITH_REGENERATE})
+
+
+def _regenerate_split(target: Target, cfg: CaptureConfig, split: str, spec: str) -> str:
+    """Run the first pass (resumed or reused like any regenerate); returns its output, the second pass's input."""
+    rcfg = regenerate_config(cfg, split, spec)
+    regenerate(rcfg, target=target)
+    return rcfg.out
 
 
 def _skip_kind(reason: str) -> str:

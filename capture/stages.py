@@ -8,11 +8,25 @@ where it started or on what else runs: capture and regenerate resume by recomput
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Iterator
 
 import torch
 
+
+
+@dataclass
+class Skip:
+    """An input the writer records as skipped, with why: a bad input, one too long, or (fused capture) a dropped
+    reply, whose drop reason is its kind."""
+
+    index: int
+    sample_id: str
+    reason: str
+    kind: str  # "error" | "too_long" | a reply drop reason
+    line: int | None = None
+    source: str = ""
 
 def numbered(items: Iterable[Any], max_samples: int | None) -> Iterator[tuple[int, Any]]:
     """(global index, item) for the first ``max_samples`` items."""

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from capture.salm import CHAT_TEMPLATE
+from capture.targets.salm.model import CHAT_TEMPLATE
 
 SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
 PROMPT = "Continue this passage from the Python documentation:\n"
@@ -228,9 +228,9 @@ def write_split(target_dir: Path, pairs: Sequence[tuple[str, str]], path: Path, 
     and replies that do not re-tokenize to the same ids (BPE can emit a non-canonical split) are dropped
     and counted; replies cut at ``max_new_tokens`` are kept (marked), so every kept reply is token for
     token what the target decodes greedily."""
-    from capture.generate import GenerationConfig
-    from capture.regenerate import RegenerateConfig, regenerate
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.regenerate import RegenerateConfig, regenerate
+    from capture.replies.windows import ReplyConfig
     from shards.atomic import staged
 
     src = path.with_name(path.stem + ".corpus.jsonl")

@@ -25,16 +25,16 @@ import numpy as np
 import torch
 
 from capture.config import CaptureConfig
-from capture.generate import GenerationConfig
-from capture.load import quiet_loading
-from capture.regenerate import RegenerateConfig
-from capture.regenerate import regenerate as run_regenerate
-from capture.replies import ReplyConfig
-from capture.salm import SALM
-from capture.targets import SALMTarget
-from shards.atomic import staged
+from capture.replies.generate import GenerationConfig
+from capture.replies.regenerate import RegenerateConfig
+from capture.replies.regenerate import regenerate as run_regenerate
+from capture.replies.windows import ReplyConfig
+from capture.targets.load import quiet_loading
+from capture.targets.salm.model import SALM
+from capture.targets.salm.target import SALMTarget
 from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
 from demo.task import SAMPLE_RATE, sample_example, tone_audio
+from shards.atomic import staged
 
 
 @contextmanager

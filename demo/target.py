@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from capture.salm import CHAT_TEMPLATE, DEFAULT_PLACEHOLDER, SALM, SPECIAL_TOKENS, AudioConfig
+from capture.targets.base import DEFAULT_PLACEHOLDER
+from capture.targets.salm.model import CHAT_TEMPLATE, SALM, SPECIAL_TOKENS, AudioConfig
 from demo.task import SAMPLE_RATE, TASKS, _tones, frame_labels, vocabulary
 from shards.progress import Progress
 

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from capture.inputs import BadInput, read_inputs
-from capture.load import load_target
 from capture.provenance import target_fingerprint
 from capture.stages import resolve_device
-from capture.targets import Target
+from capture.targets.base import Target
+from capture.targets.load import load_target
 from shards.progress import Progress
 from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,

@@ -129,3 +129,22 @@ def test_storage_formats_are_named_only_in_shards_formats(tmp_path):
     bad = [f"{f.relative_to(ROOT)}:{line}" for mod, f in _modules().items()
            if mod != "cli" and not mod.startswith("shards.formats") for line in named(f)]
     assert not bad, f"storage format named outside shards/formats/ (ask the registry): {bad}"
+
+
+def test_target_code_lives_only_under_capture_targets():
+    """A target family is code under capture/targets/ alone: no Target subclass elsewhere in capture/, and the
+    rest of capture/ reaches the families only through the interface (base) and the loader (load)."""
+    mods = _modules()
+    known = set(mods)
+    assert {"capture.targets.base", "capture.targets.load", "capture.targets.causal_lm"} <= known
+    bad = []
+    for mod, f in mods.items():
+        if mod.split(".")[0] != "capture" or mod.startswith("capture.targets"):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
+                bad += [f"{mod}: class {node.name}({b})" for b in bases if b.endswith("Target")]
+        bad += [f"{mod} -> {i}" for i in imports_of(f, known)
+                if i.startswith("capture.targets.") and i.split(".")[2] not in ("base", "load")]
+    assert not bad, bad

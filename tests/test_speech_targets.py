@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from capture.inputs import read_jsonl
-from capture.load import load_target
+from capture.targets.load import load_target
 from cli import app, main
 from speculate.decode import target_greedy
 from speculate.run import prompt_length

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 from capture.inputs import BadInput, Conversation, read_hf_dataset, read_jsonl, resample
-from capture.targets import SALMTarget
+from capture.targets.salm.target import SALMTarget
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 PH = "<|audioplaceholder|>"

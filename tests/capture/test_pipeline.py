@@ -15,9 +15,9 @@ import torch
 
 from capture import pipeline
 from capture.config import CaptureConfig
+from capture.forward import SampleSpec, run_batch
 from capture.pipeline import CaptureError, bucket, capture, rank_slice
-from capture.load import load_target
-from capture.targets import run_batch
+from capture.targets.load import load_target
 from shards.manifest import write_or_check_bundle
 from shards.reader import open_dataset
 from shards.shard_file import ShardConfig
@@ -54,6 +54,7 @@ def test_capture_writes_what_the_target_computes(salm_dir, tone_manifest, tmp_pa
     m = capture(_cfg(salm_dir, tone_manifest, tmp_path / "ds"))
     assert m["complete"] and m["splits"]["train"]["samples"] == 10
     assert m["capture_config"]["top_k"] == 4 and m["extra"]["audio_token_id"] == m["layout"]["audio_token_id"]
+    assert m["extra"]["target_kind"] == "salm"  # the adapter's stable kind, never its class name
     assert verify_dataset(str(tmp_path / "ds"), progress=False).ok
     got = {s["sample_id"]: s for s in _samples(tmp_path / "ds")}
     assert sorted(got) == sorted(f"u{i}" for i in range(10))
@@ -61,7 +62,7 @@ def test_capture_writes_what_the_target_computes(salm_dir, tone_manifest, tmp_pa
     from capture.inputs import read_jsonl
 
     conv = [c for c in read_jsonl(tone_manifest, placeholder=target.placeholder)][3]
-    ref = run_batch(target, [target.prepare(conv, 0)], tap_ids=m["layout"]["tap_ids"], top_k=4)[0]
+    ref = run_batch(target, [target.prepare(conv, 0)], SampleSpec(tap_ids=m["layout"]["tap_ids"], top_k=4))[0]
     s = got["u3"]
     assert s["taps"].shape[1] == len(m["layout"]["tap_ids"]) and m["layout"]["tap_ids"][-1] == target.num_layers - 1
     assert torch.equal(s["input_ids"], ref["input_ids"]) and torch.equal(s["loss_mask"], ref["loss_mask"])
@@ -232,3 +233,23 @@ def test_cuda_capture_matches_cpu(salm_dir, tone_manifest, tmp_path):
     for a, b in zip(_samples(tmp_path / "cpu"), _samples(tmp_path / "gpu")):
         assert a["sample_id"] == b["sample_id"] and torch.equal(a["topk_rows"], b["topk_rows"])
         torch.testing.assert_close(a["taps"].float(), b["taps"].float(), rtol=0.02, atol=0.02)
+
+
+def test_the_two_pass_regenerate_gets_every_setting_the_configs_share(tmp_path):
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.regenerate import RegenerateConfig
+    from capture.replies.windows import ReplyConfig
+
+    replies = ReplyConfig(GenerationConfig(max_new_tokens=7), last_turn_only=True)
+    cfg = CaptureConfig(target="t", out=str(tmp_path / "ds"), data=(("train", "in.jsonl"),), replies=replies,
+                        fused=False, max_samples=3, batch_tokens=999, max_batch_size=5, window=11, dtype="float32",
+                        device="cpu", llm_config="llm", chat_template="t.jinja",
+                        template_kwargs={"enable_thinking": False}, on_error="skip", progress=False)
+    assert pipeline.regenerate_config(cfg, "train", "in.jsonl") == RegenerateConfig(
+        target="t", data="in.jsonl", out=str(tmp_path / "ds.regenerated" / "train.jsonl"), replies=replies,
+        max_samples=3, batch_tokens=999, max_batch_size=5, window=11, dtype="float32", device="cpu",
+        llm_config="llm", chat_template="t.jinja", template_kwargs={"enable_thinking": False}, on_error="skip",
+        progress=False)
+    assert set(pipeline.SHARED_WITH_REGENERATE) == {
+        "target", "replies", "max_samples", "batch_tokens", "max_batch_size", "window", "dtype", "device",
+        "llm_config", "chat_template", "template_kwargs", "on_error", "progress"}

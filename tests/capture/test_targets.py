@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
 
+import capture.targets
+
+from capture.forward import SampleSpec, run_batch, topk_teacher
 from capture.inputs import Conversation
-from capture.targets import CausalLMTarget, SALMTarget, run_batch, topk_teacher
+from capture.targets.base import NOT_PROVEN_ON_VLLM, Target
+from capture.targets.causal_lm import CausalLMTarget
+from capture.targets.load import LEGACY_TARGET_KINDS, manifest_target_kind
+from capture.targets.salm.target import SALMTarget
 from shards.schema import teacher_rows
 from tests.capture.speech_models import audio_conv
 
@@ -26,7 +35,7 @@ def test_taps_equal_direct_forward_on_merged_embeddings(target):
     batch = [target.prepare(_conv("a", 20000, 0), 0), target.prepare(_conv("b", 7000, 1, "you said one ."), 1)]
     assert batch[0].length != batch[1].length  # the batch is padded
     with torch.no_grad():
-        res = run_batch(target, batch, tap_ids=taps, top_k=0)
+        res = run_batch(target, batch, SampleSpec(tap_ids=taps, top_k=0))
         for p, r in zip(batch, res):
             ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
             assert r["input_ids"].tolist() == ex.input_ids.tolist() and r["taps"].shape[0] == p.length
@@ -40,7 +49,7 @@ def test_last_tap_is_prenorm_and_bundle_reproduces_logits(target):
     L = target.num_layers
     p = target.prepare(_conv("a", 16000, 0), 0)
     with torch.no_grad():
-        r = run_batch(target, [p], tap_ids=[L - 1], top_k=0, final_hidden=True)[0]
+        r = run_batch(target, [p], SampleSpec(tap_ids=[L - 1], top_k=0, final_hidden=True))[0]
         ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
         out = target.lm(inputs_embeds=ex.inputs_embeds[None], output_hidden_states=True)
     post_norm = out.hidden_states[-1][0]
@@ -66,7 +75,7 @@ def test_topk_logprobs_are_full_softmax_at_teacher_rows_only(target):
     L, k = target.num_layers, 5
     p = target.prepare(_conv("a", 16000, 0), 0)
     with torch.no_grad():
-        r = run_batch(target, [p], tap_ids=[L - 1], top_k=k, final_hidden=True)[0]
+        r = run_batch(target, [p], SampleSpec(tap_ids=[L - 1], top_k=k, final_hidden=True))[0]
         ex = target.salm.expand(p.token_ids, p.assistant_mask, target.salm.encode_audio(p.waveforms))
         logits = target.lm(inputs_embeds=ex.inputs_embeds[None]).logits[0].double()
     rows = teacher_rows(r["loss_mask"])
@@ -105,7 +114,7 @@ def test_causal_lm_target_text_only(salm):
     conv = Conversation("t", "mem", [{"role": "user", "content": "what did i say ?"},
                                      {"role": "assistant", "content": "you said one ."}])
     p = t.prepare(conv, 0)
-    r = run_batch(t, [p], tap_ids=[0, t.num_layers - 1], top_k=3)[0]
+    r = run_batch(t, [p], SampleSpec(tap_ids=[0, t.num_layers - 1], top_k=3))[0]
     assert r["taps"].shape == (p.length, 2, t.hidden_size) and not r["is_audio"].any()
     with pytest.raises(ValueError, match="text-only"):
         t.prepare(_conv("a", 16000, 0), 0)
@@ -120,7 +129,7 @@ def test_nonfinite_outputs_are_refused_by_the_writer_check(target):
         saved = w.clone()
         w.fill_(float("nan"))
         try:
-            r = run_batch(target, [p], tap_ids=[0], top_k=2)
+            r = run_batch(target, [p], SampleSpec(tap_ids=[0], top_k=2))
         finally:
             w.copy_(saved)
     assert not all_finite(r[0]["taps"])
@@ -141,7 +150,7 @@ def test_features_from_prepare_equal_batched_featurization(target):
 def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, model_type):
     import json
 
-    from capture.load import load_target
+    from capture.targets.load import load_target
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(ValueError) as e:
@@ -167,3 +176,69 @@ def test_a_final_norm_of_no_known_kind_is_refused_in_one_line():
     with pytest.raises(UnsupportedHead, match="ScaleNorm is none of the kinds") as e:
         describe_norm(ScaleNorm())
     assert "\n" not in str(e.value)
+
+
+def _adapters() -> list[type[Target]]:
+    """Every concrete target adapter under capture/targets/ (each module imported, then Target's subclasses)."""
+    for m in pkgutil.walk_packages(capture.targets.__path__, "capture.targets."):
+        importlib.import_module(m.name)
+    out, todo = [], [Target]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("capture.targets.") and not getattr(cls, "__abstractmethods__", None):
+            out.append(cls)
+    return out
+
+
+def test_every_adapter_declares_its_own_kind_and_vllm_support():
+    kinds = {cls: cls.kind for cls in _adapters()}
+    assert len(kinds) >= 7 and all(kinds.values()) and len(set(kinds.values())) == len(kinds), kinds
+    assert set(kinds.values()) >= set(LEGACY_TARGET_KINDS.values())
+    runs = {cls.kind for cls in kinds if cls.vllm_refused is None}
+    assert runs == {"causal_lm", "qwen2_audio"}  # proven equal in tests/engines; the rest say why not
+    refused = [cls.vllm_refused for cls in kinds if cls.kind not in runs]
+    assert all(isinstance(why, str) and len(why) > 40 for why in refused)
+
+
+def test_a_subclass_inherits_neither_the_kind_nor_the_vllm_support():
+    class Renamed(CausalLMTarget):
+        pass
+
+    assert CausalLMTarget.vllm_refused is None
+    assert Renamed.kind == "" and Renamed.vllm_refused == NOT_PROVEN_ON_VLLM
+
+
+def test_vllm_refuses_by_the_adapters_declaration():
+    from capture.targets.hf_speech import Qwen2AudioTarget, Qwen3ASRTarget
+    from capture.vllm.engine import check_target
+    from shards.errors import CaptureError
+
+    check_target(object.__new__(CausalLMTarget))
+    check_target(object.__new__(Qwen2AudioTarget))
+    with pytest.raises(CaptureError, match="does not capture qwen3_asr targets: vLLM's qwen3_asr module imports"):
+        check_target(object.__new__(Qwen3ASRTarget))  # a subclass of Qwen2AudioTarget, refused all the same
+
+
+def test_old_manifests_name_the_target_kind_by_class():
+    assert manifest_target_kind({"target_kind": "Qwen2AudioTarget"}) == "qwen2_audio"
+    assert manifest_target_kind({"target_kind": "NeMoSALMTarget"}) == "nemo_salm"
+    assert manifest_target_kind({"target_kind": "SALMTarget"}) == "salm"
+    assert manifest_target_kind({"target_kind": "salm"}) == "salm"
+    assert manifest_target_kind({"placeholder": None}) is None
+    assert len(LEGACY_TARGET_KINDS) == 7 and all(k.endswith("Target") for k in LEGACY_TARGET_KINDS)
+
+
+def test_a_capture_refuses_a_target_without_a_kind_before_writing(salm, tmp_path):
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+    from tests.capture.util import conv_record, write_manifest
+
+    class Unnamed(SALMTarget):
+        pass
+
+    man = write_manifest(tmp_path / "in.jsonl", [conv_record("u0", "missing.wav")])
+    cfg = CaptureConfig(target=str(tmp_path), out=str(tmp_path / "ds"), data=(("train", str(man)),), progress=False)
+    with pytest.raises(ValueError, match="Unnamed declares no kind"):
+        capture(cfg, target=Unnamed(salm))
+    assert not (tmp_path / "ds").exists()  # nothing written, the --out this run made removed

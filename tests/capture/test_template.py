@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from capture.salm import CHAT_TEMPLATE
+from capture.targets.salm.model import CHAT_TEMPLATE
 from capture.template import MASK_BY_MARKERS, MASK_BY_PREFIX, ChatTemplate
 from demo.target import build_word_tokenizer
 from shards.template import check_template, parse_template_kwargs

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from capture.config import CaptureConfig
-from capture.load import load_target
 from capture.pipeline import capture, summary
+from capture.targets.load import load_target
 from capture.template import ChatTemplate
 from shards.manifest import complete_manifest
 from shards.reader import open_dataset

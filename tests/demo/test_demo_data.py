@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from capture.generate import GenerationConfig, generate
 from capture.inputs import read_jsonl
-from capture.salm import SALM
-from capture.targets import SALMTarget
+from capture.replies.generate import GenerationConfig, generate
+from capture.targets.salm.model import SALM
+from capture.targets.salm.target import SALMTarget
 from demo.data import one_thread, open_workdir, prepare_demo
 from shards.reader import open_dataset
 

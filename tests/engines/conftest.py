@@ -74,10 +74,10 @@ def speech_case(request, tmp_path_factory):
     """A tiny speech LLM (real on-disk layout, a text model vLLM serves), 24 audio conversations with the
     target's own greedy replies, the dataset captured from them, and a DFlash drafter trained on it."""
     from capture.config import CaptureConfig
-    from capture.generate import GenerationConfig
     from capture.pipeline import capture
-    from capture.regenerate import RegenerateConfig, regenerate
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.regenerate import RegenerateConfig, regenerate
+    from capture.replies.windows import ReplyConfig
     from tests.capture import speech_models
     from tests.capture.util import conv_record, write_manifest, write_wav
 

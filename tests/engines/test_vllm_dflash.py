@@ -67,7 +67,7 @@ def speech_requests(case):
     import numpy as np
 
     from capture.inputs import load_audio, read_inputs
-    from capture.load import load_target
+    from capture.targets.load import load_target
     from speculate.run import prompt_length
 
     target = load_target(str(case["target"]))

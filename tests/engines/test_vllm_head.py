@@ -1,5 +1,5 @@
-"""``capture --engine vllm`` loads only the target's head (``capture.head_only``) and proves it against vLLM's own
-next-token log-probs (``capture.vllm_engine.prove_head``): a head that is right passes within fp32 rounding, one
+"""``capture --engine vllm`` loads only the target's head (``capture.targets.head_only``) and proves it against vLLM's own
+next-token log-probs (``capture.vllm.engine.prove_head``): a head that is right passes within fp32 rounding, one
 that scales the logits otherwise is refused before any sample is written."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 def test_the_head_only_target_is_proven_by_vllm_and_a_wrong_head_is_refused(vllm_venv, bpe_target):
     from capture.config import VLLMConfig
     from capture.head import UnsupportedHead
-    from capture.head_only import resident_bytes
-    from capture.load import load_target
-    from capture.vllm_engine import VLLMEngine, layer_ids, prove_head
+    from capture.targets.head_only import resident_bytes
+    from capture.targets.load import load_target
+    from capture.vllm.engine import VLLMEngine, layer_ids, prove_head
     from shards.schema import Layout
 
     target = load_target(bpe_target.target, head_only=True)

@@ -38,10 +38,10 @@ def _conversations(n: int, offset: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def qwen3_5_case(tmp_path_factory):
     from capture.config import CaptureConfig
-    from capture.generate import GenerationConfig
     from capture.pipeline import capture
-    from capture.regenerate import RegenerateConfig, regenerate
-    from capture.replies import ReplyConfig
+    from capture.replies.generate import GenerationConfig
+    from capture.replies.regenerate import RegenerateConfig, regenerate
+    from capture.replies.windows import ReplyConfig
     from tests.capture.util import write_manifest
     from tests.engines.qwen3_5_target import save_qwen3_5
 

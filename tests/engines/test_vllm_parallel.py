@@ -9,7 +9,7 @@ taps within one bf16 step; teacher top-k ids equal except near-ties; log-probs w
   size > 1); every tensor rank holds the whole residual stream after the all-reduce, and only tensor rank 0
   sends (``TapConnector``). The all-reduce sums in another order, so a few taps round to the next bf16 step.
 - DP 2: two independent engines, each with half of every window (``VLLMEngine.states``).
-- PP 2 is refused by vLLM 0.32 itself (``capture.vllm_engine.check_layout`` says where); tapdraft refuses it
+- PP 2 is refused by vLLM 0.32 itself (``capture.vllm.engine.check_layout`` says where); tapdraft refuses it
   first, in one line, and a test checks that this vLLM still refuses it, so a new pin that lifts the limit
   shows up here.
 
@@ -79,7 +79,7 @@ def test_pipeline_parallel_is_one_line_before_anything_is_written(bpe_target, vl
 
 def test_this_vllm_still_refuses_pipeline_parallel_extraction(bpe_target, vllm_venv):
     """The fact check_layout rests on: vLLM's own config check, without starting an engine (~15 s of imports)."""
-    from capture.vllm_engine import PP_REFUSED_THROUGH, _engine_env, _release
+    from capture.vllm.engine import PP_REFUSED_THROUGH, _engine_env, _release
 
     script = textwrap.dedent(f"""
         import json, vllm

@@ -62,7 +62,7 @@ def test_vllm_captures_qwen2_audio_as_the_in_process_engine(vllm_venv, speech_ca
     m = capture(_cfg(speech_case, theirs, "vllm", vllm_venv))
     assert m["complete"] and m["capture_config"]["engine"] == "vllm"
     assert m["fingerprint"] == ref["fingerprint"] and m["layout"] == ref["layout"]
-    assert m["extra"] == ref["extra"] and m["extra"]["target_kind"] == "Qwen2AudioTarget"
+    assert m["extra"] == ref["extra"] and m["extra"]["target_kind"] == "qwen2_audio"
     totals = ("samples", "tokens", "supervised_tokens", "audio_seconds")
     assert {s: {k: d[k] for k in totals} for s, d in m["splits"].items()} == \
         {s: {k: d[k] for k in totals} for s, d in ref["splits"].items()}
@@ -79,8 +79,8 @@ def test_vllm_captures_qwen2_audio_as_the_in_process_engine(vllm_venv, speech_ca
 def test_vllm_capture_stops_when_vllms_expansion_differs(vllm_venv, speech_case, tmp_path, monkeypatch):
     import dataclasses
 
-    from capture import vllm_engine
     from capture.pipeline import capture
+    from capture.vllm import engine as vllm_engine
     from shards.errors import CaptureError
 
     real = vllm_engine.request
@@ -110,8 +110,8 @@ def test_vllm_capture_refuses_in_one_line(vllm_venv, speech_case, tmp_path, kind
         target, extra = tmp_path / "target", []
         getattr(speech_models, f"save_{kind}")(target)
         capsys.readouterr()  # save_pretrained's progress bar
-        why = {"qwen3_asr": "Qwen3ASRTarget targets: vLLM's qwen3_asr module imports torchvision",
-               "granite_speech": "GraniteSpeechTarget targets: vLLM computes Granite Speech's features"}[kind]
+        why = {"qwen3_asr": "qwen3_asr targets: vLLM's qwen3_asr module imports torchvision",
+               "granite_speech": "granite_speech targets: vLLM computes Granite Speech's features"}[kind]
     out = tmp_path / "out"
     code, err = run(["capture", "--target", target, "--data", speech_case["conversations"], "--out", out,
                      "--engine", "vllm", "--vllm-python", vllm_venv / "bin" / "python", *extra], capsys)

@@ -135,7 +135,7 @@ def test_acceptance_by_position_leaves_out_unjudged_drafts():
 def test_live_probabilities_are_the_models_own(family, tmp_path):
     """Live logits go through the target's head once: Granite's division (its forward already divides)
     is not applied twice, Gemma2's soft cap and Phi's biases are applied; sampling sees the model's law."""
-    from capture.load import load_target
+    from capture.targets.load import load_target
     from tests.capture.lm_families import save_family
 
     torch.manual_seed(0)

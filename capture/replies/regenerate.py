@@ -1,0 +1,353 @@
+"""``tapdraft regenerate``: replace assistant turns with the target's own replies, resumably.
+
+A drafter learns the target's distribution best from the target's own replies. For each
+conversation every assistant turn (or only the last) is replaced by what the target says given
+everything before it (earlier turns already replaced), decoded by :mod:`capture.replies.generate`.
+
+Stages, per rank (``rank_slice`` of the input, as capture does):
+
+    windows of ``window`` conversations -> skip those already done (keyed, below)
+    capture.replies.process_window: round r = the r-th regenerated turn of every live conversation,
+        prompt prepared (template's generation prompt, audio decoded), bucketed by prompt +
+        max_new_tokens, generated, checked
+    part file: one JSON line per conversation (its record, or why it was dropped), written atomically
+
+Resume is keyed by a content hash of what the regeneration reads (:func:`prefix_key`: sample id,
+the turns with the replaced ones blanked, audio references), never by row position: a rerun after
+kill -9 skips exactly the conversations whose part is on disk and recomputes the others with the
+same windows, batches and seeds, so the merged file equals an uninterrupted run's. A window's part is
+written whole or not at all, so nothing is duplicated or lost.
+
+Dropped, counted by reason (``--keep-truncated`` keeps truncated replies, marked ``truncated``):
+``truncated`` (max_new_tokens without an end of turn), ``empty``, ``retokenized`` (the reply's text
+renders to other ids than were generated, so a capture of the text would not see the target's
+tokens), ``placeholder`` (the reply holds the audio placeholder, which would read back as an audio),
+``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
+audio that fails to decode, ``too_long`` for the context) is skipped and counted, or stops the run
+with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the
+output shards (atomically), then the sidecar (:mod:`capture.provenance`; counts by reason and the
+first 1000 dropped conversations with their reasons), then removes the parts.
+
+One regeneration writes an output at a time: each rank holds ``shards.lock.exclusive_lock`` on
+``OUT.regenerate-rankNNNNN.lock`` (beside the output, like ``OUT.parts``, so removing the parts never
+removes a held lock) for the whole run; a second one is refused at once, a killed one's lock is stale
+and taken over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from capture.inputs import read_inputs
+from capture.provenance import sidecar_path, target_fingerprint
+from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window
+from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from capture.targets.base import Target
+from shards.atomic import staged
+from shards.lock import exclusive_lock
+from shards.progress import Progress
+from shards.template import read_template_file, template_kwargs, template_sha
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    """One regeneration: target, input, output, how replies are decoded and batched."""
+
+    target: str
+    """Target directory (any kind ``capture.targets.load.load_target`` loads)."""
+    data: str
+    """Input conversations: a JSONL manifest, a directory of JSONL shards, an HF dataset dir or ``hf:NAME[:split]``."""
+    out: str
+    """``FILE.jsonl``, or a directory that receives JSONL shards."""
+    replies: ReplyConfig = field(default_factory=ReplyConfig)
+    """Which turns are rewritten and how they are decoded."""
+    max_samples: int | None = None
+    """Only the first N conversations of the input."""
+    batch_tokens: int = 16384
+    """Padded (prompt + max_new_tokens) tokens per generation batch."""
+    max_batch_size: int = 64
+    """Conversations per generation batch at most."""
+    window: int = 256
+    """Conversations per part file: the unit a resume recomputes."""
+    shard_size: int = 100_000
+    """Conversations per output shard when ``out`` is a directory."""
+    dtype: str = "auto"
+    """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
+    device: str = "auto"
+    """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
+    chat_template: str | None = None
+    """Jinja file replacing the target tokenizer's chat template; None uses the tokenizer's own."""
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Variables the chat template is rendered with (enable_thinking, a system prompt...); in the fingerprint."""
+    llm_config: str | None = None
+    """NeMo SALM checkpoints only: a local directory with the LLM's config.json and tokenizer (as for capture)."""
+    on_error: str = "fail"
+    """Bad input: 'fail' stops with one line (the run stays resumable); 'skip' counts it with its reason. Capture
+    has the same default: a bad input stops a command unless ``--on-error skip`` is given."""
+    progress: bool = True
+    """Show a progress bar with replies/s and tokens/s."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replies, ReplyConfig):
+            raise ValueError("RegenerateConfig.replies must be a ReplyConfig")
+        for name in ("batch_tokens", "max_batch_size", "window", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"RegenerateConfig.max_samples must be >= 1, got {self.max_samples}")
+        if self.on_error not in ("skip", "fail"):
+            raise ValueError(f"RegenerateConfig.on_error must be 'skip' or 'fail', got {self.on_error!r}")
+        object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"RegenerateConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the output: a resume must match it exactly."""
+        return {"data": self.data, **self.replies.to_dict(), "chat_template": self.chat_template,
+                "template_kwargs": dict(self.template_kwargs), "max_samples": self.max_samples,
+                "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
+                "dtype": self.dtype}
+
+
+# ------------------------------------------------------------------------------------------ run, resume, merge
+SETTINGS_FILE = "settings.json"
+
+
+def work_dir(out: str | Path) -> Path:
+    """Where the part files of an unfinished run live (removed once the output is complete)."""
+    return Path(str(out).rstrip("/") + ".parts")
+
+
+def _done_keys(work: Path) -> dict[str, dict[str, Any]]:
+    done: dict[str, dict[str, Any]] = {}
+    for part in sorted(work.glob("r*.jsonl")):
+        for line in part.read_text().splitlines():
+            e = json.loads(line)
+            done.setdefault(e["key"], e)
+    return done
+
+
+def _keyed(items: Iterator[tuple[int, Any]], last_only: bool) -> Iterator[tuple[int, Any, str]]:
+    for gi, item in items:
+        yield gi, item, prefix_key(item, last_only)
+
+
+def _rank_items(cfg: RegenerateConfig, placeholder: str, rank: int, world: int) -> Iterator[tuple[int, tuple]]:
+    """(local index, (global index, item, key)) of this rank's slice."""
+    items = numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples)
+    keyed = _keyed(items, cfg.replies.last_turn_only)
+    return rank_slice(((gi, (gi, item, key)) for gi, item, key in keyed), rank, world)
+
+
+def _check_settings(work: Path, current: dict[str, Any]) -> None:
+    path = work / SETTINGS_FILE
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    for k in sorted(set(old) | set(current)):
+        if old.get(k) != current.get(k):
+            raise ValueError(f"{work} holds an unfinished regeneration with {k}={old.get(k)!r}, this run has "
+                             f"{k}={current.get(k)!r}. Rerun with the original settings to resume, or delete {work}.")
+
+
+def lock_path(out: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s lock file for output ``out``: beside it, removed on release (see ``shards.lock``)."""
+    return Path(str(out).rstrip("/") + f".regenerate-rank{rank:05d}.lock")
+
+
+def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[str, Any]:
+    """Run (or resume) a regeneration; returns the sidecar document plus this run's ``run_stats``.
+
+    This rank holds its exclusive lock on ``cfg.out`` throughout (a second regeneration is refused)."""
+    rank, world = dist_env()
+    with exclusive_lock(lock_path(cfg.out, rank), f"a regeneration (rank {rank})", guards=cfg.out):
+        return {**_regenerate_locked(cfg, target, rank, world), "output": str(Path(cfg.out).resolve())}
+
+
+def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, world: int) -> dict[str, Any]:
+    from capture.targets.load import load_target
+
+    out, work = Path(cfg.out), work_dir(cfg.out)
+    side = sidecar_path(out)
+    if side.is_file():
+        doc = json.loads(side.read_text())
+        if doc.get("settings") != cfg.identity():
+            raise ValueError(f"{cfg.out} already holds a regeneration with other settings; write to another --out")
+        if rank == 0 and work.exists():
+            shutil.rmtree(work)
+        return {**doc, "run_stats": {"already_complete": True}}
+    template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
+    if target is None:
+        device = resolve_device(cfg)
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
+                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
+    elif template is not None or cfg.template_kwargs:
+        target.use_template(template, dict(cfg.template_kwargs))
+    fp = target_fingerprint(target)
+    settings = {**cfg.identity(), "target_fingerprint": fp}
+    _check_settings(work, settings)
+    if rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        if not (work / SETTINGS_FILE).is_file():
+            with staged(work / SETTINGS_FILE) as tmp:
+                tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
+    barrier(world)
+    out_dir = out.parent if out.suffix == ".jsonl" else out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    placeholder = target.input_placeholder
+    stats = RunStats()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        _run_rank(target, cfg, work, fp, out_dir, placeholder, rank, world, stats, t0)
+    stats.seconds = time.perf_counter() - t0
+    barrier(world)
+    run_stats = {"conversations": stats.conversations, "replies": stats.replies, "tokens": stats.tokens,
+                 "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
+    if rank != 0:
+        return {"run_stats": run_stats, "rank": rank}
+    doc = merge(cfg, work, out, placeholder, fp, target.template.text)
+    return {**doc, "run_stats": run_stats}
+
+
+def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_dir: Path, placeholder: str,
+              rank: int, world: int, stats: RunStats, t0: float) -> None:
+    done = _done_keys(work)
+    total = sum(1 for _ in _rank_items(cfg, placeholder, rank, world))
+    n_done = 0
+    with Progress("regenerate", total, enabled=cfg.progress) as bar:
+
+        def report() -> None:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            rates = f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s"
+            bar.update(n_done + stats.conversations, rates)
+
+        for w, chunk in enumerate(windows(_rank_items(cfg, placeholder, rank, world), cfg.window)):
+            todo = [(li, gi, item, key) for li, (gi, item, key) in chunk if key not in done]
+            if not todo:
+                n_done += len(chunk)
+                report()
+                continue
+            n_done += len(chunk) - len(todo)
+            entries = process_window(target, cfg.replies, todo, batch_tokens=cfg.batch_tokens,
+                                     max_batch_size=cfg.max_batch_size, on_error=cfg.on_error, stats=stats,
+                                     fingerprint=fp, out_dir=out_dir, report=report)
+            tag = hashlib.sha256("".join(e["key"] for e in entries).encode()).hexdigest()[:8]
+            with staged(work / f"r{rank:05d}-w{w:07d}-{tag}.jsonl") as tmp:
+                tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
+            report()
+
+
+def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, fingerprint: str,
+          template_text: str | None = None) -> dict[str, Any]:
+    """Every rank's parts -> the output in input order (shards, then the sidecar last); removes the parts."""
+    parts = _done_keys(work)
+    records, counts, drops, seen = [], Counter(), [], set()
+    for gi, item, key in _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples),
+                                cfg.replies.last_turn_only):
+        if key in seen:
+            counts["duplicate"] += 1
+            continue
+        seen.add(key)
+        e = parts.get(key)
+        if e is None:
+            raise AssertionError(f"input {gi} (key {key[:12]}) has no result in {work}: a rank did not finish")
+        if e["status"] == "ok":
+            records.append(e["record"])
+        else:
+            counts[e["status"]] += 1
+            drops.append({k: e[k] for k in ("sample_id", "status", "message")})
+    total = len(seen) + counts["duplicate"]
+    if not records and total:
+        shutil.rmtree(work, ignore_errors=True)  # nothing to resume: a rerun should change a setting
+        raise ValueError(f"regenerate wrote nothing: all {total} conversation(s) were dropped "
+                         f"({_counted(counts)}). {drop_advice(counts, cfg, drops)} Nothing was written to {out.resolve()}.")
+    if len(records) < total / 2:
+        warnings.warn(f"regenerate kept only {len(records)} of {total} conversations (dropped {_counted(counts)}). "
+                      f"{drop_advice(counts, cfg, drops)}", stacklevel=2)
+    if out.suffix == ".jsonl":
+        files = [out]
+        chunks = [records]
+    else:
+        n = max(1, -(-len(records) // cfg.shard_size))
+        files = [out / f"regenerated-{i:05d}-of-{n:05d}.jsonl" for i in range(n)]
+        chunks = [records[i * cfg.shard_size:(i + 1) * cfg.shard_size] for i in range(n)]
+    for path, chunk in zip(files, chunks):
+        with staged(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chunk))
+    doc = {
+        "complete": True,
+        "target": cfg.target,
+        "target_fingerprint": fingerprint,
+        "settings": cfg.identity(),
+        "generation": cfg.replies.generation.to_dict(),
+        "chat_template": {"sha256": template_sha(template_text), "kwargs": dict(cfg.template_kwargs)},
+        "replies_from_target": cfg.replies.from_target,
+        "files": [p.name for p in files],
+        "counts": {"conversations": total, "written": len(records), "dropped": dict(sorted(counts.items()))},
+        "dropped": drops[:1000],
+    }
+    with staged(sidecar_path(out)) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    shutil.rmtree(work, ignore_errors=True)
+    return doc
+
+
+def _counted(counts: Counter) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in counts.most_common())
+
+
+_ADVICE = {
+    "truncated": "The target did not end its replies within --max-new-tokens {max_new_tokens}: raise --max-new-tokens, "
+                 "or check that the target ends its turns (its end-of-turn token and chat template; a base or "
+                 "random-init model never does); --keep-truncated keeps such replies, marked.",
+    "empty": "The target replied with nothing: check the chat template's generation prompt (--chat-template).",
+    "retokenized": "The replies' text does not tokenize back to the generated ids: check the tokenizer's "
+                   "decode/encode round trip (special tokens in replies).",
+    "placeholder": "The target wrote the audio placeholder into its replies: it is not trained for this prompt format.",
+    "generation_error": "The target produced NaN/Inf logits: try --dtype float32.",
+    "bad_input": "Fix the inputs (first: {first}).",
+    "no_user_turn": "The conversations have no user turn before the assistant's: check the input's roles.",
+    "too_long": "The prompts do not fit the target's context: shorten them or lower --max-new-tokens.",
+    "duplicate": "The input repeats the same conversations.",
+}
+
+
+def drop_advice(counts: Counter, cfg: RegenerateConfig, drops: list[dict[str, Any]]) -> str:
+    """What to do about the most common drop reason (one sentence or two)."""
+    top = counts.most_common(1)[0][0]
+    first = next((f"{d['sample_id']!r}: {d['message']}" for d in drops if d["status"] == top), "")
+    return _ADVICE.get(top, "See the sidecar's list of dropped conversations.").format(
+        max_new_tokens=cfg.replies.generation.max_new_tokens, first=first)
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """One screen: written and dropped counts by reason, this run's rates."""
+    c, rs = doc["counts"], doc.get("run_stats", {})
+    out = Path(doc.get("output", ""))
+    where = out.parent if out.suffix == ".jsonl" else out
+    lines = [f"{c['written']} of {c['conversations']} conversations written to "
+             f"{', '.join(str(where / f) for f in doc['files'])}; "
+             f"dropped {c['dropped'] or 0}"]
+    if rs.get("already_complete"):
+        lines.append("already complete; nothing to do")
+    elif rs.get("seconds"):
+        s = rs["seconds"]
+        lines.append(f"this run: {rs['replies']} replies, {rs['tokens']:,} tokens in {s:.1f}s = "
+                     f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s")
+    g = doc["generation"]
+    lines.append(("greedy" if g["greedy"] else f"sampled (temperature {g['temperature']}, top_p {g['top_p']}, "
+                  f"seed {g['seed']})") + f", max_new_tokens {g['max_new_tokens']}, target "
+                 f"{doc['target_fingerprint'][:12]}; replies_from_target={doc['replies_from_target']}")
+    return "\n".join(lines)

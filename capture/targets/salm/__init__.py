@@ -1,0 +1,1 @@
+"""tapdraft's own SALM: the model directory (model) and its adapter (target)."""

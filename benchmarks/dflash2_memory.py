@@ -28,8 +28,8 @@ import torch
 from benchmarks.common import peak_memory_growth, write_result
 from shards.bundle import TargetBundle
 from shards.schema import Layout
-from train.dflash2 import DFlash2Config, DFlash2Drafter
-from train.drafter import combine_terms
+from train.drafters.base import combine_terms
+from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
 
 V = 151_936
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from train.acceptance import UNREACHED, AcceptanceCounts, alpha_text, tau_from_alpha
 from train.data import BatchStream, collate, has_targets, to_device, truncate
+from train.drafters.common.teacher import last_hidden_source
 from train.run import Trained, load_trained
-from train.teacher import last_hidden_source
 
 
 def evaluate(

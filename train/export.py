@@ -5,11 +5,11 @@ engines share the target's own. Engines compute draft logits with the target's l
 with ``logits_scaling_folded_into`` names the draft's last norm weight, which is exported divided by
 the target's ``logits_scaling`` so those logits are exactly tapdraft's (weights named in
 ``logits_scaling_compensated_in``, which read that norm's output too, are multiplied by it). A config
-with ``auto_map`` gets its modeling file from ``train/serving/`` (DFlash: ``AutoModel`` builds the drafter).
+with ``auto_map`` gets its modeling file from ``drafters/dflash/serving/`` (DFlash: ``AutoModel`` builds the drafter).
 ``config.json`` carries the architecture fields (Qwen3 names),
 ``block_size``, ``mask_token_id``, ``target_layer_ids`` in HF numbering (output of decoder layer i)
 and ``target_layer_ids_vllm`` (= i + 1), ``draft_vocab_size`` with ``d2t`` / ``t2d`` in the weights when the
-draft has a reduced vocabulary (EAGLE-3's convention, ``train.draft_vocab``), plus ``dflash_config`` in the
+draft has a reduced vocabulary (EAGLE-3's convention, ``common.draft_vocab``), plus ``dflash_config`` in the
 reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
@@ -33,10 +33,10 @@ import torch
 
 from shards.atomic import staged
 from shards.template import template_sha
-from train.mtp_layouts import convert
-from train.speculators_layout import to_speculators
+from train.drafters.dflash.speculators import to_speculators
+from train.drafters.mtp.layouts import convert
 
-SERVING_DIR = Path(__file__).parent / "serving"
+SERVING_DIR = Path(__file__).parent / "drafters" / "dflash" / "serving"
 """Self-contained modeling files (torch + transformers only) copied into exports whose config names them in
 ``auto_map``, so ``AutoModel.from_pretrained(export, trust_remote_code=True)`` builds the exact drafter."""
 WEIGHTS = "model.safetensors"
@@ -72,8 +72,8 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
 
 def in_layout(weights: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str | None, *,
               verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Weights and config in the requested loader layout: MTP heads ``train.mtp_layouts``; DFlash / DFlash2 their
-    native layout or ``speculators`` (``train.speculators_layout``, naming the ``verifier``)."""
+    """Weights and config in the requested loader layout: MTP heads ``mtp.layouts``; DFlash / DFlash2 their
+    native layout or ``speculators`` (``train.drafters.dflash.speculators``, naming the ``verifier``)."""
     family = cfg.get("tapdraft", {}).get("family")
     if family == "mtp":
         return convert(weights, cfg, layout or "deepseek")
@@ -96,7 +96,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
                layout: str | None = None, verifier: str | None = None) -> dict[str, Any]:
     """Export a run's latest (or the given) checkpoint; returns a summary dict.
 
-    ``layout``: for MTP heads, the loader's layout (``train.mtp_layouts.LAYOUTS``; default ``deepseek``);
+    ``layout``: for MTP heads, the loader's layout (``train.drafters.mtp.layouts.LAYOUTS``; default ``deepseek``);
     DFlash and DFlash2: the native layout, or ``speculators`` (which names the target: ``verifier``)."""
     from train.checkpoints import latest_checkpoint, load_checkpoint
 

@@ -7,7 +7,7 @@ a checkpoint of another config), then runs AdamW with linear warmup + cosine dec
 clipping, bf16 autocast on GPU and gradient accumulation; DDP when launched by torchrun (gloo on
 CPU, nccl on GPU).
 
-Loss normalisation is ``train.drafter.combine_terms`` (each term over its own DP-global count).
+Loss normalisation is ``train.drafters.base.combine_terms`` (each term over its own DP-global count).
 Anchor sampling draws from a generator seeded by ``derive_seed(seed, "anchors", step, micro, rank)``,
 so a run is a pure function of its config and data, and resume is exact: a checkpoint holds the
 draft, optimizer, scheduler, step and every rank's reader state.
@@ -43,14 +43,14 @@ import torch.distributed as dist
 
 from shards.errors import Interrupted, StopSignals
 from shards.progress import Progress
-from train.acceptance import tau_from_alpha
-from train.config import RESUME_MUTABLE, RunConfig
-from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train import draft_vocab
-from train.drafter import Drafter, combine_terms, reduce_metrics
+from train.acceptance import tau_from_alpha
 from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.config import RESUME_MUTABLE, RunConfig
 from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
+from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
+from train.drafters.base import Drafter, combine_terms, reduce_metrics
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state

@@ -31,7 +31,7 @@ from shards.template import check_template
 from train.checkpoints import latest_checkpoint, load_checkpoint
 from train.config import RunConfig
 from train.data import derive_seed
-from train.drafter import Drafter, get_family
+from train.drafters.base import Drafter, get_family
 from train.source import DataSource, check_trained_template, open_source
 
 CONFIG_FILE = "config.json"

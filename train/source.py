@@ -2,7 +2,7 @@
 a dataset before any step (target fingerprint, hidden size, supervised tokens, chat-template settings,
 the family's own ``check_dataset``).
 
-``train.loop``, ``train.draft_vocab`` and ``train.run.load_trained`` open data through here; only
+``train.loop``, ``train.drafters.common.draft_vocab`` and ``train.run.load_trained`` open data through here; only
 ``shards.reader`` knows how the bytes are read.
 """
 
@@ -16,7 +16,7 @@ from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from shards.template import check_template, read_template_file
 from train.config import RunConfig
-from train.drafter import get_family
+from train.drafters.base import get_family
 
 
 class DataSource:

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from dflash_fixtures import supervised_slots, synthetic_samples, tiny_bundle, tiny_layout
+from train.acceptance import acceptance_counts
 from train.data import collate
-from train.dflash import DFlashConfig, DFlashDrafter, acceptance_counts, allocate_anchor_counts, sample_anchors
+from train.drafters.dflash.anchors import allocate_anchor_counts, sample_anchors
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
 from train.export import export_drafter
 
 
@@ -243,7 +246,7 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
     import dataclasses as dc
     import json as js
 
-    from train.dflash import default_mask_id
+    from train.drafters.dflash.config import default_mask_id
 
     bundle, layout, _ = setup
     V = bundle.vocab_size
@@ -272,7 +275,7 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
 def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
     """Offline acceptance walks every eligible anchor of every sequence (not the training cap), and chunking the
     anchors to bound memory changes nothing."""
-    from train.dflash2 import DFlash2Config, DFlash2Drafter
+    from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
 
     bundle, layout, samples = setup
     batch = collate(samples)
@@ -335,7 +338,7 @@ def test_mask_never_falls_back_to_an_all_zero_embedding_row(setup):
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from train.dflash import default_mask_id
+    from train.drafters.dflash.config import default_mask_id
 
     hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0))
@@ -371,7 +374,7 @@ def test_a_full_vocabulary_uses_its_unk_token_silently_when_pad_is_a_zero_row(se
     import dataclasses as dc
     import json as js
 
-    from train.dflash import default_mask_id
+    from train.drafters.dflash.config import default_mask_id
 
     bundle, layout, _ = setup
     V = bundle.vocab_size

@@ -8,9 +8,10 @@ import torch
 from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
 from train.config import load_run_config
 from train.data import collate
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.dflash2 import DFlash2Config, DFlash2Drafter, SublayerConv
-from train.drafter import combine_terms
+from train.drafters.base import combine_terms
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter, SublayerConv
 
 
 @pytest.fixture(scope="module")

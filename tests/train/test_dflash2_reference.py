@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
-from train.dflash2 import DFlash2Config, DFlash2Drafter
+from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
 from train.export import load_export, export_drafter
 
 B, LAYERS = 4, 2

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.drafter import combine_terms
+from train.drafters.base import combine_terms
 
 
 def _free_port():

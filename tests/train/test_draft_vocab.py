@@ -12,15 +12,16 @@ from transformers import AutoModel
 from dflash_fixtures import (away_from_init, supervised_slots, synthetic_samples, tiny_bundle, tiny_dataset,
                              tiny_layout)
 from shards.head import final_norm
+from shards.reader import open_dataset
+from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
 from train.config import load_run_config
 from train.data import collate
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.dflash2 import DFlash2Config
-from train.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
+from train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.model import DFlash2Config
 from train.export import export_run, load_export
 from train.loop import train
-from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
-from shards.reader import open_dataset
 
 
 def test_subset_rule_counts_ties_forced_and_fill():

@@ -11,12 +11,12 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.train.test_mtp import V, H, L, batch_of, tiny_bundle, tiny_layout
-from train.drafter import combine_terms
-from train.draft_vocab import DraftVocab
-from train.eagle3 import Eagle3Config, Eagle3Drafter
+from train.drafters.base import combine_terms
+from train.drafters.common.chain import IGNORE
+from train.drafters.common.draft_vocab import DraftVocab
+from train.drafters.common.mask import eagle3_dense_mask
+from train.drafters.eagle3.model import Eagle3Config, Eagle3Drafter
 from train.export import export_drafter, load_export
-from train.mask import eagle3_dense_mask
-from train.mtp_targets import IGNORE
 
 TAPS = (0, 1, 2, L - 1)
 
@@ -356,7 +356,7 @@ def _ddp_worker(rank, world, port, root, out):
 
 @pytest.mark.slow
 def test_loop_under_two_gloo_ranks(tmp_path, mem):
-    from train.run import latest_checkpoint, load_checkpoint
+    from train.checkpoints import latest_checkpoint, load_checkpoint
 
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(mem.path), str(tmp_path / "run")), nprocs=2, join=True)
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout, write_synthetic_dataset
+from shards.errors import LockedError
+from shards.schema import Layout
+from train.checkpoints import latest_checkpoint, load_checkpoint
 from train.config import load_run_config
-from train.dflash import DFlashDrafter
+from train.drafters.dflash.model import DFlashDrafter
 from train.evaluate import evaluate
 from train.export import export_run, load_export
 from train.loop import train
-from shards.schema import Layout
-from shards.errors import LockedError
-from train.checkpoints import latest_checkpoint, load_checkpoint
 from train.run import run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",

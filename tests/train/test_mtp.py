@@ -8,17 +8,10 @@ import torch
 from shards.bundle import TargetBundle
 from shards.schema import Layout, teacher_rows
 from train.data import collate
-from train.drafter import combine_terms
+from train.drafters.base import combine_terms
+from train.drafters.common.chain import IGNORE, depth_targets, doc_end_from_lengths, next_token_labels
+from train.drafters.mtp.model import MTPConfig, MTPDrafter, load_exported
 from train.export import export_drafter
-from train.mtp import (
-    IGNORE,
-    MTPConfig,
-    MTPDrafter,
-    depth_targets,
-    doc_end_from_lengths,
-    load_exported,
-    next_token_labels,
-)
 
 V, H, L = 40, 16, 4
 

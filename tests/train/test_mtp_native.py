@@ -1,4 +1,4 @@
-"""The target's own MTP module (``train.mtp_native``): Qwen3.5's block against a float64 re-implementation of
+"""The target's own MTP module (``train.drafters.mtp_native``): Qwen3.5's block against a float64 re-implementation of
 vLLM's module, initialised from the checkpoint's ``mtp.*``, what it refuses, and the export's copy of the target."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tests.engines import vllm_qwen3_5_mtp as ref
 from tests.engines.qwen3_5_target import save_qwen3_5
-from train.mtp_native import MTPNativeConfig, Qwen3_5MTP, read_checkpoint, text_config
+from train.drafters.mtp_native.model import MTPNativeConfig, Qwen3_5MTP, read_checkpoint, text_config
 
 
 @pytest.fixture(scope="module")

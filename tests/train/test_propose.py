@@ -12,10 +12,11 @@ from shards.bundle import TargetBundle
 from shards.schema import Layout
 from tests.train.dflash_fixtures import away_from_init
 from train.data import collate
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.dflash2 import DFlash2Config, DFlash2Drafter
-from train.drafter import Drafter
-from train.mtp import MTPConfig, MTPDrafter
+from train.drafters.base import Drafter
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+from train.drafters.mtp.model import MTPConfig, MTPDrafter
 
 V, H, L, T = 48, 16, 4, 20
 

@@ -1,6 +1,6 @@
-"""MTP's training loss: one term per depth over the rows whose target is known (the model is ``train.mtp``).
+"""MTP's training loss: one term per depth over the rows whose target is known (the model is ``mtp.model``).
 
-Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.divergences``):
+Losses: ``ce`` on the dataset's labels (default) or ``lk`` (``train.drafters.common.divergences``):
 lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row t + k (the row that
 predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row
 projection (gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the
@@ -18,15 +18,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.chunks import map_row_chunks
-from train.divergences import kl_tv_full, kl_tv_topk, lk_loss
-from train.drafter import LossOutput
 from train.acceptance import acceptance_metrics
-from train.mtp_targets import IGNORE, chain_counts
+from train.drafters.base import LossOutput
+from train.drafters.common.chain import IGNORE, chain_counts
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
 
 
 class MTPLoss:
-    """The training half of :class:`train.mtp.MTPDrafter` (a mixin of it): ``forward`` and its per-row CE and
+    """The training half of :class:`MTPDrafter` (``mtp.model``) (a mixin of it): ``forward`` and its per-row CE and
     LK losses. It reads the drafter's config, ``run_depths``, ``logits``, ``teacher`` and ``teacher_kind``."""
 
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:

@@ -8,10 +8,10 @@ Model (DESIGN section 4):
              its own k/v and prepends it to the block's K/V (context rows are never queried)
     final RMSNorm -> the target's FROZEN head (lm_head, bias, scaling, soft cap: shards.head) -> slot k
              predicts input_ids[a + k]; block tokens are embedded as the target embeds them (embed_scale)
-Visibility (``train.mask``): block j sees context positions < anchor_j and its own block.
+Visibility (``train.drafters.common.mask``): block j sees context positions < anchor_j and its own block.
 
-Settings are ``train.dflash_config``, anchors ``train.anchors``, and the training loss, with its
-loss-row budget and the reduced draft vocabulary, ``train.dflash_loss`` (a mixin of the drafter);
+Settings are ``dflash.config``, anchors ``dflash.anchors``, and the training loss, with its
+loss-row budget and the reduced draft vocabulary, ``train.drafters.dflash.loss`` (a mixin of the drafter);
 this module is the model, its evaluation and its export.
 
 Module names match the DFlash reference release (``fc``, ``hidden_norm``, ``layers.N.self_attn.q_proj``,
@@ -30,21 +30,16 @@ from torch import nn
 from shards.head import embed, head_spec, project, teacher_logits
 from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
-from train.anchors import allocate_anchor_counts, sample_anchors
-from train.chunks import map_row_chunks
-from train.dflash_config import ATTENTION, KD_MODES, MASK_TOKEN, DFlashConfig, default_mask_id, tokenizer_ids
-from train.dflash_loss import DFlashLoss
-from train.divergences import kl_tv_full
-from train.drafter import Drafter, one_sequence_batch, pick_tokens
-from train.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from train.losses import slot_weights
-from train.mask import dense_mask, flex_block_mask
-from train.teacher import exact_last_tap, last_hidden, require_last_hidden
-
-__all__ = [  # the names other modules import from here (some now live in the modules above)
-    "ATTENTION", "CONFIG", "DRAFTER", "KD_MODES", "MASK_TOKEN", "DFlashConfig", "DFlashDrafter", "acceptance_counts",
-    "allocate_anchor_counts", "default_mask_id", "sample_anchors", "tokenizer_ids",
-]
+from train.drafters.base import Drafter, one_sequence_batch, pick_tokens
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import kl_tv_full
+from train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from train.drafters.common.losses import slot_weights
+from train.drafters.common.mask import dense_mask, flex_block_mask
+from train.drafters.common.teacher import exact_last_tap, last_hidden, require_last_hidden
+from train.drafters.dflash.anchors import sample_anchors
+from train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
+from train.drafters.dflash.loss import DFlashLoss
 
 
 class DFlashDrafter(DFlashLoss, Drafter):

@@ -7,7 +7,7 @@ Two sources, both read per row:
   final norm -> lm_head -> logits scaling, as the bundle's head spec says). This is the target's
   own distribution for that row, exactly; the projection happens inside the loss's row chunks.
 - top-k: the stored top-k ids and log-probabilities (under the full softmax) of the row, with the
-  tail as one extra bin (``train.divergences.kl_tv_topk``, exact lumped-tail form).
+  tail as one extra bin (``train.drafters.common.divergences.kl_tv_topk``, exact lumped-tail form).
 
 Row convention: the teacher row that predicts the token at position t + 1 is row t. A DFlash slot
 k of anchor a predicts the token at a + k, so its teacher row is a + k - 1.

@@ -4,7 +4,7 @@ A target that ships an MTP module is served with it by engines (vLLM ``speculati
 "num_speculative_tokens": K}``), which build that module from the TARGET's config and load the checkpoint's
 own ``mtp.*`` tensors. So the drafter here is that module exactly, initialised from the checkpoint's
 ``mtp.*`` weights (``drafter.checkpoint``: the target's directory; transformers drops ``mtp.*`` on load,
-so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.mtp_loss``)
+so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.drafters.mtp.loss``)
 and exported as a copy of the target checkpoint with the fine-tuned ``mtp.*`` swapped in
 (``train.export.export_native``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
 beside the target (or alone: the copy is the whole target).
@@ -22,10 +22,10 @@ modules are transformers' own (``modeling_qwen3_5``), so the block is the checkp
 construction; ``tests/train/test_mtp_native.py`` checks them against a float64 re-implementation of
 vLLM's module. One depth (``num_speculative_tokens: 1``): vLLM drafts a second token by running ``layers[0]``
 again at the NEXT position over its own cache, with ``norm``'s output as the hidden state, which
-``train.mtp``'s depth chain (depth k at row t, shifted inputs) does not reproduce, so ``num_depths`` is 1.
+``mtp.model``'s depth chain (depth k at row t, shifted inputs) does not reproduce, so ``num_depths`` is 1.
 
 Targets WITHOUT an MTP module: no engine serves a bolt-on head today (vLLM's MTP loaders build the module
-from the target's own config, so a tapdraft head over a Qwen3 target loads nowhere); ``train.mtp`` trains
+from the target's own config, so a tapdraft head over a Qwen3 target loads nowhere); ``train.drafters.mtp.model`` trains
 such heads for offline study and ``tapdraft speculate`` only.
 
 Shapes: Bs batch, T positions, H hidden.
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.drafter import Drafter
+from train.drafters.base import Drafter
+from train.drafters.mtp.model import MTPConfig, MTPDrafter
 from train.export import weight_files
-from train.mtp import MTPConfig, MTPDrafter
 
 MODEL_TYPES = ("qwen3_5_text",)
 """Target ``model_type`` values whose own MTP module this family builds."""

@@ -97,8 +97,8 @@ class DraftVocabMixin:
             return None
         ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
         if int(ids[0]) < 0:
-            raise RuntimeError("the draft vocabulary was never set: train.draft_vocab.setup (or loading a checkpoint) "
-                               "fills it before the drafter runs")
+            raise RuntimeError("the draft vocabulary was never set: train.drafters.common.draft_vocab.setup (or "
+                               "loading a checkpoint) fills it before the drafter runs")
         return ids
 
 

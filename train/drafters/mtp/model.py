@@ -8,34 +8,34 @@ Depth k = 1..D at position t predicts the token at t + k + 1 from
     h^k     = Block_k(W_k [e ; h])                                   (embedding FIRST, 2H -> H)
     logits  = head(FinalNorm_k(h^k))        (the frozen target head: lm_head, bias, scaling, soft cap)
 
-with one causal Qwen3 decoder block per depth (``train.layers.DecoderLayer``), or one physical
+with one causal Qwen3 decoder block per depth (``train.drafters.common.layers.DecoderLayer``), or one physical
 head serving every depth (``use_repeated_layer``). The recursion (``recursion``) feeds depth k + 1
 either h^k (the block's output, before FinalNorm_k) as DeepSeek-V3 does (``pre_norm``, default), or
 FinalNorm_k(h^k) as the Qwen3-Next / NeMo Automodel MTP modules do (``post_norm``); a head with more
 than one depth exports to those layouts only when it was trained with their recursion
-(``train.mtp_layouts``).
+(``train.drafters.mtp.layouts``).
 
-Alignment (``train.mtp_targets``): depth k's target at t is the token at t + k + 1 when it is
+Alignment (``train.drafters.common.chain``): depth k's target at t is the token at t + k + 1 when it is
 supervised and inside t's sequence. Audio positions' input embeddings come from the dataset's
 ``audio_embeds`` when it stores them; otherwise a row whose input x_{t+k} is an audio frame is
 masked and counted (the metric ``mtp_rows_audio_masked`` is their share of the supervised rows);
 its input is then the sentinel id's embedding, which later rows still attend to (the only
 approximation, and only without audio_embeds).
 
-Losses (``train.mtp_loss``, a mixin of the drafter): ``ce`` on the dataset's labels or ``lk`` against
+Losses (``train.drafters.mtp.loss``, a mixin of the drafter): ``ce`` on the dataset's labels or ``lk`` against
 the frozen target, one term per depth.
 
 Training mode: ``head_only`` (the heads train; the embedding, final norm and lm_head from the
 bundle are frozen buffers). The dataset holds no backbone, so a mode that trains it is refused.
 
-Names (``train.mtp_heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
+Names (``train.drafters.mtp.heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
 
 Serving: NO engine serves these bolt-on heads today. vLLM's ``method: "mtp"`` builds the MTP module from
 the TARGET's own config (a Qwen3 target has none: ``Qwen3NextMTP`` over a ``Qwen3Config`` fails on
 ``num_experts``), ``model_type tapdraft_mtp`` is unknown to every loader, and NeMo's speechlm2 has no MTP.
-The export layouts (``train.mtp_layouts``) are for converters and offline study; live decoding is
+The export layouts (``train.drafters.mtp.layouts``) are for converters and offline study; live decoding is
 ``tapdraft speculate``'s. A target that ships its own MTP module (Qwen3.5) trains that module instead,
-which vLLM serves as the target's MTP: family ``mtp_native`` (``train.mtp_native``).
+which vLLM serves as the target's MTP: family ``mtp_native`` (``train.drafters.mtp_native.model``).
 
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
@@ -51,19 +51,16 @@ from torch import nn
 
 from shards.head import embed, final_norm, head_spec, project, teacher_logits
 from train.acceptance import AcceptanceCounts
-from train.chunks import map_row_chunks
-from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
-from train.drafter import Drafter, layer_shape, one_sequence_batch, pick_tokens
-from train.layers import RotaryEmbedding
-from train.mtp_heads import MTPHead, _Model
-from train.mtp_loss import MTPLoss
-from train.mtp_targets import IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
-from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.base import Drafter, layer_shape, one_sequence_batch, pick_tokens
+from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
+                                         next_token_labels, shift_left)
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafters.common.layers import RotaryEmbedding
+from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.mtp.heads import MTPHead, _Model
+from train.drafters.mtp.loss import MTPLoss
 
-__all__ = [  # the names other modules import from here (some now live in the modules above)
-    "CONFIG", "DRAFTER", "IGNORE", "LOSS_TYPES", "RECURSIONS", "TEACHERS", "TRAINING_MODES", "MTPConfig", "MTPDrafter",
-    "MTPHead", "depth_targets", "doc_end_from_lengths", "load_exported", "next_token_labels",
-]
 
 LOSS_TYPES = ("ce", "lk")
 TRAINING_MODES = ("head_only",)
@@ -127,7 +124,6 @@ class MTPConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{name} must be positive or null, got {v}")
-
 
 
 class MTPDrafter(MTPLoss, Drafter):

@@ -9,10 +9,10 @@ Model (EAGLE-3, Li et al. 2025; the layout vLLM's ``llama_eagle3.py`` / ``qwen3_
             r = h + Attn(x)          (q/k/v take 2H, o_proj gives H; Qwen3 QK-norm, or plain Llama)
             r = r + MLP(post_attention_layernorm(r))                               r^j_t: the next step's h
     logits  = lm_head(norm(r^j_t))   (the draft's OWN head [N, H], initialised from the target's rows;
-                                      N = the draft vocabulary, ``train.draft_vocab``) -> predicts x_{t+j+2}
+                                      N = the draft vocabulary, ``common.draft_vocab``) -> predicts x_{t+j+2}
 
 Embeddings are the target's frozen table looked up raw (vLLM's drafter embeds without any scale; its
-RMSNorm makes a scale irrelevant). The training-time test (``train.mask``, EAGLE-3 section): step j's
+RMSNorm makes a scale irrelevant). The training-time test (``train.drafters.common.mask``, EAGLE-3 section): step j's
 chain at row t attends the step-0 keys of positions <= t (fed by the target) and its own keys of steps
 1..j, exactly what live drafting sees, so teacher-forced acceptance is the live one; tokens are the
 dataset's (a greedy chain only goes on while its drafts equal them), hidden states the draft's own.
@@ -21,11 +21,11 @@ Taps (``shards.taps.eagle3_tap_ids``): by default the low / middle / high triple
 spread, so the default dataset trains EAGLE-3 beside DFlash and MTP; a dataset without it trains on the
 first, middle and last of its stored taps below the last layer (with a warning), or ``target_layer_ids``.
 
-Alignment is MTP's (``train.mtp_targets``): step j at row t predicts the token at t + j + 2, valid when it
+Alignment is MTP's (``train.drafters.common.chain``): step j at row t predicts the token at t + j + 2, valid when it
 is supervised and inside the sequence; its teacher row is t + j + 1. Rows whose input token is an audio
 frame the dataset cannot embed (no ``audio_embeds``) are masked, as MTP masks them.
 
-Losses (``train.eagle3_loss``): forward KL against the teacher rows (default; EAGLE-3's own objective), CE
+Losses (``train.drafters.eagle3.loss``): forward KL against the teacher rows (default; EAGLE-3's own objective), CE
 on the dataset's labels, or LK; step j weighs ``step_decay ** j`` (EAGLE-3: 0.8), each step its own term.
 
 Shapes: Bs batch, T positions, Q chain rows, H hidden, V target vocab, N draft vocab, K steps.
@@ -45,15 +45,16 @@ from torch import nn
 from shards.head import head_spec, teacher_logits
 from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts
-from train.chunks import map_row_chunks
-from train.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
-from train.draft_vocab import DraftVocab
-from train.drafter import Drafter, layer_shape, one_sequence_batch, pick_tokens
-from train.eagle3_loss import Eagle3Loss
-from train.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
-from train.mask import eagle3_block_mask, eagle3_dense_mask
-from train.mtp_targets import IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths, next_token_labels, shift_left
-from train.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.base import Drafter, layer_shape, one_sequence_batch, pick_tokens
+from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
+                                         next_token_labels, shift_left)
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafters.common.draft_vocab import DraftVocab
+from train.drafters.common.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from train.drafters.common.mask import eagle3_block_mask, eagle3_dense_mask
+from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.eagle3.loss import Eagle3Loss
 
 LOSS_TYPES = ("kl", "ce", "lk")
 TEACHERS = ("auto", "exact", "topk")
@@ -89,7 +90,7 @@ class Eagle3Config:
     step_decay: float = 0.8
     """Step j's loss weight is step_decay ** j (EAGLE-3's 0.8)."""
     draft_vocab: int | None = None
-    """N: the draft's vocabulary (train.draft_vocab; vLLM's draft_vocab_size with d2t); None = the target's."""
+    """N: the draft's vocabulary (common.draft_vocab; vLLM's draft_vocab_size with d2t); None = the target's."""
     train_lm_head: bool = True
     """Train the draft's own lm_head (EAGLE-3 does); false keeps the target's rows frozen."""
     attention: str = "dense"
@@ -358,7 +359,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
         """Teacher-forced chains over the steps (a row counts at step k only if steps 1..k all agree), and the
-        greedy rounds replayed on them (``train.mtp_targets.chain_acceptance``)."""
+        greedy rounds replayed on them (``train.drafters.common.chain.chain_acceptance``)."""
         run = self.run_steps(batch)
         hits = []
         for h, tgt in zip(run["h"], run["targets"]):

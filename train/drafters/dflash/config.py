@@ -3,8 +3,8 @@
 ``DFlashConfig`` is validated in ``__post_init__``; its None fields are filled from the target by
 ``resolve``, which also refuses a dataset that cannot feed the draft. The default mask token is a
 dedicated id past every id the tokenizer uses, as the reference DFlash drafters add ``<|MASK|>``
-(``default_mask_id``). The model is ``train.dflash``; the loss-row budget ``train_anchors`` bounds
-is explained in ``train.dflash_loss``.
+(``default_mask_id``). The model is ``train.drafters.dflash.model``; the loss-row budget ``train_anchors`` bounds
+is explained in ``train.drafters.dflash.loss``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shards.taps import default_tap_ids
-from train.drafter import layer_shape
+from train.drafters.base import layer_shape
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
@@ -71,7 +71,7 @@ class DFlashConfig:
     """Std of the normal init of draft linear layers."""
     draft_vocab: int | None = None
     """Reduced draft vocabulary (off: None): logits over only the N target tokens most frequent at the training
-    split's supervised positions (plus eos), mapped back to target ids for verification (``train.draft_vocab``)."""
+    split's supervised positions (plus eos), mapped back to target ids for verification (``common.draft_vocab``)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -2,7 +2,7 @@
 
 Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervised or past the
 sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
-whose target is IGNORE are invalid (``train.mtp`` also masks the rows whose input is an audio frame it
+whose target is IGNORE are invalid (``train.drafters.mtp.model`` also masks the rows whose input is an audio frame it
 cannot embed).
 
 The chained drafters (MTP's depths, EAGLE-3's steps) share this alignment and :func:`chain_acceptance`.
@@ -76,7 +76,6 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
         valid=torch.stack(valid).double().cpu(),
         blocks=int(valid[0]),
     )
-
 
 
 def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss_mask: torch.Tensor) -> AcceptanceCounts:

@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 FAMILIES: dict[str, str] = {
-    "dflash": "train.dflash",
-    "dflash2": "train.dflash2",
-    "mtp": "train.mtp",
-    "eagle3": "train.eagle3",
-    "mtp_native": "train.mtp_native",
+    "dflash": "train.drafters.dflash.model",
+    "dflash2": "train.drafters.dflash2.model",
+    "mtp": "train.drafters.mtp.model",
+    "eagle3": "train.drafters.eagle3.model",
+    "mtp_native": "train.drafters.mtp_native.model",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 

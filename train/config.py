@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from shards.template import template_kwargs as canonical_template_kwargs
-from train.drafters.base import get_family
+from train.drafters.base import DEFAULT_FAMILY, get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -151,7 +151,7 @@ class RunConfig:
         unknown = set(d) - {"family", "drafter", "train"}
         if unknown:
             raise ValueError(f"config has unknown top-level keys {sorted(unknown)}; use family, drafter, train")
-        family = d.get("family", "dflash")
+        family = d.get("family", DEFAULT_FAMILY)
         cfg_cls, _ = get_family(family)
         drafter = typed_config(cfg_cls, d.get("drafter") or {}, "drafter")
         train = typed_config(TrainConfig, d.get("train") or {}, "train")
@@ -254,17 +254,17 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
     key, text = item.split("=", 1)
     key = key.strip()
     value = yaml.safe_load(text) if text.strip() else None
-    cfg_cls, _ = get_family(raw.get("family", "dflash"))
+    cfg_cls, _ = get_family(raw.get("family", DEFAULT_FAMILY))
     fields = {"drafter": {f.name for f in dataclasses.fields(cfg_cls)},
               "train": {f.name for f in dataclasses.fields(TrainConfig)}}
     if "." in key:
         section, name = key.split(".", 1)
         if section not in fields or name not in fields[section]:
-            raise _unknown_field(key, fields, raw.get("family", "dflash"))
+            raise _unknown_field(key, fields, raw.get("family", DEFAULT_FAMILY))
         return section, name, value
     hits = [s for s in fields if key in fields[s]]
     if not hits:
-        raise _unknown_field(key, fields, raw.get("family", "dflash"))
+        raise _unknown_field(key, fields, raw.get("family", DEFAULT_FAMILY))
     if len(hits) > 1:
         raise ValueError(f"field {key!r} exists in {hits}; qualify it, e.g. {hits[0]}.{key}=...")
     return hits[0], key, value
@@ -290,7 +290,7 @@ def list_recipes() -> list[tuple[str, str, str]]:
         if path.stem.startswith("_"):
             continue
         comment = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        rows.append((path.stem, str(_read_yaml(path).get("family", "dflash")), comment))
+        rows.append((path.stem, str(_read_yaml(path).get("family", DEFAULT_FAMILY)), comment))
     return rows
 
 
@@ -302,7 +302,7 @@ def show_recipe(recipe: str) -> str:
     return head + yaml.safe_dump(run.to_dict(), sort_keys=False)
 
 
-def load_run_config(recipe: str = "dflash", *, config_file: str | None = None,
+def load_run_config(recipe: str, *, config_file: str | None = None,
                     overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Recipe (name or YAML path) + optional YAML file + key=value overrides -> validated RunConfig."""
     raw = _read_yaml(recipe_path(recipe))

@@ -17,10 +17,11 @@ from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
 from train.config import load_run_config
 from train.data import collate
 from train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
+from train.drafters.common.export_files import load_export
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
 from train.drafters.dflash2.model import DFlash2Config
-from train.export import export_run, load_export
+from train.export import export_run
 from train.loop import train
 
 

@@ -14,9 +14,10 @@ from tests.train.test_mtp import V, H, L, batch_of, tiny_bundle, tiny_layout
 from train.drafters.base import combine_terms
 from train.drafters.common.chain import IGNORE
 from train.drafters.common.draft_vocab import DraftVocab
+from train.drafters.common.export_files import load_export
 from train.drafters.common.mask import eagle3_dense_mask
 from train.drafters.eagle3.model import Eagle3Config, Eagle3Drafter
-from train.export import export_drafter, load_export
+from train.export import export_drafter
 
 TAPS = (0, 1, 2, L - 1)
 

@@ -11,9 +11,10 @@ from shards.errors import LockedError
 from shards.schema import Layout
 from train.checkpoints import latest_checkpoint, load_checkpoint
 from train.config import load_run_config
+from train.drafters.common.export_files import load_export
 from train.drafters.dflash.model import DFlashDrafter
 from train.evaluate import evaluate
-from train.export import export_run, load_export
+from train.export import export_run
 from train.loop import train
 from train.run import run_lock
 

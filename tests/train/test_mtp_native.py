@@ -67,7 +67,7 @@ def test_refusals(target, tmp_path):
 def test_export_is_the_target_with_its_mtp_replaced(target, tmp_path):
     from safetensors.torch import load_file
 
-    from train.export import export_native
+    from train.drafters.mtp_native.export import export_native
 
     _, mtp = read_checkpoint(target)
     new = {k: v + 1.0 for k, v in mtp.items()}

@@ -21,12 +21,16 @@ and ranks, reported as sum / count.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from train.drafters.common import export_files
 
 FAMILIES: dict[str, str] = {
     "dflash": "train.drafters.dflash.model",
@@ -36,6 +40,8 @@ FAMILIES: dict[str, str] = {
     "mtp_native": "train.drafters.mtp_native.model",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
+DEFAULT_FAMILY = "dflash"
+"""The family of a recipe or run config that names none."""
 
 
 @dataclass
@@ -72,6 +78,10 @@ class Drafter(nn.Module):
     family: ClassVar[str] = ""
     frozen: ClassVar[tuple[str, ...]] = ()
     """Names of the frozen bundle buffers (embedding, final norm, lm_head) this family holds."""
+    default_layout: ClassVar[str | None] = None
+    """What an export without ``--layout`` is called in the summary (None: the family's native layout)."""
+    serving_dir: ClassVar[Path | None] = None
+    """The folder of the self-contained modeling files an export ships when its config names them in ``auto_map``."""
 
     def __init__(self, config: Any, bundle: Any, layout: Any) -> None:
         super().__init__()
@@ -127,6 +137,20 @@ class Drafter(nn.Module):
     def export_config(self) -> dict[str, Any]:
         """The serving config (architecture fields, tap ids in both numberings, ...); saved in checkpoints."""
         raise NotImplementedError
+
+    @classmethod
+    def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
+                      verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(weights, ``export_config``) -> the same draft in ``layout`` (None: the native layout, as trained)."""
+        if layout is None:
+            return weights, config
+        raise ValueError(f"a {cls.family!r} draft has one export layout: drop --layout")
+
+    @classmethod
+    def write_export(cls, out_dir: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                     meta: dict[str, Any]) -> Path:
+        """Write an export (weights and config in one of this family's layouts) to ``out_dir``."""
+        return export_files.write_export(out_dir, weights, config, meta, serving_dir=cls.serving_dir)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers only (the frozen bundle tensors are not persistent)."""

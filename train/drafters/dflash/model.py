@@ -22,6 +22,7 @@ Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -40,11 +41,13 @@ from train.drafters.common.teacher import exact_last_tap, last_hidden, require_l
 from train.drafters.dflash.anchors import sample_anchors
 from train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
 from train.drafters.dflash.loss import DFlashLoss
+from train.drafters.dflash.speculators import to_speculators
 
 
 class DFlashDrafter(DFlashLoss, Drafter):
     family = "dflash"
     frozen = ("embed_tokens", "lm_head", "target_norm", "target_norm_bias", "lm_head_bias")
+    serving_dir = Path(__file__).parent / "serving"
 
     def __init__(self, config: DFlashConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -279,6 +282,18 @@ class DFlashDrafter(DFlashLoss, Drafter):
         return sums, counts
 
     # -- export ------------------------------------------------------------------------------
+    @classmethod
+    def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
+                      verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The native layout (None: the reference release's names, ``auto_map`` to the shipped modeling file) or
+        ``speculators`` (``dflash.speculators``, naming the ``verifier``)."""
+        if layout is None:
+            return weights, config
+        if layout == "speculators":
+            return to_speculators(weights, config, verifier=verifier)
+        raise ValueError(f"unknown layout {layout!r} for a {cls.family} draft: its layouts are the native one (no "
+                         "--layout) and speculators")
+
     def export_config(self) -> dict[str, Any]:
         cfg = self.config
         return {

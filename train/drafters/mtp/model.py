@@ -56,9 +56,11 @@ from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 from train.drafters.mtp.heads import MTPHead, _Model
+from train.drafters.mtp.layouts import convert
 from train.drafters.mtp.loss import MTPLoss
 
 
@@ -129,6 +131,7 @@ class MTPConfig:
 class MTPDrafter(MTPLoss, Drafter):
     family = "mtp"
     frozen = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
+    default_layout = "deepseek"
 
     def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
         super().__init__(config, bundle, layout)
@@ -326,6 +329,12 @@ class MTPDrafter(MTPLoss, Drafter):
 
     # -- export ---------------------------------------------------------------------------
 
+    @classmethod
+    def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
+                      verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The head in a loader's names (``mtp.layouts``; None: ``deepseek``, the checkpoint's own)."""
+        return convert(weights, config, layout or cls.default_layout)
+
     def export_config(self) -> dict[str, Any]:
         """DeepSeek-V3 MTP config; the weights' names already are DeepSeek's (``model.layers.{L + i}.*``).
 
@@ -359,7 +368,6 @@ class MTPDrafter(MTPLoss, Drafter):
 
 def load_exported(export_dir: str | Path, bundle: Any, layout: Any) -> MTPDrafter:
     """Rebuild an MTP drafter from an export directory and the target bundle (round-trip check)."""
-    from train.export import load_export
 
     cfg, weights = load_export(export_dir)
     if cfg.get("model_type") != "tapdraft_mtp":

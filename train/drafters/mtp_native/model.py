@@ -6,7 +6,7 @@ own ``mtp.*`` tensors. So the drafter here is that module exactly, initialised f
 ``mtp.*`` weights (``drafter.checkpoint``: the target's directory; transformers drops ``mtp.*`` on load,
 so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.drafters.mtp.loss``)
 and exported as a copy of the target checkpoint with the fine-tuned ``mtp.*`` swapped in
-(``train.export.export_native``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
+(``mtp_native.export``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
 beside the target (or alone: the copy is the whole target).
 
 Qwen3.5 (``model_type`` ``qwen3_5_text``; vLLM ``qwen3_5_mtp.py``, ``Qwen3_5MultiTokenPredictor``):
@@ -34,6 +34,7 @@ Shapes: Bs batch, T positions, H hidden.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,9 @@ import torch
 from torch import nn
 
 from train.drafters.base import Drafter
+from train.drafters.common.export_files import weight_files
 from train.drafters.mtp.model import MTPConfig, MTPDrafter
-from train.export import weight_files
+from train.drafters.mtp_native.export import export_native
 
 MODEL_TYPES = ("qwen3_5_text",)
 """Target ``model_type`` values whose own MTP module this family builds."""
@@ -140,6 +142,21 @@ class Qwen3_5MTP(nn.Module):
 
 class MTPNativeDrafter(MTPDrafter):
     family = "mtp_native"
+    default_layout = None
+
+    @classmethod
+    def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
+                      verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One layout: the target's own (MTP's loader layouts are for bolt-on heads)."""
+        if layout is None:
+            return weights, config
+        raise ValueError(f"a {cls.family!r} draft has one export layout: drop --layout")
+
+    @classmethod
+    def write_export(cls, out_dir: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                     meta: dict[str, Any]) -> Path:
+        """A copy of the target checkpoint with its ``mtp.*`` replaced (``mtp_native.export``)."""
+        return export_native(weights, config, out_dir, meta)
 
     def __init__(self, config: MTPNativeConfig, bundle: Any, layout: Any) -> None:
         Drafter.__init__(self, config, bundle, layout)

@@ -42,10 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.head import head_spec, teacher_logits
+from shards.bundle import TargetBundle
+from shards.head import head_spec
+from shards.schema import Layout
 from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts
-from train.drafters.base import Drafter, layer_shape, one_sequence_batch, pick_tokens
+from train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_batch, pick_tokens
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
@@ -126,7 +128,7 @@ class Eagle3Config:
             if v is not None and v <= 0:
                 raise ValueError(f"{name} must be positive or null, got {v}")
 
-    def resolve(self, bundle: Any, layout: Any) -> "Eagle3Config":
+    def resolve(self, bundle: TargetBundle, layout: Layout) -> "Eagle3Config":
         """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""
         H, heads, kv, head_dim, inter = layer_shape(bundle, self)
         if layout.hidden_size != H:
@@ -179,9 +181,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(Eagle3Loss, Drafter):
     family = "eagle3"
-    frozen = ("embed_tokens", "target_norm", "target_lm_head", "target_norm_bias", "target_lm_head_bias")
 
-    def __init__(self, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: Eagle3Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = config.resolve(bundle, layout)
         self.config = cfg
@@ -204,13 +205,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                                     self.eps, cfg.qk_norm)
         self.norm = RMSNorm(H, self.eps)
         self.rope = RotaryEmbedding(cfg.head_dim, self.rope_theta)
-        # frozen target pieces (never trained, checkpointed or exported): the embedding, and the exact teacher
-        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
-        target_head = bundle.embed_tokens if self.head_spec.tied else bundle.lm_head
-        self.register_buffer("target_lm_head", target_head.detach().float().clone(), persistent=False)
-        self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
-        for name, t in (("target_norm_bias", bundle.norm_bias), ("target_lm_head_bias", bundle.lm_head_bias)):
-            self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
+        self.target = FrozenHead(bundle)  # the embedding, and the exact teacher
         # the draft's own head: the target's rows (divided by its logits scaling) to start from
         N = cfg.draft_vocab or self.vocab_size
         self.lm_head = nn.Linear(H, N, bias=False)
@@ -223,7 +218,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=cfg.init_std)
             self.norm.weight.copy_(bundle.norm_weight.float())  # start where the target's final norm is
-            self.lm_head.weight.copy_(self.target_lm_head[:N] / self.head_spec.logits_scaling)
+            self.lm_head.weight.copy_(self.target.lm_head[:N] / self.head_spec.logits_scaling)
         self.last_tap = exact_last_tap(layout)
         self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         exact_ok = last_hidden_source(layout) is not None
@@ -231,7 +226,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
             "exact" if cfg.teacher == "exact" or (cfg.teacher == "auto" and exact_ok) else "topk")
 
     @classmethod
-    def check_dataset(cls, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: Eagle3Config, bundle: TargetBundle, layout: Layout) -> None:
         cfg = config.resolve(bundle, layout)
         if cfg.loss_type == "ce":
             return
@@ -252,7 +247,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         """Install the draft vocabulary and start the draft's head on the target's rows of it."""
         super().set_draft_vocab(vocab)
         with torch.no_grad():
-            self.lm_head.weight.copy_(self.target_lm_head[vocab.ids.to(self.target_lm_head.device)]
+            self.lm_head.weight.copy_(self.target.lm_head[vocab.ids.to(self.target.lm_head.device)]
                                       / self.head_spec.logits_scaling)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -269,7 +264,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
     def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embedding at every position [Bs, T, H] (raw table rows; audio frames from ``audio_embeds`` when
         the dataset stored them) and a bool [Bs, T]: the position's embedding is unknown (an audio frame)."""
-        emb = F.embedding(batch["input_ids"].long(), self.embed_tokens)
+        emb = F.embedding(batch["input_ids"].long(), self.target.embed_tokens)
         is_audio = batch["is_audio"]
         if "audio_embeds" in batch and self.uses_audio_embeds:
             emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
@@ -324,8 +319,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
 
     def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
         """The target's exact logits [R, V] of pre-norm last-layer rows."""
-        return teacher_logits(h_RH, self.target_norm, self.target_lm_head, self.head_spec,
-                              norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.target_lm_head_bias)
+        return self.target.logits(h_RH)
 
     # -- eval -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -348,7 +342,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         drafted, dists = [], []
         for j in range(self.config.num_steps):
             if j > 0:
-                e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.embed_tokens)
+                e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.target.embed_tokens)
                 r, cache = self.step(j, e, r, row, T, cache)
             tok, q = pick_tokens(self.logits(r[0]), temperature, generator)
             drafted.append(int(tok[0]))

@@ -16,7 +16,8 @@ from train.drafters.common.chain import IGNORE
 from train.drafters.common.draft_vocab import DraftVocab
 from train.drafters.common.export_files import load_export
 from train.drafters.common.mask import eagle3_dense_mask
-from train.drafters.eagle3.model import Eagle3Config, Eagle3Drafter
+from train.drafters.eagle3.config import Eagle3Config
+from train.drafters.eagle3.model import Eagle3Drafter
 from train.export import export_drafter
 
 TAPS = (0, 1, 2, L - 1)

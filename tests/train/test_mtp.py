@@ -10,7 +10,8 @@ from shards.schema import Layout, teacher_rows
 from train.data import collate
 from train.drafters.base import combine_terms
 from train.drafters.common.chain import IGNORE, depth_targets, doc_end_from_lengths, next_token_labels
-from train.drafters.mtp.model import MTPConfig, MTPDrafter, load_exported
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter, load_exported
 from train.export import export_drafter
 
 V, H, L = 40, 16, 4

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from tests.train.dflash_fixtures import away_from_init
 from tests.train.test_mtp import L, batch_of, tiny_bundle, tiny_layout
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 from train.export import export_drafter
 
 BLOCK = ["input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",

@@ -16,7 +16,8 @@ from train.drafters.base import Drafter
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
 from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 
 V, H, L, T = 48, 16, 4, 20
 

@@ -46,7 +46,8 @@ from shards.bundle import TargetBundle
 from shards.schema import Layout
 from train.drafters.base import Drafter
 from train.drafters.common.export_files import weight_files
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 from train.drafters.mtp_native.export import export_native
 
 MODEL_TYPES = ("qwen3_5_text",)

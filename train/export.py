@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 from shards.template import template_sha
 from train.drafters.base import Drafter, get_family
 

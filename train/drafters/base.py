@@ -1,9 +1,11 @@
-"""The drafter protocol the loop, eval and export use, the family registry, and the ONE loss rule.
+"""The drafter protocol the loop, eval and export use, the family registry, the frozen target pieces, and the
+ONE loss rule.
 
-A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``) is a module that defines ``CONFIG`` (a frozen
-dataclass, validated in ``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass). The
+A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``, ``mtp_native``) is a folder
+``train/drafters/<family>/`` whose model module defines ``CONFIG`` (a frozen dataclass, validated in
+``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass, which also owns the family's export layouts). The
 registry maps a family name to that module path; nothing is imported until a family is asked for
-(no import-time registration side effects). A new family adds one line to ``FAMILIES``.
+(no import-time registration side effects). A new family is one folder, one line in ``FAMILIES`` and one recipe.
 
 Loss normalisation (the one home of the rule): a drafter's ``forward(batch)`` returns
 :class:`LossOutput` whose ``terms`` are ``{name: (sum, count, weight)}`` of LOCAL, unnormalised

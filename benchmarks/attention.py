@@ -1,6 +1,6 @@
 """Draft attention: dense SDPA bool mask vs FlexAttention BlockMask, forward on CPU.
 
-One DFlash draft attention layer (context K/V prepended, the visibility rule of ``train.mask``)
+One DFlash draft attention layer (context K/V prepended, the visibility rule of ``train.drafters.common.mask``)
 at DFlash shapes: batch 1, context T, N blocks of B = 16, hidden 256 (4 heads x 64, 2 K/V heads).
 Each variant times mask construction + forward (no grad), interleaved dense/flex, median of
 ``--pairs`` pairs after one warm-up each; ratio = flex / dense (below 1: flex faster). Also the
@@ -21,9 +21,8 @@ import warnings
 import torch
 
 from benchmarks.common import write_result
-from train.layers import Attention, RotaryEmbedding
-from train.mask import dense_mask, flex_block_mask
-
+from train.drafters.common.layers import Attention, RotaryEmbedding
+from train.drafters.common.mask import dense_mask, flex_block_mask
 
 
 def setup(T: int, N: int, B: int = 16, H: int = 256, seed: int = 0):

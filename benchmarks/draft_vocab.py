@@ -1,5 +1,6 @@
 """Acceptance cost of a reduced draft vocabulary: the same DFlash recipe trained with the full vocabulary and with
-N-token draft vocabularies (``train.draft_vocab``), same data, steps and seed, evaluated on the validation split.
+N-token draft vocabularies (``train.drafters.common.draft_vocab``), same data, steps and seed, evaluated on the
+validation split.
 
 Per run: coverage (the fraction of the training split's supervised tokens inside the subset, and of the
 validation split's: a validation token outside it can never be drafted), tau (uniform anchors), tau_replayed
@@ -34,7 +35,7 @@ from benchmarks.common import write_result
 from benchmarks.quality import prepare
 from shards.reader import open_dataset
 from train.config import load_run_config
-from train.draft_vocab import DraftVocab, token_counts
+from train.drafters.common.draft_vocab import DraftVocab, token_counts
 from train.evaluate import evaluate
 from train.loop import train
 from train.run import load_run
@@ -62,8 +63,8 @@ def one(recipe: str, size: int | None, args: argparse.Namespace, dataset: Path, 
     if size is not None:
         ds = open_dataset(str(dataset))
         _, _, state = load_run(out)
-        V = int(state["draft"]["t2d"].numel())
-        vocab = DraftVocab.from_d2t(state["draft"]["d2t"], V)
+        V = int(state.draft["t2d"].numel())
+        vocab = DraftVocab.from_d2t(state.draft["d2t"], V)
         row["coverage_train"] = summary["draft_vocab"]["coverage"]
         row["coverage_validation"] = round(vocab.coverage(token_counts(ds, "validation", V)), 6)
     return row

@@ -9,7 +9,7 @@
                same batches, interleaved pairs, median ratio
     attention  one DFlash training step (forward, backward, AdamW) with FlexAttention vs the dense SDPA
                mask: median step time and peak memory, bf16 autocast as the training loop uses on GPU
-    fused_ce   the chunked lm_head + CE (``train.losses.row_losses``) vs dense logits + F.cross_entropy
+    fused_ce   the chunked lm_head + CE (``train.drafters.common.losses.row_losses``) vs dense logits + F.cross_entropy
                at V = 151,936: forward + backward time, peak memory, loss and gradient agreement
     writer     the host's shard writer at hidden 4096 with six taps: 1, 2, 4 writer lanes, zstd 1 and
                uncompressed, against the ~37k tokens/s an H100 prefills an 8B target at (CPU only)
@@ -233,8 +233,9 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
     from benchmarks.shapes import SHAPES, shape_facts
     from shards.schema import Layout
     from shards.taps import capture_tap_ids
-    from train.dflash import DFlashConfig, DFlashDrafter
-    from train.drafter import combine_terms
+    from train.drafters.dflash.config import DFlashConfig
+    from train.drafters.dflash.model import DFlashDrafter
+    from train.drafters.base import combine_terms
 
     name = TINY if args.tiny else QWEN
     shape = SHAPES[name]
@@ -254,11 +255,11 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
                       "block_size": 16, "draft_layers": 1}
     for attn in ("dense", "flex"):
         cfg = DFlashConfig(num_layers=1, block_size=16, num_anchors=anchors, max_total_anchors=Bs * anchors,
-                           max_loss_rows=Bs * anchors * 15, attention=attn, ce_chunk_size=2048)
+                           max_loss_rows=Bs * anchors * 15, attention=attn, chunk_rows=2048)
         torch.manual_seed(0)
         model = DFlashDrafter.build(cfg, bundle, layout).to(device)
         if cuda:
-            model.frozen_to(torch.bfloat16)
+            model.target.to_dtype(torch.bfloat16)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         backward = cuda or attn == "dense"  # FlexAttention has no CPU backward
 
@@ -288,7 +289,7 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
 
 def part_fused_ce(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
     from benchmarks.shapes import SHAPES
-    from train.losses import row_losses
+    from train.drafters.common.losses import row_losses
 
     shape = SHAPES[TINY if args.tiny else QWEN]
     V, H, R = shape.vocab, shape.hidden, 512 if args.tiny else args.ce_rows

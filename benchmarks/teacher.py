@@ -1,11 +1,11 @@
 """Per-row teacher vs full [B, T, V] teacher logits: peak memory and step time of a KD loss step.
 
-Both variants run the SAME loss step (draft rows -> ``train.losses.row_losses``: chunked lm_head,
+Both variants run the SAME loss step (draft rows -> ``train.drafters.common.losses.row_losses``: chunked lm_head,
 CE + KL(teacher || draft), backward), so the only difference is where the teacher comes from:
 
 - full (the common pattern being replaced): project the whole sequence's last hidden state through
   final norm + lm_head into [T, V] teacher logits once, then index the rows each chunk needs;
-- per-row (``train.teacher`` / ``train.losses.row_losses``): gather only the rows a loss reads
+- per-row (``train.drafters.common.teacher`` / ``...common.losses.row_losses``): gather only the rows a loss reads
   ([R, H] hidden), and project them inside each checkpointed chunk.
 
 Sizes: B = 1, T in {2048, 8192}, V in {32768, 152064}, tiny H (default 16), R = 1024 loss rows
@@ -29,9 +29,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import peak_memory_growth, write_result
 from shards.head import HeadSpec, rms_norm
-from train.losses import row_losses
-from train.teacher import ExactTeacher
-
+from train.drafters.common.losses import row_losses
+from train.drafters.common.teacher import ExactTeacher
 
 
 def make_inputs(T: int, V: int, H: int, R: int, seed: int = 0) -> dict:

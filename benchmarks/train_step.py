@@ -4,7 +4,7 @@ At a real vocabulary the loss, not the draft, is the step: every loss row (a blo
 predicts a supervised token) costs a [V, H] lm_head matmul forward and one backward, 4 * V * H
 FLOPs = 0.62 GFLOP at Qwen3-0.6B's widths, while a 1-layer draft costs about 0.08 GFLOP per
 block token. So step time is near-linear in the loss rows, and ``max_loss_rows`` (the recipe's
-budget per micro-batch, ``train.dflash_loss``) is what keeps a step's cost bounded.
+budget per micro-batch, ``train.drafters.dflash.loss``) is what keeps a step's cost bounded.
 
 Content: a tiny synthetic dataset at the ``qwen3-1024x8`` shape (benchmarks/shapes.py): a target
 bundle with random bf16 embedding and lm_head of 151,936 x 1024, and a few samples of 512-2048
@@ -20,7 +20,7 @@ time = a + b * rows per head dtype (b: seconds per loss row; a: the rest of the 
     python -m benchmarks.train_step [--rows 30 120 240] [--pairs 5] [--workdir /tmp/tapdraft-train-step]
 
 ``--draft-vocab N`` compares instead A = the full vocabulary and B = a reduced draft vocabulary of N
-tokens (``train.draft_vocab``; both with the fp32 head), interleaved, and writes
+tokens (``train.drafters.common.draft_vocab``; both with the fp32 head), interleaved, and writes
 ``train_step_draft_vocab.json``. The synthetic samples' labels are few (a few thousand distinct ids), so
 the subset holds every one of them (coverage 1.0 is checked and recorded): both sides train on the same
 loss rows and the ratio is the vocabulary's cost alone.
@@ -88,10 +88,10 @@ class Stepper:
     """One drafter + optimizer on one fixed micro-batch, for a given loss-row budget and head dtype."""
 
     def __init__(self, data: Path, rows: int, head: str, draft_vocab: int | None = None) -> None:
-        from train import draft_vocab as dv
+        from train.drafters.common import draft_vocab as dv
         from train.config import load_run_config
         from train.data import BatchStream
-        from train.drafter import combine_terms
+        from train.drafters.base import combine_terms
         from train.loop import head_dtype, make_optimizer
         from train.run import build_drafter
         from train.source import open_source
@@ -100,7 +100,7 @@ class Stepper:
                                                    f"draft_vocab={'null' if draft_vocab is None else draft_vocab}"])
         src = open_source(str(data))
         self.model = build_drafter(run, src)
-        self.model.frozen_to(head_dtype(torch.device("cpu"), head))
+        self.model.target.to_dtype(head_dtype(torch.device("cpu"), run.train.head_dtype))
         self.vocab = dv.setup(self.model, src, None)  # what the training loop does before its first step
         self.opt, _ = make_optimizer(self.model, run.train)
         stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=run.train.max_tokens,

@@ -46,7 +46,7 @@ def test_own_warnings_are_one_line_library_ones_keep_their_format():
     import warnings
 
     import cli
-    import train.dflash_config as ours
+    import train.drafters.dflash.config as ours
 
     warnings.formatwarning = cli._format_warning
     try:

@@ -147,4 +147,30 @@ def test_target_code_lives_only_under_capture_targets():
                 bad += [f"{mod}: class {node.name}({b})" for b in bases if b.endswith("Target")]
         bad += [f"{mod} -> {i}" for i in imports_of(f, known)
                 if i.startswith("capture.targets.") and i.split(".")[2] not in ("base", "load")]
+
+
+def test_family_code_lives_in_its_folder():
+    """A drafter family is one folder, ``train/drafters/<family>/``, known elsewhere only by its ``FAMILIES`` line:
+    every folder there but ``common`` is a registered family; no train module outside the family folders imports
+    one, names one (no ``if family == ...``, no default outside the registry) or carries its name as a file prefix."""
+    base = ROOT / "train" / "drafters" / "base.py"
+    registry = next(n.value for n in ast.walk(ast.parse(base.read_text()))
+                    if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "FAMILIES")
+    families = dict(ast.literal_eval(registry))
+    folders = {p.name for p in (ROOT / "train" / "drafters").iterdir() if (p / "__init__.py").is_file()} - {"common"}
+    assert folders == set(families), f"family folders {sorted(folders)} vs FAMILIES {sorted(families)}"
+    assert all(mod.startswith(f"train.drafters.{name}.") for name, mod in families.items()), families
+    bad = []
+    for mod, f in _modules().items():
+        parts = mod.split(".")
+        if parts[0] != "train" or (len(parts) > 2 and parts[1] == "drafters" and parts[2] in families):
+            continue
+        if any(parts[-1].startswith(name) for name in families):
+            bad.append(f"{mod}: a family's name as its file name")
+        bad += [f"{mod} imports {i}" for i in imports_of(f, set()) if i.split(".")[:2] == ["train", "drafters"]
+                and len(i.split(".")) > 2 and i.split(".")[2] in families]
+        if f == base:
+            continue
+        bad += [f"{mod}:{n.lineno} names family {n.value!r}" for n in ast.walk(ast.parse(f.read_text()))
+                if isinstance(n, ast.Constant) and n.value in families]
     assert not bad, bad

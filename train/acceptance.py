@@ -3,7 +3,7 @@
 Every family's ``acceptance()`` returns :class:`AcceptanceCounts`; evaluation sums them and turns
 the conditional rates alpha_k into the acceptance length tau = 1 + sum_k prod_{j<=k} alpha_j.
 :func:`acceptance_counts` counts blocks from per-slot correctness (DFlash, DFlash2; MTP chains its
-depths in ``train.mtp_targets``) and :func:`acceptance_metrics` is every family's acc@k / alpha@k log.
+depths in ``train.drafters.common.chain``) and :func:`acceptance_metrics` is every family's acc@k / alpha@k log.
 :func:`replay_rounds` replays greedy decoding round by round on teacher-forced block outcomes, so
 the offline number is comparable with live decoding. Sampled decoding's acceptance is each family's
 ``sampled_acceptance`` (sum_v min(p, q) per draft position), summed by ``train.evaluate`` and turned into

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from shards.head import row_spans
-from train.chunks import map_row_chunks
-from train.divergences import kl_tv_full
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import kl_tv_full
 
 
 def test_row_spans_cover_every_row_once():

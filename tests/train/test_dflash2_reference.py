@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
-from train.dflash2 import DFlash2Config, DFlash2Drafter
-from train.export import load_export, export_drafter
+from train.drafters.common.export_files import load_export
+from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+from train.export import export_drafter
 
 B, LAYERS = 4, 2
 
@@ -41,7 +42,7 @@ def exported(tmp_path_factory):
     bundle = tiny_bundle(root, scaling=1.7)  # a target that scales its logits: the fold must hold for the selector
     layout = tiny_layout(bundle, tap_ids=(1, 2, 3))
     torch.manual_seed(0)
-    cfg = DFlash2Config(num_layers=LAYERS, block_size=B, target_layer_ids=(1, 2), ce_chunk_size=0,
+    cfg = DFlash2Config(num_layers=LAYERS, block_size=B, target_layer_ids=(1, 2), chunk_rows=0,
                         selector_candidates=5, selector_rank=8, conv_group_size=8)
     model = away_from_init(DFlash2Drafter.build(cfg, bundle, layout), 0.3)
     export_drafter(model, root / "export", {})

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModel, DynamicCache
 
 from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
-from train.dflash import DFlashConfig, DFlashDrafter
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
 from train.export import export_drafter
 
 B = 4

@@ -12,15 +12,17 @@ from transformers import AutoModel
 from dflash_fixtures import (away_from_init, supervised_slots, synthetic_samples, tiny_bundle, tiny_dataset,
                              tiny_layout)
 from shards.head import final_norm
+from shards.reader import open_dataset
+from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
 from train.config import load_run_config
 from train.data import collate
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.dflash2 import DFlash2Config
-from train.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
-from train.export import export_run, load_export
+from train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
+from train.drafters.common.export_files import load_export
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.model import DFlash2Config
+from train.export import export_run
 from train.loop import train
-from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
-from shards.reader import open_dataset
 
 
 def test_subset_rule_counts_ties_forced_and_fill():
@@ -63,7 +65,7 @@ def _reduced_model(tmp_path, kd="exact", n=24):
     bundle = tiny_bundle(tmp_path)
     layout = tiny_layout(bundle, tap_ids=(1, 3), final_hidden=True)
     samples = synthetic_samples(bundle, layout, 4)
-    cfg = DFlashConfig(block_size=4, gamma=2.0, kd=kd, ce_chunk_size=7, draft_vocab=n, target_layer_ids=(1,))
+    cfg = DFlashConfig(block_size=4, gamma=2.0, kd=kd, chunk_rows=7, draft_vocab=n, target_layer_ids=(1,))
     model = DFlashDrafter.build(cfg, bundle, layout)
     counts = sum(torch.bincount(s["input_ids"].long()[s["loss_mask"]], minlength=64) for s in samples)
     vocab = DraftVocab(choose(counts, n, [2]), 64)
@@ -80,7 +82,7 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
     batch["taps"], batch["final_hidden"] = batch["taps"].double(), batch["final_hidden"].double()
     out = model(batch, torch.Generator().manual_seed(3))
     anchors, vblk = model._anchors(batch, torch.Generator().manual_seed(3))
-    W = model.lm_head.double()[vocab.ids]
+    W = model.target.lm_head.double()[vocab.ids]
     ids = vocab.ids.tolist()
     h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
     ce_num = kd_num = den = 0.0
@@ -92,7 +94,7 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
             outside += 1
             continue
         lq = torch.log_softmax(h[b, j, k] @ W.T, -1)
-        t = final_norm(batch["final_hidden"][b, p - 1], model.target_norm.double(), model.head_spec)
+        t = final_norm(batch["final_hidden"][b, p - 1], model.target.norm_weight.double(), model.head_spec)
         lp = torch.log_softmax(t @ W.T, -1)  # the full teacher restricted to S, renormalised
         wk = float(torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64)).float())  # float32 weights
         ce_num = ce_num + wk * -lq[ids.index(y)]

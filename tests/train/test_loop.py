@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout, write_synthetic_dataset
-from train.config import load_run_config
-from train.dflash import DFlashDrafter
-from train.evaluate import evaluate
-from train.export import export_run, load_export
-from train.loop import train
-from shards.schema import Layout
 from shards.errors import LockedError
+from shards.schema import Layout
 from train.checkpoints import latest_checkpoint, load_checkpoint
+from train.config import load_run_config
+from train.drafters.common.export_files import load_export
+from train.drafters.dflash.model import DFlashDrafter
+from train.evaluate import evaluate
+from train.export import export_run
+from train.loop import train
 from train.run import run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
@@ -40,8 +41,8 @@ def test_resume_continues_exactly(tmp_path, mem):
     full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
     assert len(full) == 6 and len(cut) == 6
     assert cut == pytest.approx(full, rel=1e-6, abs=1e-7)
-    a = load_checkpoint(latest_checkpoint(tmp_path / "full"))["draft"]
-    b = load_checkpoint(latest_checkpoint(tmp_path / "cut"))["draft"]
+    a = load_checkpoint(latest_checkpoint(tmp_path / "full")).draft
+    b = load_checkpoint(latest_checkpoint(tmp_path / "cut")).draft
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
@@ -166,7 +167,7 @@ def test_eval_and_export_round_trip(tmp_path, mem):
     cfg["tapdraft_layout_tap_ids"] = list(mem.layout.tap_ids)
     # the trainer's drafter with the checkpoint weights vs the independent reference on the export
     model = DFlashDrafter.build(run.drafter, mem.bundle, mem.layout)
-    model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run"))["draft"])
+    model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run")).draft)
     s = mem.samples[0]
     anchor = int(torch.nonzero(s["loss_mask"])[0]) + 2
     from train.data import collate
@@ -219,11 +220,11 @@ def test_head_dtype_sets_the_vocabulary_matmuls(tmp_path, mem):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (head_dtype(cpu, "auto"), head_dtype(cuda, "auto")) == (torch.float32, torch.bfloat16)
-    assert (head_dtype(cpu, "bf16"), head_dtype(cuda, "fp32")) == (torch.bfloat16, torch.float32)
+    assert (head_dtype(cpu, "bfloat16"), head_dtype(cuda, "float32")) == (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="head_dtype"):
         load_run_config("dflash_b8", overrides=["head_dtype=fp16"])
     train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"]), mem.path, tmp_path / "fp32")
-    bf16 = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bf16"])
+    bf16 = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bfloat16"])
     train(bf16, mem.path, tmp_path / "bf16")
     a, b = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
     assert a != b and b == pytest.approx(a, rel=2e-2)  # the same run up to bf16 rounding of the head

@@ -4,11 +4,11 @@ import math
 
 import torch
 
-from train.acceptance import tau_from_alpha
-from train.drafter import combine_terms
 from shards.head import HeadSpec
-from train.losses import row_losses, slot_weights, weighted_terms
-from train.teacher import ExactTeacher, TopKTeacher
+from train.acceptance import tau_from_alpha
+from train.drafters.base import combine_terms
+from train.drafters.common.losses import row_losses, slot_weights, weighted_terms
+from train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
 def reference_loss_f64(
@@ -161,7 +161,7 @@ def test_fused_gradients_match_float64_autograd_reference():
 
 
 def test_topk_kd_agrees_with_divergences_module():
-    from train.divergences import kl_tv_topk
+    from train.drafters.common.divergences import kl_tv_topk
 
     h, W, y, w = _rand(R=9, seed=11)
     top = torch.log_softmax(torch.randn(9, W.shape[0], dtype=torch.float64), -1).topk(3, -1)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from train.layers import Attention, RotaryEmbedding
-from train.mask import dense_mask, draft_mask_mod, flex_block_mask, flex_tile
+from train.drafters.common.layers import Attention, RotaryEmbedding
+from train.drafters.common.mask import dense_mask, draft_mask_mod, flex_block_mask, flex_tile
 
 
 def reference_mask(anchors, valid, T, B):

@@ -7,8 +7,9 @@ import torch
 
 from tests.train.dflash_fixtures import tiny_dataset
 from train.config import load_run_config
+from train.drafters.common.export_files import load_export
 from train.evaluate import evaluate
-from train.export import export_run, load_export
+from train.export import export_run
 from train.loop import train
 
 

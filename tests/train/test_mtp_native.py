@@ -1,4 +1,4 @@
-"""The target's own MTP module (``train.mtp_native``): Qwen3.5's block against a float64 re-implementation of
+"""The target's own MTP module (``train.drafters.mtp_native``): Qwen3.5's block against a float64 re-implementation of
 vLLM's module, initialised from the checkpoint's ``mtp.*``, what it refuses, and the export's copy of the target."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tests.engines import vllm_qwen3_5_mtp as ref
 from tests.engines.qwen3_5_target import save_qwen3_5
-from train.mtp_native import MTPNativeConfig, Qwen3_5MTP, read_checkpoint, text_config
+from train.drafters.mtp_native.model import MTPNativeConfig, Qwen3_5MTP, read_checkpoint, text_config
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_refusals(target, tmp_path):
 def test_export_is_the_target_with_its_mtp_replaced(target, tmp_path):
     from safetensors.torch import load_file
 
-    from train.export import export_native
+    from train.drafters.mtp_native.export import export_native
 
     _, mtp = read_checkpoint(target)
     new = {k: v + 1.0 for k, v in mtp.items()}

@@ -11,9 +11,9 @@ import pytest
 from dflash_fixtures import tiny_dataset
 from shards.errors import Interrupted
 from train import loop
+from train.checkpoints import latest_checkpoint
 from train.config import load_run_config
 from train.loop import train
-from train.checkpoints import latest_checkpoint
 from train.run import format_summary
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",

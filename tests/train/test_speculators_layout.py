@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.speculators_layout import to_speculators
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash.speculators import to_speculators
 
 
 def _draft(tmp_path, taps):

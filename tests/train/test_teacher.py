@@ -5,9 +5,11 @@ import dataclasses
 import pytest
 
 from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
-from train.dflash import DFlashConfig, DFlashDrafter
-from train.mtp import MTPConfig, MTPDrafter
-from train.teacher import exact_last_tap, last_hidden_source
+from train.drafters.common.teacher import exact_last_tap, last_hidden_source
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,6 @@ def test_fp8_last_layer_tap_is_not_exact(bundle):
     assert model.teacher_kind == "exact" and model.last_tap is None
     d = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=4, kd="exact", target_layer_ids=(1,)), bundle, fp8_fh)
     assert d.last_tap is None
-
 
 
 def test_without_any_last_layer_the_message_says_what_to_do(bundle):

@@ -171,7 +171,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockM
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    from train.mask import flex_tile
+    from train.drafters.common.mask import flex_tile
 
     bs = block_mask.BLOCK_SIZE
     tile = flex_tile(min(bs) if isinstance(bs, tuple) else bs)

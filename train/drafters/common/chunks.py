@@ -1,7 +1,7 @@
 """Row chunking: apply a per-row function to [chunk, ...] slices so [rows, V] logits never exist whole.
 
 Two users, one engine: :func:`map_row_chunks` (autograd through an activation checkpoint per chunk;
-MTP's CE, LK and acceptance) and the fused loss in ``train.losses`` (analytic gradients, no
+MTP's CE, LK and acceptance) and the fused loss in ``train.drafters.common.losses`` (analytic gradients, no
 recompute) both walk ``shards.head.row_spans``, the one definition of a chunk (``chunk_rows <= 0``
 is one chunk), which capture's top-k teacher walks too.
 """

@@ -4,9 +4,9 @@ A target that ships an MTP module is served with it by engines (vLLM ``speculati
 "num_speculative_tokens": K}``), which build that module from the TARGET's config and load the checkpoint's
 own ``mtp.*`` tensors. So the drafter here is that module exactly, initialised from the checkpoint's
 ``mtp.*`` weights (``drafter.checkpoint``: the target's directory; transformers drops ``mtp.*`` on load,
-so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.mtp_loss``)
+so they are read from its safetensors), trained with the MTP losses (``ce`` or ``lk``, ``train.drafters.mtp.loss``)
 and exported as a copy of the target checkpoint with the fine-tuned ``mtp.*`` swapped in
-(``train.export.export_native``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
+(``mtp_native.export``), which vLLM serves as ``speculative_config={"method": "mtp", "model": EXPORT}``
 beside the target (or alone: the copy is the whole target).
 
 Qwen3.5 (``model_type`` ``qwen3_5_text``; vLLM ``qwen3_5_mtp.py``, ``Qwen3_5MultiTokenPredictor``):
@@ -22,10 +22,10 @@ modules are transformers' own (``modeling_qwen3_5``), so the block is the checkp
 construction; ``tests/train/test_mtp_native.py`` checks them against a float64 re-implementation of
 vLLM's module. One depth (``num_speculative_tokens: 1``): vLLM drafts a second token by running ``layers[0]``
 again at the NEXT position over its own cache, with ``norm``'s output as the hidden state, which
-``train.mtp``'s depth chain (depth k at row t, shifted inputs) does not reproduce, so ``num_depths`` is 1.
+``mtp.model``'s depth chain (depth k at row t, shifted inputs) does not reproduce, so ``num_depths`` is 1.
 
 Targets WITHOUT an MTP module: no engine serves a bolt-on head today (vLLM's MTP loaders build the module
-from the target's own config, so a tapdraft head over a Qwen3 target loads nowhere); ``train.mtp`` trains
+from the target's own config, so a tapdraft head over a Qwen3 target loads nowhere); ``train.drafters.mtp.model`` trains
 such heads for offline study and ``tapdraft speculate`` only.
 
 Shapes: Bs batch, T positions, H hidden.
@@ -34,6 +34,7 @@ Shapes: Bs batch, T positions, H hidden.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.drafter import Drafter
-from train.export import weight_files
-from train.mtp import MTPConfig, MTPDrafter
+from shards.bundle import TargetBundle
+from shards.schema import Layout
+from train.drafters.base import Drafter
+from train.drafters.common.export_files import weight_files
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
+from train.drafters.mtp_native.export import export_native
 
 MODEL_TYPES = ("qwen3_5_text",)
 """Target ``model_type`` values whose own MTP module this family builds."""
@@ -140,8 +145,23 @@ class Qwen3_5MTP(nn.Module):
 
 class MTPNativeDrafter(MTPDrafter):
     family = "mtp_native"
+    default_layout = None
 
-    def __init__(self, config: MTPNativeConfig, bundle: Any, layout: Any) -> None:
+    @classmethod
+    def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
+                      verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One layout: the target's own (MTP's loader layouts are for bolt-on heads)."""
+        if layout is None:
+            return weights, config
+        raise ValueError(f"a {cls.family!r} draft has one export layout: drop --layout")
+
+    @classmethod
+    def write_export(cls, out_dir: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                     meta: dict[str, Any]) -> Path:
+        """A copy of the target checkpoint with its ``mtp.*`` replaced (``mtp_native.export``)."""
+        return export_native(weights, config, out_dir, meta)
+
+    def __init__(self, config: MTPNativeConfig, bundle: TargetBundle, layout: Layout) -> None:
         Drafter.__init__(self, config, bundle, layout)
         self.target_config, weights = read_checkpoint(config.checkpoint)
         tc = text_config(self.target_config)
@@ -159,7 +179,7 @@ class MTPNativeDrafter(MTPDrafter):
         self.arch = {"hidden_size": tc.hidden_size}
         self.first_layer = 0
         self._frozen_target(config, bundle, layout)
-        plain = self.logits_scaling in (None, 1.0) and self.lm_head_bias is None
+        plain = self.logits_scaling in (None, 1.0) and self.target.lm_head_bias is None
         if self.head_spec.norm != "rms_offset" or not plain:
             raise ValueError(f"the dataset's head ({self.head_spec.norm}) is not Qwen3.5's (1 + w) norm and plain "
                              "lm_head: it was not captured from this target")

@@ -2,7 +2,7 @@
 
 Alignment: with ``labels[t]`` = the token at t + 1 (IGNORE where it is unsupervised or past the
 sequence), depth k's target at t is ``labels[t + k]`` when t + k is inside t's sequence; rows
-whose target is IGNORE are invalid (``train.mtp`` also masks the rows whose input is an audio frame it
+whose target is IGNORE are invalid (``train.drafters.mtp.model`` also masks the rows whose input is an audio frame it
 cannot embed).
 
 The chained drafters (MTP's depths, EAGLE-3's steps) share this alignment and :func:`chain_acceptance`.
@@ -78,7 +78,6 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
     )
 
 
-
 def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss_mask: torch.Tensor) -> AcceptanceCounts:
     """:func:`chain_counts` plus the greedy rounds replayed on the chains (``train.acceptance.replay_rounds``).
 
@@ -94,3 +93,14 @@ def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss
     anchors = torch.arange(T, device=valid.device)[None].expand(Bs, T)
     counts.round_tokens, counts.rounds = replay_rounds(loss_mask, anchors, correct_p, valid_p)
     return counts
+
+
+AUDIO_MASKED = "rows_audio_masked"
+"""The metric of the supervised rows dropped because their input is an audio frame (their share)."""
+
+
+def step_metric(name: str, k: int) -> str:
+    """The log name of a per-step quantity of a drafted chain (``loss``, ``kl``, ``sampled_acceptance``,
+    ``lk_lambda``): ``{name}@{k}``, k = 1 for the first drafted token as in ``acc@k``; one spelling for EAGLE-3's
+    steps and MTP's depths."""
+    return f"{name}@{k}"

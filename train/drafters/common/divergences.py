@@ -25,8 +25,8 @@ Two teacher forms, both exact for what they see:
 
 Everything is computed per row in at least float32 (float64 inputs stay float64). The values are
 differentiable (autograd); ``kl_grad_full`` / ``kl_grad_topk`` return the KL with its analytic
-gradient w.r.t. the draft logits for the fused chunked loss in ``train.losses``. Memory is bounded
-by the callers' row chunks (``train.chunks.map_row_chunks``), never [rows, V] whole.
+gradient w.r.t. the draft logits for the fused chunked loss in ``train.drafters.common.losses``. Memory is bounded
+by the callers' row chunks (``train.drafters.common.chunks.map_row_chunks``), never [rows, V] whole.
 
 The one home of KL / TV in the project.
 

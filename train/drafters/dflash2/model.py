@@ -1,6 +1,6 @@
 """DFlash2: DFlash plus in-block two-tap dynamic convolutions and a path selector.
 
-Two additions to the DFlash drafter (``train.dflash``), everything else (context fusion, KV
+Two additions to the DFlash drafter (``train.drafters.dflash.model``), everything else (context fusion, KV
 injection, anchors, visibility mask, slot weights, KD, checkpointing, export layout) is inherited:
 
 (a) Around every attention and MLP sublayer, a two-tap DYNAMIC depthwise convolution along the
@@ -16,11 +16,11 @@ injection, anchors, visibility mask, slot weights, KD, checkpointing, export lay
     same block (the flattened row of blocks is never convolved across a block boundary), so the
     draft still sees nothing outside its block and context.
 
-(b) A path selector (``train.selector``) over each slot's top-16 candidates of the full draft
+(b) A path selector (``train.drafters.dflash2.selector``) over each slot's top-16 candidates of the full draft
     logits, scored by the teacher-forced predecessor token. Its CE, weighted by the slot's position
     decay like the backbone CE, is its own loss term:
     total = backbone (CE [+ KD]) + selector_loss_weight x selector, each normalised by its own
-    (weighted) count over the data-parallel group (``train.drafter.combine_terms``).
+    (weighted) count over the data-parallel group (``train.drafters.base.combine_terms``).
 
 Structure, parameter names and initialisation follow the public reference DFlash2 draft
 (NVIDIA-NeMo/Automodel, nemo_automodel/components/speculative/dflash/draft_qwen3_dflash2.py:
@@ -31,10 +31,10 @@ loads in its ``Qwen3DFlash2DraftModel`` with no missing or unexpected keys.
 
 The selector reads each row's full draft logits, so DFlash2 computes them densely, shared by the
 backbone CE, the KD term and the selector, but one checkpointed chunk of rows at a time
-(``train.chunks.map_row_chunks``): at V = 152k the recipe's 4096 anchors x 15 slots would otherwise
+(``train.drafters.common.chunks.map_row_chunks``): at V = 152k the recipe's 4096 anchors x 15 slots would otherwise
 hold ~37 GB of float32 logits; a chunk is sized from the vocabulary (``logits_budget_mib``).
 Drafting walks the selector from slot 0: greedily at eval and in greedy decoding, by sampling its
-candidate distribution in sampled decoding (``train.selector.walk``).
+candidate distribution in sampled decoding (``train.drafters.dflash2.selector.walk``).
 
 Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V vocab, R loss rows,
 G channel groups.
@@ -49,26 +49,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.chunks import map_row_chunks
+from shards.bundle import TargetBundle
+from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
-from train.dflash import DFlashConfig, DFlashDrafter
-from shards.head import teacher_logits
-from train.divergences import kl_tv_full, kl_tv_topk
-from train.drafter import LossOutput
-from train.layers import DecoderLayer
-from train.losses import weighted_terms
-from train.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss, walk
+from train.drafters.base import LossOutput
+from train.drafters.common.chunks import map_row_chunks
+from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+from train.drafters.common.layers import DecoderLayer
+from train.drafters.common.losses import weighted_terms
+from train.drafters.dflash.config import DFlashConfig
+from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.selector import GOLD_MISS_POLICIES, PathSelector, greedy_walk, selector_loss, walk
 
 
 @dataclass(frozen=True)
 class DFlash2Config(DFlashConfig):
     """DFlash settings plus the convolutions and the path selector."""
 
-    ce_chunk_size: int = 0
+    chunk_rows: int = 0
     """Rows per checkpointed chunk of draft logits (CE, KD and the selector see a chunk's dense logits);
     0 = derived from the vocabulary size and ``logits_budget_mib``."""
     logits_budget_mib: int = 1024
-    """With ce_chunk_size 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
+    """With chunk_rows 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
     conv_group_size: int = 16
     """Channels per group sharing one dynamic correction of the conv taps (must divide the hidden size)."""
     conv_kernel_size: int = 2
@@ -179,7 +181,7 @@ class ConvDecoderLayer(DecoderLayer):
 class DFlash2Drafter(DFlashDrafter):
     family = "dflash2"
 
-    def __init__(self, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: DFlash2Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = self.config
         H = self.hidden_size
@@ -197,7 +199,7 @@ class DFlash2Drafter(DFlashDrafter):
                                                num_candidates=cfg.selector_candidates)
 
     @classmethod
-    def check_dataset(cls, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: DFlash2Config, bundle: TargetBundle, layout: Layout) -> None:
         super().check_dataset(config, bundle, layout)
         H = int(bundle.config["hidden_size"])
         if H % config.conv_group_size:
@@ -240,10 +242,10 @@ class DFlash2Drafter(DFlashDrafter):
         return LossOutput(terms=terms, metrics=metrics)
 
     def logits_chunk_rows(self) -> int:
-        """Rows per checkpointed chunk of the dense loss: ``ce_chunk_size``, or (0) as many as keep a chunk's
+        """Rows per checkpointed chunk of the dense loss: ``chunk_rows``, or (0) as many as keep a chunk's
         [rows, V] float32 logits and their ~3 same-sized temporaries within ``logits_budget_mib``."""
-        if self.config.ce_chunk_size > 0:
-            return self.config.ce_chunk_size
+        if self.config.chunk_rows > 0:
+            return self.config.chunk_rows
         return max(1, (self.config.logits_budget_mib << 20) // (4 * 4 * self.vocab_size))
 
     def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, w: torch.Tensor,
@@ -254,8 +256,7 @@ class DFlash2Drafter(DFlashDrafter):
         z = self.logits(h)
         ce = F.cross_entropy(z, y, reduction="none")
         if cfg.kd == "exact":
-            p = teacher_logits(teacher[0], self.target_norm, self.lm_head, self.head_spec,
-                               norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias)
+            p = self.target.logits(teacher[0])
             kd = kl_tv_full(p.to(z.dtype), z)[0]
         elif cfg.kd == "topk":
             kd = kl_tv_topk(teacher[0], teacher[1], z)[0]
@@ -301,7 +302,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
         """The selector's tempered scores S(prev, b) / T on each slot's candidates, -inf elsewhere: sampled
-        drafting draws from their softmax (``train.selector.walk``)."""
+        drafting draws from their softmax (``train.drafters.dflash2.selector.walk``)."""
         z = self.logits(h_RH)
         cand, U = self.candidate_selector.candidates(z)
         S = self.candidate_selector.scores(prev_R, h_RH, cand, U)

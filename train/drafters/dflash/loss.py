@@ -1,5 +1,5 @@
 """DFlash's training loss: anchors within the loss-row budget, CE and KD over the block slots' rows, and
-the reduced draft vocabulary the loss and the drafter's logits share (the model is ``train.dflash``).
+the reduced draft vocabulary the loss and the drafter's logits share (the model is ``train.drafters.dflash.model``).
 
 Loss-row budget: a training micro-batch carries at most ``max_loss_rows`` loss rows (blocks x
 (B - 1) slots), so its blocks are capped at ``train_anchors = min(max_total_anchors,
@@ -8,7 +8,7 @@ GFLOP at Qwen3's V = 151,936, H = 1024), which is most of a step at a real vocab
 (benchmarks/train_step.py measures step time against rows), so the budget, not the sequence
 length, sets a step's cost. Evaluation (``acceptance``) is not budgeted: it keeps the anchor caps.
 
-Draft vocabulary (``draft_vocab = N``, off by default; the subset rule is ``train.draft_vocab``): the
+Draft vocabulary (``draft_vocab = N``, off by default; the subset rule is ``train.drafters.common.draft_vocab``): the
 draft's logits are computed over the N subset rows of the frozen lm_head only, W_S = lm_head[S]. With
 S the subset and z_S = scale(W_S h) the draft's logits over it, for a loss row with label y:
 
@@ -35,26 +35,26 @@ from typing import Any
 import torch
 
 from train.acceptance import acceptance_counts, acceptance_metrics
-from train.anchors import sample_anchors
-from train.draft_vocab import DraftVocabMixin, draft_index
-from train.drafter import LossOutput
-from train.losses import row_losses, weighted_terms
-from train.teacher import gather_exact, gather_topk
+from train.drafters.base import LossOutput
+from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
+from train.drafters.common.losses import row_losses, weighted_terms
+from train.drafters.common.teacher import gather_exact, gather_topk
+from train.drafters.dflash.anchors import sample_anchors
 
 
 class DFlashLoss(DraftVocabMixin):
-    """The training half of :class:`train.dflash.DFlashDrafter` (a mixin of it): the draft vocabulary, the
+    """The training half of :class:`DFlashDrafter` (``dflash.model``) (a mixin of it): the draft vocabulary, the
     training anchors, the KD teacher rows and ``forward``. It reads the drafter's config, frozen head
     buffers, ``block_hidden``, ``context`` and ``_targets``."""
 
-    # -- draft vocabulary (set_draft_vocab, draft_ids: train.draft_vocab.DraftVocabMixin) ---------------
+    # -- draft vocabulary (set_draft_vocab, draft_ids: common.draft_vocab.DraftVocabMixin) ----------------------------
     def draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
         ids = self.draft_ids()
         if ids is None:
-            return self.lm_head, self.lm_head_bias
-        bias = None if self.lm_head_bias is None else self.lm_head_bias.index_select(0, ids)
-        return self.lm_head.index_select(0, ids), bias
+            return self.target.lm_head, self.target.lm_head_bias
+        bias = None if self.target.lm_head_bias is None else self.target.lm_head_bias.index_select(0, ids)
+        return self.target.lm_head.index_select(0, ids), bias
 
     def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
         """Training anchors (within the loss-row budget), or with ``take_all`` evaluation's (caps only)."""
@@ -80,9 +80,9 @@ class DFlashLoss(DraftVocabMixin):
         b_idx = torch.arange(valid.shape[0], device=valid.device)[:, None, None].expand_as(valid)[valid]
         rows = tpos[valid] - 1
         if cfg.kd == "exact":
-            lm_head, bias = head or (self.lm_head, self.lm_head_bias)
-            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
+            lm_head, bias = head or (self.target.lm_head, self.target.lm_head_bias)
+            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target.norm_weight,
+                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target.norm_bias,
                                    lm_head_bias=bias)
             return teacher, w
         teacher, has = gather_topk(batch, b_idx, rows)
@@ -105,7 +105,7 @@ class DFlashLoss(DraftVocabMixin):
         w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
         teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
         ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
-                                     chunk_rows=cfg.ce_chunk_size, teacher=teacher)
+                                     chunk_rows=cfg.chunk_rows, teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

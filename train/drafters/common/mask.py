@@ -3,7 +3,7 @@ and EAGLE-3's unrolled training-time test (at the end of this module).
 
 Queries are the draft blocks laid end to end: query q belongs to block j = q // B (B = block
 size). Keys are ``[context (T rows) | draft slots (N * B rows)]``, the order the layers
-concatenate them in (``train.layers.Attention`` prepends the context K/V). A query in block j sees
+concatenate them in (``train.drafters.common.layers.Attention`` prepends the context K/V). A query in block j sees
 
 - context key kv (kv < T) iff kv < anchor_j: strictly before the anchor POSITION (not the block
   index: anchors are sorted but may be arbitrary positions, and overlapping blocks are fine);

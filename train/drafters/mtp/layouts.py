@@ -1,7 +1,7 @@
 """MTP export layouts: the trained heads rewritten for the loaders that serve them, selected by ``--layout``.
 
 A checkpoint keeps DeepSeek-V3 names (``model.layers.{L + i}.{enorm, hnorm, eh_proj, shared_head.norm,
-self_attn.*, mlp.*, ...}``, ``train.mtp``). :func:`convert` turns (weights, export config) into one of:
+self_attn.*, mlp.*, ...}``, ``train.drafters.mtp.model``). :func:`convert` turns (weights, export config) into one of:
 
 ``deepseek``  the checkpoint's own names, as DeepSeek-V3-style MTP loaders read them (vLLM
     ``deepseek_mtp.py``: ``model.layers.{L + i}.{enorm, hnorm, eh_proj, shared_head.norm}`` + block).

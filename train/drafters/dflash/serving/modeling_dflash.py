@@ -2,7 +2,7 @@
 DFlash export beside ``config.json`` and ``model.safetensors``.
 
 Self-contained: it imports torch and transformers only (never tapdraft), so an export directory is a
-complete model repository. It computes exactly what tapdraft's trainer computes (``train/dflash.py``):
+complete model repository. It computes exactly what tapdraft's trainer computes (``train/drafters/dflash/model.py``):
 
     context  = RMSNorm_hidden(fc(concat of the target's hidden states at dflash_config.target_layer_ids))
     block    = the target's input embeddings of [anchor token, mask, mask, ...]      (noise_embedding)

@@ -6,13 +6,13 @@ gradient w.r.t. its rows analytically in the forward (softmax - onehot for CE, q
 neither the forward nor the backward ever holds the [R, V] logits whole (at V = 152k, 16k rows of
 float32 logits would be 10 GB; a 2048-row chunk is 1.2 GB, freed before the next) and, unlike an
 activation checkpoint per chunk, nothing is computed twice. The lumped-tail KL and its gradient
-are ``train.divergences.kl_grad_topk`` / ``kl_grad_full`` (tests check them against ``kl_tv_topk``).
+are ``train.drafters.common.divergences.kl_grad_topk`` / ``kl_grad_full`` (tests check them against ``kl_tv_topk``).
 
 Per row i (label y_i, weight w_i):
     ce_i = -log softmax(shards.head.project(h_i))[y_i]     (lm_head, then the bundle's logits scaling)
     kd_i = KL(p_teacher,i || q_draft,i)       (exact per-row teacher, or stored top-k + tail bin)
 The callers turn these into LossOutput terms (sum_i w_i * ce_i, sum_i w_i, weight); the one
-normalisation rule lives in ``train.drafter.combine_terms``.
+normalisation rule lives in ``train.drafters.base.combine_terms``.
 
 DFlash's slot weights: slot k >= 1 of a block weighs exp(-(k - 1) / gamma) (gamma 7 for B = 16,
 4 for B = 8): early slots matter most because acceptance stops at the first miss.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from shards.head import HeadSpec, project, project_backward, row_spans, softcap_jacobian
-from train.divergences import kl_grad_full, kl_grad_topk
-from train.teacher import ExactTeacher, TopKTeacher
+from train.drafters.common.divergences import kl_grad_full, kl_grad_topk
+from train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Drafter parts shared by several families (none of them names a family)."""

@@ -1,0 +1,1 @@
+"""DFlash2: DFlash with convolutional sublayers and a learned path selector."""

@@ -44,7 +44,7 @@ def make(H: int, T: int, anchors: int, chunk: int, budget: int, seed: int = 0):
     layout = Layout(hidden_size=H, num_layers=4, tap_ids=(1, 2), top_k=0, audio_token_id=3)
     torch.manual_seed(seed)
     model = DFlash2Drafter.build(DFlash2Config(num_layers=1, block_size=16, target_layer_ids=(1, 2),
-                                               num_anchors=anchors, max_total_anchors=anchors, ce_chunk_size=chunk,
+                                               num_anchors=anchors, max_total_anchors=anchors, chunk_rows=chunk,
                                                logits_budget_mib=budget), bundle, layout)
     batch = {"input_ids": torch.randint(8, V, (1, T), generator=g), "loss_mask": torch.ones(1, T, dtype=torch.bool),
              "is_audio": torch.zeros(1, T, dtype=torch.bool), "lengths": torch.tensor([T]),

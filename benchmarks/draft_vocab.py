@@ -63,8 +63,8 @@ def one(recipe: str, size: int | None, args: argparse.Namespace, dataset: Path, 
     if size is not None:
         ds = open_dataset(str(dataset))
         _, _, state = load_run(out)
-        V = int(state["draft"]["t2d"].numel())
-        vocab = DraftVocab.from_d2t(state["draft"]["d2t"], V)
+        V = int(state.draft["t2d"].numel())
+        vocab = DraftVocab.from_d2t(state.draft["d2t"], V)
         row["coverage_train"] = summary["draft_vocab"]["coverage"]
         row["coverage_validation"] = round(vocab.coverage(token_counts(ds, "validation", V)), 6)
     return row

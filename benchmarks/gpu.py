@@ -253,11 +253,11 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
                       "block_size": 16, "draft_layers": 1}
     for attn in ("dense", "flex"):
         cfg = DFlashConfig(num_layers=1, block_size=16, num_anchors=anchors, max_total_anchors=Bs * anchors,
-                           max_loss_rows=Bs * anchors * 15, attention=attn, ce_chunk_size=2048)
+                           max_loss_rows=Bs * anchors * 15, attention=attn, chunk_rows=2048)
         torch.manual_seed(0)
         model = DFlashDrafter.build(cfg, bundle, layout).to(device)
         if cuda:
-            model.frozen_to(torch.bfloat16)
+            model.target.to_dtype(torch.bfloat16)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         backward = cuda or attn == "dense"  # FlexAttention has no CPU backward
 

@@ -86,7 +86,7 @@ class Stepper:
     """One drafter + optimizer on one fixed micro-batch, for a given loss-row budget and head dtype."""
 
     def __init__(self, data: Path, rows: int, head: str, draft_vocab: int | None = None) -> None:
-        from train import draft_vocab as dv
+        from train.drafters.common import draft_vocab as dv
         from train.config import load_run_config
         from train.data import BatchStream
         from train.drafters.base import combine_terms
@@ -98,7 +98,7 @@ class Stepper:
                                                    f"draft_vocab={'null' if draft_vocab is None else draft_vocab}"])
         src = open_source(str(data))
         self.model = build_drafter(run, src)
-        self.model.frozen_to(head_dtype(torch.device("cpu"), head))
+        self.model.target.to_dtype(head_dtype(torch.device("cpu"), run.train.head_dtype))
         self.vocab = dv.setup(self.model, src, None)  # what the training loop does before its first step
         self.opt, _ = make_optimizer(self.model, run.train)
         stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=run.train.max_tokens,

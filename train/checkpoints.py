@@ -11,14 +11,19 @@ checkpoints (written before the rule) already held only those and load through t
 :func:`migrate_v1`; one that does not (it needs a full unpickle) is refused with how to convert it
 once, for a checkpoint its owner trusts: ``python -m train.checkpoints trust CHECKPOINT_DIR``
 (:func:`trust_checkpoint`).
+
+The payload is a :class:`Checkpoint`: the one place that names its keys (the loop writes one, resume, eval,
+speculate and export read its fields).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,46 @@ STATE_FILE = "state.pt"
 CKPT_NAME = re.compile(r"step-\d+")
 CKPT_VERSION = 2
 """2: loadable with ``weights_only=True`` (1: the same payload, written before the rule was kept)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint's state, as ``state.pt`` holds it (a dict of these keys, in this order, plain types only)."""
+
+    step: int
+    """Optimizer steps done."""
+    draft: dict[str, torch.Tensor]
+    """The drafter's trainable state dict (no frozen target tensors)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The run config (``RunConfig.to_dict()``) it was trained under; a resume must match it."""
+    fingerprint: str | None = None
+    """The target's fingerprint (None: not recorded)."""
+    template: dict[str, Any] | None = None
+    """Chat-template settings ``{text, kwargs}`` of the dataset (None: written before they were recorded)."""
+    optimizer: dict[str, Any] | None = None
+    """The optimizer's state dict."""
+    scheduler: dict[str, Any] | None = None
+    """The learning-rate schedule's state dict."""
+    data_states: list[Any] = field(default_factory=list)
+    """Each rank's batch-stream state (resume continues the same sample order)."""
+    export_config: dict[str, Any] | None = None
+    """The drafter's ``export_config()``, so export needs no dataset (None: its family cannot be exported)."""
+
+    ORDER = ("version", "step", "config", "fingerprint", "template", "draft", "optimizer", "scheduler", "data_states",
+             "export_config")
+
+    def to_payload(self) -> dict[str, Any]:
+        """The dict ``state.pt`` holds (keys in :attr:`ORDER`, so the bytes do not depend on field order)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: CKPT_VERSION if k == "version" else values[k] for k in self.ORDER}
+
+    @classmethod
+    def from_payload(cls, state: dict[str, Any], where: str | Path) -> "Checkpoint":
+        """A current-version payload -> Checkpoint (ValueError on a key this trainer does not know)."""
+        unknown = sorted(set(state) - set(cls.ORDER))
+        if unknown:
+            raise ValueError(f"checkpoint {where} has keys this trainer does not know: {unknown}")
+        return cls(**{k: v for k, v in state.items() if k != "version"})
 
 
 def _checkpoints(root: Path) -> list[Path]:
@@ -48,9 +93,9 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return cands[-1] if cands else None
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The state of checkpoint directory ``path``, loaded without running any code it holds (ValueError when
-    it holds anything but tensors and plain types, or a version this code does not read)."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """The checkpoint in directory ``path``, loaded without running any code it holds (ValueError when it holds
+    anything but tensors and plain types, or a version this code does not read)."""
     file = Path(path) / STATE_FILE
     try:
         state = torch.load(file, map_location=map_location, weights_only=True)
@@ -65,7 +110,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         state = migrate_v1(state)
     if state.get("version") != CKPT_VERSION:
         raise ValueError(f"checkpoint {path} has version {state.get('version')}, this trainer reads {CKPT_VERSION}")
-    return state
+    return Checkpoint.from_payload(state, path)
 
 
 def migrate_v1(state: dict[str, Any]) -> dict[str, Any]:
@@ -109,13 +154,13 @@ def trust_checkpoint(path: str | Path) -> Path:
     return file
 
 
-def save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
     """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``."""
     root = out / CKPT_DIR
-    final = root / f"step-{step:07d}"
+    final = root / f"step-{ckpt.step:07d}"
     with staged(final) as tmp:
         tmp.mkdir()
-        torch.save(payload, tmp / STATE_FILE)
+        torch.save(ckpt.to_payload(), tmp / STATE_FILE)
     olds = [p for p in _checkpoints(root) if p != final]
     for p in olds[: max(len(olds) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)

@@ -19,6 +19,12 @@ docs/LOG.md); an unknown field or a wrong type is a ValueError naming the field 
 names. The resolved config is saved as JSON in the
 run directory and a resume refuses a checkpoint whose config differs (``RESUME_MUTABLE`` fields
 excepted).
+
+Names changed once (one name per concept across families; torch's dtype and device names, as capture
+spells them): recipes, ``--config`` files, ``--set`` keys, saved run configs and checkpoints written before
+go through ONE named migration, :func:`migrate_run_config` (``RENAMED_FIELDS``, ``RENAMED_VALUES``). Migrating
+in place (rather than refusing with a conversion command) keeps every existing run directory resumable and
+evaluable as it is: the renames are pure spellings, so the migration is total and loses nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -38,6 +45,19 @@ from shards.template import template_kwargs as canonical_template_kwargs
 from train.drafters.base import DEFAULT_FAMILY, get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+
+RENAMED_FIELDS: dict[tuple[str, str], str] = {
+    ("drafter", "ce_chunk_size"): "chunk_rows",  # DFlash / DFlash2; EAGLE-3 and MTP always said chunk_rows
+}
+"""(section, old field name) -> today's name."""
+RENAMED_VALUES: dict[tuple[str, str], dict[Any, Any]] = {
+    ("train", "precision"): {"bf16": "bfloat16", "fp32": "float32"},
+    ("train", "head_dtype"): {"bf16": "bfloat16", "fp32": "float32"},
+    ("train", "device"): {"cuda": "cuda:0"},
+}
+"""(section, field) -> {old value: today's value}."""
+DTYPES = ("auto", "bfloat16", "float32")
+"""``train.precision`` and ``train.head_dtype`` values (torch's dtype names; auto: bfloat16 on GPU, float32 on CPU)."""
 
 RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
                             "eval_every", "eval_samples"})
@@ -81,12 +101,12 @@ class TrainConfig:
     num_workers: int = 0
     """DataLoader processes that read, decode and collate (0: in the training process)."""
     device: str = "auto"
-    """auto (cuda if available), cpu or cuda."""
+    """auto (cuda:0 if available), cpu or cuda:N (each torchrun rank takes cuda:N + its LOCAL_RANK)."""
     precision: str = "auto"
-    """auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32."""
+    """auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32."""
     head_dtype: str = "auto"
-    """dtype of the frozen embedding and lm_head, so of the vocabulary matmuls: auto (bf16 on GPU, fp32 on
-    CPU), bf16 or fp32."""
+    """dtype of the frozen embedding and lm_head, so of the vocabulary matmuls: auto (bfloat16 on GPU, float32 on
+    CPU), bfloat16 or float32."""
     log_every: int = 10
     """Steps between metric lines (JSONL + console)."""
     ckpt_every: int = 500
@@ -122,12 +142,11 @@ class TrainConfig:
             raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("need warmup_steps >= 0, lr > 0 and 0 <= min_lr_ratio <= 1")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"train.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.head_dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"train.head_dtype must be auto, bf16 or fp32, got {self.head_dtype!r}")
+        if self.device not in ("auto", "cpu") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"train.device must be auto, cpu or cuda:N (e.g. cuda:0), got {self.device!r}")
+        for name in ("precision", "head_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"train.{name} must be auto, bfloat16 or float32, got {getattr(self, name)!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"train.max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.template_kwargs is not None:
@@ -148,6 +167,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        """A run config dict (today's or one written before the renames: :func:`migrate_run_config`)."""
+        d = migrate_run_config(d)
         unknown = set(d) - {"family", "drafter", "train"}
         if unknown:
             raise ValueError(f"config has unknown top-level keys {sorted(unknown)}; use family, drafter, train")
@@ -163,6 +184,28 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def migrate_run_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A run config (recipe, config file, saved ``config.json`` or a checkpoint's ``config``) in the names used
+    before the renames -> today's names (``RENAMED_FIELDS``, ``RENAMED_VALUES``); today's comes back equal.
+
+    ValueError when one section holds a field under both its old and its new name."""
+    out = dict(d)
+    for section in ("drafter", "train"):
+        if not isinstance(out.get(section), dict):
+            continue
+        sec = dict(out[section])
+        for (where, old), new in RENAMED_FIELDS.items():
+            if where == section and old in sec:
+                if new in sec:
+                    raise ValueError(f"{section} sets both {old} and {new} (its new name); keep {new}")
+                sec[new] = sec.pop(old)
+        for (where, name), values in RENAMED_VALUES.items():
+            if where == section and isinstance(sec.get(name), str) and sec[name] in values:
+                sec[name] = values[sec[name]]
+        out[section] = sec
+    return out
 
 
 def _plain(x: Any) -> Any:
@@ -239,6 +282,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     doc = yaml.safe_load(path.read_text()) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{path} must hold a mapping with keys base, family, drafter, train")
+    doc = migrate_run_config(doc)
     base = doc.pop("base", None)
     if base is None:
         return doc
@@ -254,6 +298,7 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
     key, text = item.split("=", 1)
     key = key.strip()
     value = yaml.safe_load(text) if text.strip() else None
+    key, value = _renamed_override(key, value)
     cfg_cls, _ = get_family(raw.get("family", DEFAULT_FAMILY))
     fields = {"drafter": {f.name for f in dataclasses.fields(cfg_cls)},
               "train": {f.name for f in dataclasses.fields(TrainConfig)}}
@@ -268,6 +313,19 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
     if len(hits) > 1:
         raise ValueError(f"field {key!r} exists in {hits}; qualify it, e.g. {hits[0]}.{key}=...")
     return hits[0], key, value
+
+
+def _renamed_override(key: str, value: Any) -> tuple[str, Any]:
+    """An override key (bare or qualified) and value written with a name from before the renames -> today's
+    (the same tables :func:`migrate_run_config` applies)."""
+    section, _, bare = key.rpartition(".")
+    for sec in (section,) if section else ("drafter", "train"):
+        if (sec, bare) in RENAMED_FIELDS:
+            bare = RENAMED_FIELDS[(sec, bare)]
+        values = RENAMED_VALUES.get((sec, bare), {})
+        if isinstance(value, str) and value in values:
+            value = values[value]
+    return (f"{section}.{bare}" if section else bare), value
 
 
 def _unknown_field(key: str, fields: dict[str, set[str]], family: str) -> ValueError:

@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 from shards.template import template_sha
 from train.drafters.base import Drafter, get_family
 
@@ -56,21 +55,20 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     if ck is None:
         raise FileNotFoundError(f"{run} has no checkpoint (expected {run}/checkpoints/step-*/state.pt); train first")
     state = load_checkpoint(ck)
-    cfg = state.get("export_config")
+    cfg = state.export_config
     if not cfg:
         raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")
     here = ck.resolve()  # recorded relative to the run (an export travels; a local absolute path means nothing)
     source = here.relative_to(run.resolve()).as_posix() if here.is_relative_to(run.resolve()) else here.name
-    meta: dict[str, Any] = {"source_checkpoint": source, "step": int(state["step"])}
-    if state.get("template") is not None:  # checkpoints written before template settings were recorded lack it
-        meta["chat_template"] = {"sha256": template_sha(state["template"]["text"]),
-                                 "kwargs": state["template"]["kwargs"]}
+    meta: dict[str, Any] = {"source_checkpoint": source, "step": int(state.step)}
+    if state.template is not None:  # checkpoints written before template settings were recorded lack it
+        meta["chat_template"] = {"sha256": template_sha(state.template["text"]), "kwargs": state.template["kwargs"]}
     native = cfg
     family = family_of(native)
-    weights, cfg = family.export_layout(state["draft"], native, layout, verifier=verifier)
+    weights, cfg = family.export_layout(state.draft, native, layout, verifier=verifier)
     out = family.write_export(out_dir, weights, cfg, meta)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
-    return {"out": str(out), "step": int(state["step"]), "parameters": n, "tensors": len(weights),
+    return {"out": str(out), "step": int(state.step), "parameters": n, "tensors": len(weights),
             "layout": layout or family.default_layout,
             "block_size": native.get("block_size"), "target_layer_ids": native.get("target_layer_ids"),
             "target_layer_ids_vllm": native.get("target_layer_ids_vllm"), "mask_token_id": native.get("mask_token_id")}

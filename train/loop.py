@@ -43,10 +43,10 @@ import torch.distributed as dist
 
 from shards.errors import Interrupted, StopSignals
 from shards.progress import Progress
-from train import draft_vocab
+from train.drafters.common import draft_vocab
 from train.acceptance import tau_from_alpha
-from train.checkpoints import CKPT_VERSION, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.config import RESUME_MUTABLE, RunConfig
+from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.config import RESUME_MUTABLE, RunConfig, migrate_run_config
 from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
@@ -85,9 +85,9 @@ def make_optimizer(model: torch.nn.Module, tc: Any) -> tuple[torch.optim.Optimiz
 def _dist_setup(tc: Any) -> tuple[int, int, torch.device, bool]:
     """(rank, world, device, we_initialised) from torchrun's launch environment."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
-    if tc.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is available; use device=cpu or auto")
+    want_cuda = tc.device.startswith("cuda") or (tc.device == "auto" and torch.cuda.is_available())
+    if tc.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={tc.device} but no CUDA device is available; use device=cpu or auto")
     init = False
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if want_cuda else "gloo")
@@ -95,7 +95,8 @@ def _dist_setup(tc: Any) -> tuple[int, int, torch.device, bool]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if want_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        first = int(tc.device.split(":")[1]) if tc.device.startswith("cuda:") else 0
+        local = first + int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
@@ -131,11 +132,11 @@ def head_dtype(device: torch.device, setting: str) -> torch.dtype:
     """
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if setting == "bf16" else torch.float32
+    return torch.bfloat16 if setting == "bfloat16" else torch.float32
 
 
 def _autocast(device: torch.device, precision: str):
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    bf16 = precision == "bfloat16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
@@ -181,10 +182,10 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
         with run_lock(out, rank):
             ckpt = _resumable_checkpoint(run, src, out) if resume else None
             end = tc.max_steps if stop_at is None else min(stop_at, tc.max_steps)
-            if ckpt is not None and int(ckpt["step"]) >= end:
-                return finished_summary(out, int(ckpt["step"]), complete=end == tc.max_steps)
+            if ckpt is not None and int(ckpt.step) >= end:
+                return finished_summary(out, int(ckpt.step), complete=end == tc.max_steps)
             if ckpt is not None and rank == 0:
-                print(f"resuming from step {int(ckpt['step'])} of {tc.max_steps} ({latest_checkpoint(out)})",
+                print(f"resuming from step {int(ckpt.step)} of {tc.max_steps} ({latest_checkpoint(out)})",
                       file=sys.stderr, flush=True)
             return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
@@ -192,13 +193,13 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
             dist.destroy_process_group()
 
 
-def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[str, Any] | None:
+def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> Checkpoint | None:
     """The latest checkpoint in ``out`` (None: start fresh); refused when another config or target wrote it."""
     ckpt_path = latest_checkpoint(out)
     if ckpt_path is None:
         return None
     ckpt = load_checkpoint(ckpt_path)
-    diffs = _config_diff(ckpt["config"], run.to_dict())
+    diffs = _config_diff(migrate_run_config(ckpt.config), run.to_dict())
     if diffs:
         shown = "; ".join(diffs[:SHOWN_DIFFS]) + (f"; and {len(diffs) - SHOWN_DIFFS} more" if len(diffs) > SHOWN_DIFFS
                                                  else "")
@@ -207,15 +208,15 @@ def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> dict[st
             f"rerun with the recipe and --set values it was started with ({out / CONFIG_FILE}), or use a new --out "
             "directory"
         )
-    was = ckpt["config"].get("train", {}).get("max_steps")
+    was = ckpt.config.get("train", {}).get("max_steps")
     if was is not None and was != run.train.max_steps:
-        warnings.warn(f"max_steps changed from {was} to {run.train.max_steps} on resume from step {ckpt['step']}: the "
+        warnings.warn(f"max_steps changed from {was} to {run.train.max_steps} on resume from step {ckpt.step}: the "
                       f"learning-rate schedule (warmup, then cosine decay to step max_steps) now ends at step "
                       f"{run.train.max_steps}, so the remaining steps follow another curve than the run started with",
                       stacklevel=3)
     check_trained_template(ckpt, src, out)
-    if ckpt.get("fingerprint") not in (None, src.fingerprint):
-        raise ValueError(f"{ckpt_path} was trained on target {ckpt['fingerprint'][:12]}, the dataset is "
+    if ckpt.fingerprint not in (None, src.fingerprint):
+        raise ValueError(f"{ckpt_path} was trained on target {ckpt.fingerprint[:12]}, the dataset is "
                          f"{src.fingerprint[:12]}; resume with the dataset it was trained on")
     return ckpt
 
@@ -233,15 +234,16 @@ class _Trainer:
     draft_vocab: dict[str, Any] | None = None
 
 
-def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: int, world: int,
+def _setup(run: RunConfig, src: DataSource, ckpt: Checkpoint | None, rank: int, world: int,
            device: torch.device) -> _Trainer:
     """Drafter (restored from ``ckpt``), its DDP wrapper, optimizer + schedule, and the batch stream."""
     tc = run.train
     model = build_drafter(run, src).to(device)
-    model.frozen_to(head_dtype(device, tc.head_dtype))
-    vocab = draft_vocab.setup(model, src, ckpt)  # a reduced draft vocabulary, fitted on (or checked against) the split
+    model.target.to_dtype(head_dtype(device, tc.head_dtype))
+    # a reduced draft vocabulary, fitted on (or checked against) the split
+    vocab = draft_vocab.setup(model, src, None if ckpt is None else ckpt.draft)
     if ckpt is not None:
-        model.load_state_dict(ckpt["draft"])
+        model.load_state_dict(ckpt.draft)
     ddp = model
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -250,12 +252,12 @@ def _setup(run: RunConfig, src: DataSource, ckpt: dict[str, Any] | None, rank: i
     opt, sched = make_optimizer(model, tc)
     start, data_state = 0, None
     if ckpt is not None:
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
+        opt.load_state_dict(ckpt.optimizer)
+        sched.load_state_dict(ckpt.scheduler)
         # max_steps may change on resume; the rule is code, not state
         sched.lr_lambdas = [lr_lambda(tc)] * len(opt.param_groups)
-        start = int(ckpt["step"])
-        states = ckpt["data_states"]
+        start = int(ckpt.step)
+        states = ckpt.data_states
         if len(states) != world:
             raise ValueError(f"checkpoint was written by {len(states)} ranks; resume with the same world size")
         data_state = states[rank]
@@ -326,7 +328,7 @@ def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, devi
     return step_vals, tokens, gnorm
 
 
-def _train(run: RunConfig, src: DataSource, out: Path, ckpt: dict[str, Any] | None, rank: int, world: int,
+def _train(run: RunConfig, src: DataSource, out: Path, ckpt: Checkpoint | None, rank: int, world: int,
            device: torch.device, end: int) -> dict[str, Any]:
     tc = run.train
     t = _setup(run, src, ckpt, rank, world, device)
@@ -454,19 +456,11 @@ def _checkpoint(out: Path, step: int, run: RunConfig, t: _Trainer, src: DataSour
         dist.all_gather_object(states, t.stream.state_dict())
     path = None
     if rank == 0:
-        payload = {
-            "version": CKPT_VERSION,
-            "step": step,
-            "config": run.to_dict(),
-            "fingerprint": src.fingerprint,
-            "template": template_state(src),
-            "draft": {k: v.detach().cpu() for k, v in t.model.state_dict().items()},
-            "optimizer": t.opt.state_dict(),
-            "scheduler": t.sched.state_dict(),
-            "data_states": states,
-            "export_config": _export_config(t.model),
-        }
-        path = save_checkpoint(out, step, payload, run.train.keep_checkpoints)
+        ckpt = Checkpoint(step=step, config=run.to_dict(), fingerprint=src.fingerprint, template=template_state(src),
+                          draft={k: v.detach().cpu() for k, v in t.model.state_dict().items()},
+                          optimizer=t.opt.state_dict(), scheduler=t.sched.state_dict(), data_states=states,
+                          export_config=_export_config(t.model))
+        path = save_checkpoint(out, ckpt, run.train.keep_checkpoints)
     if world > 1:
         dist.barrier()
     return path

@@ -28,7 +28,7 @@ from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.reader import open_dataset
 from shards.template import check_template
-from train.checkpoints import latest_checkpoint, load_checkpoint
+from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafters.base import Drafter, get_family
@@ -125,7 +125,7 @@ class Trained:
     model: Drafter
     src: DataSource
     run: RunConfig
-    state: dict[str, Any]
+    state: Checkpoint
     checkpoint: Path
     split: str
 
@@ -138,7 +138,7 @@ def pick_split(src_splits: list[str], train_split: str) -> str:
     return train_split
 
 
-def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, dict[str, Any]]:
+def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
     """(config, latest checkpoint path, its state) of a run directory; FileNotFoundError when it has none."""
     run_dir = Path(run_dir)
     cfg_path = run_dir / CONFIG_FILE
@@ -165,12 +165,12 @@ def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, de
     check_trained_template(state, src, run_dir)
     check_template(src.bundle.template_settings, template=template, kwargs=template_kwargs,
                    where=f"dataset {src.where}", given_by="the settings given (--chat-template/--template-kwarg)")
-    if state.get("fingerprint") not in (None, src.fingerprint):
+    if state.fingerprint not in (None, src.fingerprint):
         raise ValueError(
-            f"the draft in {run_dir} was trained for target {state['fingerprint'][:12]}, but {src.where} was "
+            f"the draft in {run_dir} was trained for target {state.fingerprint[:12]}, but {src.where} was "
             f"captured from {src.fingerprint[:12]}; use a dataset of the same target"
         )
     model = build_drafter(run, src).to(device)
-    model.load_state_dict(state["draft"])
+    model.load_state_dict(state.draft)
     model.eval()
     return Trained(model, src, run, state, ck, src.split)

@@ -9,12 +9,14 @@ the family's own ``check_dataset``).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from shards.derive import derived_note
 from shards.manifest import responses_from_target
 from shards.reader import open_dataset
 from shards.template import check_template, read_template_file
+from train.checkpoints import Checkpoint
 from train.config import RunConfig
 from train.drafters.base import get_family
 
@@ -94,10 +96,10 @@ def template_state(src: DataSource) -> dict[str, Any]:
     return {"text": text, "kwargs": kwargs}
 
 
-def check_trained_template(state: dict[str, Any], src: DataSource, run_dir: str | Path) -> None:
+def check_trained_template(state: Checkpoint, src: DataSource, run_dir: str | Path) -> None:
     """Refuse a dataset whose chat-template settings differ from those the checkpoint was trained with
     (checkpoints written before the settings were recorded pass: the fingerprint still covers them)."""
-    t = state.get("template")
+    t = state.template
     if t is not None:
         check_template(src.bundle.template_settings, template=t["text"], kwargs=t["kwargs"],
                        where=f"dataset {src.where}", given_by=f"the draft in {run_dir} was trained on a dataset that",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cli import main
-from train.checkpoints import CKPT_VERSION, STATE_FILE, load_checkpoint, migrate_v1, save_checkpoint, trust_checkpoint
+from train.checkpoints import CKPT_VERSION, STATE_FILE, load_checkpoint, migrate_v1, trust_checkpoint
 from train.config import load_run_config
 from train.run import load_run
 
@@ -38,6 +38,14 @@ def _crafted_run(root: Path, marker: Path) -> Path:
     return run
 
 
+def _write(out: Path, step: int, state: dict) -> Path:
+    """A raw ``state.pt`` payload (old versions, hand-made ones), as an older trainer wrote it."""
+    ck = out / "checkpoints" / f"step-{step:07d}"
+    ck.mkdir(parents=True)
+    torch.save(state, ck / STATE_FILE)
+    return ck
+
+
 def test_a_crafted_run_directory_is_refused_and_its_pickle_never_runs(tmp_path, capsys):
     marker = tmp_path / "pwned.txt"
     run = _crafted_run(tmp_path, marker)
@@ -55,28 +63,44 @@ def test_a_crafted_run_directory_is_refused_and_its_pickle_never_runs(tmp_path, 
 
 def test_a_version_1_checkpoint_loads_through_its_migration(tmp_path):
     state = {"version": 1, "step": 3, "draft": {"w": torch.arange(4.0)}, "data_states": [{"epoch": 0, "pos": 7}]}
-    save_checkpoint(tmp_path, 3, state, keep=2)
-    got = load_checkpoint(tmp_path / "checkpoints" / "step-0000003")
-    assert got["version"] == CKPT_VERSION == migrate_v1(state)["version"] == 2
-    assert got["step"] == 3 and torch.equal(got["draft"]["w"], torch.arange(4.0)) and got["data_states"] == [
+    got = load_checkpoint(_write(tmp_path, 3, state))
+    assert CKPT_VERSION == migrate_v1(state)["version"] == 2 and got.to_payload()["version"] == 2
+    assert got.step == 3 and torch.equal(got.draft["w"], torch.arange(4.0)) and got.data_states == [
         {"epoch": 0, "pos": 7}]
-    save_checkpoint(tmp_path, 4, {**state, "version": 99}, keep=2)
+    _write(tmp_path, 4, {**state, "version": 99})
     with pytest.raises(ValueError, match="has version 99, this trainer reads 2"):
         load_checkpoint(tmp_path / "checkpoints" / "step-0000004")
 
 
 def test_a_trusted_old_checkpoint_is_converted_once(tmp_path):
-    ck = tmp_path / "checkpoints" / "step-0000002"
-    save_checkpoint(tmp_path, 2, {"version": 1, "step": 2, "draft": {"w": torch.ones(3)},
-                                  "data_states": [{"rng": np.arange(3), "pos": np.int64(5)}]}, keep=2)
+    ck = _write(tmp_path, 2, {"version": 1, "step": 2, "draft": {"w": torch.ones(3)},
+                              "data_states": [{"rng": np.arange(3), "pos": np.int64(5)}]})
     with pytest.raises(ValueError, match="python -m train.checkpoints trust"):
         load_checkpoint(ck)  # numpy values need a full unpickle
     proc = subprocess.run([sys.executable, "-m", "train.checkpoints", "trust", str(ck)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "now loads without running code" in proc.stdout, proc.stderr
     got = load_checkpoint(ck)
-    assert got["version"] == 2 and torch.equal(got["data_states"][0]["rng"], torch.arange(3))
-    assert got["data_states"][0]["pos"] == 5 and type(got["data_states"][0]["pos"]) is int
+    assert torch.equal(got.data_states[0]["rng"], torch.arange(3))
+    assert got.data_states[0]["pos"] == 5 and type(got.data_states[0]["pos"]) is int
     torch.save({"version": 1, "x": _WritesAFile(tmp_path / "m")}, ck / STATE_FILE)
     with pytest.raises(ValueError, match=r"state\.x is a _io\.TextIOWrapper, which a checkpoint cannot hold"):
         trust_checkpoint(ck)  # runs it (the owner trusts it), but refuses to keep an object
+
+
+def test_the_checkpoint_payload_keeps_its_keys_and_order(tmp_path):
+    """``Checkpoint`` owns the keys of ``state.pt``: the same keys, in the order the loop always wrote them (so
+    the file's bytes are unchanged), and a round trip through the file gives the same checkpoint back."""
+    from train.checkpoints import Checkpoint, save_checkpoint
+
+    ck = Checkpoint(step=5, draft={"w": torch.arange(3.0)}, config={"family": "dflash"}, fingerprint="ab" * 8,
+                    template={"text": "t", "kwargs": {}}, optimizer={"state": {}}, scheduler={"last_epoch": 5},
+                    data_states=[{"epoch": 0}], export_config={"block_size": 4})
+    payload = ck.to_payload()
+    assert list(payload) == ["version", "step", "config", "fingerprint", "template", "draft", "optimizer",
+                             "scheduler", "data_states", "export_config"] and payload["version"] == CKPT_VERSION
+    got = load_checkpoint(save_checkpoint(tmp_path, ck, keep=1))
+    assert got.step == 5 and torch.equal(got.draft["w"], ck.draft["w"]) and got.config == ck.config
+    assert (got.template, got.data_states, got.export_config) == (ck.template, ck.data_states, ck.export_config)
+    with pytest.raises(ValueError, match=r"keys this trainer does not know: \['extra'\]"):
+        load_checkpoint(_write(tmp_path / "x", 1, {**payload, "extra": 1}))

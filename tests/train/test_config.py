@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from train.config import RECIPES_DIR, RunConfig, load_run_config
+from train.config import RECIPES_DIR, RunConfig, load_run_config, migrate_run_config
 
 
 def test_recipes_load_with_their_defaults():
@@ -52,13 +52,34 @@ RESOLVED = Path(__file__).with_name("recipes_resolved.json")
 
 
 def test_recipes_resolve_to_the_configs_they_always_gave():
-    """Every recipe, with its base chain, resolves to exactly the config it resolved to before bases existed."""
+    """Every recipe, with its base chain, resolves to exactly the config it resolved to before bases existed
+    (that file keeps the names from before the renames: through ``migrate_run_config``, and only through it)."""
     want = json.loads(RESOLVED.read_text())
     have = {p.stem: load_run_config(p.stem).to_dict() for p in sorted(RECIPES_DIR.glob("*.yaml"))
             if not p.stem.startswith("_")}
     assert sorted(have) == sorted(want)
+    assert any("ce_chunk_size" in want[name]["drafter"] for name in want)  # the old names are really there
     for name in want:
-        assert json.loads(json.dumps(have[name])) == want[name], name
+        assert json.loads(json.dumps(have[name])) == migrate_run_config(want[name]), name
+
+
+def test_configs_written_before_the_renames_migrate(tmp_path):
+    """Old recipes, ``--set`` keys, saved run configs and checkpoints' configs: one migration, today's names."""
+    old = {"family": "dflash", "drafter": {"ce_chunk_size": 64, "block_size": 8},
+           "train": {"precision": "bf16", "head_dtype": "fp32", "device": "cuda"}}
+    new = migrate_run_config(old)
+    assert new == {"family": "dflash", "drafter": {"chunk_rows": 64, "block_size": 8},
+                   "train": {"precision": "bfloat16", "head_dtype": "float32", "device": "cuda:0"}}
+    assert migrate_run_config(new) == new and old["drafter"] == {"ce_chunk_size": 64, "block_size": 8}
+    run = RunConfig.from_dict(old)  # a saved config.json / a checkpoint's config
+    assert (run.drafter.chunk_rows, run.train.precision, run.train.device) == (64, "bfloat16", "cuda:0")
+    (tmp_path / "old.yaml").write_text("base: dflash_b8\ndrafter:\n  ce_chunk_size: 32\ntrain:\n  precision: fp32\n")
+    r = load_run_config(str(tmp_path / "old.yaml"), overrides=["head_dtype=bf16", "drafter.ce_chunk_size=16"])
+    assert (r.drafter.chunk_rows, r.train.precision, r.train.head_dtype) == (16, "float32", "bfloat16")
+    with pytest.raises(ValueError, match="sets both ce_chunk_size and chunk_rows"):
+        migrate_run_config({"drafter": {"ce_chunk_size": 1, "chunk_rows": 2}})
+    with pytest.raises(ValueError, match="cuda:N"):
+        load_run_config("dflash_b8", overrides=["device=gpu"])
 
 
 def test_base_chain_merges_sections_and_refuses_cycles(tmp_path):

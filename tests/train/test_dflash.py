@@ -96,7 +96,7 @@ def _reference_blocks(model, batch, anchors, valid):
             a = int(anchors[b, j])
             ids = torch.full((1, B), model.config.mask_token_id, dtype=torch.long)
             ids[0, 0] = batch["input_ids"][b, a]
-            x = torch.nn.functional.embedding(ids, model.embed_tokens).to(ctx.dtype)
+            x = torch.nn.functional.embedding(ids, model.target.embed_tokens).to(ctx.dtype)
             rope = model.rotary((a + torch.arange(B))[None])
             c = ctx[b : b + 1, :a]
             crope = model.rotary(torch.arange(a)[None])
@@ -144,14 +144,14 @@ def test_forward_backward_all_kd_modes(tmp_path, kd):
     bundle = tiny_bundle(tmp_path)
     layout = tiny_layout(bundle, tap_ids=(1, 3), final_hidden=(kd == "exact"))
     samples = synthetic_samples(bundle, layout, 4)
-    model = DFlashDrafter.build(DFlashConfig(block_size=4, kd=kd, ce_chunk_size=16), bundle, layout)
+    model = DFlashDrafter.build(DFlashConfig(block_size=4, kd=kd, chunk_rows=16), bundle, layout)
     out = model(collate(samples), torch.Generator().manual_seed(0))
     assert ("kd" in out.terms) == (kd != "none")
     for s, c, _ in out.terms.values():
         assert torch.isfinite(s) and float(c) > 0
     sum(s for s, _, _ in out.terms.values()).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert model.lm_head.grad is None and not model.lm_head.requires_grad
+    assert model.target.lm_head.grad is None and not model.target.lm_head.requires_grad
 
 
 def test_no_anchor_batch_still_reaches_every_parameter(setup):
@@ -177,7 +177,7 @@ def test_loss_targets_and_weights_match_definition(setup):
         h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
     num = den = 0.0
     for b, j, k, p in supervised_slots(batch, anchors, valid, 4):
-        z = h[b, j, k] @ model.lm_head.double().T
+        z = h[b, j, k] @ model.target.lm_head.double().T
         ce = -torch.log_softmax(z, -1)[batch["input_ids"][b, p]]
         wk = torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64))
         num, den = num + float(wk * ce), den + float(wk)
@@ -260,7 +260,7 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
     cfg = js.loads((tmp_path / "exp" / "config.json").read_text())
     assert cfg["dflash_config"]["mask_token_id"] == V - 6 and cfg["dflash_config"]["mask_token"] == "<|MASK|>"
     ids = torch.full((1, 4), V - 6)
-    assert torch.equal(model.embed_tokens[ids], bundle.embed_tokens[ids].float())  # the target's own row
+    assert torch.equal(model.target.embed_tokens[ids], bundle.embed_tokens[ids].float())  # the target's own row
     # a table the tokenizer fills has no spare row: the pad id, which no reply holds, so nothing to warn about
     full = dc.replace(bundle, tokenizer_files={"tokenizer.json": js.dumps(
         {"model": {"vocab": {f"w{i}": i for i in range(V)}}}).encode()})
@@ -280,7 +280,7 @@ def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
     bundle, layout, samples = setup
     batch = collate(samples)
     cls, cfg = (DFlashDrafter, DFlashConfig) if family == "dflash" else (DFlash2Drafter, DFlash2Config)
-    extra = {} if family == "dflash" else {"ce_chunk_size": 0, "selector_candidates": 5, "selector_rank": 8,
+    extra = {} if family == "dflash" else {"chunk_rows": 0, "selector_candidates": 5, "selector_rank": 8,
                                            "conv_group_size": 8}
     torch.manual_seed(0)
     small = cls.build(cfg(num_layers=1, block_size=4, num_anchors=3, max_total_anchors=5, **extra), bundle, layout)
@@ -321,7 +321,8 @@ def test_sampled_acceptance_is_the_overlap_of_the_live_proposal_with_the_exact_t
         for k in range(1, 4):
             if a + k >= len(ids) or not lm[a + k]:
                 continue
-            z = teacher_logits(taps[a + k - 1, 1][None], model.target_norm, model.lm_head, model.head_spec)[0]
+            z = teacher_logits(taps[a + k - 1, 1][None], model.target.norm_weight, model.target.lm_head,
+                               model.head_spec)[0]
             p = torch.softmax(z.double() / temperature, -1)
             sums[k - 1] += torch.minimum(p, q[k - 1].double()).sum()
             counts[k - 1] += 1

@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
 
 
 def _pair(bundle, layout, **kw):
-    base = dict(num_layers=2, block_size=4, gamma=4.0, num_anchors=6, ce_chunk_size=0)
+    base = dict(num_layers=2, block_size=4, gamma=4.0, num_anchors=6, chunk_rows=0)
     base.update(kw)
     torch.manual_seed(0)
     d1 = DFlashDrafter.build(DFlashConfig(**base), bundle, layout)
@@ -138,7 +138,7 @@ def test_chunked_dense_loss_equals_one_chunk_values_and_gradients(setup, kd):
     models = []
     for chunk, budget in ((0, 1 << 20), (7, 1024)):
         torch.manual_seed(0)
-        cfg = DFlash2Config(num_layers=1, block_size=4, num_anchors=6, kd=kd, ce_chunk_size=chunk,
+        cfg = DFlash2Config(num_layers=1, block_size=4, num_anchors=6, kd=kd, chunk_rows=chunk,
                             logits_budget_mib=budget, selector_candidates=5, selector_rank=8, conv_group_size=8)
         m = DFlash2Drafter.build(cfg, bundle, layout)
         with torch.no_grad():

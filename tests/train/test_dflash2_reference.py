@@ -42,7 +42,7 @@ def exported(tmp_path_factory):
     bundle = tiny_bundle(root, scaling=1.7)  # a target that scales its logits: the fold must hold for the selector
     layout = tiny_layout(bundle, tap_ids=(1, 2, 3))
     torch.manual_seed(0)
-    cfg = DFlash2Config(num_layers=LAYERS, block_size=B, target_layer_ids=(1, 2), ce_chunk_size=0,
+    cfg = DFlash2Config(num_layers=LAYERS, block_size=B, target_layer_ids=(1, 2), chunk_rows=0,
                         selector_candidates=5, selector_rank=8, conv_group_size=8)
     model = away_from_init(DFlash2Drafter.build(cfg, bundle, layout), 0.3)
     export_drafter(model, root / "export", {})

@@ -82,4 +82,4 @@ def test_loop_under_two_gloo_ranks(tmp_path):
     from train.checkpoints import latest_checkpoint, load_checkpoint
 
     ck = load_checkpoint(latest_checkpoint(tmp_path / "run"))
-    assert len(ck["data_states"]) == 2 and ck["data_states"][0] != ck["data_states"][1]
+    assert len(ck.data_states) == 2 and ck.data_states[0] != ck.data_states[1]

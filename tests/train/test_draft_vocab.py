@@ -65,7 +65,7 @@ def _reduced_model(tmp_path, kd="exact", n=24):
     bundle = tiny_bundle(tmp_path)
     layout = tiny_layout(bundle, tap_ids=(1, 3), final_hidden=True)
     samples = synthetic_samples(bundle, layout, 4)
-    cfg = DFlashConfig(block_size=4, gamma=2.0, kd=kd, ce_chunk_size=7, draft_vocab=n, target_layer_ids=(1,))
+    cfg = DFlashConfig(block_size=4, gamma=2.0, kd=kd, chunk_rows=7, draft_vocab=n, target_layer_ids=(1,))
     model = DFlashDrafter.build(cfg, bundle, layout)
     counts = sum(torch.bincount(s["input_ids"].long()[s["loss_mask"]], minlength=64) for s in samples)
     vocab = DraftVocab(choose(counts, n, [2]), 64)
@@ -82,7 +82,7 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
     batch["taps"], batch["final_hidden"] = batch["taps"].double(), batch["final_hidden"].double()
     out = model(batch, torch.Generator().manual_seed(3))
     anchors, vblk = model._anchors(batch, torch.Generator().manual_seed(3))
-    W = model.lm_head.double()[vocab.ids]
+    W = model.target.lm_head.double()[vocab.ids]
     ids = vocab.ids.tolist()
     h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
     ce_num = kd_num = den = 0.0
@@ -94,7 +94,7 @@ def test_reduced_loss_matches_a_float64_reference(tmp_path):
             outside += 1
             continue
         lq = torch.log_softmax(h[b, j, k] @ W.T, -1)
-        t = final_norm(batch["final_hidden"][b, p - 1], model.target_norm.double(), model.head_spec)
+        t = final_norm(batch["final_hidden"][b, p - 1], model.target.norm_weight.double(), model.head_spec)
         lp = torch.log_softmax(t @ W.T, -1)  # the full teacher restricted to S, renormalised
         wk = float(torch.exp(torch.tensor(-(k - 1) / 2.0, dtype=torch.float64)).float())  # float32 weights
         ce_num = ce_num + wk * -lq[ids.index(y)]

@@ -16,7 +16,8 @@ from train.drafters.common.chain import IGNORE
 from train.drafters.common.draft_vocab import DraftVocab
 from train.drafters.common.export_files import load_export
 from train.drafters.common.mask import eagle3_dense_mask
-from train.drafters.eagle3.model import Eagle3Config, Eagle3Drafter
+from train.drafters.eagle3.config import Eagle3Config
+from train.drafters.eagle3.model import Eagle3Drafter
 from train.export import export_drafter
 
 TAPS = (0, 1, 2, L - 1)
@@ -139,7 +140,7 @@ class VllmEagle3:
 def _reference(d, batch, tmp_path):
     export_drafter(d, tmp_path, {})
     cfg, weights = load_export(tmp_path)
-    return VllmEagle3(weights, cfg, d.embed_tokens), cfg, weights
+    return VllmEagle3(weights, cfg, d.target.embed_tokens), cfg, weights
 
 
 def _aux(d, batch, b):
@@ -187,7 +188,7 @@ def test_ce_and_kl_terms_match_float64_references(tmp_path):
                         lp = torch.log_softmax(_rms(last, bundle.norm_weight.double(), 1e-6) @ bundle.lm_head.double().T, -1)
                         total += float((lp.exp() * (lp - lq)).sum())
                     count += 1
-            s, c, w = out.terms[f"eagle3_s{j}"]
+            s, c, w = out.terms[f"loss@{j + 1}"]
             assert int(c) == count > 0 and w == 0.5**j
             assert abs(float(s.detach()) - total) < 1e-4 * max(1.0, total), (loss_type, j)
         loss, _ = combine_terms(out.terms)
@@ -203,12 +204,12 @@ def test_lk_and_topk_teacher():
     topk = drafter(bundle, lay, loss_type="kl", teacher="topk")  # top_k = V: the stored rows are the whole softmax
     a, b = exact(batch), topk(batch)
     for j in range(3):
-        assert float(a.terms[f"eagle3_s{j}"][0]) == pytest.approx(float(b.terms[f"eagle3_s{j}"][0]), rel=1e-4)
+        assert float(a.terms[f"loss@{j + 1}"][0]) == pytest.approx(float(b.terms[f"loss@{j + 1}"][0]), rel=1e-4)
     lk = drafter(bundle, lay, loss_type="lk", lk_lambda=0.0)  # pure TV: the loss is 1 - acceptance per row
     out = lk(batch)
     for j in range(3):
-        s, n, _ = out.terms[f"eagle3_s{j}"]
-        acc, m = out.metrics[f"acceptance_s{j}"]
+        s, n, _ = out.terms[f"loss@{j + 1}"]
+        acc, m = out.metrics[f"sampled_acceptance@{j + 1}"]
         assert float(s) == pytest.approx(float(n) - float(acc), rel=1e-5) and int(n) == int(m)
 
 
@@ -217,7 +218,7 @@ def test_draft_vocabulary_uses_vllms_d2t_convention(tmp_path):
     d = drafter(bundle, lay, draft_vocab=12, loss_type="ce")
     ids = torch.tensor([1, 2, 3, 5, 8, 13, 17, 21, 25, 30, 34, 38])
     d.set_draft_vocab(DraftVocab(ids, V))
-    assert torch.equal(d.lm_head.weight, d.target_lm_head[ids])  # the head starts on the target's rows of the subset
+    assert torch.equal(d.lm_head.weight, d.target.lm_head[ids])  # the head starts on the target's rows of the subset
     batch = batch_of(lay, bundle)
     ref, cfg, weights = _reference(d, batch, tmp_path)
     assert cfg["draft_vocab_size"] == 12 and weights["d2t"].dtype == torch.int64
@@ -231,7 +232,7 @@ def test_draft_vocabulary_uses_vllms_d2t_convention(tmp_path):
     out = d(batch)  # a label outside the subset carries no loss
     y = [batch["input_ids"][b, t + 2] for b, t in (batch["loss_mask"][:, 2:] & (torch.arange(
         batch["input_ids"].shape[1] - 2) < batch["lengths"][:, None] - 2)).nonzero().tolist()]
-    assert int(out.terms["eagle3_s0"][1]) == sum(int(v) in ids.tolist() for v in y)
+    assert int(out.terms["loss@1"][1]) == sum(int(v) in ids.tolist() for v in y)
 
 
 # -- chains, proposals, eval ----------------------------------------------------------------------------
@@ -362,4 +363,4 @@ def test_loop_under_two_gloo_ranks(tmp_path, mem):
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(mem.path), str(tmp_path / "run")), nprocs=2, join=True)
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in lines] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in lines)
-    assert len(load_checkpoint(latest_checkpoint(tmp_path / "run"))["data_states"]) == 2
+    assert len(load_checkpoint(latest_checkpoint(tmp_path / "run")).data_states) == 2

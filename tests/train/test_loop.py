@@ -41,8 +41,8 @@ def test_resume_continues_exactly(tmp_path, mem):
     full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
     assert len(full) == 6 and len(cut) == 6
     assert cut == pytest.approx(full, rel=1e-6, abs=1e-7)
-    a = load_checkpoint(latest_checkpoint(tmp_path / "full"))["draft"]
-    b = load_checkpoint(latest_checkpoint(tmp_path / "cut"))["draft"]
+    a = load_checkpoint(latest_checkpoint(tmp_path / "full")).draft
+    b = load_checkpoint(latest_checkpoint(tmp_path / "cut")).draft
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
@@ -167,7 +167,7 @@ def test_eval_and_export_round_trip(tmp_path, mem):
     cfg["tapdraft_layout_tap_ids"] = list(mem.layout.tap_ids)
     # the trainer's drafter with the checkpoint weights vs the independent reference on the export
     model = DFlashDrafter.build(run.drafter, mem.bundle, mem.layout)
-    model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run"))["draft"])
+    model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run")).draft)
     s = mem.samples[0]
     anchor = int(torch.nonzero(s["loss_mask"])[0]) + 2
     from train.data import collate
@@ -220,11 +220,11 @@ def test_head_dtype_sets_the_vocabulary_matmuls(tmp_path, mem):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (head_dtype(cpu, "auto"), head_dtype(cuda, "auto")) == (torch.float32, torch.bfloat16)
-    assert (head_dtype(cpu, "bf16"), head_dtype(cuda, "fp32")) == (torch.bfloat16, torch.float32)
+    assert (head_dtype(cpu, "bfloat16"), head_dtype(cuda, "float32")) == (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="head_dtype"):
         load_run_config("dflash_b8", overrides=["head_dtype=fp16"])
     train(load_run_config("dflash_b8", overrides=FAST + ["max_steps=3"]), mem.path, tmp_path / "fp32")
-    bf16 = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bf16"])
+    bf16 = load_run_config("dflash_b8", overrides=FAST + ["max_steps=3", "head_dtype=bfloat16"])
     train(bf16, mem.path, tmp_path / "bf16")
     a, b = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
     assert a != b and b == pytest.approx(a, rel=2e-2)  # the same run up to bf16 rounding of the head

@@ -10,7 +10,8 @@ from shards.schema import Layout, teacher_rows
 from train.data import collate
 from train.drafters.base import combine_terms
 from train.drafters.common.chain import IGNORE, depth_targets, doc_end_from_lengths, next_token_labels
-from train.drafters.mtp.model import MTPConfig, MTPDrafter, load_exported
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter, load_exported
 from train.export import export_drafter
 
 V, H, L = 40, 16, 4
@@ -83,7 +84,7 @@ def _reference_ce(drafter, batch):
     d = drafter
     ids, lengths, mask = batch["input_ids"], batch["lengths"], batch["loss_mask"]
     last = batch["taps"][:, :, d.last_tap].double()
-    emb_t = d.embed_tokens.double()
+    emb_t = d.target.embed_tokens.double()
     eps = d.eps
 
     def rms(x, w):
@@ -92,7 +93,7 @@ def _reference_ce(drafter, batch):
     total, counts = {}, {}
     for b in range(ids.shape[0]):
         n = int(lengths[b])
-        h = rms(last[b, :n], d.norm_weight)
+        h = rms(last[b, :n], d.target.norm_weight)
         for k in range(1, d.config.num_depths + 1):
             head = d.head(k)
             e = torch.zeros(n, H, dtype=torch.float64)
@@ -104,7 +105,7 @@ def _reference_ce(drafter, batch):
             c = 0
             for t in range(n):
                 if t + k + 1 < n and bool(mask[b, t + k + 1]):
-                    z = rms(h[t], head.shared_head.norm.weight) @ d.lm_head.double().T / d.logits_scaling
+                    z = rms(h[t], head.shared_head.norm.weight) @ d.target.lm_head.double().T / d.logits_scaling
                     ce += (torch.logsumexp(z, 0) - z[ids[b, t + k + 1]]).item()
                     c += 1
             total[k] = total.get(k, 0.0) + ce
@@ -117,14 +118,14 @@ def test_ce_loss_matches_float64_reference(repeated):
     torch.manual_seed(0)
     bundle, layout = tiny_bundle(scaling=2.0), tiny_layout()
     d = MTPDrafter.build(MTPConfig(num_depths=2, use_repeated_layer=repeated, chunk_rows=5), bundle, layout).double()
-    d.embed_tokens, d.norm_weight, d.lm_head = d.embed_tokens.double(), d.norm_weight.double(), d.lm_head.double()
+    d.target.to_dtype(torch.float64)
     assert len(d.model.layers) == (1 if repeated else 2)
     batch = batch_of(layout, bundle)
     batch["taps"] = batch["taps"].double()
     out = d(batch)
     ref, cnt = _reference_ce(d, batch)
     for k in (1, 2):
-        s, c, w = out.terms[f"mtp_d{k}"]
+        s, c, w = out.terms[f"loss@{k}"]
         assert int(c) == cnt[k] > 0 and w == 0.5
         assert abs(s.item() - ref[k]) < 1e-6 * max(1.0, ref[k])  # layers.RMSNorm normalises in float32
     loss, _ = combine_terms(out.terms)
@@ -135,8 +136,8 @@ def test_ce_loss_matches_float64_reference(repeated):
 
 def _teacher_p(d, batch, b, row):
     last = batch["taps"][b, row, d.last_tap].float()
-    h = last * torch.rsqrt(last.pow(2).mean() + d.eps) * d.norm_weight
-    return torch.softmax((h @ d.lm_head.T).double() / d.logits_scaling, -1)
+    h = last * torch.rsqrt(last.pow(2).mean() + d.eps) * d.target.norm_weight
+    return torch.softmax((h @ d.target.lm_head.T).double() / d.logits_scaling, -1)
 
 
 @pytest.mark.parametrize("lam", [0.5, 0.2, "adaptive"])
@@ -159,10 +160,10 @@ def test_lk_loss_matches_float64_reference(lam):
         kl, tv = torch.tensor(rows_kl, dtype=torch.float64), torch.tensor(rows_tv, dtype=torch.float64)
         w = math.exp(-3.0 * float((1 - tv).mean())) if lam == "adaptive" else lam
         want = float((w * kl + (1 - w) * tv).sum())
-        s, c, _ = out.terms[f"mtp_d{k}"]
+        s, c, _ = out.terms[f"loss@{k}"]
         assert int(c) == len(rows_kl)
         assert abs(s.item() - want) < 1e-4 * max(1.0, want)
-        acc_sum, acc_n = out.metrics[f"acceptance_d{k}"]
+        acc_sum, acc_n = out.metrics[f"sampled_acceptance@{k}"]
         assert abs(float(acc_sum) / float(acc_n) - float((1 - tv).mean())) < 1e-4
 
 
@@ -173,7 +174,7 @@ def test_topk_teacher_with_full_vocab_equals_exact_and_lower_bound_with_small_k(
     topk = MTPDrafter.build(MTPConfig(loss_type="lk", teacher="topk"), bundle, tiny_layout())
     topk.load_state_dict(exact.state_dict())
     batch = batch_of(tiny_layout(), bundle)
-    a, b = exact(batch).terms["mtp_d1"][0], topk(batch).terms["mtp_d1"][0]
+    a, b = exact(batch).terms["loss@1"][0], topk(batch).terms["loss@1"][0]
     assert abs(a.item() - b.item()) < 1e-4 * max(1.0, a.item())
     # a small stored k lumps more: per-row KL and TV can only shrink (data-processing inequality)
     lay4 = tiny_layout(top_k=4)
@@ -182,8 +183,8 @@ def test_topk_teacher_with_full_vocab_equals_exact_and_lower_bound_with_small_k(
     b4 = batch_of(lay4, bundle)
     e4 = exact(b4)
     o4 = t4(b4)
-    assert o4.terms["mtp_d1"][0].item() < e4.terms["mtp_d1"][0].item()
-    assert float(o4.metrics["kl_d1"][0]) < float(e4.metrics["kl_d1"][0])
+    assert o4.terms["loss@1"][0].item() < e4.terms["loss@1"][0].item()
+    assert float(o4.metrics["kl@1"][0]) < float(e4.metrics["kl@1"][0])
     # MTP always has the last hidden state, so 'auto' picks the exact teacher
     assert MTPDrafter.build(MTPConfig(loss_type="lk"), bundle, lay4).teacher_kind == "exact"
 
@@ -196,16 +197,16 @@ def test_audio_rows_masked_without_embeds_and_used_with_them():
     batch = batch_of(lay, bundle, lengths=(10, 7), audio_at=((2, 3, 4), ()))
     batch["loss_mask"][0, :] = True
     out = d(batch)
-    masked, seen = out.metrics["mtp_rows_audio_masked"]
+    masked, seen = out.metrics["rows_audio_masked"]
     # rows t = 1, 2, 3 read audio inputs at t + 1 = 2, 3, 4 and have supervised targets at t + 2
-    assert int(masked) == 3 and int(seen) == int(out.terms["mtp_d1"][1]) + 3
+    assert int(masked) == 3 and int(seen) == int(out.terms["loss@1"][1]) + 3
     lay_e = tiny_layout(top_k=0, has_audio_embeds=True)
     d_e = MTPDrafter.build(MTPConfig(num_depths=1), bundle, lay_e)
     b_e = batch_of(lay_e, bundle, lengths=(10, 7), audio_at=((2, 3, 4), ()))
     b_e["loss_mask"][0, :] = True
     out_e = d_e(b_e)
-    assert int(out_e.metrics["mtp_rows_audio_masked"][0]) == 0
-    assert int(out_e.terms["mtp_d1"][1]) == int(out.terms["mtp_d1"][1]) + 3
+    assert int(out_e.metrics["rows_audio_masked"][0]) == 0
+    assert int(out_e.terms["loss@1"][1]) == int(out.terms["loss@1"][1]) + 3
     # the stored audio embedding is what enters at those rows
     emb, unknown = d_e.input_embeds(b_e)
     assert not unknown.any() and torch.equal(emb[0, 2], b_e["audio_embeds"][0, 2].float())
@@ -306,5 +307,5 @@ def test_sampled_acceptance_is_one_minus_tv_of_exact_rows():
     s, c = d.sampled_acceptance(batch)
     out = d(batch)  # lambda 0: the LK term is the sum of TV over the same rows
     for k in (1, 2):
-        tv_sum, n = out.terms[f"mtp_d{k}"][0].item(), int(out.terms[f"mtp_d{k}"][1])
+        tv_sum, n = out.terms[f"loss@{k}"][0].item(), int(out.terms[f"loss@{k}"][1])
         assert int(c[k - 1]) == n and abs(float(s[k - 1]) - (n - tv_sum)) < 1e-4

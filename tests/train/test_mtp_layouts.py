@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from tests.train.dflash_fixtures import away_from_init
 from tests.train.test_mtp import L, batch_of, tiny_bundle, tiny_layout
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 from train.export import export_drafter
 
 BLOCK = ["input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -114,7 +115,7 @@ def test_vllm_qwen3_next_layout_loads_with_exact_keys_and_logits(tmp_path, scali
         ours = [d.logits(k + 1, h[k][0]).double() for k in range(cfg.num_depths)]
         from shards.head import final_norm
 
-        h0 = final_norm(d.last_hidden(batch)[0].float(), d.norm_weight.float(), d.head_spec)
+        h0 = final_norm(d.last_hidden(batch)[0].float(), d.target.norm_weight.float(), d.head_spec)
     ref = _vllm_qwen3_next_logits(w, conf, bundle, batch["input_ids"][0].long(), h0, cfg.num_depths)
     for k in range(cfg.num_depths):
         T = 9 - (k + 1)  # positions whose input x_{t+k} exists

@@ -16,7 +16,8 @@ from train.drafters.base import Drafter
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
 from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 
 V, H, L, T = 48, 16, 4, 20
 
@@ -47,7 +48,7 @@ LAYOUT = Layout(hidden_size=H, num_layers=L, tap_ids=(1, 2, 3), top_k=0, audio_t
 
 @pytest.mark.parametrize("cls,cfg", [(DFlashDrafter, DFlashConfig(num_layers=2, block_size=5, target_layer_ids=(1, 2))),
                                      (DFlash2Drafter, DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2),
-                                                                    ce_chunk_size=0))])
+                                                                    chunk_rows=0))])
 @pytest.mark.parametrize("anchor", [3, 11, T - 2])
 def test_dflash_family_proposals_equal_offline_blocks(cls, cfg, anchor):
     model = _perturb(cls.build(cfg, _bundle(), LAYOUT))
@@ -143,7 +144,7 @@ def test_live_mtp_reads_audio_frames_and_final_hidden_as_training_did(audio_embe
 
 
 def test_dflash2_sampled_proposal_samples_through_the_selector():
-    cfg = DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2), ce_chunk_size=0, selector_candidates=4)
+    cfg = DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2), chunk_rows=0, selector_candidates=4)
     torch.manual_seed(0)
     model = _perturb(DFlash2Drafter.build(cfg, _bundle(), LAYOUT))
     s = _sample(LAYOUT)

@@ -8,7 +8,8 @@ from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
 from train.drafters.common.teacher import exact_last_tap, last_hidden_source
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
-"""The drafter protocol the loop, eval and export use, the family registry, and the ONE loss rule.
+"""The drafter protocol the loop, eval and export use, the family registry, the frozen target pieces, and the
+ONE loss rule.
 
-A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``) is a module that defines ``CONFIG`` (a frozen
-dataclass, validated in ``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass). The
+A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``, ``mtp_native``) is a folder
+``train/drafters/<family>/`` whose model module defines ``CONFIG`` (a frozen dataclass, validated in
+``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass, which also owns the family's export layouts). The
 registry maps a family name to that module path; nothing is imported until a family is asked for
-(no import-time registration side effects). A new family adds one line to ``FAMILIES``.
+(no import-time registration side effects). A new family is one folder, one line in ``FAMILIES`` and one recipe.
 
 Loss normalisation (the one home of the rule): a drafter's ``forward(batch)`` returns
 :class:`LossOutput` whose ``terms`` are ``{name: (sum, count, weight)}`` of LOCAL, unnormalised
@@ -30,6 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shards.bundle import TargetBundle
+from shards.head import head_spec, teacher_logits
+from shards.schema import Layout
 from train.drafters.common import export_files
 
 FAMILIES: dict[str, str] = {
@@ -57,12 +62,49 @@ class LossOutput:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+class FrozenHead(nn.Module):
+    """The frozen target pieces a drafter reads, with one owner and one spelling in every family: the input embedding
+    ``embed_tokens`` [V, H], the final norm ``norm_weight`` / ``norm_bias`` [H] and ``lm_head`` / ``lm_head_bias``
+    ([V, H] / [V]; the embedding itself when tied), the bundle's names. Non-persistent buffers (absent biases are None
+    buffers): never trained, checkpointed or exported. A drafter holds one as ``self.target``.
+
+    ``dtype``: the buffers' dtype (None keeps the bundle's); ``to_dtype`` changes it later (the loop's head_dtype).
+    """
+
+    NAMES = ("embed_tokens", "norm_weight", "norm_bias", "lm_head", "lm_head_bias")
+
+    def __init__(self, bundle: TargetBundle, dtype: torch.dtype | None = torch.float32) -> None:
+        super().__init__()
+        self.spec = head_spec(bundle)
+
+        def own(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(dtype or t.dtype).clone()
+
+        self.register_buffer("embed_tokens", own(bundle.embed_tokens), persistent=False)
+        self.register_buffer("norm_weight", own(bundle.norm_weight), persistent=False)
+        self.register_buffer("norm_bias", own(bundle.norm_bias), persistent=False)
+        self.register_buffer("lm_head", self.embed_tokens if self.spec.tied else own(bundle.lm_head), persistent=False)
+        self.register_buffer("lm_head_bias", own(bundle.lm_head_bias), persistent=False)
+
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        """Store the tensors in ``dtype`` (bf16 on GPU halves their memory)."""
+        for name in self.NAMES:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(dtype))
+
+    def logits(self, hidden_RH: torch.Tensor) -> torch.Tensor:
+        """The teacher: the target's logits [R, V] of pre-norm last-layer rows (``shards.head.teacher_logits``)."""
+        return teacher_logits(hidden_RH, self.norm_weight, self.lm_head, self.spec, norm_bias_H=self.norm_bias,
+                              lm_head_bias_V=self.lm_head_bias)
+
+
 class Drafter(nn.Module):
     """Base class of every drafter family.
 
     Subclasses implement:
-      ``__init__(config, bundle, layout)``: build modules; frozen bundle tensors (embedding, final
-          norm, lm_head) are registered as non-persistent buffers, so they are never trained,
+      ``__init__(config, bundle, layout)``: build modules; the frozen bundle tensors (embedding, final
+          norm, lm_head) are ``self.target``, a :class:`FrozenHead`, so they are never trained,
           checkpointed or exported.
       ``forward(batch, generator=None) -> LossOutput``: the training loss on one collated batch
           (see ``train.data.collate``); ``generator`` drives any sampling (anchors) so runs are
@@ -77,24 +119,24 @@ class Drafter(nn.Module):
     """
 
     family: ClassVar[str] = ""
-    frozen: ClassVar[tuple[str, ...]] = ()
-    """Names of the frozen bundle buffers (embedding, final norm, lm_head) this family holds."""
+    target: FrozenHead
+    """The frozen target pieces (every family sets it in ``__init__``)."""
     default_layout: ClassVar[str | None] = None
     """What an export without ``--layout`` is called in the summary (None: the family's native layout)."""
     serving_dir: ClassVar[Path | None] = None
     """The folder of the self-contained modeling files an export ships when its config names them in ``auto_map``."""
 
-    def __init__(self, config: Any, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: Any, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__()
         self.config = config
 
     @classmethod
-    def build(cls, config: Any, bundle: Any, layout: Any) -> "Drafter":
+    def build(cls, config: Any, bundle: TargetBundle, layout: Layout) -> "Drafter":
         cls.check_dataset(config, bundle, layout)
         return cls(config, bundle, layout)
 
     @classmethod
-    def check_dataset(cls, config: Any, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: Any, bundle: TargetBundle, layout: Layout) -> None:
         """Raise ValueError when the dataset cannot train this drafter (default: accept)."""
 
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
@@ -114,13 +156,6 @@ class Drafter(nn.Module):
         teacher-forced on the dataset's tokens (an estimate of live sampled decoding; greedy is ``acceptance``).
         """
         raise NotImplementedError(f"drafter family {self.family!r} has no sampled acceptance")
-
-    def frozen_to(self, dtype: torch.dtype) -> None:
-        """Store the frozen target tensors in ``dtype`` (bf16 on GPU halves their memory)."""
-        for name in self.frozen:
-            t = getattr(self, name)
-            if t is not None:  # absent biases are None buffers
-                setattr(self, name, t.to(dtype))
 
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
@@ -198,7 +233,7 @@ def pick_tokens(logits_KV: torch.Tensor, temperature: float,
     return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
 
 
-def layer_shape(bundle: Any, config: Any) -> tuple[int, int, int, int, int]:
+def layer_shape(bundle: TargetBundle, config: Any) -> tuple[int, int, int, int, int]:
     """(hidden, heads, kv heads, head dim, intermediate) of a draft layer: the config's ``num_heads``,
     ``num_kv_heads``, ``head_dim`` and ``intermediate_size`` where set, else the target's (from the bundle)."""
     tc = bundle.config

@@ -93,3 +93,14 @@ def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss
     anchors = torch.arange(T, device=valid.device)[None].expand(Bs, T)
     counts.round_tokens, counts.rounds = replay_rounds(loss_mask, anchors, correct_p, valid_p)
     return counts
+
+
+AUDIO_MASKED = "rows_audio_masked"
+"""The metric of the supervised rows dropped because their input is an audio frame (their share)."""
+
+
+def step_metric(name: str, k: int) -> str:
+    """The log name of a per-step quantity of a drafted chain (``loss``, ``kl``, ``sampled_acceptance``,
+    ``lk_lambda``): ``{name}@{k}``, k = 1 for the first drafted token as in ``acc@k``; one spelling for EAGLE-3's
+    steps and MTP's depths."""
+    return f"{name}@{k}"

@@ -154,10 +154,11 @@ def fit(data: Any, split: str, n: int, bundle_config: dict[str, Any], vocab_size
     return vocab, vocab.coverage(counts)
 
 
-def setup(model: Any, src: Any, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+def setup(model: Any, src: Any, saved_draft: dict[str, torch.Tensor] | None) -> dict[str, Any] | None:
     """Fit a drafter's draft vocabulary on its training split before the first step (no-op when it has none).
 
-    On resume the subset is recomputed and must equal the checkpoint's (``d2t``): the training split
+    On resume (``saved_draft``: the checkpoint's draft state) the subset is recomputed and must equal the
+    checkpoint's (``d2t``): the training split
     changed otherwise, and the run would continue on another vocabulary. Returns {size, coverage} or None.
     """
     n = getattr(model.config, "draft_vocab", None)
@@ -165,8 +166,8 @@ def setup(model: Any, src: Any, checkpoint: dict[str, Any] | None) -> dict[str, 
         return None
     V = int(model.vocab_size)
     vocab, cover = fit(src.data, src.split, n, src.bundle.config, V)
-    if checkpoint is not None:
-        saved = checkpoint["draft"].get("d2t")
+    if saved_draft is not None:
+        saved = saved_draft.get("d2t")
         if saved is None or not torch.equal(saved.cpu().long() + torch.arange(saved.numel()), vocab.ids):
             raise ValueError(
                 f"the checkpoint's draft vocabulary is not the one split {src.split!r} of {src.where} gives now "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from shards.head import HeadSpec, teacher_logits
+from shards.schema import Layout
 
 
 @dataclass
@@ -58,7 +59,7 @@ LOSSLESS_TAPS_CODECS = ("bf16",)
 """Taps codecs that keep the target's states as it computed them (bf16); fp8 is lossy."""
 
 
-def exact_last_tap(layout: Any) -> int | None:
+def exact_last_tap(layout: Layout) -> int | None:
     """Index of the last-layer tap when it can serve as the exact last hidden state, else None.
 
     The exact teacher and MTP's h^0 promise the target's own distribution: a last layer stored
@@ -69,14 +70,14 @@ def exact_last_tap(layout: Any) -> int | None:
     return getattr(layout, "last_layer_tap", None)
 
 
-def last_hidden_source(layout: Any) -> str | None:
+def last_hidden_source(layout: Layout) -> str | None:
     """Where the exact last hidden state comes from: 'final_hidden', 'tap' (lossless), or None."""
     if getattr(layout, "has_final_hidden", False):
         return "final_hidden"
     return "tap" if exact_last_tap(layout) is not None else None
 
 
-def require_last_hidden(layout: Any, what: str) -> None:
+def require_last_hidden(layout: Layout, what: str) -> None:
     """ValueError (saying what to do) when ``what`` needs the exact last hidden state and the dataset lacks it."""
     if last_hidden_source(layout) is not None:
         return

@@ -13,8 +13,9 @@ import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
+from shards.bundle import TargetBundle
+from shards.schema import Layout
 from shards.taps import default_tap_ids
 from train.drafters.base import layer_shape
 
@@ -59,7 +60,7 @@ class DFlashConfig:
     """BlockMask block size (a multiple of the Flex kernel tile)."""
     compile: bool = False
     """torch.compile the draft layers (static anchor count)."""
-    ce_chunk_size: int = 2048
+    chunk_rows: int = 2048
     """Rows per lm_head + CE chunk (each chunk checkpointed); <= 0 = one chunk."""
     ce_weight: float = 1.0
     """Weight of the cross-entropy term."""
@@ -114,7 +115,7 @@ class DFlashConfig:
         """Most blocks per training micro-batch: the anchor cap and the loss-row budget, whichever binds."""
         return min(self.max_total_anchors, self.max_loss_rows // (self.block_size - 1))
 
-    def resolve(self, bundle: Any, layout: Any) -> "DFlashConfig":
+    def resolve(self, bundle: TargetBundle, layout: Layout) -> "DFlashConfig":
         """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""
         H, heads, kv, head_dim, inter = layer_shape(bundle, self)
         if layout.hidden_size != H:
@@ -158,7 +159,7 @@ MASK_TOKEN = "<|MASK|>"
 """The mask token's name in the reference DFlash releases (engines add it to the tokenizer when they need a name)."""
 
 
-def tokenizer_ids(bundle: Any) -> set[int] | None:
+def tokenizer_ids(bundle: TargetBundle) -> set[int] | None:
     """Every id the bundle's tokenizer can produce (``tokenizer.json``: its vocab and added tokens), or None."""
     raw = getattr(bundle, "tokenizer_files", {}).get("tokenizer.json")
     if raw is None:
@@ -177,7 +178,7 @@ def warn_zero_mask(mask_id: int) -> None:
                   "whose row is nonzero", stacklevel=1)
 
 
-def zero_embedding(bundle: Any, token_id: int) -> bool:
+def zero_embedding(bundle: TargetBundle, token_id: int) -> bool:
     """Whether the target's input embedding row of ``token_id`` is all zeros (HF zero-initialises the pad row of an
     ``nn.Embedding(padding_idx=...)`` and that row never gets a gradient). A mask slot fed such a row is useless:
     its first draft layer's input is RMSNorm(0) = 0, so it has no query, key or value, attends uniformly, and
@@ -186,7 +187,7 @@ def zero_embedding(bundle: Any, token_id: int) -> bool:
     return not bool(bundle.embed_tokens[int(token_id)].any())
 
 
-def default_mask_id(bundle: Any, layout: Any) -> int:
+def default_mask_id(bundle: TargetBundle, layout: Layout) -> int:
     """A dedicated mask id: the first embedding row past every id the tokenizer (and the audio sentinel) uses.
 
     This is the id ``<|MASK|>`` gets when added to the tokenizer, as the reference DFlash drafters do; it
@@ -219,7 +220,7 @@ def default_mask_id(bundle: Any, layout: Any) -> int:
     return fallback
 
 
-def reserved_ids(bundle: Any) -> list[int]:
+def reserved_ids(bundle: TargetBundle) -> list[int]:
     """Ids of the pad, unk and bos tokens (the bundle config's ids, then the tokenizer config's token names looked
     up in tokenizer.json): tokens a conversation's replies never hold, so a mask that shares one costs nothing."""
     files = getattr(bundle, "tokenizer_files", {})

@@ -52,9 +52,9 @@ class DFlashLoss(DraftVocabMixin):
         """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
         ids = self.draft_ids()
         if ids is None:
-            return self.lm_head, self.lm_head_bias
-        bias = None if self.lm_head_bias is None else self.lm_head_bias.index_select(0, ids)
-        return self.lm_head.index_select(0, ids), bias
+            return self.target.lm_head, self.target.lm_head_bias
+        bias = None if self.target.lm_head_bias is None else self.target.lm_head_bias.index_select(0, ids)
+        return self.target.lm_head.index_select(0, ids), bias
 
     def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
         """Training anchors (within the loss-row budget), or with ``take_all`` evaluation's (caps only)."""
@@ -80,9 +80,9 @@ class DFlashLoss(DraftVocabMixin):
         b_idx = torch.arange(valid.shape[0], device=valid.device)[:, None, None].expand_as(valid)[valid]
         rows = tpos[valid] - 1
         if cfg.kd == "exact":
-            lm_head, bias = head or (self.lm_head, self.lm_head_bias)
-            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target_norm,
-                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target_norm_bias,
+            lm_head, bias = head or (self.target.lm_head, self.target.lm_head_bias)
+            teacher = gather_exact(batch, b_idx, rows, last_tap=self.last_tap, bundle_norm=self.target.norm_weight,
+                                   lm_head=lm_head, head=self.head_spec, norm_bias=self.target.norm_bias,
                                    lm_head_bias=bias)
             return teacher, w
         teacher, has = gather_topk(batch, b_idx, rows)
@@ -105,7 +105,7 @@ class DFlashLoss(DraftVocabMixin):
         w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
         teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
         ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
-                                     chunk_rows=cfg.ce_chunk_size, teacher=teacher)
+                                     chunk_rows=cfg.chunk_rows, teacher=teacher)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

@@ -1,6 +1,6 @@
 """DFlash: a block-diffusion drafter that predicts B-1 tokens in one forward from the target's taps.
 
-Model (DESIGN section 4):
+Model:
     context_BTH = RMSNorm(W_fc concat(taps at target_layer_ids))            computed once per batch
     block j: slot 0 = token at anchor_j, slots 1..B-1 = mask token, positions anchor_j + k,
              embedded with the target's FROZEN embedding
@@ -28,10 +28,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from shards.head import embed, head_spec, project, teacher_logits
+from shards.bundle import TargetBundle
+from shards.head import embed, head_spec, project
+from shards.schema import Layout
 from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
-from train.drafters.base import Drafter, one_sequence_batch, pick_tokens
+from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full
 from train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -46,10 +48,9 @@ from train.drafters.dflash.speculators import to_speculators
 
 class DFlashDrafter(DFlashLoss, Drafter):
     family = "dflash"
-    frozen = ("embed_tokens", "lm_head", "target_norm", "target_norm_bias", "lm_head_bias")
     serving_dir = Path(__file__).parent / "serving"
 
-    def __init__(self, config: DFlashConfig, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: DFlashConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = config.resolve(bundle, layout)
         self.config = cfg
@@ -86,13 +87,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
         )
         self.norm = RMSNorm(H, eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, self.rope_theta)
-        # frozen target pieces: buffers, never trained, checkpointed or exported
-        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
-        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied
-                             else bundle.lm_head.detach().float().clone(), persistent=False)
-        self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
-        for name, t in (("target_norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
-            self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
+        self.target = FrozenHead(bundle)
         self.register_buffer("weights_k", slot_weights(cfg.block_size, cfg.gamma), persistent=False)
         if cfg.draft_vocab is not None:  # EAGLE-3's buffers, filled by set_draft_vocab (or a checkpoint); -1 = unset
             self.register_buffer("d2t", torch.full((cfg.draft_vocab,), -1, dtype=torch.long))
@@ -103,7 +98,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
             self._stack = torch.compile(self._run_layers, dynamic=None)
 
     @classmethod
-    def check_dataset(cls, config: DFlashConfig, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: DFlashConfig, bundle: TargetBundle, layout: Layout) -> None:
         cfg = config.resolve(bundle, layout)
         if cfg.kd == "exact":
             require_last_hidden(layout, "kd='exact'")
@@ -137,7 +132,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
         dev = input_ids_BT.device
         ids = torch.full((Bs, N, B), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = input_ids_BT.gather(1, anchors_BN.clamp(max=T - 1))
-        x = embed(ids.view(Bs, N * B), self.embed_tokens, self.head_spec).to(ctx_BTH.dtype)
+        x = embed(ids.view(Bs, N * B), self.target.embed_tokens, self.head_spec).to(ctx_BTH.dtype)
         pos = (anchors_BN[:, :, None] + torch.arange(B, device=dev)).view(Bs, N * B)
         rope = self.rotary(pos)
         ctx_rope = self.rotary(torch.arange(T, device=dev)[None].expand(Bs, T))
@@ -153,7 +148,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
         draft vocabulary, its rows only and -inf at every other target id (never proposed)."""
         ids = self.draft_ids()
         if ids is None:
-            return project(h, self.lm_head, self.head_spec, self.lm_head_bias)
+            return project(h, self.target.lm_head, self.head_spec, self.target.lm_head_bias)
         lm_head, bias = self.draft_head()
         z = project(h, lm_head, self.head_spec, bias)
         out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
@@ -238,8 +233,8 @@ class DFlashDrafter(DFlashLoss, Drafter):
                           "norm.weight (exported norm.weight = trained norm.weight / logits_scaling)"}
 
     def logits_chunk_rows(self) -> int:
-        """Rows whose [rows, V] logits evaluation builds at a time (``ce_chunk_size``; <= 0: 2048)."""
-        return self.config.ce_chunk_size if self.config.ce_chunk_size > 0 else 2048
+        """Rows whose [rows, V] logits evaluation builds at a time (``chunk_rows``; <= 0: 2048)."""
+        return self.config.chunk_rows if self.config.chunk_rows > 0 else 2048
 
     def slot_logits(self, h_RH: torch.Tensor, prev_R: torch.Tensor, temperature: float) -> torch.Tensor:
         """Tempered draft logits [R, V] of slots whose hidden rows are ``h_RH``: softmax of them is what
@@ -270,8 +265,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
             prev = ids[b, row]  # the slot's teacher-forced predecessor
 
             def alpha(hq, ht, pv):
-                p = teacher_logits(ht, self.target_norm, self.lm_head, self.head_spec,
-                                   norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias) / temperature
+                p = self.target.logits(ht) / temperature
                 q = self.slot_logits(hq, pv, temperature)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 

@@ -49,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.head import teacher_logits
+from shards.bundle import TargetBundle
+from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.chunks import map_row_chunks
@@ -65,11 +66,11 @@ from train.drafters.dflash2.selector import GOLD_MISS_POLICIES, PathSelector, gr
 class DFlash2Config(DFlashConfig):
     """DFlash settings plus the convolutions and the path selector."""
 
-    ce_chunk_size: int = 0
+    chunk_rows: int = 0
     """Rows per checkpointed chunk of draft logits (CE, KD and the selector see a chunk's dense logits);
     0 = derived from the vocabulary size and ``logits_budget_mib``."""
     logits_budget_mib: int = 1024
-    """With ce_chunk_size 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
+    """With chunk_rows 0: memory one chunk's [rows, V] float32 logits and temporaries may take (V=152k: 441 rows)."""
     conv_group_size: int = 16
     """Channels per group sharing one dynamic correction of the conv taps (must divide the hidden size)."""
     conv_kernel_size: int = 2
@@ -180,7 +181,7 @@ class ConvDecoderLayer(DecoderLayer):
 class DFlash2Drafter(DFlashDrafter):
     family = "dflash2"
 
-    def __init__(self, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: DFlash2Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = self.config
         H = self.hidden_size
@@ -198,7 +199,7 @@ class DFlash2Drafter(DFlashDrafter):
                                                num_candidates=cfg.selector_candidates)
 
     @classmethod
-    def check_dataset(cls, config: DFlash2Config, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: DFlash2Config, bundle: TargetBundle, layout: Layout) -> None:
         super().check_dataset(config, bundle, layout)
         H = int(bundle.config["hidden_size"])
         if H % config.conv_group_size:
@@ -241,10 +242,10 @@ class DFlash2Drafter(DFlashDrafter):
         return LossOutput(terms=terms, metrics=metrics)
 
     def logits_chunk_rows(self) -> int:
-        """Rows per checkpointed chunk of the dense loss: ``ce_chunk_size``, or (0) as many as keep a chunk's
+        """Rows per checkpointed chunk of the dense loss: ``chunk_rows``, or (0) as many as keep a chunk's
         [rows, V] float32 logits and their ~3 same-sized temporaries within ``logits_budget_mib``."""
-        if self.config.ce_chunk_size > 0:
-            return self.config.ce_chunk_size
+        if self.config.chunk_rows > 0:
+            return self.config.chunk_rows
         return max(1, (self.config.logits_budget_mib << 20) // (4 * 4 * self.vocab_size))
 
     def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, w: torch.Tensor,
@@ -255,8 +256,7 @@ class DFlash2Drafter(DFlashDrafter):
         z = self.logits(h)
         ce = F.cross_entropy(z, y, reduction="none")
         if cfg.kd == "exact":
-            p = teacher_logits(teacher[0], self.target_norm, self.lm_head, self.head_spec,
-                               norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias)
+            p = self.target.logits(teacher[0])
             kd = kl_tv_full(p.to(z.dtype), z)[0]
         elif cfg.kd == "topk":
             kd = kl_tv_topk(teacher[0], teacher[1], z)[0]

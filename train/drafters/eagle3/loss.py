@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from train.acceptance import acceptance_metrics
 from train.drafters.base import LossOutput
-from train.drafters.common.chain import IGNORE, chain_counts
+from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
 from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
@@ -50,25 +50,25 @@ class Eagle3Loss(DraftVocabMixin):
             trow = (rows[0], rows[1] + j + 1)
             loss, kl, tv, carries, correct = self._rows(h[rows], y, trow, batch, last)
             n = carries.sum()
-            name = f"eagle3_s{j}"
+            name = step_metric("loss", j + 1)
             if cfg.loss_type == "lk":
                 res = lk_loss(kl, tv, carries, cfg.lk_lambda, eta=cfg.lk_eta)
                 terms[name] = (res.loss_sum, n, cfg.step_decay**j)
-                metrics[f"lk_lambda_s{j}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
+                metrics[step_metric("lk_lambda", j + 1)] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
             else:
                 terms[name] = ((loss * carries).sum(), n, cfg.step_decay**j)
             if kl is not None:
-                metrics[f"kl_s{j}"] = ((kl.detach() * carries).sum(), n)
-                metrics[f"acceptance_s{j}"] = (((1.0 - tv.detach()) * carries).sum(), n)
+                metrics[step_metric("kl", j + 1)] = ((kl.detach() * carries).sum(), n)
+                metrics[step_metric("sampled_acceptance", j + 1)] = (((1.0 - tv.detach()) * carries).sum(), n)
             hit = torch.zeros_like(tgt, dtype=torch.bool)
             hit[rows] = correct.detach().bool()
             hits.append(hit)
         # every parameter stays in the graph even when no row carries a loss (DDP waits on all grads)
-        first = terms["eagle3_s0"]
-        terms["eagle3_s0"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
+        first = terms[step_metric("loss", 1)]
+        terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
         metrics.update(acceptance_metrics(chain_counts(run["targets"], hits)))
         masked = torch.stack(run["audio_masked"]).sum()
-        metrics["eagle3_rows_audio_masked"] = (masked, masked + sum(int((t != IGNORE).sum()) for t in run["targets"]))
+        metrics[AUDIO_MASKED] = (masked, masked + sum(int((t != IGNORE).sum()) for t in run["targets"]))
         return LossOutput(terms=terms, metrics=metrics)
 
     def _rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):

@@ -33,129 +33,29 @@ Shapes: Bs batch, T positions, Q chain rows, H hidden, V target vocab, N draft v
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.head import head_spec, teacher_logits
+from shards.bundle import TargetBundle
+from shards.head import head_spec
+from shards.schema import Layout
 from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
 from train.acceptance import AcceptanceCounts
-from train.drafters.base import Drafter, layer_shape, one_sequence_batch, pick_tokens
+from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafters.common.divergences import kl_tv_full
 from train.drafters.common.draft_vocab import DraftVocab
 from train.drafters.common.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from train.drafters.common.mask import eagle3_block_mask, eagle3_dense_mask
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.eagle3.config import Eagle3Config
 from train.drafters.eagle3.loss import Eagle3Loss
-
-LOSS_TYPES = ("kl", "ce", "lk")
-TEACHERS = ("auto", "exact", "topk")
-ATTENTION = ("dense", "flex")
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    """EAGLE-3 drafter: architecture, training-time test and objective; None fields are filled by ``resolve``."""
-
-    num_steps: int = 5
-    """K: steps of the training-time test, = drafts per round when served."""
-    target_layer_ids: tuple[int, ...] | None = None
-    """HF decoder-layer ids fused by fc (default: shards.taps.eagle3_tap_ids if stored)."""
-    qk_norm: bool = True
-    """Qwen3 attention with QK-norm (vLLM Eagle3Qwen3ForCausalLM); false: Llama's (Eagle3LlamaForCausalLM)."""
-    num_heads: int | None = None
-    """Attention heads; None = the target's."""
-    num_kv_heads: int | None = None
-    """K/V heads; None = the target's."""
-    head_dim: int | None = None
-    """Per-head width; None = the target's."""
-    intermediate_size: int | None = None
-    """SwiGLU width; None = the target's."""
-    loss_type: str = "kl"
-    """kl: forward KL(p || q) against the teacher rows; ce: dataset labels; lk: lambda*KL + (1-lambda)*TV."""
-    lk_lambda: float | str = 0.5
-    """LK mixture weight in [0, 1], or 'adaptive'."""
-    lk_eta: float = DEFAULT_ETA
-    """eta of the adaptive lambda."""
-    teacher: str = "auto"
-    """kl / lk teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
-    step_decay: float = 0.8
-    """Step j's loss weight is step_decay ** j (EAGLE-3's 0.8)."""
-    draft_vocab: int | None = None
-    """N: the draft's vocabulary (common.draft_vocab; vLLM's draft_vocab_size with d2t); None = the target's."""
-    train_lm_head: bool = True
-    """Train the draft's own lm_head (EAGLE-3 does); false keeps the target's rows frozen."""
-    attention: str = "dense"
-    """dense (an SDPA mask; CPU trains only this way) or flex (FlexAttention's block mask skips the empty blocks)."""
-    flex_block_size: int = 128
-    """FlexAttention block size (a multiple of 16)."""
-    chunk_rows: int = 1024
-    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
-    init_std: float = 0.02
-    """Std of the normal init of fc and the layer's linear maps."""
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-        if self.teacher not in TEACHERS:
-            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
-        object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
-        if self.lk_eta <= 0 or not 0 < self.step_decay <= 1 or not self.init_std > 0:
-            raise ValueError("need lk_eta > 0, 0 < step_decay <= 1 and init_std > 0")
-        if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise ValueError(f"draft_vocab must be >= 1 or null, got {self.draft_vocab}")
-        if self.target_layer_ids is not None:
-            ids = sorted({int(i) for i in self.target_layer_ids})
-            if not ids:
-                raise ValueError("target_layer_ids must name at least one tap (or be null for the default)")
-            object.__setattr__(self, "target_layer_ids", tuple(ids))  # fc reads them ascending, as vLLM does
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"{name} must be positive or null, got {v}")
-
-    def resolve(self, bundle: Any, layout: Any) -> "Eagle3Config":
-        """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""
-        H, heads, kv, head_dim, inter = layer_shape(bundle, self)
-        if layout.hidden_size != H:
-            raise ValueError(f"dataset hidden size {layout.hidden_size} != its target bundle's {H}")
-        V = int(bundle.lm_head.shape[0])
-        if self.draft_vocab is not None and self.draft_vocab >= V:
-            raise ValueError(f"draft_vocab {self.draft_vocab} is not below the target vocabulary ({V}); drop it "
-                             "(null drafts over the whole vocabulary)")
-        ids = self.target_layer_ids
-        if ids is None:
-            rule = eagle3_tap_ids(layout.num_layers)
-            if set(rule) <= set(layout.tap_ids):
-                ids = tuple(rule)
-            else:
-                below = [i for i in layout.tap_ids if i != layout.num_layers - 1] or list(layout.tap_ids)
-                ids = tuple(sorted({below[0], below[len(below) // 2], below[-1]}))
-                warnings.warn(
-                    f"EAGLE-3's default taps over {layout.num_layers} target layers are {rule}, but the dataset "
-                    f"stores {list(layout.tap_ids)}: fusing {list(ids)} instead (recorded as drafter.target_layer_ids "
-                    "in the run's config.json); set drafter.target_layer_ids to choose, or capture with the default "
-                    "taps", UserWarning, stacklevel=2)
-        missing = [i for i in ids if i not in layout.tap_ids]
-        if missing:
-            raise ValueError(f"target_layer_ids {list(ids)} include {missing}, which the dataset did not store "
-                             f"(stored taps: {list(layout.tap_ids)}); choose stored taps or recapture")
-        return dataclasses.replace(
-            self, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
-            target_layer_ids=tuple(ids))
-
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer (vLLM's ``midlayer`` / ``layers.0``): its names are the checkpoint's."""
@@ -179,9 +79,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(Eagle3Loss, Drafter):
     family = "eagle3"
-    frozen = ("embed_tokens", "target_norm", "target_lm_head", "target_norm_bias", "target_lm_head_bias")
 
-    def __init__(self, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: Eagle3Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = config.resolve(bundle, layout)
         self.config = cfg
@@ -204,13 +103,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                                     self.eps, cfg.qk_norm)
         self.norm = RMSNorm(H, self.eps)
         self.rope = RotaryEmbedding(cfg.head_dim, self.rope_theta)
-        # frozen target pieces (never trained, checkpointed or exported): the embedding, and the exact teacher
-        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().float().clone(), persistent=False)
-        target_head = bundle.embed_tokens if self.head_spec.tied else bundle.lm_head
-        self.register_buffer("target_lm_head", target_head.detach().float().clone(), persistent=False)
-        self.register_buffer("target_norm", bundle.norm_weight.detach().float().clone(), persistent=False)
-        for name, t in (("target_norm_bias", bundle.norm_bias), ("target_lm_head_bias", bundle.lm_head_bias)):
-            self.register_buffer(name, None if t is None else t.detach().float().clone(), persistent=False)
+        self.target = FrozenHead(bundle)  # the embedding, and the exact teacher
         # the draft's own head: the target's rows (divided by its logits scaling) to start from
         N = cfg.draft_vocab or self.vocab_size
         self.lm_head = nn.Linear(H, N, bias=False)
@@ -223,7 +116,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=cfg.init_std)
             self.norm.weight.copy_(bundle.norm_weight.float())  # start where the target's final norm is
-            self.lm_head.weight.copy_(self.target_lm_head[:N] / self.head_spec.logits_scaling)
+            self.lm_head.weight.copy_(self.target.lm_head[:N] / self.head_spec.logits_scaling)
         self.last_tap = exact_last_tap(layout)
         self.uses_audio_embeds = bool(getattr(layout, "has_audio_embeds", False))
         exact_ok = last_hidden_source(layout) is not None
@@ -231,7 +124,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
             "exact" if cfg.teacher == "exact" or (cfg.teacher == "auto" and exact_ok) else "topk")
 
     @classmethod
-    def check_dataset(cls, config: Eagle3Config, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: Eagle3Config, bundle: TargetBundle, layout: Layout) -> None:
         cfg = config.resolve(bundle, layout)
         if cfg.loss_type == "ce":
             return
@@ -252,7 +145,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         """Install the draft vocabulary and start the draft's head on the target's rows of it."""
         super().set_draft_vocab(vocab)
         with torch.no_grad():
-            self.lm_head.weight.copy_(self.target_lm_head[vocab.ids.to(self.target_lm_head.device)]
+            self.lm_head.weight.copy_(self.target.lm_head[vocab.ids.to(self.target.lm_head.device)]
                                       / self.head_spec.logits_scaling)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -269,7 +162,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
     def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embedding at every position [Bs, T, H] (raw table rows; audio frames from ``audio_embeds`` when
         the dataset stored them) and a bool [Bs, T]: the position's embedding is unknown (an audio frame)."""
-        emb = F.embedding(batch["input_ids"].long(), self.embed_tokens)
+        emb = F.embedding(batch["input_ids"].long(), self.target.embed_tokens)
         is_audio = batch["is_audio"]
         if "audio_embeds" in batch and self.uses_audio_embeds:
             emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
@@ -324,8 +217,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
 
     def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
         """The target's exact logits [R, V] of pre-norm last-layer rows."""
-        return teacher_logits(h_RH, self.target_norm, self.target_lm_head, self.head_spec,
-                              norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.target_lm_head_bias)
+        return self.target.logits(h_RH)
 
     # -- eval -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -348,7 +240,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         drafted, dists = [], []
         for j in range(self.config.num_steps):
             if j > 0:
-                e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.embed_tokens)
+                e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.target.embed_tokens)
                 r, cache = self.step(j, e, r, row, T, cache)
             tok, q = pick_tokens(self.logits(r[0]), temperature, generator)
             drafted.append(int(tok[0]))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from train.acceptance import acceptance_metrics
 from train.drafters.base import LossOutput
-from train.drafters.common.chain import IGNORE, chain_counts
+from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
 
@@ -44,28 +44,28 @@ class MTPLoss:
             n = torch.tensor(int(y.numel()), device=y.device)
             if self.config.loss_type == "ce":
                 ce, correct = map_row_chunks(lambda a, b, k=k: self._ce_rows(k, a, b), [hk, y], self.config.chunk_rows)
-                terms[f"mtp_d{k}"] = (ce.sum(), n, 1.0 / D)
+                terms[step_metric("loss", k)] = (ce.sum(), n, 1.0 / D)
             else:
                 trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
                 kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
                 every = torch.ones_like(y, dtype=torch.bool)
                 res = lk_loss(kl, tv, every, self.config.lk_lambda, eta=self.config.lk_eta)
-                terms[f"mtp_d{k}"] = (res.loss_sum, n, 1.0 / D)
-                metrics[f"kl_d{k}"] = (res.kl_sum, n)
-                metrics[f"acceptance_d{k}"] = (n - res.tv_sum, n)
-                metrics[f"lk_lambda_d{k}"] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
+                terms[step_metric("loss", k)] = (res.loss_sum, n, 1.0 / D)
+                metrics[step_metric("kl", k)] = (res.kl_sum, n)
+                metrics[step_metric("sampled_acceptance", k)] = (n - res.tv_sum, n)
+                metrics[step_metric("lk_lambda", k)] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
             hit = torch.zeros_like(tgt, dtype=torch.bool)
             hit[rows] = correct.detach().bool()
             hits.append(hit)
         # every parameter stays in the graph even when a depth has no row here (DDP waits on all grads)
-        first = terms["mtp_d1"]
-        terms["mtp_d1"] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
+        first = terms[step_metric("loss", 1)]
+        terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
         # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
         for name, val in acceptance_metrics(chain_counts(run["targets"], hits)).items():
             metrics[name] = val
         masked = torch.stack(run["audio_masked"]).sum()
         seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
-        metrics["mtp_rows_audio_masked"] = (masked, seen)
+        metrics[AUDIO_MASKED] = (masked, seen)
         return LossOutput(terms=terms, metrics=metrics)
 
     def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

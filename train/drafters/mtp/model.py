@@ -18,7 +18,7 @@ than one depth exports to those layouts only when it was trained with their recu
 Alignment (``train.drafters.common.chain``): depth k's target at t is the token at t + k + 1 when it is
 supervised and inside t's sequence. Audio positions' input embeddings come from the dataset's
 ``audio_embeds`` when it stores them; otherwise a row whose input x_{t+k} is an audio frame is
-masked and counted (the metric ``mtp_rows_audio_masked`` is their share of the supervised rows);
+masked and counted (the metric ``rows_audio_masked`` is their share of the supervised rows);
 its input is then the sentinel id's embedding, which later rows still attend to (the only
 approximation, and only without audio_embeds).
 
@@ -42,98 +42,36 @@ Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from shards.head import embed, final_norm, head_spec, project, teacher_logits
+from shards.bundle import TargetBundle
+from shards.head import embed, final_norm, head_spec, project
+from shards.schema import Layout
 from train.acceptance import AcceptanceCounts
-from train.drafters.base import Drafter, layer_shape, one_sequence_batch, pick_tokens
+from train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_batch, pick_tokens
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import DEFAULT_ETA, kl_tv_full, parse_lk_lambda
+from train.drafters.common.divergences import kl_tv_full
 from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.heads import MTPHead, _Model
 from train.drafters.mtp.layouts import convert
 from train.drafters.mtp.loss import MTPLoss
 
 
-LOSS_TYPES = ("ce", "lk")
-TRAINING_MODES = ("head_only",)
-TEACHERS = ("auto", "exact", "topk")
-RECURSIONS = ("pre_norm", "post_norm")
-
-
-@dataclass(frozen=True)
-class MTPConfig:
-    """MTP heads: architecture, objective and teacher."""
-
-    num_depths: int = 1
-    """D: tokens predicted beyond the target's own next token."""
-    use_repeated_layer: bool = False
-    """One physical head applied at every depth (D depths, one set of weights)."""
-    num_heads: int | None = None
-    """Attention heads of the block; None = the target's."""
-    num_kv_heads: int | None = None
-    """K/V heads of the block; None = the target's."""
-    head_dim: int | None = None
-    """Per-head width; None = the target's."""
-    intermediate_size: int | None = None
-    """SwiGLU width of the block; None = the target's."""
-    recursion: str = "pre_norm"
-    """What depth k + 1 reads of depth k: pre_norm (h^k, DeepSeek-V3) or post_norm (FinalNorm_k(h^k), Qwen3-Next)."""
-    training_mode: str = "head_only"
-    """head_only: only the heads train (a dataset holds no target backbone to train)."""
-    loss_type: str = "ce"
-    """ce: dataset labels; lk: lambda*KL + (1-lambda)*TV against the frozen target."""
-    lk_lambda: float | str = 0.5
-    """LK mixture weight in [0, 1], or 'adaptive' for exp(-lk_eta * mean acceptance)."""
-    lk_eta: float = DEFAULT_ETA
-    """eta of the adaptive lambda."""
-    teacher: str = "auto"
-    """LK teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
-    chunk_rows: int = 1024
-    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
-    init_std: float = 0.02
-    """Std of the normal init of the heads' linear layers."""
-
-    def __post_init__(self) -> None:
-        if self.num_depths < 1:
-            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.recursion not in RECURSIONS:
-            raise ValueError(f"recursion must be one of {RECURSIONS}, got {self.recursion!r}")
-        if self.training_mode not in TRAINING_MODES:
-            raise ValueError(
-                f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}: a dataset holds only "
-                "the target's frozen embedding, final norm and lm_head, not the backbone; use training_mode: head_only"
-            )
-        object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
-        if self.lk_eta <= 0:
-            raise ValueError(f"lk_eta must be > 0, got {self.lk_eta}")
-        if self.teacher not in TEACHERS:
-            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"{name} must be positive or null, got {v}")
-
-
 class MTPDrafter(MTPLoss, Drafter):
     family = "mtp"
-    frozen = ("embed_tokens", "norm_weight", "lm_head", "norm_bias", "lm_head_bias")
     default_layout = "deepseek"
 
-    def __init__(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: MTPConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         c = bundle.config
         H, heads, kv, hd, inter = layer_shape(bundle, config)
@@ -154,17 +92,12 @@ class MTPDrafter(MTPLoss, Drafter):
             for h in self.model.layers.values():  # start each output norm where the target's is
                 h.shared_head.norm.weight.copy_(bundle.norm_weight.float())
 
-    def _frozen_target(self, config: MTPConfig, bundle: Any, layout: Any) -> None:
+    def _frozen_target(self, config: MTPConfig, bundle: TargetBundle, layout: Layout) -> None:
         """The bundle's frozen embedding, final norm and lm_head as buffers, and what the dataset feeds h^0."""
         self.head_spec = head_spec(bundle)
         self.eps = self.head_spec.eps
         self.logits_scaling = self.head_spec.logits_scaling
-        self.register_buffer("embed_tokens", bundle.embed_tokens.detach().clone(), persistent=False)
-        self.register_buffer("norm_weight", bundle.norm_weight.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", self.embed_tokens if self.head_spec.tied else bundle.lm_head.detach().clone(),
-                             persistent=False)
-        for name, t in (("norm_bias", bundle.norm_bias), ("lm_head_bias", bundle.lm_head_bias)):
-            self.register_buffer(name, None if t is None else t.detach().clone(), persistent=False)
+        self.target = FrozenHead(bundle, dtype=None)  # in the bundle's dtype
         self.fingerprint = bundle.fingerprint
         self.max_positions = int(bundle.config.get("max_position_embeddings") or 32768)
         self.last_tap = exact_last_tap(layout)
@@ -172,7 +105,7 @@ class MTPDrafter(MTPLoss, Drafter):
         self.teacher_kind = self._pick_teacher(config, layout)
 
     @staticmethod
-    def _pick_teacher(config: MTPConfig, layout: Any) -> str | None:
+    def _pick_teacher(config: MTPConfig, layout: Layout) -> str | None:
         if config.loss_type != "lk":
             return None
         exact_ok = last_hidden_source(layout) is not None
@@ -181,7 +114,7 @@ class MTPDrafter(MTPLoss, Drafter):
         return "topk"
 
     @classmethod
-    def check_dataset(cls, config: MTPConfig, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: MTPConfig, bundle: TargetBundle, layout: Layout) -> None:
         require_last_hidden(layout, "MTP heads (h^0 is the target's last hidden state)")
         if int(bundle.config["hidden_size"]) != layout.hidden_size:
             raise ValueError(f"bundle hidden_size {bundle.config['hidden_size']} != dataset's {layout.hidden_size}")
@@ -201,7 +134,7 @@ class MTPDrafter(MTPLoss, Drafter):
     def input_embeds(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embedding at every position [Bs, T, H] and a bool [Bs, T]: position's embedding unknown."""
         ids = batch["input_ids"]
-        emb = embed(ids, self.embed_tokens, self.head_spec)
+        emb = embed(ids, self.target.embed_tokens, self.head_spec)
         is_audio = batch["is_audio"]
         if "audio_embeds" in batch:
             emb = torch.where(is_audio[..., None], batch["audio_embeds"].to(emb.dtype), emb)
@@ -210,8 +143,7 @@ class MTPDrafter(MTPLoss, Drafter):
 
     def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
         """The target's logits of pre-norm last-layer rows (the exact teacher)."""
-        return teacher_logits(h_RH, self.norm_weight, self.lm_head, self.head_spec, norm_bias_H=self.norm_bias,
-                              lm_head_bias_V=self.lm_head_bias)
+        return self.target.logits(h_RH)
 
     def out_norm(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Depth k's output norm (before the shared lm_head)."""
@@ -223,7 +155,7 @@ class MTPDrafter(MTPLoss, Drafter):
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
-        return project(self.out_norm(k, h), self.lm_head, self.head_spec, self.lm_head_bias)
+        return project(self.out_norm(k, h), self.target.lm_head, self.head_spec, self.target.lm_head_bias)
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
         """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
@@ -234,8 +166,9 @@ class MTPDrafter(MTPLoss, Drafter):
         emb, emb_unknown = self.input_embeds(batch)
         dtype = next(self.parameters()).dtype
         pos = torch.arange(T, device=ids.device)[None].expand(Bs, T)
-        nb = None if self.norm_bias is None else self.norm_bias.to(dtype)
-        h_in = final_norm(self.last_hidden(batch).to(dtype), self.norm_weight.to(dtype), self.head_spec, nb)  # h^0
+        t = self.target
+        nb = None if t.norm_bias is None else t.norm_bias.to(dtype)
+        h_in = final_norm(self.last_hidden(batch).to(dtype), t.norm_weight.to(dtype), self.head_spec, nb)  # h^0
         outs, targets, audio_masked = [], [], []
         for k in range(1, self.config.num_depths + 1):
             h = self.step(k, shift_left(emb, k).to(dtype), h_in, pos)
@@ -346,7 +279,7 @@ class MTPDrafter(MTPLoss, Drafter):
             "architectures": ["DeepseekV3MTP"],
             "model_type": "tapdraft_mtp",
             **self.arch,
-            "vocab_size": int(self.lm_head.shape[0]),
+            "vocab_size": int(self.target.lm_head.shape[0]),
             "num_hidden_layers": self.first_layer,
             "num_nextn_predict_layers": len(self.model.layers),  # the layers exported, never more
             "num_speculative_steps": self.config.num_depths,
@@ -366,7 +299,7 @@ class MTPDrafter(MTPLoss, Drafter):
         }
 
 
-def load_exported(export_dir: str | Path, bundle: Any, layout: Any) -> MTPDrafter:
+def load_exported(export_dir: str | Path, bundle: TargetBundle, layout: Layout) -> MTPDrafter:
     """Rebuild an MTP drafter from an export directory and the target bundle (round-trip check)."""
 
     cfg, weights = load_export(export_dir)

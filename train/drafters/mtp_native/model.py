@@ -42,9 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shards.bundle import TargetBundle
+from shards.schema import Layout
 from train.drafters.base import Drafter
 from train.drafters.common.export_files import weight_files
-from train.drafters.mtp.model import MTPConfig, MTPDrafter
+from train.drafters.mtp.config import MTPConfig
+from train.drafters.mtp.model import MTPDrafter
 from train.drafters.mtp_native.export import export_native
 
 MODEL_TYPES = ("qwen3_5_text",)
@@ -158,7 +161,7 @@ class MTPNativeDrafter(MTPDrafter):
         """A copy of the target checkpoint with its ``mtp.*`` replaced (``mtp_native.export``)."""
         return export_native(weights, config, out_dir, meta)
 
-    def __init__(self, config: MTPNativeConfig, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: MTPNativeConfig, bundle: TargetBundle, layout: Layout) -> None:
         Drafter.__init__(self, config, bundle, layout)
         self.target_config, weights = read_checkpoint(config.checkpoint)
         tc = text_config(self.target_config)
@@ -176,7 +179,7 @@ class MTPNativeDrafter(MTPDrafter):
         self.arch = {"hidden_size": tc.hidden_size}
         self.first_layer = 0
         self._frozen_target(config, bundle, layout)
-        plain = self.logits_scaling in (None, 1.0) and self.lm_head_bias is None
+        plain = self.logits_scaling in (None, 1.0) and self.target.lm_head_bias is None
         if self.head_spec.norm != "rms_offset" or not plain:
             raise ValueError(f"the dataset's head ({self.head_spec.norm}) is not Qwen3.5's (1 + w) norm and plain "
                              "lm_head: it was not captured from this target")

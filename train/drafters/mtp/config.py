@@ -1,0 +1,71 @@
+"""MTP's settings: a frozen dataclass validated in ``__post_init__`` (``mtp_native`` extends it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
+
+
+LOSS_TYPES = ("ce", "lk")
+TRAINING_MODES = ("head_only",)
+TEACHERS = ("auto", "exact", "topk")
+RECURSIONS = ("pre_norm", "post_norm")
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """MTP heads: architecture, objective and teacher."""
+
+    num_depths: int = 1
+    """D: tokens predicted beyond the target's own next token."""
+    use_repeated_layer: bool = False
+    """One physical head applied at every depth (D depths, one set of weights)."""
+    num_heads: int | None = None
+    """Attention heads of the block; None = the target's."""
+    num_kv_heads: int | None = None
+    """K/V heads of the block; None = the target's."""
+    head_dim: int | None = None
+    """Per-head width; None = the target's."""
+    intermediate_size: int | None = None
+    """SwiGLU width of the block; None = the target's."""
+    recursion: str = "pre_norm"
+    """What depth k + 1 reads of depth k: pre_norm (h^k, DeepSeek-V3) or post_norm (FinalNorm_k(h^k), Qwen3-Next)."""
+    training_mode: str = "head_only"
+    """head_only: only the heads train (a dataset holds no target backbone to train)."""
+    loss_type: str = "ce"
+    """ce: dataset labels; lk: lambda*KL + (1-lambda)*TV against the frozen target."""
+    lk_lambda: float | str = 0.5
+    """LK mixture weight in [0, 1], or 'adaptive' for exp(-lk_eta * mean acceptance)."""
+    lk_eta: float = DEFAULT_ETA
+    """eta of the adaptive lambda."""
+    teacher: str = "auto"
+    """LK teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
+    chunk_rows: int = 1024
+    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+    init_std: float = 0.02
+    """Std of the normal init of the heads' linear layers."""
+
+    def __post_init__(self) -> None:
+        if self.num_depths < 1:
+            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.recursion not in RECURSIONS:
+            raise ValueError(f"recursion must be one of {RECURSIONS}, got {self.recursion!r}")
+        if self.training_mode not in TRAINING_MODES:
+            raise ValueError(
+                f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}: a dataset holds only "
+                "the target's frozen embedding, final norm and lm_head, not the backbone; use training_mode: head_only"
+            )
+        object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        if self.lk_eta <= 0:
+            raise ValueError(f"lk_eta must be > 0, got {self.lk_eta}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive or null, got {v}")

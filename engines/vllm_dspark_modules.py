@@ -31,8 +31,8 @@ from types import SimpleNamespace
 def build(cfg: dict, DSparkMarkovHead, DSparkConfidenceHead) -> dict:
     """vLLM's DSpark head modules for this config, keyed by the export's name prefix (``Qwen3DSparkModel``'s)."""
     vocab = int(cfg["vocab_size"])
-    modules = {"markov_head": DSparkMarkovHead(vocab, int(cfg.get("draft_vocab_size") or vocab), int(cfg["markov_rank"]),
-                                               prefix="markov_head")}
+    draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
+    modules = {"markov_head": DSparkMarkovHead(vocab, draft_vocab, int(cfg["markov_rank"]), prefix="markov_head")}
     if cfg.get("enable_confidence_head"):
         with_markov = bool(cfg.get("confidence_head_with_markov"))
         dim = int(cfg["hidden_size"]) + (int(cfg["markov_rank"]) if with_markov else 0)

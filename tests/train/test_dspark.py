@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
 
 def drafter(bundle, layout, **kw) -> DSparkDrafter:
     base = dict(num_layers=1, block_size=B, gamma=3.0, num_anchors=6, markov_rank=RANK, confidence_head=True,
-                ce_chunk_size=5, target_layer_ids=(1, 3))
+                chunk_rows=5, target_layer_ids=(1, 3))
     base.update(kw)
     torch.manual_seed(0)
     return DSparkDrafter.build(DSparkConfig(**base), bundle, layout)
@@ -47,7 +47,7 @@ def reference_terms(m: DSparkDrafter, batch, anchors, vblk) -> dict[str, tuple[f
     h = m.block_hidden(ids, m.context(batch["taps"]), anchors).double()
     W1, W2 = m.markov_head.markov_w1.weight.double(), m.markov_head.markov_w2.weight.double()
     cw, cb = m.confidence_head.proj.weight.double()[0], m.confidence_head.proj.bias.double()[0]
-    lm_head = m.lm_head.double()
+    lm_head = m.target.lm_head.double()
     sums = {"ce": [0.0, 0.0], "l1": [0.0, 0.0], "confidence": [0.0, 0.0]}
     for b in range(ids.shape[0]):
         for n in range(anchors.shape[1]):
@@ -60,8 +60,8 @@ def reference_terms(m: DSparkDrafter, batch, anchors, vblk) -> dict[str, tuple[f
                 prev = int(ids[b, a + k])
                 z = h[b, n, k] @ lm_head.T + W2 @ W1[prev]
                 q = torch.softmax(z, -1)
-                p = torch.softmax(teacher_logits(fh[b, a + k][None], m.target_norm.double(), lm_head, m.head_spec)[0]
-                                  .double(), -1)
+                row = teacher_logits(fh[b, a + k][None], m.target.norm_weight.double(), lm_head, m.head_spec)
+                p = torch.softmax(row[0].double(), -1)
                 l1 = float((p - q).abs().sum())
                 c = float(torch.cat([h[b, n, k], W1[prev]]) @ cw + cb)
                 y = 1.0 - l1 / 2
@@ -98,7 +98,7 @@ def test_topk_teacher_reads_the_same_rows_as_the_exact_one(setup):
     exact = drafter(bundle, layout, kd="exact")
     topk = drafter(bundle, layout, kd="topk")
     topk.load_state_dict(exact.state_dict())
-    lp = torch.log_softmax(teacher_logits(batch["final_hidden"].float(), exact.target_norm, exact.lm_head,
+    lp = torch.log_softmax(teacher_logits(batch["final_hidden"].float(), exact.target.norm_weight, exact.target.lm_head,
                                           exact.head_spec), -1)  # [Bs, T, V]
     full = dict(batch, topk_ids=lp.argsort(-1, descending=True), topk_logprobs=lp.sort(-1, descending=True).values,
                 topk_valid=torch.ones(lp.shape[:2], dtype=torch.bool))

@@ -18,7 +18,7 @@ mask, frozen target head and checkpointing are inherited):
     kept on it), p the stored teacher row (``kd``: ``topk``, the lumped-tail form, a lower bound; or
     ``exact``), q = softmax(z). The confidence head's logit c is trained towards the row's analytical
     acceptance 1 - TV (detached). Each term is normalised by its own slot-weighted row count
-    (``train.drafters.base.combine_terms``). Rows are processed in checkpointed chunks (``ce_chunk_size``),
+    (``train.drafters.base.combine_terms``). Rows are processed in checkpointed chunks (``chunk_rows``),
     so [rows, V] logits never exist whole.
 
 Export: vLLM 0.32's ``Qwen3DSparkModel`` (vllm/model_executor/models/qwen3_dspark.py): DFlash's tensors plus
@@ -38,7 +38,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from shards.head import teacher_logits
+from shards.bundle import TargetBundle
+from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.chunks import map_row_chunks
@@ -104,7 +105,7 @@ class DSparkConfig(DFlashConfig):
 class DSparkDrafter(DFlashDrafter):
     family = "dspark"
 
-    def __init__(self, config: DSparkConfig, bundle: Any, layout: Any) -> None:
+    def __init__(self, config: DSparkConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = self.config
         self.weights_k = slot_weights(cfg.block_size + 1, cfg.gamma)  # exp(-k / gamma), k = 0..B-1
@@ -113,7 +114,7 @@ class DSparkDrafter(DFlashDrafter):
             if cfg.confidence_head else None
 
     @classmethod
-    def check_dataset(cls, config: DSparkConfig, bundle: Any, layout: Any) -> None:
+    def check_dataset(cls, config: DSparkConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().check_dataset(config, bundle, layout)
         from shards.head import head_spec
 
@@ -164,7 +165,7 @@ class DSparkDrafter(DFlashDrafter):
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         teacher, t_w = self.kd_teacher(batch, valid, tpos, w)
         extra = [teacher.hidden_RH] if cfg.kd == "exact" else [teacher.ids_Rk, teacher.logprobs_Rk]
-        ce, l1, bce, correct = map_row_chunks(self._row_losses, [h_rows, y, prev, *extra], cfg.ce_chunk_size)
+        ce, l1, bce, correct = map_row_chunks(self._row_losses, [h_rows, y, prev, *extra], cfg.chunk_rows)
         # every trainable parameter stays in the graph when no row carries a loss (DDP waits on all grads)
         anchor = 0.0 * h.sum() + 0.0 * sum(p.sum() for p in self.markov_head.parameters())
         terms = {"ce": ((w * ce).sum() + anchor, w.sum().detach(), cfg.ce_weight),
@@ -182,8 +183,7 @@ class DSparkDrafter(DFlashDrafter):
         z = self.corrected_logits(h, prev)
         ce = F.cross_entropy(z.float(), y, reduction="none")
         if self.config.kd == "exact":
-            p = teacher_logits(teacher[0], self.target_norm, self.lm_head, self.head_spec,
-                               norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias)
+            p = self.target.logits(teacher[0])
             tv = kl_tv_full(p.to(z.dtype), z)[1]
         else:
             tv = kl_tv_topk(teacher[0], teacher[1], z)[1]
@@ -249,8 +249,7 @@ class DSparkDrafter(DFlashDrafter):
             row = tp[v] - 1
 
             def alpha(hq, ht, pv):
-                p = teacher_logits(ht, self.target_norm, self.lm_head, self.head_spec,
-                                   norm_bias_H=self.target_norm_bias, lm_head_bias_V=self.lm_head_bias) / temperature
+                p = self.target.logits(ht) / temperature
                 q = self.slot_logits(hq, pv, temperature)
                 return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
 

@@ -177,6 +177,27 @@ def test_teacher_forced_drafts_are_the_walk_while_it_follows_the_reply(setup):
     assert checked > 0
 
 
+def test_sampled_acceptance_of_slot_0_written_out(setup):
+    """sum_v min(p, q) at slot k: p the target's exact row a + k, q the corrected slot distribution given the
+    reply's token at a + k; written out for slot 0 of every valid block."""
+    bundle, layout, batch = setup
+    m = away_from_init(drafter(bundle, layout), 0.05)
+    T = 0.8
+    sums, counts = m.sampled_acceptance(batch, temperature=T)
+    anchors, vblk = m.eval_anchors(batch)
+    _, valid, _ = m._targets(batch, anchors, vblk)
+    assert counts.tolist() == valid.sum((0, 1)).double().tolist()
+    with torch.no_grad():
+        h = m.block_hidden(batch["input_ids"], m.context(batch["taps"]), anchors)
+        want = 0.0
+        for b, n in zip(*torch.nonzero(valid[:, :, 0], as_tuple=True)):
+            a = int(anchors[b, n])
+            p = torch.softmax(m.target.logits(batch["final_hidden"][b, a][None].float())[0].double() / T, -1)
+            q = torch.softmax(m.slot_logits(h[b, n, 0][None], batch["input_ids"][b, a][None], T)[0].double(), -1)
+            want += float(torch.minimum(p, q).sum())
+    assert float(sums[0]) == pytest.approx(want, rel=1e-5)
+
+
 def test_slot_alignment_and_weights(setup):
     bundle, layout, batch = setup
     m = drafter(bundle, layout)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from shards.bundle import TargetBundle
+from shards.head import head_spec
 from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
@@ -116,8 +117,6 @@ class DSparkDrafter(DFlashDrafter):
     @classmethod
     def check_dataset(cls, config: DSparkConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().check_dataset(config, bundle, layout)
-        from shards.head import head_spec
-
         spec = head_spec(bundle)
         if spec.lm_head_bias or spec.final_logit_softcap:
             raise ValueError("vLLM's DSpark adds the Markov bias to lm_head(h) with no lm_head bias or soft cap, so a "

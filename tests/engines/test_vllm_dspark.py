@@ -6,7 +6,8 @@ machine. Here, in the engine venv (``engines/vllm_dspark_modules.py``): vLLM's `
 run in float64 with those modules on tapdraft's base logits, drafts what ``propose`` (``tapdraft speculate``'s
 proposer) drafts, and its confidence is tapdraft's; the ``qwen3_omni`` export passes vLLM's own Qwen3-Omni
 standalone validator (``_validate_qwen3_omni_dspark``) for a Qwen3-Omni target with the BPE target's text
-config, which refuses the generic export and a mismatched ``num_speculative_tokens``."""
+config, which refuses the generic export and a mismatched ``num_speculative_tokens``; and vLLM takes the export
+as a DSpark draft up to its runner (its V1 runner refuses DSpark by name)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,23 @@ def test_qwen3_omni_export_passes_vllms_standalone_validator(vllm_venv, bpe_targ
     assert ok == "ok", ok
     assert "num_speculative_tokens to match the trained block_size" in short
     assert "generic Qwen3DSparkModel checkpoints must be converted first" in generic
+
+
+def test_vllm_takes_the_export_as_dspark_up_to_its_runner(vllm_venv, bpe_target, dspark, tmp_path):
+    """vLLM parses the export's config as a DSpark draft (its speculative config, block size and registry entry
+    accepted) and then, on a CPU, refuses its V1 runner for DSpark by name: serving needs the V2 runner (GPU)."""
+    from tests.engines.serving import EngineFailed, serve_vllm
+    from tests.engines.test_vllm_dflash import prompts
+
+    _, export, _ = dspark
+    k = json.loads((export / "config.json").read_text())["tapdraft"]["serve_with"]["vllm"]["num_speculative_tokens"]
+    (_, ids), = prompts(bpe_target)[:1]
+    job = {"target": str(bpe_target.target), "requests": [{"prompt_token_ids": ids}], "max_tokens": 4,
+           "max_model_len": 256, "speculative": {"method": "dspark", "model": str(export),
+                                                  "num_speculative_tokens": k}}
+    with pytest.raises(EngineFailed) as failed:
+        serve_vllm(vllm_venv, job, tmp_path)
+    assert "Model Runner V1 does not support: dspark speculative decoding" in failed.value.log
 
 
 def test_live_tau_agrees_with_the_replayed_tau(bpe_target, dspark):

@@ -246,6 +246,20 @@ def test_config_refusals(kw, msg):
         DSparkConfig(**kw)
 
 
+@pytest.mark.parametrize("head, msg", [
+    (dict(final_logit_softcap=30.0), "no lm_head bias or soft cap"),
+    (dict(logits_scaling=2.0), "set confidence_head false"),
+])
+def test_targets_vllms_dspark_cannot_serve_as_trained_are_refused(setup, head, msg):
+    import dataclasses
+
+    bundle, layout, _ = setup
+    other = dataclasses.replace(bundle, head=dataclasses.replace(bundle.head, **head))
+    with pytest.raises(ValueError, match=msg):
+        DSparkDrafter.build(DSparkConfig(num_layers=1, block_size=B, markov_rank=RANK, confidence_head=True,
+                                         target_layer_ids=(1, 3)), other, layout)
+
+
 def test_family_is_registered():
     assert get_family("dspark") == (DSparkConfig, DSparkDrafter)
 

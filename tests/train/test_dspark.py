@@ -264,14 +264,15 @@ def test_family_is_registered():
     assert get_family("dspark") == (DSparkConfig, DSparkDrafter)
 
 
-def test_train_recipe_trains_exports_and_evaluates(tmp_path):
+@pytest.mark.parametrize("recipe, block", [("dspark", 16), ("dspark_demo", 8)])
+def test_train_recipe_trains_exports_and_evaluates(tmp_path, recipe, block):
     bundle = tiny_bundle(tmp_path / "ds")
     layout = tiny_layout(bundle)
     samples = synthetic_samples(bundle, layout, 8, min_len=16, max_len=24)
     ds = write_synthetic_dataset(tmp_path / "ds", bundle, layout, {"train": samples[:6], "validation": samples[6:]},
                                  regenerated=False)
     run = str(tmp_path / "run")
-    r = CliRunner().invoke(app, ["train", "--data", ds, "--recipe", "dspark_demo", "--out", run, "--set",
+    r = CliRunner().invoke(app, ["train", "--data", ds, "--recipe", recipe, "--out", run, "--set",
                                  "max_steps=3", "--set", "max_tokens=160", "--set", "progress=false", "--set",
                                  "drafter.markov_rank=8", "--set", "drafter.num_layers=1"])
     assert r.exit_code == 0, r.output
@@ -282,4 +283,4 @@ def test_train_recipe_trains_exports_and_evaluates(tmp_path):
     r = CliRunner().invoke(app, ["export", "--draft", run, "--out", str(tmp_path / "exp"), "--layout", "qwen3_omni"])
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3OmniDSparkModel"] and cfg["block_size"] == 8
+    assert cfg["architectures"] == ["Qwen3OmniDSparkModel"] and cfg["block_size"] == block

@@ -43,6 +43,7 @@ FAMILIES: dict[str, str] = {
     "mtp": "train.drafters.mtp.model",
     "eagle3": "train.drafters.eagle3.model",
     "mtp_native": "train.drafters.mtp_native.model",
+    "dspark": "train.drafters.dspark.model",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 DEFAULT_FAMILY = "dflash"

@@ -14,12 +14,16 @@ anything of that size is allocated:
                         1.3-3x (taps) and up to a few hundred x (masks of long samples, under 64 MiB)
 
 A claim past a bound is a ``CorruptShardError`` naming the file, not an allocation that ends in an
-OOM kill.
+OOM kill. And every file read from a local dataset is a regular file reached through real directories
+(``regular_file``): a link is refused, never followed (``shards.members`` says which files those are).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+from pathlib import Path
 from typing import Any
 
 import zstandard
@@ -80,3 +84,35 @@ def decompress_bounded(blob: bytes, where: str) -> bytes:
     if len(out) > limit:
         raise CorruptShardError(f"{where} decompresses to {len(out)} bytes, more than the bound {limit}")
     return out
+
+
+def refused_link(path: str, what: str) -> CorruptShardError:
+    """The one refusal of a link or special file inside a dataset (``what``: :func:`file_kind`)."""
+    return CorruptShardError(f"{path} is {what}: a dataset holds regular files only and tapdraft never follows a "
+                             "link out of one (it could lead to any file of this machine); replace it with the "
+                             "file itself (cp -L) if you trust its source, or re-copy the dataset")
+
+
+def file_kind(mode: int) -> str:
+    """What an ``lstat`` mode is, in words (for a path that should have been a regular file)."""
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file (a FIFO, socket or device)"
+
+
+def regular_file(root: str | os.PathLike, rel: str) -> int:
+    """The size of ``root/rel``, a regular file reached through real directories (no part of ``rel`` a link);
+    FileNotFoundError when absent, CorruptShardError for a link or a special file. ``root`` itself is the
+    user's own path and may be a link."""
+    path = Path(root)
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        st = os.lstat(path)
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode) or (last and not stat.S_ISREG(st.st_mode)) \
+                or (not last and not stat.S_ISDIR(st.st_mode)):
+            raise refused_link(str(path), file_kind(st.st_mode))
+    return st.st_size

@@ -91,33 +91,6 @@ def shard_names(doc: dict[str, Any]) -> list[str]:
     return [sh["name"] for d in doc["splits"].values() for sh in d["shards"]]
 
 
-_WORK_SUFFIXES = (".tmp", ".old", ".finalizing", ".part")
-
-
-def dataset_files(files: dict[str, int], doc: dict[str, Any], where: str) -> dict[str, int]:
-    """The files that make up the finished dataset ``doc`` among ``files`` (relative path -> size, all files
-    under its root), without manifest.json, which a copy writes last: everything except the capture's
-    working state (``_parts/``, locks and other hidden names, temp names) and, under ``data/``, files that
-    are neither a listed shard nor beside one (same name up to the first dot: a shard's own index file).
-    FileNotFoundError when a listed shard is missing."""
-    listed = set(shard_names(doc))
-    stems = {n.split("/")[-1].split(".", 1)[0] for n in listed}
-    out = {}
-    for rel, size in files.items():
-        parts = rel.split("/")
-        if rel == MANIFEST or parts[0] == PARTS_DIR or any(p.startswith(".") for p in parts) \
-                or rel.endswith(_WORK_SUFFIXES):
-            continue
-        if parts[0] == DATA_DIR and rel not in listed and parts[-1].split(".", 1)[0] not in stems:
-            continue
-        out[rel] = size
-    missing = sorted(listed - set(out))
-    if missing:
-        raise FileNotFoundError(f"{join(where, missing[0])} is listed in the manifest but missing "
-                                f"({len(missing)} shard(s) missing); re-copy the dataset or re-capture it")
-    return out
-
-
 def join(root: str, rel: str) -> str:
     return root.rstrip("/") + "/" + rel
 

@@ -45,6 +45,7 @@ from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError, SampleIndexError
 from shards.integrity import check_block
+from shards.members import refuse_links
 from shards.remote import RemoteConfig, is_local, open_url
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
@@ -80,6 +81,7 @@ class Dataset:
             warnings.warn(f"{self.url} was written before checksums (schema {self.manifest['schema_version']}): its "
                           "shards' sizes and target fingerprints are checked, their bytes are not; run "
                           "`tapdraft verify` once (sha256 of every shard) after copying it", stacklevel=3)
+        refuse_links(self.fs, self.root, self.manifest)  # a link inside a dataset is refused, never followed
         self.check_shards()
 
     def check_shards(self) -> None:

@@ -1,0 +1,110 @@
+"""The dataset boundary (shards.members) against every hostile case (tests/shards/hostile.py): verify reports the
+case, readers refuse a link they would open and ignore the rest, and derive, push and pull copy nothing from
+outside the dataset (the S3 run of push is in test_s3.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app, main
+from shards.derive import DeriveConfig, derive_dataset
+from shards.errors import CorruptShardError
+from shards.reader import open_dataset
+from shards.transfer import pull, push
+from shards.verify import verify_dataset
+from tests.shards.hostile import CASES, SECRET, TOKENIZER, build, good_dataset, leaked
+
+LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
+UNLISTED = sorted(n for n, (listed, _) in CASES.items() if not listed)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return good_dataset(tmp_path_factory.mktemp("good") / "ds")
+
+
+def test_the_good_dataset_is_a_member_only_dataset(good, tmp_path):
+    assert verify_dataset(str(good), progress=False).ok
+    assert open_dataset(str(good)).bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    push(str(good), str(tmp_path / "pushed"), progress=False)
+    assert leaked(tmp_path / "pushed") == [] and verify_dataset(str(tmp_path / "pushed"), progress=False).ok
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verify_names_every_case_and_exits_1(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    rep = verify_dataset(str(case.root), progress=False)
+    assert any(p.startswith(str(case.root / case.culprit)) for p in rep.problems), rep.problems
+    r = CliRunner().invoke(app, ["verify", str(case.root)])
+    assert r.exit_code in (1, 2) and str(case.root / case.culprit) in r.output, r.output
+
+
+@pytest.mark.parametrize("name", LISTED)
+def test_readers_refuse_a_link_they_would_open(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    with pytest.raises((CorruptShardError, ValueError), match=r"symlink|not a regular file"):
+        ds = open_dataset(str(case.root))
+        ds.bundle()
+        list(ds.stream("train", seed=0, shuffle=False))
+
+
+@pytest.mark.parametrize("name", UNLISTED)
+def test_readers_ignore_what_is_not_listed(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    ds = open_dataset(str(case.root))
+    assert ds.bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    assert len(list(ds.stream("train", seed=0, shuffle=False))) == 4
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_derive_copies_nothing_from_outside(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    out = tmp_path / "light"
+    try:
+        derive_dataset(DeriveConfig(src=str(case.root), out=str(out), top_k=2, progress=False))
+    except (CorruptShardError, ValueError) as e:
+        assert case.listed and ("symlink" in str(e) or "not a regular file" in str(e)), e
+    else:
+        assert not case.listed
+        assert verify_dataset(str(out), progress=False).ok
+    assert leaked(out) == [] if out.exists() else True
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_push_sends_nothing_from_outside(good, tmp_path, name, capsys):
+    case = build(name, good, tmp_path / "ds")
+    dest = tmp_path / "bucket"
+    if case.listed:  # refused before a byte is sent, in one line naming the link, exit 2
+        with pytest.raises(SystemExit) as e:
+            main(["push", str(case.root), str(dest)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and str(case.root / case.culprit) in err[0], err
+        assert not dest.exists() or not any(dest.rglob("*")), "a refused push must send nothing"
+    else:
+        push(str(case.root), str(dest), progress=False)
+        assert verify_dataset(str(dest), progress=False).ok
+        assert leaked(dest) == []
+
+
+def test_pull_fetches_only_the_members(good, tmp_path):
+    """A store holding more than the dataset (what an older push sent, or anyone wrote there) is pulled without it."""
+    store = tmp_path / "store"
+    shutil.copytree(good, store)
+    (store / "target" / "tokenizer" / "vocab.json").write_bytes(SECRET)
+    (store / "credentials.json").write_bytes(SECRET)
+    st = pull(str(store), str(tmp_path / "copy"), progress=False)
+    assert st["files"] == len(json.loads((good / "manifest.json").read_text())["splits"]["train"]["shards"]) * 2 + 4
+    assert leaked(tmp_path / "copy") == [] and verify_dataset(str(tmp_path / "copy"), progress=False).ok
+
+
+def test_push_removes_what_an_older_push_sent_beside_the_dataset(good, tmp_path):
+    dest = tmp_path / "bucket"
+    push(str(good), str(dest), progress=False)
+    (dest / "manifest.json").unlink()  # as an interrupted push left it, with a leak from an older tapdraft
+    (dest / "target" / "tokenizer" / "vocab.json").write_bytes(SECRET)
+    push(str(good), str(dest), progress=False)
+    assert leaked(dest) == [] and verify_dataset(str(dest), progress=False).ok

@@ -388,6 +388,13 @@ def bundle_files(fs: Any, tdir: str, doc: dict[str, Any] | None = None) -> list[
     return bundle_names(doc, () if "head" in doc else _tokenizer_listing(fs, tdir))
 
 
+def _interrupted(path: str) -> str:
+    """Readers never write: recovering an interrupted directory swap is the next writer's (shards.atomic.staged)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return (f"{path} not found, but {name}{OLD_SUFFIX} is there: a rewrite of the bundle was interrupted; rerun the "
+            f"command that wrote it, or rename {name}{OLD_SUFFIX} to {name} (tapdraft does not write while reading)")
+
+
 def _read_regular(root: Path, rel: str) -> bytes:
     regular_file(root, rel)
     return (root / rel).read_bytes()
@@ -417,11 +424,8 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
     root = Path(path)
     meta_path = root / BUNDLE_FILE
     if not meta_path.exists() and not meta_path.is_symlink():
-        old = Path(str(root) + OLD_SUFFIX)
-        if old.is_dir():  # readers never write: recovering the swap is the writer's (shards.atomic.staged)
-            raise FileNotFoundError(f"{meta_path} not found, but {old} is there: a rewrite of the bundle was "
-                                    f"interrupted; rerun the command that wrote it, or rename {old.name} to "
-                                    f"{root.name} by hand")
+        if Path(str(root) + OLD_SUFFIX).is_dir():
+            raise FileNotFoundError(_interrupted(str(root)))
         raise FileNotFoundError(f"{meta_path} not found: {root} is not a tapdraft target bundle")
     doc = read_bundle_doc(LocalFileSystem(), str(root))
     check_schema_version(doc.get("schema_version", "1.0"), str(meta_path))
@@ -484,6 +488,8 @@ def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = Fals
     """``load_bundle`` on any fsspec filesystem: a remote bundle is first copied to a local temp directory
     (kept, because ``TargetBundle.tokenizer_dir`` points into it)."""
     if not fs.exists(path):
+        if fs.exists(path.rstrip("/") + OLD_SUFFIX):
+            raise FileNotFoundError(_interrupted(path))
         raise FileNotFoundError(f"{path} not found: the dataset lacks its target bundle; re-run capture")
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         return load_bundle(path, verify=verify)

@@ -108,3 +108,34 @@ def test_push_removes_what_an_older_push_sent_beside_the_dataset(good, tmp_path)
     (dest / "target" / "tokenizer" / "vocab.json").write_bytes(SECRET)
     push(str(good), str(dest), progress=False)
     assert leaked(dest) == [] and verify_dataset(str(dest), progress=False).ok
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.is_dir() or p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_readers_never_write_into_a_dataset(good, tmp_path):
+    """A stray target.old (an interrupted bundle rewrite elsewhere) is left to writers: reading, verifying, deriving
+    from and pushing the dataset change nothing in it, so a read-only mount reads the same."""
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    shutil.copytree(root / "target", root / "target.old")
+    before = _tree(root)
+    ds = open_dataset(str(root))
+    assert ds.bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    assert len(list(ds.stream("train", seed=0, shuffle=False))) == 4
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if "target.old" in p] and not [p for p in rep.problems if "target.old" not in p]
+    derive_dataset(DeriveConfig(src=str(root), out=str(tmp_path / "light"), progress=False))
+    push(str(root), str(tmp_path / "bucket"), progress=False)
+    assert _tree(root) == before
+
+
+def test_a_bundle_whose_rewrite_was_interrupted_is_named_not_repaired(good, tmp_path):
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    (root / "target").rename(root / "target.old")
+    before = _tree(root)
+    with pytest.raises(FileNotFoundError, match=r"target\.old is there: a rewrite of the bundle was interrupted"):
+        open_dataset(str(root)).bundle()
+    assert _tree(root) == before

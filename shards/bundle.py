@@ -444,6 +444,7 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
             raise ValueError(f"target bundle {root} is corrupted or was edited: bundle.json's fields hash to "
                              f"{fp[:12]}, it says {doc['fingerprint'][:12]}; re-copy the dataset's target/ directory")
     regular_file(root, WEIGHTS_FILE)
+    open(root / WEIGHTS_FILE, "rb").close()  # unreadable: PermissionError naming it (safetensors says "No such file")
     weights = load_file(str(root / WEIGHTS_FILE))
     names = ("embed_tokens", "norm_weight", "lm_head") if legacy else stored_names(head)
     missing = [n for n in names if n not in weights]

@@ -5,7 +5,12 @@ outside the dataset (the S3 run of push is in test_s3.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,6 +23,7 @@ from shards.transfer import pull, push
 from shards.verify import verify_dataset
 from tests.shards.hostile import CASES, SECRET, TOKENIZER, build, good_dataset, leaked
 
+ROOT = Path(__file__).resolve().parents[2]
 LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
 UNLISTED = sorted(n for n, (listed, _) in CASES.items() if not listed)
 
@@ -139,3 +145,50 @@ def test_a_bundle_whose_rewrite_was_interrupted_is_named_not_repaired(good, tmp_
     with pytest.raises(FileNotFoundError, match=r"target\.old is there: a rewrite of the bundle was interrupted"):
         open_dataset(str(root)).bundle()
     assert _tree(root) == before
+
+
+def _as_reader(cmd: list[str]) -> list[str]:
+    """``cmd`` run by a user who may read the dataset but write nothing of it (root drops to nobody)."""
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no unprivileged user to read as")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+
+
+@pytest.fixture()
+def shared(good):
+    """A copy of the good dataset in a directory everyone may read and its owner alone may write."""
+    d = Path(tempfile.mkdtemp(prefix="tapdraft-shared-"))
+    os.chmod(d, 0o755)
+    shutil.copytree(good, d / "ds")
+    for p in [d / "ds", *(d / "ds").rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    yield d / "ds"
+    shutil.rmtree(d)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": tempfile.gettempdir()}
+    return subprocess.run(_as_reader([sys.executable, "-m", "cli", *args]), capture_output=True, text=True,
+                          env=env, cwd=tempfile.gettempdir(), timeout=300)
+
+
+def test_a_read_only_dataset_reads_and_an_unreadable_file_is_named_as_read(shared):
+    shutil.copytree(shared / "target", shared / "target.old")  # readers would once have deleted it
+    os.chmod(shared / "target.old", 0o755)
+    r = _cli("inspect", str(shared), "--sample", "1")
+    assert r.returncode == 0, r.stderr
+    os.chmod(shared / "target" / "weights.safetensors", 0o000 if os.geteuid() != 0 else 0o600)
+    r = _cli("inspect", str(shared))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert err[0] == (f"error: permission denied reading {shared}/target/weights.safetensors; ask its owner for read "
+                      "access, or copy it where you can read it")
+
+
+def test_a_permission_error_on_a_new_file_is_a_write(tmp_path):
+    from shards.errors import classify
+
+    code, msg = classify(PermissionError(13, "Permission denied", str(tmp_path / "new.json")))
+    assert code == 2 and msg.startswith(f"permission denied writing {tmp_path}/new.json; choose a writable location")

@@ -371,7 +371,8 @@ def rank_items(target: Target, cfg: CaptureConfig, spec: str, rank: int, world_s
                ) -> Iterator[tuple[int, Any]]:
     """This rank's (local index, Conversation | BadInput) of one split's inputs."""
     placeholder = target.input_placeholder
-    return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), cfg.max_samples), rank, world_size)
+    items = read_inputs(spec, placeholder=placeholder, allow_outside_paths=cfg.allow_outside_paths)
+    return rank_slice(numbered(items, cfg.max_samples), rank, world_size)
 
 
 def capture_split(
@@ -588,7 +589,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         for split, spec in cfg.data:
             if cfg.replies is not None and not cfg.fused:  # two passes: regenerate the text, capture it as input
                 spec = _regenerate_split(target, cfg, split, spec)
-                cfg_split = dataclasses.replace(cfg, replies=None, max_samples=None)
+                # its own first pass's output: the input's audio paths were checked as that pass read them
+                cfg_split = dataclasses.replace(cfg, replies=None, max_samples=None, allow_outside_paths=True)
             else:
                 cfg_split = cfg
             st = capture_split(target, cfg_split, layout, split, spec, rank=rank, world_size=world,
@@ -644,6 +646,7 @@ def _regenerate_split(target: Target, cfg: CaptureConfig, split: str, spec: str)
         batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size, window=cfg.window, dtype=cfg.dtype,
         device=cfg.device, llm_config=cfg.llm_config, chat_template=cfg.chat_template,
         template_kwargs=dict(cfg.template_kwargs), on_error=cfg.on_error, progress=cfg.progress,
+        allow_outside_paths=cfg.allow_outside_paths,
     ), target=target)
     return str(path)
 

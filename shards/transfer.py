@@ -27,7 +27,6 @@ shard before finalize renamed it) is copied on the server instead of sent again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ import fsspec
 
 from shards import manifest as mf
 from shards.errors import CorruptShardError
-from shards.limits import regular_file
+from shards.limits import parse_json, regular_file
 from shards.members import dataset_members
 from shards.progress import Progress
 from shards.remote import RemoteConfig, is_local, retry
@@ -91,7 +90,7 @@ def _read_manifest_bytes(root: Path) -> tuple[bytes, dict[str, Any]]:
                                 "capture first)")
     regular_file(root, mf.MANIFEST)
     raw = path.read_bytes()
-    return raw, mf.check_manifest(json.loads(raw), str(path))
+    return raw, mf.check_manifest(parse_json(raw, str(path)), str(path))
 
 
 # ---- push ---------------------------------------------------------------------------------------
@@ -109,7 +108,8 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
     if mf.MANIFEST in remote:
         there = R(fs.cat_file, "read")(man_url)
         if there != raw:
-            theirs = json.loads(there).get("fingerprint", "?")
+            doc_there = parse_json(there, man_url)
+            theirs = doc_there.get("fingerprint", "?") if isinstance(doc_there, dict) else "?"
             raise ValueError(f"{url} already holds another dataset (fingerprint {str(theirs)[:12]}, a different "
                              "manifest); push to a new URL, or delete that one first")
     elif remote and not ({r.split("/")[0] for r in remote} & {mf.DATA_DIR, mf.TARGET_DIR, mf.CARD}):
@@ -221,7 +221,7 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
     except FileNotFoundError:
         raise FileNotFoundError(f"{man_url} not found: {url} is not a finished tapdraft dataset (a push writes "
                                 "manifest.json last; let it finish, or rerun it)") from None
-    doc = mf.check_manifest(json.loads(raw), man_url)
+    doc = mf.check_manifest(parse_json(raw, man_url), man_url)
     remote = _listing(fs, root)
     files = dataset_members(fs, root, doc, sizes={rel: int(i.get("size", 0)) for rel, i in remote.items()})
     out = Path(dest)

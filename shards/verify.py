@@ -28,6 +28,7 @@ from shards.bundle import open_bundle
 from shards.codec import FieldMeta
 from shards.errors import CorruptShardError
 from shards.integrity import check_block
+from shards.limits import check_manifest_shape, parse_json
 from shards.members import strays
 from shards.progress import Progress
 from shards.remote import RemoteConfig, open_url
@@ -67,9 +68,10 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
                             "then finalize)")
         return rep
     try:
-        m = json.loads(fs.cat_file(man_path) if manifest is None else manifest)
-    except json.JSONDecodeError as e:
-        rep.problems.append(f"{man_path}: not valid JSON ({e}); re-run finalize")
+        m = check_manifest_shape(parse_json(fs.cat_file(man_path) if manifest is None else manifest, man_path),
+                                 man_path)
+    except CorruptShardError as e:
+        rep.problems.append(str(e))
         return rep
     missing = [k for k in REQUIRED_KEYS if k not in m]
     if missing:

@@ -112,6 +112,36 @@ CASES: dict[str, tuple[bool, Callable[[Path, Path], str]]] = {
 }
 
 
+def _edit_manifest(root: Path, edit: Callable[[dict], object]) -> str:
+    m = json.loads((root / "manifest.json").read_text())
+    out = edit(m)
+    (root / "manifest.json").write_text(json.dumps(m if out is None else out))
+    return "manifest.json"
+
+
+def _claim_samples(m: dict, n: int) -> None:
+    m["splits"]["train"]["shards"][0]["samples"] = n
+    m["splits"]["train"]["samples"] += n
+
+
+NUMBER_CASES: dict[str, Callable[[Path], str]] = {
+    """A manifest claiming what its bytes cannot hold, or not shaped like one: refused in one line naming it."""
+    "manifest_is_a_list": lambda r: _edit_manifest(r, lambda m: []),
+    "split_is_a_list": lambda r: _edit_manifest(r, lambda m: m["splits"].update(train=[])),
+    "shard_is_a_number": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"].__setitem__(0, 5)),
+    "bytes_is_a_string": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"][0].update(bytes="9")),
+    "samples_2_35": lambda r: _edit_manifest(r, lambda m: _claim_samples(m, 2**35)),
+    "nested_100k_deep": lambda r: (r / "manifest.json").write_text("[" * 100_000 + "]" * 100_000) and "manifest.json",
+    "truncated": lambda r: (r / "manifest.json").write_text((r / "manifest.json").read_text()[:100]) and "manifest.json",
+}
+
+
+def build_numbers(name: str, good: Path, work: Path) -> Hostile:
+    """A copy of ``good`` at ``work`` whose manifest is the case ``name`` (one of NUMBER_CASES)."""
+    shutil.copytree(good, work)
+    return Hostile(work, True, NUMBER_CASES[name](work))
+
+
 def build(name: str, good: Path, work: Path) -> Hostile:
     """A copy of ``good`` at ``work`` with the defect ``name`` (one of CASES)."""
     listed, edit = CASES[name]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from shards.errors import CorruptShardError
 from shards.reader import open_dataset
 from shards.transfer import pull, push
 from shards.verify import verify_dataset
-from tests.shards.hostile import CASES, SECRET, TOKENIZER, build, good_dataset, leaked
+from tests.shards.hostile import CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset, leaked
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
@@ -192,3 +193,19 @@ def test_a_permission_error_on_a_new_file_is_a_write(tmp_path):
 
     code, msg = classify(PermissionError(13, "Permission denied", str(tmp_path / "new.json")))
     assert code == 2 and msg.startswith(f"permission denied writing {tmp_path}/new.json; choose a writable location")
+
+
+@pytest.mark.parametrize("name", sorted(NUMBER_CASES))
+def test_a_manifest_claiming_the_impossible_is_one_line_never_a_traceback(good, tmp_path, name, capsys):
+    case = build_numbers(name, good, tmp_path / "ds")
+    man = str(case.root / "manifest.json")
+    with pytest.raises(ValueError, match=re.escape(man)):  # CorruptShardError or the schema's own ValueError
+        open_dataset(str(case.root))
+    for cmd in (["inspect", str(case.root)], ["derive", str(case.root), "--out", str(tmp_path / "light")],
+                ["push", str(case.root), str(tmp_path / "bucket")]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and man in err[0], (cmd, err)
+    rep = verify_dataset(str(case.root), progress=False)
+    assert rep.problems and rep.problems[0].startswith(man), rep.problems

@@ -35,6 +35,7 @@ import pyarrow as pa
 from shards.codec import FieldMeta, decode_fields, stored_fields
 from shards.errors import CorruptShardError
 from shards.integrity import ROW_COLUMN, check_row, row_checksum
+from shards.limits import check_arrow_stream
 from shards.schema import SCHEMA_VERSION, field_specs, has_checksums
 
 META_KEY = b"tapdraft"
@@ -135,6 +136,7 @@ def read_batch(data: Any) -> pa.RecordBatch:
     the taps column is one buffer, so the pool has nothing to do in parallel anyway.
     """
     src = pa.py_buffer(data) if not isinstance(data, pa.Buffer) else data
+    check_arrow_stream(src)  # declared buffer sizes bounded before Arrow allocates them (shards.limits)
     try:
         return pa.ipc.open_stream(src, options=_READ_OPTIONS).read_next_batch()
     except StopIteration:
@@ -144,6 +146,8 @@ def read_batch(data: Any) -> pa.RecordBatch:
 def iter_batches(source: Any) -> Iterator[pa.RecordBatch]:
     """All record batches of a whole shard (bytes, buffer or a readable file)."""
     src = pa.py_buffer(source) if isinstance(source, bytes) else source
+    if isinstance(src, pa.Buffer):  # a file is checked batch by batch by its reader (read_batch)
+        check_arrow_stream(src)
     yield from pa.ipc.open_stream(src)
 
 

@@ -163,3 +163,30 @@ def leaked(tree: Path) -> list[str]:
             elif p.is_file() and (SECRET in (data := p.read_bytes()) or (env and env in data)):
                 found.append(str(p))
     return found
+
+
+def inflate_arrow_buffer(root: Path, declared: int) -> str:
+    """The first shard's first zstd-compressed Arrow buffer made to declare ``declared`` uncompressed bytes, with
+    every checksum the dataset records (batch hash, index hash, shard size and sha256) recomputed to match, as a
+    crafter would: only a bound on the declared number can refuse it. Returns the shard's relative name."""
+    import hashlib
+    import struct
+
+    from shards.integrity import digest
+
+    man = json.loads((root / "manifest.json").read_text())
+    sh = man["splits"]["train"]["shards"][0]
+    shard, index = root / sh["name"], root / "index" / (sh["name"].split("/")[-1] + ".json")
+    data = bytearray(shard.read_bytes())
+    doc = json.loads(index.read_text())
+    start, end = doc["batches"][0][:2]
+    at = data.index(b"\x28\xb5\x2f\xfd", start)  # a zstd frame; the 8 bytes before it declare its decompressed size
+    assert at < end
+    data[at - 8:at] = struct.pack("<q", declared)
+    doc["batches"][0][3] = digest(bytes(data[start:end]))
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    index.write_bytes(raw)
+    shard.write_bytes(bytes(data))
+    sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(bytes(data)).hexdigest())
+    (root / "manifest.json").write_text(json.dumps(man))
+    return sh["name"]

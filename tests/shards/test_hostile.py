@@ -22,7 +22,8 @@ from shards.errors import CorruptShardError
 from shards.reader import open_dataset
 from shards.transfer import pull, push
 from shards.verify import verify_dataset
-from tests.shards.hostile import CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset, leaked
+from tests.shards.hostile import (CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset,
+                                  inflate_arrow_buffer, leaked)
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
@@ -209,3 +210,19 @@ def test_a_manifest_claiming_the_impossible_is_one_line_never_a_traceback(good, 
         assert e.value.code == 2 and len(err) == 1 and man in err[0], (cmd, err)
     rep = verify_dataset(str(case.root), progress=False)
     assert rep.problems and rep.problems[0].startswith(man), rep.problems
+
+
+@pytest.mark.parametrize("declared", [2**40, 2**62])
+def test_an_arrow_buffer_claiming_terabytes_is_refused_before_allocation(good, tmp_path, declared, capsys):
+    """Issue 28: a compressed buffer's length prefix (checksums recomputed) made inspect, train and derive die in
+    ArrowMemoryError (or reserve that much); the declared size is now bounded from the message metadata first."""
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    shard = str(root / inflate_arrow_buffer(root, declared))
+    for cmd in (["inspect", str(root), "--sample", "0"], ["derive", str(root), "--out", str(tmp_path / "light")]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and shard in err[0] and "more than the bound" in err[0], err
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(shard) and "more than the bound" in p], rep.problems

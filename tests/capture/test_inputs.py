@@ -213,7 +213,8 @@ def test_outside_paths_are_an_opt_in(tmp_path):
 def test_a_truncated_wav_is_refused_not_shortened(tmp_path, salm):
     path, _ = _hostile_inputs(tmp_path)
     cut = next(i for i in read_inputs(str(path), placeholder=PH) if i.sample_id == "cut")
-    with pytest.raises(ValueError, match=r"cut\.wav holds 0\.\d+s, its header declares \d\.\d+s: the file is truncated"):
+    with pytest.raises(ValueError, match=r"cut\.wav holds 0\.\d+s, its header declares \d\.\d+s: the file is "
+                                         "truncated"):
         SALMTarget(salm).prepare(cut, 0)
     whole = next(read_jsonl(write_manifest(tmp_path / "w.jsonl", [conv_record("w", "whole.wav")]), placeholder=PH))
     assert SALMTarget(salm).prepare(whole, 0).audio_seconds > 0
@@ -242,3 +243,23 @@ def test_a_repeated_id_never_makes_a_dataset_verify_rejects(salm_dir, tone_manif
     assert m["splits"]["train"]["samples"] == 6 and m["run_stats"]["train"]["skipped"] == {"error": 1}
     assert [s["sample_id"] for s in m["skipped"]["train"]] == ["u1"]
     assert verify_dataset(str(tmp_path / "ds"), progress=False).ok
+
+
+def test_capture_confines_audio_unless_allowed(salm_dir, tmp_path):
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+
+    write_wav(tmp_path / "audio" / "a.wav", [1, 2])
+    write_wav(tmp_path / "lists" / "x.wav", [3])
+    man = write_manifest(tmp_path / "lists" / "m.jsonl", [conv_record("a", "../audio/a.wav"),
+                                                          conv_record("b", "x.wav")])
+
+    def run(out, **kw):
+        return capture(CaptureConfig(target=str(salm_dir), out=str(tmp_path / out), data=(("train", str(man)),),
+                                     top_k=4, progress=False, on_error="skip", **kw))
+
+    m = run("confined")
+    assert m["splits"]["train"]["samples"] == 1
+    assert "leaves the manifest's directory" in m["skipped"]["train"][0]["reason"]
+    assert run("allowed", allow_outside_paths=True)["splits"]["train"]["samples"] == 2
+    assert "allow_outside_paths" not in CaptureConfig(target="t", out="o", data=(("train", "m"),)).identity()

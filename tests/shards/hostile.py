@@ -3,6 +3,9 @@
     src = good_dataset(tmp / "good")                 # a finished dataset whose bundle carries a tokenizer file
     case = build("tokenizer_link", src, tmp / "work")  # a copy with one defect; case.root, case.listed
     SECRET                                           # the bytes every outside file holds: none may come back
+    leaked(tree)                                     # what of a copy came from outside a dataset
+    build_numbers("samples_2_35", src, tmp / "w2")   # a manifest claiming the impossible (NUMBER_CASES)
+    inflate_arrow_buffer(root, 2**40)                # an Arrow buffer declaring 1 TiB, every checksum consistent
 
 Each case is one class of the dataset boundary (``shards.members``): a link to a file outside (unlisted, or in
 place of a listed file with the very bytes the bundle records, so that hashes alone pass), a link in place of a
@@ -119,21 +122,26 @@ def _edit_manifest(root: Path, edit: Callable[[dict], object]) -> str:
     return "manifest.json"
 
 
+def _edit_raw(root: Path, edit: Callable[[str], str]) -> str:
+    (root / "manifest.json").write_text(edit((root / "manifest.json").read_text()))
+    return "manifest.json"
+
+
 def _claim_samples(m: dict, n: int) -> None:
     m["splits"]["train"]["shards"][0]["samples"] = n
     m["splits"]["train"]["samples"] += n
 
 
 NUMBER_CASES: dict[str, Callable[[Path], str]] = {
-    """A manifest claiming what its bytes cannot hold, or not shaped like one: refused in one line naming it."""
     "manifest_is_a_list": lambda r: _edit_manifest(r, lambda m: []),
     "split_is_a_list": lambda r: _edit_manifest(r, lambda m: m["splits"].update(train=[])),
     "shard_is_a_number": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"].__setitem__(0, 5)),
     "bytes_is_a_string": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"][0].update(bytes="9")),
     "samples_2_35": lambda r: _edit_manifest(r, lambda m: _claim_samples(m, 2**35)),
-    "nested_100k_deep": lambda r: (r / "manifest.json").write_text("[" * 100_000 + "]" * 100_000) and "manifest.json",
-    "truncated": lambda r: (r / "manifest.json").write_text((r / "manifest.json").read_text()[:100]) and "manifest.json",
+    "nested_100k_deep": lambda r: _edit_raw(r, lambda raw: "[" * 100_000 + "]" * 100_000),
+    "truncated": lambda r: _edit_raw(r, lambda raw: raw[:100]),
 }
+"""A manifest claiming what its bytes cannot hold, or not shaped like one: refused in one line naming it."""
 
 
 def build_numbers(name: str, good: Path, work: Path) -> Hostile:

@@ -198,3 +198,16 @@ def inflate_arrow_buffer(root: Path, declared: int) -> str:
     sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(bytes(data)).hexdigest())
     (root / "manifest.json").write_text(json.dumps(man))
     return sh["name"]
+
+
+def replace_index(root: Path, raw: bytes) -> str:
+    """The first shard's index file replaced by ``raw``, its manifest record (size, hash) made to match."""
+    from shards.integrity import digest
+
+    man = json.loads((root / "manifest.json").read_text())
+    sh = man["splits"]["train"]["shards"][0]
+    rel = "index/" + sh["name"].split("/")[-1] + ".json"
+    (root / rel).write_bytes(raw)
+    sh["index"] = [len(raw), digest(raw)]
+    (root / "manifest.json").write_text(json.dumps(man))
+    return rel

@@ -23,7 +23,7 @@ from shards.reader import open_dataset
 from shards.transfer import pull, push
 from shards.verify import verify_dataset
 from tests.shards.hostile import (CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset,
-                                  inflate_arrow_buffer, leaked)
+                                  inflate_arrow_buffer, leaked, replace_index)
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
@@ -226,3 +226,15 @@ def test_an_arrow_buffer_claiming_terabytes_is_refused_before_allocation(good, t
         assert e.value.code == 2 and len(err) == 1 and shard in err[0] and "more than the bound" in err[0], err
     rep = verify_dataset(str(root), progress=False)
     assert [p for p in rep.problems if p.startswith(shard) and "more than the bound" in p], rep.problems
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"[" * 100_000 + b"]" * 100_000, b'{"version": 1, "batches": 5}'])
+def test_an_index_of_the_wrong_shape_is_corrupt_naming_it(good, tmp_path, raw, capsys):
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    index = str(root / replace_index(root, raw))
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(root), "--sample", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and index in err[0], err
+    assert any(p.startswith(index) for p in verify_dataset(str(root), progress=False).problems)

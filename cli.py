@@ -26,6 +26,9 @@ _RUN = {"debug": False}
 THREADS_HELP = "CPU threads for torch (0: auto = half the CPUs this process may use, at most 8)."
 # options several commands share: one wording each
 INPUTS = "FILE.jsonl, a directory of JSONL shards, an HF dataset dir or hf:NAME[:split]"
+OUTSIDE_HELP = ("Let audio paths in a JSONL leave its directory (../, absolute paths). Off by default, so that a "
+                "shared manifest cannot make this command read other files of this machine; use it for a manifest "
+                "you wrote.")
 TARGET_HELP = ("Target directory: a SALM (salm_config.json), a NeMo SALM checkpoint (config.json + "
                "model.safetensors), a speech LLM as published (Qwen2-Audio, Qwen3-ASR, Voxtral, Granite Speech), "
                "or an HF causal LM.")
@@ -99,6 +102,7 @@ def regenerate(
     on_error: str = typer.Option("fail", "--on-error",
                                  help="fail: stop at the first bad input (resumable) | skip: count bad inputs with "
                                  "their reason."),
+    allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
@@ -116,6 +120,7 @@ def regenerate(
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
         on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
+        allow_outside_paths=allow_outside_paths,
     )
     typer.echo(summary(run_regenerate(cfg)))
 
@@ -140,6 +145,7 @@ def capture(
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad input (resumable) | skip: record it."),
+    allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
     audio_embeds: bool = typer.Option(False, "--audio-embeds", help="Also store input embeddings at audio rows."),
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward batch."),
@@ -205,7 +211,7 @@ def capture(
                           writers=writers),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
-        audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
+        allow_outside_paths=allow_outside_paths, audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,
         responses_from_target=responses_from_target,
         llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),

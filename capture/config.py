@@ -45,7 +45,7 @@ _LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python"
 """What captures recorded before ``--engine`` existed used: the in-process engine."""
 ENGINES = ("transformers", "vllm")
 
-RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python")
+RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python", "allow_outside_paths")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
 handled): they do not change what is written."""
 
@@ -131,6 +131,9 @@ class CaptureConfig:
     """How samples become shard files (format, shard size, compression)."""
     on_error: str = "fail"
     """Bad input: 'fail' stops with sample id, line and reason (dataset stays resumable); 'skip' records it."""
+    allow_outside_paths: bool = False
+    """Let a JSONL's audio paths leave its directory (``..``, absolute paths); off, such a line is a bad input, so a
+    shared manifest cannot make the capture read other files of this machine (capture/inputs.py)."""
     queue_size: int = 8
     """Batches in flight between compute and the background writer (bounds host memory)."""
     progress: bool = True

@@ -8,19 +8,28 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
         {"from": "User", "type": "audio", "value": "audio/utt-001.wav", "offset": 0.0, "duration": 1.5},
         {"from": "Assistant", "type": "text", "value": "you said three one four ."}]}
 
-- ``id`` (or ``sample_id``): the stable sample id. Missing -> ``"<file stem>-<line number>"``, which
-  is stable for an unchanged file.
+- ``id`` (or ``sample_id``): the stable sample id, a non-empty string, unique within the split (a repeat
+  is a bad input naming both lines: a dataset holds each sample once). Missing -> ``"<file stem>-<line
+  number>"``, which is stable for an unchanged file. ``null`` or a number is refused, not stringified
+  (two ``null`` ids would become the same ``"None"``).
 - ``conversations`` (or ``messages``): turns with ``from``/``role`` (User|user|human, Assistant|
   assistant|gpt|model, System|system) and ``value``/``content``. ``type`` is ``text`` (default) or
   ``audio``; an audio turn's ``value`` (or ``audio``/``audio_filepath``) is a wav/flac path, relative
   paths resolve against the manifest's directory; ``offset`` and ``duration`` are seconds.
+- Audio paths stay inside the manifest's directory (``..`` and absolute paths that leave it are bad
+  inputs): a manifest someone shared cannot make a capture read, and store the states of, any file of
+  this machine. ``allow_outside_paths`` (``--allow-outside-paths``) lifts that for a manifest you wrote.
+  Links are the local user's own and are not resolved.
   An audio turn becomes one ``<|audioplaceholder|>`` at its place in the text.
 - Alternatively a text turn may contain placeholders itself and list its audios in ``audio``
   (a path, a dict ``{"path", "offset", "duration"}``, or a list of these), one per placeholder.
 - Consecutive turns of the same role are joined with a space into one chat message.
 - In an HF dataset, an audio turn without a path (and a placeholder in a text turn that lists no
   audio) takes the next audio of the row's audio column, in order; in a JSONL manifest it is an error.
-- ``offset`` must be >= 0 and ``offset + duration`` inside the file: audio is never cut silently.
+- ``offset`` must be >= 0 and ``offset + duration`` inside the file: audio is never cut silently, and
+  a file that decodes shorter than its header declares (a truncated WAV) is a bad input.
+- A line that is not valid UTF-8 is a bad input naming its file and line (skippable), not the end of
+  the file.
 - A conversation needs a user turn and an assistant turn; one without is a bad input.
 
 Audio is decoded with soundfile (wav, flac, ogg...), mixed to mono and resampled to the encoder's
@@ -37,9 +46,11 @@ import hashlib
 import io
 import json
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -97,7 +108,17 @@ class BadInput:
 
 
 # ------------------------------------------------------------------------------------------ parsing
-def _audio_refs(spec: Any, base: Path) -> list[AudioRef]:
+def _inside(path: Path, base: Path, allow_outside: bool) -> Path:
+    """``path`` resolved against ``base``; ValueError when it leaves ``base`` (lexically: links are not resolved)."""
+    full = Path(os.path.normpath(os.path.join(os.path.abspath(base), path)))
+    if not allow_outside and not full.is_relative_to(os.path.abspath(base)):
+        raise ValueError(f"audio path {str(path)!r} leaves the manifest's directory {base}: refused, so that a "
+                         "shared manifest cannot read other files of this machine; move the audio beside the "
+                         "manifest, or pass --allow-outside-paths for a manifest you trust")
+    return full if path.is_absolute() else base / path
+
+
+def _audio_refs(spec: Any, base: Path, allow_outside: bool = False) -> list[AudioRef]:
     if spec is None:
         return []
     items = spec if isinstance(spec, list) else [spec]
@@ -107,24 +128,37 @@ def _audio_refs(spec: Any, base: Path) -> list[AudioRef]:
             it = {"path": it}
         if not isinstance(it, dict) or not isinstance(it.get("path", it.get("audio_filepath")), str):
             raise ValueError(f"audio entry {it!r} must be a path or a dict with 'path'")
-        p = Path(it.get("path", it.get("audio_filepath")))
+        p = _inside(Path(it.get("path", it.get("audio_filepath"))), base, allow_outside)
         dur = it.get("duration")
-        out.append(AudioRef(path=str(p if p.is_absolute() else base / p), offset=float(it.get("offset", 0.0) or 0.0),
+        out.append(AudioRef(path=str(p), offset=float(it.get("offset", 0.0) or 0.0),
                             duration=None if dur is None else float(dur)))
     return out
 
 
+def record_id(rec: Any, default_id: str) -> str:
+    """A record's sample id: its ``id`` (or ``sample_id``), a non-empty string; ``default_id`` when it has none.
+    ValueError for any other value (``null``, a number): stringified, two of them could become one id."""
+    if not isinstance(rec, dict) or ("id" not in rec and "sample_id" not in rec):
+        return default_id
+    sid = rec["id"] if "id" in rec else rec["sample_id"]
+    if not isinstance(sid, str) or not sid:
+        raise ValueError(f"id {json.dumps(sid)} is not a non-empty string; give every line a unique string id "
+                         "(or none: the file's name and line number then serve)")
+    return sid
+
+
 def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
-                 column_audios: list[AudioRef] | None = None) -> tuple[str, list[dict], list[AudioRef]]:
+                 column_audios: list[AudioRef] | None = None,
+                 allow_outside: bool = False) -> tuple[str, list[dict], list[AudioRef]]:
     """One JSON record -> (sample id, messages, audios); ValueError says what is wrong.
 
     ``column_audios`` (an HF dataset row's audio column) fill, in order, the placeholders whose turn
-    names no audio; without it every placeholder needs its own path.
+    names no audio; without it every placeholder needs its own path. ``allow_outside``: audio paths may
+    leave ``base``.
     """
     if not isinstance(rec, dict):
         raise ValueError(f"a manifest line must be a JSON object, got {type(rec).__name__}")
-    sid = rec.get("id", rec.get("sample_id", default_id))
-    sid = str(sid)
+    sid = record_id(rec, default_id)
     turns = rec.get("conversations", rec.get("messages"))
     if not isinstance(turns, list) or not turns:
         raise ValueError("needs a non-empty 'conversations' (or 'messages') list of turns")
@@ -144,14 +178,14 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
                 audios.append(None)
             else:
                 audios += _audio_refs({"path": path, "offset": t.get("offset", 0.0), "duration": t.get("duration")},
-                                      base)
+                                      base, allow_outside)
             text = placeholder
         elif kind == "text":
             text = t.get("value", t.get("content"))
             if not isinstance(text, str):
                 raise ValueError(f"turn {j} ({role}) has no text 'value'/'content'")
             n_ph = text.count(placeholder)
-            refs = _audio_refs(t.get("audio", t.get("audios")), base)
+            refs = _audio_refs(t.get("audio", t.get("audios")), base, allow_outside)
             if refs and len(refs) != n_ph:
                 raise ValueError(
                     f"turn {j} has {n_ph} placeholder(s) {placeholder!r} but lists {len(refs)} audio(s)"
@@ -184,29 +218,59 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
     return sid, messages, [a if a is not None else next(it) for a in audios]
 
 
-def read_jsonl(path: str | Path, *, placeholder: str) -> Iterator[Conversation | BadInput]:
-    """Every line of a JSONL manifest in file order (blank lines are skipped but keep numbering)."""
+def read_jsonl(path: str | Path, *, placeholder: str, allow_outside_paths: bool = False
+               ) -> Iterator[Conversation | BadInput]:
+    """Every line of a JSONL manifest in file order (blank lines are skipped but keep numbering); a line that is not
+    valid UTF-8 or JSON is that line's BadInput. ``allow_outside_paths``: audio may lie outside the file's directory."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"manifest {path} does not exist")
     base = path.parent
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            default_id = f"{path.stem}-{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield BadInput(default_id, str(path), f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                               f"{e.start + 1}); re-encode the file as UTF-8, or skip the line with --on-error skip",
+                               lineno)
+                continue
             if not line.strip():
                 continue
-            default_id = f"{path.stem}-{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 yield BadInput(default_id, str(path), f"malformed JSON: {e.msg} at column {e.colno}", lineno)
                 continue
-            sid = str(rec.get("id", rec.get("sample_id", default_id))) if isinstance(rec, dict) else default_id
             try:
-                sid, messages, audios = parse_record(rec, base=base, placeholder=placeholder, default_id=default_id)
+                sid = record_id(rec, default_id)
+            except ValueError as e:
+                yield BadInput(default_id, str(path), str(e), lineno)
+                continue
+            try:
+                sid, messages, audios = parse_record(rec, base=base, placeholder=placeholder, default_id=default_id,
+                                                     allow_outside=allow_outside_paths)
             except ValueError as e:
                 yield BadInput(sid, str(path), str(e), lineno)
                 continue
             yield Conversation(sid, str(path), messages, audios, lineno, record=rec)
+
+
+def unique_ids(items: Iterable[Conversation | BadInput]) -> Iterator[Conversation | BadInput]:
+    """The items with every repeat of an earlier id turned into a BadInput naming both lines (a split holds each
+    sample once: a repeat would be captured twice, trained on twice, and refused by ``tapdraft verify``)."""
+    first: dict[str, str] = {}
+    for item in items:
+        where = item.source if item.line is None else f"{item.source}:{item.line}"
+        sid = item.sample_id
+        if isinstance(item, Conversation) and sid in first:
+            yield BadInput(sid, item.source, f"id {sid!r} repeats the id of {first[sid]}; ids must be unique within a "
+                           "split: rename or drop one of the two", item.line)
+            continue
+        if isinstance(item, Conversation):
+            first[sid] = where
+        yield item
 
 
 def read_hf_dataset(
@@ -307,19 +371,22 @@ def check_input(spec: str) -> str | None:
     return "empty" if files else None
 
 
-def read_inputs(spec: str, *, placeholder: str, **hf_kwargs: Any) -> Iterator[Conversation | BadInput]:
+def read_inputs(spec: str, *, placeholder: str, allow_outside_paths: bool = False, **hf_kwargs: Any
+                ) -> Iterator[Conversation | BadInput]:
     """``*.jsonl`` -> :func:`read_jsonl`; a directory of ``*.jsonl`` shards -> each in name order;
-    ``hf:NAME_OR_DIR[:split]`` or an HF dataset dir -> :func:`read_hf_dataset`."""
+    ``hf:NAME_OR_DIR[:split]`` or an HF dataset dir -> :func:`read_hf_dataset`. One split's inputs: a repeated id
+    is a BadInput (:func:`unique_ids`)."""
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
-        return read_hf_dataset(name, split=split or "train", placeholder=placeholder, **hf_kwargs)
+        return unique_ids(read_hf_dataset(name, split=split or "train", placeholder=placeholder, **hf_kwargs))
     p = Path(spec)
     if p.is_dir():
         shards = sorted(p.glob("*.jsonl"))
         if shards and not any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            return (c for s in shards for c in read_jsonl(s, placeholder=placeholder))
-        return read_hf_dataset(spec, placeholder=placeholder, **hf_kwargs)
-    return read_jsonl(p, placeholder=placeholder)
+            return unique_ids(c for s in shards
+                              for c in read_jsonl(s, placeholder=placeholder, allow_outside_paths=allow_outside_paths))
+        return unique_ids(read_hf_dataset(spec, placeholder=placeholder, **hf_kwargs))
+    return unique_ids(read_jsonl(p, placeholder=placeholder, allow_outside_paths=allow_outside_paths))
 
 
 def stored_source(source: str, line: int | None) -> str:
@@ -375,6 +442,25 @@ def _span(ref: AudioRef, sr: int, total: int) -> tuple[int, int]:
     return start, min(count, total - start)
 
 
+_DATA_CHUNK = re.compile(r"^data\s*:\s*(\d+)\s*\(should be (\d+)\)", re.M)
+_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # a WAV written while streaming: the size was never filled in
+
+
+def _sample_bytes(subtype: str) -> int:
+    m = re.search(r"(\d+)$", subtype)
+    return max(1, int(m.group(1)) // 8) if m else 2
+
+
+def _check_header(info: str, name: str, sr: int, frame_bytes: int) -> None:
+    """A WAV whose data chunk declares more bytes than the file holds was cut short: libsndfile reads what is there
+    and reports that shorter length as the file's, so the loss shows only in its header report."""
+    m = _DATA_CHUNK.search(info)
+    if m and int(m.group(1)) not in _UNKNOWN_SIZES and int(m.group(2)) < int(m.group(1)):
+        declared, held = int(m.group(1)) / frame_bytes / sr, int(m.group(2)) / frame_bytes / sr
+        raise ValueError(f"audio {name} holds {held:.2f}s, its header declares {declared:.2f}s: the file is "
+                         "truncated; re-copy it")
+
+
 def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarray, float]:
     """Decode, mix to mono, cut [offset, offset + duration), resample -> (float32 waveform, seconds)."""
     import soundfile as sf
@@ -388,11 +474,16 @@ def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarra
         try:
             with sf.SoundFile(src) as f:
                 sr, total = int(f.samplerate), f.frames
+                _check_header(f.extra_info, ref.path or "<bytes>", sr, f.channels * _sample_bytes(f.subtype))
                 start, count = _span(ref, sr, total)
                 f.seek(start)
                 wave = f.read(frames=count, dtype="float32", always_2d=True).mean(axis=1)
         except (sf.LibsndfileError, RuntimeError, TypeError) as e:
             raise ValueError(f"cannot decode audio {ref.path or '<bytes>'}: {e}") from e
+        want = (total - start) if count < 0 else count
+        if wave.shape[0] < want:
+            raise ValueError(f"audio {ref.path or '<bytes>'} decodes to {wave.shape[0] / sr:.2f}s, its header "
+                             f"declares {want / sr:.2f}s from offset {ref.offset}s: the file is truncated; re-copy it")
     if sr < min_sr:
         raise ValueError(
             f"audio {ref.path or '<array>'} is sampled at {sr} Hz; the encoder needs {target_sr} Hz and inputs "

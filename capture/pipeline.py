@@ -44,6 +44,7 @@ from collections import Counter
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -354,11 +355,12 @@ def _raise_if_failed(wt: "_WriterThread") -> None:
         )
 
 
-def rank_items(target: Target, spec: str, rank: int, world_size: int, max_samples: int | None = None
-               ) -> Iterator[tuple[int, Any]]:
+def rank_items(target: Target, spec: str, rank: int, world_size: int, max_samples: int | None = None,
+               allow_outside_paths: bool = False) -> Iterator[tuple[int, Any]]:
     """This rank's (local index, Conversation | BadInput) of one split's first ``max_samples`` inputs."""
     placeholder = target.input_placeholder
-    return rank_slice(numbered(read_inputs(spec, placeholder=placeholder), max_samples), rank, world_size)
+    items = read_inputs(spec, placeholder=placeholder, allow_outside_paths=allow_outside_paths)
+    return rank_slice(numbered(items, max_samples), rank, world_size)
 
 
 def capture_split(
@@ -369,9 +371,9 @@ def capture_split(
     writer = DatasetWriter(cfg.out, cfg.shard, layout, split=split, rank=rank, fingerprint=fingerprint,
                            lineage=lineage)
     stats = Stats()
-    total = sum(1 for _ in rank_items(target, spec, rank, world_size, cfg.max_samples))
-    wins = islice(windows(rank_items(target, spec, rank, world_size, cfg.max_samples), cfg.window),
-                  writer.next_index // cfg.window, None)
+    items = partial(rank_items, target, spec, rank, world_size, cfg.max_samples, cfg.allow_outside_paths)
+    total = sum(1 for _ in items())
+    wins = islice(windows(items(), cfg.window), writer.next_index // cfg.window, None)
     wt = _WriterThread(writer, stats, on_error=cfg.on_error, queue_size=cfg.queue_size,
                        unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
     sample_spec = SampleSpec.of(layout, cfg.row_chunk)
@@ -583,7 +585,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         for split, spec in cfg.data:
             if cfg.replies is not None and not cfg.fused:  # two passes: regenerate the text, capture it as input
                 spec = _regenerate_split(target, cfg, split, spec)
-                cfg_split = dataclasses.replace(cfg, replies=None, max_samples=None)
+                # its own first pass's output: the input's audio paths were checked as that pass read them
+                cfg_split = dataclasses.replace(cfg, replies=None, max_samples=None, allow_outside_paths=True)
             else:
                 cfg_split = cfg
             st = capture_split(target, cfg_split, layout, split, spec, rank=rank, world_size=world,

@@ -16,8 +16,8 @@ disk must not stay full of temp files). Directories cannot be renamed over a non
 directory that already exists is swapped with the new one in one step (Linux ``renameat2`` with
 ``RENAME_EXCHANGE``) and the old content, now under the temp name, is deleted afterwards. Where the
 exchange is unavailable the old directory is first renamed aside to ``<dest>.old``; ``recover_dir``
-(called by every ``staged`` and by readers of a bundle) renames it back if a crash fell between the
-two renames, so no sequence of crashes loses both versions.
+(called by every ``staged``, so by writers only: a reader never writes) renames it back if a crash fell
+between the two renames, so no sequence of crashes loses both versions.
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ recorded). Content is hashed once, when the bundle is written, and bundle.json r
 tensor's sha256; opening a bundle recomputes the fingerprint from those records (canonical JSON, no
 weight read) and checks each file's size; ``load_bundle(verify=True)`` re-hashes every file (``tapdraft
 verify``).
+
+A bundle is bundle.json and the files it lists, nothing else: a reader reads only those (an extra file
+in tokenizer/ is ignored, and reported by ``verify``), ``copy_bundle`` copies only those, and a link
+among them is refused, never followed (``shards.members``). Reading never writes: a ``target.old`` left
+by an interrupted rewrite is recovered by the next writer (``shards.atomic.staged``), not by a reader.
 """
 
 from __future__ import annotations
@@ -28,18 +33,21 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file, save_file
 
-from shards.atomic import recover_dir, staged
+from shards.atomic import OLD_SUFFIX, is_local as _is_local, staged
+from shards.errors import CorruptShardError
 from shards.head import HeadSpec
-from shards.limits import safe_relpath
+from shards.limits import check_size, regular_file, safe_relpath
 from shards.schema import SCHEMA_VERSION, check_schema_version
 from shards.template import template_kwargs as canonical_kwargs
 
@@ -73,6 +81,8 @@ CONFIG_KEYS = (
     "pad_token_id",
 )
 """What a drafter reads of the target. ``logits_scaling``: the teacher divides logits by it (Granite)."""
+MAX_BUNDLE_DOC_BYTES = 64 << 20
+"""bundle.json: config, head, audio, chat template and a few dozen file records (a few KB to ~1 MB)."""
 SERVING_KEYS = ("max_position_embeddings", "rope_parameters", "layer_types")
 """Target facts a draft's serving config repeats (context length, RoPE type and scaling, attention kind per
 layer). Recorded when the target has them, outside the fingerprint: no tensor a drafter trains on depends
@@ -323,8 +333,11 @@ def migrate_bundle_doc(doc: dict[str, Any]) -> dict[str, Any]:
 def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) -> None:
     for name, rec in files.items():
         p = root / safe_relpath(name, f"{root / BUNDLE_FILE}")
-        bad = (not p.is_file() or p.stat().st_size != rec["bytes"]
-               or (rehash and _file_sha(p) != rec["sha256"]))
+        try:
+            size = regular_file(root, name)  # a link is refused, never followed (shards.members)
+        except FileNotFoundError:
+            size = None
+        bad = size != rec["bytes"] or (rehash and _file_sha(p) != rec["sha256"])
         if bad:
             raise ValueError(
                 f"target bundle {root} is corrupted or was edited: {name} does not match what bundle.json "
@@ -332,18 +345,93 @@ def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) 
             )
 
 
+def read_bundle_doc(fs: Any, tdir: str) -> dict[str, Any]:
+    """target/bundle.json as a dict (bounded, a regular file); FileNotFoundError when there is none."""
+    path = f"{str(tdir).rstrip('/')}/{BUNDLE_FILE}"
+    if _is_local(fs):
+        regular_file(fs._strip_protocol(tdir), BUNDLE_FILE)
+    with fs.open(path, "rb") as f:
+        raw = f.read(MAX_BUNDLE_DOC_BYTES + 1)
+    check_size(len(raw), MAX_BUNDLE_DOC_BYTES, path)
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CorruptShardError(f"{path} is not valid JSON ({e}); re-copy the dataset's target/ directory") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("files", {}), dict):
+        raise CorruptShardError(f"{path} is not a bundle document; re-copy the dataset's target/ directory")
+    return doc
+
+
+def bundle_names(doc: dict[str, Any], tokenizer_listing: Iterable[str] = ()) -> list[str]:
+    """Relative to target/: bundle.json and every file it lists (checked to stay inside). A bundle of schema 1.0
+    lists none: its weights, and the names of ``tokenizer_listing`` that the tokenizer allow-list admits."""
+    where = "target/bundle.json"
+    if "head" in doc:
+        return [BUNDLE_FILE] + [safe_relpath(n, where) for n in sorted(doc.get("files", {}))]
+    tok = [n for n in sorted(tokenizer_listing) if any(fnmatch.fnmatchcase(n, p) for p in TOKENIZER_FILES)]
+    return [BUNDLE_FILE, WEIGHTS_FILE] + [f"{TOKENIZER_DIR}/{safe_relpath(n, where)}" for n in tok]
+
+
+def _tokenizer_listing(fs: Any, tdir: str) -> list[str]:
+    tok = f"{str(tdir).rstrip('/')}/{TOKENIZER_DIR}"
+    if _is_local(fs):
+        local = Path(fs._strip_protocol(tok))
+        if not local.is_dir() or local.is_symlink():
+            return []
+        return [e.name for e in os.scandir(local) if e.is_file(follow_symlinks=False)]
+    return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(tok, detail=False)] if fs.exists(tok) else []
+
+
+def bundle_files(fs: Any, tdir: str, doc: dict[str, Any] | None = None) -> list[str]:
+    """The bundle's members at ``tdir``, relative to it (see :func:`bundle_names`)."""
+    doc = read_bundle_doc(fs, tdir) if doc is None else doc
+    return bundle_names(doc, () if "head" in doc else _tokenizer_listing(fs, tdir))
+
+
+def _interrupted(path: str) -> str:
+    """Readers never write: recovering an interrupted directory swap is the next writer's (shards.atomic.staged)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return (f"{path} not found, but {name}{OLD_SUFFIX} is there: a rewrite of the bundle was interrupted; rerun the "
+            f"command that wrote it, or rename {name}{OLD_SUFFIX} to {name} (tapdraft does not write while reading)")
+
+
+def _read_regular(root: Path, rel: str) -> bytes:
+    regular_file(root, rel)
+    return (root / rel).read_bytes()
+
+
+def copy_bundle(fs: fsspec.AbstractFileSystem, path: str, dest: str | os.PathLike) -> None:
+    """Copy the bundle at ``path`` (any filesystem) into the new local directory ``dest``: bundle.json and the files
+    it lists, nothing else; a local link among them is refused, never followed (``shards.members``)."""
+    names = bundle_files(fs, path)
+    local = _is_local(fs)
+    for rel in names:
+        out = Path(dest) / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        src = f"{path.rstrip('/')}/{rel}"
+        if local:
+            regular_file(fs._strip_protocol(path), rel)
+            shutil.copyfile(fs._strip_protocol(src), out, follow_symlinks=False)
+        else:
+            fs.get_file(src, str(out))
+
+
 def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundle:
     """Read a bundle directory without hashing its weights: every file's size is checked and the recorded
     fingerprint is recomputed from bundle.json's fields and recorded hashes (any edit of bundle.json shows);
-    with ``verify`` every file is also re-hashed against what bundle.json records."""
+    with ``verify`` every file is also re-hashed against what bundle.json records. Only listed files are read,
+    each a regular file (CorruptShardError for a link); nothing is written."""
     root = Path(path)
-    recover_dir(root)
     meta_path = root / BUNDLE_FILE
-    if not meta_path.is_file():
+    if not meta_path.exists() and not meta_path.is_symlink():
+        if Path(str(root) + OLD_SUFFIX).is_dir():
+            raise FileNotFoundError(_interrupted(str(root)))
         raise FileNotFoundError(f"{meta_path} not found: {root} is not a tapdraft target bundle")
-    doc = json.loads(meta_path.read_text())
+    doc = read_bundle_doc(LocalFileSystem(), str(root))
     check_schema_version(doc.get("schema_version", "1.0"), str(meta_path))
     legacy = "head" not in doc
+    # only what bundle.json lists; a schema-1.0 bundle lists nothing: its allow-listed regular files
+    members = bundle_names(doc, _tokenizer_listing(LocalFileSystem(), str(root)) if legacy else ())
     doc = migrate_bundle_doc(doc)
     head = HeadSpec.from_dict(doc["head"])
     _check_files(root, doc["files"], rehash=verify)
@@ -355,14 +443,14 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
         if fp != doc["fingerprint"]:
             raise ValueError(f"target bundle {root} is corrupted or was edited: bundle.json's fields hash to "
                              f"{fp[:12]}, it says {doc['fingerprint'][:12]}; re-copy the dataset's target/ directory")
+    regular_file(root, WEIGHTS_FILE)
+    open(root / WEIGHTS_FILE, "rb").close()  # unreadable: PermissionError naming it (safetensors says "No such file")
     weights = load_file(str(root / WEIGHTS_FILE))
     names = ("embed_tokens", "norm_weight", "lm_head") if legacy else stored_names(head)
     missing = [n for n in names if n not in weights]
     if missing:
         raise ValueError(f"{root / WEIGHTS_FILE} lacks tensors {missing}")
-    tok_dir = root / TOKENIZER_DIR
-    tok = ({p.name: p.read_bytes() for p in sorted(tok_dir.iterdir()) if p.is_file()}
-           if tok_dir.is_dir() else {})
+    tok = {n.split("/", 1)[1]: _read_regular(root, n) for n in members if n.startswith(TOKENIZER_DIR + "/")}
     bundle = TargetBundle(
         config=doc["config"],
         audio=doc.get("audio", {}),
@@ -394,17 +482,18 @@ def stored_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     meta = path.rstrip("/") + "/" + BUNDLE_FILE
     if not fs.exists(meta):
         return None
-    with fs.open(meta, "rb") as f:
-        return json.loads(f.read()).get("fingerprint")
+    return read_bundle_doc(fs, path).get("fingerprint")
 
 
 def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = False) -> TargetBundle:
     """``load_bundle`` on any fsspec filesystem: a remote bundle is first copied to a local temp directory
     (kept, because ``TargetBundle.tokenizer_dir`` points into it)."""
     if not fs.exists(path):
+        if fs.exists(path.rstrip("/") + OLD_SUFFIX):
+            raise FileNotFoundError(_interrupted(path))
         raise FileNotFoundError(f"{path} not found: the dataset lacks its target bundle; re-run capture")
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         return load_bundle(path, verify=verify)
     local = tempfile.mkdtemp(prefix="tapdraft-bundle-") + "/target"
-    fs.get(path, local, recursive=True)
+    copy_bundle(fs, path, local)
     return load_bundle(local, verify=verify)

@@ -12,8 +12,9 @@ log-probs are under the full softmax, so the first K of them are exactly a top-K
 re-encoded with the fp8 codec when asked; then written by the ordinary ``DatasetWriter`` and
 ``finalize_dataset``, so ``verify``, ``train`` and the stock libraries treat the result as any
 dataset. The target bundle is copied as it is (same fingerprint: a drafter trained on either runs
-on the same target). A derive killed mid-way resumes from the same command (the writer's index,
-keyed by the source's manifest and these settings), a finished one returns its manifest.
+on the same target): bundle.json and the files it lists, never through a link (``shards.members``).
+A derive killed mid-way resumes from the same command (the writer's index, keyed by the source's
+manifest and these settings), a finished one returns its manifest.
 
 Lineage: the manifest's ``extra.derived_from`` records the source (its directory name, the sha256
 of its manifest, its target fingerprint, schema and code version) and what was dropped (taps,
@@ -26,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import fsspec
 
 from shards import manifest as mf
 from shards.atomic import staged
+from shards.bundle import copy_bundle
 from shards.finalize import finalize_dataset
 from shards.progress import Progress
 from shards.reader import open_dataset
@@ -178,10 +178,8 @@ def _copy_bundle(src_fs: fsspec.AbstractFileSystem, src_root: str, out: Path, fi
         if mf.dataset_fingerprint(str(out)) != fingerprint:
             raise ValueError(f"{out} holds the bundle of another target; derive into a new --out directory")
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        src_fs.get(mf.join(src_root, mf.TARGET_DIR), tmp + "/target", recursive=True)
-        with staged(dest) as t:
-            shutil.copytree(tmp + "/target", t)
+    with staged(dest) as t:  # bundle.json and what it lists: nothing else of the source, no link followed
+        copy_bundle(src_fs, mf.join(src_root, mf.TARGET_DIR), t)
 
 
 def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Exit codes (the README's table repeats them):
     0    success
     1    ``verify`` found problems; or an unexpected internal error (full traceback: a bug to report)
     2    a user's mistake or an environment problem the user fixes: bad input or option, missing or
-         foreign files, a full disk or a read-only output (the message names the file and what to do)
+         foreign files, a full disk, a read-only output or an unreadable input (the message names the file,
+         whether it was being read or written, and what to do)
     130  interrupted (Ctrl-C / SIGTERM) after saving what could be saved (the message says what)
 
 User errors raised as plain ``ValueError`` / ``FileNotFoundError`` (the house convention for a bad
@@ -19,6 +20,7 @@ setting or a missing file) map to exit 2 as well; :func:`classify` is the one ma
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import threading
 from typing import Any
@@ -120,14 +122,26 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     if isinstance(exc, TapdraftError):
         return exc.exit_code, _one_line(str(exc))
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        where = f" writing {exc.filename}" if exc.filename else ""
         what = _DISK_ERRNOS[exc.errno]
+        if exc.errno in (errno.EACCES, errno.EPERM) and _unreadable(exc.filename):
+            return EXIT_USER, (f"{what} reading {exc.filename}; ask its owner for read access, or copy it where you "
+                               "can read it")
+        where = f" writing {exc.filename}" if exc.filename else ""
         todo = ("free space (or raise the quota) and rerun the same command: finished work is kept and resumed"
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location, or fix its permissions")
         return EXIT_USER, f"{what}{where}; {todo}"
     if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
         return EXIT_USER, _one_line(str(exc))
     return None
+
+
+def _unreadable(filename: Any) -> bool:
+    """Whether a permission error was about reading: the file is there and this process may not read it (a file
+    that is absent, or readable, was being created or written)."""
+    try:
+        return bool(filename) and os.path.exists(filename) and not os.access(filename, os.R_OK)
+    except (TypeError, ValueError, OSError):
+        return False
 
 
 def _one_line(msg: str) -> str:

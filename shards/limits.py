@@ -14,12 +14,19 @@ anything of that size is allocated:
                         1.3-3x (taps) and up to a few hundred x (masks of long samples, under 64 MiB)
 
 A claim past a bound is a ``CorruptShardError`` naming the file, not an allocation that ends in an
-OOM kill.
+OOM kill; so is a shard claiming more samples than it has bytes, and a document of the wrong shape
+(``check_manifest_shape``: a fixed walk of the parts readers use, never a TypeError or a recursion).
+And every file read from a local dataset is a regular file reached through real directories
+(``regular_file``): a link is refused, never followed (``shards.members`` says which files those are).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import stat
+from pathlib import Path
 from typing import Any
 
 import zstandard
@@ -80,3 +87,91 @@ def decompress_bounded(blob: bytes, where: str) -> bytes:
     if len(out) > limit:
         raise CorruptShardError(f"{where} decompresses to {len(out)} bytes, more than the bound {limit}")
     return out
+
+
+def refused_link(path: str, what: str) -> CorruptShardError:
+    """The one refusal of a link or special file inside a dataset (``what``: :func:`file_kind`)."""
+    return CorruptShardError(f"{path} is {what}: a dataset holds regular files only and tapdraft never follows a "
+                             "link out of one (it could lead to any file of this machine); replace it with the "
+                             "file itself (cp -L) if you trust its source, or re-copy the dataset")
+
+
+def file_kind(mode: int) -> str:
+    """What an ``lstat`` mode is, in words (for a path that should have been a regular file)."""
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file (a FIFO, socket or device)"
+
+
+def regular_file(root: str | os.PathLike, rel: str) -> int:
+    """The size of ``root/rel``, a regular file reached through real directories (no part of ``rel`` a link);
+    FileNotFoundError when absent, CorruptShardError for a link or a special file. ``root`` itself is the
+    user's own path and may be a link."""
+    path = Path(root)
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        st = os.lstat(path)
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode) or (last and not stat.S_ISREG(st.st_mode)) \
+                or (not last and not stat.S_ISDIR(st.st_mode)):
+            raise refused_link(str(path), file_kind(st.st_mode))
+    return st.st_size
+
+
+def parse_json(raw: bytes | str, where: str) -> Any:
+    """JSON that a dataset carries (manifest, index), parsed into a CorruptShardError naming ``where`` for invalid
+    JSON or UTF-8, and for nesting deep enough to exhaust the parser (``[[[[...``: RecursionError otherwise)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptShardError(f"{where} is not valid JSON ({e}); it may be truncated: re-copy the dataset (or re-run "
+                                "finalize)") from e
+    except RecursionError:
+        raise CorruptShardError(f"{where} nests deeper than any tapdraft document: refusing it (damaged or crafted); "
+                                "re-copy the dataset") from None
+
+
+_NUMBER = (int, float)
+_SHARD_SHAPE = {"name": str, "bytes": int, "samples": int, "sha256": str, "tokens": int, "supervised_tokens": int,
+                "audio_seconds": _NUMBER, "index": list, "inline_index": dict}
+_SPLIT_SHAPE = {"samples": int, "tokens": int, "supervised_tokens": int, "audio_seconds": _NUMBER, "bytes": int,
+                "shards": list}
+_MANIFEST_SHAPE = {"schema_version": str, "format": str, "complete": bool, "fingerprint": str, "layout": dict,
+                   "field_meta": dict, "splits": dict, "skipped": dict, "extra": (dict, type(None)),
+                   "integrity": dict, "shard_config": dict}
+
+
+def _kind_name(t: Any) -> str:
+    names = [x.__name__ for x in (t if isinstance(t, tuple) else (t,))]
+    return {"dict": "an object", "list": "a list", "str": "a string", "int": "an integer", "bool": "true or false",
+            "float": "a number", "NoneType": "null"}.get(names[0], names[0]) if len(names) == 1 else " or ".join(names)
+
+
+def _fields(doc: Any, shape: dict[str, Any], where: str, what: str) -> None:
+    if not isinstance(doc, dict):
+        raise CorruptShardError(f"{where}: {what} is {type(doc).__name__}, not an object: not a tapdraft manifest "
+                                "(damaged or crafted); re-copy the dataset (or re-run finalize)")
+    for key, t in shape.items():
+        v = doc.get(key)
+        if key in doc and (not isinstance(v, t) or (t is int and isinstance(v, bool))):
+            raise CorruptShardError(f"{where}: {what}.{key} is {json.dumps(v)[:40]}, not {_kind_name(t)}: not a "
+                                    "tapdraft manifest (damaged or crafted); re-copy the dataset (or re-run finalize)")
+
+
+def check_manifest_shape(doc: Any, where: str) -> dict[str, Any]:
+    """``doc`` when every part a reader walks has its declared type (the document, each split, each shard entry;
+    keys may be absent, which the checks after this one name); otherwise CorruptShardError naming ``where`` and the
+    part. A fixed walk three levels deep, so a crafted document cannot make it recurse or raise a TypeError."""
+    _fields(doc, _MANIFEST_SHAPE, where, "the document")
+    for split, d in (doc.get("splits") or {}).items():
+        _fields(d, _SPLIT_SHAPE, where, f"split {split}")
+        for i, sh in enumerate(d.get("shards") or []):
+            _fields(sh, _SHARD_SHAPE, where, f"split {split} shard {i}")
+    for split, skipped in (doc.get("skipped") or {}).items():
+        if not isinstance(skipped, list) or not all(isinstance(s, dict) for s in skipped):
+            raise CorruptShardError(f"{where}: skipped.{split} is not a list of objects: not a tapdraft manifest; "
+                                    "re-copy the dataset (or re-run finalize)")
+    return doc

@@ -20,7 +20,6 @@ size, sha256, counts and ``index`` [bytes, xxh3] of its index file, nothing per 
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -31,7 +30,8 @@ import fsspec
 from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
 from shards.formats import FORMATS, get_format
 from shards.integrity import NO_INTEGRITY
-from shards.limits import MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_size, safe_relpath
+from shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
+                           safe_relpath)
 from shards.schema import check_schema_version
 from shards.taps import TAP_NUMBERING
 from shards.shard_index import INDEX_DIR, migrate_inline_index
@@ -92,33 +92,6 @@ def shard_names(doc: dict[str, Any]) -> list[str]:
     return [sh["name"] for d in doc["splits"].values() for sh in d["shards"]]
 
 
-_WORK_SUFFIXES = (".tmp", ".old", ".finalizing", ".part")
-
-
-def dataset_files(files: dict[str, int], doc: dict[str, Any], where: str) -> dict[str, int]:
-    """The files that make up the finished dataset ``doc`` among ``files`` (relative path -> size, all files
-    under its root), without manifest.json, which a copy writes last: everything except the capture's
-    working state (``_parts/``, locks and other hidden names, temp names) and, under ``data/``, files that
-    are neither a listed shard nor beside one (same name up to the first dot: a shard's own index file).
-    FileNotFoundError when a listed shard is missing."""
-    listed = set(shard_names(doc))
-    stems = {n.split("/")[-1].split(".", 1)[0] for n in listed}
-    out = {}
-    for rel, size in files.items():
-        parts = rel.split("/")
-        if rel == MANIFEST or parts[0] == PARTS_DIR or any(p.startswith(".") for p in parts) \
-                or rel.endswith(_WORK_SUFFIXES):
-            continue
-        if parts[0] == DATA_DIR and rel not in listed and parts[-1].split(".", 1)[0] not in stems:
-            continue
-        out[rel] = size
-    missing = sorted(listed - set(out))
-    if missing:
-        raise FileNotFoundError(f"{join(where, missing[0])} is listed in the manifest but missing "
-                                f"({len(missing)} shard(s) missing); re-copy the dataset or re-capture it")
-    return out
-
-
 def join(root: str, rel: str) -> str:
     return root.rstrip("/") + "/" + rel
 
@@ -143,7 +116,8 @@ def code_version() -> str:
 
 
 def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
-    """Refuse incomplete manifests and unknown schema majors; return the manifest."""
+    """Refuse manifests of the wrong shape, incomplete ones and unknown schema majors; return the manifest."""
+    check_manifest_shape(doc, where)
     if doc.get("complete") is not True:
         raise ValueError(
             f"{where} says complete: false: the capture that writes it has not finished. "
@@ -168,7 +142,7 @@ def check_shard_entries(doc: dict[str, Any], where: str) -> None:
             at = f"{where}: split {split} shard {i}"
             safe_relpath(sh.get("name"), at, DATA_DIR)
             check_size(sh.get("bytes"), MAX_SHARD_BYTES, f"{at} ({sh['name']})")
-            check_size(sh.get("samples"), MAX_SHARD_BYTES, f"{at} ({sh['name']})", "samples")
+            check_size(sh.get("samples"), max(sh["bytes"], 1), f"{at} ({sh['name']}, {sh['bytes']} bytes)", "samples")
 
 
 RESPONSES_KEY = "responses_from_target"
@@ -225,19 +199,17 @@ def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
     with fs.open(path, "rb") as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
     check_size(len(raw), MAX_MANIFEST_BYTES, path)
-    try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it may be truncated: re-run finalize") from e
-    return check_manifest(doc, path)
+    return check_manifest(parse_json(raw, path), path)
 
 
 def complete_manifest(url: str) -> dict[str, Any] | None:
     """The manifest of the finished dataset at ``url``; None while none is there or it says complete: false."""
     fs, root = fsspec.core.url_to_fs(str(url))
     path = join(root, MANIFEST)
-    if not fs.exists(path) or fs.size(path) > MAX_MANIFEST_BYTES or json.loads(fs.cat_file(path)).get("complete") \
-            is not True:
+    if not fs.exists(path) or fs.size(path) > MAX_MANIFEST_BYTES:
+        return None
+    doc = parse_json(fs.cat_file(path), path)
+    if not isinstance(doc, dict) or doc.get("complete") is not True:
         return None
     return read_manifest(fs, root)
 

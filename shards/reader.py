@@ -45,6 +45,7 @@ from shards.errors import CorruptShardError, SampleIndexError
 from shards.formats import get_format
 from shards.formats.base import ShardReader
 from shards.integrity import check_block
+from shards.members import refuse_links
 from shards.remote import RemoteConfig, is_local, open_url
 from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
 from shards.schema import Layout
@@ -79,6 +80,7 @@ class Dataset:
             warnings.warn(f"{self.url} was written before checksums (schema {self.manifest['schema_version']}): its "
                           "shards' sizes and target fingerprints are checked, their bytes are not; run "
                           "`tapdraft verify` once (sha256 of every shard) after copying it", stacklevel=3)
+        refuse_links(self.fs, self.root, self.manifest)  # a link inside a dataset is refused, never followed
         self.check_shards()
 
     def check_shards(self) -> None:

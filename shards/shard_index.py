@@ -42,7 +42,7 @@ import fsspec
 from shards.atomic import write_bytes_atomic
 from shards.errors import CorruptShardError
 from shards.integrity import check_block, digest
-from shards.limits import MAX_INDEX_BYTES, check_size
+from shards.limits import MAX_INDEX_BYTES, check_size, parse_json
 
 INDEX_DIR = "index"
 INDEX_VERSION = 1
@@ -157,10 +157,9 @@ def load_index(fs: fsspec.AbstractFileSystem, root: str, shard: dict[str, Any], 
         raise CorruptShardError(f"{path} has {len(data) if len(data) <= n else 'more than ' + str(n)} bytes, the "
                                 f"manifest says {n}: re-copy it")
     check_block(data, rec[1], path)
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptShardError(f"{path} is not valid JSON ({e})") from e
+    doc = parse_json(data, path)  # bad JSON or nesting that exhausts the parser: corrupt, never a traceback
+    if not isinstance(doc, dict):
+        raise CorruptShardError(f"{path} is a JSON {type(doc).__name__}, not an index object: re-copy it")
     if doc.get("version") != INDEX_VERSION:
         raise CorruptShardError(f"{path} has index version {doc.get('version')!r}, this tapdraft reads "
                                 f"{INDEX_VERSION}: use a matching release")

@@ -3,10 +3,11 @@
     push("ds/", "s3://bucket/ds")     # upload what is missing or different, verify it, then manifest.json
     pull("s3://bucket/ds", "ds/")     # download what is missing, resume partial files, verify, then manifest
 
-A dataset is the files ``shards.manifest.dataset_files`` names (every file under the root except the
-capture's working state) plus manifest.json, the commit point: a reader refuses a directory without
-it, so a copy interrupted at any instant is never mistaken for a dataset, and rerunning the command
-finishes it. Both are idempotent (a finished copy is "up to date" after one listing) and refuse a
+A dataset is its members (``shards.members``: the card, the shards and index files the manifest lists,
+bundle.json and the files it lists; never the capture's working state, a stray file, or anything through
+a link, which push refuses before sending a byte) plus manifest.json, the commit point: a reader refuses
+a directory without it, so a copy interrupted at any instant is never mistaken for a dataset, and
+rerunning the command finishes it. Both are idempotent (a finished copy is "up to date" after one listing) and refuse a
 destination that holds another dataset or foreign files.
 
 Verified: on S3 every object is uploaded by this module, whole (one PUT) below ``PART_BYTES`` and as
@@ -26,7 +27,6 @@ shard before finalize renamed it) is copied on the server instead of sent again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +37,11 @@ import fsspec
 
 from shards import manifest as mf
 from shards.errors import CorruptShardError
+from shards.limits import parse_json, regular_file
+from shards.members import dataset_members
 from shards.progress import Progress
 from shards.remote import RemoteConfig, is_local, retry
+from shards.shard_index import INDEX_DIR
 
 PART_BYTES = 64 << 20
 """Multipart part size (S3 allows 5 MiB..5 GiB and 10,000 parts: objects up to 625 GiB at this size)."""
@@ -80,9 +83,14 @@ def _open(url: str, config: RemoteConfig) -> tuple[Any, str, Callable[..., Any]]
     return fs, root, lambda fn, what: retry(fn, config, what)
 
 
-def _read_manifest_bytes(path: str) -> tuple[bytes, dict[str, Any]]:
-    raw = Path(path).read_bytes()
-    return raw, mf.check_manifest(json.loads(raw), path)
+def _read_manifest_bytes(root: Path) -> tuple[bytes, dict[str, Any]]:
+    path = root / mf.MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {root} is not a finished tapdraft dataset (finish or resume its "
+                                "capture first)")
+    regular_file(root, mf.MANIFEST)
+    raw = path.read_bytes()
+    return raw, mf.check_manifest(parse_json(raw, str(path)), str(path))
 
 
 # ---- push ---------------------------------------------------------------------------------------
@@ -92,16 +100,16 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
     """Upload the finished local dataset ``src`` to ``url``; returns counts."""
     config = config or RemoteConfig()
     src_root = Path(src)
-    raw, doc = _read_manifest_bytes(str(src_root / mf.MANIFEST))
-    local = {str(p.relative_to(src_root)): p.stat().st_size for p in src_root.rglob("*") if p.is_file()}
-    files = mf.dataset_files(local, doc, str(src_root))
+    raw, doc = _read_manifest_bytes(src_root)
+    files = dataset_members(fsspec.filesystem("file"), str(src_root), doc)  # links refused before anything is sent
     fs, root, R = _open(url, config)
     remote = _listing(fs, root)
     man_url = mf.join(root, mf.MANIFEST)
     if mf.MANIFEST in remote:
         there = R(fs.cat_file, "read")(man_url)
         if there != raw:
-            theirs = json.loads(there).get("fingerprint", "?")
+            doc_there = parse_json(there, man_url)
+            theirs = doc_there.get("fingerprint", "?") if isinstance(doc_there, dict) else "?"
             raise ValueError(f"{url} already holds another dataset (fingerprint {str(theirs)[:12]}, a different "
                              "manifest); push to a new URL, or delete that one first")
     elif remote and not ({r.split("/")[0] for r in remote} & {mf.DATA_DIR, mf.TARGET_DIR, mf.CARD}):
@@ -132,8 +140,8 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
             bar.advance(size)
             _check_uploaded(fs, R, rpath, size, accept)
         for rel in sorted(set(remote) - set(files) - {mf.MANIFEST}):
-            if rel.split("/")[0] == mf.DATA_DIR:
-                R(fs.rm_file, "delete")(mf.join(root, rel))  # a leftover of an interrupted push or capture
+            if rel.split("/")[0] in (mf.DATA_DIR, INDEX_DIR, mf.TARGET_DIR):  # a leftover of an interrupted push or
+                R(fs.rm_file, "delete")(mf.join(root, rel))                   # capture, or what an older push sent
         if mf.MANIFEST not in remote:
             R(fs.pipe_file, "write")(man_url, raw)  # last: the commit point
             _check_uploaded(fs, R, man_url, len(raw), {hashlib.md5(raw).hexdigest()})
@@ -156,6 +164,8 @@ def _upload(fs: Any, R: Callable[..., Any], lpath: str, rpath: str, size: int, p
             advance: Callable[[int], None]) -> int:
     """Upload one file; returns the bytes sent (less than ``size`` when a multipart upload resumed)."""
     if len(parts) == 1 or not hasattr(fs, "call_s3"):
+        if is_local(fs):  # a local destination (a mounted share): its folders are made as an object store's are
+            fs.makedirs(fs._parent(rpath), exist_ok=True)
         R(fs.put_file, "upload")(lpath, rpath)
         advance(size)
         return size
@@ -211,9 +221,9 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
     except FileNotFoundError:
         raise FileNotFoundError(f"{man_url} not found: {url} is not a finished tapdraft dataset (a push writes "
                                 "manifest.json last; let it finish, or rerun it)") from None
-    doc = mf.check_manifest(json.loads(raw), man_url)
+    doc = mf.check_manifest(parse_json(raw, man_url), man_url)
     remote = _listing(fs, root)
-    files = mf.dataset_files({rel: int(i.get("size", 0)) for rel, i in remote.items()}, doc, url)
+    files = dataset_members(fs, root, doc, sizes={rel: int(i.get("size", 0)) for rel, i in remote.items()})
     out = Path(dest)
     if (out / mf.MANIFEST).is_file():
         if (out / mf.MANIFEST).read_bytes() != raw:

@@ -6,14 +6,15 @@ ranges inside the shard), readable to the end, schema metadata (version, fingerp
 counts and record-batch byte ranges, every block and row checksum
 (shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
 the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
-input listed twice or shards merged twice); split totals; no empty split; stray files under data/
-and index/ (leftover temp files). ``ok`` only when all hold.
+input listed twice or shards merged twice); split totals; no empty split; every file of the dataset a
+member (``shards.members``: listed by the manifest or the bundle, or a fixed name) and a regular file:
+a stray (a leftover temp file, a foreign file) or a link anywhere in it is a problem. ``ok`` only when
+all hold.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 
 import fsspec
@@ -22,11 +23,13 @@ import pyarrow as pa
 from shards import manifest as mf
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
+from shards.errors import CorruptShardError
 from shards.formats import get_format
+from shards.limits import check_manifest_shape, parse_json
+from shards.members import strays
 from shards.progress import Progress
 from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
-from shards.shard_index import INDEX_DIR, index_name
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
                  "top_k", "dtypes", "codec", "capture_config", "code_version")
@@ -60,9 +63,10 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
                             "then finalize)")
         return rep
     try:
-        m = json.loads(fs.cat_file(man_path) if manifest is None else manifest)
-    except json.JSONDecodeError as e:
-        rep.problems.append(f"{man_path}: not valid JSON ({e}); re-run finalize")
+        m = check_manifest_shape(parse_json(fs.cat_file(man_path) if manifest is None else manifest, man_path),
+                                 man_path)
+    except CorruptShardError as e:
+        rep.problems.append(str(e))
         return rep
     missing = [k for k in REQUIRED_KEYS if k not in m]
     if missing:
@@ -97,14 +101,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     _check_bundle(fs, root, fp, rep)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
-    listed = {sh["name"] for _, sh in shards} | {index_name(sh["name"]) for _, sh in shards}
-    for folder in (mf.DATA_DIR, INDEX_DIR):
-        if fs.exists(mf.join(root, folder)):
-            for p in fs.ls(mf.join(root, folder), detail=False):
-                name = f"{folder}/{p.rstrip('/').split('/')[-1]}"
-                if name not in listed:
-                    rep.problems.append(f"{mf.join(root, name)}: not listed in the manifest (a leftover temp file or "
-                                        "a foreign file); delete it or re-run finalize")
+    rep.problems += strays(fs, root, m)
     total = sum(int(sh.get("bytes", 0)) for _, sh in shards)
     seen: dict[str, dict[str, str]] = {s: {} for s in m["splits"]}  # split -> sample id -> first shard holding it
     with Progress(f"verify {url}", total, enabled=progress, transient=True, fmt_count=mf.fmt_bytes) as bar:

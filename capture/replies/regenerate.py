@@ -96,6 +96,8 @@ class RegenerateConfig:
     on_error: str = "fail"
     """Bad input: 'fail' stops with one line (the run stays resumable); 'skip' counts it with its reason. Capture
     has the same default: a bad input stops a command unless ``--on-error skip`` is given."""
+    allow_outside_paths: bool = False
+    """Let a JSONL's audio paths leave its directory (as capture's ``allow_outside_paths``; not in the resume key)."""
     progress: bool = True
     """Show a progress bar with replies/s and tokens/s."""
 
@@ -144,9 +146,13 @@ def _keyed(items: Iterator[tuple[int, Any]], last_only: bool) -> Iterator[tuple[
         yield gi, item, prefix_key(item, last_only)
 
 
+def _inputs(cfg: RegenerateConfig, placeholder: str) -> Iterator[Any]:
+    return read_inputs(cfg.data, placeholder=placeholder, allow_outside_paths=cfg.allow_outside_paths)
+
+
 def _rank_items(cfg: RegenerateConfig, placeholder: str, rank: int, world: int) -> Iterator[tuple[int, tuple]]:
     """(local index, (global index, item, key)) of this rank's slice."""
-    items = numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples)
+    items = numbered(_inputs(cfg, placeholder), cfg.max_samples)
     keyed = _keyed(items, cfg.replies.last_turn_only)
     return rank_slice(((gi, (gi, item, key)) for gi, item, key in keyed), rank, world)
 
@@ -254,7 +260,7 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     """Every rank's parts -> the output in input order (shards, then the sidecar last); removes the parts."""
     parts = _done_keys(work)
     records, counts, drops, seen = [], Counter(), [], set()
-    for gi, item, key in _keyed(numbered(read_inputs(cfg.data, placeholder=placeholder), cfg.max_samples),
+    for gi, item, key in _keyed(numbered(_inputs(cfg, placeholder), cfg.max_samples),
                                 cfg.replies.last_turn_only):
         if key in seen:
             counts["duplicate"] += 1

@@ -41,6 +41,7 @@ import pyarrow as pa
 
 from shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
 from shards.errors import CorruptShardError
+from shards.formats.arrow_ipc import check_arrow_stream
 from shards.formats.base import Format, ShardReader, ShardWriter
 from shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
 from shards.schema import check_schema_version, has_checksums
@@ -126,6 +127,7 @@ def read_batch(data: Any) -> pa.RecordBatch:
     the taps column is one buffer, so the pool has nothing to do in parallel anyway.
     """
     src = pa.py_buffer(data) if not isinstance(data, pa.Buffer) else data
+    check_arrow_stream(src)  # declared buffer sizes bounded before Arrow allocates them (shards.formats.arrow_ipc)
     try:
         return pa.ipc.open_stream(src, options=_READ_OPTIONS).read_next_batch()
     except StopIteration:
@@ -135,6 +137,8 @@ def read_batch(data: Any) -> pa.RecordBatch:
 def iter_batches(source: Any) -> Iterator[pa.RecordBatch]:
     """All record batches of a whole shard (bytes, buffer or a readable file)."""
     src = pa.py_buffer(source) if isinstance(source, bytes) else source
+    if isinstance(src, pa.Buffer):  # a file is checked batch by batch by its reader (read_batch)
+        check_arrow_stream(src)
     yield from pa.ipc.open_stream(src)
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
 import soundfile as sf
 
-from capture.inputs import BadInput, Conversation, read_hf_dataset, read_jsonl, resample
+from capture.inputs import BadInput, Conversation, read_hf_dataset, read_inputs, read_jsonl, resample
 from capture.targets.salm.target import SALMTarget
 from tests.capture.util import conv_record, write_manifest, write_wav
 
@@ -157,3 +160,106 @@ def test_hf_dataset_conversations_take_the_audio_column(tmp_path):
     m = write_manifest(tmp_path / "m.jsonl", [{"id": "j", "conversations": turns}])
     (bad,) = list(read_jsonl(m, placeholder=PH))
     assert isinstance(bad, BadInput) and "without a path" in bad.reason
+
+
+# ------------------------------------------------------------------- hostile inputs: each ends in one line or a skip
+def _hostile_inputs(root):
+    """A manifest whose lines cover every class of bad input a shared JSONL can hold, beside good ones:
+    id -> the reason its line must give (None: a good line)."""
+    write_wav(root / "a.wav", [1, 2])
+    write_wav(root.parent / "outside.wav", [3])
+    whole = write_wav(root / "whole.wav", [1, 2, 3, 4, 5])
+    data = whole.read_bytes()
+    (root / "cut.wav").write_bytes(data[: len(data) // 3])  # a copy cut short: its header still says the whole
+    lines = [
+        (conv_record("ok", "a.wav"), None),
+        (conv_record("ok", "a.wav"), r"id 'ok' repeats the id of .*m\.jsonl:1; ids must be unique"),
+        ({**conv_record("x", "a.wav"), "id": None}, "id null is not a non-empty string"),
+        ({**conv_record("x", "a.wav"), "id": 7}, "id 7 is not a non-empty string"),
+        (b'{"id": "latin1", "conversations": "caf\xe9"}', r"not valid UTF-8 \(byte 0xe9 at column 39\)"),
+        (conv_record("up", "../outside.wav"), "leaves the manifest's directory"),
+        (conv_record("abs", str(root.parent / "outside.wav")), "leaves the manifest's directory"),
+        (conv_record("inside", str(root / "a.wav")), None),  # absolute, but inside: allowed
+        (conv_record("m-11", "a.wav"), None),  # an explicit id that line 11's default id repeats
+        (conv_record("cut", "cut.wav"), None),  # parses; decoding it says so (test below)
+        ({k: v for k, v in conv_record("", "a.wav").items() if k != "id"}, r"id 'm-11' repeats the id of .*m\.jsonl:9"),
+    ]
+    raw = b"".join((rec if isinstance(rec, bytes) else json.dumps(rec).encode()) + b"\n" for rec, _ in lines)
+    (root / "m.jsonl").write_bytes(raw)
+    return root / "m.jsonl", lines
+
+
+def test_hostile_lines_are_bad_inputs_with_file_line_and_reason(tmp_path):
+    path, lines = _hostile_inputs(tmp_path)
+    items = list(read_inputs(str(path), placeholder=PH))
+    assert len(items) == len(lines)
+    for lineno, (item, (_, reason)) in enumerate(zip(items, lines), start=1):
+        assert item.line == lineno
+        if reason is None:
+            assert isinstance(item, Conversation), item
+        else:
+            assert isinstance(item, BadInput) and re.search(reason, item.reason), (lineno, item)
+            assert f"{path}:{lineno}" in str(item.error())
+
+
+def test_outside_paths_are_an_opt_in(tmp_path):
+    path, _ = _hostile_inputs(tmp_path)
+    items = {i.line: i for i in read_inputs(str(path), placeholder=PH, allow_outside_paths=True)}
+    for line in (6, 7):
+        assert isinstance(items[line], Conversation)
+        assert os.path.normpath(items[line].audios[0].path) == str(tmp_path.parent / "outside.wav")
+
+
+def test_a_truncated_wav_is_refused_not_shortened(tmp_path, salm):
+    path, _ = _hostile_inputs(tmp_path)
+    cut = next(i for i in read_inputs(str(path), placeholder=PH) if i.sample_id == "cut")
+    with pytest.raises(ValueError, match=r"cut\.wav holds 0\.\d+s, its header declares \d\.\d+s: the file is "
+                                         "truncated"):
+        SALMTarget(salm).prepare(cut, 0)
+    whole = next(read_jsonl(write_manifest(tmp_path / "w.jsonl", [conv_record("w", "whole.wav")]), placeholder=PH))
+    assert SALMTarget(salm).prepare(whole, 0).audio_seconds > 0
+
+
+def test_a_repeated_id_never_makes_a_dataset_verify_rejects(salm_dir, tone_manifest, tmp_path, capsys):
+    """Issue 28: the same id on two lines was captured twice (exit 0, skipped 0) into a dataset its own verify
+    rejected. Now: one line naming both lines and exit 2, or under --on-error skip a counted skip."""
+    from cli import main
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+    from shards.verify import verify_dataset
+    from shards.writer import ShardConfig
+
+    lines = tone_manifest.read_text().splitlines()
+    tone_manifest.write_text("\n".join(lines[:4] + [lines[1]] + lines[4:6]) + "\n")  # line 5 repeats line 2
+    args = ["capture", "--target", str(salm_dir), "--data", str(tone_manifest), "--top-k", "4", "--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--out", str(tmp_path / "failed")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert re.search(r"bad input 'u1' \(.*train\.jsonl, line 5\): id 'u1' repeats the id of .*train\.jsonl:2", err[0])
+    m = capture(CaptureConfig(target=str(salm_dir), out=str(tmp_path / "ds"), data=(("train", str(tone_manifest)),),
+                              top_k=4, window=4, batch_tokens=120, progress=False, on_error="skip",
+                              shard=ShardConfig(shard_bytes=6000)))
+    assert m["splits"]["train"]["samples"] == 6 and m["run_stats"]["train"]["skipped"] == {"error": 1}
+    assert [s["sample_id"] for s in m["skipped"]["train"]] == ["u1"]
+    assert verify_dataset(str(tmp_path / "ds"), progress=False).ok
+
+
+def test_capture_confines_audio_unless_allowed(salm_dir, tmp_path):
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+
+    write_wav(tmp_path / "audio" / "a.wav", [1, 2])
+    write_wav(tmp_path / "lists" / "x.wav", [3])
+    man = write_manifest(tmp_path / "lists" / "m.jsonl", [conv_record("a", "../audio/a.wav"),
+                                                          conv_record("b", "x.wav")])
+
+    def run(out, **kw):
+        return capture(CaptureConfig(target=str(salm_dir), out=str(tmp_path / out), data=(("train", str(man)),),
+                                     top_k=4, progress=False, on_error="skip", **kw))
+
+    m = run("confined")
+    assert m["splits"]["train"]["samples"] == 1
+    assert "leaves the manifest's directory" in m["skipped"]["train"][0]["reason"]
+    assert run("allowed", allow_outside_paths=True)["splits"]["train"]["samples"] == 2
+    assert "allow_outside_paths" not in CaptureConfig(target="t", out="o", data=(("train", "m"),)).identity()

@@ -56,8 +56,9 @@ def random_sample(layout: Layout, T: int, seed: int, *, sample_id: str | None = 
     return s
 
 
-def tiny_bundle(out_dir: str, layout: Layout, vocab: int = 64, seed: int = 0) -> str:
-    """Write a random target bundle with ``layout``'s width; returns its fingerprint."""
+def tiny_bundle(out_dir: str, layout: Layout, vocab: int = 64, seed: int = 0, tokenizer_dir: str | None = None) -> str:
+    """Write a random target bundle with ``layout``'s width (and the allow-listed files of ``tokenizer_dir``);
+    returns its fingerprint."""
     g = torch.Generator().manual_seed(seed)
     H = layout.hidden_size
     config = {
@@ -71,11 +72,11 @@ def tiny_bundle(out_dir: str, layout: Layout, vocab: int = 64, seed: int = 0) ->
     return write_bundle(out_dir, config=config, audio=audio, chat_template="{{ messages }}",
                         embed_tokens=torch.randn(vocab, H, generator=g).to(torch.bfloat16),
                         norm_weight=torch.ones(H, dtype=torch.bfloat16),
-                        lm_head=torch.randn(vocab, H, generator=g).to(torch.bfloat16), tokenizer_dir=None)
+                        lm_head=torch.randn(vocab, H, generator=g).to(torch.bfloat16), tokenizer_dir=tokenizer_dir)
 
 
 def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int], *, split: str = "train",
-                  ranks: int = 1, seed: int = 0) -> dict[str, Any]:
+                  ranks: int = 1, seed: int = 0, tokenizer_dir: str | None = None) -> dict[str, Any]:
     """A finished dataset of random samples (lengths round-robin over ranks); returns the manifest."""
     from shards.finalize import finalize_dataset
     from shards.writer import DatasetWriter
@@ -86,7 +87,7 @@ def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int],
 
     fs, root = fsspec.core.url_to_fs(str(out_dir))
     with tempfile.TemporaryDirectory() as tmp:  # write_bundle writes locally; upload for other filesystems
-        fp = tiny_bundle(tmp + "/target", layout)
+        fp = tiny_bundle(tmp + "/target", layout, tokenizer_dir=tokenizer_dir)
         fs.put(tmp + "/target", root.rstrip("/") + "/target", recursive=True)
     for r in range(ranks):
         w = DatasetWriter(out_dir, config, layout, split=split, rank=r, lineage=f"synthetic seed {seed}")

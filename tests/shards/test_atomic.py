@@ -75,7 +75,7 @@ def test_directory_replace_survives_a_crash_at_every_step(tmp_path, monkeypatch,
                 crashed = True
         if exchange:  # the swap is one step: no recovery needed at any instant
             assert _dir_state(dest) in ("old", "new"), (n, steps)
-        atomic.recover_dir(dest)  # what the next writer or reader does first
+        atomic.recover_dir(dest)  # what the next writer does first (a reader never writes)
         state = _dir_state(dest)
         assert state in ("old", "new"), (n, steps)
         seen.add(state)

@@ -287,3 +287,33 @@ def test_stock_datasets_library_reads_the_pushed_shards(s3, small, tmp_path):
     ours = open_dataset(small)
     assert len(hf) == ours.num_samples("train")
     assert torch.equal(decode_row(hf[3], meta)["taps"], ours.sample("train", 3)["taps"])
+
+
+def test_a_pushed_dataset_carries_nothing_from_outside_it(s3, tmp_path, monkeypatch):
+    """Issue 28: an unlisted link to /proc/self/environ under target/tokenizer/ sent the pushing process's own
+    AWS_SECRET_ACCESS_KEY to the bucket. Only members go now; a link among them stops the push before any PUT."""
+    from tests.shards.hostile import CASES, SECRET, build, good_dataset
+
+    marker = "hostile-fixture-secret-in-the-environment"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", marker)  # what /proc/self/environ now holds (the store's own
+    cfg = remote(s3, tmp_path)                           # credentials are passed in storage_options)
+    good = good_dataset(tmp_path / "good")
+    fs = s3fs_of(s3)
+    for name in ("environ_link", "tokenizer_link", "root_link", "listed_tokenizer_link", "shard_link"):
+        case = build(name, good, tmp_path / name)
+        url = s3.url(f"hostile-{name.replace('_', '-')}")
+        if CASES[name][0]:
+            with pytest.raises(CorruptShardError, match="symlink"):
+                push(str(case.root), url, config=cfg, progress=False)
+            fs.invalidate_cache()
+            assert not fs.exists(url), f"{name}: a refused push sent something"
+            continue
+        push(str(case.root), url, config=cfg, progress=False)
+        fs.invalidate_cache()
+        objects = {p: fs.cat(p) for p in fs.find(url)}
+        assert not [p for p, data in objects.items() if marker.encode() in data or SECRET in data], name
+        names = sorted(p.split(f"hostile-{name.replace('_', '-')}/", 1)[1] for p in objects)
+        assert "target/tokenizer/vocab.json" not in names and "credentials.json" not in names, names
+        pulled = tmp_path / f"pulled-{name}"
+        pull(url, str(pulled), config=cfg, progress=False)
+        assert open_dataset(str(pulled)).bundle().tokenizer_files.keys() == {"tokenizer.json"}

@@ -1,0 +1,240 @@
+"""The dataset boundary (shards.members) against every hostile case (tests/shards/hostile.py): verify reports the
+case, readers refuse a link they would open and ignore the rest, and derive, push and pull copy nothing from
+outside the dataset (the S3 run of push is in test_s3.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app, main
+from shards.derive import DeriveConfig, derive_dataset
+from shards.errors import CorruptShardError
+from shards.reader import open_dataset
+from shards.transfer import pull, push
+from shards.verify import verify_dataset
+from tests.shards.hostile import (CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset,
+                                  inflate_arrow_buffer, leaked, replace_index)
+
+ROOT = Path(__file__).resolve().parents[2]
+LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
+UNLISTED = sorted(n for n, (listed, _) in CASES.items() if not listed)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return good_dataset(tmp_path_factory.mktemp("good") / "ds")
+
+
+def test_the_good_dataset_is_a_member_only_dataset(good, tmp_path):
+    assert verify_dataset(str(good), progress=False).ok
+    assert open_dataset(str(good)).bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    push(str(good), str(tmp_path / "pushed"), progress=False)
+    assert leaked(tmp_path / "pushed") == [] and verify_dataset(str(tmp_path / "pushed"), progress=False).ok
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verify_names_every_case_and_exits_1(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    rep = verify_dataset(str(case.root), progress=False)
+    assert any(p.startswith(str(case.root / case.culprit)) for p in rep.problems), rep.problems
+    r = CliRunner().invoke(app, ["verify", str(case.root)])
+    assert r.exit_code in (1, 2) and str(case.root / case.culprit) in r.output, r.output
+
+
+@pytest.mark.parametrize("name", LISTED)
+def test_readers_refuse_a_link_they_would_open(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    with pytest.raises((CorruptShardError, ValueError), match=r"symlink|not a regular file"):
+        ds = open_dataset(str(case.root))
+        ds.bundle()
+        list(ds.stream("train", seed=0, shuffle=False))
+
+
+@pytest.mark.parametrize("name", UNLISTED)
+def test_readers_ignore_what_is_not_listed(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    ds = open_dataset(str(case.root))
+    assert ds.bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    assert len(list(ds.stream("train", seed=0, shuffle=False))) == 4
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_derive_copies_nothing_from_outside(good, tmp_path, name):
+    case = build(name, good, tmp_path / "ds")
+    out = tmp_path / "light"
+    try:
+        derive_dataset(DeriveConfig(src=str(case.root), out=str(out), top_k=2, progress=False))
+    except (CorruptShardError, ValueError) as e:
+        assert case.listed and ("symlink" in str(e) or "not a regular file" in str(e)), e
+    else:
+        assert not case.listed
+        assert verify_dataset(str(out), progress=False).ok
+    assert leaked(out) == [] if out.exists() else True
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_push_sends_nothing_from_outside(good, tmp_path, name, capsys):
+    case = build(name, good, tmp_path / "ds")
+    dest = tmp_path / "bucket"
+    if case.listed:  # refused before a byte is sent, in one line naming the link, exit 2
+        with pytest.raises(SystemExit) as e:
+            main(["push", str(case.root), str(dest)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and str(case.root / case.culprit) in err[0], err
+        assert not dest.exists() or not any(dest.rglob("*")), "a refused push must send nothing"
+    else:
+        push(str(case.root), str(dest), progress=False)
+        assert verify_dataset(str(dest), progress=False).ok
+        assert leaked(dest) == []
+
+
+def test_pull_fetches_only_the_members(good, tmp_path):
+    """A store holding more than the dataset (what an older push sent, or anyone wrote there) is pulled without it."""
+    store = tmp_path / "store"
+    shutil.copytree(good, store)
+    (store / "target" / "tokenizer" / "vocab.json").write_bytes(SECRET)
+    (store / "credentials.json").write_bytes(SECRET)
+    st = pull(str(store), str(tmp_path / "copy"), progress=False)
+    assert st["files"] == len(json.loads((good / "manifest.json").read_text())["splits"]["train"]["shards"]) * 2 + 4
+    assert leaked(tmp_path / "copy") == [] and verify_dataset(str(tmp_path / "copy"), progress=False).ok
+
+
+def test_push_removes_what_an_older_push_sent_beside_the_dataset(good, tmp_path):
+    dest = tmp_path / "bucket"
+    push(str(good), str(dest), progress=False)
+    (dest / "manifest.json").unlink()  # as an interrupted push left it, with a leak from an older tapdraft
+    (dest / "target" / "tokenizer" / "vocab.json").write_bytes(SECRET)
+    push(str(good), str(dest), progress=False)
+    assert leaked(dest) == [] and verify_dataset(str(dest), progress=False).ok
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.is_dir() or p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_readers_never_write_into_a_dataset(good, tmp_path):
+    """A stray target.old (an interrupted bundle rewrite elsewhere) is left to writers: reading, verifying, deriving
+    from and pushing the dataset change nothing in it, so a read-only mount reads the same."""
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    shutil.copytree(root / "target", root / "target.old")
+    before = _tree(root)
+    ds = open_dataset(str(root))
+    assert ds.bundle().tokenizer_files == {"tokenizer.json": TOKENIZER}
+    assert len(list(ds.stream("train", seed=0, shuffle=False))) == 4
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if "target.old" in p] and not [p for p in rep.problems if "target.old" not in p]
+    derive_dataset(DeriveConfig(src=str(root), out=str(tmp_path / "light"), progress=False))
+    push(str(root), str(tmp_path / "bucket"), progress=False)
+    assert _tree(root) == before
+
+
+def test_a_bundle_whose_rewrite_was_interrupted_is_named_not_repaired(good, tmp_path):
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    (root / "target").rename(root / "target.old")
+    before = _tree(root)
+    with pytest.raises(FileNotFoundError, match=r"target\.old is there: a rewrite of the bundle was interrupted"):
+        open_dataset(str(root)).bundle()
+    assert _tree(root) == before
+
+
+def _as_reader(cmd: list[str]) -> list[str]:
+    """``cmd`` run by a user who may read the dataset but write nothing of it (root drops to nobody)."""
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no unprivileged user to read as")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+
+
+@pytest.fixture()
+def shared(good):
+    """A copy of the good dataset in a directory everyone may read and its owner alone may write."""
+    d = Path(tempfile.mkdtemp(prefix="tapdraft-shared-"))
+    os.chmod(d, 0o755)
+    shutil.copytree(good, d / "ds")
+    for p in [d / "ds", *(d / "ds").rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    yield d / "ds"
+    shutil.rmtree(d)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": tempfile.gettempdir()}
+    return subprocess.run(_as_reader([sys.executable, "-m", "cli", *args]), capture_output=True, text=True,
+                          env=env, cwd=tempfile.gettempdir(), timeout=300)
+
+
+def test_a_read_only_dataset_reads_and_an_unreadable_file_is_named_as_read(shared):
+    shutil.copytree(shared / "target", shared / "target.old")  # readers would once have deleted it
+    os.chmod(shared / "target.old", 0o755)
+    r = _cli("inspect", str(shared), "--sample", "1")
+    assert r.returncode == 0, r.stderr
+    os.chmod(shared / "target" / "weights.safetensors", 0o000 if os.geteuid() != 0 else 0o600)
+    r = _cli("inspect", str(shared))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert err[0] == (f"error: permission denied reading {shared}/target/weights.safetensors; ask its owner for read "
+                      "access, or copy it where you can read it")
+
+
+def test_a_permission_error_on_a_new_file_is_a_write(tmp_path):
+    from shards.errors import classify
+
+    code, msg = classify(PermissionError(13, "Permission denied", str(tmp_path / "new.json")))
+    assert code == 2 and msg.startswith(f"permission denied writing {tmp_path}/new.json; choose a writable location")
+
+
+@pytest.mark.parametrize("name", sorted(NUMBER_CASES))
+def test_a_manifest_claiming_the_impossible_is_one_line_never_a_traceback(good, tmp_path, name, capsys):
+    case = build_numbers(name, good, tmp_path / "ds")
+    man = str(case.root / "manifest.json")
+    with pytest.raises(ValueError, match=re.escape(man)):  # CorruptShardError or the schema's own ValueError
+        open_dataset(str(case.root))
+    for cmd in (["inspect", str(case.root)], ["derive", str(case.root), "--out", str(tmp_path / "light")],
+                ["push", str(case.root), str(tmp_path / "bucket")]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and man in err[0], (cmd, err)
+    rep = verify_dataset(str(case.root), progress=False)
+    assert rep.problems and rep.problems[0].startswith(man), rep.problems
+
+
+@pytest.mark.parametrize("declared", [2**40, 2**62])
+def test_an_arrow_buffer_claiming_terabytes_is_refused_before_allocation(good, tmp_path, declared, capsys):
+    """Issue 28: a compressed buffer's length prefix (checksums recomputed) made inspect, train and derive die in
+    ArrowMemoryError (or reserve that much); the declared size is now bounded from the message metadata first."""
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    shard = str(root / inflate_arrow_buffer(root, declared))
+    for cmd in (["inspect", str(root), "--sample", "0"], ["derive", str(root), "--out", str(tmp_path / "light")]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and shard in err[0] and "more than the bound" in err[0], err
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(shard) and "more than the bound" in p], rep.problems
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"[" * 100_000 + b"]" * 100_000, b'{"version": 1, "batches": 5}'])
+def test_an_index_of_the_wrong_shape_is_corrupt_naming_it(good, tmp_path, raw, capsys):
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    index = str(root / replace_index(root, raw))
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(root), "--sample", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and index in err[0], err
+    assert any(p.startswith(index) for p in verify_dataset(str(root), progress=False).problems)

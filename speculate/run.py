@@ -147,7 +147,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     report = decoder.report()
     report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
     if cfg.json_path is not None:
-        write_json_atomic(fsspec.filesystem("file"), str(Path(cfg.json_path).absolute()), report, indent=1)
+        write_json_atomic(fsspec.filesystem("file"), str(Path(cfg.json_path).absolute()), report, indent=None)
     return report
 
 
@@ -394,4 +394,6 @@ def format_result(r: dict[str, Any]) -> str:
                      f"dataset sample holds ({past['tokens']} tokens in all): the replay cannot cover those rounds "
                      "and the drafter never trained there; lower --max-new-tokens to the captured length, or "
                      "regenerate and capture with a larger --max-new-tokens")
+    if r["config"].get("json_path"):
+        lines.append(f"report, round by round: {r['config']['json_path']}")
     return "\n".join(lines)

@@ -374,7 +374,8 @@ def eval_(
                                      "clears it (default: the expected speedup at a few costs)."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
-    """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot."""
+    """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot, and
+    whether tau clears the engine's round cost (--round-cost)."""
     from shards.template import parse_template_kwargs, read_template_file
     from train.evaluate import evaluate, format_result
 
@@ -411,7 +412,8 @@ def speculate(
                                    "cost when the greedy check does not run (it times all of its own)."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
-    """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate."""
+    """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate, and
+    the break-even tau at the round cost measured here."""
     from shards.template import parse_template_kwargs
     from speculate.run import SpeculateConfig, format_result, run_speculate
 

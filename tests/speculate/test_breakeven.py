@@ -56,5 +56,5 @@ def test_speculate_prints_the_measured_break_even_or_why_there_is_none():
             "round_seconds": 0.0041, "plain_step_seconds": 0.002, "round_cost": 2.05}
     line = cost_line({"cost": cost, "breakeven": breakeven(1.2, 2.05, "measured")})
     assert line.startswith("break-even tau 2.05 at round cost 2.05 (measured: tapdraft's in-process decoding")
-    assert "median round 4.10 ms over 2.00 ms a plain step" in line and "falls short by 41%" in line
+    assert "a round 4.10 ms over 2.00 ms a plain step" in line and "falls short by 41%" in line
     assert cost_line({"cost": {**cost, "round_cost": None}, "breakeven": None}).startswith("break-even: not measured")

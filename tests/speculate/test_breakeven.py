@@ -58,3 +58,10 @@ def test_speculate_prints_the_measured_break_even_or_why_there_is_none():
     assert line.startswith("break-even tau 2.05 at round cost 2.05 (measured: tapdraft's in-process decoding")
     assert "a round 4.10 ms over 2.00 ms a plain step" in line and "falls short by 41%" in line
     assert cost_line({"cost": {**cost, "round_cost": None}, "breakeven": None}).startswith("break-even: not measured")
+
+
+def test_eval_refuses_a_round_cost_that_is_not_positive_before_loading_anything(tmp_path):
+    from train.evaluate import evaluate
+
+    with pytest.raises(ValueError, match="--round-cost is a round's time over a plain decode step's"):
+        evaluate(tmp_path / "no-run", str(tmp_path / "no-data"), round_cost=0.0)

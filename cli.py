@@ -375,9 +375,13 @@ def eval_(
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value the "
                                              "drafter will be served with (repeatable); a dataset captured with "
                                              "other kwargs is refused."),
+    round_cost: float = typer.Option(None, "--round-cost", help="The serving engine's cost of a round (draft + "
+                                     "verify) over a plain decode step, e.g. measured on vLLM: eval says whether tau "
+                                     "clears it (default: the expected speedup at a few costs)."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
-    """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot."""
+    """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot, and
+    whether tau clears the engine's round cost (--round-cost)."""
     from shards.template import parse_template_kwargs, read_template_file
     from train.evaluate import evaluate, format_result
 
@@ -385,7 +389,8 @@ def eval_(
     template = None if chat_template is None else read_template_file(chat_template)
     kwargs = parse_template_kwargs(template_kwarg) if template_kwarg else None
     typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples,
-                                      template=template, template_kwargs=kwargs, temperature=temperature)))
+                                      template=template, template_kwargs=kwargs, temperature=temperature,
+                                      round_cost=round_cost)))
 
 
 @app.command()
@@ -407,9 +412,14 @@ def speculate(
                                       "(must be the one the dataset was captured with)."),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help="Chat-template variable key=value "
                                              "(repeatable; must equal the capture's)."),
+    json_path: str = typer.Option(None, "--json", help="Also write the report, round by round per conversation, "
+                                  "as JSON here (schema: docs/speedup.md)."),
+    cost_steps: int = typer.Option(8, "--cost-steps", help="Plain decode steps timed per conversation for the round "
+                                   "cost when the greedy check does not run (it times all of its own)."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
-    """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate."""
+    """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate, and
+    the break-even tau at the round cost measured here."""
     from shards.template import parse_template_kwargs
     from speculate.run import SpeculateConfig, format_result, run_speculate
 
@@ -417,7 +427,8 @@ def speculate(
     cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
                           llm_config=llm_config, chat_template=chat_template,
-                          template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()))
+                          template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
+                          cost_steps=cost_steps, json_path=json_path)
     typer.echo(format_result(run_speculate(cfg)))
 
 

@@ -15,12 +15,18 @@ One round, with P tokens verified so far and x the last emitted token (not yet s
     then    keep the cache and taps of positions P..P+a, drop the rest
 
 Greedy output is identical to the target's own greedy decoding (tested), whatever the drafter.
+
+Each round is timed from the proposal to the emitted tokens (``round_seconds``; the token ids read back to the
+host end every round, so an accelerator's queue is drained), and :func:`target_greedy` can time its plain
+decode steps: their ratio is the round cost that decides whether the drafter pays off (``speculate.run``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import time
 
 import torch
 from torch import nn
@@ -110,6 +116,10 @@ class DecodeResult:
     this (vLLM's ``per_step_accepted`` and ``num_accepted_tokens``), where ``accepted`` counts what was emitted."""
     proposed: int = 0
     """Drafts proposed per round (block size - 1)."""
+    drafted: list[int] = field(default_factory=list)
+    """Drafts proposed in each round."""
+    round_seconds: list[float] = field(default_factory=list)
+    """Wall time of each round: drafting, the verifying forward, acceptance and the cache crop."""
 
     @property
     def target_forwards(self) -> int:
@@ -160,6 +170,7 @@ def speculative_generate(
     x = pick(session.prefill(inputs_embeds_TH))
     out.tokens.append(x)
     while len(out.tokens) < max_new_tokens and x != eos_token_id:
+        t0 = time.perf_counter()
         P = session.length
         seq = torch.tensor(ids + out.tokens, dtype=torch.long)
         assert seq.shape[0] == P + 1, (seq.shape, P)
@@ -194,6 +205,8 @@ def speculative_generate(
         out.accepted.append(min(a, n))  # drafts accepted past eos are never emitted: not counted
         out.agreed.append(a)
         out.cut.append(cut)
+        out.drafted.append(K)
+        out.round_seconds.append(time.perf_counter() - t0)
         x = out.tokens[-1]
     return out
 
@@ -217,10 +230,15 @@ def acceptance_by_position(results: list[DecodeResult], K: int) -> list[float]:
 
 
 def target_greedy(lm: nn.Module, inputs_embeds_TH: torch.Tensor, *, max_new_tokens: int,
-                  eos_token_id: int | None, head: LiveHead | None = None) -> list[int]:
-    """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
+                  eos_token_id: int | None, head: LiveHead | None = None,
+                  step_seconds: list[float] | None = None) -> list[int]:
+    """Plain greedy decoding with the target alone (the reference speculative decoding must equal); the wall time
+    of each decode step after the prefill is appended to ``step_seconds`` when given."""
     session = TargetSession(lm, [], head=head)
     tokens = [int(session.prefill(inputs_embeds_TH).argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        t0 = time.perf_counter()
         tokens.append(int(session.extend(torch.tensor([tokens[-1]]))[-1].argmax()))
+        if step_seconds is not None:
+            step_seconds.append(time.perf_counter() - t0)
     return tokens

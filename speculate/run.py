@@ -20,6 +20,21 @@ replay (``tau_replayed``) walks the same rounds on the dataset and matches live 
 replies are the target's own (demo, 120 replies: live 2.827, replay 2.827, uniform anchors 4.366).
 The report leads with live vs replayed and says whether they agree (:data:`AGREE_REL`).
 
+Whether the drafter pays off: a round (draft + verify) costs R plain decode steps and emits tau tokens, so the
+expected speedup is tau / R and break-even lies at tau = R. ``speculate`` measures R on its own engine (tapdraft's
+in-process transformers decoding, batch 1, NOT vLLM's): the mean round against the mean plain decode step of
+the same target on the same prompts (every step of the greedy check, else ``cost_steps`` plain steps per
+conversation), and reports ``cost`` and ``breakeven``.
+
+``--json PATH`` writes the report below (``format`` :data:`REPORT_FORMAT`, ``version`` :data:`REPORT_VERSION`),
+the dict :func:`run_speculate` returns; docs/speedup.md documents every field. Per conversation (in
+``conversations``): ``sample_id``, ``tokens`` (the emitted ids), ``rounds`` and, one entry per round, ``drafted``,
+``accepted`` (drafts emitted), ``agreed`` (drafts the verifier accepted before a cut at eos or the token limit, as
+vLLM counts), ``emitted`` (accepted + the target's token, except in a cut round), ``cut`` and ``round_seconds``;
+``totals`` sums them (a conversation's first token comes from the prefill, outside any round:
+totals.emitted = tokens - samples), and ``tau`` = totals.emitted / totals.rounds. Unreached ``alpha`` entries
+are null.
+
 The live target must be the one the dataset was captured from, tokenizing with the same chat
 template and kwargs: the target is loaded with the template settings given (its own template, or
 ``chat_template``; ``template_kwargs``), which are compared with the dataset's first (one line naming
@@ -33,8 +48,10 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
+import fsspec
 import torch
 
 from capture.inputs import BadInput, read_inputs
@@ -42,11 +59,12 @@ from capture.provenance import target_fingerprint
 from capture.stages import resolve_device
 from capture.targets.base import Target
 from capture.targets.load import load_target
+from shards.atomic import write_json_atomic
 from shards.progress import Progress
 from shards.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
                               target_greedy)
-from train.acceptance import UNREACHED, alpha_text
+from train.acceptance import UNREACHED, alpha_text, breakeven, breakeven_text
 from train.evaluate import acceptance_of
 from train.run import Trained, load_trained
 
@@ -81,11 +99,18 @@ class SpeculateConfig:
     """Jinja file replacing the target's chat template (as served); None: the target's own."""
     template_kwargs: tuple[tuple[str, Any], ...] = ()
     """Chat-template kwargs as served (e.g. enable_thinking=False), as (key, value) pairs or a dict."""
+    cost_steps: int = 8
+    """Plain decode steps timed per conversation for the round cost when the greedy check (which times all of
+    its steps) does not run; 0 measures nothing."""
+    json_path: str | None = None
+    """Where the report goes as JSON (written atomically); None: nowhere."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
         if self.max_samples < 1 or self.max_new_tokens < 1:
             raise ValueError("max_samples and max_new_tokens must be >= 1")
+        if self.cost_steps < 0:
+            raise ValueError(f"cost_steps must be >= 0, got {self.cost_steps}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -120,7 +145,10 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
     report = decoder.report()
-    return {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
+    report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
+    if cfg.json_path is not None:
+        write_json_atomic(fsspec.filesystem("file"), str(Path(cfg.json_path).absolute()), report, indent=None)
+    return report
 
 
 def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
@@ -164,6 +192,7 @@ class _Decoder:
         self.sample_ids: list[str] = []
         self.K = self.n = self.matches = self.tokens = 0
         self.spec_s = self.plain_s = 0.0
+        self.plain_steps: list[float] = []
 
     @property
     def greedy_check(self) -> bool:
@@ -204,32 +233,69 @@ class _Decoder:
         if self.greedy_check:
             t0 = time.perf_counter()
             ref = target_greedy(target.lm, emb, max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos,
-                                head=self.head)
+                                head=self.head, step_seconds=self.plain_steps)
             self.plain_s += time.perf_counter() - t0
             self.matches += ref == out.tokens
+        elif cfg.cost_steps:
+            target_greedy(target.lm, emb, max_new_tokens=min(cfg.cost_steps + 1, cfg.max_new_tokens),
+                          eos_token_id=self.eos, head=self.head, step_seconds=self.plain_steps)
         self.n += 1
 
     def report(self) -> dict[str, Any]:
         rounds = sum(r.target_forwards for r in self.results)
         emitted = sum(sum(r.emitted) for r in self.results)
+        tau = emitted / rounds if rounds else float("nan")
+        cost = self.cost()
         result: dict[str, Any] = {
-            "config": asdict(self.cfg),
+            "format": REPORT_FORMAT,
+            "version": REPORT_VERSION,
+            "config": {**asdict(self.cfg), "template_kwargs": dict(self.cfg.template_kwargs)},
             "samples": self.n,
             "tokens": self.tokens,
             "rounds": rounds,
             "drafts_per_round": self.K,
-            "tau": emitted / rounds if rounds else float("nan"),
-            "alpha": acceptance_by_position(self.results, self.K),
+            "tau": tau,
+            "alpha": [None if a != a else a for a in acceptance_by_position(self.results, self.K)],
             "seconds_speculative": round(self.spec_s, 3),
-            # per conversation, what an engine's per-request counters hold: emitted tokens and, per verification
-            # round, the drafts accepted before the cut at eos / the token limit (vLLM counts those)
-            "conversations": [{"sample_id": i, "tokens": r.tokens, "agreed": r.agreed}
-                              for i, r in zip(self.sample_ids, self.results)],
+            "totals": {"rounds": rounds, "drafted": sum(sum(r.drafted) for r in self.results),
+                       "accepted": sum(sum(r.accepted) for r in self.results),
+                       "agreed": sum(sum(r.agreed) for r in self.results), "emitted": emitted, "tokens": self.tokens},
+            "cost": cost,
+            "breakeven": (breakeven(tau, cost["round_cost"], "measured")
+                          if cost["round_cost"] is not None and rounds else None),
+            # per conversation, what an engine's per-request counters hold, round by round
+            "conversations": [conversation(i, r) for i, r in zip(self.sample_ids, self.results)],
         }
         if self.greedy_check:
             result["matches_greedy"] = f"{self.matches}/{self.n}"
             result["seconds_target_alone"] = round(self.plain_s, 3)
         return result
+
+    def cost(self) -> dict[str, Any]:
+        """The measured cost of a round relative to a plain decode step: mean over mean, so tau / R is the decode
+        phase's speedup over the timed steps (on the demo, 3 repeats on shared cores, the ratio of medians moved
+        from 1.49 to 2.22 where the means held 2.03-2.17); the medians beside. ``round_cost`` None when either was not
+        timed."""
+        rounds, plain = [t for r in self.results for t in r.round_seconds], self.plain_steps
+        r_s = sum(rounds) / len(rounds) if rounds else None
+        p_s = sum(plain) / len(plain) if plain else None
+        return {"engine": f"tapdraft's in-process decoding (transformers, batch 1) on {self.cfg.device}, not vLLM",
+                "round_seconds": r_s, "plain_step_seconds": p_s, "rounds_timed": len(rounds),
+                "plain_steps_timed": len(plain), "round_seconds_median": median(rounds) if rounds else None,
+                "plain_step_seconds_median": median(plain) if plain else None,
+                "round_cost": r_s / p_s if r_s is not None and p_s else None}
+
+
+REPORT_FORMAT = "tapdraft-speculate-report"
+REPORT_VERSION = 1
+"""The version of :func:`run_speculate`'s report (``--json``); a change to a field's meaning raises it."""
+
+
+def conversation(sample_id: str, r: DecodeResult) -> dict[str, Any]:
+    """One conversation of the report: its emitted ids and its rounds, one entry per round in each list."""
+    return {"sample_id": sample_id, "tokens": r.tokens, "rounds": r.target_forwards, "drafted": r.drafted,
+            "accepted": r.accepted, "agreed": r.agreed, "emitted": r.emitted, "cut": r.cut,
+            "round_seconds": [round(t, 6) for t in r.round_seconds]}
 
 
 def dataset_samples(loaded: Trained, sample_ids: list[str]) -> list[dict[str, Any]]:
@@ -295,6 +361,17 @@ def agreement(r: dict[str, Any]) -> str | None:
     return f"DIFFER by {100 * gap:.1f}% (> {100 * AGREE_REL:g}%): {why}"
 
 
+def cost_line(r: dict[str, Any]) -> str:
+    """The break-even line: measured on this engine, or why it could not be."""
+    cost, b = r.get("cost") or {}, r.get("breakeven")
+    if not b:
+        return ("break-even: not measured (no round, or no plain decode step timed: --cost-steps 0 without the "
+                "greedy check); `tapdraft eval --round-cost R` says it for a given engine")
+    where = (f"{cost['engine']}: a round {1e3 * cost['round_seconds']:.2f} ms over "
+             f"{1e3 * cost['plain_step_seconds']:.2f} ms a plain step")
+    return breakeven_text(b, where)
+
+
 def format_result(r: dict[str, Any]) -> str:
     over = r.get("offline_over", "the dataset")
     lines = [
@@ -306,7 +383,8 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"tau = {r['offline_tau_replayed']:.3f} replayed offline over {over} (the serving prediction "
                      f"`tapdraft eval` reports): {agreement(r)}")
     lines.append("alpha by draft position (live): " + alpha_text(r["alpha"])
-                 + (f"  ({UNREACHED}: never reached)" if any(a != a for a in r["alpha"]) else ""))
+                 + (f"  ({UNREACHED}: never reached)" if any(a is None or a != a for a in r["alpha"]) else ""))
+    lines.append(cost_line(r))
     if "matches_greedy" in r:
         lines.append(f"output identical to the target's greedy decoding: {r['matches_greedy']}")
     if r.get("offline_tau") is not None:
@@ -318,4 +396,6 @@ def format_result(r: dict[str, Any]) -> str:
                      f"dataset sample holds ({past['tokens']} tokens in all): the replay cannot cover those rounds "
                      "and the drafter never trained there; lower --max-new-tokens to the captured length, or "
                      "regenerate and capture with a larger --max-new-tokens")
+    if r["config"].get("json_path"):
+        lines.append(f"report, round by round: {r['config']['json_path']}")
     return "\n".join(lines)

@@ -7,7 +7,8 @@ depths in ``train.drafters.common.chain``) and :func:`acceptance_metrics` is eve
 :func:`replay_rounds` replays greedy decoding round by round on teacher-forced block outcomes, so
 the offline number is comparable with live decoding. Sampled decoding's acceptance is each family's
 ``sampled_acceptance`` (sum_v min(p, q) per draft position), summed by ``train.evaluate`` and turned into
-tau by the same :func:`tau_from_alpha`.
+tau by the same :func:`tau_from_alpha`. :func:`breakeven` says whether a tau pays off on an engine whose
+round (draft + verify) costs R plain decode steps: speedup = tau / R, break-even at tau = R.
 """
 
 from __future__ import annotations
@@ -145,3 +146,29 @@ def alpha_text(alpha: list[float | None], reached: list[int] | None = None, digi
         unreached = a is None or a != a or (reached is not None and reached[k] == 0)
         out.append(UNREACHED if unreached else f"{a:.{digits}f}")
     return " ".join(out)
+
+
+ROUND_COSTS = (1.1, 1.25, 1.6, 2.05, 2.5)
+"""Round costs ``eval`` tabulates when none is given: cheap rounds, then vLLM's measured EAGLE-3 (1.6) and DFlash
+(2.05) rounds on a speech target (16 prompts, 128 tokens; docs/speedup.md)."""
+
+
+def breakeven(tau: float, round_cost: float, source: str) -> dict[str, Any]:
+    """Where a drafter pays off: a round (draft + verify) costs ``round_cost`` plain decode steps and emits ``tau``
+    tokens, so the expected speedup is tau / round_cost and break-even lies at tau = round_cost. ``source`` says
+    where the cost comes from ('measured', 'given' or 'assumed')."""
+    if not round_cost > 0:
+        raise ValueError(f"a round's cost relative to a plain decode step must be > 0, got {round_cost}")
+    speedup = tau / round_cost
+    return {"round_cost": round_cost, "source": source, "tau": tau, "breakeven_tau": round_cost,
+            "speedup": speedup, "clears": speedup > 1.0}
+
+
+def breakeven_text(b: dict[str, Any], where: str = "") -> str:
+    """The one line ``eval`` and ``speculate`` print for :func:`breakeven`."""
+    src = b["source"] + (f": {where}" if where else "")
+    head = (f"break-even tau {b['breakeven_tau']:.2f} at round cost {b['round_cost']:.2f} ({src}); "
+            f"this drafter's tau {b['tau']:.3f}: ")
+    pct = 100 * abs(b["speedup"] - 1)
+    verdict = f"clears it by {pct:.0f}%" if b["clears"] else f"falls short by {pct:.0f}%"
+    return head + f"{verdict} (expected speedup {b['speedup']:.2f}x)"

@@ -14,6 +14,11 @@ verified prefix, so this is EXACT for greedy decoding when the responses were ge
 target itself; when the dataset's responses came from elsewhere (or the manifest does not say) the
 result says so: tau then estimates how often the draft matches the dataset's text, not the target.
 
+Whether the drafter pays off depends on the engine too: a round (draft + verify) costs R plain decode steps, so
+the expected speedup is tau / R and break-even lies at tau = R. Offline, R cannot be measured: ``round_cost``
+gives it (from the serving engine; ``tapdraft speculate`` measures tapdraft's own), else the result tabulates
+tau / R for a few R (:data:`train.acceptance.ROUND_COSTS`; vLLM measured 1.6 for EAGLE-3, 2.05 for DFlash).
+
 Writes ``eval.json`` and ``acceptance.png`` (matplotlib, Agg) into the output directory.
 """
 
@@ -24,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 
-from train.acceptance import UNREACHED, AcceptanceCounts, alpha_text, tau_from_alpha
+from train.acceptance import (ROUND_COSTS, UNREACHED, AcceptanceCounts, alpha_text, breakeven, breakeven_text,
+                              tau_from_alpha)
 from train.data import BatchStream, collate, has_targets, to_device, truncate
 from train.drafters.common.teacher import last_hidden_source
 from train.run import Trained, load_trained
@@ -43,13 +49,17 @@ def evaluate(
     template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     temperature: float = 1.0,
+    round_cost: float | None = None,
 ) -> dict[str, Any]:
     """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result.
 
     ``template`` (Jinja text) / ``template_kwargs``: the chat-template settings the drafter is meant for;
     a dataset captured with others is refused (None: no expectation). ``temperature`` > 0 also measures
     speculative SAMPLING at that temperature (``tau_sampled``) when the dataset holds the target's exact
-    last hidden state; 0 measures greedy decoding only."""
+    last hidden state; 0 measures greedy decoding only. ``round_cost``: the serving engine's cost of a round
+    relative to a plain decode step, for the break-even line (None: a table over a few costs)."""
+    if round_cost is not None and not round_cost > 0:
+        raise ValueError(f"--round-cost is a round's time over a plain decode step's (> 0), got {round_cost}")
     loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
     model, src, run, state = loaded.model, loaded.src, loaded.run, loaded.state
     ck, split = loaded.checkpoint, loaded.split
@@ -119,6 +129,7 @@ def evaluate(
         "responses_by_target": by_target,
         "note": note,
     }
+    result.update(breakeven_of(result, round_cost))
     out = Path(out_dir) if out_dir else run_dir / f"eval-{split}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
@@ -150,6 +161,29 @@ def acceptance_of(loaded: Trained, samples: list[dict[str, Any]], device: str = 
     alpha = [float(a / r) if r > 0 else 0.0 for a, r in zip(total.accepted, total.reached)]
     return {"samples": n, "tau": tau_from_alpha(alpha),
             "tau_replayed": total.round_tokens / total.rounds if total.rounds else None}
+
+
+def breakeven_of(result: dict[str, Any], round_cost: float | None) -> dict[str, Any]:
+    """The break-even entries of ``eval.json`` for the serving prediction (the replayed tau, else the
+    teacher-forced one): ``breakeven`` at the given round cost, else ``breakeven_table`` over :data:`ROUND_COSTS`."""
+    kind = "replayed" if result.get("tau_replayed") is not None else "teacher-forced"
+    tau = result["tau_replayed"] if kind == "replayed" else result["tau"]
+    if round_cost is not None:
+        return {"breakeven": {**breakeven(tau, round_cost, "given"), "tau_kind": kind}}
+    return {"breakeven_table": [{**breakeven(tau, r, "assumed"), "tau_kind": kind} for r in ROUND_COSTS]}
+
+
+def breakeven_lines(result: dict[str, Any]) -> list[str]:
+    """The break-even line: at the given round cost, else the expected speedup at each tabulated one."""
+    if result.get("breakeven"):
+        return [breakeven_text(result["breakeven"], "--round-cost")]
+    table = result.get("breakeven_table") or []
+    if not table:
+        return []
+    cells = ", ".join(f"R {b['round_cost']:g}: {b['speedup']:.2f}x" for b in table)
+    return [f"break-even tau = R, the engine's round cost (draft + verify) over a plain decode step (not given: "
+            f"--round-cost R; `tapdraft speculate` measures its own); this drafter's tau {table[0]['tau']:.3f} "
+            f"({table[0]['tau_kind']}) gives {cells}: it pays off only where R < {table[0]['tau']:.3f}"]
 
 
 def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:
@@ -203,6 +237,7 @@ def format_result(result: dict[str, Any]) -> str:
                      f"{result['tau_sampled']:.3f}  alpha_k: " + alpha_text(result["alpha_sampled"], digits=2))
     elif result.get("sampled_note"):
         lines.append(f"no sampled tau: {result['sampled_note']}")
+    lines += breakeven_lines(result)
     lines += [
         f"note: {result['note']}",
     ]

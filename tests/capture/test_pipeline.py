@@ -244,12 +244,13 @@ def test_the_two_pass_regenerate_gets_every_setting_the_configs_share(tmp_path):
     cfg = CaptureConfig(target="t", out=str(tmp_path / "ds"), data=(("train", "in.jsonl"),), replies=replies,
                         fused=False, max_samples=3, batch_tokens=999, max_batch_size=5, window=11, dtype="float32",
                         device="cpu", llm_config="llm", chat_template="t.jinja",
-                        template_kwargs={"enable_thinking": False}, on_error="skip", progress=False)
+                        template_kwargs={"enable_thinking": False}, on_error="skip", progress=False,
+                        allow_outside_paths=True)
     assert pipeline.regenerate_config(cfg, "train", "in.jsonl") == RegenerateConfig(
         target="t", data="in.jsonl", out=str(tmp_path / "ds.regenerated" / "train.jsonl"), replies=replies,
         max_samples=3, batch_tokens=999, max_batch_size=5, window=11, dtype="float32", device="cpu",
         llm_config="llm", chat_template="t.jinja", template_kwargs={"enable_thinking": False}, on_error="skip",
-        progress=False)
+        progress=False, allow_outside_paths=True)
     assert set(pipeline.SHARED_WITH_REGENERATE) == {
         "target", "replies", "max_samples", "batch_tokens", "max_batch_size", "window", "dtype", "device",
-        "llm_config", "chat_template", "template_kwargs", "on_error", "progress"}
+        "llm_config", "chat_template", "template_kwargs", "on_error", "progress", "allow_outside_paths"}

@@ -148,3 +148,16 @@ def test_live_probabilities_are_the_models_own(family, tmp_path):
         live = torch.cat([s.prefill(lm.get_input_embeddings()(ids[:5]))[None], s.extend(ids[5:])])
     live = torch.softmax(live / 0.7, -1)  # rows: the prompt's last position, then each fed token
     torch.testing.assert_close(live, own[4:], rtol=1e-5, atol=1e-6)
+
+
+def test_every_round_is_counted_and_timed_and_plain_steps_are_timed(lm):
+    ids, emb = _prompt(lm)
+    out = speculative_generate(TargetSession(lm, [0]), emb, ids, _random_proposer(3), max_new_tokens=12,
+                               eos_token_id=None)
+    n = out.target_forwards
+    assert n > 0 and out.drafted == [3] * n and len(out.round_seconds) == n
+    assert all(t > 0 for t in out.round_seconds)
+    assert sum(out.emitted) == len(out.tokens) - 1  # the first token comes from the prefill, outside any round
+    steps: list[float] = []
+    ref = target_greedy(lm, emb, max_new_tokens=12, eos_token_id=None, step_seconds=steps)
+    assert len(steps) == len(ref) - 1 == 11 and all(t > 0 for t in steps)

@@ -141,7 +141,8 @@ def capture(
                                    help="Skip (and count) samples longer than this many tokens; never truncate."),
     format: str = typer.Option("arrow", "--format", help="arrow | wds"),
     top_k: int = typer.Option(64, "--top-k", help="Teacher top-k per supervised row (0: none)."),
-    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: DFlash rule + last layer)."),
+    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: the DFlash rule for "
+                             "--draft-layers and for one layer, as the dflash recipe trains, + the last layer)."),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),

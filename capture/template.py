@@ -159,7 +159,8 @@ class ChatTemplate:
             else:
                 mask[got[0]:got[1]] = True
         if not bool(mask.any()):
-            raise ValueError(f"no supervised tokens: {reasons[0] if reasons else 'the conversation has no assistant turn'}")
+            why = reasons[0] if reasons else "the conversation has no assistant turn"
+            raise ValueError(f"no supervised tokens: {why}")
         return Tokenized(torch.tensor(sp.ids, dtype=torch.long), mask, reasons)
 
     # ------------------------------------------------------------------ derivation

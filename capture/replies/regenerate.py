@@ -26,7 +26,9 @@ Dropped, counted by reason (``--on-limit keep`` keeps truncated replies, marked 
 default ``drop`` makes a target that never ends its turns show as drops): ``truncated``
 (max_new_tokens without an end of turn), ``empty``, ``unplaced`` (the chat template does not write
 the reply verbatim after its prompt, or ends the turn with another id than the target generated, so
-the ids have no place in a capture), ``placeholder`` (the reply holds the audio placeholder, which would read back as an audio),
+the ids have no place in a capture, and the reply's text renders to other ids too; when the text does
+render to the generated ids the reply is kept as text alone), ``placeholder`` (the reply holds the
+audio placeholder, which would read back as an audio),
 ``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
 audio that fails to decode, ``too_long`` for the context) is skipped and counted, or stops the run
 with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the

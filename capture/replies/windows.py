@@ -18,8 +18,9 @@ regenerated turn carries ``token_ids``, the ids the target generated (its end-of
 template), and ``"truncated": true`` when it hit max_new_tokens: capture stores those ids, never a
 re-tokenization of the text, which for a BPE tokenizer can differ (8% of one real run's replies did).
 A reply is checked where capture will put it: rendered with its ids, its supervised span must be the
-ids generated, end of turn included (else dropped as ``unplaced``: the template writes the reply
-other than verbatim after its prompt, or ends the turn with another id than the target did).
+ids generated, end of turn included. When the template does not allow that (it rewrites the reply's
+text, or ends the turn with another id than the target did) the reply is kept as text alone if its
+text renders to the generated ids (the check before ids were carried), else dropped as ``unplaced``.
 """
 
 from __future__ import annotations
@@ -206,12 +207,19 @@ def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Genera
     reply = {"role": "assistant", "content": text, "token_ids": list(g.tokens), **({"truncated": True}
                                                                                    if g.truncated else {})}
     try:
-        rendered = target.reply_ids(lv.messages[:turn] + [reply])
-    except ValueError as e:
-        return "unplaced", f"the chat template gives the reply's ids no place: {e}"
-    if rendered != g.ids:
-        return "unplaced", ("the chat template renders the reply's end of turn as other ids than the target "
-                            "generated")
+        placed = target.reply_ids(lv.messages[:turn] + [reply]) == g.ids
+    except ValueError:
+        placed = False
+    if not placed:  # the template rewrites the reply: kept as text only when the text renders to the same ids
+        reply = {"role": "assistant", "content": text}
+        try:
+            rendered = target.reply_ids(lv.messages[:turn] + [reply])
+        except ValueError:
+            rendered = []
+        if (rendered[: len(g.tokens)] if g.truncated else rendered) != g.ids:
+            return "unplaced", ("the chat template does not write the reply's ids where they were generated (it "
+                                "rewrites the text or ends the turn with another id), and its text renders to "
+                                "other ids")
     lv.messages[turn] = reply
     lv.truncated |= g.truncated
     return None

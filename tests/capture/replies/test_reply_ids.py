@@ -160,3 +160,19 @@ def test_regenerate_keeps_the_target_ids_and_capture_stores_them(bpe_dir, tmp_pa
         want = [i for t in rec["conversations"] if t["from"] == "assistant" for i in t["token_ids"]]
         s = got[rec["id"]]
         assert s["input_ids"][s["loss_mask"]].tolist() == want  # truncated: no end of turn supervised
+
+
+def test_a_template_that_rewrites_the_reply_gives_its_ids_no_place(bpe_dir):
+    from transformers import AutoTokenizer
+
+    from capture.template import ChatTemplate
+
+    tok = AutoTokenizer.from_pretrained(bpe_dir)
+    ids = _split_word(tok, " the")
+    trims = tok.chat_template.replace("{% generation %}{{ m['content']", "{% generation %}{{ (m['content'] | trim)")
+    assert trims != tok.chat_template
+    msgs = [{"role": "user", "content": PROMPTS[2]}, {"role": "assistant", "content": " the", "token_ids": ids}]
+    with pytest.raises(ValueError, match="verbatim"):
+        ChatTemplate(tok, trims, end_ids=[tok.eos_token_id]).tokenize(msgs)
+    kept = ChatTemplate(tok, end_ids=[tok.eos_token_id]).tokenize(msgs)
+    assert kept.ids[kept.mask].tolist() == ids + [tok.eos_token_id]

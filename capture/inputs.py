@@ -147,7 +147,7 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
     turns = rec.get("conversations", rec.get("messages"))
     if not isinstance(turns, list) or not turns:
         raise ValueError("needs a non-empty 'conversations' (or 'messages') list of turns")
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, str]] = []
     audios: list[AudioRef | None] = []  # None: taken from column_audios
     for j, t in enumerate(turns):
         if not isinstance(t, dict):

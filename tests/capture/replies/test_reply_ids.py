@@ -176,3 +176,22 @@ def test_a_template_that_rewrites_the_reply_gives_its_ids_no_place(bpe_dir):
         ChatTemplate(tok, trims, end_ids=[tok.eos_token_id]).tokenize(msgs)
     kept = ChatTemplate(tok, end_ids=[tok.eos_token_id]).tokenize(msgs)
     assert kept.ids[kept.mask].tolist() == ids + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("turns, match", [
+    ([{"from": "User", "value": "hi", "token_ids": [1]}, {"from": "Assistant", "value": "yo"}], "only an assistant"),
+    ([{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "token_ids": "1 2"}], "list of token ids"),
+    ([{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "token_ids": [1, -2]}], "integers >= 0"),
+    ([{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "token_ids": [1], "truncated": "yes"}],
+     "true or false"),
+    ([{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "token_ids": [1]},
+      {"from": "Assistant", "value": "again"}], "joined"),
+])
+def test_malformed_carried_ids_are_a_bad_input(turns, match):
+    from capture.inputs import parse_record
+
+    with pytest.raises(ValueError, match=match):
+        parse_record({"id": "x", "conversations": turns}, base=Path("."), placeholder="<a>", default_id="x")
+    clean = [{k: v for k, v in t.items() if k not in ("token_ids", "truncated")} for t in turns]
+    ok = parse_record({"id": "x", "conversations": clean}, base=Path("."), placeholder="<a>", default_id="x")
+    assert all(set(m) == {"role", "content"} for m in ok[1])  # without ids: the messages as before

@@ -67,14 +67,21 @@ def _threads(n: int) -> int:
     return n
 
 
+ON_LIMIT_HELP = ("A reply that hits --max-new-tokens: drop (default: a target that never ends its turns, from a wrong "
+                 "template or end-of-turn id, shows as drops, not as a dataset of cut replies) | keep (written marked "
+                 "truncated; its tokens are supervised, with no end of turn).")
+
+
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
-                  keep_truncated: bool):
+                  on_limit: str):
     from capture.replies.generate import GenerationConfig
     from capture.replies.windows import ReplyConfig
 
+    if on_limit not in ("keep", "drop"):
+        raise ValueError(f"--on-limit {on_limit!r}: give keep or drop")
     return ReplyConfig(
         generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
-        last_turn_only=last_turn_only, keep_truncated=keep_truncated)
+        last_turn_only=last_turn_only, keep_truncated=on_limit == "keep")
 
 
 @app.command()
@@ -89,8 +96,7 @@ def regenerate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (sampling only)."),
     seed: int = typer.Option(0, "--seed", help="Base seed; each reply's seed derives from it and the sample id."),
     last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
-    keep_truncated: bool = typer.Option(False, "--keep-truncated",
-                                        help="Keep truncated replies (marked) instead of dropping them."),
+    on_limit: str = typer.Option("drop", "--on-limit", help=ON_LIMIT_HELP),
     chat_template: str = typer.Option(None, "--chat-template", help=TEMPLATE_HELP),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help=TEMPLATE_KWARG_HELP),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
@@ -115,7 +121,7 @@ def regenerate(
     _threads(threads)
     cfg = RegenerateConfig(
         target=target, data=data, out=out,
-        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated),
+        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
@@ -140,7 +146,8 @@ def capture(
                                    help="Skip (and count) samples longer than this many tokens; never truncate."),
     format: str = typer.Option("arrow", "--format", help="arrow | wds"),
     top_k: int = typer.Option(64, "--top-k", help="Teacher top-k per supervised row (0: none)."),
-    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: DFlash rule + last layer)."),
+    taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: the DFlash rule for "
+                             "--draft-layers and for one layer, as the dflash recipe trains, + the last layer)."),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
@@ -174,7 +181,7 @@ def capture(
     seed: int = typer.Option(0, "--seed", help="With --regenerate: base seed of per-sample samplers."),
     last_turn_only: bool = typer.Option(False, "--last-turn-only",
                                         help="With --regenerate: replace only the last assistant turn."),
-    keep_truncated: bool = typer.Option(False, "--keep-truncated", help="With --regenerate: keep truncated replies."),
+    on_limit: str = typer.Option("drop", "--on-limit", help="With --regenerate: " + ON_LIMIT_HELP),
     restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
                                  "over (after a changed input or setting)."),
     engine: str = typer.Option("transformers", "--engine", help="What runs the target: transformers (in-process) | "
@@ -216,7 +223,7 @@ def capture(
         llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
-        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, keep_truncated)
+        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit)
         if regenerate else None, fused=not two_pass, engine=engine,
         vllm=VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                         data_parallel_size=data_parallel_size) if engine == "vllm" else None,

@@ -106,7 +106,8 @@ class CaptureConfig:
     top_k: int = 64
     """Teacher top-k per supervised row; 0 stores no teacher rows."""
     taps: tuple[int, ...] | None = None
-    """Explicit HF tap ids (decoder layer outputs); None = DFlash default for ``draft_layers`` + the last layer."""
+    """Explicit HF tap ids (decoder layer outputs); None = ``shards.taps.capture_tap_ids``: the DFlash taps for
+    ``draft_layers``, the one-layer draft's (the ``dflash`` recipe) and the last layer."""
     draft_layers: int = 5
     """Draft depth the default taps are chosen for."""
     dtype: str = "auto"

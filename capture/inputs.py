@@ -24,6 +24,9 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
 - Alternatively a text turn may contain placeholders itself and list its audios in ``audio``
   (a path, a dict ``{"path", "offset", "duration"}``, or a list of these), one per placeholder.
 - Consecutive turns of the same role are joined with a space into one chat message.
+- An assistant text turn may carry ``token_ids``, the ids the target generated for it (``tapdraft
+  regenerate`` writes them, and ``"truncated": true`` when the reply hit the token limit): capture
+  stores those ids instead of re-tokenizing the text (``capture.template``).
 - In an HF dataset, an audio turn without a path (and a placeholder in a text turn that lists no
   audio) takes the next audio of the row's audio column, in order; in a JSONL manifest it is an error.
 - ``offset`` must be >= 0 and ``offset + duration`` inside the file: audio is never cut silently, and
@@ -85,7 +88,7 @@ class Conversation:
 
     sample_id: str
     source: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     audios: list[AudioRef] = field(default_factory=list)
     line: int | None = None
     generation_prompt: bool = False
@@ -147,6 +150,22 @@ def record_id(rec: Any, default_id: str) -> str:
     return sid
 
 
+def _carried_ids(turn: dict, j: int, role: str, kind: str) -> dict[str, Any]:
+    """A reply's ``token_ids`` (the ids the target generated; ``truncated``: cut at the token limit), or {}."""
+    ids = turn.get("token_ids")
+    if ids is None:
+        return {}
+    if role != "assistant" or kind != "text":
+        raise ValueError(f"turn {j} carries token_ids, which only an assistant text turn may")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        raise ValueError(f"turn {j}: token_ids must be a non-empty list of token ids (integers >= 0)")
+    truncated = turn.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise ValueError(f"turn {j}: truncated must be true or false, got {truncated!r}")
+    return {"token_ids": ids, **({"truncated": True} if truncated else {})}
+
+
 def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
                  column_audios: list[AudioRef] | None = None,
                  allow_outside: bool = False) -> tuple[str, list[dict], list[AudioRef]]:
@@ -195,10 +214,14 @@ def parse_record(rec: Any, *, base: Path, placeholder: str, default_id: str,
             raise ValueError(f"turn {j} has unknown type {kind!r}; use 'text' or 'audio'")
         if role == "assistant" and not text.strip():
             raise ValueError(f"turn {j} is an empty assistant turn; drop the conversation or fill the turn")
+        carried = _carried_ids(t, j, role, kind)
         if messages and messages[-1]["role"] == role:
+            if carried or "token_ids" in messages[-1]:
+                raise ValueError(f"turn {j} would be joined with the turn before it (same role), but one of them "
+                                 "carries token_ids; give the reply as one turn")
             messages[-1]["content"] += " " + text
         else:
-            messages.append({"role": role, "content": text})
+            messages.append({"role": role, "content": text, **carried})
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("has no assistant turn: nothing would be supervised")
     if not any(m["role"] == "user" for m in messages):

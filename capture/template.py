@@ -27,6 +27,17 @@ token, and the prompts between them) both must agree; a disagreement refuses the
 and the template say different things). Turns it cannot check, and whether the newline after an
 end-of-turn token is supervised, follow the markers.
 
+A reply that carries the ids the target generated (``token_ids`` on the turn, written by ``tapdraft
+regenerate``) keeps them: decoding and re-encoding its text can give other ids (a BPE tokenizer merges
+the text differently from how it was sampled), which would store a reply the target never produced. The
+rendered text is cut at each carried reply's content (written verbatim after its generation prompt, and
+its ids must decode to it), the pieces between are encoded separately and the ids go in between: the
+first piece is exactly the prompt the target saw, and ``regenerate`` prompts later turns through the same
+splice (:meth:`ChatTemplate.encode_prompt`). A carried reply is supervised on its ids plus the end of turn
+the template writes, unless it is marked ``truncated`` (cut at max_new_tokens: no end of turn was
+generated, so none is supervised). Text replies beside carried ones use prefix rendering within their
+piece; generation markers are not consulted. Conversations without carried ids are tokenized as before.
+
 Template text and kwargs (``enable_thinking``, a system prompt...) are fixed per capture and recorded
 in the target bundle; ``shards.template`` holds their canonical form and the drift check.
 """
@@ -77,9 +88,12 @@ class ChatTemplate:
         return MASK_BY_MARKERS if self.has_markers else MASK_BY_PREFIX
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages``; ValueError when the template refuses them (``raise_exception``)."""
+        """The template's text for ``messages``; ValueError when the template refuses them (``raise_exception``).
+        A reply's carried ids (``token_ids``, ``truncated``) are not shown to the template."""
         from jinja2 import TemplateError
 
+        if any(carries_ids(m) for m in messages):
+            messages = [{k: v for k, v in m.items() if k not in CARRIED_KEYS} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(list(messages), chat_template=self.text, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **self.kwargs)
@@ -90,8 +104,18 @@ class ChatTemplate:
         """Token ids of rendered text (the template writes its own special tokens)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Ids of ``messages`` rendered with the generation prompt (what the target is prompted with), carried
+        replies spliced in as they were generated."""
+        text = self.render(messages, add_generation_prompt=True)
+        if any(carries_ids(m) for m in messages):
+            return _Spliced(self, messages, text).ids
+        return self.encode(text)
+
     def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
         """Ids and supervised mask of a conversation; ValueError when no token is supervised."""
+        if any(carries_ids(m) for m in messages):
+            return self._tokenize_carried(messages)
         text = self.render(messages)
         enc = _Encoded(self, text)
         full = enc.ids
@@ -119,6 +143,25 @@ class ChatTemplate:
                 why = reasons[0] if reasons else "the conversation has no assistant turn"
                 raise ValueError(f"no supervised tokens: {why}")
         return Tokenized(torch.tensor(full, dtype=torch.long), mask, reasons)
+
+    def _tokenize_carried(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
+        """A conversation whose replies carry the ids the target generated: those ids are the reply's tokens
+        (no text round trip), the text between them is encoded piece by piece (module docstring)."""
+        text = self.render(messages)
+        sp = _Spliced(self, messages, text)
+        mask = torch.zeros(len(sp.ids), dtype=torch.bool)
+        reasons: list[str] = []
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        for n, i in enumerate(turns):
+            got = sp.turn_span(i, f"assistant turn {n + 1} of {len(turns)}")
+            if isinstance(got, str):
+                reasons.append(got)
+            else:
+                mask[got[0]:got[1]] = True
+        if not bool(mask.any()):
+            why = reasons[0] if reasons else "the conversation has no assistant turn"
+            raise ValueError(f"no supervised tokens: {why}")
+        return Tokenized(torch.tensor(sp.ids, dtype=torch.long), mask, reasons)
 
     # ------------------------------------------------------------------ derivation
     def _prefix_spans(self, messages: Sequence[Mapping[str, Any]], text: str, enc: "_Encoded"
@@ -194,6 +237,99 @@ class ChatTemplate:
 
     def _show(self, ids: list[int], j: int) -> str:
         return repr(self.tokenizer.decode([ids[j]])) if j < len(ids) else "<end>"
+
+
+CARRIED_KEYS = ("token_ids", "truncated")
+"""A reply's carried ids (``capture.inputs``): the ids the target generated, and whether it hit the token limit."""
+
+
+def carries_ids(message: Mapping[str, Any]) -> bool:
+    """The message is a reply that carries the ids the target generated."""
+    return message.get("token_ids") is not None
+
+
+class _Spliced:
+    """A rendered conversation whose carried replies keep their generated ids.
+
+    The text is cut at each carried reply's content (which the template must write verbatim right after
+    that turn's generation prompt, and which the ids must decode to); the pieces between are encoded
+    separately, so the first piece is exactly the first carried turn's prompt as the target saw it, and
+    every later prompt is built the same way when ``regenerate`` prompts the next turn.
+    """
+
+    def __init__(self, ct: ChatTemplate, messages: Sequence[Mapping[str, Any]], text: str):
+        self.ct, self.messages, self.text = ct, messages, text
+        self.ids: list[int] = []
+        self.pieces: list[tuple[int, int, int]] = []  # (start char, end char, first token) of each text piece
+        self.replies: dict[int, tuple[int, int, int]] = {}  # message index -> (first token, end token, end char)
+        cur = 0
+        for i, m in enumerate(messages):
+            if not carries_ids(m):
+                continue
+            where = f"message {i}"
+            if m.get("role") != "assistant" or i == 0:
+                raise ValueError(f"{where} carries token_ids but is not an assistant reply to a prompt")
+            prompt = ct.render(messages[:i], add_generation_prompt=True)
+            content = m["content"]
+            if not text.startswith(prompt) or text[len(prompt):len(prompt) + len(content)] != content:
+                raise ValueError(f"{where} carries token_ids, but the chat template does not write its text verbatim "
+                                 "right after its generation prompt, so the ids have no place in the conversation; "
+                                 "drop its token_ids to capture the text")
+            got = ct.tokenizer.decode(list(m["token_ids"]), skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+            if got != content:
+                raise ValueError(f"{where}: its token_ids decode to {got[:40]!r}, not to its text {content[:40]!r}; "
+                                 "the ids belong to another reply or another tokenizer")
+            self._piece(cur, len(prompt))
+            start = len(self.ids)
+            self.ids += [int(t) for t in m["token_ids"]]
+            cur = len(prompt) + len(content)
+            self.replies[i] = (start, len(self.ids), cur)
+        self._piece(cur, len(text))
+
+    def _piece(self, start: int, end: int) -> None:
+        self.pieces.append((start, end, len(self.ids)))
+        self.ids += self.ct.encode(self.text[start:end])
+
+    def _piece_at(self, char: int) -> tuple[int, int, int]:
+        return next(p for p in self.pieces if p[0] <= char <= p[1])
+
+    def turn_span(self, i: int, where: str) -> tuple[int, int] | str:
+        """Supervised [start, end) tokens of assistant message i, or why it is left unsupervised."""
+        q_text = self.ct.render(self.messages[: i + 1])
+        if not self.text.startswith(q_text):
+            return (f"{where}: rendered as the last turn it differs from the conversation; the template renders it "
+                    "differently once later turns follow, so its produced tokens are not in the sample")
+        end_ids = self.ct.end_ids
+        if i in self.replies:  # the generated ids, then the end of turn the template writes (unless cut at the limit)
+            start, end, char = self.replies[i]
+            if self.messages[i].get("truncated"):
+                return start, end
+            tail = self.ct.encode(self.text[char:len(q_text)])
+            last = max((k for k, t in enumerate(tail) if t in end_ids), default=len(tail) - 1)
+            if self.ids[end:end + last + 1] == tail[:last + 1]:
+                end += last + 1
+            return start, end
+        # a text reply among carried ones: prefix rendering inside its piece (as ChatTemplate._check_turn)
+        if i == 0:
+            return f"{where} opens the conversation: there is no prompt to render before it"
+        p_text = self.ct.render(self.messages[:i], add_generation_prompt=True)
+        if not self.text.startswith(p_text):
+            return f"{where}: its generation prompt is not a prefix of the conversation"
+        c0, c1, t0 = self._piece_at(len(p_text))
+        if len(q_text) > c1:
+            return f"{where}: its rendering runs into a carried reply"
+        piece = self.ids[t0:t0 + len(self.ct.encode(self.text[c0:c1]))]
+        prompt, through = self.ct.encode(self.text[c0:len(p_text)]), self.ct.encode(self.text[c0:len(q_text)])
+        if _mismatch(prompt, piece) is not None or _mismatch(through, piece) is not None:
+            return f"{where}: the tokenizer merges text across the turn's boundaries"
+        start, end = len(prompt), len(through)
+        last_end = max((k for k in range(start, end) if piece[k] in end_ids), default=None)
+        if last_end is not None:
+            end = last_end + 1
+        if end <= start:
+            return f"{where} is empty"
+        return t0 + start, t0 + end
 
 
 def _text_mismatch(prefix: str, text: str) -> int:

@@ -190,3 +190,43 @@ def test_classify_maps_errors_to_one_line_and_a_code():
     read_only = classify(OSError(errno.EROFS, "Read-only file system", "/x"))[1]
     assert read_only.startswith("the filesystem is read-only writing /x")
     assert classify(RuntimeError("bug")) is None and classify(OSError(errno.EIO, "I/O error")) is None
+
+
+def test_readme_path_default_taps_train_the_dflash_recipe_without_a_tap_warning(tmp_path, capsys):
+    """README: `capture` with its defaults, then `train --recipe dflash`: the recipe's tap rule is stored."""
+    import warnings
+
+    from demo.bpe import BPESize, build_bpe_lm, build_bpe_tokenizer, corpus_text
+    from shards.taps import capture_tap_ids, default_tap_ids
+    from train.config import RECIPES_DIR, load_run_config
+
+    size = BPESize(vocab_size=512, hidden=32, layers=6, heads=2, kv_heads=1, intermediate=64)
+    tok = build_bpe_tokenizer(corpus_text()[:200], size.vocab_size)
+    target = tmp_path / "target"
+    build_bpe_lm(tok, size).save_pretrained(target)
+    tok.save_pretrained(target)
+    data = write_manifest(tmp_path / "train.jsonl", [{"id": f"c{i}", "conversations": [
+        {"from": "User", "value": f"say {w}"}, {"from": "Assistant", "value": f"the {w} is here"}]}
+        for i, w in enumerate(["class", "module", "function", "method"])])
+    code, err = run(["capture", "--target", target, "--data", data, "--out", tmp_path / "ds", "--threads", "1"], capsys)
+    assert code == 0, err
+    ds = open_dataset(str(tmp_path / "ds"))
+    assert default_tap_ids(6, 1)[0] not in default_tap_ids(6, 5)  # a target where the old defaults warned
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = load_run_config("dflash").drafter.resolve(ds.bundle(), ds.layout)
+    assert not [w for w in seen if "tap" in str(w.message)], [str(w.message) for w in seen]
+    assert list(cfg.target_layer_ids) == default_tap_ids(6, 1)
+    # and for every target depth, every DFlash-family recipe's rule is inside the capture defaults
+    for path in RECIPES_DIR.glob("*.yaml"):
+        if path.stem.startswith("_"):
+            continue
+        run_cfg = load_run_config(path.stem)
+        if not hasattr(run_cfg.drafter, "target_layer_ids") or run_cfg.family not in ("dflash", "dflash2"):
+            continue
+        for L in range(1, 81):
+            rule = set(default_tap_ids(L, run_cfg.drafter.num_layers))
+            if path.stem.endswith("_demo"):  # the demo captures with --draft-layers 2, its recipes' depth
+                assert rule <= set(capture_tap_ids(L, 2)), (path.stem, L)
+            else:
+                assert rule <= set(capture_tap_ids(L, 5)), (path.stem, L)

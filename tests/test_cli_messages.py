@@ -29,7 +29,7 @@ def test_regenerate_names_its_output_by_its_full_path(salm_dir, tmp_path, capsys
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         main(["regenerate", "--target", str(salm_dir), "--data", "train.jsonl", "--out", "regen/train.jsonl",
-              "--max-new-tokens", "3", "--keep-truncated", "--threads", "1"])
+              "--max-new-tokens", "3", "--on-limit", "keep", "--threads", "1"])
     out = capsys.readouterr().out
     assert e.value.code in (0, None) and f"2 of 2 conversations written to {tmp_path / 'regen' / 'train.jsonl'};" in out
     assert sorted(p.name for p in (tmp_path / "regen").iterdir()) == ["train.jsonl", "train.regenerate.json"]

@@ -13,7 +13,14 @@ capture keeps the generation's states instead.
 
 An output record is the input record with its other fields kept and its turns rewritten as text
 turns (placeholders inline, each listing its audios by a path relative to the output), which
-``capture.inputs.read_jsonl`` reads back; ``regenerated_by`` names the target fingerprint.
+``capture.inputs.read_jsonl`` reads back; ``regenerated_by`` names the target fingerprint. Each
+regenerated turn carries ``token_ids``, the ids the target generated (its end-of-turn id left to the
+template), and ``"truncated": true`` when it hit max_new_tokens: capture stores those ids, never a
+re-tokenization of the text, which for a BPE tokenizer can differ (8% of one real run's replies did).
+A reply is checked where capture will put it: rendered with its ids, its supervised span must be the
+ids generated, end of turn included. When the template does not allow that (it rewrites the reply's
+text, or ends the turn with another id than the target did) the reply is kept as text alone if its
+text renders to the generated ids (the check before ids were carried), else dropped as ``unplaced``.
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ class ReplyConfig:
     last_turn_only: bool = False
     """Replace only the last assistant turn (earlier ones stay as given)."""
     keep_truncated: bool = False
-    """Keep replies that hit max_new_tokens, marked ``"truncated": true``, instead of dropping them."""
+    """``--on-limit keep``: keep replies that hit max_new_tokens, marked ``"truncated": true`` (their ids are
+    supervised, no end of turn), instead of dropping them (the default: a target that never ends its turns, from
+    a wrong template or end-of-turn id, then shows as drops rather than as a dataset of cut replies)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation, GenerationConfig):
@@ -82,7 +91,9 @@ def prefix_key(item: Conversation | BadInput, last_only: bool) -> str:
         doc: Any = ["bad", item.sample_id, item.source, item.line, item.reason]
     else:
         turns = set(regenerated_turns(item.messages, last_only))
-        msgs = [[m["role"], None if i in turns else m["content"]] for i, m in enumerate(item.messages)]
+        msgs = [[m["role"], None if i in turns else m["content"]]
+                + ([] if i in turns or "token_ids" not in m else [m["token_ids"], bool(m.get("truncated"))])
+                for i, m in enumerate(item.messages)]
         doc = [item.sample_id, msgs, [_audio_key(a) for a in item.audios]]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
@@ -96,6 +107,7 @@ def output_record(conv: Conversation, messages: list[dict[str, str]], out_dir: P
     for m in messages:
         n = m["content"].count(placeholder)
         turn: dict[str, Any] = {"from": m["role"], "type": "text", "value": m["content"]}
+        turn.update({k: m[k] for k in ("token_ids", "truncated") if k in m})
         if n:
             turn["audio"] = [_audio_entry(a, out_dir) for a in audios[:n]]
             audios = audios[n:]
@@ -192,18 +204,30 @@ def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Genera
     text = target.tokenizer.decode(g.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     if lv.placeholder in text:
         return "placeholder", f"the reply contains the audio placeholder {lv.placeholder!r}, which reads back as audio"
-    msgs = lv.messages[:turn] + [{"role": "assistant", "content": text}]
-    rendered = target.reply_ids(msgs)
-    if (rendered[: len(g.tokens)] if g.truncated else rendered) != g.ids:
-        return "retokenized", "the reply's text renders to other token ids than the target generated"
-    lv.messages[turn] = {"role": "assistant", "content": text}
+    reply = {"role": "assistant", "content": text, "token_ids": list(g.tokens), **({"truncated": True}
+                                                                                   if g.truncated else {})}
+    try:
+        placed = target.reply_ids(lv.messages[:turn] + [reply]) == g.ids
+    except ValueError:
+        placed = False
+    if not placed:  # the template rewrites the reply: kept as text only when the text renders to the same ids
+        reply = {"role": "assistant", "content": text}
+        try:
+            rendered = target.reply_ids(lv.messages[:turn] + [reply])
+        except ValueError:
+            rendered = []
+        if (rendered[: len(g.tokens)] if g.truncated else rendered) != g.ids:
+            return "unplaced", ("the chat template does not write the reply's ids where they were generated (it "
+                                "rewrites the text or ends the turn with another id), and its text renders to "
+                                "other ids")
+    lv.messages[turn] = reply
     lv.truncated |= g.truncated
     return None
 
 
 BAD_INPUT_REASONS = ("bad_input", "no_user_turn", "too_long")
 """Drop reasons that are the input's fault (``on_error='fail'`` stops on them)."""
-REPLY_DROP_REASONS = ("truncated", "empty", "retokenized", "placeholder", "generation_error")
+REPLY_DROP_REASONS = ("truncated", "empty", "unplaced", "placeholder", "generation_error")
 """Drop reasons that are the reply's (always counted, never an error)."""
 
 

@@ -253,8 +253,9 @@ class Target(ABC):
         return self.prepare(dataclasses.replace(conv, generation_prompt=True), index)
 
     def reply_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The supervised ids of the last assistant turn as the template renders it (content + end of turn):
-        a generated reply survives the text round trip when these equal the ids it was generated as."""
+        """The supervised ids of the last assistant turn as the template renders it (content + end of turn; a
+        reply carrying its ``token_ids`` keeps them): capture stores a generated reply as the target produced
+        it when these equal the ids it was generated as."""
         tok = self.template.tokenize(messages)
         ids, mask = tok.ids.tolist(), tok.mask.tolist()
         if not any(mask):
@@ -268,7 +269,7 @@ class Target(ABC):
     def _tokenize(self, conv: Conversation) -> Tokenized:
         if not conv.generation_prompt:
             return self.template.tokenize(conv.messages)
-        ids = self.template.encode(self.template.render(conv.messages, add_generation_prompt=True))
+        ids = self.template.encode_prompt(conv.messages)
         mask = torch.zeros(len(ids), dtype=torch.bool)
         if any(m["role"] == "assistant" for m in conv.messages):  # earlier turns stay supervised where they can
             try:

@@ -39,6 +39,7 @@ from torch import nn
 
 from capture.inputs import Conversation, load_audio
 from capture.targets.base import Expanded, Prepared, Target
+from capture.template import carries_ids
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""
@@ -126,7 +127,11 @@ class HFSpeechTarget(Target):
             if min(n_frames) < 1:
                 raise ValueError(f"an audio is too short for one {self.model_type} encoder frame")
             reps[ids == self.audio_token_id] = torch.tensor(n_frames, dtype=reps.dtype)
-        if not torch.equal(ids.repeat_interleave(reps), exp_ids):
+        expanded = ids.repeat_interleave(reps)
+        if any(carries_ids(m) for m in conv.messages) and int((expanded == self.audio_token_id).sum()) == int(
+                (exp_ids == self.audio_token_id).sum()):
+            exp_ids = expanded  # the processor re-encodes the replies' text; the replies keep their generated ids
+        if not torch.equal(expanded, exp_ids):
             raise ValueError(
                 "the processor's expanded tokens differ from the chat template's tokens with audio runs; "
                 "the tokenizer must keep the audio tokens as single special tokens"

@@ -22,7 +22,7 @@ def test_default_taps_follow_the_dflash_rule():
         for n in range(1, 8):
             ids = default_tap_ids(L, n)
             assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L and len(ids) == min(n, L)
-    assert capture_tap_ids(36, 5) == [1, 9, 17, 25, 33, 35]
+    assert capture_tap_ids(36, 5) == [1, 9, 17, 18, 25, 33, 35]  # + the one-layer draft's middle tap
     assert from_vllm(to_vllm([1, 9, 35])) == [1, 9, 35]
     assert to_vllm([0, 35]) == [1, 36]
     with pytest.raises(ValueError):

@@ -176,3 +176,17 @@ def test_a_template_without_generation_markers_gives_the_same_expanded_mask(targ
     plain = target.prepare(conv, 0)
     assert torch.equal(plain.token_ids, marked.token_ids) and torch.equal(plain.assistant_mask, marked.assistant_mask)
     assert int(plain.assistant_mask.sum()) == 6 and plain.unsupervised_turns == 0
+
+
+def test_a_reply_carrying_its_ids_is_prepared_with_them(target):
+    """A regenerated reply's ids (``token_ids``) replace the processor's encoding of its text, audio runs kept."""
+    plain = _conv("a", 12000, 4, "you said two .")
+    reply = plain.messages[-1]["content"]
+    ids = target.tokenizer.encode(reply, add_special_tokens=False)
+    assert target.tokenizer.decode(ids) == reply
+    carried = _conv("a", 12000, 4, "you said two .")
+    carried.messages[-1] = {**carried.messages[-1], "token_ids": ids}
+    p, q = target.prepare(plain, 0), target.prepare(carried, 0)
+    assert torch.equal(p.token_ids, q.token_ids) and torch.equal(p.assistant_mask, q.assistant_mask)
+    end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert q.token_ids[q.assistant_mask].tolist() == ids + [end]

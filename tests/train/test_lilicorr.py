@@ -1,6 +1,6 @@
 """LiLiCorr: its lattice loss and penalty against a float64 reference, the top-k penalty's bound, its drafts against
 vLLM's scorer and walk re-implemented in float64 on the export alone, the export's tensors and shapes, refusals, and
-`tapdraft train --recipe lilicorr` (and lilicorr_topk)."""
+`tapdraft train --recipe lilicorr` (lilicorr_topk, lilicorr_conv)."""
 
 import dataclasses
 import json
@@ -96,9 +96,13 @@ def reference_terms(m, batch, anchors, vblk, p_of) -> dict[str, tuple[float, flo
     return {k: (s, c) for k, (s, c) in sums.items()}
 
 
-def test_loss_equals_a_float64_reference(setup):
+CONV = dict(conv_kernel_size=2, conv_group_size=8)  # lilicorr_conv: DFlash2's convolutions in the backbone
+
+
+@pytest.mark.parametrize("variant", [{}, CONV], ids=["lilicorr", "lilicorr_conv"])
+def test_loss_equals_a_float64_reference(setup, variant):
     bundle, layout, batch = setup
-    m = away_from_init(drafter(bundle, layout), 0.3).double()  # far enough that every lattice bias matters
+    m = away_from_init(drafter(bundle, layout, **variant), 0.3).double()  # far enough that every lattice bias matters
     out = m(batch, torch.Generator().manual_seed(5))
     anchors, vblk = m._anchors(batch, torch.Generator().manual_seed(5))
     fh = batch["final_hidden"].double()
@@ -152,9 +156,10 @@ def test_topk_bound_is_never_below_the_exact_probability(setup):
                                m(full, torch.Generator().manual_seed(2)).terms["penalty"][0], rtol=1e-5, atol=1e-6)
 
 
-def test_drafts_equal_vllms_scorer_and_walk_on_the_export(setup, tmp_path):
+@pytest.mark.parametrize("variant", [{}, CONV], ids=["lilicorr", "lilicorr_conv"])
+def test_drafts_equal_vllms_scorer_and_walk_on_the_export(setup, tmp_path, variant):
     bundle, layout, batch = setup
-    m = away_from_init(drafter(bundle, layout), 0.2)
+    m = away_from_init(drafter(bundle, layout, **variant), 0.2)
     export_drafter(m, tmp_path, {})
     cfg, weights = load_export(tmp_path)
     dcfg = cfg["dflash_config"]
@@ -253,7 +258,36 @@ def test_export_is_vllms_lilicorr_layout(setup, tmp_path):
     assert cfg2["dflash_config"]["lilicorr_hidden_size"] == Hm and "lilicorr.token_proj.weight" not in w2
 
 
+def test_conv_variant_is_dflash2s_backbone_under_the_lattice(setup, tmp_path):
+    """lilicorr_conv starts as the identity of LiLiCorr (the same loss from the same weights) and exports DFlash2's
+    convolution tensors, names and shapes those of a DFlash2 export, with the geometry vLLM's LiLiCorr reads."""
+    from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+
+    bundle, layout, batch = setup
+    plain, conv = drafter(bundle, layout), drafter(bundle, layout, **CONV)
+    missing, unexpected = conv.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all("_conv." in k for k in missing)
+    a, b = plain(batch, torch.Generator().manual_seed(1)), conv(batch, torch.Generator().manual_seed(1))
+    for name in ("ce", "lattice", "penalty"):
+        torch.testing.assert_close(b.terms[name][0], a.terms[name][0], rtol=1e-6, atol=1e-6)
+    export_drafter(conv, tmp_path / "conv", {})
+    cfg, weights = load_export(tmp_path / "conv")
+    assert (cfg["dflash_config"]["conv_kernel_size"], cfg["dflash_config"]["conv_group_size"]) == (2, 8)
+    torch.manual_seed(0)
+    d2 = DFlash2Drafter.build(DFlash2Config(num_layers=1, block_size=B, conv_kernel_size=2, conv_group_size=8,
+                                            target_layer_ids=(1, 3)), bundle, layout)
+    export_drafter(d2, tmp_path / "d2", {})
+    _, w2 = load_export(tmp_path / "d2")
+    convs = {k: tuple(v.shape) for k, v in weights.items() if "_conv." in k}
+    assert convs and convs == {k: tuple(v.shape) for k, v in w2.items() if "_conv." in k}
+    assert {k for k in weights if not k.startswith("lilicorr.")} == {k for k in w2 if not k.startswith("candidate_")}
+    _, plain_w = load_export(export_drafter(plain, tmp_path / "plain", {}))
+    assert not any("_conv." in k for k in plain_w)
+
+
 @pytest.mark.parametrize("kw, msg", [
+    (dict(conv_kernel_size=2), "both 0"),
+    (dict(conv_group_size=16), "both 0"),
     (dict(candidate_topk=6), "power of two"),
     (dict(candidate_topk=32), "power of two"),
     (dict(block_size=2), "block_size >= 3"),
@@ -286,10 +320,10 @@ def test_family_is_registered():
     assert get_family("lilicorr") == (LiLiCorrConfig, LiLiCorrDrafter)
 
 
-@pytest.mark.parametrize("recipe", ["lilicorr", "lilicorr_topk"])
+@pytest.mark.parametrize("recipe", ["lilicorr", "lilicorr_topk", "lilicorr_conv"])
 def test_train_recipe_trains_exports_and_evaluates(tmp_path, recipe):
     bundle = tiny_bundle(tmp_path / "ds")
-    layout = tiny_layout(bundle, final_hidden=recipe == "lilicorr")
+    layout = tiny_layout(bundle, final_hidden=recipe != "lilicorr_topk")
     samples = synthetic_samples(bundle, layout, 8, min_len=16, max_len=24)
     ds = write_synthetic_dataset(tmp_path / "ds", bundle, layout, {"train": samples[:6], "validation": samples[6:]},
                                  regenerated=False)

@@ -30,7 +30,11 @@ DFlash tensors plus ``lilicorr.*`` and the ``dflash_config`` fields ``LiLiCorrHe
 dflash and num_speculative_tokens <= B - 1. vLLM scores candidates from lm_head(h) with no bias, cap or scaling, and
 embeds them with the target's raw embedding, so targets needing those are refused.
 
-Not built: the ``lilicorr_conv`` variant (DFlash2's convolution layers under the lattice).
+Variant ``lilicorr_conv`` (``conv_kernel_size`` and ``conv_group_size`` both > 0; recipe lilicorr_conv): the backbone's
+layers are DFlash2's (``train.drafters.dflash2.model.ConvDecoderLayer``: the two-tap dynamic in-block convolutions
+around attention and MLP, identity at initialisation), DFlash2's candidate selector replaced by the lattice; vLLM's
+``LiLiCorr`` builds ``DFlash2Qwen3DecoderLayer`` when ``dflash_config.conv_kernel_size`` is set and requires the
+``attention_conv`` / ``mlp_conv`` tensors (``load_weights``' coverage check).
 
 Shapes: Bs batch, T positions, N blocks per sequence, B block size, S = B - 1 slots, k candidates, H hidden,
 V vocab, R rows.
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from shards.bundle import TargetBundle
 from shards.head import head_spec
@@ -52,6 +57,7 @@ from train.drafters.common.losses import row_losses, weighted_terms
 from train.drafters.common.teacher import last_hidden, require_last_hidden
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dflash2.model import ConvDecoderLayer
 from train.drafters.lilicorr.lattice import LiLiCorrHead, walk
 
 PENALTIES = ("exact", "topk_bound")
@@ -83,6 +89,10 @@ class LiLiCorrConfig(DFlashConfig):
     """The penalty's target probabilities: exact (final pre-norm state + bundle head) or topk_bound."""
     penalty_weight: float = 1.0
     """Weight of the rejection penalty 1 - sum_j min(p_j, q_j)."""
+    conv_kernel_size: int = 0
+    """lilicorr_conv: taps of DFlash2's in-block convolutions (0: none, the DFlash backbone)."""
+    conv_group_size: int = 0
+    """lilicorr_conv: channels per group sharing one dynamic tap correction (0 with conv_kernel_size 0)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +107,12 @@ class LiLiCorrConfig(DFlashConfig):
             raise ValueError("lattice_layers, lattice_heads, factor_dim and lattice_mlp_ratio must be positive")
         if self.lattice_weight < 0 or self.penalty_weight < 0:
             raise ValueError("lattice_weight and penalty_weight must be >= 0")
+        if self.conv_kernel_size < 0 or self.conv_group_size < 0 or \
+                bool(self.conv_kernel_size) != bool(self.conv_group_size):
+            raise ValueError("conv_kernel_size and conv_group_size are both 0 (LiLiCorr) or both > 0 (lilicorr_conv), "
+                             f"as vLLM's LiLiCorr requires; got {self.conv_kernel_size} and {self.conv_group_size}")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size must be <= block_size {self.block_size}, got {self.conv_kernel_size}")
         if self.draft_vocab is not None:
             raise ValueError("draft_vocab is DFlash-only: vLLM's LiLiCorr needs the full target vocabulary; drop it")
 
@@ -107,6 +123,16 @@ class LiLiCorrDrafter(DFlashDrafter):
     def __init__(self, config: LiLiCorrConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
         cfg = self.config
+        if cfg.conv_kernel_size:  # lilicorr_conv: the same layers and weights re-housed with DFlash2's convolutions
+            convs = []
+            for layer in self.layers:
+                new = ConvDecoderLayer(self.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       cfg.intermediate_size, self.eps, block_size=cfg.block_size,
+                                       group_size=cfg.conv_group_size, kernel_size=cfg.conv_kernel_size)
+                missing, unexpected = new.load_state_dict(layer.state_dict(), strict=False)
+                assert not unexpected and all("conv" in m for m in missing), (missing, unexpected)
+                convs.append(new)
+            self.layers = nn.ModuleList(convs)
         self.lilicorr = LiLiCorrHead(
             model_hidden=self.hidden_size, block_size=cfg.block_size, eps=self.eps,
             hidden=cfg.lattice_hidden or self.hidden_size, topk=cfg.candidate_topk, num_heads=cfg.lattice_heads,
@@ -296,6 +322,8 @@ class LiLiCorrDrafter(DFlashDrafter):
             "lilicorr_factor_dim": cfg.factor_dim,
             "lilicorr_vector_eps": cfg.vector_eps,
             "lilicorr_logit_scale": cfg.logit_scale,
+            "conv_kernel_size": cfg.conv_kernel_size,
+            "conv_group_size": cfg.conv_group_size,
         })
         doc["tapdraft"]["family"] = self.family
         doc["tapdraft"]["decode"] = ("slots 1..B-1 of a block at anchor a predict a + 1..a + B - 1; each keeps its "

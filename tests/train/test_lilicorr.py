@@ -219,6 +219,32 @@ def test_teacher_forced_drafts_are_the_walk_while_it_follows_the_reply(setup):
     assert checked > 0
 
 
+def test_sampled_acceptance_of_slot_0_written_out(setup):
+    """sum_j min(p_j, q_j) at slot 0 (p: the target's exact row a at temperature T, q: softmax(start / T) over the
+    candidates), written out in float64 for every valid block; counts are the valid slots."""
+    bundle, layout, batch = setup
+    m = away_from_init(drafter(bundle, layout), 0.3)
+    T = 0.8
+    sums, counts = m.sampled_acceptance(batch, temperature=T)
+    anchors, vblk = m.eval_anchors(batch)
+    _, valid, _ = m._targets(batch, anchors, vblk)
+    assert counts.tolist() == valid.sum((0, 1)).double().tolist()
+    weights = {f"lilicorr.{k}": v for k, v in m.lilicorr.state_dict().items()}
+    dcfg = m.export_config()["dflash_config"]
+    want = 0.0
+    with torch.no_grad():
+        ctx = m.context(batch["taps"])
+        h = m.block_hidden(batch["input_ids"], ctx, anchors)
+        for b, n in zip(*torch.nonzero(valid[:, :, 0], as_tuple=True)):
+            a = int(anchors[b, n])
+            cand, scores = lattice_ref(m, weights, dcfg, None, ctx[b].double(), h[b, n].double(), a)
+            z = teacher_logits(batch["final_hidden"][b, a][None].double(), m.target.norm_weight.double(),
+                               m.target.lm_head.double(), m.head_spec)[0]
+            p = torch.softmax(z / T, -1)[cand[0]]
+            want += float(torch.minimum(p, torch.softmax(scores[0, 0] / T, -1)).sum())
+    assert float(sums[0]) == pytest.approx(want, rel=1e-4)
+
+
 def test_export_is_vllms_lilicorr_layout(setup, tmp_path):
     """Every lilicorr tensor vLLM 0.32's LiLiCorrHead declares, with its shape (lilicorr.py), and nothing else."""
     bundle, layout, _ = setup

@@ -5,7 +5,8 @@
 # Writes benchmarks/results/gpu.json (or --name).
 # Then, on a GPU, the DSpark serving step: vLLM's CUDA build (engines/venv.sh vllm_gpu, built once, minutes)
 # serves a DSpark export through its V2 model runner (GPU only) and must match the target alone and
-# `tapdraft speculate` round by round (tests/engines/test_vllm_dspark.py, marked gpu; --no-serve or --tiny skips it).
+# `tapdraft speculate` round by round (tests/engines/test_vllm_dspark.py, marked gpu; --no-serve or --tiny skips it);
+# then the same for a LiLiCorr export (method dflash, LiLiCorrDraftModel: tests/engines/test_vllm_lilicorr.py).
 # Without a GPU the GPU parts are recorded as skipped (add --tiny for a seconds-long run).
 #
 #   bash benchmarks/gpu.sh                      # the full run
@@ -33,7 +34,10 @@ if [ "$serve" = 1 ] && python -c "import torch, sys; sys.exit(0 if torch.cuda.is
   # DSpark served by vLLM's V2 runner: greedy identity with the target alone, acceptance equal to speculate's
   timeout --signal=INT 1800 python -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_vllm_dspark.py \
     || rc=$?
+  # LiLiCorr served by vLLM's V2 runner (its lattice walk): the same two checks
+  timeout --signal=INT 1800 python -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_vllm_lilicorr.py \
+    || rc=$?
 else
-  echo "DSpark serving step skipped (no CUDA device, --tiny or --no-serve)"
+  echo "DSpark and LiLiCorr serving steps skipped (no CUDA device, --tiny or --no-serve)"
 fi
 exit "$rc"

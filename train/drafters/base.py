@@ -44,6 +44,7 @@ FAMILIES: dict[str, str] = {
     "eagle3": "train.drafters.eagle3.model",
     "mtp_native": "train.drafters.mtp_native.model",
     "dspark": "train.drafters.dspark.model",
+    "lilicorr": "train.drafters.lilicorr.model",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 DEFAULT_FAMILY = "dflash"

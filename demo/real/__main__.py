@@ -1,0 +1,32 @@
+"""``python -m demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
+``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from demo.real.build import build_real_targets
+from demo.real.listen import ListenConfig, build_listener
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m demo.real", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="the SmolLM2 and speech LLM directories, cached and checked")
+    b.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
+    li = sub.add_parser("listen", help="the speech LLM with its projector trained on espeak-ng transcription")
+    li.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
+    li.add_argument("--steps", type=int, default=ListenConfig.steps, help="projector updates")
+    li.add_argument("--n-train", type=int, default=ListenConfig.n_train, help="training sentences")
+    a = p.parse_args(argv)
+    if a.cmd == "build":
+        t = build_real_targets(a.root)
+        print(json.dumps({"smollm2": str(t.smollm2), "speech": str(t.speech), "checks": t.checks}, indent=2))
+    else:
+        d, info = build_listener(a.root, ListenConfig(steps=a.steps, n_train=a.n_train))
+        print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

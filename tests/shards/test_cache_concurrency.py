@@ -1,6 +1,7 @@
 """One cache directory shared by real processes on a real S3 server (SeaweedFS): two readers read whole objects
-(``open``, ``get_file`` as the bundle download does) and byte ranges while a third process evicts everything
-it can, over and over. No reader may fail, and every byte read is compared with what was uploaded."""
+(``open``, ``get_file`` as the bundle download does), byte ranges and a whole WebDataset dataset with its
+target bundle while a third process evicts everything it can, over and over. No reader may fail, and every
+byte and sample read is compared with what was uploaded."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 from shards.cache import Cache
+from shards.reader import open_dataset
 from shards.remote import RemoteConfig, RemoteFS, open_url
+from shards.shard_file import ShardConfig
+from shards.transfer import push
 from tests.s3server import SeaweedS3, weed_binary
+from tests.shards.synthetic import tiny_layout, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +43,33 @@ def s3(tmp_path_factory):
     server.kill()
 
 
-def _reader(cfg: RemoteConfig, objects: dict[str, str], tmp: str, seed: int, q) -> None:
-    """Reads whole objects and ranges in a random order; puts (reads, [problems]) on ``q``."""
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                        for k in a)
+
+
+def _reader(cfg: RemoteConfig, objects: dict[str, str], dataset: tuple[str, str], tmp: str, seed: int, q) -> None:
+    """Reads whole objects, ranges and the dataset ``(url, local copy)`` in a random order; puts (reads,
+    [problems]) on ``q``."""
     reads, problems, rng = 0, [], random.Random(seed)
+    tempfile.tempdir = tmp  # the bundle's local copies (kept while a dataset is open) land in the test's directory
     try:
+        want = list(open_dataset(dataset[1]).stream("train", seed=0, shuffle=False))
         fs, _ = open_url(next(iter(objects)), cfg)
         assert isinstance(fs, RemoteFS)
         names = sorted(objects)
         t0 = time.monotonic()
         while reads < ROUNDS and time.monotonic() - t0 < SECONDS:
             url = rng.choice(names)
-            how = rng.choice(("open", "get_file", "range"))
+            how = rng.choice(("open", "get_file", "range") * 3 + ("dataset",))
+            if how == "dataset":
+                ds = open_dataset(dataset[0], cfg)
+                got = list(ds.stream("train", seed=0, shuffle=False))
+                if ds.bundle().fingerprint != ds.fingerprint or len(got) != len(want) or not all(
+                        _same(a, b) for a, b in zip(got, want)):
+                    problems.append(f"{dataset[0]}: the samples or the bundle differ from the local dataset")
+                reads += 1
+                continue
             if how == "open":
                 with fs.open(url, "rb") as f:
                     data = f.read()
@@ -79,15 +102,19 @@ def test_readers_survive_a_concurrent_evictor(s3, tmp_path):
         key = f"{s3.bucket}/cc/obj{i:02d}.bin"
         fs.pipe(key, data)
         objects[s3.url(f"cc/obj{i:02d}.bin")] = hashlib.sha256(data).hexdigest()
+    local = str(tmp_path / "ds")
+    write_dataset(local, tiny_layout(), ShardConfig(shard_bytes=16 << 10, format="wds"), [20, 31, 12] * 3)
+    dataset = (s3.url("cc/ds"), local)
     root = str(tmp_path / "cache")
     # room for ~3 objects: the readers' own fills evict too
     cfg = RemoteConfig(cache_dir=root, cache_bytes=3 * OBJECT_BYTES, prefetch=0,
                        storage_options=tuple(s3.storage_options().items()))
+    push(local, dataset[0], config=cfg, progress=False)
 
     ctx = mp.get_context("spawn")  # s3fs runs an event-loop thread: nothing is forked under it
     q, stop, freed = ctx.Queue(), ctx.Event(), ctx.Queue()
     evictor = ctx.Process(target=_evictor, args=(root, stop, freed))
-    readers = [ctx.Process(target=_reader, args=(cfg, objects, str(tmp_path), seed, q)) for seed in (1, 2)]
+    readers = [ctx.Process(target=_reader, args=(cfg, objects, dataset, str(tmp_path), seed, q)) for seed in (1, 2)]
     evictor.start()
     for p in readers:
         p.start()

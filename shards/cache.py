@@ -10,6 +10,20 @@ concurrent ranks on one node fetch a range once; a killed filler leaves only a t
 next eviction sweeps. Size-bounded LRU: a hit touches the entry's mtime; once this process has
 added 1/16 of ``max_bytes``, one process at a time (a non-blocking lock) deletes the least recently
 used entries down to 90%. The bound is therefore approximate (+1/16 per process filling at once).
+
+Any number of processes may read through one directory while others evict. The cache never hands out a
+path, only bytes (``get``: a range copied into a fresh buffer) or an OPEN file (``open``, ``put_file``):
+the entry's file is opened before its sidecar is read, and on POSIX an unlinked file stays readable
+through a descriptor opened before the unlink, so an eviction after the lookup frees the name but
+cannot take the bytes from a reader (the disk space comes back when the last reader closes). A
+lookup that loses the race (the name gone before ``open``) is a plain miss: the caller fetches again.
+Of the three designs that work here this is the simplest: retrying on ``FileNotFoundError`` alone
+can lose forever to an eviction when the budget is smaller than the object (the filler's own commit
+evicts it), and pinning with ``flock(LOCK_SH)`` needs a lock per read plus an evictor that skips
+pinned entries, so a slow reader could hold the cache above its bound. The cost: up to one unlinked
+object per open reader may occupy disk beyond ``max_bytes`` until it is closed. An entry's name is
+its content's identity (object version + range), so whichever complete file the name held when it
+was opened has the right bytes; the digest check (once per process and entry) catches rot.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import xxhash
@@ -31,6 +45,13 @@ import xxhash
 
 def _digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(data))
+
+
+def _file_digest(f: BinaryIO) -> str:
+    h = xxhash.xxh3_64()
+    while chunk := f.read(8 << 20):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 class Cache:
@@ -66,23 +87,31 @@ class Cache:
         self._touch(data_path)
         return buf
 
-    def path(self, key: str, size: int) -> str | None:
-        """A whole-object entry as a local file path (its digest checked once per process), or None."""
+    def open(self, key: str, size: int) -> BinaryIO | None:
+        """A whole-object entry as a file opened for reading at its start (its digest checked once per process), or
+        None when missing, incomplete or damaged. The caller closes it; an eviction meanwhile does not disturb it."""
         data_path, ok_path = self._paths(key)
-        meta = self._meta(ok_path, size)
-        if meta is None or not data_path.is_file() or data_path.stat().st_size != size:
+        try:
+            f = open(data_path, "rb")  # before the sidecar: what is checked below is what the caller reads
+        except OSError:
             return None
-        if key not in self._verified:
-            h = xxhash.xxh3_64()
-            with open(data_path, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
-            if h.hexdigest() != meta["xxh3"]:
-                self.drop(key)
+        try:
+            meta = self._meta(ok_path, size)
+            if meta is None or os.fstat(f.fileno()).st_size != size:
+                f.close()
                 return None
-            self._verified.add(key)
+            if key not in self._verified:
+                if _file_digest(f) != meta["xxh3"]:
+                    f.close()
+                    self.drop(key)
+                    return None
+                self._verified.add(key)
+            f.seek(0)
+        except BaseException:
+            f.close()
+            raise
         self._touch(data_path)
-        return str(data_path)
+        return f
 
     @staticmethod
     def _meta(ok_path: Path, size: int) -> dict[str, Any] | None:
@@ -110,23 +139,26 @@ class Cache:
             f.write(memoryview(data))
         self._commit(key, tmp, len(memoryview(data).cast("B")), _digest(data))
 
-    def put_file(self, key: str, fill: Callable[[str], None]) -> str:
-        """Commit the file ``fill(tmp_path)`` writes (its digest computed here) and return its path."""
+    def put_file(self, key: str, fill: Callable[[str], None]) -> BinaryIO:
+        """Commit the file ``fill(tmp_path)`` writes (its digest computed here); returns it opened for reading at its
+        start, so the caller reads it even when the commit's own eviction (a budget below its size) removed it."""
         data_path, _ = self._paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = data_path.with_name(f"{data_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        f = None
         try:
             fill(str(tmp))
-            h = xxhash.xxh3_64()
-            with open(tmp, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
+            f = open(tmp, "rb")
+            digest = _file_digest(f)
+            f.seek(0)
+            self._commit(key, tmp, os.fstat(f.fileno()).st_size, digest)
         except BaseException:
+            if f is not None:
+                f.close()
             tmp.unlink(missing_ok=True)
             raise
-        self._commit(key, tmp, tmp.stat().st_size, h.hexdigest())
         self._verified.add(key)
-        return str(data_path)
+        return f
 
     def _commit(self, key: str, tmp: Path, size: int, digest: str) -> None:
         data_path, ok_path = self._paths(key)
@@ -181,7 +213,13 @@ class Cache:
             os.close(fd)
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*/*.bin")) if self.root.exists() else 0
+        total = 0
+        for p in self.root.glob("*/*.bin") if self.root.exists() else ():
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # evicted since the listing
+                pass
+        return total
 
 
 class _EntryLock:

@@ -2,7 +2,7 @@
 
     fs, root = open_url("s3://bucket/ds")            # a local path comes back as fsspec's local filesystem
     fs.read_range(path, start, end, check=check)     # bytes through the cache; ``check`` raises on bad bytes
-    fs.local_copy(path)                              # the whole object as a local file (cached)
+    with fs.open_local(path) as f: ...               # the whole object as an open local file (cached)
     fs.prefetch(fn, *args)                           # run a read in the background (the reader's own order)
 
 ``RemoteFS`` stands in for the fsspec filesystem of a remote URL wherever shards/ reads one: every
@@ -11,6 +11,8 @@ errors (connection refused or reset, timeouts, 5xx, throttling; never a missing 
 credential); after ``retries`` failures it raises ``RemoteError``, one line saying what to check.
 
 The cache (``shards.cache``) keeps checked byte ranges of object versions on the local disk; see there.
+A whole object comes back as an open file, never as a path into the cache: another process of the
+machine may evict the entry at any moment, and an open file survives that (``shards.cache`` says why).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import fsspec
 import numpy as np
@@ -260,22 +262,24 @@ class RemoteFS:
                     self.cache.put_bytes(self._key(paths[i], starts[i], ends[i]), data)
         return out
 
-    def local_copy(self, path: str) -> str:
-        """The whole object ``path`` as a local file in the cache (downloaded once, resumably)."""
+    def open_local(self, path: str) -> BinaryIO:
+        """The whole object ``path`` as a local file opened for reading, from the cache (downloaded once, resumably,
+        by one process of the machine at a time). The caller closes it; an eviction meanwhile does not disturb it."""
         size = self.size(path)
         if self.cache is None:
             raise ValueError(f"{path}: reading a whole remote object needs the local cache (cache_bytes > 0)")
         key = self._key(path, 0, -1)
-        hit = self.cache.path(key, size)
-        if hit is not None:
-            return hit
+        f = self.cache.open(key, size)
+        if f is not None:
+            return f
+        with self.cache.lock(key):  # threads of this process too: each takes the lock through its own descriptor
+            f = self.cache.open(key, size)  # another filled it meanwhile
+            return f if f is not None else self.cache.put_file(key, lambda tmp: self.download(path, tmp, size))
 
-        def fill() -> str:
-            with self.cache.lock(key):
-                again = self.cache.path(key, size)
-                return again if again is not None else self.cache.put_file(key, lambda tmp: self.download(path,
-                                                                                                          tmp, size))
-        return self._once(key, fill)
+    def local_copy(self, path: str) -> None:
+        """Bring the whole object ``path`` into the cache (what a prefetch of a whole shard runs)."""
+        with self.open_local(path):
+            pass
 
     def download(self, path: str, dest: str, size: int | None = None, chunk: int = 16 << 20) -> None:
         """Copy ``path`` to local ``dest`` in ranged chunks; a retry resumes at the last byte written."""
@@ -293,7 +297,7 @@ class RemoteFS:
 
     def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode == "rb" and self.cache is not None:
-            return open(self.local_copy(path), "rb")
+            return self.open_local(path)
         return self.inner.open(path, mode, **kwargs)
 
     def get(self, rpath: str, lpath: str, recursive: bool = False, **kwargs: Any) -> None:
@@ -306,7 +310,17 @@ class RemoteFS:
             rel = f[len(rpath):].lstrip("/") if recursive else ""
             dest = Path(lpath) / rel if rel else Path(lpath)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.local_copy(f), dest)
+            self._copy_out(f, dest)
+
+    def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+        """Copy one remote file to ``lpath`` through the cache (the target bundle's download)."""
+        if self.cache is None:
+            return retry(self.inner.get_file, self.config, "read")(rpath, lpath, **kwargs)
+        self._copy_out(rpath, Path(lpath))
+
+    def _copy_out(self, rpath: str, dest: Path) -> None:
+        with self.open_local(rpath) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 8 << 20)
 
     def prefetch(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (a read that fills the cache) on a background thread; its errors are left for the

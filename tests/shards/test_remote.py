@@ -134,12 +134,29 @@ def test_a_filler_killed_mid_write_leaves_no_entry(tmp_path, blob):
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
     fs = remote(tmp_path)
-    assert Path(fs.local_copy(blob)).read_bytes() == Path(blob).read_bytes()  # the temp file is not an entry
+    with fs.open_local(blob) as f:
+        assert f.read() == Path(blob).read_bytes()  # the temp file is not an entry
     leftovers = list((tmp_path / "cache").glob("*/*.tmp"))
     assert len(leftovers) == 1
     os.utime(leftovers[0], (time.time() - 3600,) * 2)
     fs.cache.evict()
     assert not list((tmp_path / "cache").glob("*/*.tmp"))  # swept once stale
+
+
+def test_an_open_entry_survives_its_eviction(tmp_path, blob):
+    """The cache hands out open files, not paths: eviction frees the name, the reader keeps the bytes. A budget
+    below the object's size evicts it in its own commit, and the filler still reads it."""
+    want = Path(blob).read_bytes()
+    fs = remote(tmp_path)
+    held = fs.open_local(blob)
+    fs.cache.evict(target=0)
+    assert fs.cache.total_bytes() == 0 and held.read() == want
+    held.close()
+    tiny = remote(tmp_path / "tiny", cache_bytes=1024)
+    with tiny.open_local(blob) as f:
+        assert tiny.cache.total_bytes() == 0 and f.read() == want
+    tiny.get_file(blob, str(tmp_path / "copy.bin"))
+    assert (tmp_path / "copy.bin").read_bytes() == want and tiny.inner.reads == 2
 
 
 def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path, blob):

@@ -204,11 +204,17 @@ def _why_unwritable(folder: Path) -> int | None:
     return None
 
 
+def replace(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """``os.replace`` made durable: ``tmp``'s bytes reach the disk before the rename, the rename after (a local
+    file finished elsewhere: a pulled shard's ``.part``, the pulled manifest)."""
+    _sync_new(Path(tmp))
+    _rename(tmp, path)
+
+
 def commit(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> None:
     """Move a finished temp file onto ``path``, replacing any old file without deleting it first."""
     if is_local(fs):
-        _sync_new(Path(fs._strip_protocol(tmp)))
-        _rename(fs._strip_protocol(tmp), fs._strip_protocol(path))
+        replace(fs._strip_protocol(tmp), fs._strip_protocol(path))
     else:
         fs.mv(tmp, path)  # object stores: the new object becomes visible whole
 

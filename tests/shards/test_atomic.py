@@ -218,3 +218,23 @@ def test_durable_off_syncs_nothing(tmp_path, monkeypatch):
     with atomic.staged(tmp_path / "x") as tmp:
         tmp.write_text("1")
     assert [e[0] for e in events] == ["rename"] and (tmp_path / "x").read_text() == "1"
+
+
+def test_a_pulled_dataset_syncs_each_file_before_its_rename_and_the_manifest_last(tmp_path, monkeypatch):
+    """pull renames each finished ``.part`` onto its name, then the manifest: every one synced before its rename,
+    its directory after, so a power cut never leaves a manifest over shards that did not reach the disk."""
+    from shards.shard_file import ShardConfig
+    from shards.transfer import pull
+    from tests.shards.synthetic import tiny_layout, write_dataset
+
+    store = tmp_path / "store"
+    write_dataset(str(store), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), [4, 5, 6])
+    events = _record_syncs(monkeypatch)
+    copy = tmp_path / "copy"
+    pull(str(store), str(copy), progress=False)
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert len(renames) >= 4 and events[renames[-1]] == ("rename", str(copy / "manifest.json")), events
+    for i in renames:
+        dst = Path(events[i][1])
+        assert events[i - 1][0] == "fsync" and events[i - 1][1].startswith(str(dst)), events[i - 1:i + 2]
+        assert events[i + 1] == ("fsync", str(dst.parent)), events[i - 1:i + 2]

@@ -186,7 +186,7 @@ def _disk_error(exc: BaseException) -> tuple[int, str] | None:
                 if m and m.group(1) and int(m.group(1)) in _DISK_ERRNOS:
                     dst = m.group(2) or (entry[1] if isinstance(entry, tuple) and len(entry) == 3 else "")
                     return int(m.group(1)), _text(dst)
-        elif not isinstance(e, OSError):
+        elif not isinstance(e, (OSError, ValueError)):  # a ValueError's own message says more than its text's errno
             code = disk_errno(e)
             if code is not None:
                 return code, ""

@@ -58,6 +58,8 @@ def test_a_disk_error_raised_from_is_found_and_a_bug_during_one_stays_a_bug():
     except TypeError as e:
         assert classify(e) is None  # its traceback is shown: it is no disk problem to fix
     assert classify(RuntimeError("unexpected pos 10 vs 4")) is None  # torch's: only staged can ask the disk
+    msg = "--out x: its last run failed with [Errno 28]; choose another"
+    assert classify(ValueError(msg)) == (2, msg)  # a user error's own message is kept whole
 
 
 def test_permission_said_reading_or_writing(tmp_path):

@@ -513,11 +513,27 @@ def _untagged_help(get_help_option):  # noqa: ANN001, ANN202
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: an error a user can act on is one ``error:`` line and its documented exit code;
-    a warning of tapdraft's own is one ``warning:`` line."""
+    a warning of tapdraft's own is one ``warning:`` line. The same holds for such an error in a library's
+    thread (TensorBoard writes its event files from one, then raises the error again in the caller): one line,
+    not the thread's traceback and then the line."""
+    import threading
+
     from shards.errors import EXIT_INTERRUPTED, classify
 
     _RUN["debug"] = False
     warnings.formatwarning = _format_warning
+    said: set[str] = set()
+    thread_hook = threading.excepthook
+
+    def one_line(args: threading.ExceptHookArgs) -> None:
+        verdict = classify(args.exc_value) if args.exc_value is not None else None
+        if verdict is None or _RUN["debug"]:
+            thread_hook(args)
+        elif verdict[1] not in said:
+            said.add(verdict[1])
+            typer.echo(f"error: {verdict[1]}", err=True)
+
+    threading.excepthook = one_line
     try:
         _tagged(typer.main.get_command(app))(args=argv, prog_name="tapdraft")
     except Exception as e:  # SystemExit and KeyboardInterrupt pass (typer turns Ctrl-C into exit 130)
@@ -528,8 +544,12 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         sys.stdout.flush()
         label = "interrupted" if verdict[0] == EXIT_INTERRUPTED else "error"  # a stop the user asked for is no error
-        typer.echo(f"{label}: {verdict[1]}", err=True)
+        if verdict[1] not in said:
+            said.add(verdict[1])
+            typer.echo(f"{label}: {verdict[1]}", err=True)
         raise SystemExit(verdict[0]) from None
+    finally:
+        threading.excepthook = thread_hook
 
 
 if __name__ == "__main__":

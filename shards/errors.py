@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import shutil
 import signal
 import threading
 from typing import Any
@@ -118,21 +120,87 @@ class StopSignals:
 
 
 def classify(exc: BaseException) -> tuple[int, str] | None:
-    """(exit code, one-line message) for an error a user can act on; None for a bug (show the traceback)."""
+    """(exit code, one-line message) for an error a user can act on; None for a bug (show the traceback).
+
+    A disk error counts wherever it surfaces: an ``OSError`` carrying one of the errnos above (its path decoded when
+    a library hands it as bytes, as TensorBoard's writer does; the destination when a copy names both files), one
+    found in the exception's ``__cause__`` (``raise ... from``), a ``shutil.Error`` of ``copytree`` (a list of
+    ``[Errno N]`` strings), and a library error that hides the errno in its message (safetensors' ``Os { code:
+    N``): see :func:`disk_errno`."""
     if isinstance(exc, TapdraftError):
         return exc.exit_code, _one_line(str(exc))
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        what = _DISK_ERRNOS[exc.errno]
-        if exc.errno in (errno.EACCES, errno.EPERM) and _unreadable(exc.filename):
-            return EXIT_USER, (f"{what} reading {exc.filename}; ask its owner for read access, or copy it where you "
+    disk = _disk_error(exc)
+    if disk is not None:
+        code, filename = disk
+        what = _DISK_ERRNOS[code]
+        if code in (errno.EACCES, errno.EPERM) and _unreadable(filename):
+            return EXIT_USER, (f"{what} reading {filename}; ask its owner for read access, or copy it where you "
                                "can read it")
-        where = f" writing {exc.filename}" if exc.filename else ""
+        where = f" writing {filename}" if filename else ""
         todo = ("free space (or raise the quota) and rerun the same command: finished work is kept and resumed"
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location, or fix its permissions")
+                if code in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location, or fix its permissions")
         return EXIT_USER, f"{what}{where}; {todo}"
     if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
         return EXIT_USER, _one_line(str(exc))
     return None
+
+
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\][^:]*(?::\s*'(.*)')?|Os \{ code: (\d+)")
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed writing")
+
+
+def disk_errno(exc: BaseException) -> int | None:
+    """The disk errno (one of the classified ones) an exception that is not an ``OSError`` hides in its text:
+    safetensors' ``SafetensorError: ... IoError(Os { code: 28, ... })``, or a ``shutil.Error``'s ``[Errno 28]``;
+    None when it names none. torch's writer names no errno at all (``unexpected pos``, ``file write failed``):
+    :func:`torch_write_failed` recognises it, and ``shards.atomic.staged``, which knows the path, asks the
+    filesystem why."""
+    for m in _ERRNO_IN_TEXT.finditer(str(exc)):
+        code = int(m.group(1) or m.group(3))
+        if code in _DISK_ERRNOS:
+            return code
+    return None
+
+
+def torch_write_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's writer failing to write (it reports a full disk as ``RuntimeError: ... unexpected
+    pos N vs M`` or ``file write failed``, without the errno)."""
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _TORCH_WRITE_FAILED)
+
+
+def _disk_error(exc: BaseException) -> tuple[int, str] | None:
+    """(errno, path as text) of the disk error ``exc`` is or carries; None when it is none."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:  # the exception, then what it was raised from (never an implicit
+        # context: a bug raised while handling a full disk stays a bug with its traceback)
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            name = e.filename
+            if e.errno not in (errno.EACCES, errno.EPERM) and e.filename2:
+                name = e.filename2  # shutil.copyfile names (source, destination); a full disk is the destination's
+            return e.errno, _text(name)
+        if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list):
+            for entry in e.args[0]:
+                m = _ERRNO_IN_TEXT.search(str(entry[-1]) if isinstance(entry, tuple) else str(entry))
+                if m and m.group(1) and int(m.group(1)) in _DISK_ERRNOS:
+                    dst = m.group(2) or (entry[1] if isinstance(entry, tuple) and len(entry) == 3 else "")
+                    return int(m.group(1)), _text(dst)
+        elif not isinstance(e, (OSError, ValueError)):  # a ValueError's own message says more than its text's errno
+            code = disk_errno(e)
+            if code is not None:
+                return code, ""
+        e = e.__cause__
+    return None
+
+
+def _text(filename: Any) -> str:
+    """A path as text: libraries hand some as bytes (TensorBoard), which must not print as ``b'...'``."""
+    if filename is None:
+        return ""
+    if isinstance(filename, bytes):
+        return os.fsdecode(filename)
+    return str(filename)
 
 
 def _unreadable(filename: Any) -> bool:

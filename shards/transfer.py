@@ -27,7 +27,6 @@ shard before finalize renamed it) is copied on the server instead of sent again.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any, Callable
 import fsspec
 
 from shards import manifest as mf
+from shards.atomic import replace
 from shards.errors import CorruptShardError
 from shards.limits import parse_json, regular_file
 from shards.members import dataset_members
@@ -259,7 +259,7 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
                                     "pull to fetch them again")
         tmp = out / (mf.MANIFEST + ".tmp")
         tmp.write_bytes(raw)
-        os.replace(tmp, out / mf.MANIFEST)  # last: the commit point
+        replace(tmp, out / mf.MANIFEST)  # last: the commit point (synced before and after)
     stats["up_to_date"] = False
     return stats
 
@@ -291,7 +291,7 @@ def _download(fs: Any, R: Callable[..., Any], rpath: str, target: Path, size: in
             part.unlink()
             raise CorruptShardError(f"{rpath}: the downloaded copy has ETag {want}, the store says {etag}: damaged in "
                                     "transit (the partial file was deleted); rerun the pull")
-    os.replace(part, target)
+    replace(part, target)  # synced before and after: a power cut cannot leave a short shard under its name
     return got
 
 

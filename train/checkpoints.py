@@ -1,8 +1,9 @@
 """The checkpoint store of a run directory: ``checkpoints/step-NNNNNNN/state.pt``.
 
-A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``), so a
-crash leaves the old checkpoint or the new one, never neither; ``latest_checkpoint`` reads only
-finished ``step-N`` directories and repairs a swap a crash interrupted.
+A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``, which fsyncs it
+before the swap and its folder after), so a crash or a power cut leaves the old checkpoint or the new one, never
+neither; a full disk or a read-only run directory is one ``error:`` line naming the checkpoint. ``latest_checkpoint``
+reads only finished ``step-N`` directories and repairs a swap a crash interrupted.
 
 Run directories travel between teams (``eval``, ``speculate``, ``export`` read them), and a pickle can
 run any code when it is loaded. So a checkpoint holds only tensors, state dicts and plain types and is
@@ -149,9 +150,17 @@ def trust_checkpoint(path: str | Path) -> Path:
         raise ValueError(f"{file} is not a tapdraft checkpoint of version 1 or {CKPT_VERSION}")
     plain = _plain({**state, "version": CKPT_VERSION}, "state")
     with staged(file) as tmp:
-        torch.save(plain, tmp)
+        _save(plain, tmp)
     load_checkpoint(path)  # proves it now loads safely
     return file
+
+
+def _save(obj: Any, file: Path) -> None:
+    """``torch.save`` through a Python file object: given a path, torch's own writer reports a full disk as
+    ``RuntimeError: ... unexpected pos`` with no errno and no path; through ``f.write`` the ``OSError`` itself
+    comes out (``staged`` adds the path), so ``train`` says "no space left ... writing ..." in one line."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
 
 
 def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
@@ -160,7 +169,7 @@ def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
     final = root / f"step-{ckpt.step:07d}"
     with staged(final) as tmp:
         tmp.mkdir()
-        torch.save(ckpt.to_payload(), tmp / STATE_FILE)
+        _save(ckpt.to_payload(), tmp / STATE_FILE)
     olds = [p for p in _checkpoints(root) if p != final]
     for p in olds[: max(len(olds) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)

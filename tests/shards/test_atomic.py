@@ -153,3 +153,88 @@ def test_staged_file_gets_the_ordinary_mode(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert dest.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def _record_syncs(monkeypatch) -> list[tuple[str, str]]:
+    """Every fsync and rename as ("fsync"|"rename", path), in order (an fd's path read back from /proc)."""
+    import os
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        events.append(("rename", str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_a_committed_file_is_synced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    """A power cut after the rename must not find the new name with the old (or no) bytes: the file's fsync comes
+    before the rename that publishes it, the directory's after (the rename itself reaches the disk)."""
+    events = _record_syncs(monkeypatch)
+    dest = tmp_path / "manifest.json"
+    with atomic.staged(dest) as tmp:
+        tmp.write_text("{}")
+    assert events == [("fsync", str(tmp)), ("rename", str(dest)), ("fsync", str(tmp_path))]
+    events.clear()
+    fs = fsspec.filesystem("file")
+    atomic.write_bytes_atomic(fs, str(tmp_path / "shard.arrow"), b"bytes")  # the streamed shards' commit
+    assert events == [("fsync", str(tmp_path / "shard.arrow.tmp")), ("rename", str(tmp_path / "shard.arrow")),
+                      ("fsync", str(tmp_path))]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_a_committed_directory_is_synced_whole_before_the_swap(tmp_path, monkeypatch, exchange):
+    """A checkpoint or bundle directory: every file in it and every directory of it before the swap, the parent
+    after each rename (the swap, or both renames of the fallback)."""
+    dest = tmp_path / "step-0000002"
+    _write_dir(dest, "old")
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    events = _record_syncs(monkeypatch)
+    with atomic.staged(dest) as tmp:
+        _write_dir(tmp, "new")
+    first_publish = next(i for i, e in enumerate(events) if e[0] == "rename" or e[1] == str(tmp_path))
+    synced = {p for kind, p in events[:first_publish]}
+    assert synced == {str(tmp / "a.json"), str(tmp / "sub" / "b.bin"), str(tmp / "sub"), str(tmp)}, events
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert len(renames) == (0 if exchange else 2)
+    for i in renames:
+        assert events[i + 1] == ("fsync", str(tmp_path)), events
+    assert events[-1] == ("fsync", str(tmp_path)) and _dir_state(dest) == "new"
+
+
+def test_durable_off_syncs_nothing(tmp_path, monkeypatch):
+    """What ``benchmarks.durable`` compares against: the same commits without a single fsync."""
+    events = _record_syncs(monkeypatch)
+    monkeypatch.setattr(atomic, "DURABLE", False)
+    with atomic.staged(tmp_path / "x") as tmp:
+        tmp.write_text("1")
+    assert [e[0] for e in events] == ["rename"] and (tmp_path / "x").read_text() == "1"
+
+
+def test_a_pulled_dataset_syncs_each_file_before_its_rename_and_the_manifest_last(tmp_path, monkeypatch):
+    """pull renames each finished ``.part`` onto its name, then the manifest: every one synced before its rename,
+    its directory after, so a power cut never leaves a manifest over shards that did not reach the disk."""
+    from shards.shard_file import ShardConfig
+    from shards.transfer import pull
+    from tests.shards.synthetic import tiny_layout, write_dataset
+
+    store = tmp_path / "store"
+    write_dataset(str(store), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), [4, 5, 6])
+    events = _record_syncs(monkeypatch)
+    copy = tmp_path / "copy"
+    pull(str(store), str(copy), progress=False)
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert len(renames) >= 4 and events[renames[-1]] == ("rename", str(copy / "manifest.json")), events
+    for i in renames:
+        dst = Path(events[i][1])
+        assert events[i - 1][0] == "fsync" and events[i - 1][1].startswith(str(dst)), events[i - 1:i + 2]
+        assert events[i + 1] == ("fsync", str(dst.parent)), events[i - 1:i + 2]

@@ -1,4 +1,4 @@
-"""Fit speculative-decoding drafters (DFlash, DFlash2, DSpark, LiLiCorr, EAGLE-3, MTP) from a dataset, never the live target.
+"""Fit speculative-decoding drafters (DFlash, DFlash2, DSpark, LiLiCorr, EAGLE-3, MTP) from a dataset, not the target.
 
 Entry points (what ``cli.py`` and the demo call):
     run = train.config.load_run_config("dflash_demo", overrides=["max_steps=100"])

@@ -82,7 +82,8 @@ class VLLMConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"VLLMConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"VLLMConfig.max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}")
+            raise ValueError("VLLMConfig.max_num_batched_tokens must be >= 1 or None, "
+                             f"got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)

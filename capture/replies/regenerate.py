@@ -285,7 +285,8 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     if not records and total:
         shutil.rmtree(work, ignore_errors=True)  # nothing to resume: a rerun should change a setting
         raise ValueError(f"regenerate wrote nothing: all {total} conversation(s) were dropped "
-                         f"({_counted(counts)}). {drop_advice(counts, cfg, drops)} Nothing was written to {out.resolve()}.")
+                         f"({_counted(counts)}). {drop_advice(counts, cfg, drops)} "
+                         f"Nothing was written to {out.resolve()}.")
     if len(records) < total / 2:
         warnings.warn(f"regenerate kept only {len(records)} of {total} conversations (dropped {_counted(counts)}). "
                       f"{drop_advice(counts, cfg, drops)}", stacklevel=2)

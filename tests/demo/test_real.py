@@ -79,7 +79,8 @@ def test_build_checks_and_licences(real):
     assert real.checks["encoder_vs_ctranslate2_max_diff"] < 1e-4
     for d in (real.smollm2, real.speech):
         info = json.loads((d / "build.json").read_text())
-        assert "Apache-2.0" in info["licenses"]["SmolLM2-135M-Instruct"] and "MIT" in info["licenses"]["Whisper tiny.en"]
+        licenses = info["licenses"]
+        assert "Apache-2.0" in licenses["SmolLM2-135M-Instruct"] and "MIT" in licenses["Whisper tiny.en"]
     assert "Apache License" in (real.smollm2 / "LICENSE").read_text()
     assert build_real_targets() == real  # cached: nothing rebuilt
 

@@ -258,7 +258,8 @@ def test_capture_into_s3(s3, salm_dir, tmp_path, monkeypatch):
     try:
         m = capture(cfg)
         up = m["run_stats"]["upload"]
-        assert up["background"] >= 1 and up["copied"] >= 1, up["last_error"]  # shards went up while capturing, renamed on the store
+        # shards went up while capturing, renamed on the store
+        assert up["background"] >= 1 and up["copied"] >= 1, up["last_error"]
         ds = open_dataset(url, remote(s3, tmp_path))
         assert ds.num_samples("train") == 6 and ds.manifest == open_dataset(str(stage)).manifest
         fs = s3fs_of(s3)

@@ -1,1 +1,2 @@
-"""NeMo speechlm2 SALM checkpoints read without NeMo: the checkpoint and its adapter (salm), its audio front end (audio)."""
+"""NeMo speechlm2 SALM checkpoints read without NeMo: the checkpoint and its adapter (salm), its audio front end
+(audio)."""

@@ -389,3 +389,20 @@ def test_a_full_vocabulary_uses_its_unk_token_silently_when_pad_is_a_zero_row(se
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert default_mask_id(full, layout) == 7
+
+
+def test_the_tap_rule_fallback_warns_once_however_often_the_config_is_resolved(tmp_path):
+    """Training resolves the config in several places (build, the dataset check); the fallback is said once."""
+    from shards.taps import default_tap_ids
+
+    bundle = tiny_bundle(tmp_path, layers=4)
+    layout = tiny_layout(bundle, tap_ids=(0, 1))
+    assert not set(default_tap_ids(4, 1)) <= {0, 1}  # the rule wants taps this dataset lacks
+    cfg = DFlashConfig(block_size=4, num_layers=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        first = cfg.resolve(bundle, layout)  # two call sites, as build and the dataset check are
+        second = cfg.resolve(bundle, layout)
+    taps = [w for w in seen if "tap rule" in str(w.message)]
+    assert len(taps) == 1, [str(w.message) for w in taps]
+    assert first.target_layer_ids == second.target_layer_ids == (0, 1)

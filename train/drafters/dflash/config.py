@@ -138,11 +138,12 @@ class DFlashConfig:
             else:
                 non_last = [i for i in layout.tap_ids if i != layout.num_layers - 1]
                 ids = tuple(non_last or layout.tap_ids)
+                # warned from this line (as warn_zero_mask): shown once per run, not once per place that resolves
                 warnings.warn(
                     f"the DFlash tap rule for a {self.num_layers}-layer draft over {layout.num_layers} target layers "
                     f"is {rule}, but the dataset stores taps {list(layout.tap_ids)}: training on {list(ids)} instead "
                     "(recorded as drafter.target_layer_ids in the run's config.json). Set drafter.target_layer_ids "
-                    f"to choose, or capture with --draft-layers {self.num_layers}", UserWarning, stacklevel=2)
+                    f"to choose, or capture with --draft-layers {self.num_layers}", UserWarning, stacklevel=1)
         missing = [i for i in ids if i not in layout.tap_ids]
         if missing:
             raise ValueError(

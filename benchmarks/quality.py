@@ -14,8 +14,19 @@ figures are exact. Each recipe trains with ``train.loop.train`` on the same data
     live                ``speculate.run.run_speculate`` on validation prompts at each ``--temperatures``
                         (T=0: output must equal the target's greedy output; T=1: rejection sampling)
 
-The baseline in the same run is the same drafter after one step (tau_untrained). Writes
-benchmarks/results/NAME.
+and, per live temperature, what a round costs and what decoding delivers (``speculate``'s report):
+
+    round_cost          R: a round (draft + verify) over a plain decode step of the same target, both timed in
+                        the same run by tapdraft's in-process decoding (batch 1, CPU, not vLLM)
+    speedup             tau / R, the decode phase's expected speedup (break-even at tau = R)
+    tokens_per_s        emitted tokens over speculate's decoding seconds; ``vs_target`` divides it by the target
+                        decoding the same prompts alone (timed by the T=0 greedy check, same run)
+
+The baseline in the same run is the same drafter after one step (tau_untrained). ``--recipes families`` is one
+recipe per family (:data:`FAMILY_RECIPES`: DFlash, DFlash2, DSpark, LiLiCorr and LiLiCorr on DFlash2's
+convolutions, EAGLE-3, MTP): before training, :func:`one_budget` checks that every recipe resolves to the same
+training config (steps, tokens per batch, learning rate) and that the DFlash-backbone recipes share one block
+size and depth, and raises where they do not. Ends with one table; writes benchmarks/results/NAME.
 
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
     python -m benchmarks.quality                      # full demo, recipe dflash_demo
@@ -25,11 +36,16 @@ benchmarks/results/NAME.
     python -m benchmarks.quality --target bpe --workdir bpe_work --steps 150 --set train.max_tokens=768 \
         --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --live 64 --name quality_bpe.json
                                                       # 8k-vocabulary target, T=0 and T=1 (~30 min, 1 thread)
+    python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 150 \
+        --set train.max_tokens=768 --live 32 --name quality_families.json
+                                                      # every family, one budget (see the result for the time)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
@@ -41,6 +57,36 @@ from benchmarks.common import write_result
 from train.config import load_run_config
 from train.evaluate import evaluate
 from train.loop import train
+
+FAMILY_RECIPES = ("dflash_demo", "dflash2_demo", "dspark_demo", "lilicorr_demo", "lilicorr_conv_demo",
+                  "eagle3_demo", "mtp_demo")
+"""``--recipes families``: every drafter family in its demo-sized form, all on ``_demo_train``'s budget. The four
+DFlash-backbone recipes share ``dflash_demo``'s drafter (2 layers, block 8) and add one head each, as ModelOpt's
+matched comparison (PR #2342) keeps DFlash's backbone and block 16; EAGLE-3 drafts 4 steps, MTP one depth (what
+vLLM serves)."""
+
+
+def one_budget(runs: dict[str, Any]) -> dict[str, Any]:
+    """The budget every run shares: the same training config, and for the recipes whose drafter has a block (the
+    DFlash backbone) the same block size and depth. ``ValueError`` naming the recipe that differs, else the shared
+    training config and block."""
+    items = list(runs.items())
+    if not items:
+        raise ValueError("no recipes to compare")
+    first, ref = items[0]
+    for name, run in items[1:]:
+        if run.train != ref.train:
+            diff = sorted(k for k, v in dataclasses.asdict(run.train).items()
+                          if v != getattr(ref.train, k))
+            raise ValueError(f"recipe {name} trains on another budget than {first} ({', '.join(diff)} differ); "
+                             f"give them one with --set train.KEY=VALUE or compare them in separate runs")
+    blocks = {name: (run.drafter.block_size, run.drafter.num_layers) for name, run in items
+              if hasattr(run.drafter, "block_size")}
+    if len(set(blocks.values())) > 1:
+        raise ValueError(f"the DFlash-backbone recipes differ in (block_size, num_layers): {blocks}; give them one "
+                         "with --set drafter.block_size=N or compare them in separate runs")
+    return {"train": dataclasses.asdict(ref.train),
+            "block": None if not blocks else dict(zip(("block_size", "num_layers"), next(iter(blocks.values()))))}
 
 
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,21 +113,31 @@ def live(target: Path, run_dir: Path, dataset: Path, conversations: Path, *, tem
     r = run_speculate(SpeculateConfig(target=str(target), draft=str(run_dir), data=str(dataset),
                                       conversations=str(conversations), max_samples=samples,
                                       max_new_tokens=max_new_tokens, temperature=temperature), progress=False)
-    # alpha@k is NaN where no round judged draft k: null in the JSON
-    out = {"tau": round(r["tau"], 4), "alpha": [None if a != a else round(a, 4) for a in r["alpha"]],
-           "samples": r["samples"],
-           "tokens": r["tokens"], "rounds": r["rounds"], "seconds": round(time.perf_counter() - t0, 2)}
+    cost, b = r["cost"], r["breakeven"]
+    rnd = lambda x, n=4: None if x is None or x != x else round(x, n)  # noqa: E731 (alpha@k: null where unreached)
+    out = {"tau": round(r["tau"], 4), "alpha": [rnd(a) for a in r["alpha"]],
+           "samples": r["samples"], "tokens": r["tokens"], "rounds": r["rounds"],
+           "drafts_per_round": r["drafts_per_round"], "seconds": round(time.perf_counter() - t0, 2),
+           "round_ms": rnd(cost["round_seconds"] and 1e3 * cost["round_seconds"], 3),
+           "plain_step_ms": rnd(cost["plain_step_seconds"] and 1e3 * cost["plain_step_seconds"], 3),
+           "round_cost": rnd(cost["round_cost"]), "speedup": None if b is None else round(b["speedup"], 4),
+           "tokens_per_s": rnd(r["tokens"] / r["seconds_speculative"] if r["seconds_speculative"] else None, 2)}
     if "matches_greedy" in r:
         out["matches_greedy"] = r["matches_greedy"]
+        out["target_tokens_per_s"] = rnd(r["tokens"] / r["seconds_target_alone"]
+                                         if r["seconds_target_alone"] else None, 2)
     return out
 
 
-def run_recipe(recipe: str, steps: int, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
-               temperatures: list[float]) -> dict[str, Any]:
-    dataset = str(prep["dataset"])
+def recipe_config(recipe: str, steps: int, args: argparse.Namespace) -> Any:
     sets = [f"max_steps={steps}", "progress=false", f"log_every={max(steps // 10, 1)}", "ckpt_every=100000",
             *args.overrides]
-    run = load_run_config(recipe, overrides=sets)
+    return load_run_config(recipe, overrides=sets)
+
+
+def run_recipe(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
+               temperatures: list[float]) -> dict[str, Any]:
+    dataset, steps = str(prep["dataset"]), run.train.max_steps
     base_dir, run_dir = runs_root / f"{recipe}-step1", runs_root / f"{recipe}-{steps}"
     for d in (base_dir, run_dir):
         if d.exists():
@@ -109,6 +165,11 @@ def run_recipe(recipe: str, steps: int, args: argparse.Namespace, prep: dict[str
         row["live"] = {f"T={t:g}": live(prep["target"], run_dir, prep["dataset"], prep["conversations"],
                                          temperature=t, samples=args.live, max_new_tokens=args.max_new_tokens)
                        for t in temperatures}
+        target_tps = row["live"].get("T=0", {}).get("target_tokens_per_s")
+        for v in row["live"].values():
+            if target_tps and v["tokens_per_s"] is not None:
+                v["vs_target"] = round(v["tokens_per_s"] / target_tps, 4)
+    row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     return row
 
 
@@ -123,14 +184,36 @@ def format_row(row: dict[str, Any]) -> str:
             f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}")
 
 
-def main() -> None:
+def table(rows: list[dict[str, Any]], temperatures: list[float]) -> str:
+    """One line per recipe: offline tau, then per live temperature tau, round cost R, tau / R, tokens/s and the
+    ratio to the target alone."""
+    f = lambda x, w=5, p=3: f"{'-':>{w}}" if x is None else f"{x:{w}.{p}f}"  # noqa: E731
+    head = f"{'recipe':18s} {'family':8s} K  train_s  tau   replay sampl"
+    for t in temperatures:
+        head += f" | T={t:g}: tau     R  tau/R tok/s  xtgt"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lv = r.get("live", {})
+        k = next((v["drafts_per_round"] for v in lv.values()), None)
+        line = (f"{r['recipe']:18s} {r['family']:8s} {'-' if k is None else k:<2} {r['train_seconds']:7.0f} "
+                f"{r['tau']:5.3f} {f(r['tau_replayed'])} {f(r['tau_sampled'])}")
+        for t in temperatures:
+            v = lv.get(f"T={t:g}", {})
+            line += (f" |      {f(v.get('tau'))} {f(v.get('round_cost'), 5, 2)} {f(v.get('speedup'), 5, 2)} "
+                     f"{f(v.get('tokens_per_s'), 5, 0)} {f(v.get('vs_target'), 5, 2)}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", choices=("demo", "bpe"), default="demo",
                     help="demo: the demo SALM (54 words); bpe: Qwen3 causal LM with an 8k BPE vocabulary")
     ap.add_argument("--workdir", default="demo_work", help="target, data, dataset and runs cache")
     ap.add_argument("--quick", action="store_true", help="tiny target and data")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
-    ap.add_argument("--recipes", default="dflash_demo", help="comma-separated recipe names")
+    ap.add_argument("--recipes", default="dflash_demo",
+                    help="comma-separated recipe names, or 'families': one recipe per family on one budget")
     ap.add_argument("--dataset", default=None, help="use this already captured dataset (no target build, no live)")
     ap.add_argument("--temperatures", default="0,1", help="live decoding temperatures (comma-separated)")
     ap.add_argument("--live", type=int, default=64, help="validation conversations decoded live per temperature "
@@ -140,7 +223,7 @@ def main() -> None:
                     "other processes for 2 cores ran 4x slower here)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     t0 = time.perf_counter()
@@ -148,16 +231,21 @@ def main() -> None:
     prep_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)
     runs_root = Path(args.workdir) / "quality_runs"
+    names = list(FAMILY_RECIPES) if args.recipes == "families" else [r for r in args.recipes.split(",") if r]
+    runs = {r: recipe_config(r, args.steps or (40 if args.quick else load_run_config(r).train.max_steps), args)
+            for r in names}
+    budget = one_budget(runs) if args.recipes == "families" else None
+    load_start = [round(x, 2) for x in os.getloadavg()]
     rows = []
-    for recipe in [r for r in args.recipes.split(",") if r]:
-        steps = args.steps or (40 if args.quick else load_run_config(recipe).train.max_steps)
-        rows.append(run_recipe(recipe, steps, args, prep, runs_root, temperatures))
+    for recipe, run in runs.items():
+        rows.append(run_recipe(recipe, run, args, prep, runs_root, temperatures))
         print(format_row(rows[-1]), flush=True)
+    print(table(rows, temperatures))
     from shards.reader import open_dataset
 
     cfg = open_dataset(str(prep["dataset"])).bundle().config
     name = args.name or ("quality_quick.json" if args.quick else "quality.json")
-    write_result(name, {
+    return write_result(name, {
         "benchmark": "quality",
         "what": "tau of drafters on the target's validation split: offline greedy (uniform anchors; replayed "
                 "round by round), offline sampled (exact target rows, every family), live speculative decoding "
@@ -166,9 +254,12 @@ def main() -> None:
                    "workdir": str(args.workdir), "dataset": str(prep["dataset"]),
                    "prepare_seconds": round(prep_s, 2), "build": prep["info"],
                    **{k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}},
+        "budget": budget,
         "results": rows,
+        "table": table(rows, temperatures).splitlines(),
+        "seconds": round(time.perf_counter() - t0, 1),
         "config": vars(args),
-        "machine_extra": {"threads": args.threads, "device": "cpu"},
+        "machine_extra": {"threads": args.threads, "device": "cpu", "load_avg_start": load_start},
     })
 
 

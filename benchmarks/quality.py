@@ -36,9 +36,11 @@ size and depth, and raises where they do not. Ends with one table; writes benchm
     python -m benchmarks.quality --target bpe --workdir bpe_work --steps 150 --set train.max_tokens=768 \
         --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --live 64 --name quality_bpe.json
                                                       # 8k-vocabulary target, T=0 and T=1 (~30 min, 1 thread)
-    python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 150 \
-        --set train.max_tokens=768 --live 32 --name quality_families.json
-                                                      # every family, one budget (see the result for the time)
+    python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 120 \
+        --set train.max_tokens=512 --live 32 --name quality_families.json
+                                                      # every family, one budget: 44 min at load 7-22 on 2
+                                                      # cores (about 25 min on a quiet box); the 49k-vocabulary
+                                                      # SmolLM2 target is several times slower for six families
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ size and depth, and raises where they do not. Ends with one table; writes benchm
     python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 120 \
         --set train.max_tokens=512 --live 32 --name quality_families.json
                                                       # every family, one budget: 44 min at load 7-22 on 2
-                                                      # cores (about 25 min on a quiet box); the 49k-vocabulary
-                                                      # SmolLM2 target is several times slower for six families
+                                                      # shared cores (the 49k-vocabulary SmolLM2 target, with
+                                                      # its 6x larger head, was not tried for six families)
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ size and depth, and raises where they do not. Ends with one table; writes benchm
         --set train.max_tokens=512 --live 32 --name quality_families.json
                                                       # every family, one budget: 44 min at load 7-22 on 2
                                                       # shared cores (the 49k-vocabulary SmolLM2 target, with
-                                                      # its 6x larger head, was not tried for six families)
+                                                      # a 6x larger vocabulary, was not tried for six families)
 """
 
 from __future__ import annotations

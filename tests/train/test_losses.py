@@ -102,6 +102,23 @@ def test_chunked_equals_unchunked_values_and_grads():
             assert torch.allclose(a, b, atol=1e-12)
 
 
+def test_ce_grad_off_gives_the_kd_gradient_alone():
+    """ce_grad=False (ce_weight 0) skips the CE gradient: the rows' gradient is the KD term's alone, vs float64
+    autograd through dense logits; CE values are still returned."""
+    h, W, y, w = _rand(R=30, seed=6)
+    lps = torch.log_softmax(torch.randn(30, W.shape[0], dtype=torch.float64), -1).topk(4, -1)
+    teacher = TopKTeacher(lps.indices, lps.values)
+    hh = h.clone().requires_grad_(True)
+    ce, _, kd = row_losses(hh, y, W, chunk_rows=7, teacher=teacher, ce_grad=False)
+    (0.0 * (w * ce).sum() + (w * kd).sum()).backward()
+    ref_h = h.clone().requires_grad_(True)
+    ref_kd = _lumped_kl_ref(lps.indices, lps.values, ref_h @ W.T)
+    (w * ref_kd).sum().backward()
+    assert torch.allclose(hh.grad, ref_h.grad, atol=1e-10)
+    ce_on, _, _ = row_losses(h, y, W, chunk_rows=7, teacher=teacher)
+    assert torch.allclose(ce, ce_on, atol=1e-12)
+
+
 def test_combine_terms_normalises_each_term_by_its_own_count():
     ce_sum = torch.tensor(6.0, requires_grad=True)
     kd_sum = torch.tensor(2.0, requires_grad=True)

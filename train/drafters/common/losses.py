@@ -43,14 +43,14 @@ class _FusedRowLosses(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, lm_head, labels, head, chunk, teacher, want_grad, bias):
+    def forward(ctx, h, lm_head, labels, head, chunk, teacher, want_grad, bias, ce_grad):
         R = h.shape[0]
         dev = h.device
         wd = torch.promote_types(torch.promote_types(h.dtype, lm_head.dtype), torch.float32)
         ce = torch.empty(R, device=dev, dtype=wd)
         correct = torch.empty(R, device=dev, dtype=wd)
         kd = torch.empty(R, device=dev, dtype=wd) if teacher is not None else None
-        g_ce = torch.empty_like(h) if want_grad else None
+        g_ce = torch.empty_like(h) if want_grad and ce_grad else None
         g_kd = torch.empty_like(h) if want_grad and teacher is not None else None
         for s, e in row_spans(R, chunk):
             y = labels[s:e]
@@ -70,12 +70,12 @@ class _FusedRowLosses(torch.autograd.Function):
                     g_kd[s:e] = project_backward(dk, lm_head, head, jac).to(h.dtype)
                 del dk
             del lq
-            if want_grad:
+            if g_ce is not None:
                 q[torch.arange(e - s, device=dev), y] -= 1.0  # dCE/dz, in place of q
                 g_ce[s:e] = project_backward(q, lm_head, head, jac).to(h.dtype)
             del q
         ctx.save_for_backward(*(t for t in (g_ce, g_kd) if t is not None))
-        ctx.has_kd = teacher is not None
+        ctx.has_ce, ctx.has_kd = g_ce is not None, g_kd is not None
         ctx.mark_non_differentiable(correct)
         if kd is None:
             return ce, correct
@@ -83,13 +83,14 @@ class _FusedRowLosses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ce, grad_correct, grad_kd=None):
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
         grad_h = None
-        if saved:
-            grad_h = grad_ce.to(saved[0].dtype)[:, None] * saved[0]
-            if ctx.has_kd and grad_kd is not None:
-                grad_h = grad_h + grad_kd.to(saved[1].dtype)[:, None] * saved[1]
-        return grad_h, None, None, None, None, None, None, None
+        if ctx.has_ce:
+            grad_h = grad_ce.to(saved[0].dtype)[:, None] * saved.pop(0)
+        if ctx.has_kd and grad_kd is not None:
+            g = grad_kd.to(saved[0].dtype)[:, None] * saved[0]
+            grad_h = g if grad_h is None else grad_h + g
+        return grad_h, None, None, None, None, None, None, None, None
 
 
 def row_losses(
@@ -101,6 +102,7 @@ def row_losses(
     lm_head_bias: torch.Tensor | None = None,
     chunk_rows: int = 2048,
     teacher: ExactTeacher | TopKTeacher | None = None,
+    ce_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row (ce [R], correct [R] float 0/1 (argmax == label), kd [R] or None), chunked.
 
@@ -108,12 +110,16 @@ def row_losses(
     returning the teacher's [e - s, V] logits for rows s..e (:class:`ExactTeacher` projects them
     from the gathered hidden rows). ``head``: the bundle's head spec (bias, scaling, soft cap), with
     ``lm_head_bias`` when it declares one. The lm_head is frozen (no gradient flows to it).
+    ``ce_grad=False`` (a loss that weighs CE by 0, e.g. DFlash's ``ce_weight: 0``): the CE values are still
+    returned (logged) but carry no gradient, which saves the CE gradient's [c, V] x [V, H] matmul per chunk
+    (three head matmuls a row with KD instead of four).
     """
     if teacher is not None and not isinstance(teacher, TopKTeacher) and not hasattr(teacher, "chunk_logits"):
         raise TypeError(f"unknown teacher type {type(teacher).__name__}")
     want_grad = torch.is_grad_enabled() and h_RH.requires_grad
     out = _FusedRowLosses.apply(h_RH, lm_head_VH.detach(), labels_R.long(), head, int(chunk_rows),
-                                teacher, want_grad, None if lm_head_bias is None else lm_head_bias.detach())
+                                teacher, want_grad, None if lm_head_bias is None else lm_head_bias.detach(),
+                                bool(ce_grad))
     return out[0], out[1], (out[2] if len(out) > 2 else None)
 
 

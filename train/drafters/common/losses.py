@@ -133,3 +133,101 @@ def weighted_terms(
         assert kd_w_R is not None
         terms["kd"] = ((kd_w_R * kd_R).sum(), kd_w_R.sum().detach(), kd_weight)
     return terms
+
+
+class _FusedTrainedHead(torch.autograd.Function):
+    """Chunked draft logits z = x W^T through a head that may train, with the weighted loss's gradients
+    w.r.t. the rows AND the head computed in the forward (EAGLE-3's own lm_head).
+
+    Per chunk: dL/dz = w * (softmax(z) - onehot(y)) (CE) or w * (q - p) (KL); g_x += dz W, g_W += dz^T x. The
+    loss leaves as one scalar sum_i w_i l_i, so the backward is a scale of the two saved gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, y, w, teacher, chunk, grad_x, grad_W):
+        n = x.shape[0]
+        dev = x.device
+        wd = torch.promote_types(torch.promote_types(x.dtype, W.dtype), torch.float32)
+        per_row = torch.empty(n, device=dev, dtype=wd)
+        tv = torch.empty(n, device=dev, dtype=wd) if teacher is not None else None
+        pred = torch.empty(n, device=dev, dtype=torch.long)
+        g_x = torch.empty_like(x) if grad_x else None
+        g_W = torch.zeros(W.shape, device=dev, dtype=wd) if grad_W else None
+        for s, e in row_spans(n, chunk):
+            xc = x[s:e].to(W.dtype)
+            lq = torch.matmul(xc, W.T).to(wd)
+            pred[s:e] = lq.argmax(-1)
+            lq.sub_(torch.logsumexp(lq, -1, keepdim=True))
+            q = lq.exp()
+            if teacher is None:
+                yc = y[s:e]
+                per_row[s:e] = -lq.gather(-1, yc[:, None])[:, 0]
+                del lq
+                q[torch.arange(e - s, device=dev), yc] -= 1.0
+                dz = q
+            else:
+                if isinstance(teacher, TopKTeacher):
+                    ids, lps = teacher.ids_Rk[s:e], teacher.logprobs_Rk[s:e]
+                    per_row[s:e], dz = kl_grad_topk(ids, lps, lq, q)
+                    tv[s:e] = _lumped_tv(ids.long(), lps.to(wd), q)
+                else:
+                    per_row[s:e], dz = kl_grad_full(teacher.chunk_logits(s, e), lq, q)
+                    tv[s:e] = 0.5 * dz.abs().sum(-1)  # dz = q - p: TV for one more pass, no softmax
+                del lq, q
+            if grad_x or grad_W:
+                dz = dz.mul_(w[s:e].to(wd)[:, None]).to(W.dtype)
+                if grad_x:
+                    g_x[s:e] = torch.matmul(dz, W).to(x.dtype)
+                if grad_W:
+                    g_W.add_(torch.matmul(dz.T, xc).to(wd))
+            del dz
+        loss = (w.to(wd) * per_row).sum()
+        ctx.save_for_backward(*(t for t in (g_x, g_W) if t is not None))
+        ctx.grads = (grad_x, grad_W)
+        ctx.W_dtype = W.dtype
+        ctx.mark_non_differentiable(per_row, pred, *(() if tv is None else (tv,)))
+        return loss, per_row, pred, tv
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_rows, grad_pred, grad_tv):
+        saved = list(ctx.saved_tensors)
+        grad_x = grad_loss.to(saved[0].dtype) * saved.pop(0) if ctx.grads[0] else None
+        grad_W = (grad_loss.to(saved[0].dtype) * saved[0]).to(ctx.W_dtype) if ctx.grads[1] else None
+        return grad_x, grad_W, None, None, None, None, None, None
+
+
+def _lumped_tv(ids_ck: torch.Tensor, lps_ck: torch.Tensor, q_cV: torch.Tensor) -> torch.Tensor:
+    """TV over the k stored ids + one tail bin (``divergences.kl_tv_topk``'s), from the draft's q [c, V]."""
+    p_k = lps_ck.exp()
+    q_k = q_cV.gather(-1, ids_ck)
+    p_t = (1.0 - p_k.sum(-1)).clamp(min=0.0)
+    q_t = (1.0 - q_k.sum(-1)).clamp(min=0.0)
+    return 0.5 * ((p_k - q_k).abs().sum(-1) + (p_t - q_t).abs())
+
+
+def trained_head_losses(
+    x_nH: torch.Tensor,
+    W_NH: torch.Tensor,
+    w_n: torch.Tensor,
+    *,
+    labels_n: torch.Tensor | None = None,
+    teacher: ExactTeacher | TopKTeacher | None = None,
+    chunk_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss of rows through a head that may train (z = x W^T over its N outputs), without [n, N] whole and
+    without recompute: (sum_i w_i l_i (differentiable w.r.t. x and W), l [n], argmax z [n], TV [n] or None).
+
+    ``labels_n`` (head ids): l = CE; or ``teacher`` (logits over the same N outputs, e.g. the target restricted
+    to a draft vocabulary): l = KL(p || q), with TV(p, q) from the same chunk's q - p (lumped over top-k + tail
+    for a :class:`TopKTeacher`). ``w_n``: per-row weights, not differentiated (0 drops a row). Gradients w.r.t.
+    x and W are computed in the forward when they need one; the backward scales them by the loss's upstream
+    gradient, which is why the loss leaves as one weighted sum rather than per row.
+    """
+    if (labels_n is None) == (teacher is None):
+        raise ValueError("trained_head_losses needs exactly one of labels_n (CE) and teacher (KL)")
+    grad = torch.is_grad_enabled()
+    grad_x, grad_W = grad and x_nH.requires_grad, grad and W_NH.requires_grad
+    y = labels_n.long() if labels_n is not None else None
+    loss, rows, pred, tv = _FusedTrainedHead.apply(x_nH, W_NH, y, w_n.detach(), teacher, int(chunk_rows),
+                                                   grad_x, grad_W)
+    return loss, rows, pred, tv

@@ -10,6 +10,10 @@ predicting the same token). Per valid row, with q the draft's distribution over 
     ce  -log q(y)                    the dataset's label; a label outside S carries no loss
     lk  lambda*KL + (1-lambda)*TV    as MTP's (``train.drafters.common.divergences.lk_loss``)
 
+Loss rows: with ``max_loss_rows`` set (a recipe's null is fitted to the device when training starts, ``train.fit``),
+max_loss_rows // num_steps positions are sampled per micro-batch, the same at every step, each step's term still
+normalised by its own row count, so the loss is an unbiased estimate of the all-rows one at a bounded head cost.
+
 Each step is its own term (weight ``step_decay ** j``, its own denominator over the data-parallel group,
 ``train.drafters.base.combine_terms``). The draft's lm_head is its own and may train, so the rows go through
 row chunks, never [rows, V] whole. kl and ce take the fused path (``train.drafters.common.losses.trained_head_losses``:
@@ -45,11 +49,13 @@ class Eagle3Loss(DraftVocabMixin):
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         cfg = self.config
         run = self.run_steps(batch)
+        supervised = sum(int((t != IGNORE).sum()) for t in run["targets"])
+        targets = self._loss_positions(run["targets"], generator)
         last = last_hidden(batch, self.last_tap) if self.teacher_kind == "exact" else None
         terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         hits = []
-        for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
+        for j, (h, tgt) in enumerate(zip(run["h"], targets)):
             rows = (tgt != IGNORE).nonzero(as_tuple=True)
             y = tgt[rows]
             trow = (rows[0], rows[1] + j + 1)
@@ -72,10 +78,27 @@ class Eagle3Loss(DraftVocabMixin):
         # every parameter stays in the graph even when no row carries a loss (DDP waits on all grads)
         first = terms[step_metric("loss", 1)]
         terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
-        metrics.update(acceptance_metrics(chain_counts(run["targets"], hits)))
+        metrics.update(acceptance_metrics(chain_counts(targets, hits)))
         masked = torch.stack(run["audio_masked"]).sum()
-        metrics[AUDIO_MASKED] = (masked, masked + sum(int((t != IGNORE).sum()) for t in run["targets"]))
+        metrics[AUDIO_MASKED] = (masked, masked + supervised)
         return LossOutput(terms=terms, metrics=metrics)
+
+    def _loss_positions(self, targets: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """The steps' targets with IGNORE outside max_loss_rows // num_steps positions sampled uniformly among those
+        supervised at some step (all of them when they fit, or without a budget); the same positions at every step, so
+        each chain stays whole and the acceptance metrics count whole chains."""
+        cap = self.config.max_loss_rows
+        if cap is None:
+            return targets
+        pos = torch.stack([t != IGNORE for t in targets]).any(0).flatten().nonzero()[:, 0]
+        m = cap // self.config.num_steps
+        if pos.numel() <= m:
+            return targets
+        pick = torch.randperm(pos.numel(), generator=generator)[:m].to(pos.device)
+        keep = torch.zeros(targets[0].numel(), dtype=torch.bool, device=pos.device)
+        keep[pos[pick]] = True
+        keep = keep.view_as(targets[0])
+        return [torch.where(keep, t, torch.full_like(t, IGNORE)) for t in targets]
 
     def _rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):
         """kl / ce, fused (``common.losses.trained_head_losses``: analytic gradients, no recompute): (the step's

@@ -1,18 +1,22 @@
-"""Fitting a recipe's work per step to the device it trains on: the loss-row budget.
+"""Fitting a recipe's work per step to the device it trains on: the loss-row budget and the micro-batch tokens.
 
 At a real vocabulary a step's cost is its loss rows' head matmuls, each 2 N H FLOPs over the head's N outputs
-(the drafter config's ``loss_row_flops`` counts them: DFlash's CE 2, EAGLE-3's KL 4 with its trained head),
-not the draft layers. A fixed budget cannot suit both a GPU and a CPU: the dflash recipe's 8192 rows took 43 s
-a step on a CPU at SmolLM2's 49k vocabulary. So a recipe leaves ``max_loss_rows`` null and training fits it:
+(the drafter config's ``loss_row_flops`` counts them: DFlash's CE 2, EAGLE-3's KL 4 with its trained head), and
+for EAGLE-3 also its draft stack, which runs the layer over every token of the micro-batch at each of its steps
+(``token_flops``). A fixed budget cannot suit both a GPU and a CPU: the dflash recipe's 8192 rows took 43 s a
+step on a CPU at SmolLM2's 49k vocabulary. So a recipe leaves ``max_loss_rows`` (and EAGLE-3's ``max_tokens``)
+null and training fits them:
 
-    rows = max(MIN_LOSS_ROWS, LOSS_GFLOP[device type] / GFLOP of a row)
+    rows   = max(MIN_LOSS_ROWS, LOSS_GFLOP[device type] / GFLOP of a row)
+    tokens = min(DEFAULT_TOKENS, max(MIN_TOKENS, DRAFT_GFLOP[device type] / GFLOP of a token))  (None on a GPU: 8192)
 
-CPU 160 GFLOP (~1.4k DFlash rows, ~0.7k EAGLE-3 rows at 49,152 x 576: a few seconds a step on one thread of
-this project's AVX512 CPU, benchmarks/results/recipe_first_step.json), GPU 5100 GFLOP (the former 8192 DFlash
-rows at Qwen3's 151,936 x 1024). The rule reads only the device type, the target's shape and the drafter
-config, never a timing, so the same recipe fits the same way on every machine of a type and a resume fits the
-same budget (the fitted value is what the run's config records). At start one line says the budget, what it
-costs, a step's estimated time from a short matmul probe (an estimate only, it sets nothing), and how to choose.
+CPU 120 + 120 GFLOP (~1.1k DFlash rows, or ~530 EAGLE-3 rows and ~900 tokens, at 49,152 x 576: a few seconds a
+step on one unloaded thread of this project's AVX512 CPU, benchmarks/results/recipe_first_step.json); GPU 5100
+GFLOP of rows (the former 8192 DFlash rows at Qwen3's 151,936 x 1024) and 8192 tokens. The rule reads only the
+device type, the target's shape and the configs, never a timing, so the same recipe fits the same way on every
+machine of a type and a resume fits the same budget (the fitted values are what the run's config records). At
+start one line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate
+only, it sets nothing), and how to choose.
 """
 
 from __future__ import annotations
@@ -23,16 +27,31 @@ from typing import Any
 
 import torch
 
-LOSS_GFLOP = {"cpu": 160.0, "cuda": 5100.0}
+LOSS_GFLOP = {"cpu": 120.0, "cuda": 5100.0}
 """Head-matmul GFLOP per micro-batch that a null ``max_loss_rows`` is fitted to, per device type."""
+DRAFT_GFLOP = {"cpu": 120.0}
+"""Draft-stack GFLOP per micro-batch that a null ``train.max_tokens`` is fitted to (other devices: DEFAULT_TOKENS)."""
 MIN_LOSS_ROWS = 64
 """The fewest loss rows a fitted budget gives (a whole block or a whole chain of any usual size)."""
+MIN_TOKENS = 256
+DEFAULT_TOKENS = 8192
+"""Micro-batch tokens of a null ``max_tokens`` where nothing fits them (the full-size recipes' value)."""
 
 
-def fit_loss_rows(run: Any, vocab: int, hidden: int, device: torch.device) -> tuple[Any, str | None]:
-    """(run with a null ``drafter.max_loss_rows`` fitted to ``device``, the one line to print at start);
-    a family without a loss-row budget passes through with no line."""
-    cfg = run.drafter
+def fit_to_device(run: Any, bundle: Any, device: torch.device) -> tuple[Any, str | None]:
+    """(run with a null ``drafter.max_loss_rows`` / ``train.max_tokens`` fitted to ``device``, the one line to
+    print at start, or None for a family without a loss-row budget)."""
+    cfg, tc = run.drafter, run.train
+    vocab, hidden = (int(n) for n in bundle.lm_head.shape)
+    gflop = 0.0
+    if tc.max_tokens is None:
+        tokens = DEFAULT_TOKENS
+        if hasattr(cfg, "token_flops") and device.type in DRAFT_GFLOP:
+            per_token = float(cfg.token_flops(bundle))
+            tokens = min(DEFAULT_TOKENS, max(MIN_TOKENS, int(DRAFT_GFLOP[device.type] * 1e9 // per_token)))
+        run = dataclasses.replace(run, train=dataclasses.replace(tc, max_tokens=tokens))
+    if hasattr(cfg, "token_flops"):
+        gflop += run.train.max_tokens * float(cfg.token_flops(bundle)) / 1e9
     if not (hasattr(cfg, "max_loss_rows") and hasattr(cfg, "loss_row_flops")):
         return run, None
     per_row = float(cfg.loss_row_flops(vocab, hidden))
@@ -41,13 +60,14 @@ def fit_loss_rows(run: Any, vocab: int, hidden: int, device: torch.device) -> tu
         else int(cfg.max_loss_rows)
     if auto:
         run = dataclasses.replace(run, drafter=dataclasses.replace(cfg, max_loss_rows=rows))
-    how = f"fitted to {device.type}" if auto else "as set"
-    line = (f"loss rows: at most {rows:,} a micro-batch ({how}; {per_row / 1e9:.3f} GFLOP of head matmuls a row at "
-            f"{vocab:,} x {hidden}, {rows * per_row / 1e9:,.0f} GFLOP a step")
+    gflop += rows * per_row / 1e9
+    line = (f"step cost: at most {rows:,} loss rows ({'fitted to ' + device.type if auto else 'as set'}; "
+            f"{per_row / 1e9:.3f} GFLOP of head matmuls a row at {vocab:,} x {hidden}) and {run.train.max_tokens:,} "
+            f"tokens a micro-batch: ~{gflop:,.0f} GFLOP")
     if device.type == "cpu":
         rate = matmul_rate(hidden)
-        line += f", ~{rows * per_row / 1e9 / rate:.1f} s at the {rate:.0f} GFLOP/s a quick probe measures now"
-    return run, line + "); set drafter.max_loss_rows=N to choose"
+        line += f", ~{gflop / rate:.1f} s a step at the {rate:.0f} GFLOP/s a quick probe measures now"
+    return run, line + "; set drafter.max_loss_rows=N and train.max_tokens=N to choose"
 
 
 def matmul_rate(hidden: int, *, seconds: float = 0.2) -> float:

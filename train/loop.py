@@ -50,7 +50,7 @@ from train.config import RESUME_MUTABLE, RunConfig, migrate_run_config
 from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
-from train.fit import fit_loss_rows
+from train.fit import fit_to_device
 from train.drafters.base import Drafter, combine_terms, reduce_metrics
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
@@ -179,7 +179,7 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     src = open_source(data, tc.split)
     check_data(run, src)
     rank, world, device, we_init = _dist_setup(tc)
-    run, fit_line = fit_loss_rows(run, int(src.bundle.lm_head.shape[0]), int(src.bundle.lm_head.shape[1]), device)
+    run, fit_line = fit_to_device(run, src.bundle, device)
     if fit_line and rank == 0:
         print(fit_line, file=sys.stderr, flush=True)
     try:

@@ -97,6 +97,14 @@ class Eagle3Config:
         matmuls = 2 + {"ce": 0, "kl": 1, "lk": 3}[self.loss_type] + self.train_lm_head
         return 2.0 * matmuls * n * hidden
 
+    def token_flops(self, bundle: TargetBundle) -> float:
+        """Draft-stack FLOPs of one micro-batch token, forward and backward (``train.fit``): fc once, then the layer's
+        linear maps at every step (6 x parameters a token; attention's T-dependent part left out)."""
+        H, heads, kv, head_dim, inter = layer_shape(bundle, self)
+        taps = len(self.target_layer_ids or (0, 0, 0))
+        layer = 2 * H * (heads + 2 * kv) * head_dim + heads * head_dim * H + 3 * H * inter
+        return 6.0 * (taps * H * H + self.num_steps * layer)
+
     def resolve(self, bundle: TargetBundle, layout: Layout) -> "Eagle3Config":
         """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""
         H, heads, kv, head_dim, inter = layer_shape(bundle, self)

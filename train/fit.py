@@ -15,7 +15,7 @@ step on one unloaded thread of this project's AVX512 CPU, benchmarks/results/rec
 GFLOP of rows (the former 8192 DFlash rows at Qwen3's 151,936 x 1024) and 8192 tokens. The rule reads only the
 device type, the target's shape and the configs, never a timing, so the same recipe fits the same way on every
 machine of a type and a resume fits the same budget (the fitted values are what the run's config records). At
-start one line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate
+start (when it fitted something) one line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate
 only, it sets nothing), and how to choose.
 """
 
@@ -40,10 +40,11 @@ DEFAULT_TOKENS = 8192
 
 def fit_to_device(run: Any, bundle: Any, device: torch.device) -> tuple[Any, str | None]:
     """(run with a null ``drafter.max_loss_rows`` / ``train.max_tokens`` fitted to ``device``, the one line to
-    print at start, or None for a family without a loss-row budget)."""
+    print when training starts, or None when nothing was fitted: a budget set by hand is the user's choice)."""
     cfg, tc = run.drafter, run.train
     vocab, hidden = (int(n) for n in bundle.lm_head.shape)
     gflop = 0.0
+    fitted = tc.max_tokens is None or getattr(cfg, "max_loss_rows", 0) is None
     if tc.max_tokens is None:
         tokens = DEFAULT_TOKENS
         if hasattr(cfg, "token_flops") and device.type in DRAFT_GFLOP:
@@ -52,7 +53,7 @@ def fit_to_device(run: Any, bundle: Any, device: torch.device) -> tuple[Any, str
         run = dataclasses.replace(run, train=dataclasses.replace(tc, max_tokens=tokens))
     if hasattr(cfg, "token_flops"):
         gflop += run.train.max_tokens * float(cfg.token_flops(bundle)) / 1e9
-    if not (hasattr(cfg, "max_loss_rows") and hasattr(cfg, "loss_row_flops")):
+    if not (fitted and hasattr(cfg, "max_loss_rows") and hasattr(cfg, "loss_row_flops")):
         return run, None
     per_row = float(cfg.loss_row_flops(vocab, hidden))
     auto = cfg.max_loss_rows is None

@@ -179,9 +179,7 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     src = open_source(data, tc.split)
     check_data(run, src)
     rank, world, device, we_init = _dist_setup(tc)
-    run, fit_line = fit_to_device(run, src.bundle, device)
-    if fit_line and rank == 0:
-        print(fit_line, file=sys.stderr, flush=True)
+    run, fit_line = fit_to_device(run, src.bundle, device)  # before the resume check: a checkpoint holds fitted values
     try:
         with run_lock(out, rank):
             ckpt = _resumable_checkpoint(run, src, out) if resume else None
@@ -191,6 +189,8 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
             if ckpt is not None and rank == 0:
                 print(f"resuming from step {int(ckpt.step)} of {tc.max_steps} ({latest_checkpoint(out)})",
                       file=sys.stderr, flush=True)
+            if fit_line and rank == 0:
+                print(fit_line, file=sys.stderr, flush=True)
             return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
         if we_init:

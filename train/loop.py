@@ -50,8 +50,8 @@ from train.config import RESUME_MUTABLE, RunConfig, migrate_run_config
 from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
-from train.fit import fit_to_device
 from train.drafters.base import Drafter, combine_terms, reduce_metrics
+from train.fit import fit_to_device
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state

@@ -12,7 +12,7 @@ predicting the same token). Per valid row, with q the draft's distribution over 
 
 Loss rows: with ``max_loss_rows`` set (a recipe's null is fitted to the device when training starts, ``train.fit``),
 max_loss_rows // num_steps positions are sampled per micro-batch, the same at every step, each step's term still
-normalised by its own row count, so the loss is an unbiased estimate of the all-rows one at a bounded head cost.
+normalised by its own row count, so the loss estimates the all-rows one (a ratio estimate) at a bounded head cost.
 
 Each step is its own term (weight ``step_decay ** j``, its own denominator over the data-parallel group,
 ``train.drafters.base.combine_terms``). The draft's lm_head is its own and may train, so the rows go through

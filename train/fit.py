@@ -10,13 +10,14 @@ null and training fits them:
     rows   = max(MIN_LOSS_ROWS, LOSS_GFLOP[device type] / GFLOP of a row)
     tokens = min(DEFAULT_TOKENS, max(MIN_TOKENS, DRAFT_GFLOP[device type] / GFLOP of a token))  (None on a GPU: 8192)
 
-CPU 120 + 120 GFLOP (~1.1k DFlash rows, or ~530 EAGLE-3 rows and ~900 tokens, at 49,152 x 576: a few seconds a
-step on one unloaded thread of this project's AVX512 CPU, benchmarks/results/recipe_first_step.json); GPU 5100
-GFLOP of rows (the former 8192 DFlash rows at Qwen3's 151,936 x 1024) and 8192 tokens. The rule reads only the
-device type, the target's shape and the configs, never a timing, so the same recipe fits the same way on every
-machine of a type and a resume fits the same budget (the fitted values are what the run's config records). At
-start (when it fitted something) one line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate
-only, it sets nothing), and how to choose.
+CPU 120 + 120 GFLOP (~1.1k DFlash rows, or ~530 EAGLE-3 rows and ~900 tokens, at 49,152 x 576; measured on this
+project's shared 2-core AVX512 CPU: the dflash recipe's first step 8.1x faster than with 8192 rows, eagle3's 7-8 s,
+benchmarks/results/recipe_first_step_*.json); GPU 5100 GFLOP of rows (the former 8192 DFlash rows at Qwen3's
+151,936 x 1024) and 8192 tokens. The rule reads only the device type, the target's shape and the configs, never a
+timing, so the same recipe fits the same way on every machine of a type and a resume fits the same budget (the
+fitted values are what the run's config records). When training starts, and only when it fitted something, one
+line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate only, it sets
+nothing), and how to choose.
 """
 
 from __future__ import annotations

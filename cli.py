@@ -385,6 +385,8 @@ def eval_(
     round_cost: float = typer.Option(None, "--round-cost", help="The serving engine's cost of a round (draft + "
                                      "verify) over a plain decode step, e.g. measured on vLLM: eval says whether tau "
                                      "clears it (default: the expected speedup at a few costs)."),
+    sampled_rows: int = typer.Option(None, "--sampled-rows", help="Rows at draft position 1 the sampled "
+                                     "acceptance measures, then it stops (default 2048; 0: every row)."),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
 ) -> None:
     """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot, and
@@ -397,7 +399,7 @@ def eval_(
     kwargs = parse_template_kwargs(template_kwarg) if template_kwarg else None
     typer.echo(format_result(evaluate(draft, data, split=split, out_dir=out, max_samples=max_samples,
                                       template=template, template_kwargs=kwargs, temperature=temperature,
-                                      round_cost=round_cost)))
+                                      round_cost=round_cost, sampled_rows=sampled_rows)))
 
 
 @app.command()

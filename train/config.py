@@ -90,8 +90,9 @@ class TrainConfig:
     """Max global grad norm (<= 0 disables clipping)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    max_tokens: int = 8192
-    """Padded tokens per micro-batch (batch size x longest sequence)."""
+    max_tokens: int | None = 8192
+    """Padded tokens per micro-batch (batch size x longest sequence); None: fitted to the device at start for a
+    family that counts its draft stack's cost (``train.fit``), else 8192."""
     max_batch_size: int = 16
     """Sequences per micro-batch at most."""
     max_seq_len: int | None = None
@@ -133,7 +134,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum", "max_tokens", "max_batch_size", "log_every", "ckpt_every",
                      "keep_checkpoints"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.eval_samples < 1:
             raise ValueError(f"train.eval_every must be >= 0 (0: off) and train.eval_samples >= 1, got "

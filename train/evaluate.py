@@ -19,6 +19,9 @@ the expected speedup is tau / R and break-even lies at tau = R. Offline, R canno
 gives it (from the serving engine; ``tapdraft speculate`` measures tapdraft's own), else the result tabulates
 tau / R for a few R (:data:`train.acceptance.ROUND_COSTS`; vLLM measured 1.6 for EAGLE-3, 2.05 for DFlash).
 
+Sampled acceptance (``temperature`` > 0) is bounded in cost: it reads the split's batches in file order until
+``sampled_rows`` rows at draft position 1 are measured (:data:`SAMPLED_ROWS`), and the result says how many.
+
 Writes ``eval.json`` and ``acceptance.png`` (matplotlib, Agg) into the output directory.
 """
 
@@ -35,6 +38,12 @@ from train.data import BatchStream, collate, has_targets, to_device, truncate
 from train.drafters.common.teacher import last_hidden_source
 from train.run import Trained, load_trained
 
+SAMPLED_ROWS = 2048
+"""Rows at draft position 1 the sampled-acceptance pass measures by default, then it stops reading batches: each
+row and position costs the target's [V, H] teacher projection and the draft's, and at every position of every
+anchor (DFlash: 15 a block) over the whole split it made ``eval`` of a DFlash run take 7-8 minutes on a CPU at a
+49k vocabulary; 2048 rows put the sampled alpha's standard error near 0.01."""
+
 
 def evaluate(
     run_dir: str | Path,
@@ -50,6 +59,7 @@ def evaluate(
     template_kwargs: dict[str, Any] | None = None,
     temperature: float = 1.0,
     round_cost: float | None = None,
+    sampled_rows: int | None = None,
 ) -> dict[str, Any]:
     """Offline acceptance of the run's latest checkpoint on ``data``; returns (and writes) the result.
 
@@ -57,7 +67,9 @@ def evaluate(
     a dataset captured with others is refused (None: no expectation). ``temperature`` > 0 also measures
     speculative SAMPLING at that temperature (``tau_sampled``) when the dataset holds the target's exact
     last hidden state; 0 measures greedy decoding only. ``round_cost``: the serving engine's cost of a round
-    relative to a plain decode step, for the break-even line (None: a table over a few costs)."""
+    relative to a plain decode step, for the break-even line (None: a table over a few costs). ``sampled_rows``: the
+    sampled pass reads batches until that many rows at draft position 1 are measured (None: SAMPLED_ROWS; <= 0:
+    every batch)."""
     if round_cost is not None and not round_cost > 0:
         raise ValueError(f"--round-cost is a round's time over a plain decode step's (> 0), got {round_cost}")
     loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
@@ -76,15 +88,19 @@ def evaluate(
         sampled_note = ("sampled acceptance needs the target's exact last hidden state (final_hidden or a lossless "
                         "last-layer tap), which this dataset lacks")
     sampled = None
+    sampled_cap = SAMPLED_ROWS if sampled_rows is None else sampled_rows
+    sampled_samples = 0
     n = 0
     for batch in stream:
         if max_samples is not None and n >= max_samples:
             break
         n += len(batch["sample_id"])
         batch = to_device(batch, device)
-        if temperature > 0 and sampled_note is None:
+        if temperature > 0 and sampled_note is None and (sampled is None or sampled_cap <= 0
+                                                         or float(sampled[1][0]) < sampled_cap):
             s, c = model.sampled_acceptance(batch, temperature)
             sampled = (s, c) if sampled is None else (sampled[0] + s, sampled[1] + c)
+            sampled_samples += len(batch["sample_id"])
         acc = model.acceptance(batch)
         acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
                                acc.round_tokens, acc.rounds)
@@ -118,6 +134,8 @@ def evaluate(
         "temperature": temperature if sampled is not None else None,
         "tau_sampled": tau_from_alpha(alpha_s) if sampled is not None else None,
         "alpha_sampled": alpha_s if sampled is not None else None,
+        "sampled_rows": int(sampled[1][0]) if sampled is not None else None,
+        "sampled_samples": sampled_samples if sampled is not None else None,
         "sampled_note": sampled_note or (
             "sampled tau = 1 + sum_k prod_{j<=k} alpha_k with alpha_k = mean over draft position k of sum_v "
             "min(p_v, q_v), every position teacher-forced (an estimate of live rejection sampling)"
@@ -234,7 +252,9 @@ def format_result(result: dict[str, Any]) -> str:
                  + (f"  ({UNREACHED}: position never reached)" if 0 in (result.get("reached") or []) else ""))
     if result.get("tau_sampled") is not None:
         lines.append(f"tau sampled at T={result['temperature']:g} (rejection sampling, teacher-forced) = "
-                     f"{result['tau_sampled']:.3f}  alpha_k: " + alpha_text(result["alpha_sampled"], digits=2))
+                     f"{result['tau_sampled']:.3f}  alpha_k: " + alpha_text(result["alpha_sampled"], digits=2)
+                     + (f"  ({result['sampled_rows']:,} rows of the first {result['sampled_samples']} samples; "
+                        "--sampled-rows to change)" if result.get("sampled_rows") is not None else ""))
     elif result.get("sampled_note"):
         lines.append(f"no sampled tau: {result['sampled_note']}")
     lines += breakeven_lines(result)

@@ -51,6 +51,7 @@ from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafters.base import Drafter, combine_terms, reduce_metrics
+from train.fit import fit_to_device
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state
@@ -178,6 +179,7 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
     src = open_source(data, tc.split)
     check_data(run, src)
     rank, world, device, we_init = _dist_setup(tc)
+    run, fit_line = fit_to_device(run, src.bundle, device)  # before the resume check: a checkpoint holds fitted values
     try:
         with run_lock(out, rank):
             ckpt = _resumable_checkpoint(run, src, out) if resume else None
@@ -187,6 +189,8 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
             if ckpt is not None and rank == 0:
                 print(f"resuming from step {int(ckpt.step)} of {tc.max_steps} ({latest_checkpoint(out)})",
                       file=sys.stderr, flush=True)
+            if fit_line and rank == 0:
+                print(fit_line, file=sys.stderr, flush=True)
             return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
         if we_init:

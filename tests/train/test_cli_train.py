@@ -18,7 +18,9 @@ def test_train_eval_export_commands(tmp_path):
     r = CliRunner().invoke(app, ["train", "--data", ds, "--recipe", "dflash_b8", "--out", run, "--set", "max_steps=2",
                                  "--set", "max_tokens=160", "--set", "progress=false"])
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("trained dflash to step 2 of 2") and "{" not in r.output  # readable, not a dump
+    start, summary = r.output.split("\n", 1)  # the recipe's null loss-row budget, fitted and said in one line
+    assert start.startswith("step cost: at most") and "set drafter.max_loss_rows=N" in start
+    assert summary.startswith("trained dflash to step 2 of 2") and "{" not in summary  # readable, not a dump
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_steps"] == 2
     r = CliRunner().invoke(app, ["train", "--data", ds, "--recipe", "dflash_b8", "--out", run, "--set", "max_steps=2",
                                  "--set", "max_tokens=160", "--set", "progress=false", "--json"])

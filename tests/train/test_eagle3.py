@@ -13,9 +13,11 @@ import torch.multiprocessing as mp
 from tests.train.test_mtp import V, H, L, batch_of, tiny_bundle, tiny_layout
 from train.drafters.base import combine_terms
 from train.drafters.common.chain import IGNORE
+from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
 from train.drafters.common.draft_vocab import DraftVocab
 from train.drafters.common.export_files import load_export
 from train.drafters.common.mask import eagle3_dense_mask
+from train.drafters.common.teacher import last_hidden
 from train.drafters.eagle3.config import Eagle3Config
 from train.drafters.eagle3.model import Eagle3Drafter
 from train.export import export_drafter
@@ -195,6 +197,68 @@ def test_ce_and_kl_terms_match_float64_references(tmp_path):
         loss.backward()
         assert all(p.grad is not None for p in d.parameters())
         assert d.lm_head.weight.grad.abs().sum() > 0  # the draft's own head trains
+
+
+@pytest.mark.parametrize("teacher,draft_vocab", [("exact", None), ("exact", 12), ("topk", None)])
+def test_fused_kl_gradients_equal_dense_autograd_float64(teacher, draft_vocab):
+    """kl's fused path (analytic gradients for the rows and the head, the teacher over the draft vocabulary's rows
+    only) equals float64 autograd through dense logits, values and every gradient."""
+    bundle, lay = tiny_bundle(), layout()
+    batch = batch_of(lay, bundle)
+    batch["taps"] = batch["taps"].double()
+    lps = batch["topk_logprobs"].double()  # top_k = V here: renormalised in float64 so that no rounding tail is left
+    batch["topk_logprobs"] = lps - torch.logsumexp(lps, -1, keepdim=True)
+    d = drafter(bundle, lay, loss_type="kl", teacher=teacher, draft_vocab=draft_vocab).double()
+    d.target.to_dtype(torch.float64)
+    if draft_vocab:
+        d.set_draft_vocab(DraftVocab(torch.tensor([1, 2, 3, 5, 8, 13, 17, 21, 25, 30, 34, 38]), V))
+    loss, _ = combine_terms(d(batch).terms)
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+    d.zero_grad()
+    run = d.run_steps(batch)
+    last = last_hidden(batch, d.last_tap) if teacher == "exact" else None
+    terms = {}
+    for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
+        rows = (tgt != IGNORE).nonzero(as_tuple=True)
+        trow = (rows[0], rows[1] + j + 1)
+        z = d.norm(h[rows]) @ d.lm_head.weight.T  # dense float64 logits, autograd all the way
+        if teacher == "exact":
+            p = d.teacher(last[trow])
+            kl, _ = kl_tv_full(p if draft_vocab is None else p[:, d.draft_ids()], z)
+        else:
+            kl, _ = kl_tv_topk(batch["topk_ids"][trow], batch["topk_logprobs"][trow], z)
+        terms[f"loss@{j + 1}"] = (kl.sum(), torch.tensor(float(kl.numel())), d.config.step_decay**j)
+    ref, _ = combine_terms(terms)
+    ref.backward()
+    assert torch.allclose(loss.detach(), ref.detach(), atol=1e-10)
+    assert set(fused) == {n for n, p in d.named_parameters() if p.grad is not None}
+    for n, p in d.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(fused[n], p.grad, atol=1e-10), (n, float((fused[n] - p.grad).abs().max()))
+
+
+def test_loss_row_budget_samples_whole_chains():
+    """max_loss_rows: at most max_loss_rows // num_steps positions, the same at every step, so every step's rows
+    are a subset of the all-rows ones and the total stays within the budget; None or a budget that fits: all rows."""
+    bundle, lay = tiny_bundle(), layout()
+    batch = batch_of(lay, bundle, lengths=(12, 9))
+    full = drafter(bundle, lay)
+    whole = full(batch)
+    roomy = drafter(bundle, lay, max_loss_rows=10_000)(batch)
+    for j in range(3):
+        assert float(roomy.terms[f"loss@{j + 1}"][0]) == pytest.approx(float(whole.terms[f"loss@{j + 1}"][0]))
+    d = drafter(bundle, lay, max_loss_rows=9)
+    targets = d._loss_positions(d.run_steps(batch)["targets"], torch.Generator().manual_seed(0))
+    all_targets = d.run_steps(batch)["targets"]
+    kept = torch.stack([t != IGNORE for t in targets]).any(0)
+    assert int(kept.sum()) == 3 and sum(int((t != IGNORE).sum()) for t in targets) <= 9
+    for t, a in zip(targets, all_targets):
+        assert torch.equal(t[kept], a[kept]) and bool((t[~kept] == IGNORE).all())
+    out = d(batch, torch.Generator().manual_seed(0))
+    assert sum(int(out.terms[f"loss@{j + 1}"][1]) for j in range(3)) <= 9
+    with pytest.raises(ValueError, match="max_loss_rows"):
+        Eagle3Config(num_steps=3, max_loss_rows=2)
 
 
 def test_lk_and_topk_teacher():

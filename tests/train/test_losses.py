@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from shards.head import HeadSpec
@@ -100,6 +101,85 @@ def test_chunked_equals_unchunked_values_and_grads():
     for r in res[1:]:
         for a, b in zip(res[0], r):
             assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_ce_grad_off_gives_the_kd_gradient_alone():
+    """ce_grad=False (ce_weight 0) skips the CE gradient: the rows' gradient is the KD term's alone, vs float64
+    autograd through dense logits; CE values are still returned."""
+    h, W, y, w = _rand(R=30, seed=6)
+    lps = torch.log_softmax(torch.randn(30, W.shape[0], dtype=torch.float64), -1).topk(4, -1)
+    teacher = TopKTeacher(lps.indices, lps.values)
+    hh = h.clone().requires_grad_(True)
+    ce, _, kd = row_losses(hh, y, W, chunk_rows=7, teacher=teacher, ce_grad=False)
+    (0.0 * (w * ce).sum() + (w * kd).sum()).backward()
+    ref_h = h.clone().requires_grad_(True)
+    ref_kd = _lumped_kl_ref(lps.indices, lps.values, ref_h @ W.T)
+    (w * ref_kd).sum().backward()
+    assert torch.allclose(hh.grad, ref_h.grad, atol=1e-10)
+    ce_on, _, _ = row_losses(h, y, W, chunk_rows=7, teacher=teacher)
+    assert torch.allclose(ce, ce_on, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["ce", "exact", "topk"])
+def test_trained_head_fused_matches_float64_autograd(kind):
+    """The trained-head fused loss (EAGLE-3's kl / ce) vs float64 autograd through dense logits: the weighted sum,
+    per-row values, TV, argmax, and the gradients w.r.t. the rows AND the head, across chunkings."""
+    from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+    from train.drafters.common.losses import trained_head_losses
+
+    h, W, y, w = _rand(R=23, seed=8)
+    w = (w > 0.3).double()  # 0/1 like EAGLE-3's carries (a CE label outside the draft vocabulary weighs 0)
+    g = torch.Generator().manual_seed(9)
+    th = torch.randn(h.shape[0], h.shape[1], generator=g, dtype=torch.float64) * 3
+    nw = 1 + 0.1 * torch.randn(h.shape[1], generator=g, dtype=torch.float64)
+    Wt = torch.randn_like(W)  # the target's head differs from the draft's (which trains)
+    p_logits = (th / torch.sqrt(th.pow(2).mean(-1, keepdim=True) + 1e-6) * nw) @ Wt.T
+    top = torch.log_softmax(p_logits, -1).topk(5, -1)
+
+    def reference():
+        x, Wr = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        z = x @ Wr.T
+        if kind == "ce":
+            rows, tv = torch.nn.functional.cross_entropy(z, y, reduction="none"), None
+        elif kind == "exact":
+            rows, tv = kl_tv_full(p_logits, z)
+        else:
+            rows, tv = kl_tv_topk(top.indices, top.values, z)
+        (w * rows).sum().backward()
+        return (w * rows).sum().detach(), rows.detach(), tv, z.argmax(-1), x.grad, Wr.grad
+
+    ref = reference()
+    teacher = {"ce": None, "exact": ExactTeacher(th, nw, Wt, HeadSpec(eps=1e-6)),
+               "topk": TopKTeacher(top.indices, top.values)}[kind]
+    for chunk in (0, 4, 100):
+        x, Wg = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        loss, rows, pred, tv = trained_head_losses(x, Wg, w, labels_n=y if kind == "ce" else None, teacher=teacher,
+                                                   chunk_rows=chunk)
+        (2.5 * loss).backward()
+        assert torch.allclose(loss.detach(), ref[0], atol=1e-10)
+        assert torch.allclose(rows, ref[1], atol=1e-10)
+        assert (tv is None) == (ref[2] is None)
+        if tv is not None:
+            assert torch.allclose(tv, ref[2].detach(), atol=1e-10)
+        assert torch.equal(pred, ref[3])
+        assert torch.allclose(x.grad, 2.5 * ref[4], atol=1e-10)
+        assert torch.allclose(Wg.grad, 2.5 * ref[5], atol=1e-10)
+
+
+def test_trained_head_frozen_head_and_no_grad():
+    """A frozen head gets no gradient (and none is computed); under no_grad nothing is."""
+    from train.drafters.common.losses import trained_head_losses
+
+    h, W, y, w = _rand(R=9, seed=10)
+    x = h.clone().requires_grad_(True)
+    loss, _, _, tv = trained_head_losses(x, W, w, labels_n=y, chunk_rows=4)
+    loss.backward()
+    assert tv is None and x.grad is not None and W.grad is None
+    with torch.no_grad():
+        loss, _, _, _ = trained_head_losses(h, W.clone().requires_grad_(True), w, labels_n=y, chunk_rows=4)
+    assert not loss.requires_grad
+    with pytest.raises(ValueError, match="exactly one"):
+        trained_head_losses(h, W, w, chunk_rows=4)
 
 
 def test_combine_terms_normalises_each_term_by_its_own_count():

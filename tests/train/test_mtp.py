@@ -134,6 +134,32 @@ def test_ce_loss_matches_float64_reference(repeated):
     assert not any(n.startswith(("embed", "lm_head", "norm_weight")) for n in d.state_dict())
 
 
+def test_ce_gradients_match_dense_autograd_float64():
+    """The fused CE's parameter gradients equal float64 autograd through dense logits + cross_entropy."""
+    torch.manual_seed(0)
+    bundle, layout = tiny_bundle(scaling=2.0), tiny_layout()
+    d = MTPDrafter.build(MTPConfig(num_depths=2, chunk_rows=5), bundle, layout).double()
+    d.target.to_dtype(torch.float64)
+    batch = batch_of(layout, bundle)
+    batch["taps"] = batch["taps"].double()
+    loss, _ = combine_terms(d(batch).terms)
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in d.named_parameters()}
+    d.zero_grad()
+    run = d.run_depths(batch)
+    terms = {}
+    for k in (1, 2):
+        tgt = run["targets"][k - 1]
+        rows = (tgt != IGNORE).nonzero(as_tuple=True)
+        ce = torch.nn.functional.cross_entropy(d.logits(k, run["h"][k - 1][rows]), tgt[rows], reduction="sum")
+        terms[k] = (ce, torch.tensor(float(rows[0].numel())), 0.5)
+    ref, _ = combine_terms(terms)
+    ref.backward()
+    assert torch.allclose(loss.detach(), ref.detach(), atol=1e-10)
+    for n, p in d.named_parameters():
+        assert torch.allclose(fused[n], p.grad, atol=1e-10), n
+
+
 def _teacher_p(d, batch, b, row):
     last = batch["taps"][b, row, d.last_tap].float()
     h = last * torch.rsqrt(last.pow(2).mean() + d.eps) * d.target.norm_weight

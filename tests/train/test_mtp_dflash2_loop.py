@@ -48,6 +48,11 @@ def test_train_eval_export(data, tmp_path, recipe, extra):
     assert res["family"] == run.family and res["tau"] >= 1.0 and res["blocks"] > 0
     K = len(res["alpha"])
     assert len(res["alpha_sampled"]) == K and 1.0 < res["tau_sampled"] <= 1.0 + K and res["temperature"] == 1.0
+    if recipe == "mtp":  # the sampled pass is bounded: one row asked, one batch read; 0: every row
+        few = evaluate(tmp_path / "run", data.path, out_dir=tmp_path / "eval1", plot=False, sampled_rows=1)
+        every = evaluate(tmp_path / "run", data.path, out_dir=tmp_path / "eval0", plot=False, sampled_rows=0)
+        assert 1 <= few["sampled_rows"] < every["sampled_rows"] and few["sampled_samples"] < res["samples"]
+        assert every["sampled_samples"] == res["samples"] and few["tau"] == res["tau"]
     export_run(tmp_path / "run", tmp_path / "export")
     cfg, weights = load_export(tmp_path / "export")
     if recipe == "dflash2":

@@ -23,6 +23,10 @@ KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
 
 
+UNFITTED_LOSS_ROWS = 8192
+"""The loss-row budget of a config whose ``max_loss_rows`` is None when no training fitted it to a device."""
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
     """DFlash drafter settings; None fields are filled from the target bundle by ``resolve``."""
@@ -50,8 +54,9 @@ class DFlashConfig:
     """Most blocks per sequence."""
     max_total_anchors: int = 4096
     """Most blocks per micro-batch."""
-    max_loss_rows: int = 8192
-    """Training loss-row budget: most blocks x (block_size - 1) per micro-batch (bounds the lm_head cost)."""
+    max_loss_rows: int | None = 8192
+    """Training loss-row budget: most blocks x (block_size - 1) per micro-batch (bounds the lm_head cost); None:
+    fitted to the device when training starts (``train.fit``; a drafter built outside training takes 8192)."""
     full_blocks_only: bool = False
     """Anchors need p + B <= length (True) or only p + 1 < length (False, overhang masked)."""
     attention: str = "dense"
@@ -83,7 +88,7 @@ class DFlashConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.num_anchors < 1 or self.max_total_anchors < 1:
             raise ValueError("num_anchors and max_total_anchors must be >= 1")
-        if self.max_loss_rows < self.block_size - 1:
+        if self.max_loss_rows is not None and self.max_loss_rows < self.block_size - 1:
             raise ValueError(f"max_loss_rows must hold one block's {self.block_size - 1} loss rows, "
                              f"got {self.max_loss_rows}; raise it or lower block_size")
         if self.attention not in ATTENTION:
@@ -113,7 +118,15 @@ class DFlashConfig:
     @property
     def train_anchors(self) -> int:
         """Most blocks per training micro-batch: the anchor cap and the loss-row budget, whichever binds."""
-        return min(self.max_total_anchors, self.max_loss_rows // (self.block_size - 1))
+        rows = UNFITTED_LOSS_ROWS if self.max_loss_rows is None else self.max_loss_rows
+        return min(self.max_total_anchors, rows // (self.block_size - 1))
+
+    def loss_row_flops(self, vocab: int, hidden: int) -> float:
+        """Head-matmul FLOPs of one loss row (``train.fit``): the draft's logits, the CE gradient (unless
+        ce_weight is 0), and with KD its gradient (+ the teacher's logits for kd='exact'), each 2 N H."""
+        n = self.draft_vocab or vocab
+        matmuls = 1 + (self.ce_weight > 0) + {"none": 0, "topk": 1, "exact": 2}[self.kd]
+        return 2.0 * matmuls * n * hidden
 
     def resolve(self, bundle: TargetBundle, layout: Layout) -> "DFlashConfig":
         """Fill None fields from the target, and refuse a dataset that cannot feed this draft."""

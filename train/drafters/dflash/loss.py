@@ -105,7 +105,7 @@ class DFlashLoss(DraftVocabMixin):
         w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
         teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
         ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
-                                     chunk_rows=cfg.chunk_rows, teacher=teacher)
+                                     chunk_rows=cfg.chunk_rows, teacher=teacher, ce_grad=cfg.ce_weight > 0)
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

@@ -55,7 +55,11 @@ class Eagle3Config:
     flex_block_size: int = 128
     """FlexAttention block size (a multiple of 16)."""
     chunk_rows: int = 1024
-    """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+    """Rows per lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
+    max_loss_rows: int | None = None
+    """Loss rows per micro-batch over all steps, at most: max_loss_rows // num_steps positions are sampled (the
+    same at every step, so chains stay whole) and bound the head's cost; None: every supervised row, or, when
+    training starts, fitted to the device (``train.fit``)."""
     init_std: float = 0.02
     """Std of the normal init of fc and the layer's linear maps."""
 
@@ -71,6 +75,8 @@ class Eagle3Config:
         object.__setattr__(self, "lk_lambda", parse_lk_lambda(self.lk_lambda))
         if self.lk_eta <= 0 or not 0 < self.step_decay <= 1 or not self.init_std > 0:
             raise ValueError("need lk_eta > 0, 0 < step_decay <= 1 and init_std > 0")
+        if self.max_loss_rows is not None and self.max_loss_rows < self.num_steps:
+            raise ValueError(f"max_loss_rows must hold one position's {self.num_steps} steps, got {self.max_loss_rows}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1 or null, got {self.draft_vocab}")
         if self.target_layer_ids is not None:
@@ -82,6 +88,22 @@ class Eagle3Config:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{name} must be positive or null, got {v}")
+
+    def loss_row_flops(self, vocab: int, hidden: int) -> float:
+        """Head-matmul FLOPs of one loss row (``train.fit``), each matmul 2 N H over the draft vocabulary: the draft's
+        logits and the rows' gradient, the teacher's logits (kl, lk; the exact teacher assumed), the head's gradient
+        when it trains, and lk's recompute of draft and teacher in its activation checkpoint."""
+        n = self.draft_vocab or vocab
+        matmuls = 2 + {"ce": 0, "kl": 1, "lk": 3}[self.loss_type] + self.train_lm_head
+        return 2.0 * matmuls * n * hidden
+
+    def token_flops(self, bundle: TargetBundle) -> float:
+        """Draft-stack FLOPs of one micro-batch token, forward and backward (``train.fit``): fc once, then the layer's
+        linear maps at every step (6 x parameters a token; attention's T-dependent part left out)."""
+        H, heads, kv, head_dim, inter = layer_shape(bundle, self)
+        taps = len(self.target_layer_ids or (0, 0, 0))
+        layer = 2 * H * (heads + 2 * kv) * head_dim + heads * head_dim * H + 3 * H * inter
+        return 6.0 * (taps * H * H + self.num_steps * layer)
 
     def resolve(self, bundle: TargetBundle, layout: Layout) -> "Eagle3Config":
         """Fill None fields from the target and the dataset's taps; refuse what the dataset cannot feed."""

@@ -10,9 +10,17 @@ predicting the same token). Per valid row, with q the draft's distribution over 
     ce  -log q(y)                    the dataset's label; a label outside S carries no loss
     lk  lambda*KL + (1-lambda)*TV    as MTP's (``train.drafters.common.divergences.lk_loss``)
 
+Loss rows: with ``max_loss_rows`` set (a recipe's null is fitted to the device when training starts, ``train.fit``),
+max_loss_rows // num_steps positions are sampled per micro-batch, the same at every step, each step's term still
+normalised by its own row count, so the loss estimates the all-rows one (a ratio estimate) at a bounded head cost.
+
 Each step is its own term (weight ``step_decay ** j``, its own denominator over the data-parallel group,
 ``train.drafters.base.combine_terms``). The draft's lm_head is its own and may train, so the rows go through
-checkpointed chunks with autograd (``train.drafters.common.chunks.map_row_chunks``), never [rows, V] whole.
+row chunks, never [rows, V] whole. kl and ce take the fused path (``train.drafters.common.losses.trained_head_losses``:
+each chunk's gradients w.r.t. the rows and the draft's head computed in the forward, so the draft and teacher logits
+are computed once, not again in an activation checkpoint's recompute, and TV, logged as sampled acceptance, is one
+more elementwise pass over the chunk's q - p); lk, whose TV term needs TV's gradient, keeps autograd through
+checkpointed chunks (``train.drafters.common.chunks.map_row_chunks``).
 
 Shapes: Bs batch, T positions, n valid rows of a step, N draft vocab, V target vocab.
 """
@@ -30,7 +38,8 @@ from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
 from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
-from train.drafters.common.teacher import last_hidden
+from train.drafters.common.losses import trained_head_losses
+from train.drafters.common.teacher import ExactTeacher, TopKTeacher, last_hidden
 
 
 class Eagle3Loss(DraftVocabMixin):
@@ -40,23 +49,26 @@ class Eagle3Loss(DraftVocabMixin):
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         cfg = self.config
         run = self.run_steps(batch)
+        supervised = sum(int((t != IGNORE).sum()) for t in run["targets"])
+        targets = self._loss_positions(run["targets"], generator)
         last = last_hidden(batch, self.last_tap) if self.teacher_kind == "exact" else None
         terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         hits = []
-        for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
+        for j, (h, tgt) in enumerate(zip(run["h"], targets)):
             rows = (tgt != IGNORE).nonzero(as_tuple=True)
             y = tgt[rows]
             trow = (rows[0], rows[1] + j + 1)
-            loss, kl, tv, carries, correct = self._rows(h[rows], y, trow, batch, last)
-            n = carries.sum()
-            name = step_metric("loss", j + 1)
             if cfg.loss_type == "lk":
+                kl, tv, carries, correct = self._lk_rows(h[rows], y, trow, batch, last)
+                n = carries.sum()
                 res = lk_loss(kl, tv, carries, cfg.lk_lambda, eta=cfg.lk_eta)
-                terms[name] = (res.loss_sum, n, cfg.step_decay**j)
+                loss_sum = res.loss_sum
                 metrics[step_metric("lk_lambda", j + 1)] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
             else:
-                terms[name] = ((loss * carries).sum(), n, cfg.step_decay**j)
+                loss_sum, kl, tv, carries, correct = self._rows(h[rows], y, trow, batch, last)
+                n = carries.sum()
+            terms[step_metric("loss", j + 1)] = (loss_sum, n, cfg.step_decay**j)
             if kl is not None:
                 metrics[step_metric("kl", j + 1)] = ((kl.detach() * carries).sum(), n)
                 metrics[step_metric("sampled_acceptance", j + 1)] = (((1.0 - tv.detach()) * carries).sum(), n)
@@ -66,25 +78,62 @@ class Eagle3Loss(DraftVocabMixin):
         # every parameter stays in the graph even when no row carries a loss (DDP waits on all grads)
         first = terms[step_metric("loss", 1)]
         terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
-        metrics.update(acceptance_metrics(chain_counts(run["targets"], hits)))
+        metrics.update(acceptance_metrics(chain_counts(targets, hits)))
         masked = torch.stack(run["audio_masked"]).sum()
-        metrics[AUDIO_MASKED] = (masked, masked + sum(int((t != IGNORE).sum()) for t in run["targets"]))
+        metrics[AUDIO_MASKED] = (masked, masked + supervised)
         return LossOutput(terms=terms, metrics=metrics)
 
+    def _loss_positions(self, targets: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """The steps' targets with IGNORE outside max_loss_rows // num_steps positions sampled uniformly among those
+        supervised at some step (all of them when they fit, or without a budget); the same positions at every step, so
+        each chain stays whole and the acceptance metrics count whole chains."""
+        cap = self.config.max_loss_rows
+        if cap is None:
+            return targets
+        pos = torch.stack([t != IGNORE for t in targets]).any(0).flatten().nonzero()[:, 0]
+        m = cap // self.config.num_steps
+        if pos.numel() <= m:
+            return targets
+        pick = torch.randperm(pos.numel(), generator=generator)[:m].to(pos.device)
+        keep = torch.zeros(targets[0].numel(), dtype=torch.bool, device=pos.device)
+        keep[pos[pick]] = True
+        keep = keep.view_as(targets[0])
+        return [torch.where(keep, t, torch.full_like(t, IGNORE)) for t in targets]
+
     def _rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):
-        """Per valid row of one step: (loss [n] or None, kl, tv (None for ce), carries-a-loss bool [n], correct)."""
+        """kl / ce, fused (``common.losses.trained_head_losses``: analytic gradients, no recompute): (the step's
+        weighted loss sum, kl [n] or None, tv [n] or None, carries-a-loss bool [n], correct [n])."""
         ids = self.draft_ids()
-        in_s = torch.ones_like(y_n, dtype=torch.bool) if ids is None else self.t2d[y_n]
-        kind = self.config.loss_type
-        if kind == "ce":
+        x, W = self.norm(h_nH), self.lm_head.weight
+        chunk = self.config.chunk_rows
+        if self.config.loss_type == "ce":
+            in_s = torch.ones_like(y_n, dtype=torch.bool) if ids is None else self.t2d[y_n]
             y_d = y_n if ids is None else draft_index(self.t2d, y_n).clamp(min=0)
+            loss, _, pred, _ = trained_head_losses(x, W, in_s.to(x.dtype), labels_n=y_d, chunk_rows=chunk)
+            return loss, None, None, in_s, self.draft_to_target(pred) == y_n
+        carries = torch.ones_like(y_n, dtype=torch.bool)
+        if self.teacher_kind == "exact":
+            t = self.target  # the target restricted to S: projecting only S's rows is the renormalised restriction
+            lm_head = t.lm_head if ids is None else t.lm_head.index_select(0, ids)
+            bias = t.lm_head_bias if ids is None or t.lm_head_bias is None else t.lm_head_bias.index_select(0, ids)
+            teacher = ExactTeacher(last[trow], t.norm_weight, lm_head, self.head_spec, t.norm_bias, bias)
+        else:
+            teacher = self._topk_teacher(batch, trow)
+        loss, kl, pred, tv = trained_head_losses(x, W, carries.to(x.dtype), teacher=teacher, chunk_rows=chunk)
+        return loss, kl, tv, carries, self.draft_to_target(pred) == y_n
 
-            def ce(a, yd, yy):
-                z = self.draft_logits(a)
-                return F.cross_entropy(z, yd, reduction="none"), self.draft_to_target(z.argmax(-1)) == yy
+    def _topk_teacher(self, batch: dict[str, Any], trow) -> TopKTeacher:
+        if "topk_ids" not in batch:
+            raise ValueError(f"loss_type {self.config.loss_type!r} with teacher 'topk' needs topk_ids/topk_logprobs "
+                             "in the batch")
+        if not bool(batch["topk_valid"][trow].all()):
+            raise ValueError("a supervised EAGLE-3 row's teacher row has no stored top-k; the dataset's topk_rows "
+                             "are incomplete")
+        return TopKTeacher(batch["topk_ids"][trow], batch["topk_logprobs"][trow])
 
-            loss, correct = map_row_chunks(ce, [h_nH, y_d, y_n], self.config.chunk_rows)
-            return loss, None, None, in_s, correct
+    def _lk_rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):
+        """lk (TV's gradient goes through autograd, in checkpointed chunks): (kl [n], tv [n], carries, correct)."""
+        ids = self.draft_ids()
         carries = torch.ones_like(y_n, dtype=torch.bool)
         if self.teacher_kind == "exact":
             def div(a, b, yy):
@@ -96,11 +145,7 @@ class Eagle3Loss(DraftVocabMixin):
 
             kl, tv, correct = map_row_chunks(div, [h_nH, last[trow], y_n], self.config.chunk_rows)
         else:
-            if "topk_ids" not in batch:
-                raise ValueError(f"loss_type {kind!r} with teacher 'topk' needs topk_ids/topk_logprobs in the batch")
-            if not bool(batch["topk_valid"][trow].all()):
-                raise ValueError("a supervised EAGLE-3 row's teacher row has no stored top-k; the dataset's topk_rows "
-                                 "are incomplete")
+            teacher = self._topk_teacher(batch, trow)
 
             def div_topk(a, i, lp, yy):
                 z = self.draft_logits(a)
@@ -108,5 +153,5 @@ class Eagle3Loss(DraftVocabMixin):
                 return kl, tv, z.argmax(-1) == yy
 
             kl, tv, correct = map_row_chunks(
-                div_topk, [h_nH, batch["topk_ids"][trow], batch["topk_logprobs"][trow], y_n], self.config.chunk_rows)
-        return kl, kl, tv, carries, correct
+                div_topk, [h_nH, teacher.ids_Rk, teacher.logprobs_Rk, y_n], self.config.chunk_rows)
+        return kl, tv, carries, correct

@@ -5,7 +5,9 @@ lambda*KL(p||q) + (1-lambda)*TV(p,q), p the frozen target's distribution at row 
 predicts the same token t + k + 1), q the head's. The teacher (``teacher``) is the exact per-row
 projection (gather the rows' last hidden -> final norm -> lm_head; ``auto`` picks it whenever the
 dataset has the last layer, which MTP needs anyway for h^0) or the stored top-k with the tail as one
-bin. Only the rows a loss reads are projected, in checkpointed row chunks, so [rows, V] is never whole.
+bin. Only the rows a loss reads are projected, in row chunks, so [rows, V] is never whole: CE through the fused
+frozen-head loss (``train.drafters.common.losses.row_losses``: analytic gradient, nothing recomputed), LK (whose TV
+term needs TV's gradient) through autograd in checkpointed chunks.
 Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
 
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
@@ -16,13 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from train.acceptance import acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from train.drafters.common.losses import row_losses
 
 
 class MTPLoss:
@@ -43,7 +45,7 @@ class MTPLoss:
             y = tgt[rows]
             n = torch.tensor(int(y.numel()), device=y.device)
             if self.config.loss_type == "ce":
-                ce, correct = map_row_chunks(lambda a, b, k=k: self._ce_rows(k, a, b), [hk, y], self.config.chunk_rows)
+                ce, correct = self._ce_rows(k, hk, y)
                 terms[step_metric("loss", k)] = (ce.sum(), n, 1.0 / D)
             else:
                 trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
@@ -69,8 +71,12 @@ class MTPLoss:
         return LossOutput(terms=terms, metrics=metrics)
 
     def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.logits(k, h)
-        return F.cross_entropy(z, y, reduction="none"), (z.argmax(-1) == y)
+        """Per-row CE and argmax == label through the frozen lm_head (``logits``), fused: the gradient w.r.t. the
+        rows is computed in the forward, so no chunk is recomputed in the backward."""
+        t = self.target
+        ce, correct, _ = row_losses(self.out_norm(k, h), y, t.lm_head, head=self.head_spec, lm_head_bias=t.lm_head_bias,
+                                    chunk_rows=self.config.chunk_rows)
+        return ce, correct.bool()
 
     def _lk_rows(self, k, hk, y, trow, batch, last):
         if self.teacher_kind == "exact":

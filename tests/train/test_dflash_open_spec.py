@@ -82,4 +82,4 @@ def test_the_block_describes_dflash_only(setup, tmp_path):
     export_drafter(model, tmp_path, {})
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert "open_spec_config_version" not in cfg and "speculative_config" not in cfg
-    assert set(cfg["tapdraft"]["block_size"]) == set(cfg["tapdraft"]["serve_with"])
+    assert cfg["tapdraft"]["block_size"] == {"vllm": 4} and set(cfg["tapdraft"]["serve_with"]) == {"vllm"}

@@ -44,6 +44,12 @@ STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj"
 """(vLLM's fused parameter, the export's name, its shard): vLLM's Qwen3 block fuses q/k/v and gate/up."""
 
 
+def _draft_config(vllm_config: VllmConfig):
+    """The export's config (``model_config`` is the target's while the proposer builds its draft, as in
+    ``deepseek_mtp.py``)."""
+    return vllm_config.speculative_config.draft_model_config.hf_config
+
+
 class _SharedHead(nn.Module):
     def __init__(self, H: int, eps: float) -> None:
         super().__init__()
@@ -71,7 +77,7 @@ class TapdraftMTPLayer(Qwen3DecoderLayer):
 class TapdraftMTPModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        config = vllm_config.model_config.hf_config
+        config = _draft_config(vllm_config)
         self.first = int(config.first_mtp_layer_index)
         n = int(config.num_nextn_predict_layers)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # the target's, shared
@@ -95,7 +101,7 @@ class TapdraftMTPForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        config = vllm_config.model_config.hf_config
+        config = _draft_config(vllm_config)
         spec = vllm_config.speculative_config
         k = getattr(spec, "num_speculative_tokens", 1) if spec is not None else 1
         if k != 1:

@@ -338,14 +338,19 @@ class DFlashDrafter(DFlashLoss, Drafter):
                 **self._last_layer_note(),
                 "uses_target_embedding_and_lm_head": True,
                 "target_layer_types": self.target_layer_types,
-                # vLLM's DFlash / DFlash2 block is 1 + num_speculative_tokens; SGLang's is its draft-token count
-                # (``--speculative-num-draft-tokens``, read from ``block_size``): both the trained block
-                "serve_with": {"vllm": {"method": "dflash", "num_speculative_tokens": cfg.block_size - 1},
-                               "sglang": {"speculative_algorithm": "DFLASH",
-                                          "speculative_num_draft_tokens": cfg.block_size}},
-                "block_size": {"vllm": cfg.block_size, "sglang": cfg.block_size},
+                **self._serve_with(),
             },
         }
+
+    def _serve_with(self) -> dict[str, Any]:
+        """How engines serve the export, and its block size as each counts it: vLLM's DFlash / DFlash2 block is
+        1 + num_speculative_tokens; SGLang's DFLASH block is its draft-token count (``--speculative-num-draft-tokens``,
+        read from ``block_size``), named for plain DFlash only (the subclasses' heads are not SGLang's DFLASH)."""
+        B = self.config.block_size
+        serve: dict[str, Any] = {"vllm": {"method": "dflash", "num_speculative_tokens": B - 1}}
+        if type(self) is DFlashDrafter:
+            serve["sglang"] = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": B}
+        return {"serve_with": serve, "block_size": {engine: B for engine in serve}}
 
     def _last_layer_note(self) -> dict[str, Any]:
         """What a loader that reads HF ``hidden_states`` would feed a draft that taps the target's last layer."""

@@ -60,3 +60,44 @@ def test_stock_vllm_has_no_class_for_a_bolt_on_mtp_head(vllm_venv, bpe_target, b
     with pytest.raises(EngineFailed) as failed:
         serve_vllm(vllm_venv, job, tmp_path, plugins=False)
     assert "Unsupported speculative method" in failed.value.log or "TapdraftMTPForCausalLM" in failed.value.log
+
+
+@pytest.mark.parametrize("audio_embeds", [False, True], ids=["placeholder_embedding", "audio_embeds"])
+def test_vllm_serves_an_mtp_head_beside_a_speech_target(vllm_venv, speech_case, audio_embeds, tmp_path):
+    """Beside Qwen2-Audio (audio through vLLM's processor): a head trained without the frame embeddings reads the
+    placeholder id's embedding at audio rows (vLLM's text-only draft inputs); one trained on them
+    (``capture --audio-embeds``) declares multimodal embeddings and reads the target's merged ones. Both: greedy
+    identical and acceptance equal to ``tapdraft speculate`` round by round."""
+    from typer.testing import CliRunner
+
+    from capture.config import CaptureConfig
+    from capture.pipeline import capture
+    from cli import app
+    from speculate.run import SpeculateConfig, run_speculate
+    from tests.engines.serving import check_served
+    from tests.engines.test_vllm_dflash import speech_requests
+
+    dataset = speech_case["dataset"]
+    if audio_embeds:
+        dataset = tmp_path / "dataset-audio-embeds"
+        capture(CaptureConfig(target=str(speech_case["target"]), out=str(dataset),
+                              data=(("train", str(speech_case["conversations"])),), audio_embeds=True,
+                              progress=False), target=None)
+    run, _ = train_and_export(dataset, tmp_path / "mtp", "mtp_lk_demo", "max_steps=150")
+    export = tmp_path / "export-vllm"
+    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--layout", "tapdraft-vllm",
+                                   "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert json.loads((export / "config.json").read_text())["tapdraft"]["audio_embeds"] is audio_embeds
+    requests, ids = speech_requests(speech_case)
+    n_new = 16
+    job = {"target": str(speech_case["target"]), "requests": requests, "max_tokens": n_new, "max_model_len": 512}
+    alone = serve_vllm(vllm_venv, job, tmp_path)
+    spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": "mtp", "model": str(export),
+                                                          "num_speculative_tokens": 1}}, tmp_path)
+    assert [o["prompt_token_ids"] for o in alone["outputs"]] == ids
+    ours = run_speculate(SpeculateConfig(target=str(speech_case["target"]), draft=str(run), data=str(dataset),
+                                         conversations=str(speech_case["conversations"]), max_samples=len(ids),
+                                         max_new_tokens=n_new), progress=False)
+    rounds, accepted = check_served(alone, spec, ours)
+    assert accepted > 0

@@ -27,3 +27,20 @@ def test_audio_token_from_the_config_or_its_thinker():
     assert tapdraft_vllm.audio_token_id(SimpleNamespace(audio_token_id=9)) == 9
     assert tapdraft_vllm.audio_token_id(SimpleNamespace(thinker_config=SimpleNamespace(audio_token_id=3))) == 3
     assert tapdraft_vllm.audio_token_id(SimpleNamespace(vocab_size=5)) is None
+
+
+class _Config(SimpleNamespace):
+    def update(self, values):
+        self.__dict__.update(values)
+
+
+def test_mtp_exports_are_routed_to_the_plugins_class_and_others_to_vllms_override(monkeypatch):
+    """An export naming TapdraftMTPForCausalLM becomes a generic MTP draft (a model type vLLM's MTP path accepts)
+    with one predicted layer per physical layer; any other config is left to vLLM's own override."""
+    ours = _Config(architectures=[tapdraft_vllm.MTP_ARCHITECTURE], model_type="qwen3", num_nextn_predict_layers=1)
+    seen = []
+    monkeypatch.setattr(tapdraft_vllm, "_OVERRIDE", [lambda c: seen.append(c) or c])
+    assert tapdraft_vllm.mtp_config_override(ours) is ours and not seen
+    assert (ours.model_type, ours.n_predict) == ("mtp", 1)
+    other = _Config(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next")
+    assert tapdraft_vllm.mtp_config_override(other) is other and seen == [other] and other.model_type == "qwen3_next"

@@ -157,3 +157,39 @@ def test_layouts_refuse_what_they_cannot_express(tmp_path):
         _export(two, tmp_path, "vllm-qwen3-next")
     with pytest.raises(ValueError, match="unknown MTP layout"):
         _export(two, tmp_path, "sglang")
+
+
+# ------------------------------------------------------------------ tapdraft-vllm: the plugin's TapdraftMTPForCausalLM
+
+
+def test_tapdraft_vllm_layout_keeps_the_names_and_folds_the_logits_scaling(tmp_path):
+    """The checkpoint's own names under a Qwen3 block's config naming the plugin's class; the target's lm_head
+    alone on the exported output norm gives tapdraft's logits (the scaling folded in); the head's audio input and
+    how vLLM serves it are stated."""
+    scaling = 1.7
+    d, bundle, layout = _head(MTPConfig(num_depths=1, loss_type="lk"), scaling)
+    cfg, w = _export(d, tmp_path, "tapdraft-vllm")
+    native = d.trainable_state_dict()
+    assert sorted(w) == sorted(native) == sorted(f"model.layers.{L}.{b}" for b in
+                                                 BLOCK + ["eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                                          "shared_head.norm.weight"])
+    assert cfg["architectures"] == ["TapdraftMTPForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert (cfg["first_mtp_layer_index"], cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]) == (L, L, 1)
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": bundle.config["rope_theta"]}
+    assert cfg["tapdraft"]["serve_with"] == {"vllm": {"method": "mtp", "num_speculative_tokens": 1}}
+    assert cfg["tapdraft"]["block_size"] == {"vllm": 2}
+    assert cfg["tapdraft"]["audio_embeds"] is False
+    norm = f"model.layers.{L}.shared_head.norm.weight"
+    for k in native:
+        if k != norm:
+            assert torch.equal(w[k], native[k].float()), k
+    h = torch.randn(5, bundle.config["hidden_size"], dtype=torch.float64)
+    ours = d.double().logits(1, h.double())
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + bundle.config["rms_norm_eps"]) * w[norm].double()
+    assert torch.allclose(x @ bundle.lm_head.double().T, ours, atol=1e-9)
+
+
+def test_tapdraft_vllm_layout_refuses_what_vllm_would_serve_differently(tmp_path):
+    two, _, _ = _head(MTPConfig(num_depths=2, recursion="post_norm"))
+    with pytest.raises(ValueError, match="num_depths: 1"):
+        _export(two, tmp_path, "tapdraft-vllm")

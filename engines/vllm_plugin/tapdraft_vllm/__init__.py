@@ -1,7 +1,7 @@
-"""vLLM plugin: what stock vLLM lacks to serve a tapdraft drafter beside a speech-LLM target.
+"""vLLM plugin: what stock vLLM lacks to serve tapdraft's drafters (beside speech-LLM targets, and MTP heads).
 
 Install it into the vLLM venv (``pip install engines/vllm_plugin``); vLLM loads it in every process
-through the ``vllm.general_plugins`` entry point, before any model is built. Two fixes, each for an
+through the ``vllm.general_plugins`` entry point, before any model is built. Three fixes, each for an
 upstream gap in vLLM 0.32 (read from its source):
 
 1. ``llm_base_proposer.SpecDecodeBaseProposer.load_model`` copies the target's ``image_token_index``
@@ -15,6 +15,10 @@ upstream gap in vLLM 0.32 (read from its source):
    Speech's do not (``Model does not support EAGLE3 interface but aux_hidden_state_outputs was
    requested``), although their language models do. The fix adds the interface to those classes: it
    delegates to the language model, as the interface's own default methods already do.
+3. ``method: "mtp"`` builds a drafter only from a module named by the *target's* architecture, so a bolt-on MTP
+   head over a dense target (tapdraft's ``mtp`` family) has no class. The plugin registers one
+   (``TapdraftMTPForCausalLM``, ``tapdraft_vllm.mtp``) and routes an export that names it
+   (``--layout tapdraft-vllm``) to vLLM's MTP path (``SpeculativeConfig.hf_config_override``).
 
 Each fix is applied only where stock vLLM still lacks it, so a vLLM that has fixed one upstream is left
 alone. ``SUPPORTED`` is the vLLM range this was proven on; outside it, loading refuses in one line.
@@ -34,7 +38,13 @@ SPEECH_CLASSES = (
 
 AUDIO_TOKEN_FIELDS = ("audio_token_index", "audio_token_id")
 
+MTP_ARCHITECTURE = "TapdraftMTPForCausalLM"
+"""The architecture a ``tapdraft-vllm`` MTP export names (``train/drafters/mtp/layouts.py``)."""
+MTP_MODEL_TYPE = "mtp"
+"""The generic entry of vLLM's ``MTPModelTypes``: the draft's model type its MTP path accepts."""
+
 _APPLIED: list[str] = []
+_OVERRIDE: list = []  # vLLM's own SpeculativeConfig.hf_config_override, once wrapped
 
 
 def check_version(version: str) -> None:
@@ -112,6 +122,29 @@ def _protocol_members(proto) -> set[str]:
     return set(members) if members is not None else set(typing._get_protocol_attrs(proto))
 
 
+def mtp_config_override(hf_config):
+    """vLLM's draft-config override, with tapdraft's MTP exports routed to the plugin's class: their config is a
+    Qwen3 block's (``model_type: qwen3``), which vLLM's MTP path does not know; it becomes a generic MTP draft with
+    ``n_predict`` physical layers. Every other config goes to vLLM's own override. Module level: vLLM pickles it."""
+    if MTP_ARCHITECTURE in (getattr(hf_config, "architectures", None) or []):
+        hf_config.model_type = MTP_MODEL_TYPE
+        hf_config.update({"n_predict": int(getattr(hf_config, "num_nextn_predict_layers", 1))})
+        return hf_config
+    return _OVERRIDE[0](hf_config)
+
+
+def _serve_mtp_heads() -> None:
+    from vllm import ModelRegistry
+    from vllm.config.speculative import SpeculativeConfig
+
+    if MTP_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(MTP_ARCHITECTURE, "tapdraft_vllm.mtp:TapdraftMTPForCausalLM")
+    if SpeculativeConfig.hf_config_override is not mtp_config_override:
+        _OVERRIDE[:] = [SpeculativeConfig.hf_config_override]
+        SpeculativeConfig.hf_config_override = staticmethod(mtp_config_override)
+        _APPLIED.append(f"mtp:{MTP_ARCHITECTURE}")
+
+
 def register() -> None:
     """vLLM's plugin hook (may run several times in one process: each fix applies once)."""
     import vllm
@@ -119,6 +152,7 @@ def register() -> None:
     check_version(vllm.__version__)
     _fix_image_token_index()
     _fix_eagle3_interface()
+    _serve_mtp_heads()
 
 
 def applied() -> list[str]:

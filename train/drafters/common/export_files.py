@@ -5,7 +5,8 @@ of the target checkpoint). Engines compute draft logits with the target's lm_hea
 ``logits_scaling_folded_into`` names the draft's last norm weight, which is written divided by the target's
 ``logits_scaling`` so those logits are exactly tapdraft's (weights named in ``logits_scaling_compensated_in``, which
 read that norm's output too, are multiplied by it). A config with ``auto_map`` gets its modeling files from the
-family's ``serving_dir``. :func:`load_export` reads an export back with nothing but json and safetensors.
+family's ``serving_dir``. A config that says how engines serve it (``tapdraft.serve_with``) states, per engine, the
+block size as that engine counts it (``tapdraft.block_size``). :func:`load_export` reads an export back with nothing but json and safetensors.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], con
         save_file(sd, str(tmp), metadata={"format": "pt"})
     doc = json.loads(json.dumps(config))
     doc.setdefault("tapdraft", {}).update(meta or {})
+    serve = doc["tapdraft"].get("serve_with")
+    # engines count a "block" differently (vLLM's DFlash: num_speculative_tokens + 1; SGLang: its draft-token count),
+    # so every engine an export names gets the block size as that engine counts it
+    assert serve is None or set(doc["tapdraft"].get("block_size") or {}) == set(serve), \
+        "an export that says how to serve it states its block size for each of those engines (tapdraft.block_size)"
     with staged(out / CONFIG) as tmp:
         tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
     return out

@@ -30,6 +30,7 @@ from torch import nn
 
 from shards.bundle import TargetBundle
 from shards.head import embed, head_spec, project
+from shards.manifest import code_version
 from shards.schema import Layout
 from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
@@ -43,6 +44,7 @@ from train.drafters.common.teacher import exact_last_tap, last_hidden, require_l
 from train.drafters.dflash.anchors import sample_anchors
 from train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
 from train.drafters.dflash.loss import DFlashLoss
+from train.drafters.dflash.open_spec import open_spec_block
 from train.drafters.dflash.speculators import to_speculators
 
 
@@ -282,6 +284,8 @@ class DFlashDrafter(DFlashLoss, Drafter):
         """The native layout (None: the reference release's names, ``auto_map`` to the shipped modeling file) or
         ``speculators`` (``dflash.speculators``, naming the ``verifier``)."""
         if layout is None:
+            if cls is DFlashDrafter:  # the 0.0.0 block describes DFlash drafts; the subclasses add heads it lacks
+                return weights, {**config, **open_spec_block(config, code_version())}
             return weights, config
         if layout == "speculators":
             return to_speculators(weights, config, verifier=verifier)
@@ -334,10 +338,19 @@ class DFlashDrafter(DFlashLoss, Drafter):
                 **self._last_layer_note(),
                 "uses_target_embedding_and_lm_head": True,
                 "target_layer_types": self.target_layer_types,
-                # vLLM's DFlash / DFlash2 block is 1 + num_speculative_tokens: serve with the trained block
-                "serve_with": {"vllm": {"method": "dflash", "num_speculative_tokens": cfg.block_size - 1}},
+                **self._serve_with(),
             },
         }
+
+    def _serve_with(self) -> dict[str, Any]:
+        """How engines serve the export, and its block size as each counts it: vLLM's DFlash / DFlash2 block is
+        1 + num_speculative_tokens; SGLang's DFLASH block is its draft-token count (``--speculative-num-draft-tokens``,
+        read from ``block_size``), named for plain DFlash only (the subclasses' heads are not SGLang's DFLASH)."""
+        B = self.config.block_size
+        serve: dict[str, Any] = {"vllm": {"method": "dflash", "num_speculative_tokens": B - 1}}
+        if type(self) is DFlashDrafter:
+            serve["sglang"] = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": B}
+        return {"serve_with": serve, "block_size": {engine: B for engine in serve}}
 
     def _last_layer_note(self) -> dict[str, Any]:
         """What a loader that reads HF ``hidden_states`` would feed a draft that taps the target's last layer."""

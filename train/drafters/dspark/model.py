@@ -301,6 +301,7 @@ class DSparkDrafter(DFlashDrafter):
                                      "left to right from lm_head(h_k) + markov_w2(markov_w1[previous token]), the "
                                      "anchor before slot 0")
         doc["tapdraft"]["serve_with"] = {"vllm": {"method": "dspark", "num_speculative_tokens": B}}
+        doc["tapdraft"]["block_size"] = {"vllm": B}  # vLLM's DSpark block is num_speculative_tokens
         return doc
 
 

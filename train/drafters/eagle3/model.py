@@ -331,6 +331,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                 "tap_numbering": TAP_NUMBERING,
                 "uses_target_embedding": True,
                 "serve_with": {"vllm": {"method": "eagle3", "num_speculative_tokens": cfg.num_steps}},
+                "block_size": {"vllm": cfg.num_steps + 1},  # a chain: the tokens one verification scores
             },
         }
 

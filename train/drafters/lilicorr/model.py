@@ -330,6 +330,7 @@ class LiLiCorrDrafter(DFlashDrafter):
                                      "top-k lm_head candidates and the lilicorr head's transition scores are walked "
                                      "greedily left to right from the anchor")
         doc["tapdraft"]["serve_with"] = {"vllm": {"method": "dflash", "num_speculative_tokens": cfg.block_size - 1}}
+        doc["tapdraft"]["block_size"] = {"vllm": cfg.block_size}
         return doc
 
 

@@ -31,6 +31,15 @@ self_attn.*, mlp.*, ...}``, ``train.drafters.mtp.model``). :func:`convert` turns
     depths only). The root ``mtp`` block carries the SALM recipe's fields (enabled, training_mode,
     loss_type, lk_lambda) plus num_layers / layer_pattern / use_repeated_layer.
 
+``tapdraft-vllm``  the checkpoint's own names (as ``deepseek``) under a Qwen3 block's config
+    (``model_type: qwen3``, ``architectures: [TapdraftMTPForCausalLM]``), served by vLLM's MTP path through the
+    project's plugin (``engines/vllm_plugin/tapdraft_vllm/mtp.py``, which computes exactly this head over any dense
+    target vLLM serves: the target's final-normed last hidden state is h^0). One depth (vLLM's further drafts
+    rerun the layer over its own cache, which is not tapdraft's depth chain); ``tapdraft.audio_embeds`` says
+    whether the head reads the target's merged audio embeddings (the plugin then declares multimodal
+    embeddings) or the placeholder id's embedding (vLLM's text-only draft inputs). Served as
+    ``{"method": "mtp", "model": DIR, "num_speculative_tokens": 1}``.
+
 Logits: every engine applies the target's lm_head alone, so a target's ``logits_scaling`` is folded
 into the head's output norm (exactly, for one depth; several depths with post-norm recursion would feed
 the scaled norm onward, so that combination is refused).
@@ -42,7 +51,7 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("deepseek", "vllm-qwen3-next", "nemo-salm")
+LAYOUTS = ("deepseek", "vllm-qwen3-next", "nemo-salm", "tapdraft-vllm")
 """Accepted ``--layout`` values for MTP exports."""
 BLOCK_PARAMS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
@@ -68,6 +77,14 @@ def _check(config: dict[str, Any], layout: str) -> float:
             f"{steps} depths on the pre-norm state (DeepSeek-V3); train it with drafter.recursion: post_norm, or "
             "export one depth, or use --layout deepseek"
         )
+    if layout == "tapdraft-vllm" and steps > 1:
+        raise ValueError(f"this head chains {steps} depths; vLLM drafts past the first by rerunning one layer over its "
+                         "own cache, which is not tapdraft's depth chain: train drafter.num_depths: 1 for --layout "
+                         "tapdraft-vllm")
+    head = config.get("target_head") or {}
+    if layout == "tapdraft-vllm" and (float(head.get("embed_scale", 1.0)) != 1.0 or head.get("final_logit_softcap")):
+        raise ValueError("the target scales its input embeddings or soft-caps its logits; vLLM's MTP path shares the "
+                         "raw embedding table and applies the lm_head alone: use --layout deepseek")
     if layout == "vllm-qwen3-next" and int(config["num_nextn_predict_layers"]) > 1:
         raise ValueError("vLLM's Qwen3-Next MTP shares one fc, pre-fc norms and output norm across its layers; "
                          f"this head has {config['num_nextn_predict_layers']} physical depths with their own: train "
@@ -87,6 +104,12 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any], layout: str
     scale = _check(config, layout)
     if layout == "deepseek":
         return dict(state), {**config, "mtp_layout": layout}
+    if layout == "tapdraft-vllm":  # the checkpoint's names; only the output norm takes the logits divisor
+        out = dict(state)
+        for li in _physical(config):
+            key = f"model.layers.{li}.shared_head.norm.weight"
+            out[key] = state[key].float() / scale
+        return out, _config(config, layout)
     out: dict[str, torch.Tensor] = {}
     layers = _physical(config)
     gemma = layout == "vllm-qwen3-next"
@@ -122,6 +145,19 @@ def _config(config: dict[str, Any], layout: str) -> dict[str, Any]:
     steps = int(config.get("num_speculative_steps", n_phys))
     keep = {"tapdraft": config.get("tapdraft", {}), "mtp_layout": layout, "num_speculative_steps": steps,
             "logits": "target lm_head(output) only: the target's logits_scaling is folded into the output norm"}
+    if layout == "tapdraft-vllm":
+        tapdraft = {**keep["tapdraft"], "serve_with": {"vllm": {"method": "mtp", "num_speculative_tokens": 1}},
+                    "block_size": {"vllm": 2}, "vllm_plugin": "tapdraft-vllm (engines/vllm_plugin)"}
+        return {
+            "architectures": ["TapdraftMTPForCausalLM"], "model_type": "qwen3", **arch,
+            "num_hidden_layers": int(config["first_mtp_layer_index"]),
+            "first_mtp_layer_index": int(config["first_mtp_layer_index"]), "num_nextn_predict_layers": n_phys,
+            "hidden_act": "silu", "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": arch["rope_theta"]},
+            "tie_word_embeddings": False, "mtp_recursion": config.get("mtp_recursion", "pre_norm"),
+            "max_position_embeddings": int(config.get("max_position_embeddings") or 32768), **keep,
+            "tapdraft": tapdraft,
+        }
     if layout == "vllm-qwen3-next":
         return {
             "architectures": ["Qwen3NextMTP"], "model_type": "qwen3_next", **arch,

@@ -30,11 +30,11 @@ bundle are frozen buffers). The dataset holds no backbone, so a mode that trains
 
 Names (``train.drafters.mtp.heads``): DeepSeek-V3's MTP parameter names at ``model.layers.{L + i}``.
 
-Serving: NO engine serves these bolt-on heads today. vLLM's ``method: "mtp"`` builds the MTP module from
-the TARGET's own config (a Qwen3 target has none: ``Qwen3NextMTP`` over a ``Qwen3Config`` fails on
-``num_experts``), ``model_type tapdraft_mtp`` is unknown to every loader, and NeMo's speechlm2 has no MTP.
-The export layouts (``train.drafters.mtp.layouts``) are for converters and offline study; live decoding is
-``tapdraft speculate``'s. A target that ships its own MTP module (Qwen3.5) trains that module instead,
+Serving: stock vLLM's ``method: "mtp"`` builds the MTP module from the TARGET's own config (a Qwen3 target has
+none: ``Qwen3NextMTP`` over a ``Qwen3Config`` fails on ``num_experts``), and NeMo's speechlm2 has no MTP. A
+one-depth head exported with ``--layout tapdraft-vllm`` is served by vLLM through the project's plugin
+(``engines/vllm_plugin``: ``TapdraftMTPForCausalLM``), with ``tapdraft speculate``'s acceptance round by round
+(``tests/engines/test_vllm_mtp_head.py``); the other layouts are for converters and offline study. A target that ships its own MTP module (Qwen3.5) trains that module instead,
 which vLLM serves as the target's MTP: family ``mtp_native`` (``train.drafters.mtp_native.model``).
 
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
@@ -295,7 +295,8 @@ class MTPDrafter(MTPLoss, Drafter):
             "target_head": self.head_spec.to_dict(),
             "max_position_embeddings": self.max_positions,
             "mtp_config": asdict(self.config),
-            "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint},
+            "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint,
+                         "audio_embeds": self.uses_audio_embeds},
         }
 
 

@@ -205,7 +205,10 @@ class MTPNativeDrafter(MTPDrafter):
         """The target's own config.json (vLLM builds the MTP module from it), plus what tapdraft trained."""
         return {**self.target_config, "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint,
                                                    "mtp_config": asdict(self.config),
-                                                   "num_speculative_tokens": self.config.num_depths}}
+                                                   "num_speculative_tokens": self.config.num_depths,
+                                                   "serve_with": {"vllm": {"method": "mtp", "num_speculative_tokens":
+                                                                           self.config.num_depths}},
+                                                   "block_size": {"vllm": self.config.num_depths + 1}}}
 
 
 CONFIG = MTPNativeConfig

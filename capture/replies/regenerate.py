@@ -6,11 +6,21 @@ everything before it (earlier turns already replaced), decoded by :mod:`capture.
 
 Stages, per rank (``rank_slice`` of the input, as capture does):
 
-    windows of ``window`` conversations -> skip those already done (keyed, below)
-    capture.replies.process_window: round r = the r-th regenerated turn of every live conversation,
-        prompt prepared (template's generation prompt, audio decoded), bucketed by prompt +
-        max_new_tokens, generated, checked
+    windows of ``window`` conversations (``--window``, 32) -> skip those already done (keyed, below)
+    in-process (``engine='transformers'``): capture.replies.process_window: round r = the r-th regenerated
+        turn of every live conversation, prompt prepared (template's generation prompt, audio decoded),
+        bucketed by prompt + max_new_tokens, generated, checked
+    ``engine='vllm'``: capture.replies.stream over capture.vllm.replies: up to ``max_batch_size``
+        conversations in flight in vLLM (continuous batching), each reply checked as it finishes and the
+        conversation's next turn sent at once; windows overlap, each written when its last conversation settles
     part file: one JSON line per conversation (its record, or why it was dropped), written atomically
+
+The progress bar counts replies (regenerated turns) as they finish, never whole windows. A window of 32 is
+the resume unit: the in-process engine on one CPU thread decodes a window of SmolLM2-135M replies in tens
+of seconds, where the old default of 256 lost minutes to a kill. Greedy replies through vLLM are the
+in-process engine's token for token (tests/engines/test_vllm_regenerate.py), so the same output file;
+its sidecar's settings name the engine. Sampling through vLLM is refused (its sampler is not tapdraft's
+seeded one).
 
 Resume is keyed by a content hash of what the regeneration reads (:func:`prefix_key`: sample id,
 the turns with the replaced ones blanked, audio references), never by row position: a rerun after

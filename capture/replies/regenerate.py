@@ -100,7 +100,7 @@ class RegenerateConfig:
     batch_tokens: int = 16384
     """Padded (prompt + max_new_tokens) tokens per generation batch."""
     max_batch_size: int = 64
-    """Conversations per generation batch at most."""
+    """Conversations per generation batch at most (engine 'vllm': conversations in flight at once)."""
     window: int = 32
     """Conversations per part file: the unit a resume recomputes (a kill loses the unfinished windows only)."""
     shard_size: int = 100_000
@@ -426,7 +426,9 @@ def summary(doc: dict[str, Any]) -> str:
     elif rs.get("seconds"):
         s = rs["seconds"]
         lines.append(f"this run: {rs['replies']} replies, {rs['tokens']:,} tokens in {s:.1f}s = "
-                     f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s")
+                     f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s"
+                     + (f" (vLLM {rs['engine']['version']}, started in {rs['engine']['startup_s']:.0f}s)"
+                        if "engine" in rs else ""))
     g = doc["generation"]
     lines.append(("greedy" if g["greedy"] else f"sampled (temperature {g['temperature']}, top_p {g['top_p']}, "
                   f"seed {g['seed']})") + f", max_new_tokens {g['max_new_tokens']}, target "

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 from capture.inputs import BadInput
 from capture.replies.generate import Generation, context_length
-from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, ReplyConfig, RunStats, _check, _drop, _Live, _prompt,
-                                     output_record, regenerated_turns)
+from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, ReplyConfig, RunStats, _check, _drop,
+                                     _Live, _prompt, output_record, regenerated_turns)
 from capture.targets.base import Prepared, Target
 
 
@@ -44,7 +44,8 @@ class _Window:
 def stream_windows(engine: ReplyEngine, target: Target, replies: ReplyConfig,
                    windows: Iterable[tuple[int, list[tuple[int, int, Any, str]]]], *, max_in_flight: int,
                    on_error: str, stats: RunStats, fingerprint: str, out_dir: Path,
-                   write: Callable[[int, list[dict[str, Any]]], None], report: Callable[[], None] = lambda: None) -> None:
+                   write: Callable[[int, list[dict[str, Any]]], None],
+                   report: Callable[[], None] = lambda: None) -> None:
     """Regenerate the conversations of ``windows`` ((w, [(local index, global index, item, key)])), handing each
     window's entries to ``write(w, entries)`` once all its conversations are settled (module docstring)."""
     ctx = context_length(target)

@@ -15,7 +15,7 @@ import capture.replies.regenerate as rg
 from capture.replies.generate import GenerationConfig, generate
 from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
 from capture.replies.windows import ReplyConfig
-from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401 (fixture)
+from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
 
 
 class Shuffled:
@@ -112,3 +112,19 @@ def test_an_interrupted_stream_resumes_to_the_same_bytes(lm_dir, tmp_path, monke
     doc = regenerate(_cfg(lm_dir, data, out, window=2, max_batch_size=4))
     assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
     assert doc["run_stats"]["conversations"] == 11 - kept  # only the unsettled windows were recomputed
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--engine", "vllm", "--temperature", "0.7"], "--engine vllm regenerates greedily only"),
+    (["--engine", "sglang"], "RegenerateConfig.engine must be one of ('transformers', 'vllm')"),
+    (["--window", "0"], "RegenerateConfig.window must be >= 1"),
+])
+def test_the_cli_refuses_in_one_line(tmp_path, capsys, args, says):
+    from cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["regenerate", "--target", str(tmp_path), "--data", str(tmp_path / "in.jsonl"), "--out",
+              str(tmp_path / "out.jsonl"), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.jsonl").exists()

@@ -140,11 +140,12 @@ def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
     return target_dir, data
 
 
-def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path) -> dict[str, Any]:
-    """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads."""
+def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save) -> dict[str, Any]:
+    """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads; ``save(doc)`` after
+    each pair (a slow machine keeps the pairs it finished)."""
     from capture.replies.regenerate import RegenerateConfig, regenerate
 
-    pairs = []
+    pairs: list[dict[str, Any]] = []
     for k in range(args.pairs):
         runs = {}
         for engine in ("vllm", "transformers"):
@@ -163,9 +164,11 @@ def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path) -> d
         pairs.append({**runs, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "identical_outputs": same})
         print(f"pair {k}: vLLM {a['tokens_per_s']:.0f} tok/s (+{a['engine']['startup_s']:.0f}s start)  in-process "
               f"{b['tokens_per_s']:.0f} tok/s  ratio {pairs[-1]['ratio']:.2f}  same output: {same}  "
-              f"load {a['load_avg']:.1f}/{b['load_avg']:.1f}")
-    return {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
-            "figure": "decoding tokens/s of regenerate --engine vllm over in-process, same prompts and threads"}
+              f"load {a['load_avg']:.1f}/{b['load_avg']:.1f}", flush=True)
+        doc = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
+               "figure": "decoding tokens/s of regenerate --engine vllm over in-process, same prompts and threads"}
+        save(doc)
+    return doc
 
 
 def main() -> None:
@@ -204,13 +207,16 @@ def main() -> None:
     target = load_target(target_dir)
     if args.engines:
         replies = ReplyConfig(generation=GenerationConfig(max_new_tokens=args.max_new_tokens), keep_truncated=True)
-        doc = {"target": args.target, "target_dir": target_dir, "samples": args.samples, "batch": args.batch,
-               "window": args.window, "max_new_tokens": args.max_new_tokens,
-               "engines": _engines(args, target_dir, data, target, replies, tmp)}
+        head = {"target": args.target, "target_dir": target_dir, "samples": args.samples, "batch": args.batch,
+                "window": args.window, "max_new_tokens": args.max_new_tokens}
+
+        def save(engines: dict[str, Any]) -> None:
+            write_result(f"regenerate_engines_{args.target}.json",
+                         {**head, "engines": engines, "machine_extra": {"threads": args.threads, "device": "cpu"}})
+
+        doc = _engines(args, target_dir, data, target, replies, tmp, save)
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"engines: vLLM / in-process decoding tokens/s = {doc['engines']['median_ratio']:.2f} (median)")
-        write_result(f"regenerate_engines_{args.target}.json",
-                     {**doc, "machine_extra": {"threads": args.threads, "device": "cpu"}})
+        print(f"engines: vLLM / in-process decoding tokens/s = {doc['median_ratio']:.2f} (median)")
         return
     placeholder = target.placeholder or "<|audioplaceholder|>"
     convs = [c for c in read_jsonl(data, placeholder=placeholder) if isinstance(c, Conversation)]

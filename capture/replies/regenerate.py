@@ -302,7 +302,7 @@ def _run_rank(target: Target, engine: Any, cfg: RegenerateConfig, work: Path, fp
         n = _turns(item, last_only)
         total += n
         n_done += n if key in done else 0
-    with Progress("regenerate (replies)", total, enabled=cfg.progress) as bar:
+    with Progress("regenerate", total, enabled=cfg.progress) as bar:  # counts replies
 
         def report() -> None:
             dt = max(time.perf_counter() - t0, 1e-9)

@@ -15,9 +15,10 @@ Stages, per rank (``rank_slice`` of the input, as capture does):
         conversation's next turn sent at once; windows overlap, each written when its last conversation settles
     part file: one JSON line per conversation (its record, or why it was dropped), written atomically
 
-The progress bar counts replies (regenerated turns) as they finish, never whole windows. A window of 32 is
-the resume unit: the in-process engine on one CPU thread decodes a window of SmolLM2-135M replies in tens
-of seconds, where the old default of 256 lost minutes to a kill. Greedy replies through vLLM are the
+The progress bar counts replies (regenerated turns) as they finish, never whole windows. The window is the
+resume unit, set by ``--window`` (default 32; it was a fixed 256, and a kill of a real run at 36-75 tokens/s
+lost minutes); in-process it also bounds the padded batches, through vLLM it costs nothing (batching
+crosses windows), so a small one there loses only seconds to a kill. Greedy replies through vLLM are the
 in-process engine's token for token (tests/engines/test_vllm_regenerate.py), so the same output file;
 its sidecar's settings name the engine. Sampling through vLLM is refused (its sampler is not tapdraft's
 seeded one).

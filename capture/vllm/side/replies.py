@@ -9,7 +9,9 @@ worker then serves
 
 by adding the requests to the running engine at once (continuous batching: a frame may come while others
 decode) and answering each request with ``{"kind": "reply", "tag", "token_ids", "finish_reason"}`` the step it
-finishes. Greedy only (``temperature=0``); ``ignore_eos`` with tapdraft's end-of-turn ids as ``stop_token_ids``,
+finishes, and ``{"kind": "alive", "running": N}`` after every ``ALIVE_S`` seconds without one (a long batch on a
+slow CPU may decode for many minutes before its first reply ends: tapdraft's silence timeout is then the
+worker's, not the replies'). Greedy only (``temperature=0``); ``ignore_eos`` with tapdraft's end-of-turn ids as ``stop_token_ids``,
 so a reply stops exactly where the in-process engine's does (vLLM's ``token_ids`` keep the stop id, as
 tapdraft's ``Generation.ids`` do). Prefix caching is off: a cached prefix's KV was computed in another batch,
 and a reply then depends on what ran before it, which a resume cannot reproduce.
@@ -20,10 +22,12 @@ from __future__ import annotations
 import os
 import select
 import sys
+import time
 from typing import Any
 
 from . import wire
 
+ALIVE_S = 30.0
 
 def build(llm: dict[str, Any]) -> Any:
     from vllm import LLM
@@ -41,6 +45,7 @@ def serve_replies(sock: Any, start: dict[str, Any]) -> None:
     wire.send(sock, {"kind": "ready", "vllm": __version__})
     engine = llm.llm_engine
     tags: dict[str, Any] = {}  # vLLM's request id (the external one outputs carry) -> tapdraft's tag
+    last = time.monotonic()
     while True:
         busy = bool(tags)
         while True:  # every frame already sent; wait for one only when nothing runs
@@ -70,3 +75,7 @@ def serve_replies(sock: Any, start: dict[str, Any]) -> None:
             o = out.outputs[0]
             wire.send(sock, {"kind": "reply", "tag": tag, "token_ids": [int(t) for t in o.token_ids],
                              "finish_reason": o.finish_reason})
+            last = time.monotonic()
+        if tags and time.monotonic() - last > ALIVE_S:
+            wire.send(sock, {"kind": "alive", "running": len(tags)})
+            last = time.monotonic()

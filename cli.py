@@ -102,7 +102,10 @@ def regenerate(
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
     batch_tokens: int = typer.Option(16384, "--batch-tokens",
                                      help="Padded prompt + reply tokens per generation batch."),
-    max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most."),
+    max_batch_size: int = typer.Option(64, "--max-batch-size", help="Conversations per generation batch at most "
+                                       "(with --engine vllm: conversations in flight at once)."),
+    window: int = typer.Option(32, "--window", help="Conversations per part file: the unit a rerun after a kill "
+                               "recomputes."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     on_error: str = typer.Option("fail", "--on-error",
@@ -110,10 +113,18 @@ def regenerate(
                                  "their reason."),
     allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+    engine: str = typer.Option("transformers", "--engine", help="What decodes: transformers (in-process, padded "
+                               "batches) | vllm (a vLLM worker in its own environment, continuous batching; greedy "
+                               "only; text causal LMs and Qwen2-Audio)."),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
+                                    "vLLM is installed in (`engines/venv.sh vllm` builds one and prints its path)."),
+    data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
+                                           "engines sharing the conversations."),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
 
+    from capture.config import VLLMConfig
     from capture.replies.regenerate import RegenerateConfig, summary
     from capture.replies.regenerate import regenerate as run_regenerate
     from shards.template import parse_template_kwargs
@@ -124,9 +135,11 @@ def regenerate(
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
-        max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, dtype=dtype, device=device,
-        on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
-        allow_outside_paths=allow_outside_paths,
+        max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, window=window, dtype=dtype,
+        device=device, on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
+        allow_outside_paths=allow_outside_paths, engine=engine,
+        vllm=VLLMConfig(data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_regenerate(cfg)))
 

@@ -11,8 +11,14 @@ Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute s
     fused      A  capture with ``replies`` (fused: states from the generation pass)
                B  regenerate, then capture the regenerated file (two passes)
                figure: wall time A / B (goal <= 0.65)
+    engines    (``--engines``) A  ``regenerate --engine vllm`` (capture's vLLM worker, continuous batching)
+                               B  ``regenerate`` in-process, on the same prompts, same threads
+               figure: decoding tokens/s of A over B (each run's own ``run_stats``: vLLM's start, a fixed
+               cost per run, is reported beside, not in the rate); whether the two output files are equal
 
-Targets: ``demo`` (the trained demo SALM in --workdir, built by the demo if missing; its own
+Targets: ``smollm2`` (the real SmolLM2-135M-Instruct that ``python -m demo.real build`` caches under
+~/.cache/tapdraft/models/, vocab 49,152; prompts from the Python documentation's topics, as demo.bpe's
+corpus), ``demo`` (the trained demo SALM in --workdir, built by the demo if missing; its own
 tone-digit conversations) and ``real`` (a random-init Qwen3 of real width: hidden 1024, 8 layers,
 vocab 151,936 with a word-level tokenizer of one word per id, so replies survive the text round
 trip; text prompts of --prompt-tokens words; its replies never end, so every reply runs to
@@ -20,7 +26,9 @@ trip; text prompts of --prompt-tokens words; its replies never end, so every rep
 sha256 pass over embedding + lm_head, kept on the loaded target) is computed once before the pairs
 and reported beside them.
 
-    python -m benchmarks.regenerate [--target demo|real] [--pairs 5] [--samples 96] [--batch 16]
+    python -m benchmarks.regenerate [--target demo|real|smollm2] [--pairs 5] [--samples 96] [--batch 16]
+    python -m benchmarks.regenerate --target smollm2 --engines --samples 64 --max-new-tokens 128 --pairs 2 \
+        --threads 2 --vllm-python "$(engines/venv.sh vllm)/bin/python"
 """
 
 from __future__ import annotations
@@ -109,9 +117,68 @@ def _real_inputs(tmp: Path, samples: int, prompt_tokens: int):
     return str(d), data
 
 
+def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
+    """The cached real SmolLM2 (``python -m demo.real build`` builds it) and ``samples`` one-turn prompts."""
+    from demo.bpe import corpus_text
+
+    if target_dir is None:
+        found = sorted((Path.home() / ".cache" / "tapdraft" / "models").glob("smollm2-135m-instruct-*/config.json"))
+        if not found:
+            raise FileNotFoundError("no SmolLM2 under ~/.cache/tapdraft/models: run `python -m demo.real build` first, "
+                                    "or give --target-dir")
+        target_dir = str(found[-1].parent)
+    words = " ".join(corpus_text()).split()
+    recs = []
+    for i in range(samples):
+        at = (i * 997) % max(1, len(words) - 48)
+        passage = " ".join(words[at:at + 24 + i % 24])
+        recs.append(json.dumps({"id": f"s{i}", "conversations": [
+            {"from": "user", "value": f"Explain this passage from the Python documentation:\n{passage}"},
+            {"from": "assistant", "value": "."}]}))
+    data = tmp / "in.jsonl"
+    data.write_text("\n".join(recs) + "\n")
+    return target_dir, data
+
+
+def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save) -> dict[str, Any]:
+    """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads; ``save(doc)`` after
+    each pair (a slow machine keeps the pairs it finished)."""
+    from capture.replies.regenerate import RegenerateConfig, regenerate
+
+    pairs: list[dict[str, Any]] = []
+    for k in range(args.pairs):
+        runs = {}
+        for engine in ("vllm", "transformers"):
+            out = tmp / f"eng-{engine}-{k}.jsonl"
+            t0 = time.perf_counter()
+            doc = regenerate(RegenerateConfig(target=target_dir, data=str(data), out=str(out), replies=replies,
+                                              max_batch_size=args.batch, window=args.window, progress=False,
+                                              engine=engine, vllm_python=args.vllm_python),
+                             target=None if engine == "vllm" else target)
+            rs = doc["run_stats"]
+            runs[engine] = {"wall_s": time.perf_counter() - t0, "decode_s": rs["seconds"], "tokens": rs["tokens"],
+                            "replies": rs["replies"], "tokens_per_s": rs["tokens"] / rs["seconds"],
+                            "load_avg": os.getloadavg()[0], **({"engine": rs["engine"]} if "engine" in rs else {})}
+        a, b = runs["vllm"], runs["transformers"]
+        same = (tmp / f"eng-vllm-{k}.jsonl").read_bytes() == (tmp / f"eng-transformers-{k}.jsonl").read_bytes()
+        pairs.append({**runs, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "identical_outputs": same})
+        print(f"pair {k}: vLLM {a['tokens_per_s']:.0f} tok/s (+{a['engine']['startup_s']:.0f}s start)  in-process "
+              f"{b['tokens_per_s']:.0f} tok/s  ratio {pairs[-1]['ratio']:.2f}  same output: {same}  "
+              f"load {a['load_avg']:.1f}/{b['load_avg']:.1f}", flush=True)
+        doc = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
+               "figure": "decoding tokens/s of regenerate --engine vllm over in-process, same prompts and threads"}
+        save(doc)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", choices=["demo", "real"], default="demo")
+    ap.add_argument("--target", choices=["demo", "real", "smollm2"], default="demo")
+    ap.add_argument("--target-dir", default=None, help="smollm2: its directory (default: the cached build)")
+    ap.add_argument("--engines", action="store_true", help="compare regenerate --engine vllm with in-process only")
+    ap.add_argument("--vllm-python", default=None, help="--engines: the vLLM venv's python")
+    ap.add_argument("--window", type=int, default=32, help="--engines: regenerate's --window")
+    ap.add_argument("--threads", type=int, default=1, help="threads of each side")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tapdraft-demo"),
                     help="demo directory (built by the demo if missing)")
     ap.add_argument("--samples", type=int, default=96)
@@ -130,11 +197,27 @@ def main() -> None:
     from capture.replies.windows import ReplyConfig
     from capture.targets.load import load_target
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))
-    target_dir, data = (_demo_inputs(Path(args.workdir), args.samples, tmp) if args.target == "demo"
-                        else _real_inputs(tmp, args.samples, args.prompt_tokens))
+    if args.target == "smollm2":
+        target_dir, data = _smollm2_inputs(tmp, args.samples, args.target_dir)
+    else:
+        target_dir, data = (_demo_inputs(Path(args.workdir), args.samples, tmp) if args.target == "demo"
+                            else _real_inputs(tmp, args.samples, args.prompt_tokens))
     target = load_target(target_dir)
+    if args.engines:
+        replies = ReplyConfig(generation=GenerationConfig(max_new_tokens=args.max_new_tokens), keep_truncated=True)
+        head = {"target": args.target, "target_dir": target_dir, "samples": args.samples, "batch": args.batch,
+                "window": args.window, "max_new_tokens": args.max_new_tokens}
+
+        def save(engines: dict[str, Any]) -> None:
+            write_result(f"regenerate_engines_{args.target}.json",
+                         {**head, "engines": engines, "machine_extra": {"threads": args.threads, "device": "cpu"}})
+
+        doc = _engines(args, target_dir, data, target, replies, tmp, save)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"engines: vLLM / in-process decoding tokens/s = {doc['median_ratio']:.2f} (median)")
+        return
     placeholder = target.placeholder or "<|audioplaceholder|>"
     convs = [c for c in read_jsonl(data, placeholder=placeholder) if isinstance(c, Conversation)]
     prompts = [Conversation(c.sample_id, c.source, c.messages[:-1], c.audios, c.line) for c in convs]
@@ -194,7 +277,7 @@ def main() -> None:
     print(f"generate: regenerate / plain model.generate replies/s = {doc['generate']['median_ratio']:.3f} (median)")
     if "fused" in doc:
         print(f"fused: capture --regenerate / (regenerate + capture) wall time = {doc['fused']['median_ratio']:.3f}")
-    write_result(f"regenerate_{args.target}.json", {**doc, "machine_extra": {"threads": 1, "device": "cpu"}})
+    write_result(f"regenerate_{args.target}.json", {**doc, "machine_extra": {"threads": args.threads, "device": "cpu"}})
 
 
 if __name__ == "__main__":

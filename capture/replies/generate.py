@@ -71,8 +71,8 @@ class Generation:
     tokens: list[int]
     stop_id: int | None
     """The end-of-turn id that ended the reply; None when it hit max_new_tokens (truncated)."""
-    expanded: Expanded
-    """The prompt as the target saw it."""
+    expanded: Expanded | None
+    """The prompt as the target saw it (None from an engine that expands it itself: ``capture.vllm.replies``)."""
     taps: torch.Tensor | None = None  # [T, n, H], T = prompt + tokens (+ stop id)
     last: torch.Tensor | None = None  # [T, H], last decoder layer, pre-norm
     error: bool = False

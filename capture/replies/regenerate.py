@@ -6,11 +6,22 @@ everything before it (earlier turns already replaced), decoded by :mod:`capture.
 
 Stages, per rank (``rank_slice`` of the input, as capture does):
 
-    windows of ``window`` conversations -> skip those already done (keyed, below)
-    capture.replies.process_window: round r = the r-th regenerated turn of every live conversation,
-        prompt prepared (template's generation prompt, audio decoded), bucketed by prompt +
-        max_new_tokens, generated, checked
+    windows of ``window`` conversations (``--window``, 32) -> skip those already done (keyed, below)
+    in-process (``engine='transformers'``): capture.replies.process_window: round r = the r-th regenerated
+        turn of every live conversation, prompt prepared (template's generation prompt, audio decoded),
+        bucketed by prompt + max_new_tokens, generated, checked
+    ``engine='vllm'``: capture.replies.stream over capture.vllm.replies: up to ``max_batch_size``
+        conversations in flight in vLLM (continuous batching), each reply checked as it finishes and the
+        conversation's next turn sent at once; windows overlap, each written when its last conversation settles
     part file: one JSON line per conversation (its record, or why it was dropped), written atomically
+
+The progress bar counts replies (regenerated turns) as they finish, never whole windows. The window is the
+resume unit, set by ``--window`` (default 32; it was a fixed 256, and a kill of a real run at 36-75 tokens/s
+lost minutes); in-process it also bounds the padded batches, through vLLM it costs nothing (batching
+crosses windows), so a small one there loses only seconds to a kill. Greedy replies through vLLM are the
+in-process engine's token for token (tests/engines/test_vllm_regenerate.py), so the same output file;
+its sidecar's settings name the engine. Sampling through vLLM is refused (its sampler is not tapdraft's
+seeded one).
 
 Resume is keyed by a content hash of what the regeneration reads (:func:`prefix_key`: sample id,
 the turns with the replaced ones blanked, audio references), never by row position: a rerun after
@@ -49,23 +60,28 @@ import shutil
 import time
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from capture.inputs import read_inputs
+from capture.config import VLLMConfig
+from capture.inputs import BadInput, read_inputs
 from capture.provenance import sidecar_path, target_fingerprint
-from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window
+from capture.replies.stream import stream_windows
+from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.targets.base import Target
+from capture.vllm.engine import check_python as check_vllm_python
 from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.progress import Progress
 from shards.template import read_template_file, template_kwargs, template_sha
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ENGINES = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -85,9 +101,9 @@ class RegenerateConfig:
     batch_tokens: int = 16384
     """Padded (prompt + max_new_tokens) tokens per generation batch."""
     max_batch_size: int = 64
-    """Conversations per generation batch at most."""
-    window: int = 256
-    """Conversations per part file: the unit a resume recomputes."""
+    """Conversations per generation batch at most (engine 'vllm': conversations in flight at once)."""
+    window: int = 32
+    """Conversations per part file: the unit a resume recomputes (a kill loses the unfinished windows only)."""
     shard_size: int = 100_000
     """Conversations per output shard when ``out`` is a directory."""
     dtype: str = "auto"
@@ -107,10 +123,25 @@ class RegenerateConfig:
     """Let a JSONL's audio paths leave its directory (as capture's ``allow_outside_paths``; not in the resume key)."""
     progress: bool = True
     """Show a progress bar with replies/s and tokens/s."""
+    engine: str = "transformers"
+    """What decodes: 'transformers' (in-process, padded batches) or 'vllm' (capture's vLLM worker in generate mode,
+    continuous batching; greedy only)."""
+    vllm: VLLMConfig | None = None
+    """With engine 'vllm': its parallel sizes and CPU KV cache (None = VLLMConfig's defaults)."""
+    vllm_python: str | None = None
+    """With engine 'vllm': the python of the environment vLLM is installed in (None = this interpreter)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replies, ReplyConfig):
             raise ValueError("RegenerateConfig.replies must be a ReplyConfig")
+        if self.engine not in ENGINES:
+            raise ValueError(f"RegenerateConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm" and not self.replies.generation.greedy:
+            raise ValueError("--engine vllm regenerates greedily only: vLLM's sampler draws other numbers than "
+                             "tapdraft's per-reply seeded one, so its sampled replies would not be reproducible; "
+                             "drop --temperature, or drop --engine vllm")
+        if self.engine == "vllm" and self.vllm is None:
+            object.__setattr__(self, "vllm", VLLMConfig())
         for name in ("batch_tokens", "max_batch_size", "window", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -127,7 +158,7 @@ class RegenerateConfig:
         return {"data": self.data, **self.replies.to_dict(), "chat_template": self.chat_template,
                 "template_kwargs": dict(self.template_kwargs), "max_samples": self.max_samples,
                 "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
-                "dtype": self.dtype}
+                "dtype": self.dtype, **({"engine": self.engine} if self.engine != "transformers" else {})}
 
 
 # ------------------------------------------------------------------------------------------ run, resume, merge
@@ -202,10 +233,13 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
             shutil.rmtree(work)
         return {**doc, "run_stats": {"already_complete": True}}
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
+    if cfg.engine == "vllm":
+        check_vllm_python(cfg.vllm_python, cfg.vllm)  # before anything is loaded or written
+    device = resolve_device(cfg)
     if target is None:
-        device = resolve_device(cfg)
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
-                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs))
+                             llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
+                             head_only=cfg.engine == "vllm")  # vLLM runs the decoder: tokenizer and head here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
     fp = target_fingerprint(target)
@@ -221,45 +255,79 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
     out_dir.mkdir(parents=True, exist_ok=True)
     placeholder = target.input_placeholder
     stats = RunStats()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        _run_rank(target, cfg, work, fp, out_dir, placeholder, rank, world, stats, t0)
-    stats.seconds = time.perf_counter() - t0
+    with _engine(cfg, target, device) as engine, torch.inference_mode():
+        t0 = time.perf_counter()  # after the engine's start: rates are decoding's
+        _run_rank(target, engine, cfg, work, fp, out_dir, placeholder, rank, world, stats, t0)
+        stats.seconds = time.perf_counter() - t0
     barrier(world)
     run_stats = {"conversations": stats.conversations, "replies": stats.replies, "tokens": stats.tokens,
                  "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
+    if engine is not None:
+        run_stats["engine"] = {"name": "vllm", "version": engine.version, "startup_s": round(engine.startup_s, 3)}
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
     doc = merge(cfg, work, out, placeholder, fp, target.template.text)
     return {**doc, "run_stats": run_stats}
 
 
-def _run_rank(target: Target, cfg: RegenerateConfig, work: Path, fp: str, out_dir: Path, placeholder: str,
-              rank: int, world: int, stats: RunStats, t0: float) -> None:
+def _turns(item: Any, last_only: bool) -> int:
+    """Replies a conversation asks for: the progress bar's unit (a bad input counts one)."""
+    return 1 if isinstance(item, BadInput) else max(1, len(regenerated_turns(item.messages, last_only)))
+
+
+@contextmanager
+def _engine(cfg: RegenerateConfig, target: Target, device: torch.device) -> Iterator[Any]:
+    """vLLM workers in generate mode for ``engine='vllm'`` (capture.vllm.replies); None in-process."""
+    if cfg.engine != "vllm":
+        yield None
+        return
+    from capture.replies.generate import context_length
+    from capture.vllm.engine import check_target
+    from capture.vllm.replies import VLLMReplies
+
+    check_target(target)
+    assert cfg.vllm is not None
+    ctx = context_length(target) or 8192
+    with VLLMReplies(cfg.vllm, target, python=cfg.vllm_python, target_dir=cfg.target,
+                     dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."), max_model_len=ctx,
+                     max_new_tokens=cfg.replies.generation.max_new_tokens, threads=torch.get_num_threads()) as engine:
+        yield engine
+
+
+def _run_rank(target: Target, engine: Any, cfg: RegenerateConfig, work: Path, fp: str, out_dir: Path,
+              placeholder: str, rank: int, world: int, stats: RunStats, t0: float) -> None:
     done = _done_keys(work)
-    total = sum(1 for _ in _rank_items(cfg, placeholder, rank, world))
-    n_done = 0
-    with Progress("regenerate", total, enabled=cfg.progress) as bar:
+    last_only = cfg.replies.last_turn_only
+    total = n_done = 0
+    for _, (_, item, key) in _rank_items(cfg, placeholder, rank, world):
+        n = _turns(item, last_only)
+        total += n
+        n_done += n if key in done else 0
+    with Progress("regenerate", total, enabled=cfg.progress) as bar:  # counts replies
 
         def report() -> None:
             dt = max(time.perf_counter() - t0, 1e-9)
             rates = f"{stats.replies / dt:.1f} replies/s  {stats.tokens / dt:,.0f} tok/s"
-            bar.update(n_done + stats.conversations, rates)
+            bar.update(n_done + stats.turns_settled, rates)
 
-        for w, chunk in enumerate(windows(_rank_items(cfg, placeholder, rank, world), cfg.window)):
-            todo = [(li, gi, item, key) for li, (gi, item, key) in chunk if key not in done]
-            if not todo:
-                n_done += len(chunk)
-                report()
-                continue
-            n_done += len(chunk) - len(todo)
-            entries = process_window(target, cfg.replies, todo, batch_tokens=cfg.batch_tokens,
-                                     max_batch_size=cfg.max_batch_size, on_error=cfg.on_error, stats=stats,
-                                     fingerprint=fp, out_dir=out_dir, report=report)
+        def write(w: int, entries: list[dict[str, Any]]) -> None:
             tag = hashlib.sha256("".join(e["key"] for e in entries).encode()).hexdigest()[:8]
             with staged(work / f"r{rank:05d}-w{w:07d}-{tag}.jsonl") as tmp:
                 tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in entries))
-            report()
+
+        todo = ((w, [(li, gi, item, key) for li, (gi, item, key) in chunk if key not in done])
+                for w, chunk in enumerate(windows(_rank_items(cfg, placeholder, rank, world), cfg.window)))
+        if engine is not None:
+            stream_windows(engine, target, cfg.replies, todo, max_in_flight=cfg.max_batch_size,
+                           on_error=cfg.on_error, stats=stats, fingerprint=fp, out_dir=out_dir, write=write,
+                           report=report)
+        else:
+            for w, chunk in todo:
+                if chunk:
+                    write(w, process_window(target, cfg.replies, chunk, batch_tokens=cfg.batch_tokens,
+                                            max_batch_size=cfg.max_batch_size, on_error=cfg.on_error, stats=stats,
+                                            fingerprint=fp, out_dir=out_dir, report=report))
+                report()
 
 
 def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, fingerprint: str,
@@ -359,7 +427,9 @@ def summary(doc: dict[str, Any]) -> str:
     elif rs.get("seconds"):
         s = rs["seconds"]
         lines.append(f"this run: {rs['replies']} replies, {rs['tokens']:,} tokens in {s:.1f}s = "
-                     f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s")
+                     f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s"
+                     + (f" (vLLM {rs['engine']['version']}, started in {rs['engine']['startup_s']:.0f}s)"
+                        if "engine" in rs else ""))
     g = doc["generation"]
     lines.append(("greedy" if g["greedy"] else f"sampled (temperature {g['temperature']}, top_p {g['top_p']}, "
                   f"seed {g['seed']})") + f", max_new_tokens {g['max_new_tokens']}, target "

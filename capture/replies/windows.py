@@ -169,6 +169,9 @@ class RunStats:
     tokens: int = 0
     dropped: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    turns_settled: int = 0
+    """Regenerated turns done with: replied, or given up with their conversation (a drop, a bad input); the
+    progress bar counts these, so it moves with every reply, not with every window."""
 
 
 @dataclass
@@ -253,9 +256,11 @@ def process_window(
     for li, gi, item, key in chunk:
         if isinstance(item, BadInput):
             bad(li, gi, key, item.sample_id, "bad_input", item.reason, item.line, item.source)
+            stats.turns_settled += 1
             continue
         turns = regenerated_turns(item.messages, replies.last_turn_only)
         if not all(any(m["role"] == "user" for m in item.messages[:t]) for t in turns):
+            stats.turns_settled += max(1, len(turns))
             bad(li, gi, key, item.sample_id, "no_user_turn", "an assistant turn to regenerate has no user turn "
                 "before it", item.line, item.source)
             continue
@@ -268,9 +273,11 @@ def process_window(
             try:
                 p = _prompt(target, lv, lv.turns[r])
             except (ValueError, OSError) as e:
+                stats.turns_settled += len(lv.turns) - r
                 bad(lv.li, lv.gi, lv.key, c.sample_id, "bad_input", str(e), c.line, c.source)
                 continue
             if ctx is not None and p.length + max_new > ctx:
+                stats.turns_settled += len(lv.turns) - r
                 bad(lv.li, lv.gi, lv.key, c.sample_id, "too_long", f"too long: prompt of {p.length} positions + "
                     f"max_new_tokens {max_new} > the target's context of {ctx}", c.line, c.source)
                 continue
@@ -284,10 +291,12 @@ def process_window(
             for li, gen in zip(g, gens):
                 lv = by_li[li]
                 stats.tokens += len(gen.ids)
+                stats.turns_settled += 1
                 why = _check(target, replies, lv, lv.turns[r], gen)
                 if why is not None:
                     entries[li] = _drop(lv.key, lv.gi, lv.conv.sample_id, *why)
                     stats.dropped[why[0]] += 1
+                    stats.turns_settled += len(lv.turns) - r - 1
                 else:
                     stats.replies += 1
                     finals[li] = gen

@@ -163,8 +163,10 @@ class VLLMEngine:
     """vLLM worker processes that return each prompt's tapped states [T, n_layers, H] (module docstring)."""
 
     def __init__(self, cfg: VLLMConfig, *, python: str | None, target_dir: str, layer_ids: Sequence[int],
-                 dtype: str, max_model_len: int, threads: int | None = None, timeout: float = 900.0):
-        self.cfg, self.layer_ids, self.timeout = cfg, list(layer_ids), timeout
+                 dtype: str, max_model_len: int, threads: int | None = None, timeout: float = 900.0,
+                 mode: str = "capture"):
+        assert mode in ("capture", "generate"), mode
+        self.cfg, self.layer_ids, self.timeout, self.mode = cfg, list(layer_ids), timeout, mode
         self.python = check_python(python, cfg)
         self.dir = Path(tempfile.mkdtemp(prefix="tapdraft-vllm-"))
         (self.dir / SIDE_NAME).symlink_to(Path(__file__).with_name("side").resolve(), target_is_directory=True)
@@ -255,7 +257,10 @@ class VLLMEngine:
             conn, header, _ = self._next()
             if header.get("kind") == "hello":
                 self.drivers[int(header["worker"])] = conn
-                wire.send(conn, {"kind": "start", "llm": llm, "layer_ids": self.layer_ids})
+                start = {"kind": "start", "llm": llm, "layer_ids": self.layer_ids}
+                if self.mode != "capture":  # capture.vllm.replies: plain generation, no states
+                    start["mode"] = self.mode
+                wire.send(conn, start)
         ready = 0
         while ready < len(self.procs):
             _, header, _ = self._next()

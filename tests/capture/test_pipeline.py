@@ -253,4 +253,5 @@ def test_the_two_pass_regenerate_gets_every_setting_the_configs_share(tmp_path):
         progress=False, allow_outside_paths=True)
     assert set(pipeline.SHARED_WITH_REGENERATE) == {
         "target", "replies", "max_samples", "batch_tokens", "max_batch_size", "window", "dtype", "device",
-        "llm_config", "chat_template", "template_kwargs", "on_error", "progress", "allow_outside_paths"}
+        "llm_config", "chat_template", "template_kwargs", "on_error", "progress", "allow_outside_paths", "engine",
+        "vllm", "vllm_python"}  # the engine ones: --regenerate refuses --engine vllm, so they pass on their defaults

@@ -5,15 +5,19 @@
 JOB: {"target": DIR, "speculative": {"method": "dflash", "model": EXPORT, "num_speculative_tokens": K} | null,
       "requests": [{"prompt_token_ids": [...]} | {"prompt": TEXT, "audio": NPY_PATH, "sample_rate": SR}
                    | {"prompt_embeds": PT_PATH}],  (a [T, H] tensor: the merged input embeddings)
-      "max_tokens": N, "max_model_len": M, "dtype": "float32", "ignore_eos": false}
+      "max_tokens": N, "max_model_len": M, "dtype": "float32", "ignore_eos": false,
+      "max_num_seqs": 1, "repeats": 1, "warmup": 0}
 OUT: {"vllm": VERSION, "plugins": [...], "outputs": [{"token_ids", "finish_reason", "prompt_token_ids",
-      "spec": {"per_step_accepted", "per_step_drafted", ...} | null}]}
+      "spec": {"per_step_accepted", "per_step_drafted", ...} | null}],
+      "seconds": [one wall time per repeat of the whole generate call], "warmup_seconds": S}
 
 Greedy (temperature 0) and one sequence per request, so vLLM's per-request speculative metrics
 (``per_request_spec_decode_metrics="detailed"``) give every verification step's accepted draft count,
 counted as vLLM counts it: drafts the target's sampled tokens agreed with, before the output is cut at
 eos or ``max_tokens``. Requests run one at a time (``max_num_seqs=1``) so no batching order can
-change what a step sees. It imports only vLLM, numpy and torch (the engine venv's): it is not part of
+change what a step sees; a timing job may raise ``max_num_seqs`` (continuous batching). ``warmup`` requests
+(the first ones, run once untimed) warm the engine before the ``repeats`` timed passes over all requests;
+each pass must give the same outputs (greedy), and the last one is written. It imports only vLLM, numpy and torch (the engine venv's): it is not part of
 tapdraft's package; the tests (tests/engines) run it.
 """
 
@@ -31,7 +35,7 @@ def main(job_path: str, out_path: str) -> None:
 
     job = json.load(open(job_path))
     kwargs = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
-                  max_model_len=job.get("max_model_len", 512), max_num_seqs=1, enable_prefix_caching=False,
+                  max_model_len=job.get("max_model_len", 512), max_num_seqs=job.get("max_num_seqs", 1), enable_prefix_caching=False,
                   disable_log_stats=False)
     if job.get("speculative"):
         kwargs["speculative_config"] = job["speculative"]
@@ -55,8 +59,21 @@ def main(job_path: str, out_path: str) -> None:
                             "multi_modal_data": {"audio": (np.load(r["audio"]), r["sample_rate"])}})
         else:
             prompts.append({"prompt_token_ids": r["prompt_token_ids"]})
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    doc = {"vllm": vllm.__version__, "outputs": []}
+    import time
+
+    t0 = time.perf_counter()
+    if job.get("warmup"):
+        llm.generate(prompts[: job["warmup"]], params, use_tqdm=False)
+    doc = {"vllm": vllm.__version__, "outputs": [], "seconds": [], "warmup_seconds": time.perf_counter() - t0}
+    first = None
+    for _ in range(job.get("repeats", 1)):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        doc["seconds"].append(time.perf_counter() - t0)
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        if first is not None and ids != first:
+            raise SystemExit("a repeat of the same greedy requests gave other tokens")
+        first = ids
     try:
         import tapdraft_vllm
 

@@ -35,16 +35,17 @@ class EngineFailed(RuntimeError):
 
 
 def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 900,
-               plugins: bool = True) -> dict[str, Any]:
+               plugins: bool = True, threads: int = 1) -> dict[str, Any]:
     """Run one vllm_runner job in the vLLM venv; its log goes to WORK/vllm-N.log (its end shown on failure).
-    ``plugins=False`` runs stock vLLM (no general plugin loaded: ``VLLM_PLUGINS`` names none)."""
+    ``plugins=False`` runs stock vLLM (no general plugin loaded: ``VLLM_PLUGINS`` names none); ``threads``
+    is the engine's CPU thread count."""
     work.mkdir(parents=True, exist_ok=True)
     n = len(list(work.glob("vllm-*.json")))
     job_path, out_path, log = work / f"vllm-{n}.json", work / f"vllm-{n}.out.json", work / f"vllm-{n}.log"
     job_path.write_text(json.dumps(job))
     # the engine's own environment only: tapdraft's venv must not leak into it
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads),
                VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if not plugins:
         env["VLLM_PLUGINS"] = ""

@@ -1,0 +1,27 @@
+"""The real text target's prompts: disjoint splits, held out by module, the same on every run."""
+
+from demo.real.prompts import TEMPLATES, prompt_splits
+
+
+def _module(record):
+    return record["id"].split("#")[0].rsplit(".", 1)[0]
+
+
+def test_splits_are_disjoint_and_held_out_by_module():
+    splits = prompt_splits(train=300, validation=20, held_out=20)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 300, "validation": 20, "held_out": 20}
+    ids = [r["id"] for v in splits.values() for r in v]
+    assert len(ids) == len(set(ids))
+    seen = {_module(r) for r in splits["train"] + splits["validation"]}
+    assert not seen & {_module(r) for r in splits["held_out"]}, "held-out prompts come from unseen modules"
+    first = splits["train"][0]["conversations"]
+    assert [t["from"] for t in first] == ["User", "Assistant"] and first[1]["value"] == ""
+    assert prompt_splits(train=300, validation=20, held_out=20) == splits  # deterministic
+
+
+def test_asking_for_more_than_the_library_documents_is_one_clear_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="ask for fewer"):
+        prompt_splits(train=10**6, validation=1, held_out=1)
+    assert len(TEMPLATES) == 4

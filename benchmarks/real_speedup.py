@@ -14,8 +14,9 @@ Stages (each cached in ``--workdir``; rerun to continue):
               tokens/s of each, their ratio, greedy outputs compared, vLLM's acceptance length (1 + accepted
               drafts / rounds) and tapdraft's replay of the same held-out conversations
 
-    python -m benchmarks.real_speedup --workdir real_work --recipe eagle3 --k 1,2,3 \\
-        --set max_steps=2000 --name real_speedup_eagle3.json
+    python -m benchmarks.real_speedup --workdir real_work                 # eagle3_small, 3 drafts a round
+    python -m benchmarks.real_speedup --workdir real_work --recipe eagle3 --run eagle3_k5 --k 5 \\
+        --set max_steps=800 --name real_speedup_eagle3.json                # another recipe on the same data
 
 Writes benchmarks/results/NAME. Needs the vLLM engine venv (``engines/venv.sh vllm``) and the real
 targets (``python -m demo.real build``).
@@ -85,7 +86,7 @@ def stage_replies(work: Path, args: argparse.Namespace, target: Path, venv: Path
         job = {"target": str(target), "requests": [{"prompt_token_ids": prompt_ids(tok, c)} for c in convs],
                "max_tokens": args.max_tokens, "max_model_len": 1024, "max_num_seqs": 32}
         t0 = time.perf_counter()
-        res = serve_vllm(venv, job, work / "vllm" / "replies", timeout=7200, threads=args.threads)
+        res = serve_vllm(venv, job, work / "vllm" / "replies", timeout=7200, threads=args.engine_threads)
         kept, tokens = [], 0
         for conv, o in zip(convs, res["outputs"]):
             ids = list(o["token_ids"])
@@ -168,7 +169,7 @@ def stage_serve(work: Path, args: argparse.Namespace, target: Path, venv: Path, 
             spec = None if name == "alone" else {"method": method, "model": str(export),
                                                  "num_speculative_tokens": int(name[2:])}
             res = serve_vllm(venv, {**job, "speculative": spec}, work / "vllm" / "serve", timeout=3600,
-                             threads=args.threads)
+                             threads=args.engine_threads)
             tokens = sum(len(o["token_ids"]) for o in res["outputs"])
             runs[name].append({"seconds": res["seconds"][0], "tokens": tokens, "load_avg": os.getloadavg()[0],
                                "outputs": [o["token_ids"] for o in res["outputs"]],
@@ -213,12 +214,14 @@ def stage_serve(work: Path, args: argparse.Namespace, target: Path, venv: Path, 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="real_work")
-    ap.add_argument("--train", type=int, default=3000)
+    ap.add_argument("--train", type=int, default=1800)
     ap.add_argument("--validation", type=int, default=64)
     ap.add_argument("--held-out", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=192, help="reply cap, generating and serving alike")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--recipe", default="eagle3")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of capture and training")
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="vLLM's threads (1: on a shared machine more threads wait on each other at OpenMP barriers)")
+    ap.add_argument("--recipe", default="eagle3_small")
     ap.add_argument("--method", default="eagle3", help="vLLM's method when the export does not state one")
     ap.add_argument("--run", default=None, help="run name (default: the recipe)")
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts served")
     ap.add_argument("--stop-after", choices=["prompts", "replies", "capture", "train"], default=None)
-    ap.add_argument("--name", default="real_speedup.json")
+    ap.add_argument("--name", default="real_speedup_smollm2.json")
     args = ap.parse_args(argv)
     args.k = [int(x) for x in args.k.split(",")]
     args.run = args.run or args.recipe
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     report = {"target": "SmolLM2-135M-Instruct", "recipe": args.recipe, "set": args.set, "k": args.k,
               "pairs": args.pairs, "prompts": args.prompts, "max_tokens": args.max_tokens,
-              "threads": args.threads, "command": "python -m benchmarks.real_speedup " + " ".join(argv or sys.argv[1:]),
+              "threads": args.threads, "engine_threads": args.engine_threads,
+              "command": "python -m benchmarks.real_speedup " + " ".join(argv or sys.argv[1:]),
               "serve": stage_serve(work, args, target, venv, data, run, export)}
     out = ROOT / "benchmarks" / "results" / args.name
     out.write_text(json.dumps(report, indent=1) + "\n")

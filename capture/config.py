@@ -202,7 +202,7 @@ class CaptureConfig:
                 object.__setattr__(self, "vllm", VLLMConfig())
             if self.replies is not None:
                 raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
-                                 "regenerated input instead (tapdraft regenerate, then capture)")
+                                 "regenerated input instead (tapdraft regenerate --engine vllm, then capture)")
         elif self.vllm is not None or self.vllm_python is not None:
             raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
         if self.on_error not in ("fail", "skip"):

@@ -73,10 +73,14 @@ def _held_out(module: str) -> bool:
     return hashlib.sha256(module.encode()).digest()[0] % 8 == 0
 
 
+PENDING = "(the target's reply)"
+"""The assistant turn's text until ``tapdraft regenerate`` replaces it (it refuses an empty turn)."""
+
+
 def conversation(sample_id: str, prompt: str) -> dict:
     """One JSONL record for ``tapdraft regenerate`` (the reply is the target's to write)."""
     return {"id": sample_id, "conversations": [{"from": "User", "type": "text", "value": prompt},
-                                               {"from": "Assistant", "type": "text", "value": ""}]}
+                                               {"from": "Assistant", "type": "text", "value": PENDING}]}
 
 
 def prompt_splits(train: int, validation: int, held_out: int, seed: int = 0) -> dict[str, list[dict]]:

@@ -1,6 +1,6 @@
 """The real text target's prompts: disjoint splits, held out by module, the same on every run."""
 
-from demo.real.prompts import TEMPLATES, prompt_splits
+from demo.real.prompts import PENDING, TEMPLATES, prompt_splits
 
 
 def _module(record):
@@ -15,7 +15,7 @@ def test_splits_are_disjoint_and_held_out_by_module():
     seen = {_module(r) for r in splits["train"] + splits["validation"]}
     assert not seen & {_module(r) for r in splits["held_out"]}, "held-out prompts come from unseen modules"
     first = splits["train"][0]["conversations"]
-    assert [t["from"] for t in first] == ["User", "Assistant"] and first[1]["value"] == ""
+    assert [t["from"] for t in first] == ["User", "Assistant"] and first[1]["value"] == PENDING
     assert prompt_splits(train=300, validation=20, held_out=20) == splits  # deterministic
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.serving import engine_venv
+from engines.serving import engine_venv
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.engines.serving import ROOT
+from engines.serving import ROOT
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

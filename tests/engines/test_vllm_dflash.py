@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines.serving import EngineFailed, check_served, serve_vllm
+from engines.serving import EngineFailed, check_served, serve_vllm, vllm_requests
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -62,25 +62,8 @@ def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_targ
 
 
 def speech_requests(case):
-    """vLLM requests for the case's conversations: the prompt as the target's chat template renders it (audio
-    placeholder and markers included) and the audio at the encoder's rate; tapdraft's expanded prompt ids."""
-    import numpy as np
-
-    from capture.inputs import load_audio, read_inputs
-    from capture.targets.load import load_target
-    from speculate.run import prompt_length
-
-    target = load_target(str(case["target"]))
-    requests, ids = [], []
-    for n, conv in enumerate(read_inputs(str(case["conversations"]), placeholder=target.input_placeholder)):
-        text = target.tokenizer.apply_chat_template(target._wrap(conv.messages[:-1]), tokenize=False,
-                                                    add_generation_prompt=True)
-        (wave,) = [load_audio(a, target_sr=16000, min_sr=16000)[0] for a in conv.audios]
-        path = case["root"] / f"audio-{n:03d}.npy"
-        np.save(path, wave.astype(np.float32))
-        requests.append({"prompt": text, "audio": str(path), "sample_rate": 16000})
-        exp = target.embed([target.prepare(conv, n)])[0]
-        ids.append(exp.input_ids[: prompt_length(exp.loss_mask)].tolist())
+    """vLLM requests for the case's conversations and tapdraft's expanded prompt ids."""
+    requests, _, ids = vllm_requests(case["target"], case["conversations"], 10**9, case["root"])
     return requests, ids
 
 

@@ -112,7 +112,7 @@ def test_qwen3_omni_export_passes_vllms_standalone_validator(vllm_venv, bpe_targ
 def test_vllm_takes_the_export_as_dspark_up_to_its_runner(vllm_venv, bpe_target, dspark, tmp_path):
     """vLLM parses the export's config as a DSpark draft (its speculative config, block size and registry entry
     accepted) and then, on a CPU, refuses its V1 runner for DSpark by name: serving needs the V2 runner (GPU)."""
-    from tests.engines.serving import EngineFailed, serve_vllm
+    from engines.serving import EngineFailed, serve_vllm
     from tests.engines.test_vllm_dflash import prompts
 
     _, export, _ = dspark
@@ -145,7 +145,7 @@ def test_vllms_v2_runner_serves_dspark_with_tapdrafts_acceptance(bpe_target, dsp
     """On a GPU (``benchmarks/gpu.sh``): vLLM's CUDA build (``engines/vllm_gpu.txt``) serves the export with
     ``method: dspark`` (its V2 runner's sequential Markov sampling): greedy output identical to the target alone,
     and per conversation and round the accepted drafts equal ``tapdraft speculate``'s."""
-    from tests.engines.serving import engine_venv
+    from engines.serving import engine_venv
     from tests.engines.test_vllm_dflash import serve_and_check
 
     run, export, _ = dspark

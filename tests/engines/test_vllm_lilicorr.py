@@ -84,7 +84,7 @@ def test_vllms_lilicorr_head_takes_every_tensor_and_walks_as_tapdraft_drafts(vll
 def test_vllm_takes_the_export_as_lilicorr_up_to_its_runner(vllm_venv, bpe_target, lilicorr, tmp_path):
     """vLLM parses the export as a DFlash draft with LiLiCorr's architecture and then, on a CPU, refuses its V1
     runner for candidate-head drafts: serving needs the V2 runner (GPU)."""
-    from tests.engines.serving import EngineFailed, serve_vllm
+    from engines.serving import EngineFailed, serve_vllm
     from tests.engines.test_vllm_dflash import prompts
 
     _, export = lilicorr
@@ -116,7 +116,7 @@ def test_vllms_v2_runner_serves_lilicorr_with_tapdrafts_acceptance(bpe_target, l
     """On a GPU (``benchmarks/gpu.sh``): vLLM's CUDA build serves the export with ``method: dflash`` (its V2
     runner's lattice walk): greedy output identical to the target alone, and per conversation and round the
     accepted drafts equal ``tapdraft speculate``'s."""
-    from tests.engines.serving import engine_venv
+    from engines.serving import engine_venv
     from tests.engines.test_vllm_dflash import serve_and_check
 
     run, export = lilicorr

@@ -22,7 +22,7 @@ import subprocess
 import pytest
 
 from tests.engines.conftest import train_and_export
-from tests.engines.serving import EngineFailed, serve_vllm
+from engines.serving import EngineFailed, serve_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

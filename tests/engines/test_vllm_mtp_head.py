@@ -16,7 +16,7 @@ import json
 import pytest
 
 from tests.engines.conftest import train_and_export
-from tests.engines.serving import serve_vllm
+from engines.serving import serve_vllm
 from tests.engines.test_vllm_dflash import MAX_TOKENS, prompts, serve_and_check
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -51,7 +51,7 @@ def test_vllm_serves_a_bolt_on_mtp_head_with_tapdrafts_acceptance(vllm_venv, bpe
 def test_stock_vllm_has_no_class_for_a_bolt_on_mtp_head(vllm_venv, bpe_target, bpe_mtp, tmp_path):
     """Without the plugin vLLM 0.32 refuses the export before decoding: its MTP path knows only model types named
     by a target's own MTP module."""
-    from tests.engines.serving import EngineFailed
+    from engines.serving import EngineFailed
 
     _, export = bpe_mtp
     (_, ids), *_ = prompts(bpe_target)
@@ -74,7 +74,7 @@ def test_vllm_serves_an_mtp_head_beside_a_speech_target(vllm_venv, speech_case, 
     from capture.pipeline import capture
     from cli import app
     from speculate.run import SpeculateConfig, run_speculate
-    from tests.engines.serving import check_served
+    from engines.serving import check_served
     from tests.engines.test_vllm_dflash import speech_requests
 
     dataset = speech_case["dataset"]

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from tests.engines.conftest import train_and_export
-from tests.engines.serving import check_served, serve_vllm
+from engines.serving import check_served, serve_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.conftest import engine_bpe_size, train_and_export
-from tests.engines.serving import ROOT, serve_vllm
+from engines.serving import ROOT, serve_vllm
 from tests.engines.test_vllm_dflash import K, MAX_TOKENS, prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

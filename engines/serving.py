@@ -1,4 +1,6 @@
-"""Running a real serving engine from the tests: its venv (engines/venv.sh) and one job in a subprocess.
+"""Running a real serving engine: its venv (engines/venv.sh), one job in a subprocess, the requests for
+conversations as tapdraft expands them, and the checks that hold what it served against tapdraft's decoding
+(the engine tests, the benchmarks and ``tapdraft demo --real`` use them).
 
 Engines pin their own torch and transformers, so each runs in its own venv built from the pins in
 ``engines/NAME.txt`` by ``engines/venv.sh`` (reused while the pins are unchanged). The tests never skip
@@ -13,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "engines" / "vllm_runner.py"
 
 
@@ -56,6 +58,42 @@ def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 
         text = log.read_text()
         raise EngineFailed(f"vLLM failed (exit {res.returncode}); the end of {log}:\n{text[-6000:]}", text)
     return json.loads(out_path.read_text())
+
+
+def vllm_requests(target_dir: str | Path, conversations: str | Path, n: int, audio_dir: Path
+                  ) -> tuple[list[dict[str, Any]], list[str], list[list[int]]]:
+    """vLLM requests for the first ``n`` usable conversations of a JSONL file (each up to its last reply), their
+    sample ids, and tapdraft's prompt ids (audio expanded as capture expands it; vLLM's must equal them). A text
+    prompt goes as those ids; one with audio as the text the target's chat template renders (audio markers
+    included) plus the audio at the encoder's rate in ``audio_dir`` (.npy), which vLLM's own processor expands."""
+    import numpy as np
+
+    from capture.inputs import BadInput, load_audio, read_inputs
+    from capture.targets.load import load_target
+    from speculate.run import prompt_length
+
+    target = load_target(str(target_dir))
+    requests, sample_ids, prompts = [], [], []
+    for conv in read_inputs(str(conversations), placeholder=target.input_placeholder):
+        if len(sample_ids) == n:
+            break
+        if isinstance(conv, BadInput):
+            continue
+        exp = target.embed([target.prepare(conv, len(sample_ids))])[0]
+        prompt = exp.input_ids[: prompt_length(exp.loss_mask)].tolist()
+        if conv.audios:
+            text = target.tokenizer.apply_chat_template(target._wrap(conv.messages[:-1]), tokenize=False,
+                                                        add_generation_prompt=True)
+            (wave,) = [load_audio(a, target_sr=16000, min_sr=16000)[0] for a in conv.audios]
+            audio_dir.mkdir(parents=True, exist_ok=True)
+            path = audio_dir / f"audio-{len(sample_ids):05d}.npy"
+            np.save(path, wave.astype(np.float32))
+            requests.append({"prompt": text, "audio": str(path), "sample_rate": 16000})
+        else:
+            requests.append({"prompt_token_ids": prompt})
+        sample_ids.append(conv.sample_id)
+        prompts.append(prompt)
+    return requests, sample_ids, prompts
 
 
 def check_served(alone: dict[str, Any], served: dict[str, Any], ours: dict[str, Any],

@@ -309,6 +309,51 @@ def train_listener(cfg: ListenConfig, out: Path, speech: Path, log=print) -> dic
     return info
 
 
+def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: int = 1,
+                  progress=None) -> dict[str, list[dict]]:
+    """Transcription requests for a drafter's data: spoken sentences of the listener's task as conversations for
+    ``tapdraft regenerate`` (the prompt the listener was trained on; the reply is the target's to write), their
+    16 kHz wavs under ``out/audio``. ``held_out`` sentences are ones neither the listener nor ``train`` /
+    ``validation`` hold, so a drafter is judged on speech it did not see. Voices cycle as in training."""
+    import soundfile as sf
+
+    from demo.real.prompts import PENDING
+
+    cfg = ListenConfig()
+    listener = sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)
+    taken = set(listener["train"]) | set(listener["test"])
+    pool = sentences(train + validation + held_out + len(taken), 0, 0, seed)["train"]
+    fresh = [s for s in pool if s not in taken]
+    if len(fresh) < held_out:
+        raise ValueError(f"the templates hold {len(fresh)} sentences the listener did not train on; asked for "
+                         f"{held_out} held out: ask for fewer")
+    rest = [s for s in pool if s not in fresh[:held_out]]
+    picks = {"train": rest[:train], "validation": rest[train:train + validation], "held_out": fresh[:held_out]}
+    (out / "audio").mkdir(parents=True, exist_ok=True)
+    voice = itertools.cycle(VOICES)
+    convs: dict[str, list[dict]] = {}
+    done = 0
+    for split, texts in picks.items():
+        convs[split] = []
+        for i, text in enumerate(texts):
+            sid = f"{split}-{i:05d}"
+            rel = f"audio/{sid}.wav"
+            if not (out / rel).exists():
+                tmp = out / "audio" / f".{sid}.wav"
+                sf.write(tmp, speak(text, *next(voice)), 16000, subtype="PCM_16", format="WAV")
+                tmp.replace(out / rel)
+            else:
+                next(voice)
+            convs[split].append({"id": sid, "reference": text, "conversations": [
+                {"from": "System", "value": SYSTEM},
+                {"from": "User", "type": "text", "value": f"<|AUDIO|>{PROMPT}", "audio": rel},
+                {"from": "Assistant", "type": "text", "value": PENDING}]})
+            done += 1
+            if progress is not None and done % 200 == 0:
+                progress(f"spoke {done}/{train + validation + held_out} sentences")
+    return convs
+
+
 def build_listener(root: str | Path | None = None, cfg: ListenConfig | None = None, log=print) -> tuple[Path, dict]:
     """The trained speech LLM, cached as ``<root>/smollm2-whisper-tiny-listen-<key>``."""
     root = Path(root) if root is not None else DEFAULT_ROOT

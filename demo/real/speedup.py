@@ -1,0 +1,256 @@
+"""A drafter worth serving on a real model, end to end: the target's own replies, a capture, a trained drafter,
+then vLLM on this machine serving held-out requests alone and with the drafter, timed in alternated pairs.
+
+Two real targets (``python -m demo.real build``):
+
+    text      SmolLM2-135M-Instruct; requests about the Python standard library (demo.real.prompts), held
+              out by module
+    speech    the real-parts speech LLM taught to transcribe (demo.real.listen); spoken sentences of its task,
+              the held-out ones never heard by the listener or the drafter
+
+Stages, each cached in the work directory (rerun to continue where it stopped):
+
+    prompts   data/SPLIT.prompts.jsonl (+ data/audio/*.wav): train, validation, held_out
+    replies   data/SPLIT.jsonl: the target's greedy replies, ``tapdraft regenerate --engine vllm --on-limit keep``
+              (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length)
+    capture   dataset/: ``tapdraft capture`` of the three splits
+    train     runs/RUN, exports/RUN: ``tapdraft train --recipe R``, then ``tapdraft export``
+    serve     vLLM alone and with the export, one request at a time (batch 1, the latency speculative decoding
+              is for), ``pairs`` times alternated: tokens/s of each, their ratio, greedy outputs compared, and
+              vLLM's accepted drafts held round by round against ``tapdraft speculate`` on the same requests
+
+``tapdraft demo --real`` runs it on the speech target; ``python -m benchmarks.real_speedup`` on either, writing
+its figures to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+SPLITS = ("train", "validation", "held_out")
+DEFAULTS = {"text": (1800, 192), "speech": (2400, 32)}
+"""Per target: training conversations, reply cap."""
+
+
+@dataclass(frozen=True)
+class SpeedupConfig:
+    target: str = "speech"
+    """``text`` (SmolLM2-135M-Instruct) or ``speech`` (the listener: Whisper tiny.en + SmolLM2)."""
+    train: int | None = None
+    """Training conversations (None: 1,800 text requests, 2,400 spoken sentences)."""
+    validation: int = 64
+    held_out: int = 64
+    max_tokens: int | None = None
+    """Reply cap, generating and serving alike (None: 192 text, 32 speech)."""
+    threads: int = 2
+    """torch threads of capture and training."""
+    engine_threads: int = 1
+    """vLLM's threads (1: on a shared machine more threads wait on each other at OpenMP barriers)."""
+    recipe: str = "eagle3_small"
+    run: str | None = None
+    """Run name (None: the recipe's)."""
+    sets: tuple[str, ...] = ()
+    """Training overrides KEY=VALUE."""
+    k: tuple[int, ...] = (3,)
+    """Drafts a round to serve with."""
+    pairs: int = 3
+    prompts: int = 16
+    """Held-out requests served."""
+    listen_steps: int = 300
+    """The listener's projector updates (its cached directory is keyed by them)."""
+    method: str = "eagle3"
+    """vLLM's method when the export does not state one."""
+
+    def __post_init__(self) -> None:
+        if self.target not in DEFAULTS:
+            raise ValueError(f"target must be one of {sorted(DEFAULTS)}, got {self.target!r}")
+        n, cap = DEFAULTS[self.target]
+        object.__setattr__(self, "train", self.train or n)
+        object.__setattr__(self, "max_tokens", self.max_tokens or cap)
+        object.__setattr__(self, "run", self.run or self.recipe)
+        if min(self.train, self.validation, self.held_out, self.pairs, self.prompts, *self.k) < 1:
+            raise ValueError("train, validation, held_out, pairs, prompts and every k must be >= 1")
+        if self.prompts > self.held_out:
+            raise ValueError(f"prompts ({self.prompts}) must be <= held_out ({self.held_out})")
+
+
+def target_dir(cfg: SpeedupConfig, log: Callable[[str], None] = print) -> Path:
+    """The model directory (built and cached on first use)."""
+    if cfg.target == "text":
+        from demo.real.build import build_real_targets
+
+        return build_real_targets().smollm2
+    from demo.real.listen import ListenConfig, build_listener
+
+    return build_listener(None, ListenConfig(steps=cfg.listen_steps), log)[0]
+
+
+def _jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def _cli(*args: str, log: Callable[[str], None] = print) -> None:
+    log("+ tapdraft " + " ".join(args[:12]))
+    subprocess.run([sys.executable, "-m", "cli", *args], check=True, cwd=ROOT)
+
+
+def stage_prompts(work: Path, cfg: SpeedupConfig, log: Callable[[str], None] = print) -> None:
+    data = work / "data"
+    if (data / "held_out.prompts.jsonl").exists():
+        return
+    data.mkdir(parents=True, exist_ok=True)
+    if cfg.target == "text":
+        from demo.real.prompts import prompt_splits
+
+        splits = prompt_splits(cfg.train, cfg.validation, cfg.held_out)
+    else:
+        from demo.real.listen import speech_splits
+
+        splits = speech_splits(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
+    for split in SPLITS:  # held_out last: its file marks the stage done
+        _jsonl(data / f"{split}.prompts.jsonl", splits[split])
+
+
+def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Callable[[str], None] = print) -> None:
+    data = work / "data"
+    for split in ("held_out", "validation", "train"):
+        if not (data / f"{split}.jsonl").exists():
+            _cli("regenerate", "--target", str(target), "--data", str(data / f"{split}.prompts.jsonl"),
+                 "--out", str(data / f"{split}.jsonl"), "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep",
+                 "--engine", "vllm", "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
+                 "--threads", str(cfg.engine_threads), log=log)
+
+
+def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Callable[[str], None] = print) -> Path:
+    ds, data = work / "dataset", work / "data"
+    if not (ds / "manifest.json").exists():
+        _cli("capture", "--target", str(target), "--data", str(data / "train.jsonl"),
+             "--data", f"validation={data / 'validation.jsonl'}", "--data", f"held_out={data / 'held_out.jsonl'}",
+             "--out", str(ds), "--threads", str(cfg.threads), log=log)
+    return ds
+
+
+def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
+    if not (export / "config.json").exists():
+        sets = [x for s in cfg.sets for x in ("--set", s)]
+        _cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
+             str(cfg.threads), *sets, log=log)
+        _cli("export", "--draft", str(run), "--out", str(export), log=log)
+    return run, export
+
+
+def speculate_held_out(work: Path, target: Path, run: Path, dataset: Path, n: int, max_tokens: int) -> dict[str, Any]:
+    """``tapdraft speculate`` (in-process decoding) of the same held-out conversations: per-round counts to hold
+    vLLM's against, and the offline replay on those conversations."""
+    from speculate.run import SpeculateConfig, run_speculate
+
+    cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset),
+                          conversations=str(work / "data" / "held_out.jsonl"), max_samples=n,
+                          max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
+    return run_speculate(cfg, progress=False)
+
+
+def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    from engines.serving import check_served, serve_vllm, vllm_requests
+
+    requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / "held_out.jsonl", cfg.prompts,
+                                                     work / "vllm" / "audio")
+    job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": 1024,
+           "warmup": 1, "repeats": 1}
+    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
+    method = tapdraft_cfg.get("method", cfg.method)
+    runs: dict[str, list[dict]] = {"alone": [], **{f"k={k}": [] for k in cfg.k}}
+    for p in range(cfg.pairs):
+        for name in (list(runs) if p % 2 == 0 else list(runs)[::-1]):
+            spec = None if name == "alone" else {"method": method, "model": str(export),
+                                                 "num_speculative_tokens": int(name[2:])}
+            res = serve_vllm(venv, {**job, "speculative": spec}, work / "vllm" / "serve", timeout=3600,
+                             threads=cfg.engine_threads)
+            tokens = sum(len(o["token_ids"]) for o in res["outputs"])
+            runs[name].append({"seconds": res["seconds"][0], "tokens": tokens, "load_avg": os.getloadavg()[0],
+                               "outputs": [o["token_ids"] for o in res["outputs"]],
+                               "prompt_ids": [o["prompt_token_ids"] for o in res["outputs"]],
+                               "spec": [o["spec"] for o in res["outputs"]]})
+            log(f"pair {p + 1}/{cfg.pairs} {name}: {tokens / res['seconds'][0]:.1f} tokens/s "
+                f"(load {os.getloadavg()[0]:.1f})")
+    alone = runs["alone"]
+    greedy = alone[0]["outputs"]
+    report: dict[str, Any] = {"alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
+                              "prompt_ids_equal_to_capture": alone[0]["prompt_ids"] == prompt_ids}
+    k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
+    if f"k={k_trained}" in runs:  # vLLM's rounds against tapdraft's at the drafts it was trained for
+        ours = speculate_held_out(work, target, run, dataset, len(sample_ids), cfg.max_tokens)
+        first = runs[f"k={k_trained}"][0]
+        served = {"vllm": "", "outputs": [{"token_ids": t, "spec": s} for t, s in zip(first["outputs"], first["spec"])]}
+        try:
+            check_served({"outputs": [{"token_ids": t} for t in greedy]}, served, ours, sample_ids)
+            report["rounds_equal_to_speculate"] = True
+        except (AssertionError, KeyError):  # reported, not hidden: the table says whether they agree
+            report["rounds_equal_to_speculate"] = False
+        report["speculate"] = {"k": k_trained, "tau": ours["tau"], "offline_tau_replayed": ours["offline_tau_replayed"],
+                               "offline_over": ours["offline_over"]}
+    for name, rs in runs.items():
+        if name == "alone":
+            continue
+        ratios = [(a["seconds"] / r["seconds"]) * (r["tokens"] / a["tokens"]) for a, r in zip(alone, rs)]
+        accepted = sum(sum(s["per_step_accepted"]) for s in rs[0]["spec"])
+        rounds = sum(len(s["per_step_accepted"]) for s in rs[0]["spec"])
+        report[name] = {"tokens_per_s": [r["tokens"] / r["seconds"] for r in rs], "speedup_pairs": ratios,
+                        "speedup_median": statistics.median(ratios),
+                        "greedy_identical": all(r["outputs"] == greedy for r in rs),
+                        "vllm_tau": 1 + accepted / max(rounds, 1), "rounds": rounds, "accepted": accepted,
+                        "load_avg": [r["load_avg"] for r in rs]}
+    return report
+
+
+def format_serve(report: dict[str, Any]) -> str:
+    """The serve stage in a few lines: both speeds, the ratio, and whether vLLM agreed with tapdraft."""
+    alone = statistics.median(report["alone_tokens_per_s"])
+    lines = [f"vLLM, the target alone: {alone:.1f} tokens/s (median of {len(report['alone_tokens_per_s'])})"]
+    for name, r in report.items():
+        if name.startswith("k="):
+            lines.append(f"vLLM with the drafter ({name[2:]} drafts a round): {statistics.median(r['tokens_per_s']):.1f} "
+                         f"tokens/s: {r['speedup_median']:.2f}x (pairs {', '.join(f'{x:.2f}' for x in r['speedup_pairs'])}), "
+                         f"acceptance length {r['vllm_tau']:.2f}, greedy output "
+                         f"{'identical' if r['greedy_identical'] else 'DIFFERENT'}")
+    if "speculate" in report:
+        s = report["speculate"]
+        lines.append(f"tapdraft speculate on the same requests: tau {s['tau']:.3f} (offline replay "
+                     f"{s['offline_tau_replayed']:.3f}); vLLM's rounds equal to it: {report['rounds_equal_to_speculate']}")
+    return "\n".join(lines)
+
+
+def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = None,
+                log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """Every stage up to ``stop_after`` (None: through serving); the serve report, or None when stopped early."""
+    from engines.serving import engine_venv
+
+    work = Path(work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target = target_dir(cfg, log)
+    stage_prompts(work, cfg, log)
+    if stop_after == "prompts":
+        return None
+    venv = engine_venv("vllm")
+    stage_replies(work, cfg, target, venv, log)
+    if stop_after == "replies":
+        return None
+    dataset = stage_capture(work, cfg, target, log)
+    if stop_after == "capture":
+        return None
+    run, export = stage_train(work, cfg, dataset, log)
+    if stop_after == "train":
+        return None
+    return stage_serve(work, cfg, target, venv, dataset, run, export, log)

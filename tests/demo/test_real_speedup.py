@@ -1,0 +1,80 @@
+"""demo.real.speedup's parts that need no engine: the configuration, the spoken requests for a drafter's data
+(held out from the listener's and the drafter's sentences), the prompts stage, and the serve summary. The whole
+chain through vLLM on a real target is tests/engines/test_vllm_real.py's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from capture.inputs import BadInput, read_inputs
+from demo.real.listen import ListenConfig, sentences, speech_splits
+from demo.real.speedup import SpeedupConfig, format_serve, stage_prompts
+
+
+@pytest.fixture
+def fake_speech(monkeypatch):
+    """espeak-ng replaced by a tone whose length follows the text (the splits' logic, not the voice, is tested)."""
+    spoken = []
+
+    def speak(text, voice, speed):
+        spoken.append((text, voice, speed))
+        return (0.1 * np.sin(np.arange(800 * len(text.split())) / 7)).astype(np.float32)
+
+    monkeypatch.setattr("demo.real.listen.speak", speak)
+    return spoken
+
+
+def test_config_defaults_follow_the_target_and_bad_values_are_refused():
+    assert (SpeedupConfig(target="text").train, SpeedupConfig(target="text").max_tokens) == (1800, 192)
+    s = SpeedupConfig(target="speech", recipe="eagle3")
+    assert (s.train, s.max_tokens, s.run) == (2400, 32, "eagle3")
+    with pytest.raises(ValueError, match="target must be one of"):
+        SpeedupConfig(target="video")
+    with pytest.raises(ValueError, match="prompts .* must be <= held_out"):
+        SpeedupConfig(prompts=65, held_out=64)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        SpeedupConfig(k=(0,))
+
+
+def test_spoken_requests_hold_out_what_the_listener_and_the_drafter_heard(tmp_path, fake_speech):
+    convs = speech_splits(tmp_path, 40, 5, 12)
+    assert [len(convs[s]) for s in ("train", "validation", "held_out")] == [40, 5, 12]
+    cfg = ListenConfig()
+    listener = sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)
+    text = {s: [c["reference"] for c in v] for s, v in convs.items()}
+    held = set(text["held_out"])
+    assert not held & (set(listener["train"]) | set(listener["test"]) | set(text["train"]) | set(text["validation"]))
+    assert len(set(text["train"]) | set(text["validation"]) | held) == 57
+    assert len(fake_speech) == 57
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs["held_out"]))
+    parsed = list(read_inputs(str(tmp_path / "held_out.jsonl"), placeholder="<|AUDIO|>"))
+    assert not [p for p in parsed if isinstance(p, BadInput)]
+    first = parsed[0]
+    assert first.messages[0] == {"role": "system", "content": "You are a speech recognizer."}
+    assert first.messages[1]["content"] == "<|AUDIO|>Transcribe the audio."  # the listener's prompt, no space
+    assert first.audios[0].path == str(tmp_path / "audio" / "held_out-00000.wav")
+    again = speech_splits(tmp_path, 40, 5, 12)  # a rerun reuses the wavs and gives the same requests
+    assert again == convs and len(fake_speech) == 57
+
+
+def test_the_prompts_stage_writes_each_split_once(tmp_path, fake_speech):
+    cfg = SpeedupConfig(target="speech", train=6, validation=2, held_out=3, prompts=3)
+    stage_prompts(tmp_path, cfg, log=lambda m: None)
+    rows = {s: (tmp_path / "data" / f"{s}.prompts.jsonl").read_text().splitlines()
+            for s in ("train", "validation", "held_out")}
+    assert [len(v) for v in rows.values()] == [6, 2, 3]
+    stage_prompts(tmp_path, cfg, log=lambda m: None)
+    assert len(fake_speech) == 11
+
+
+def test_the_serve_summary_names_both_speeds_and_the_agreement():
+    report = {"alone_tokens_per_s": [10.0, 11.0, 12.0], "rounds_equal_to_speculate": True,
+              "speculate": {"k": 3, "tau": 2.5, "offline_tau_replayed": 2.5},
+              "k=3": {"tokens_per_s": [14.0, 15.0, 16.0], "speedup_median": 1.36, "speedup_pairs": [1.4, 1.36, 1.33],
+                      "vllm_tau": 2.5, "greedy_identical": True}}
+    out = format_serve(report)
+    assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
+    assert "greedy output identical" in out and "rounds equal to it: True" in out

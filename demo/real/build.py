@@ -73,9 +73,12 @@ class RealTargets:
 
 def build_key() -> str:
     """Hash of the model packages' pins, the build's installed packages and the build code's version."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    tools = {t: version(t) for t in TOOLS}
+    try:
+        tools = {t: version(t) for t in TOOLS}
+    except PackageNotFoundError as e:
+        raise ValueError(f"the real targets need {e.name} (the `real` extra): pip install -e '.[real]'") from None
     blob = json.dumps({"packages": PACKAGES, "tools": tools, "build": BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

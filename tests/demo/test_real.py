@@ -142,3 +142,11 @@ def test_the_project_captures_the_speech_llm(real, tmp_path):
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["verify", str(tmp_path / "ds")], catch_exceptions=False)
     assert "0 problem(s), OK" in res.output, res.output
+
+
+def test_a_missing_build_tool_is_one_line_naming_the_extra(monkeypatch):
+    import demo.real.build as build
+
+    monkeypatch.setattr(build, "TOOLS", build.TOOLS + ("tapdraft-no-such-package",))
+    with pytest.raises(ValueError, match=r"need tapdraft-no-such-package \(the `real` extra\): pip install -e '\.\[real\]'"):
+        build.build_key()

@@ -12,7 +12,8 @@ Stages, each cached in the work directory (rerun to continue where it stopped):
 
     prompts   data/SPLIT.prompts.jsonl (+ data/audio/*.wav): train, validation, held_out
     replies   data/SPLIT.jsonl: the target's greedy replies, ``tapdraft regenerate --engine vllm --on-limit keep``
-              (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length)
+              (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length), threads /
+              engine_threads engines side by side
     capture   dataset/: ``tapdraft capture`` of the three splits
     train     runs/RUN, exports/RUN: ``tapdraft train --recipe R``, then ``tapdraft export``
     serve     vLLM alone and with the export, one request at a time (batch 1, the latency speculative decoding
@@ -123,12 +124,13 @@ def stage_prompts(work: Path, cfg: SpeedupConfig, log: Callable[[str], None] = p
 
 def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Callable[[str], None] = print) -> None:
     data = work / "data"
+    engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
     for split in ("held_out", "validation", "train"):
         if not (data / f"{split}.jsonl").exists():
             _cli("regenerate", "--target", str(target), "--data", str(data / f"{split}.prompts.jsonl"),
                  "--out", str(data / f"{split}.jsonl"), "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep",
                  "--engine", "vllm", "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
-                 "--threads", str(cfg.engine_threads), log=log)
+                 "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
 
 
 def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Callable[[str], None] = print) -> Path:

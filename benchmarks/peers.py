@@ -39,7 +39,6 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -185,6 +185,8 @@ class TapdraftSide:
         self.model = build_drafter(self.run, src)
         self.model.target.to_dtype(head_dtype(torch.device("cpu"), self.run.train.head_dtype))
         self.opt, _ = make_optimizer(self.model, self.run.train)
+        for g in self.opt.param_groups:  # the schedule's constructor applied warm-up step 0 (lr / 100): undo it
+            g["lr"] = self.run.train.lr
         stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=self.run.train.max_tokens,
                              max_batch_size=self.run.train.max_batch_size)
         self.batch = next(stream)

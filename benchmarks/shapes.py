@@ -7,6 +7,8 @@ and memory figures need the real widths, which is what this module builds.
     qwen3-1024x8   Qwen3ForCausalLM, hidden 1024, 8 layers, 16 heads (8 KV, head_dim 128), MLP 3072,
                    vocab 151,936, untied lm_head: 437M parameters (Qwen3-0.6B's widths, fewer layers)
     qwen3-256x4    hidden 256, 4 layers, vocab 8,192; qwen3-64x2: hidden 64, 2 layers, vocab 4,096 (checks)
+    llama-576x8    SmolLM2-135M's widths (hidden 576, 9 heads, 3 KV, MLP 1536, vocab 49,152), 8 of its 30 layers:
+                   the peer trainers' comparison (benchmarks/peers.py builds a bundle at these widths, no model)
 
 The directory is an ordinary HF causal-LM directory (``save_pretrained`` of the model and a
 tokenizer with a ChatML template), so ``capture`` loads it through its real path. Conversations are
@@ -39,6 +41,7 @@ SHAPES = {
     # small shapes for checks that need a real model but not real costs (benchmarks/gpu.py's CPU/GPU parity)
     "qwen3-256x4": Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, vocab=8192),
     "qwen3-64x2": Shape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=4096),
+    "llama-576x8": Shape(hidden=576, layers=8, heads=9, kv_heads=3, intermediate=1536, vocab=49_152),
 }
 WORDS = 4000
 """Tokenizer words (the model's vocabulary stays the shape's: ids above the tokenizer are never fed)."""

@@ -132,7 +132,7 @@ class ListenConfig:
     """Held-out in-vocabulary sentences."""
     n_oov: int = 20
     """Out-of-vocabulary sentences."""
-    steps: int = 600
+    steps: int = 300
     """Projector updates."""
     batch: int = 8
     """Utterances per update."""

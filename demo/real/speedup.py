@@ -65,7 +65,7 @@ class SpeedupConfig:
     pairs: int = 3
     prompts: int = 16
     """Held-out requests served."""
-    listen_steps: int = 300
+    listen_steps: int = 300  # demo.real.listen.ListenConfig's default
     """The listener's projector updates (its cached directory is keyed by them)."""
     method: str = "eagle3"
     """vLLM's method when the export does not state one."""

@@ -29,8 +29,8 @@ requested: the teacher rows are computed from it here, as the in-process engine 
 
 Determinism: a window is submitted whole, in plan order, whenever any of its samples is unfinished,
 so a resumed window runs the same requests in the same schedule as the first attempt; and the CPU thread
-count, which orders fp32 reductions (vLLM's forward, tapdraft's teacher head: on the BPE target's head
-1 and 2 threads gave log-probs up to 9.5e-7 apart for batches of 5-11 rows), is a recorded setting
+count, which orders fp32 reductions (tapdraft's teacher head, vLLM's ranks: captures of the BPE target
+at 1 and 2 threads differ in 15 of 64 samples' top-k log-probs, up to 2.9e-6), is a recorded setting
 (``VLLMConfig.threads``) that a resume takes from the record rather than from its process. So a capture
 is a function of its inputs and settings, and the resumed dataset equals an uninterrupted one bit for bit
 (tests/engines/test_vllm_capture.py kills a capture with SIGKILL).

@@ -76,11 +76,19 @@ class VLLMConfig:
     """Tokens per vLLM step (longer prompts are prefilled in chunks); None = vLLM's default."""
     cpu_kv_cache_gib: int = 1
     """KV cache space of vLLM's CPU backend in GiB (``VLLM_CPU_KVCACHE_SPACE``; ignored on GPUs)."""
+    threads: int | None = None
+    """CPU threads: vLLM's ranks split them (``OMP_NUM_THREADS``), and a capture's teacher head runs on them.
+    None: this process's torch thread count when the run begins, or on a capture's resume the count it began
+    with (:func:`pin_threads`). Recorded by capture: the count orders fp32 reductions (two uninterrupted captures of
+    the BPE target's 64 conversations at 1 and 2 threads: top-k log-probs of 15 samples up to 2.9e-6 apart, taps
+    and ids equal; at one count, equal), so teacher rows equal to the last bit need the same count."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "cpu_kv_cache_gib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VLLMConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"VLLMConfig.threads must be >= 1 or None, got {self.threads}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("VLLMConfig.max_num_batched_tokens must be >= 1 or None, "
                              f"got {self.max_num_batched_tokens}")
@@ -285,4 +293,26 @@ def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
             out[key] = portable_path(out[key])
     if isinstance(out.get("data"), list):
         out["data"] = [[split, portable_path(spec)] for split, spec in out["data"]]
+    if isinstance(out.get("vllm"), dict) and "threads" not in out["vllm"]:  # recorded before the thread count was
+        out["vllm"] = {**out["vllm"], "threads": None}
     return out
+
+
+def pin_threads(cfg: CaptureConfig, record: Path, current: int) -> CaptureConfig:
+    """``cfg`` with ``vllm.threads`` decided (``--engine vllm`` only): as given; else, resuming, the count recorded
+    in ``record`` when the capture began (with a warning when ``current`` differs); else ``current``, this
+    process's torch thread count. A capture resumed in a process with other threads (a shell with another
+    ``--threads``, a test process whose earlier tests set torch's threads) so computes as it began, and the
+    resumed dataset equals an uninterrupted one bit for bit. A record from before the field keeps None: the
+    current count, as those captures ran."""
+    if cfg.engine != "vllm" or cfg.vllm is None or cfg.vllm.threads is not None:
+        return cfg
+    n: int | None = current
+    if record.is_file():
+        old = migrate_capture_record(json.loads(record.read_text())).get("vllm")
+        if isinstance(old, dict):
+            n = old["threads"]
+            if n is not None and n != current:
+                warnings.warn(f"resuming the capture in {record.parent} with the {n} CPU threads it began with "
+                              f"(this process has {current}), so that it computes as it began", stacklevel=2)
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n))

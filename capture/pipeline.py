@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.config import INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, portable_path
+from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
+                            portable_path)
 from capture.forward import SampleSpec, run_batch
 from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
@@ -545,6 +546,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     if cfg.responses_from_target is None:
         derived = cfg.replies.from_target if cfg.replies is not None else replies_from_target(specs)
         cfg = dataclasses.replace(cfg, responses_from_target=derived)
+    cfg = pin_threads(cfg, out / CONFIG_FILE, torch.get_num_threads())  # recorded below: a resume computes alike
     inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
     record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE
@@ -619,12 +621,24 @@ def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLM
     assert cfg.vllm is not None
     longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \
         if (cfg.max_length or target.max_positions) else cfg.batch_tokens
+    threads = cfg.vllm.threads or torch.get_num_threads()  # None: a record from before VLLMConfig.threads
     with VLLMEngine(cfg.vllm, python=cfg.vllm_python, target_dir=cfg.target,
                     layer_ids=vllm_layer_ids(layout.tap_ids, layout.num_layers),
                     dtype=str(resolve_dtype(cfg, target.device)).removeprefix("torch."), max_model_len=longest,
-                    threads=torch.get_num_threads()) as engine:
+                    threads=threads) as engine, torch_threads(threads):  # the teacher head's reductions too
         prove_head(engine, target, layout)  # before any sample: the teacher rows are tapdraft's head on vLLM's states
         yield engine
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def template_record(target: Target) -> dict[str, Any]:

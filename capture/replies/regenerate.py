@@ -290,7 +290,8 @@ def _engine(cfg: RegenerateConfig, target: Target, device: torch.device) -> Iter
     ctx = context_length(target) or 8192
     with VLLMReplies(cfg.vllm, target, python=cfg.vllm_python, target_dir=cfg.target,
                      dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."), max_model_len=ctx,
-                     max_new_tokens=cfg.replies.generation.max_new_tokens, threads=torch.get_num_threads()) as engine:
+                     max_new_tokens=cfg.replies.generation.max_new_tokens,
+                     threads=cfg.vllm.threads or torch.get_num_threads()) as engine:
         yield engine
 
 

@@ -48,3 +48,28 @@ def test_a_record_from_before_the_fp8_layout_resumes_with_what_it_wrote(tmp_path
             with pytest.raises(ValueError, match="fp8_layout"):
                 check_resume(path, now)
             check_resume(path, _cfg(codec=codec, shard=ShardConfig(fp8_layout="bytes")).to_dict())
+
+
+def test_a_vllm_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
+    from capture.config import VLLMConfig, pin_threads
+
+    record = tmp_path / "capture_config.json"
+    fresh = pin_threads(_cfg(engine="vllm"), record, 2)
+    assert fresh.vllm.threads == 2  # a new capture: this process's count, recorded
+    record.write_text(json.dumps({**fresh.to_dict(), "inputs": {}}))
+    with pytest.warns(UserWarning, match="with the 2 CPU threads it began with"):
+        resumed = pin_threads(_cfg(engine="vllm"), record, 1)  # resumed where torch has another count
+    assert resumed.vllm.threads == 2
+    check_resume(record, resumed.to_dict())
+    with pytest.raises(ValueError, match="vllm="):  # a count given that is not the recorded one: another dataset
+        check_resume(record, pin_threads(_cfg(engine="vllm", vllm=VLLMConfig(threads=1)), record, 2).to_dict())
+    assert pin_threads(_cfg(), record, 3).vllm is None  # the in-process engine: untouched
+    with pytest.raises(ValueError, match="VLLMConfig.threads"):
+        VLLMConfig(threads=0)
+
+    legacy = {**fresh.to_dict(), "inputs": {}}  # recorded before the field: resumes with the current count, as it ran
+    legacy["vllm"] = {k: v for k, v in legacy["vllm"].items() if k != "threads"}
+    record.write_text(json.dumps(legacy))
+    old = pin_threads(_cfg(engine="vllm"), record, 1)
+    assert old.vllm.threads is None
+    check_resume(record, old.to_dict())

@@ -11,9 +11,9 @@ forward implementations compute is compared with stated tolerances:
 - top-k log-probabilities within ``LP_TOL`` where the ids agree.
 
 A vLLM capture killed with SIGKILL in its third window and rerun gives the uninterrupted vLLM dataset
-bit for bit; the resumed dataset verifies, and drafters trained on the two engines' datasets reach the same
-replayed tau within the spread of two seeds. About three vLLM start-ups (~50 s each on a
-loaded 2-core machine) dominate the runtime.
+bit for bit (same settings, the thread count among them); the resumed dataset verifies, and drafters trained
+on the two engines' datasets reach the same replayed tau within the spread of two seeds. About three vLLM
+start-ups (~50 s each on a loaded 2-core machine) dominate the runtime.
 """
 
 from __future__ import annotations
@@ -36,15 +36,19 @@ TAP_ATOL = 1e-6  # near zero, fp32 states 3e-8 apart are several bf16 steps apar
 LP_TOL = 1e-4  # fp32 log-probs of the same id from the two engines' last layer (measured: 6e-6)
 TAU_STEPS = 60  # DFlash steps each drafter trains for the replayed-tau comparison
 TIE = 1e-3  # candidates this close in log-probability may swap ranks between engines
+THREADS = 1  # the vLLM captures' CPU threads (VLLMConfig.threads): the count orders fp32 reductions
 
 
 def _cfg(bpe_target, out, engine, vllm_venv=None):
-    from capture.config import CaptureConfig
+    """The capture settings; a vLLM capture's thread count among them, so the killed run (a fresh process, torch's
+    default count) and the runs in this process (whatever count earlier tests left) compute alike."""
+    from capture.config import CaptureConfig, VLLMConfig
     from shards.shard_file import ShardConfig
 
     return CaptureConfig(target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),
                          top_k=8, window=16, batch_tokens=512, progress=False, shard=ShardConfig(shard_bytes=100_000),
-                         engine=engine, vllm_python=None if vllm_venv is None else str(vllm_venv / "bin" / "python"))
+                         engine=engine, vllm=VLLMConfig(threads=THREADS) if engine == "vllm" else None,
+                         vllm_python=None if vllm_venv is None else str(vllm_venv / "bin" / "python"))
 
 
 def samples(path, split="train"):

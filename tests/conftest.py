@@ -24,3 +24,12 @@ def salm_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("salm")
     build_demo_salm(QUICK, seed=0).save_pretrained(d)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's thread count (a benchmark's main does) leaves the next test the count it found:
+    the thread count is an input of fp32 results (a capture recorded at one count resumes at it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

@@ -46,14 +46,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.shapes import SHAPES, shape_facts
-from shards.bundle import write_bundle
-from shards.finalize import finalize_dataset
+from benchmarks.shapes import shape_facts, synthetic_dataset
 from shards.reader import open_dataset
-from shards.schema import Layout
-from shards.shard_file import ShardConfig
 from shards.taps import default_tap_ids
-from shards.writer import DatasetWriter
 
 SHAPE = "llama-576x8"
 BLOCK = 16
@@ -64,34 +59,9 @@ RUNNER = ROOT / "engines" / "modelopt_runner.py"
 
 
 def build_dataset(root: Path, *, samples: int = 2, tokens: int = 512, seed: int = 0) -> Path:
-    """The synthetic dataset at SHAPE (built once per argument set; later runs reuse ``root``)."""
-    if (root / "manifest.json").is_file():
-        return root
-    s = SHAPES[SHAPE]
-    g = torch.Generator().manual_seed(seed)
-    taps = tuple(sorted(set(default_tap_ids(s.layers, DRAFT_LAYERS)) | {s.layers - 1}))
-    layout = Layout(hidden_size=s.hidden, num_layers=s.layers, tap_ids=taps, top_k=0, audio_token_id=0)
-    config = {"model_type": "llama", "hidden_size": s.hidden, "num_hidden_layers": s.layers, "vocab_size": s.vocab,
-              "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.hidden // s.heads,
-              "intermediate_size": s.intermediate, "rope_theta": 100_000.0, "rms_norm_eps": 1e-5,
-              "logits_scaling": 1.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
-    audio = {"sample_rate": 16000, "frame_seconds": 0.08, "placeholder": "<audio>", "placeholder_token_id": 3,
-             "audio_token_id": 0}
-    fp = write_bundle(root / "target", config=config, audio=audio, chat_template=None,
-                      embed_tokens=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
-                      norm_weight=torch.ones(s.hidden, dtype=torch.bfloat16),
-                      lm_head=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
-                      tokenizer_dir=None)
-    with DatasetWriter(str(root), ShardConfig(), layout, fingerprint=fp) as w:
-        for i in range(samples):
-            loss = torch.zeros(tokens, dtype=torch.bool)
-            loss[tokens // 2:] = True
-            w.write({"sample_id": f"s{i}", "source": "bench", "audio_seconds": 0.0,
-                     "input_ids": torch.randint(4, s.vocab - 1, (tokens,), generator=g, dtype=torch.int32),
-                     "is_audio": torch.zeros(tokens, dtype=torch.bool), "loss_mask": loss,
-                     "taps": torch.randn(tokens, len(taps), s.hidden, generator=g).to(torch.bfloat16)}, i)
-    finalize_dataset(str(root), layout=layout, fingerprint=fp, capture_config={"benchmark": "peers"})
-    return root
+    """The synthetic dataset at SHAPE, ``tokens`` a sample (built once per argument set; later runs reuse ``root``)."""
+    return synthetic_dataset(root, SHAPE, samples=samples, tokens=(tokens, tokens), tag="peers", seed=seed,
+                             draft_layers=DRAFT_LAYERS)
 
 
 def to_modelopt(dataset: str | Path, out: Path, *, split: str = "train", draft_layers: int = DRAFT_LAYERS,

@@ -99,3 +99,56 @@ def conversations(path: str | Path, n: int, *, seed: int = 0, min_tokens: int = 
 
 if __name__ == "__main__":
     print(synthetic_target(sys.argv[1], sys.argv[2]))
+
+
+FAMILY_CONFIG = {
+    "qwen3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 1},
+    "llama": {"rope_theta": 100_000.0, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
+}
+"""The bundle config's family fields of a shape (its name's prefix: ``qwen3-1024x8`` is a Qwen3)."""
+
+
+def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int, int], tag: str, seed: int = 0,
+                      draft_layers: int = 1) -> Path:
+    """A tapdraft dataset at shape ``name`` with no model behind it (built once; later runs reuse ``root``): a
+    bundle of random bf16 embedding and head, and ``samples`` sequences of random ids and taps (the tap ids a
+    ``draft_layers`` drafter reads, plus the last layer), ``tokens`` = (shortest, longest) each, the second half
+    supervised. For the benchmarks that time training steps at real widths."""
+    import torch
+
+    from shards.bundle import write_bundle
+    from shards.finalize import finalize_dataset
+    from shards.schema import Layout
+    from shards.shard_file import ShardConfig
+    from shards.taps import default_tap_ids
+    from shards.writer import DatasetWriter
+
+    if (root / "manifest.json").is_file():
+        return root
+    s = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    taps = tuple(sorted(set(default_tap_ids(s.layers, draft_layers)) | {s.layers - 1}))
+    layout = Layout(hidden_size=s.hidden, num_layers=s.layers, tap_ids=taps, top_k=0, audio_token_id=0)
+    family = name.split("-")[0]
+    config = {"model_type": family, "hidden_size": s.hidden, "num_hidden_layers": s.layers, "vocab_size": s.vocab,
+              "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.hidden // s.heads,
+              "intermediate_size": s.intermediate, "logits_scaling": 1.0, **FAMILY_CONFIG[family]}
+    audio = {"sample_rate": 16000, "frame_seconds": 0.08, "placeholder": "<audio>", "placeholder_token_id": 3,
+             "audio_token_id": 0}
+    fp = write_bundle(root / "target", config=config, audio=audio, chat_template=None,
+                      embed_tokens=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
+                      norm_weight=torch.ones(s.hidden, dtype=torch.bfloat16),
+                      lm_head=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
+                      tokenizer_dir=None)
+    lo, hi = tokens
+    with DatasetWriter(str(root), ShardConfig(), layout, fingerprint=fp) as w:
+        for i in range(samples):
+            T = lo if lo == hi else int(torch.randint(lo, hi + 1, (1,), generator=g))
+            loss = torch.zeros(T, dtype=torch.bool)
+            loss[T // 2:] = True
+            w.write({"sample_id": f"s{i}", "source": "bench", "audio_seconds": 0.0,
+                     "input_ids": torch.randint(4, s.vocab, (T,), generator=g, dtype=torch.int32),
+                     "is_audio": torch.zeros(T, dtype=torch.bool), "loss_mask": loss,
+                     "taps": torch.randn(T, len(taps), s.hidden, generator=g).to(torch.bfloat16)}, i)
+    finalize_dataset(str(root), layout=layout, fingerprint=fp, capture_config={"benchmark": tag})
+    return root

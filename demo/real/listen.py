@@ -318,6 +318,7 @@ def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: i
     import soundfile as sf
 
     from demo.real.prompts import PENDING
+    from shards.atomic import staged
 
     cfg = ListenConfig()
     listener = sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)
@@ -339,9 +340,8 @@ def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: i
             sid = f"{split}-{i:05d}"
             rel = f"audio/{sid}.wav"
             if not (out / rel).exists():
-                tmp = out / "audio" / f".{sid}.wav"
-                sf.write(tmp, speak(text, *next(voice)), 16000, subtype="PCM_16", format="WAV")
-                tmp.replace(out / rel)
+                with staged(out / rel) as tmp:
+                    sf.write(tmp, speak(text, *next(voice)), 16000, subtype="PCM_16", format="WAV")
             else:
                 next(voice)
             convs[split].append({"id": sid, "reference": text, "conversations": [

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from shards.atomic import staged
+
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "validation", "held_out")
 DEFAULTS = {"text": (1800, 192), "speech": (2400, 32)}
@@ -95,9 +97,8 @@ def target_dir(cfg: SpeedupConfig, log: Callable[[str], None] = print) -> Path:
 
 
 def _jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    with staged(path) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _cli(*args: str, log: Callable[[str], None] = print) -> None:

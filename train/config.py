@@ -57,7 +57,7 @@ RENAMED_VALUES: dict[tuple[str, str], dict[Any, Any]] = {
 }
 """(section, field) -> {old value: today's value}."""
 DTYPES = ("auto", "bfloat16", "float32")
-"""``train.precision`` and ``train.head_dtype`` values (torch's dtype names; auto: bfloat16 on GPU, float32 on CPU)."""
+"""``train.precision`` and ``train.head_dtype`` values (torch's dtype names; head_dtype auto: train.loop.head_dtype)."""
 
 RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
                             "eval_every", "eval_samples"})

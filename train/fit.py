@@ -18,12 +18,18 @@ timing, so the same recipe fits the same way on every machine of a type and a re
 fitted values are what the run's config records). When training starts, and only when it fitted something, one
 line says the budget, what it costs, a step's estimated time from a short matmul probe (an estimate only, it sets
 nothing), and how to choose.
+
+The frozen head's dtype is fitted here too (``head_dtype``, for ``train.head_dtype: auto``): bf16 on CUDA, and on
+a CPU with bf16 instructions when the lm_head is real-sized, where its matmuls are most of a step; fp32 otherwise.
+It reads the CPU's flags and the shape, never a timing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,18 +73,65 @@ def fit_to_device(run: Any, bundle: Any, device: torch.device) -> tuple[Any, str
             f"{per_row / 1e9:.3f} GFLOP of head matmuls a row at {vocab:,} x {hidden}) and {run.train.max_tokens:,} "
             f"tokens a micro-batch: ~{gflop:,.0f} GFLOP")
     if device.type == "cpu":
-        rate = matmul_rate(hidden)
-        line += f", ~{gflop / rate:.1f} s a step at the {rate:.0f} GFLOP/s a quick probe measures now"
+        dtype = head_dtype(device, run.train.head_dtype, vocab * hidden)
+        rate = matmul_rate(hidden, dtype=dtype)
+        line += (f", ~{gflop / rate:.1f} s a step at the {rate:.0f} GFLOP/s a quick {str(dtype)[6:]} probe measures "
+                 "now")
     return run, line + "; set drafter.max_loss_rows=N and train.max_tokens=N to choose"
 
 
-def matmul_rate(hidden: int, *, seconds: float = 0.2) -> float:
-    """GFLOP/s of a float32 [256, H] x [H, 8192] matmul on this CPU now, at torch's thread setting: an estimate
-    for the start line, never a setting."""
-    x, w = torch.randn(256, hidden), torch.randn(8192, hidden)
+def matmul_rate(hidden: int, *, dtype: torch.dtype = torch.float32, seconds: float = 0.2) -> float:
+    """GFLOP/s of a [256, H] x [H, 8192] matmul in ``dtype`` (the frozen head's) on this CPU now, at torch's thread
+    setting: an estimate for the start line, never a setting."""
+    x, w = torch.randn(256, hidden, dtype=dtype), torch.randn(8192, hidden, dtype=dtype)
     torch.matmul(x, w.T)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         torch.matmul(x, w.T)
         n += 1
     return 2.0 * 256 * hidden * 8192 * n / (time.perf_counter() - t0) / 1e9
+
+
+BF16_HEAD_MIN_WEIGHTS = 1 << 24
+"""The smallest lm_head (V x H weights) that ``head_dtype: auto`` keeps in bf16 on a CPU with bf16 instructions."""
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively, from the kernel's CPU flags (``cpuinfo_has_bf16``); False where
+    they cannot be read (another OS): bf16 stays opt-in there."""
+    try:
+        return cpuinfo_has_bf16(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def cpuinfo_has_bf16(text: str) -> bool:
+    """Whether a /proc/cpuinfo text lists bf16 instructions: x86 ``avx512_bf16`` or ``amx_bf16``, Arm's ``bf16``."""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def head_dtype(device: torch.device, setting: str, head_weights: int = 0) -> torch.dtype:
+    """The frozen embedding and lm_head's dtype; ``setting`` ``auto`` picks bf16 where it pays:
+
+    - CUDA: bf16 (tensor cores);
+    - a CPU with bf16 instructions (``cpu_has_bf16``) and an lm_head of at least ``BF16_HEAD_MIN_WEIGHTS``
+      weights (``head_weights``), where its matmuls are most of a step: bf16. At SmolLM2's 49,152 x 576 a DFlash
+      step measured 1.41x faster than fp32 with the loss equal to 1e-5 (docs/performance.md); a toy head's
+      matmuls cost little either way, so small heads stay fp32;
+    - any other CPU: fp32 (without the instructions bf16 is emulated, slower than fp32).
+
+    The real checkpoints' heads are stored in bf16, so the weights lose nothing; the rows are rounded to bf16 at
+    the matmul, the logits come back in bf16 and every softmax and loss after them runs in fp32. The choice reads
+    only the CPU's flags and the shape, so one machine resolves a run the same way on every resume.
+    """
+    if setting == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if head_weights >= BF16_HEAD_MIN_WEIGHTS and cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if setting == "bfloat16" else torch.float32

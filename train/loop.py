@@ -51,7 +51,7 @@ from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
 from train.drafters.base import Drafter, combine_terms, reduce_metrics
-from train.fit import fit_to_device
+from train.fit import fit_to_device, head_dtype
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state
@@ -123,19 +123,6 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def head_dtype(device: torch.device, setting: str) -> torch.dtype:
-    """The frozen head's dtype: bf16 lm_head matmuls on CUDA (tensor cores); fp32 on CPU unless asked.
-
-    On CPU bf16 is opt-in: on an AVX512-BF16 CPU a whole step at V = 151,936 measured 1.23-1.28x
-    faster than fp32 (benchmarks/train_step.py; the bare matmul 2-3x, partly eaten by dtype copies),
-    but CPUs without bf16 instructions emulate it, and a default that depends on the CPU would train
-    the same recipe differently on two machines.
-    """
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if setting == "bfloat16" else torch.float32
-
-
 def _autocast(device: torch.device, precision: str):
     bf16 = precision == "bfloat16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -191,6 +178,11 @@ def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
                       file=sys.stderr, flush=True)
             if fit_line and rank == 0:
                 print(fit_line, file=sys.stderr, flush=True)
+            weights = src.bundle.lm_head.numel()
+            if rank == 0 and tc.head_dtype == "auto" and device.type == "cpu" and \
+                    head_dtype(device, "auto", weights) == torch.bfloat16:
+                print(f"frozen head: bf16 (auto: this CPU has bf16 instructions and the lm_head {weights:,} weights); "
+                      "set train.head_dtype=fp32 to keep it fp32", file=sys.stderr, flush=True)
             return _train(run, src, out, ckpt, rank, world, device, end)
     finally:
         if we_init:
@@ -243,7 +235,7 @@ def _setup(run: RunConfig, src: DataSource, ckpt: Checkpoint | None, rank: int, 
     """Drafter (restored from ``ckpt``), its DDP wrapper, optimizer + schedule, and the batch stream."""
     tc = run.train
     model = build_drafter(run, src).to(device)
-    model.target.to_dtype(head_dtype(device, tc.head_dtype))
+    model.target.to_dtype(head_dtype(device, tc.head_dtype, model.target.lm_head.numel()))
     # a reduced draft vocabulary, fitted on (or checked against) the split
     vocab = draft_vocab.setup(model, src, None if ckpt is None else ckpt.draft)
     if ckpt is not None:

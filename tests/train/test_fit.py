@@ -68,3 +68,28 @@ def test_an_unfitted_dflash_config_keeps_the_former_budget():
     assert cfg.train_anchors == min(cfg.max_total_anchors, UNFITTED_LOSS_ROWS // (cfg.block_size - 1))
     with pytest.raises(ValueError, match="max_loss_rows"):
         DFlashConfig(block_size=8, max_loss_rows=6)
+
+
+def test_auto_head_dtype_is_bf16_where_it_pays(monkeypatch):
+    import train.fit as fit
+
+    big, small = fit.BF16_HEAD_MIN_WEIGHTS, fit.BF16_HEAD_MIN_WEIGHTS - 1
+    monkeypatch.setattr(fit, "cpu_has_bf16", lambda: True)
+    assert fit.head_dtype(CPU, "auto", big) == torch.bfloat16
+    assert fit.head_dtype(CPU, "auto", small) == torch.float32  # a toy head: its matmuls cost little either way
+    assert fit.head_dtype(GPU, "auto", small) == torch.bfloat16
+    assert fit.head_dtype(CPU, "float32", big) == torch.float32
+    monkeypatch.setattr(fit, "cpu_has_bf16", lambda: False)  # emulated bf16 is slower than fp32
+    assert fit.head_dtype(CPU, "auto", big) == torch.float32
+    assert fit.head_dtype(CPU, "bfloat16", small) == torch.bfloat16
+
+
+def test_bf16_instructions_are_read_from_the_cpu_flags():
+    from train.fit import cpuinfo_has_bf16
+
+    x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {}\nbugs\t\t: spectre_v1\n"
+    assert cpuinfo_has_bf16(x86.format("avx512_bf16"))
+    assert cpuinfo_has_bf16(x86.format("amx_bf16 amx_tile"))
+    assert not cpuinfo_has_bf16(x86.format("avx512_vnni"))
+    assert cpuinfo_has_bf16("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
+    assert not cpuinfo_has_bf16("processor\t: 0\nFeatures\t: fp asimd\nmodel name\t: bf16 lookalike\n")

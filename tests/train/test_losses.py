@@ -275,3 +275,30 @@ def test_ce_kd_and_gradients_through_a_soft_capped_biased_head_match_autograd():
     torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(kd, ref_kd.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-10)
+
+
+def test_bf16_head_stays_close_to_the_float64_loss_and_gradient():
+    """The frozen head in bf16 (``head_dtype: bf16``, auto on a CPU with bf16 instructions and a real-size head):
+    rows rounded to bf16 at the matmul, logits back in bf16, softmax and losses in fp32. The weights are bf16
+    exactly, as a real checkpoint's; the float64 reference uses the same weights and unrounded rows."""
+    g = torch.Generator().manual_seed(3)
+    R, H, V = 96, 256, 4096
+    W = (torch.randn(V, H, generator=g) * 3 / H**0.5).bfloat16()
+    h = torch.randn(R, H, generator=g)
+    y = torch.randint(0, V, (R,), generator=g)
+    th = torch.randn(R, H, generator=g)
+    for teacher in (None, ExactTeacher(th, torch.ones(H), W, HeadSpec())):
+        x = h.clone().requires_grad_(True)
+        ce, _, kd = row_losses(x, y, W, chunk_rows=40, teacher=teacher)
+        loss = ce.mean() if kd is None else kd.mean()
+        loss.backward()
+        x64 = h.double().requires_grad_(True)
+        t64 = None if teacher is None else ExactTeacher(th.double(), torch.ones(H, dtype=torch.float64), W.double(),
+                                                         HeadSpec())
+        ce64, _, kd64 = row_losses(x64, y, W.double(), chunk_rows=40, teacher=t64)
+        ref = ce64.mean() if kd64 is None else kd64.mean()
+        ref.backward()
+        assert abs(float(loss.detach()) - float(ref.detach())) / float(ref.detach()) < 5e-4
+        cos = torch.nn.functional.cosine_similarity(x.grad.double().flatten(), x64.grad.flatten(), dim=0)
+        assert cos > 0.999
+        assert float((x.grad.double() - x64.grad).norm() / x64.grad.norm()) < 0.03

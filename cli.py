@@ -175,7 +175,9 @@ def capture(
     writers: int = typer.Option(1, "--writers", help="Writer threads per rank, each compressing its own shards: "
                                 "what keeps up with a fast GPU (docs/performance.md)."),
     bf16_layout: str = typer.Option("planes", "--bf16-layout", help="planes (compresses better) | raw (uint16 words: "
-                                    "with --zstd-level 0, taps are read without a decode pass)."),
+                                    "with --zstd-level 0, taps are read without a decode pass) | split (the taps "
+                                    "compress themselves at ~2.7x planes' speed a CPU second and about its size: "
+                                    "with --zstd-level 0, the layout for a writer at a GPU's rate)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     responses_from_target: bool = typer.Option(
         None, "--responses-from-target/--responses-from-elsewhere",
@@ -319,7 +321,7 @@ def derive(
                               help="Teacher top-k to keep, at most the source's (0: drop teacher rows)."),
     zstd_level: int = typer.Option(None, "--zstd-level", help="Recompress the shards at this zstd level (0: "
                                    "uncompressed; default: the source's)."),
-    bf16_layout: str = typer.Option(None, "--bf16-layout", help="planes | raw (default: the source's)."),
+    bf16_layout: str = typer.Option(None, "--bf16-layout", help="planes | raw | split (default: the source's)."),
     writers: int = typer.Option(1, "--writers", help="Writer threads, each compressing its own shards."),
 ) -> None:
     """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,

@@ -17,9 +17,11 @@ writer compresses each column buffer; the total is the real writer's output. The
 short (~36 tokens), so the baseline's per-file overhead (torch.save's zip framing: ~3.2 KB a demo file
 with its teacher rows, ~2.4 KB a MiniLM one) is a visible share of its bytes: ``pt_framing_bytes`` reports it.
 
-Per bf16 byte plane (``plane_report``): zstd-1's ratio and decompression speed on the taps' high plane
-(sign + exponent) and low plane (mostly mantissa) alone, for the trained demo decoder, the qwen3-1024x8
-read/write benchmarks' content and MiniLM: which plane is worth compressing and what reading it costs.
+Per bf16 byte plane (``plane_report``): each of Arrow's buffer codecs (zstd at levels 1, -1, -5, -10; LZ4
+frame; none) on the taps' high plane (sign + exponent), low plane (mostly mantissa) and both together (the
+planes layout's one buffer): ratio, and encode and decode GB per CPU second, for the trained demo decoder,
+the qwen3-1024x8 read/write benchmarks' content and MiniLM, or each ``--dataset``: which plane is worth
+compressing at which cost to the writer and the reader (the writer's ceiling, docs/performance.md).
 
 - "--dataset NAME=DIR" (repeatable): instead of the above, any captured dataset's train split as it was written
   (its own taps and teacher rows), e.g. the real targets' (benchmarks/real_data.py: SmolLM2-135M text, the
@@ -45,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zstandard
 
@@ -181,27 +184,63 @@ def field_bytes(samples: list[dict[str, Any]], cfg: ShardConfig, lay: Layout) ->
     return out
 
 
-def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_bytes,
-                 min_seconds: float = 1.0) -> dict[str, Any]:
-    """zstd-1 on each bf16 byte plane of ``taps`` alone, in record-batch-sized pieces: compressed / raw bytes
-    and decompression speed (GB/s of output per CPU second, repeated to ``min_seconds``). Says whether a
-    plane is worth compressing, and what reading it costs."""
+PLANE_CODECS = ("zstd:1", "zstd:-1", "zstd:-5", "zstd:-10", "lz4", "raw")
+"""The codecs ``plane_report`` tries on each plane: Arrow IPC's two buffer codecs (zstd at a level, LZ4 frame), or
+none."""
+
+
+def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_bytes, min_seconds: float = 0.5,
+                 codecs: tuple[str, ...] = PLANE_CODECS) -> dict[str, Any]:
+    """Each codec on each bf16 byte plane of ``taps`` alone and on both (the planes layout's buffer, what the writer
+    compresses today), in record-batch-sized pieces, through Arrow's own codecs (``pyarrow.Codec``, what the Arrow
+    writer calls): compressed / raw bytes, and compression and decompression speed in GB/s of raw bytes per CPU
+    second (repeated to ``min_seconds``). Says which plane is worth compressing at which cost, to write and to read."""
+    import pyarrow as pa
+
     words = taps.contiguous().view(torch.int16).numpy().view("u2").reshape(-1)
-    planes = {"high (sign + 7 exponent bits)": (words >> 8).astype("u1"), "low (1 exponent + 7 mantissa bits)":
-              (words & 0xFF).astype("u1")}
-    zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
-    out = {}
-    for name, plane in planes.items():
-        step = batch_bytes // 2
-        blobs = [zc.compress(plane[i : i + step].tobytes()) for i in range(0, plane.size, step)]
+    high, low = (words >> 8).astype("u1"), (words & 0xFF).astype("u1")
+    planes = {"high (sign + 7 exponent bits)": high, "low (1 exponent + 7 mantissa bits)": low,
+              "both (planes layout)": np.concatenate([high, low])}
+
+    def per_cpu_s(fn: Any, nbytes: int) -> float:
         c0, reps = time.process_time(), 0
-        while time.process_time() - c0 < min_seconds:
-            for b in blobs:
-                zd.decompress(b)
+        while time.process_time() - c0 < min_seconds or reps == 0:
+            fn()
             reps += 1
-        out[name] = {"ratio": sum(map(len, blobs)) / plane.size,
-                     "decode_GB_per_cpu_s": reps * plane.size / (time.process_time() - c0) / 1e9}
+        return reps * nbytes / (time.process_time() - c0) / 1e9
+
+    out: dict[str, Any] = {}
+    for name, plane in planes.items():
+        step = batch_bytes // 2 if name.startswith(("high", "low")) else batch_bytes
+        pieces = [pa.py_buffer(plane[i : i + step].tobytes()) for i in range(0, plane.size, step)]
+        out[name] = {}
+        for spec in codecs:
+            kind, _, level = spec.partition(":")
+            if kind == "raw":
+                out[name][spec] = {"ratio": 1.0, "encode_GB_per_cpu_s": None, "decode_GB_per_cpu_s": None}
+                continue
+            codec = pa.Codec("lz4_frame") if kind == "lz4" else pa.Codec("zstd", compression_level=int(level))
+            blobs = [codec.compress(b) for b in pieces]
+            sizes = [b.size for b in pieces]
+            out[name][spec] = {
+                "ratio": sum(b.size for b in blobs) / plane.size,
+                "encode_GB_per_cpu_s": per_cpu_s(lambda: [codec.compress(b) for b in pieces], plane.size),
+                "decode_GB_per_cpu_s": per_cpu_s(
+                    lambda: [codec.decompress(b, decompressed_size=n) for b, n in zip(blobs, sizes)], plane.size)}
     return out
+
+
+def print_planes(name: str, planes: dict[str, Any], tap_bytes_per_token: int) -> None:
+    """One line per plane and codec: ratio, taps bytes a token, encode and decode GB per CPU second."""
+    print(f"\n{name}: bf16 taps by byte plane ({tap_bytes_per_token:,} raw bytes of taps a token)")
+    print(f"{'plane':<36}{'codec':<10}{'ratio':>7}{'taps B/token':>13}{'encode GB/cpu-s':>17}{'decode GB/cpu-s':>17}")
+    for plane, rows in planes.items():
+        share = 1.0 if plane.startswith("both") else 0.5
+        for spec, r in rows.items():
+            enc = "-" if r["encode_GB_per_cpu_s"] is None else f"{r['encode_GB_per_cpu_s']:.2f}"
+            dec = "-" if r["decode_GB_per_cpu_s"] is None else f"{r['decode_GB_per_cpu_s']:.2f}"
+            print(f"{plane:<36}{spec:<10}{r['ratio']:>7.3f}{r['ratio'] * share * tap_bytes_per_token:>13,.0f}"
+                  f"{enc:>17}{dec:>17}")
 
 
 def dir_bytes(root: str | Path) -> int:
@@ -261,15 +300,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lengths = [s["input_ids"].shape[0] for s in trained] if trained else [300] * (args.tokens // 300)
     from benchmarks.write import make_samples
 
-    planes = {"trained-demo": plane_report(torch.cat([s["taps"] for s in demo])),
-              "qwen3-1024x8 content (benchmarks/write.py)": plane_report(
-                  torch.cat([s["taps"] for s in make_samples(4, 1024, 1024)]))}
+    contents = {"trained-demo": torch.cat([s["taps"] for s in demo]),
+                "qwen3-1024x8 content (benchmarks/write.py)": torch.cat([s["taps"] for s in make_samples(4, 1024, 1024)])}
     if trained is not None:
-        planes["trained-minilm"] = plane_report(torch.cat([s["taps"] for s in trained]))
-    for kind, rep in planes.items():
-        for name, r in rep.items():
-            print(f"plane {kind:<44} {name:<36} zstd-1 ratio {r['ratio']:.3f}  decode "
-                  f"{r['decode_GB_per_cpu_s']:.2f} GB/s")
+        contents["trained-minilm"] = torch.cat([s["taps"] for s in trained])
+    planes = {}
+    for kind, taps in contents.items():
+        planes[kind] = plane_report(taps)
+        print_planes(kind, planes[kind], 2 * taps[0].numel())
     rows = []
     with tempfile.TemporaryDirectory(prefix="tapdraft-storage-") as tmp:
         rows += measure("trained-demo", demo, demo_layout, Path(tmp))
@@ -287,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"benchmark": "storage", "command": "python -m benchmarks.storage " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "tokens_per_kind": args.tokens, "demo_layout": demo_layout.to_dict(), "rows": rows, "goals": goals,
-           "bf16_planes_zstd1": planes, "load_avg": os.getloadavg(),
+           "bf16_planes": planes, "load_avg": os.getloadavg(),
            "notes": notes}
     write_result(args.name, doc, indent=1)
     return doc
@@ -313,7 +351,9 @@ def datasets_main(args, argv: list[str] | None) -> dict[str, Any]:
                 raise ValueError(f"--dataset takes NAME=DIR, got {spec!r}")
             samples, lay = dataset_samples(args.tokens, root)
             layouts[name] = lay.to_dict()
-            planes[name] = plane_report(torch.cat([s["taps"] for s in samples]))
+            taps = torch.cat([s["taps"] for s in samples])
+            planes[name] = plane_report(taps)
+            print_planes(name, planes[name], 2 * taps[0].numel())
             rows += measure(name, samples, lay, Path(tmp))
     print_rows(rows)
     goals = {}
@@ -324,7 +364,7 @@ def datasets_main(args, argv: list[str] | None) -> dict[str, Any]:
     doc = {"benchmark": "storage", "command": "python -m benchmarks.storage " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "tokens_per_kind": args.tokens, "layouts": layouts, "rows": rows, "goals": goals,
-           "bf16_planes_zstd1": planes, "load_avg": os.getloadavg()}
+           "bf16_planes": planes, "load_avg": os.getloadavg()}
     write_result(args.name, doc, indent=1)
     return doc
 

@@ -18,7 +18,10 @@ needs if lanes scale (they share nothing but the disk; the wall-clock rate of 1 
 machine shows how far they do).
 
     python -m benchmarks.write [--hidden 4096] [--samples 12] [--tokens 1024] [--pairs 5]
-                               [--levels 1,0,0/raw] [--writers 1,2] [--goal 37000]
+                               [--levels 1,0,0/raw,0/split] [--writers 1,2] [--goal 37000] [--dataset DIR]
+
+``--dataset DIR`` writes a captured dataset's samples instead (real activations at their own width); tokens a
+CPU second are then converted to the goal's shape by bytes (the writer's cost is per byte).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def make_samples(n: int, T: int, H: int, k: int = 64, seed: int = 0) -> list[dic
     return out
 
 
+def _bytes(samples: list[dict]) -> int:
+    """The tensors' in-memory bytes: what capture hands the writer."""
+    return sum(t.numel() * t.element_size() for s in samples for t in s.values() if isinstance(t, torch.Tensor))
+
+
 def write_tapdraft(out: Path, samples: list[dict], layout: Layout, cfg: ShardConfig,
                    cpu: list[float] | None = None) -> float:
     """Seconds to write ``samples``; ``cpu`` gets the process's CPU seconds appended (all threads)."""
@@ -87,13 +95,23 @@ def main() -> None:
                     "1/planes,0/raw (0: uncompressed; the layout defaults to planes)")
     ap.add_argument("--writers", default="1", help="writer lanes to time, comma-separated")
     ap.add_argument("--goal", type=int, default=37_000, help="tokens/s a capture must sustain (an H100's prefill)")
+    ap.add_argument("--dataset", default=None, help="write a captured dataset's own samples (real activations, its "
+                    "shape) instead of the synthetic ones; cores_for_goal then scales its bytes a CPU second to "
+                    "the goal's shape (--hidden x 6 taps)")
     ap.add_argument("--name", default="write.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     layout = Layout(hidden_size=args.hidden, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)
     samples = make_samples(args.samples, args.tokens, args.hidden)
-    nbytes = sum(t.numel() * t.element_size() for s in samples for t in s.values() if isinstance(t, torch.Tensor))
-    tokens = args.samples * args.tokens
+    goal_bytes_per_token = _bytes(samples) / (args.samples * args.tokens)  # the goal's shape, synthetic or not
+    if args.dataset:
+        from shards.reader import open_dataset
+
+        ds = open_dataset(args.dataset)
+        layout = ds.layout
+        samples = [ds.sample("train", i) for i in range(min(args.samples, ds.num_samples("train")))]
+    nbytes = _bytes(samples)
+    tokens = sum(int(s["input_ids"].shape[0]) for s in samples)
     levels = [(int(x.split("/")[0]), (x.split("/") + ["planes"])[1]) for x in args.levels.split(",")]
     configs = [ShardConfig(format=args.format, zstd_level=lvl, bf16_layout=lay, writers=w)
                for lvl, lay in levels for w in map(int, args.writers.split(","))]
@@ -120,6 +138,7 @@ def main() -> None:
         med = statistics.median(a[c])
         tps = tokens / med
         per_core = tokens / statistics.median(cpu[c])  # tokens a CPU second: what a core does, whatever the load
+        goal_per_core = nbytes / statistics.median(cpu[c]) / goal_bytes_per_token  # the goal shape's tokens a CPU s
         rows.append({"zstd_level": cfg.zstd_level, "bf16_layout": cfg.bf16_layout, "writers": cfg.writers,
                      "seconds_median": round(med, 3),
                      "ratio_median": round(statistics.median(y / x for x, y in zip(a[c], b)), 3),
@@ -127,7 +146,7 @@ def main() -> None:
                      "tokens_per_cpu_s": round(per_core), "cpu_s_median": round(statistics.median(cpu[c]), 3),
                      "disk_bytes": disk[c],
                      "disk_ratio": round(disk[c] / nbytes, 3),
-                     "cores_for_goal": round(args.goal / per_core, 2)})
+                     "cores_for_goal": round(args.goal / goal_per_core, 2)})
         print(f"zstd {cfg.zstd_level} {cfg.bf16_layout} x{cfg.writers}: {tps:,.0f} tok/s ({per_core:,.0f} a core), "
               f"{nbytes / med / 1e6:.0f} MB/s, ratio vs torch.save {rows[-1]['ratio_median']}, disk "
               f"{rows[-1]['disk_ratio']}x; {args.goal:,} tok/s needs {rows[-1]['cores_for_goal']} cores")
@@ -140,11 +159,12 @@ def main() -> None:
         "configs": rows, "goal_tokens_per_s": args.goal,
         "torch_save_s_median": round(statistics.median(b), 3),
         "torch_save_MB_per_s": round(nbytes / statistics.median(b) / 1e6, 1),
-        "input_bytes": nbytes, "samples": args.samples, "tokens": tokens,
+        "input_bytes": nbytes, "samples": len(samples), "tokens": tokens, "dataset": args.dataset,
+        "goal_bytes_per_token": round(goal_bytes_per_token, 1),
         "load_avg_1m_per_round": [round(x, 2) for x in loads],
         "command": f"python -m benchmarks.write --hidden {args.hidden} --samples {args.samples} "
                    f"--tokens {args.tokens} --pairs {args.pairs} --format {args.format} --levels {args.levels} "
-                   f"--writers {args.writers} --goal {args.goal}",
+                   f"--writers {args.writers} --goal {args.goal}" + (f" --dataset {args.dataset}" if args.dataset else ""),
         "config": configs[0].to_dict(), "machine_extra": {"torch_threads": 1},
     }
     write_result(args.name, res)

@@ -14,6 +14,16 @@ the one home of the byte layout; the containers only add framing and compression
                                "raw":    the uint16 words as they are in memory; with uncompressed Arrow
                                          shards (zstd_level 0) the fastest read: a streamed sample's taps
                                          are a view of the bytes read (benchmarks/read.py).
+                               "split":  the planes, compressed here rather than by the container: the high
+                                         plane as one zstd frame made by ``SPLIT_PARAMS`` (entropy coding
+                                         first: a match must be 7 bytes, so almost every byte is a
+                                         Huffman-coded literal), then the low plane raw; the frame's
+                                         length is the field's minus the element count. On the real
+                                         targets' taps 0.705 / 0.698 of the raw bytes (planes + zstd-1:
+                                         0.703 / 0.680) at 2.6-2.9x the encode speed a CPU second
+                                         (benchmarks/storage.py, ``plane_report``): the writer's ceiling
+                                         at a GPU's rate (docs/performance.md). With uncompressed Arrow
+                                         shards (zstd_level 0) nothing compresses it twice.
                              Per plane (zstd-1, 1 MiB batches, benchmarks/storage.py): the high plane takes
                              0.25 (demo decoder) / 0.37 (the qwen3-shape content) of its bytes and decodes at
                              ~1.2 GB/s a core, which bounds reading compressed shards; the low plane gains 4.6%
@@ -44,17 +54,38 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
 from shards.schema import SCALAR_FIELDS, SCHEMA_VERSION, Layout, field_specs
 
 assert sys.byteorder == "little", "tapdraft's byte layout assumes a little-endian host"
 
-BF16_LAYOUTS = ("planes", "raw")
+BF16_LAYOUTS = ("planes", "raw", "split")
+SPLIT_PARAMS = {"strategy": zstandard.STRATEGY_FAST, "min_match": 7, "search_log": 1, "hash_log": 6, "chain_log": 6,
+                "window_log": 19, "target_length": 0}
+"""zstd parameters of the "split" layout's high-plane frame (the parameters are the encoder's; any zstd decodes it).
+The sign + exponent bytes are low-entropy but have few long repeats: zstd-1's match search costs most of its time
+and finds little, so the matches are cut to 7+ bytes in a tiny table and Huffman does the work (ratio 0.409 vs
+0.404 at 2.4x the speed on SmolLM2's taps)."""
+_zstd = threading.local()  # per-thread contexts: zstandard's are not thread-safe, the writer's lanes are threads
+
+
+def _split_compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_zstd, "c"):
+        _zstd.c = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(**SPLIT_PARAMS))
+    return _zstd.c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_zstd, "d"):
+        _zstd.d = zstandard.ZstdDecompressor()
+    return _zstd.d
 FP8_LAYOUTS = ("packed", "bytes")
 LEGACY_FP8_LAYOUT = "bytes"
 FP8_FIELDS = {"packed": ["taps_exponent", "taps_mantissa"], "bytes": ["taps"]}
@@ -135,6 +166,14 @@ def bf16_to_bytes(t: torch.Tensor, bf16_layout: str) -> bytes | memoryview:
         return memoryview(out)
     if bf16_layout == "raw":
         return memoryview(words.view(np.uint8))  # the tensor's own bytes: the writer copies them once, into its file
+    if bf16_layout == "split":
+        n = words.size
+        high = np.right_shift(words, 8).astype(np.uint8)
+        frame = _split_compressor().compress(memoryview(high))
+        out = np.empty(len(frame) + n, dtype=np.uint8)
+        out[: len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+        np.bitwise_and(words, 0xFF, out=out[len(frame):], casting="unsafe")
+        return memoryview(out)
     raise ValueError(f"bf16_layout must be one of {BF16_LAYOUTS}, got {bf16_layout!r}")
 
 
@@ -151,6 +190,8 @@ def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout:
     2-byte aligned (the caller owns ``data`` and hands it over: the reader's freshly read record batch).
     """
     raw = np.frombuffer(data, dtype=np.uint8)
+    if bf16_layout == "split":
+        return _split_to_bf16(raw, shape)
     n = raw.size // 2
     if raw.size != 2 * math.prod(shape):
         raise ValueError(f"bf16 field has {raw.size} bytes, expected {2 * math.prod(shape)} for shape {shape}")
@@ -161,6 +202,22 @@ def bytes_to_bf16(data: bytes | memoryview, shape: tuple[int, ...], bf16_layout:
         words = raw.view(np.uint16) if share and _shareable(raw, 2) else raw.view(np.uint16).copy()
     else:
         raise ValueError(f"bf16_layout must be one of {BF16_LAYOUTS}, got {bf16_layout!r}")
+    return torch.from_numpy(words.view(np.int16).reshape(shape)).view(torch.bfloat16)
+
+
+def _split_to_bf16(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """The "split" layout's field (high-plane zstd frame, then the low plane) -> bf16 [shape]."""
+    n = math.prod(shape)
+    if raw.size <= n:
+        raise ValueError(f"bf16 split field has {raw.size} bytes, too few for its {n:,}-byte low plane and a frame")
+    try:
+        high = _decompressor().decompress(raw[: raw.size - n].tobytes(), max_output_size=n)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"bf16 split field's high-plane frame does not decode: {e}") from None
+    if len(high) != n:
+        raise ValueError(f"bf16 split field's high plane has {len(high)} bytes, expected {n} for shape {shape}")
+    words = np.left_shift(np.frombuffer(high, dtype=np.uint8), 8, dtype=np.uint16)
+    np.bitwise_or(words, raw[raw.size - n:], out=words, casting="unsafe")
     return torch.from_numpy(words.view(np.int16).reshape(shape)).view(torch.bfloat16)
 
 

@@ -7,7 +7,7 @@ import torch
 from shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, bytes_to_fp8, fp8_decode, fp8_encode, fp8_to_bytes
 
 
-@pytest.mark.parametrize("layout", ["planes", "raw"])
+@pytest.mark.parametrize("layout", ["planes", "raw", "split"])
 def test_bf16_bit_exact(layout):
     x = (torch.randn(7, 3, 11) * 100).to(torch.bfloat16)
     x[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-38]).to(torch.bfloat16)
@@ -19,6 +19,31 @@ def test_planes_put_high_bytes_first():
     x = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)  # 0x3F80, 0xC000
     assert bf16_to_bytes(x, "planes") == bytes([0x3F, 0xC0, 0x80, 0x00])
     assert bf16_to_bytes(x, "raw") == bytes([0x80, 0x3F, 0x00, 0xC0])
+
+
+def test_split_is_a_standard_zstd_frame_of_the_high_plane_then_the_raw_low_plane():
+    import zstandard
+
+    x = (torch.randn(64, 9) * 3).to(torch.bfloat16)
+    words = x.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    data = bytes(bf16_to_bytes(x, "split"))
+    n = x.numel()
+    assert data[-n:] == (words & 0xFF).astype(np.uint8).tobytes()
+    assert zstandard.ZstdDecompressor().decompress(data[:-n]) == (words >> 8).astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("cut", ["truncated", "corrupt", "short"])
+def test_a_bad_split_field_is_one_clear_error(cut):
+    x = torch.randn(32, 8).to(torch.bfloat16)
+    data = bytearray(bf16_to_bytes(x, "split"))
+    if cut == "truncated":
+        data = data[:5] + data[-x.numel():]
+    elif cut == "corrupt":
+        data[:4] = b"\0\0\0\0"  # not a zstd magic number
+    else:
+        data = data[-x.numel():]
+    with pytest.raises(ValueError, match="bf16 split field"):
+        bytes_to_bf16(bytes(data), tuple(x.shape), "split")
 
 
 def test_fp8_against_float64_reference():

@@ -25,7 +25,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("zstd_level", [1, 0])
-@pytest.mark.parametrize("bf16_layout", ["planes", "raw"])
+@pytest.mark.parametrize("bf16_layout", ["planes", "raw", "split"])
 def test_arrow_roundtrip_random_access(tmp_path, bf16_layout, zstd_level):
     layout = tiny_layout(has_final_hidden=True, has_audio_embeds=True)
     lengths = [5, 9, 3, 12, 7, 1, 6, 40]  # the last one is larger than a record batch

@@ -17,11 +17,13 @@ from tests.shards.test_roundtrip import assert_same
 LENGTHS = [6, 3, 9, 4, 8]
 
 
-@pytest.mark.parametrize("codec,zstd_level", [("bf16", 1), ("fp8", 1), ("bf16", 0)])
-def test_datasets_loads_arrow_shards(tmp_path, codec, zstd_level):
+@pytest.mark.parametrize("codec,zstd_level,bf16_layout", [("bf16", 1, "planes"), ("fp8", 1, "planes"),
+                                                          ("bf16", 0, "planes"), ("bf16", 0, "split")])
+def test_datasets_loads_arrow_shards(tmp_path, codec, zstd_level, bf16_layout):
     layout = tiny_layout(taps_codec=codec, has_final_hidden=True)
     man = write_dataset(str(tmp_path / "ds"), layout, ShardConfig(shard_bytes=2500, batch_bytes=900,
-                                                                  zstd_level=zstd_level), LENGTHS)
+                                                                  zstd_level=zstd_level, bf16_layout=bf16_layout),
+                        LENGTHS)
     files = [str(tmp_path / "ds" / s["name"]) for s in man["splits"]["train"]["shards"]]
     assert len(files) > 1
     ours = open_dataset(str(tmp_path / "ds"))
@@ -44,9 +46,11 @@ def test_datasets_loads_arrow_shards(tmp_path, codec, zstd_level):
         assert want[0]["taps"].dtype == torch.bfloat16
 
 
-def test_webdataset_iterates_tar_shards(tmp_path):
+@pytest.mark.parametrize("bf16_layout", ["planes", "split"])
+def test_webdataset_iterates_tar_shards(tmp_path, bf16_layout):
     layout = tiny_layout(has_audio_embeds=True)
-    man = write_dataset(str(tmp_path), layout, ShardConfig(format="wds", shard_bytes=3000), LENGTHS)
+    man = write_dataset(str(tmp_path), layout, ShardConfig(format="wds", shard_bytes=3000, bf16_layout=bf16_layout),
+                        LENGTHS)
     urls = sorted(glob.glob(str(tmp_path / "data" / "train-*.tar")))
     assert len(urls) == len(man["splits"]["train"]["shards"]) > 1
     got = list(webdataset.WebDataset(urls, shardshuffle=False).map(decode_wds_sample))

@@ -1,34 +1,66 @@
-"""tapdraft's DFlash training step beside NVIDIA Model-Optimizer's, on the same samples and drafter shape.
+"""tapdraft's training steps beside NVIDIA Model-Optimizer's, one row per family both train, same samples and shape.
 
 The peer runs in its own venv built from pins (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch
 2.13.0 CPU, the transformers it allows), driven by ``engines/modelopt_runner.py``, which imports only the
-peer's packages. This module builds a small tapdraft dataset itself, converts it to ModelOpt's offline
-format (``to_modelopt``), then times interleaved pairs: one tapdraft step, one ModelOpt step, ...
+peer's packages. For each row this module builds a small tapdraft dataset itself, converts it to ModelOpt's
+offline format (``to_modelopt``: the family's taps by tapdraft's rule), then times interleaved pairs: one
+tapdraft step, one ModelOpt step, ...
+
+    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
+                               [--tokens 512] [--head-dtype auto] [--workdir DIR]
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
-``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are
-DFlash's one-layer rule (layer 4) plus the last layer. Random activations are fine for time: it does not
-depend on their values; the losses both sides report start near ln V = 10.8 and say they train the same rows.
+``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are the
+family's (DFlash's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last layer. Random
+activations are fine for time: it does not depend on their values; the losses both sides report say they train
+the same rows from the same loss.
 
-The drafter on both sides: 1 draft layer at the target's widths, block 16, slot weights exp(-(k-1)/7),
-``--anchors`` anchors per sequence whose block fits (tapdraft ``full_blocks_only``; ModelOpt samples them in
-[0, T - 16]), frozen fp32 embedding and lm_head, AdamW (tapdraft's recipe lr, betas, weight decay; no
-schedule, no clipping on either side), one micro-batch of every sample, the same batch every step (so both
-have seen equal tokens after equal steps), one torch thread each, CE only (no distillation).
-One step = forward + backward + optimizer step, timed inside each process.
+Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
+and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.loop.head_dtype`` on CPU; ModelOpt's in
+fp32, its base's dtype, which its trainable draft also takes, so it is not varied), AdamW (tapdraft's recipe lr,
+betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
+every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
+One step = forward + backward + optimizer step, timed inside each process. Trainable parameters are
+counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3).
 
-Reported per side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS of the whole process
-(interpreter, imports and data included; ru_maxrss), the loss per row after the warm-up + ``--pairs``
-steps; and the median over pairs of peer s / tapdraft s, with the 1-minute load average at every pair.
-Numbers taken beside other work on the machine are noisy: read the ratio (median of interleaved pairs) and
-the load, not the absolute times.
+Rows:
 
-    python -m benchmarks.peers [--pairs 5] [--anchors 32] [--samples 2] [--tokens 512] [--workdir DIR]
+  dflash-ce   tapdraft ``dflash`` vs ModelOpt DFlash (``dflash_loss_objective="decay"``): block 16, slot weights
+              exp(-(k-1)/7), ``--anchors`` anchors per sequence whose block fits (tapdraft ``full_blocks_only``;
+              ModelOpt samples them in [0, T - 16]), CE on the dataset's tokens.
+  dflash-kd   the same with distillation only: tapdraft ``kd=exact ce_weight=0``, ModelOpt
+              ``dflash_self_logit_distillation=True`` (its KD path replaces CE). Both teachers are the base head on
+              the row that predicts the slot's token (last hidden at anchor + k - 1 -> final norm -> lm_head),
+              weighted by the same slot decay. They differ in the value, not the gradient: tapdraft's term is
+              KL(p || q), ModelOpt's the soft cross-entropy -sum p log q = KL + H(p); the table adds H(p)
+              (``teacher_entropy``) to tapdraft's figure to compare. ModelOpt projects every position's base
+              logits [B, T, V] and gathers the teacher rows; tapdraft projects only the trained rows, in chunks.
+  eagle3      tapdraft ``eagle3`` vs ModelOpt EAGLE-3 offline (``mtsp.convert(model, [("eagle", cfg)])`` with its
+              ``eagle3_default_config``): ``TTT_STEPS`` = 3 training-time-test steps (ModelOpt's default; the recipe
+              has 5), step weights 0.8^j (tapdraft's; ModelOpt's default 0.9), a Llama layer (tapdraft
+              ``qk_norm=false``; its recipe's default is Qwen3's QK-norm), the full vocabulary on both (ModelOpt
+              maps a d2t only when ``draft_vocab_size`` is set; tapdraft ``draft_vocab=null``), the target's frozen
+              lm_head as the draft's head (ModelOpt has no own head without a draft vocabulary: tapdraft
+              ``train_lm_head=false``), a trained final norm on both, every supervised row at every step
+              (``max_loss_rows`` = samples x tokens x steps, more than there are). The loss is the forward KL on
+              both against the exact teacher rows, each step normalised by its own row count: again ModelOpt's
+              value is the soft CE, H(p) x (1 + 0.8 + 0.64) above tapdraft's. Rows: tapdraft trains step j at row t
+              when the token t + j + 2 is supervised, ModelOpt when its mask is set at the teacher row t + j + 1
+              (its masks mark assistant tokens): the same count per step on these samples, one position apart
+              (ModelOpt also trains the last row, whose teacher predicts past the end; tapdraft the row before the
+              first supervised token). Inits differ (tapdraft's norm starts at the target's, its linears at std
+              0.02; ModelOpt's are torch's defaults): the first losses agree closely (tests: within 0.25), not exactly.
 
-Not compared (say so in docs/performance.md): EAGLE-3 against ModelOpt's EAGLE-3 (its offline path
-wants a different tap set; not built yet), speculators (its Trainer hard-codes CUDA and its FlexAttention
-mask builder does not compile on CPU; issue 29 drove it at the model level by hand).
+Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
+process since the row began, Linux's VmHWM reset per row, imports and data included; ModelOpt: its runner
+process, one per row), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
+pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
+the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
+
+Not compared (say so in docs/performance.md): speculators (its Trainer hard-codes CUDA and its FlexAttention
+mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP, DSpark (no
+ModelOpt counterpart measured).
 """
 
 from __future__ import annotations
@@ -56,7 +88,7 @@ BLOCK = 16
 GAMMA = 7.0
 DRAFT_LAYERS = 1
 TTT_STEPS = 3
-"""EAGLE-3's training-time-test steps on both sides (ModelOpt's default ``eagle_ttt_steps``; tapdraft's recipe has 5)."""
+"""EAGLE-3's training-time-test steps on both sides (ModelOpt's default ``eagle_ttt_steps``; the recipe has 5)."""
 STEP_DECAY = 0.8
 """EAGLE-3's per-step loss weight base on both sides (tapdraft's recipe; ModelOpt's default is 0.9)."""
 ROWS = ("dflash-ce", "dflash-kd", "eagle3")
@@ -358,7 +390,8 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
                                              mask_token_id=mask, row=row), work / name)
     print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  ModelOpt {peer.ready['trainable_params']:,}; "
           f"taps {conv['target_layer_ids']} (ModelOpt {peer.ready['target_layer_ids']})", flush=True)
-    first = {"tapdraft": [tap.step() for _ in range(args.warmup)], "modelopt": [peer.step() for _ in range(args.warmup)]}
+    first = {"tapdraft": [tap.step() for _ in range(args.warmup)],
+             "modelopt": [peer.step() for _ in range(args.warmup)]}
     runs: dict[str, list[dict[str, Any]]] = {"tapdraft": [], "modelopt": []}
     loads = []
     for i in range(args.pairs):
@@ -387,7 +420,8 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
             "taps": conv["target_layer_ids"], "peer_taps": peer.ready["target_layer_ids"],
             "trainable_equal": tap.trainable == peer.ready["trainable_params"], **sides,
             "peer_loss_offset": offset,
-            "peer_over_tapdraft": statistics.median(m["s"] / t["s"] for m, t in zip(runs["modelopt"], runs["tapdraft"])),
+            "peer_over_tapdraft": statistics.median(m["s"] / t["s"]
+                                                    for m, t in zip(runs["modelopt"], runs["tapdraft"])),
             "load_avg_1m": loads}, peer.ready["versions"]
 
 
@@ -429,10 +463,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"trainable params | head dtype | load |")
     for r in rows:
         t, m = r["tapdraft"], r["modelopt"]
-        off = f" (+{r['peer_loss_offset']:.2f} = {t['losses'][-1] + r['peer_loss_offset']:.3f})" if r["peer_loss_offset"] else ""
+        h = r["peer_loss_offset"]
+        off = f" (+{h:.2f} = {t['losses'][-1] + h:.3f})" if h else ""
         params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
         print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {t['s_per_step']:.2f} | "
-              f"{m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | {t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
+              f"{m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | "
+              f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
               f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
               f"{t['losses'][-1]:.3f}{off} / {m['losses'][-1]:.3f} | {params} | {t['head_dtype']} / "
               f"{m['head_dtype']} | {min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")

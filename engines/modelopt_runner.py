@@ -1,4 +1,4 @@
-"""Train NVIDIA Model-Optimizer's offline DFlash or EAGLE-3 step by step: run INSIDE its venv (engines/venv.sh modelopt).
+"""Train NVIDIA Model-Optimizer's offline DFlash or EAGLE-3 step by step, INSIDE its venv (engines/venv.sh modelopt).
 
     python modelopt_runner.py JOB.json          # then one command a line on stdin, one JSON line back each
 
@@ -68,9 +68,9 @@ def _dflash(mtsp, base, job):
 
 def _eagle(mtsp, base, job):
     theta = float(job.get("rope_theta", 10_000.0))
-    arch = {"num_hidden_layers": 1, **job.get("architecture", {}), "eagle_aux_hidden_state_layer_ids":
-            list(job["aux_layer_ids"]), "rope_theta": theta, "rope_scaling": {"rope_type": "default", "rope_theta": theta},
-            "torch_dtype": "float32"}
+    arch = {"num_hidden_layers": 1, **job.get("architecture", {}),
+            "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"]), "rope_theta": theta,
+            "rope_scaling": {"rope_type": "default", "rope_theta": theta}, "torch_dtype": "float32"}
     cfg = {"eagle_offline": True, "eagle_ttt_steps": int(job["ttt_steps"]),
            "eagle_loss_decay_factor": float(job["step_decay"]), "eagle_mix_hidden_states": False,
            "eagle_use_torch_compile": bool(job.get("compile", False)), "eagle_architecture_config": arch}

@@ -53,8 +53,9 @@ Rows:
               0.02; ModelOpt's are torch's defaults): the first losses agree closely (tests: within 0.25), not exactly.
 
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
-process since the row began, Linux's VmHWM reset per row, imports and data included; ModelOpt: its runner
-process, one per row), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
+process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
+included: ``--rows`` one row per process for a clean figure; ModelOpt: its runner process, one per row, VmHWM
+since its exec), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
 pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 

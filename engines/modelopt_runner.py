@@ -50,6 +50,18 @@ def _rows(model, anchors, keep, loss_mask, seq_len, block):
     return int((ok & (sup > 0.5)).sum())
 
 
+def _peak_rss():
+    """This process's peak RSS in bytes: VmHWM, its own address space's since exec (``ru_maxrss`` would be at least
+    the parent's RSS when it forked this runner, so a large tapdraft process would show as ModelOpt's peak)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _eagle_rows(loss_mask, steps):
     """Loss rows of a step as ModelOpt's ``_eagle_loss`` counts them: step j reads ``loss_mask[:, 1 + j:]``."""
     return int(sum(float(loss_mask[:, 1 + j:].sum()) for j in range(steps)))
@@ -148,7 +160,7 @@ def main(job_path: str) -> None:
             break
         else:
             say({"error": f"unknown command {cmd!r}"})
-    say({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    say({"peak_rss": _peak_rss()})
 
 
 if __name__ == "__main__":

@@ -1,34 +1,67 @@
-"""tapdraft's DFlash training step beside NVIDIA Model-Optimizer's, on the same samples and drafter shape.
+"""tapdraft's training steps beside NVIDIA Model-Optimizer's, one row per family both train, same samples and shape.
 
 The peer runs in its own venv built from pins (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch
 2.13.0 CPU, the transformers it allows), driven by ``engines/modelopt_runner.py``, which imports only the
-peer's packages. This module builds a small tapdraft dataset itself, converts it to ModelOpt's offline
-format (``to_modelopt``), then times interleaved pairs: one tapdraft step, one ModelOpt step, ...
+peer's packages. For each row this module builds a small tapdraft dataset itself, converts it to ModelOpt's
+offline format (``to_modelopt``: the family's taps by tapdraft's rule), then times interleaved pairs: one
+tapdraft step, one ModelOpt step, ...
+
+    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
+                               [--tokens 512] [--head-dtype auto] [--workdir DIR]
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
-``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are
-DFlash's one-layer rule (layer 4) plus the last layer. Random activations are fine for time: it does not
-depend on their values; the losses both sides report start near ln V = 10.8 and say they train the same rows.
+``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are the
+family's (DFlash's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last layer. Random
+activations are fine for time: it does not depend on their values; the losses both sides report say they train
+the same rows from the same loss.
 
-The drafter on both sides: 1 draft layer at the target's widths, block 16, slot weights exp(-(k-1)/7),
-``--anchors`` anchors per sequence whose block fits (tapdraft ``full_blocks_only``; ModelOpt samples them in
-[0, T - 16]), frozen fp32 embedding and lm_head, AdamW (tapdraft's recipe lr, betas, weight decay; no
-schedule, no clipping on either side), one micro-batch of every sample, the same batch every step (so both
-have seen equal tokens after equal steps), one torch thread each, CE only (no distillation).
-One step = forward + backward + optimizer step, timed inside each process.
+Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
+and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.loop.head_dtype`` on CPU; ModelOpt's in
+fp32, its base's dtype, which its trainable draft also takes, so it is not varied), AdamW (tapdraft's recipe lr,
+betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
+every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
+One step = forward + backward + optimizer step, timed inside each process. Trainable parameters are
+counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3).
 
-Reported per side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS of the whole process
-(interpreter, imports and data included; ru_maxrss), the loss per row after the warm-up + ``--pairs``
-steps; and the median over pairs of peer s / tapdraft s, with the 1-minute load average at every pair.
-Numbers taken beside other work on the machine are noisy: read the ratio (median of interleaved pairs) and
-the load, not the absolute times.
+Rows:
 
-    python -m benchmarks.peers [--pairs 5] [--anchors 32] [--samples 2] [--tokens 512] [--workdir DIR]
+  dflash-ce   tapdraft ``dflash`` vs ModelOpt DFlash (``dflash_loss_objective="decay"``): block 16, slot weights
+              exp(-(k-1)/7), ``--anchors`` anchors per sequence whose block fits (tapdraft ``full_blocks_only``;
+              ModelOpt samples them in [0, T - 16]), CE on the dataset's tokens.
+  dflash-kd   the same with distillation only: tapdraft ``kd=exact ce_weight=0``, ModelOpt
+              ``dflash_self_logit_distillation=True`` (its KD path replaces CE). Both teachers are the base head on
+              the row that predicts the slot's token (last hidden at anchor + k - 1 -> final norm -> lm_head),
+              weighted by the same slot decay. They differ in the value, not the gradient: tapdraft's term is
+              KL(p || q), ModelOpt's the soft cross-entropy -sum p log q = KL + H(p); the table adds H(p)
+              (``teacher_entropy``) to tapdraft's figure to compare. ModelOpt projects every position's base
+              logits [B, T, V] and gathers the teacher rows; tapdraft projects only the trained rows, in chunks.
+  eagle3      tapdraft ``eagle3`` vs ModelOpt EAGLE-3 offline (``mtsp.convert(model, [("eagle", cfg)])`` with its
+              ``eagle3_default_config``): ``TTT_STEPS`` = 3 training-time-test steps (ModelOpt's default; the recipe
+              has 5), step weights 0.8^j (tapdraft's; ModelOpt's default 0.9), a Llama layer (tapdraft
+              ``qk_norm=false``; its recipe's default is Qwen3's QK-norm), the full vocabulary on both (ModelOpt
+              maps a d2t only when ``draft_vocab_size`` is set; tapdraft ``draft_vocab=null``), the target's frozen
+              lm_head as the draft's head (ModelOpt has no own head without a draft vocabulary: tapdraft
+              ``train_lm_head=false``), a trained final norm on both, every supervised row at every step
+              (``max_loss_rows`` = samples x tokens x steps, more than there are). The loss is the forward KL on
+              both against the exact teacher rows, each step normalised by its own row count: again ModelOpt's
+              value is the soft CE, H(p) x (1 + 0.8 + 0.64) above tapdraft's. Rows: tapdraft trains step j at row t
+              when the token t + j + 2 is supervised, ModelOpt when its mask is set at the teacher row t + j + 1
+              (its masks mark assistant tokens): the same count per step on these samples, one position apart
+              (ModelOpt also trains the last row, whose teacher predicts past the end; tapdraft the row before the
+              first supervised token). Inits differ (tapdraft's norm starts at the target's, its linears at std
+              0.02; ModelOpt's are torch's defaults): the first losses agree closely (tests: within 0.25), not exactly.
 
-Not compared (say so in docs/performance.md): EAGLE-3 against ModelOpt's EAGLE-3 (its offline path
-wants a different tap set; not built yet), speculators (its Trainer hard-codes CUDA and its FlexAttention
-mask builder does not compile on CPU; issue 29 drove it at the model level by hand).
+Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
+process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
+included: ``--rows`` one row per process for a clean figure; ModelOpt: its runner process, one per row, VmHWM
+since its exec), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
+pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
+the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
+
+Not compared (say so in docs/performance.md): speculators (its Trainer hard-codes CUDA and its FlexAttention
+mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP, DSpark (no
+ModelOpt counterpart measured).
 """
 
 from __future__ import annotations
@@ -40,42 +73,63 @@ import resource
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.shapes import shape_facts, synthetic_dataset
+from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
 from shards.reader import open_dataset
-from shards.taps import default_tap_ids
+from shards.taps import default_tap_ids, eagle3_tap_ids
 
 SHAPE = "llama-576x8"
 BLOCK = 16
 GAMMA = 7.0
 DRAFT_LAYERS = 1
+TTT_STEPS = 3
+"""EAGLE-3's training-time-test steps on both sides (ModelOpt's default ``eagle_ttt_steps``; the recipe has 5)."""
+STEP_DECAY = 0.8
+"""EAGLE-3's per-step loss weight base on both sides (tapdraft's recipe; ModelOpt's default is 0.9)."""
+ROWS = ("dflash-ce", "dflash-kd", "eagle3")
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "engines" / "modelopt_runner.py"
 
 
-def build_dataset(root: Path, *, samples: int = 2, tokens: int = 512, seed: int = 0) -> Path:
-    """The synthetic dataset at SHAPE, ``tokens`` a sample (built once per argument set; later runs reuse ``root``)."""
+TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids}
+"""Each compared family's taps over L target layers, by tapdraft's rule (``shards.taps``)."""
+
+
+def family_taps(family: str, num_layers: int) -> list[int]:
+    """The taps a family's drafter fuses (ModelOpt reads them as ``aux_hidden_states``)."""
+    if family not in TAP_RULES:
+        raise ValueError(f"no ModelOpt counterpart compared for family {family!r}; known: {sorted(TAP_RULES)}")
+    return list(TAP_RULES[family](num_layers))
+
+
+def build_dataset(root: Path, *, samples: int = 2, tokens: int = 512, seed: int = 0, family: str = "dflash") -> Path:
+    """The synthetic dataset at SHAPE storing ``family``'s taps and the last layer, ``tokens`` a sample (built once
+    per argument set; later runs reuse ``root``)."""
+    taps = tuple(family_taps(family, SHAPES[SHAPE].layers))
     return synthetic_dataset(root, SHAPE, samples=samples, tokens=(tokens, tokens), tag="peers", seed=seed,
-                             draft_layers=DRAFT_LAYERS)
+                             draft_layers=DRAFT_LAYERS, tap_ids=taps)
 
 
-def to_modelopt(dataset: str | Path, out: Path, *, split: str = "train", draft_layers: int = DRAFT_LAYERS,
+def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split: str = "train",
                 limit: int | None = None) -> dict[str, Any]:
     """Convert a tapdraft dataset to ModelOpt's offline DFlash / EAGLE-3 format; returns the job facts.
 
-    ModelOpt 0.47.0 reads (``modelopt/torch/speculative/eagle/utils.py``, ``OfflineSupervisedDataset``) one
-    ``.pt`` file per sample holding a dict: ``input_ids`` [T] (int64), ``hidden_states`` [T, H] (the base
-    model's last hidden), ``aux_hidden_states`` [T, n * H] (the captured layers, concatenated), an optional
-    ``loss_mask`` [T] (read with ``answer_only_loss=True``) and ``hidden_states_prenorm`` (True: the last
-    hidden is taken before the final norm, which ModelOpt re-applies when it needs logits). DFlash uses
-    ``aux_hidden_states`` as its context (``plugins/modeling_dflash.py``, ``DFlashBaseModelOutput``) and picks
-    the layers by the same rule as tapdraft's ``default_tap_ids`` (``build_target_layer_ids``), so the
-    converter writes those taps in that order. Its frozen pieces come from a base checkpoint directory
+    ModelOpt 0.47.0 reads (``modelopt/torch/speculative/eagle/utils.py``, ``OfflineSupervisedDataset``; both
+    families share it) one ``.pt`` file per sample holding a dict: ``input_ids`` [T] (int64), ``hidden_states``
+    [T, H] (the base model's last hidden), ``aux_hidden_states`` [T, n * H] (the captured layers, concatenated),
+    an optional ``loss_mask`` [T] (read with ``answer_only_loss=True``) and ``hidden_states_prenorm`` (True: the
+    last hidden is taken before the final norm, which ModelOpt re-applies when it needs logits: DFlash's
+    self-distillation and every EAGLE step). The aux layers are ``family``'s by tapdraft's rule
+    (``family_taps``), ascending, as tapdraft's drafter concatenates them: DFlash's is ModelOpt's own
+    (``build_target_layer_ids``); EAGLE-3's offline path takes whatever ``aux_hidden_states`` holds (its config
+    only sets how many, ``eagle_aux_hidden_state_layer_ids``; its own default for 8 layers would be [1, 3, 4],
+    tapdraft's is [1, 3, 5]). Its frozen pieces come from a base checkpoint directory
     (``plugins/modeling_fakebase.py``, ``FakeBaseModel.from_source``: config.json + model.safetensors with
     ``model.embed_tokens.weight``, ``lm_head.weight``, ``model.norm.weight``), written as ``out/base``
     in fp32. Taps are stored as fp32 (exactly the dataset's bf16 values): the peer's draft runs in its base
@@ -88,11 +142,11 @@ def to_modelopt(dataset: str | Path, out: Path, *, split: str = "train", draft_l
     ds = open_dataset(str(dataset))
     layout, bundle = ds.layout, ds.bundle()
     L = layout.num_layers
-    aux = default_tap_ids(L, draft_layers)
+    aux = family_taps(family, L)
     missing = [t for t in (*aux, L - 1) if t not in layout.tap_ids]
     if missing:
-        raise ValueError(f"{dataset} stores taps {list(layout.tap_ids)}; ModelOpt's offline DFlash needs {aux} "
-                         f"(its layer rule for {draft_layers} draft layer(s)) and the last layer {L - 1}: "
+        raise ValueError(f"{dataset} stores taps {list(layout.tap_ids)}; ModelOpt's offline {family} needs {aux} "
+                         f"(tapdraft's layer rule for it) and the last layer {L - 1}: "
                          f"capture with --taps including {missing}")
     col = {t: j for j, t in enumerate(layout.tap_ids)}
     out = Path(out)
@@ -126,8 +180,9 @@ def to_modelopt(dataset: str | Path, out: Path, *, split: str = "train", draft_l
         _atomic_write(path, lambda p, doc=doc: torch.save(doc, p))
         files.append(str(path))
     arch = {k: config[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")}
-    return {"base": str(base), "files": files, "target_layer_ids": aux, "num_layers": L,
-            "vocab_size": bundle.vocab_size, "hidden_size": bundle.hidden_size, "architecture": arch}
+    return {"base": str(base), "files": files, "family": family, "target_layer_ids": aux, "num_layers": L,
+            "vocab_size": bundle.vocab_size, "hidden_size": bundle.hidden_size, "architecture": arch,
+            "rope_theta": config["rope_theta"]}
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -136,24 +191,78 @@ def _atomic_write(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
-class TapdraftSide:
-    """tapdraft's ``dflash`` recipe at the peer's settings, one fixed micro-batch of every sample."""
+@dataclass(frozen=True)
+class Row:
+    """One compared pair: tapdraft's recipe and overrides, ModelOpt's mode and job fields, and how to read it."""
 
-    def __init__(self, data: Path, *, anchors: int, samples: int, tokens: int, mask_token_id: int) -> None:
+    family: str
+    loss: str
+    label: str
+    recipe: str
+    mode: str
+
+
+ROW_SPECS = {
+    "dflash-ce": Row("dflash", "ce", "DFlash CE", "dflash", "dflash"),
+    "dflash-kd": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs self-distillation", "dflash", "dflash"),
+    "eagle3": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "eagle"),
+}
+
+
+def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
+                       head_dtype: str) -> list[str]:
+    """The recipe overrides that put tapdraft's side at the peer's settings (module docstring)."""
+    batch = [f"max_batch_size={samples}", f"max_tokens={samples * tokens}", f"head_dtype={head_dtype}"]
+    if row.family == "eagle3":
+        return [f"num_steps={TTT_STEPS}", "qk_norm=false", "loss_type=kl", "teacher=exact",
+                f"step_decay={STEP_DECAY}", "draft_vocab=null", "train_lm_head=false",
+                f"max_loss_rows={samples * tokens * TTT_STEPS}", *batch]
+    kd = ["kd=exact", "ce_weight=0"] if row.loss == "kd" else []
+    return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
+            f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", *kd, *batch]
+
+
+def teacher_entropy(dataset: str | Path, split: str = "train") -> float:
+    """Mean entropy H(p) of the target's next-token distribution over the supervised rows (last hidden -> final
+    norm -> lm_head, ``shards.head.teacher_logits``, fp32): ModelOpt's distillation losses are the soft
+    cross-entropy -sum p log q = KL(p || q) + H(p), tapdraft's the KL, so the peer's loss per row sits H(p) above
+    (same gradient)."""
+    from shards.head import head_spec, teacher_logits
+
+    ds = open_dataset(str(dataset))
+    bundle, L = ds.bundle(), ds.layout.num_layers
+    col = list(ds.layout.tap_ids).index(L - 1)
+    total, n = 0.0, 0
+    for i in range(ds.num_samples(split)):
+        s = ds.sample(split, i)
+        h = s["taps"][s["loss_mask"].bool(), col].float()  # [R, H]
+        z = teacher_logits(h, bundle.norm_weight.float(), bundle.lm_head.float(), head_spec(bundle))
+        logp = torch.log_softmax(z.float(), dim=-1)
+        total += float(-(logp.exp() * logp).sum())
+        n += h.shape[0]
+    return total / max(n, 1)
+
+
+class TapdraftSide:
+    """A tapdraft recipe at the peer's settings (``tapdraft_overrides``), one fixed micro-batch of every sample."""
+
+    def __init__(self, data: Path, row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
+                 head_dtype: str = "auto") -> None:
         from train.config import load_run_config
         from train.data import BatchStream
         from train.drafters.base import combine_terms
-        from train.loop import head_dtype, make_optimizer
+        from train.loop import head_dtype as resolve_head_dtype
+        from train.loop import make_optimizer
         from train.run import build_drafter
         from train.source import open_source
 
-        self.run = load_run_config("dflash", overrides=[
-            f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
-            f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}",
-            "head_dtype=float32", f"max_batch_size={samples}", f"max_tokens={samples * tokens}"])
+        self.row = row
+        self.run = load_run_config(row.recipe, overrides=tapdraft_overrides(
+            row, anchors=anchors, samples=samples, tokens=tokens, mask_token_id=mask_token_id, head_dtype=head_dtype))
         src = open_source(str(data))
         self.model = build_drafter(self.run, src)
-        self.model.target.to_dtype(head_dtype(torch.device("cpu"), self.run.train.head_dtype))
+        self.head_dtype = resolve_head_dtype(torch.device("cpu"), self.run.train.head_dtype)
+        self.model.target.to_dtype(self.head_dtype)
         self.opt, _ = make_optimizer(self.model, self.run.train)
         for g in self.opt.param_groups:  # the schedule's constructor applied warm-up step 0 (lr / 100): undo it
             g["lr"] = self.run.train.lr
@@ -166,6 +275,12 @@ class TapdraftSide:
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.combine = combine_terms
 
+    def rows(self, lo: Any) -> int:
+        """Loss rows of a step: DFlash's trained slots (its acc@k counts), EAGLE-3's rows over all steps."""
+        if self.row.family == "eagle3":
+            return int(sum(float(c) for _, c, _ in lo.terms.values()))
+        return int(sum(float(c) for k, (_, c) in lo.metrics.items() if k.startswith("acc@")))
+
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         lo = self.model(self.batch, torch.Generator().manual_seed(0))
@@ -174,8 +289,7 @@ class TapdraftSide:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         s = time.perf_counter() - t0
-        rows = int(sum(float(c) for k, (_, c) in lo.metrics.items() if k.startswith("acc@")))
-        return {"s": s, "loss": float(loss.detach()), "rows": rows}
+        return {"s": s, "loss": float(loss.detach()), "rows": self.rows(lo)}
 
 
 class ModelOptSide:
@@ -222,13 +336,18 @@ def peer_python(name: str = "modelopt") -> Path:
     return Path(res.stdout.strip().splitlines()[-1]) / "bin" / "python"
 
 
-def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, mask_token_id: int) -> dict[str, Any]:
-    """The runner's job: the converted data and tapdraft's drafter and optimizer settings."""
+def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, mask_token_id: int,
+                 row: Row = ROW_SPECS["dflash-ce"]) -> dict[str, Any]:
+    """The runner's job: the converted data, ``row``'s mode and tapdraft's drafter and optimizer settings."""
     d, t = run.drafter, run.train
-    return {"base": conv["base"], "files": conv["files"], "block_size": d.block_size, "num_anchors": anchors,
-            "gamma": d.gamma, "mask_token_id": mask_token_id, "draft_layers": d.num_layers, "train_len": tokens,
-            "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0, "threads": 1,
-            "architecture": conv["architecture"]}
+    job = {"mode": row.mode, "base": conv["base"], "files": conv["files"], "train_len": tokens, "lr": t.lr,
+           "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0, "threads": 1,
+           "architecture": conv["architecture"]}
+    if row.mode == "eagle":
+        return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay, "aux_layer_ids": conv["target_layer_ids"],
+                "rope_theta": conv["rope_theta"]}
+    return {**job, "block_size": d.block_size, "num_anchors": anchors, "gamma": d.gamma, "mask_token_id": mask_token_id,
+            "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
 
 
 def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -237,62 +356,128 @@ def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
             "loss_rows": runs[-1]["rows"], "losses": [r["loss"] for r in runs]}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / ModelOpt step pairs")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
-    ap.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence on both sides")
-    ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per sample (a multiple of the block, 16)")
-    ap.add_argument("--workdir", default="/tmp/tapdraft-peers", help="where the dataset and its conversion live")
-    args = ap.parse_args(argv)
-    if args.tokens % BLOCK:
-        raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
-    torch.set_num_threads(1)
-    work = Path(args.workdir)
+def _reset_peak_rss() -> None:
+    """Restart this process's peak-RSS count (Linux: VmHWM), so each row reports its own peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes since the last reset (VmHWM), or over its life (ru_maxrss) elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Build ``name``'s data, both sides, then warm-up steps and interleaved timed pairs; returns the row and the
+    peer's library versions."""
+    row = ROW_SPECS[name]
     tag = f"{args.samples}x{args.tokens}"
-    data = build_dataset(work / f"dataset-{tag}", samples=args.samples, tokens=args.tokens)
-    conv = to_modelopt(data, work / f"modelopt-{tag}")
+    data = build_dataset(work / f"dataset-{row.family}-{tag}", samples=args.samples, tokens=args.tokens,
+                         family=row.family)
+    conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}", family=row.family)
     mask = conv["vocab_size"] - 1  # the samples' ids stop below it
-    tap = TapdraftSide(data, anchors=args.anchors, samples=args.samples, tokens=args.tokens, mask_token_id=mask)
-    peer = ModelOptSide(peer_python(), modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens,
-                                                    mask_token_id=mask), work)
-    print(f"trainable parameters: tapdraft {tap.trainable:,}  ModelOpt {peer.ready['trainable_params']:,}")
-    first = {"tapdraft": [tap.step() for _ in range(args.warmup)], "modelopt": [peer.step() for _ in range(args.warmup)]}
+    _reset_peak_rss()
+    tap = TapdraftSide(data, row, anchors=args.anchors, samples=args.samples, tokens=args.tokens, mask_token_id=mask,
+                       head_dtype=args.head_dtype)
+    peer = ModelOptSide(python, modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens,
+                                             mask_token_id=mask, row=row), work / name)
+    print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  ModelOpt {peer.ready['trainable_params']:,}; "
+          f"taps {conv['target_layer_ids']} (ModelOpt {peer.ready['target_layer_ids']})", flush=True)
+    first = {"tapdraft": [tap.step() for _ in range(args.warmup)],
+             "modelopt": [peer.step() for _ in range(args.warmup)]}
     runs: dict[str, list[dict[str, Any]]] = {"tapdraft": [], "modelopt": []}
     loads = []
     for i in range(args.pairs):
         runs["tapdraft"].append(tap.step())
         runs["modelopt"].append(peer.step())
         loads.append(os.getloadavg()[0])
-        print(f"pair {i + 1}/{args.pairs}: tapdraft {runs['tapdraft'][-1]['s']:.2f} s  "
+        print(f"{name} pair {i + 1}/{args.pairs}: tapdraft {runs['tapdraft'][-1]['s']:.2f} s  "
               f"ModelOpt {runs['modelopt'][-1]['s']:.2f} s  load {loads[-1]:.1f}", flush=True)
     peak_peer = peer.close()["peak_rss"]
-    peak_tap = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_tap = _peak_rss()
     sides = {"tapdraft": {**_side(runs["tapdraft"], tap.tokens), "peak_rss_bytes": peak_tap,
-                          "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"]},
+                          "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"],
+                          "head_dtype": str(tap.head_dtype).removeprefix("torch.")},
              "modelopt": {**_side(runs["modelopt"], tap.tokens), "peak_rss_bytes": peak_peer,
                           "trainable_params": peer.ready["trainable_params"],
-                          "first_loss": first["modelopt"][0]["loss"]}}
-    ratio = statistics.median(m["s"] / t["s"] for m, t in zip(runs["modelopt"], runs["tapdraft"]))
-    row = {"family": "dflash", "loss": "ce", "peer": "modelopt", "anchors_per_seq": args.anchors,
-           "tokens": tap.tokens, **{k: v for k, v in sides.items()}, "peer_over_tapdraft": ratio,
-           "load_avg_1m": loads}
-    t, m = sides["tapdraft"], sides["modelopt"]
-    print(f"\n| family, loss | tapdraft s/step | ModelOpt s/step | ModelOpt / tapdraft (median of pairs) | "
-          f"tokens/s tapdraft / ModelOpt | peak RSS tapdraft / ModelOpt | loss/row after {args.warmup + args.pairs} "
-          f"steps tapdraft / ModelOpt | load |")
-    print(f"| DFlash CE, {args.anchors} anchors/seq ({t['loss_rows']} / {m['loss_rows']} rows) | "
-          f"{t['s_per_step']:.2f} | {m['s_per_step']:.2f} | {ratio:.2f} | {t['tokens_per_s']:.0f} / "
-          f"{m['tokens_per_s']:.0f} | {peak_tap / 2**30:.2f} / {peak_peer / 2**30:.2f} GiB | "
-          f"{t['losses'][-1]:.3f} / {m['losses'][-1]:.3f} | {min(loads):.1f}-{max(loads):.1f} |")
+                          "first_loss": first["modelopt"][0]["loss"],
+                          "head_dtype": peer.ready["head_dtype"].removeprefix("torch."),
+                          "draft_dtype": peer.ready["dtype"].removeprefix("torch.")}}
+    d = tap.run.drafter
+    # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy)
+    weights = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
+    offset = teacher_entropy(data) * weights if row.loss != "ce" else 0.0
+    shape = ({"ttt_steps": d.num_steps, "step_decay": d.step_decay, "draft_vocab": "full", "qk_norm": d.qk_norm,
+              "train_lm_head": d.train_lm_head} if row.family == "eagle3" else {"anchors_per_seq": args.anchors})
+    return {"row": name, "family": row.family, "loss": row.loss, "peer": "modelopt", **shape, "tokens": tap.tokens,
+            "taps": conv["target_layer_ids"], "peer_taps": peer.ready["target_layer_ids"],
+            "trainable_equal": tap.trainable == peer.ready["trainable_params"], **sides,
+            "peer_loss_offset": offset,
+            "peer_over_tapdraft": statistics.median(m["s"] / t["s"]
+                                                    for m, t in zip(runs["modelopt"], runs["tapdraft"])),
+            "load_avg_1m": loads}, peer.ready["versions"]
+
+
+def _label(row: dict[str, Any]) -> str:
+    spec = ROW_SPECS[row["row"]]
+    if row["family"] == "eagle3":
+        return f"{spec.label}, {row['ttt_steps']} steps, full vocabulary"
+    return f"{spec.label}, {row['anchors_per_seq']} anchors/seq"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / ModelOpt step pairs")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    ap.add_argument("--anchors", type=int, default=32, help="DFlash anchors (blocks) per sequence on both sides")
+    ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per sample (a multiple of the block, 16)")
+    ap.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="tapdraft's frozen head dtype (auto: what train.loop.head_dtype picks on CPU)")
+    ap.add_argument("--workdir", default="/tmp/tapdraft-peers", help="where the datasets and their conversions live")
+    args = ap.parse_args(argv)
+    names = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in names if r not in ROW_SPECS]
+    if unknown or not names:
+        raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
+    if args.tokens % BLOCK:
+        raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
+    torch.set_num_threads(1)
+    work = Path(args.workdir)
+    python = peer_python()
+    rows, versions = [], {}
+    for name in names:
+        row, versions = run_row(name, args, work, python)
+        rows.append(row)
+    n = args.warmup + args.pairs
+    print(f"\n| row | tapdraft s/step | ModelOpt s/step | ModelOpt / tapdraft (median of pairs) | tokens/s tapdraft / "
+          f"ModelOpt | peak RSS tapdraft / ModelOpt | loss/row after {n} steps tapdraft (+ H(p) offset) / ModelOpt | "
+          f"trainable params | head dtype | load |")
+    for r in rows:
+        t, m = r["tapdraft"], r["modelopt"]
+        h = r["peer_loss_offset"]
+        off = f" (+{h:.2f} = {t['losses'][-1] + h:.3f})" if h else ""
+        params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
+        print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {t['s_per_step']:.2f} | "
+              f"{m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | "
+              f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
+              f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
+              f"{t['losses'][-1]:.3f}{off} / {m['losses'][-1]:.3f} | {params} | {t['head_dtype']} / "
+              f"{m['head_dtype']} | {min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
     doc = {"benchmark": "peers", "shape": SHAPE, **shape_facts(SHAPE), "block_size": BLOCK, "gamma": GAMMA,
-           "draft_layers": DRAFT_LAYERS, "samples": args.samples, "tokens_per_sample": args.tokens,
-           "warmup": args.warmup, "pairs": args.pairs, "threads": 1, "rows": [row],
-           "peer_versions": peer.ready["versions"],
-           "not_run": {"eagle3_vs_modelopt": "not built yet (ModelOpt's offline EAGLE-3 wants its own aux layer "
-                                             "set and a draft vocabulary mapping)",
-                       "speculators": "its Trainer hard-codes CUDA and its FlexAttention mask builder does not "
+           "draft_layers": DRAFT_LAYERS, "ttt_steps": TTT_STEPS, "step_decay": STEP_DECAY, "samples": args.samples,
+           "tokens_per_sample": args.tokens, "warmup": args.warmup, "pairs": args.pairs, "threads": 1,
+           "head_dtype": args.head_dtype, "rows": rows, "peer_versions": versions,
+           "not_run": {"speculators": "its Trainer hard-codes CUDA and its FlexAttention mask builder does not "
                                       "compile on CPU"}}
     write_result("peers.json", doc)
     return doc

@@ -109,11 +109,11 @@ FAMILY_CONFIG = {
 
 
 def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int, int], tag: str, seed: int = 0,
-                      draft_layers: int = 1) -> Path:
+                      draft_layers: int = 1, tap_ids: tuple[int, ...] | None = None) -> Path:
     """A tapdraft dataset at shape ``name`` with no model behind it (built once; later runs reuse ``root``): a
-    bundle of random bf16 embedding and head, and ``samples`` sequences of random ids and taps (the tap ids a
-    ``draft_layers`` drafter reads, plus the last layer), ``tokens`` = (shortest, longest) each, the second half
-    supervised. For the benchmarks that time training steps at real widths."""
+    bundle of random bf16 embedding and head, and ``samples`` sequences of random ids and taps (``tap_ids``, default
+    the ones a ``draft_layers`` DFlash drafter reads; plus the last layer always), ``tokens`` = (shortest, longest)
+    each, the second half supervised. For the benchmarks that time training steps at real widths."""
     import torch
 
     from shards.bundle import write_bundle
@@ -127,7 +127,8 @@ def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int,
         return root
     s = SHAPES[name]
     g = torch.Generator().manual_seed(seed)
-    taps = tuple(sorted(set(default_tap_ids(s.layers, draft_layers)) | {s.layers - 1}))
+    reads = default_tap_ids(s.layers, draft_layers) if tap_ids is None else tap_ids
+    taps = tuple(sorted(set(reads) | {s.layers - 1}))
     layout = Layout(hidden_size=s.hidden, num_layers=s.layers, tap_ids=taps, top_k=0, audio_token_id=0)
     family = name.split("-")[0]
     config = {"model_type": family, "hidden_size": s.hidden, "num_hidden_layers": s.layers, "vocab_size": s.vocab,

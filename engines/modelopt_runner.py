@@ -1,25 +1,36 @@
-"""Train NVIDIA Model-Optimizer's offline DFlash step by step: run INSIDE its venv (engines/venv.sh modelopt).
+"""Train NVIDIA Model-Optimizer's offline DFlash or EAGLE-3 step by step, INSIDE its venv (engines/venv.sh modelopt).
 
     python modelopt_runner.py JOB.json          # then one command a line on stdin, one JSON line back each
 
-JOB: {"base": DIR (config.json + model.safetensors: embed_tokens, lm_head, final norm), "files": [PT, ...]
-      (ModelOpt's offline samples, benchmarks/peers.py ``to_modelopt``), "block_size": 16, "num_anchors": 32,
-      "gamma": 7.0, "mask_token_id": ID, "draft_layers": 1, "train_len": T, "lr", "betas", "weight_decay",
-      "seed": 0, "threads": 1, "compile": false, "self_distillation": false,
-      "architecture": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"}}
+JOB: {"mode": "dflash" | "eagle", "base": DIR (config.json + model.safetensors: embed_tokens, lm_head, final norm),
+      "files": [PT, ...] (ModelOpt's offline samples, benchmarks/peers.py ``to_modelopt``), "train_len": T, "lr",
+      "betas", "weight_decay", "seed": 0, "threads": 1, "compile": false,
+      "architecture": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"},
+      dflash: "block_size": 16, "num_anchors": 32, "gamma": 7.0, "mask_token_id": ID, "draft_layers": 1,
+              "self_distillation": false;
+      eagle:  "ttt_steps": K, "step_decay": 0.8, "aux_layer_ids": [...], "rope_theta"}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R} (forward + backward + AdamW step over one batch of
 every file); ``load`` -> {"samples": [{"input_ids", "base_model_hidden_states", "aux_hidden_states",
 "loss_mask"} as lists]} (what ModelOpt's own dataset class reads, for the converter's test); ``exit`` ->
 {"peak_rss": BYTES} and exit. The first line out is {"ready": true, "trainable_params", "versions", ...}.
 
-The model is built as ModelOpt's offline recipe builds it: ``FakeBaseModel.from_source`` (the frozen
-embedding, lm_head and final norm, no decoder layers) converted with ``mtsp.convert(model, [("dflash", cfg)])``;
+The model is built as ModelOpt's offline recipes build it: ``FakeBaseModel.from_source`` (the frozen
+embedding, lm_head and final norm, no decoder layers) converted with ``mtsp.convert(model, [(MODE, cfg)])``;
 the batch comes from its ``OfflineSupervisedDataset(answer_only_loss=True)`` and ``EagleOfflineDataCollator``.
-Loss weighting is the paper's static decay (``dflash_loss_objective="decay"``), tapdraft's default; ModelOpt's
-own default D-PACE weighting is another loss. The draft layer's widths are passed explicitly: ModelOpt builds
-its draft config as a ``Qwen3Config`` whose class defaults (MLP 22,016, 32 heads) win over the base model's
-widths, so left alone a "1-layer" draft at hidden 576 has 47.8M trainable parameters instead of 3.9M. It imports only the peer venv's packages (torch, transformers,
-modelopt): it is not part of tapdraft's package.
+
+DFlash: loss weighting is the paper's static decay (``dflash_loss_objective="decay"``), tapdraft's default;
+ModelOpt's own default D-PACE weighting is another loss. The draft layer's widths are passed explicitly: ModelOpt
+builds its draft config as a ``Qwen3Config`` whose class defaults (MLP 22,016, 32 heads) win over the base model's
+widths, so left alone a "1-layer" draft at hidden 576 has 47.8M trainable parameters instead of 3.9M.
+
+EAGLE: its EAGLE-3 default (``eagle3_default_config``: fc over the aux layers, a Llama decoder layer over
+[input_layernorm(embedding) ; hidden_norm(hidden)], a trained last norm, the base lm_head frozen, the full
+vocabulary: no d2t unless ``draft_vocab_size`` is set) with the widths, the aux layer count, the training-time-test
+steps (``eagle_ttt_steps``, its default 3) and the step decay (``eagle_loss_decay_factor``, its default 0.9) of
+the job; torch.compile off. Its loss is always the soft cross-entropy -sum p log q against the base logits (the
+offline last hidden, final norm re-applied, lm_head), summed over steps each normalised by its own mask count.
+
+It imports only the peer venv's packages (torch, transformers, modelopt): it is not part of tapdraft's package.
 """
 
 import json
@@ -39,8 +50,54 @@ def _rows(model, anchors, keep, loss_mask, seq_len, block):
     return int((ok & (sup > 0.5)).sum())
 
 
+def _peak_rss():
+    """This process's peak RSS in bytes: VmHWM, its own address space's since exec (``ru_maxrss`` would be at least
+    the parent's RSS when it forked this runner, so a large tapdraft process would show as ModelOpt's peak)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _eagle_rows(loss_mask, steps):
+    """Loss rows of a step as ModelOpt's ``_eagle_loss`` counts them: step j reads ``loss_mask[:, 1 + j:]``."""
+    return int(sum(float(loss_mask[:, 1 + j:].sum()) for j in range(steps)))
+
+
+def _dflash(mtsp, base, job):
+    cfg = {"dflash_offline": True, "dflash_block_size": job["block_size"], "dflash_num_anchors": job["num_anchors"],
+           "dflash_loss_objective": "decay", "dflash_loss_decay_factor": job["gamma"],
+           "dflash_mask_token_id": job["mask_token_id"],
+           "dflash_self_logit_distillation": bool(job.get("self_distillation", False)),
+           "dflash_use_torch_compile": bool(job.get("compile", False)),
+           "dflash_architecture_config": {"num_hidden_layers": job.get("draft_layers", 1),
+                                          **job.get("architecture", {})}}
+    return mtsp.convert(base, [("dflash", cfg)])
+
+
+def _eagle(mtsp, base, job):
+    theta = float(job.get("rope_theta", 10_000.0))
+    arch = {"num_hidden_layers": 1, **job.get("architecture", {}),
+            "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"]), "rope_theta": theta,
+            "rope_scaling": {"rope_type": "default", "rope_theta": theta}, "torch_dtype": "float32"}
+    cfg = {"eagle_offline": True, "eagle_ttt_steps": int(job["ttt_steps"]),
+           "eagle_loss_decay_factor": float(job["step_decay"]), "eagle_mix_hidden_states": False,
+           "eagle_use_torch_compile": bool(job.get("compile", False)), "eagle_architecture_config": arch}
+    return mtsp.convert(base, [("eagle", cfg)])
+
+
 def main(job_path: str) -> None:
     job = json.load(open(job_path))
+    out = sys.stdout  # the protocol's channel: ModelOpt prints its own notes, sent to stderr (the log) instead
+    sys.stdout = sys.stderr
+
+    def say(doc):
+        out.write(json.dumps(doc) + "\n")
+        out.flush()
+
     import torch
 
     torch.set_num_threads(int(job.get("threads", 1)))
@@ -51,15 +108,9 @@ def main(job_path: str) -> None:
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
     from modelopt.torch.speculative.plugins.modeling_fakebase import FakeBaseModel
 
+    mode = job.get("mode", "dflash")
     base = FakeBaseModel.from_source(job["base"])
-    cfg = {"dflash_offline": True, "dflash_block_size": job["block_size"], "dflash_num_anchors": job["num_anchors"],
-           "dflash_loss_objective": "decay", "dflash_loss_decay_factor": job["gamma"],
-           "dflash_mask_token_id": job["mask_token_id"],
-           "dflash_self_logit_distillation": bool(job.get("self_distillation", False)),
-           "dflash_use_torch_compile": bool(job.get("compile", False)),
-           "dflash_architecture_config": {"num_hidden_layers": job.get("draft_layers", 1),
-                                          **job.get("architecture", {})}}
-    model = mtsp.convert(base, [("dflash", cfg)])
+    model = {"dflash": _dflash, "eagle": _eagle}[mode](mtsp, base, job)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -71,41 +122,45 @@ def main(job_path: str) -> None:
     batch = collate([data[i] for i in range(len(data))])
 
     seen = {}
-    sample = model._sample_anchor_positions
+    if mode == "dflash":
+        sample = model._sample_anchor_positions
 
-    def record(seq_len, loss_mask, device):
-        anchors, keep = sample(seq_len, loss_mask, device)
-        seen["rows"] = _rows(model, anchors, keep, loss_mask, seq_len, job["block_size"])
-        return anchors, keep
+        def record(seq_len, loss_mask, device):
+            anchors, keep = sample(seq_len, loss_mask, device)
+            seen["rows"] = _rows(model, anchors, keep, loss_mask, seq_len, job["block_size"])
+            return anchors, keep
 
-    model._sample_anchor_positions = record
-    print(json.dumps({"ready": True, "trainable_params": sum(p.numel() for p in params),
+        model._sample_anchor_positions = record
+        draft, layers = model.dflash_module, list(model.target_layer_ids)
+    else:
+        seen["rows"] = _eagle_rows(batch["loss_mask"], int(job["ttt_steps"]))
+        draft, layers = model.eagle_module, list(model.eagle_config.eagle_aux_hidden_state_layer_ids)
+    say({"ready": True, "trainable_params": sum(p.numel() for p in params),
                       "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
-                      "target_layer_ids": list(model.target_layer_ids),
-                      "dtype": str(next(model.dflash_module.parameters()).dtype),
+                      "target_layer_ids": layers, "dtype": str(next(draft.parameters()).dtype),
+                      "head_dtype": str(model._base_model_lm_head.weight.dtype),
                       "versions": {"modelopt": modelopt.__version__, "torch": torch.__version__,
-                                   "transformers": transformers.__version__}}), flush=True)
+                                   "transformers": transformers.__version__}})
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "step":
             t0 = time.perf_counter()
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            res = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         labels=batch["labels"], loss_mask=batch["loss_mask"],
                         base_model_outputs=batch["base_model_outputs"])
-            out.loss.backward()
+            res.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             s = time.perf_counter() - t0
-            print(json.dumps({"s": s, "loss": float(out.loss.detach()), "rows": seen.get("rows")}), flush=True)
+            say({"s": s, "loss": float(res.loss.detach()), "rows": seen.get("rows")})
         elif cmd == "load":
             keys = ("input_ids", "base_model_hidden_states", "aux_hidden_states", "loss_mask")
-            print(json.dumps({"samples": [{k: data[i][k].tolist() for k in keys} for i in range(len(data))]}),
-                  flush=True)
+            say({"samples": [{k: data[i][k].tolist() for k in keys} for i in range(len(data))]})
         elif cmd == "exit":
             break
         else:
-            print(json.dumps({"error": f"unknown command {cmd!r}"}), flush=True)
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+            say({"error": f"unknown command {cmd!r}"})
+    say({"peak_rss": _peak_rss()})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""ModelOpt's own offline loader reads what benchmarks/peers.py's converter writes, value for value.
+"""ModelOpt's own offline loader reads what benchmarks/peers.py's converter writes, value for value, and each
+benchmark row's two sides train the same thing.
 
 Builds the ModelOpt venv on first use (engines/venv.sh modelopt: minutes, once), converts two samples of the
-benchmark's own dataset (64 tokens each), and asks engines/modelopt_runner.py for what ModelOpt's
-``OfflineSupervisedDataset(answer_only_loss=True)`` returns; every tensor must equal the tapdraft dataset's
-(read through ``shards.reader``), and one ModelOpt DFlash step on them must train supervised rows.
+benchmark's own dataset (its 49,152-token shape, 64 tokens a sample), and asks engines/modelopt_runner.py for what
+ModelOpt's ``OfflineSupervisedDataset(answer_only_loss=True)`` returns; every tensor must equal the tapdraft
+dataset's (read through ``shards.reader``): DFlash's one tap, EAGLE-3's three (tapdraft's rule, not ModelOpt's
+default). For every row, one step on each side: equal trainable parameters, equal loss rows, and first losses that
+agree once ModelOpt's soft cross-entropy is taken as tapdraft's KL + H(teacher) (``peers.teacher_entropy``).
+About 1 minute of CPU after the venv exists.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.peers import ModelOptSide, build_dataset, modelopt_job, peer_python, to_modelopt
+from benchmarks.peers import (ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, build_dataset, modelopt_job, peer_python,
+                              teacher_entropy, to_modelopt)
 from shards.reader import open_dataset
-from shards.taps import default_tap_ids
+from shards.taps import default_tap_ids, eagle3_tap_ids
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -51,3 +56,52 @@ def test_modelopt_reads_the_converted_samples_as_the_dataset_holds_them(tmp_path
         assert torch.equal(torch.tensor(g["aux_hidden_states"]), taps[:, col[aux]])
         assert torch.equal(torch.tensor(g["base_model_hidden_states"]), taps[:, col[ds.layout.num_layers - 1]])
     assert step["rows"] > 0 and 9.0 < step["loss"] < 13.0  # about ln(49,152) = 10.8 at random init
+
+
+def _same_samples(got: list[dict], data: Path, aux: list[int]) -> None:
+    ds = open_dataset(str(data))
+    col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
+    for i, g in enumerate(got):
+        s = ds.sample("train", i)
+        taps = s["taps"].float()
+        assert torch.equal(torch.tensor(g["input_ids"]), s["input_ids"].long())
+        assert torch.equal(torch.tensor(g["loss_mask"]), s["loss_mask"].long())
+        assert torch.equal(torch.tensor(g["aux_hidden_states"]), torch.cat([taps[:, col[t]] for t in aux], dim=-1))
+        assert torch.equal(torch.tensor(g["base_model_hidden_states"]), taps[:, col[ds.layout.num_layers - 1]])
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_both_sides_of_a_row_train_the_same_rows_from_the_same_loss(tmp_path: Path, name: str) -> None:
+    torch.set_num_threads(1)
+    row = ROW_SPECS[name]
+    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3, family=row.family)
+    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family)
+    if row.family == "eagle3":
+        assert conv["target_layer_ids"] == eagle3_tap_ids(8) == [1, 3, 5]
+    mask = conv["vocab_size"] - 1
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    peer = ModelOptSide(peer_python(), modelopt_job(conv, tap.run, anchors=2, tokens=64, mask_token_id=mask, row=row),
+                        tmp_path / "run")
+    try:
+        assert peer.ready["target_layer_ids"] == conv["target_layer_ids"]
+        assert peer.ready["trainable_params"] == tap.trainable
+        got = peer.ask("load")["samples"]
+        theirs = peer.step()
+    finally:
+        peer.close()
+    ours = tap.step()
+    _same_samples(got, data, conv["target_layer_ids"])
+    if row.family == "eagle3":  # every supervised row at each of the 3 steps (the second half of 2 x 64 tokens)
+        assert ours["rows"] == theirs["rows"] == 3 * 2 * 32
+    else:  # anchors are sampled independently: the same count of trained slots, not the same slots
+        assert ours["rows"] == theirs["rows"] > 0
+    if row.loss == "ce":  # both about ln(49,152) = 10.8 at random init
+        assert 9.0 < ours["loss"] < 13.0 and abs(ours["loss"] - theirs["loss"]) < 0.25
+        return
+    d = tap.run.drafter
+    weight = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
+    h = teacher_entropy(data)
+    assert 9.0 < h < 11.0
+    assert 0.0 < ours["loss"] < 1.0  # tapdraft's KL(p || q): near 0 at random init
+    # ModelOpt's -sum p log q = KL + H(p), per step weight (EAGLE-3: 1 + 0.8 + 0.64)
+    assert abs(ours["loss"] + h * weight - theirs["loss"]) < 0.25

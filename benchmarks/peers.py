@@ -17,7 +17,7 @@ activations are fine for time: it does not depend on their values; the losses bo
 the same rows from the same loss.
 
 Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
-and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.loop.head_dtype`` on CPU; ModelOpt's in
+and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.fit.head_dtype`` on CPU; ModelOpt's in
 fp32, its base's dtype, which its trainable draft also takes, so it is not varied), AdamW (tapdraft's recipe lr,
 betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
 every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
@@ -251,7 +251,7 @@ class TapdraftSide:
         from train.config import load_run_config
         from train.data import BatchStream
         from train.drafters.base import combine_terms
-        from train.loop import head_dtype as resolve_head_dtype
+        from train.fit import head_dtype as resolve_head_dtype
         from train.loop import make_optimizer
         from train.run import build_drafter
         from train.source import open_source
@@ -261,7 +261,8 @@ class TapdraftSide:
             row, anchors=anchors, samples=samples, tokens=tokens, mask_token_id=mask_token_id, head_dtype=head_dtype))
         src = open_source(str(data))
         self.model = build_drafter(self.run, src)
-        self.head_dtype = resolve_head_dtype(torch.device("cpu"), self.run.train.head_dtype)
+        self.head_dtype = resolve_head_dtype(torch.device("cpu"), self.run.train.head_dtype,
+                                             self.model.target.lm_head.numel())
         self.model.target.to_dtype(self.head_dtype)
         self.opt, _ = make_optimizer(self.model, self.run.train)
         for g in self.opt.param_groups:  # the schedule's constructor applied warm-up step 0 (lr / 100): undo it
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per sample (a multiple of the block, 16)")
     ap.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="tapdraft's frozen head dtype (auto: what train.loop.head_dtype picks on CPU)")
+                    help="tapdraft's frozen head dtype (auto: what train.fit.head_dtype picks on this CPU)")
     ap.add_argument("--workdir", default="/tmp/tapdraft-peers", help="where the datasets and their conversions live")
     args = ap.parse_args(argv)
     names = [r.strip() for r in args.rows.split(",") if r.strip()]

@@ -59,7 +59,8 @@ class Stepper:
         from train.config import load_run_config
         from train.data import BatchStream
         from train.drafters.base import combine_terms
-        from train.loop import head_dtype, make_optimizer
+        from train.fit import head_dtype
+        from train.loop import make_optimizer
         from train.run import build_drafter
         from train.source import open_source
 

@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="tapdraft's frozen head dtype (auto: what train.fit.head_dtype picks on this CPU)")
     ap.add_argument("--workdir", default="/tmp/tapdraft-peers", help="where the datasets and their conversions live")
+    ap.add_argument("--name", default="peers.json", help="result file in benchmarks/results/")
     args = ap.parse_args(argv)
     names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROW_SPECS]
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "head_dtype": args.head_dtype, "rows": rows, "peer_versions": versions,
            "not_run": {"speculators": "its Trainer hard-codes CUDA and its FlexAttention mask builder does not "
                                       "compile on CPU"}}
-    write_result("peers.json", doc)
+    write_result(args.name, doc)
     return doc
 
 

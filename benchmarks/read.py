@@ -18,7 +18,8 @@ each side repeated to >= ``--min-seconds`` of CPU, interleaved (each shard confi
 torch.load, every round), median of ``--pairs``, in tokens per CPU second (the machine is shared; wall
 seconds are recorded beside them); plus the latency of ``Dataset.sample`` on a small (64-token) sample,
 hot, median of 200 random picks, and each variant's bytes on disk vs the .pt files. Variants: the
-default shards (zstd-1, bf16 planes) and the fast-read option (``zstd_level`` 0, bf16 ``raw``).
+default shards (zstd-1, bf16 planes), the fast-read option (``zstd_level`` 0, bf16 ``raw``) and the fast-write
+option (``zstd_level`` 0, bf16 ``split``).
 
 Integrity cost (``integrity_cost``, also alone with ``--only-integrity`` -> read_integrity.json):
 in-process streaming of the same Arrow (zstd, and uncompressed raw) and WebDataset shards with every
@@ -170,9 +171,11 @@ def _per_cpu_second(fn, tokens: int, min_seconds: float) -> tuple[float, float]:
 
 
 VARIANTS = {"zstd1 planes (default)": {}, "uncompressed raw (zstd_level 0, bf16_layout raw)":
-            {"zstd_level": 0, "bf16_layout": "raw"}}
-"""--shape: the shard configs compared with torch.load (on top of ``--batch-bytes``): the default, and the fast-read
-option, whose taps become tensors that view the record batch read from disk (no decompression, no plane join)."""
+            {"zstd_level": 0, "bf16_layout": "raw"},
+            "uncompressed split (zstd_level 0, bf16_layout split)": {"zstd_level": 0, "bf16_layout": "split"}}
+"""--shape: the shard configs compared with torch.load (on top of ``--batch-bytes``): the default, the fast-read
+option, whose taps become tensors that view the record batch read from disk (no decompression, no plane join),
+and the fast-write option (the taps' high plane compressed alone, shards otherwise uncompressed)."""
 
 
 def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cfg: ShardConfig) -> dict[str, Any]:

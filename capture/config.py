@@ -41,8 +41,9 @@ _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True
 they did not record."""
 _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 """What captures recorded before template settings existed used: the tokenizer's template, no kwargs."""
-_LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None}
-"""What captures recorded before ``--engine`` existed used: the in-process engine."""
+_LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None, "threads": None}
+"""What captures recorded before ``--engine`` (and the in-process thread count) existed used: the in-process engine,
+on the thread count of the process (None)."""
 ENGINES = ("transformers", "vllm")
 
 RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python", "allow_outside_paths")
@@ -171,8 +172,15 @@ class CaptureConfig:
     """With engine 'vllm': how vLLM runs (defaults when None); must be None otherwise."""
     vllm_python: str | None = None
     """With engine 'vllm': the interpreter of the environment vLLM is installed in; None = this one."""
+    threads: int | None = None
+    """The in-process engine's CPU threads (its forward and teacher head; ``--engine vllm`` has ``vllm.threads``).
+    None: this process's torch thread count when the run begins, or on a resume the count the capture began with
+    (:func:`pin_threads`). Recorded: fp32 reductions round by the count, so only a resume at the same count writes
+    the bytes an uninterrupted capture would."""
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"CaptureConfig.threads must be >= 1 or None, got {self.threads}")
         if not self.data:
             raise ValueError("CaptureConfig.data is empty: give at least one (split, input) pair")
         object.__setattr__(self, "data", tuple((str(s), str(p)) for s, p in self.data))
@@ -299,20 +307,25 @@ def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def pin_threads(cfg: CaptureConfig, record: Path, current: int) -> CaptureConfig:
-    """``cfg`` with ``vllm.threads`` decided (``--engine vllm`` only): as given; else, resuming, the count recorded
-    in ``record`` when the capture began (with a warning when ``current`` differs); else ``current``, this
-    process's torch thread count. A capture resumed in a process with other threads (a shell with another
-    ``--threads``, a test process whose earlier tests set torch's threads) so computes as it began, and the
-    resumed dataset equals an uninterrupted one bit for bit. A record from before the field keeps None: the
-    current count, as those captures ran."""
-    if cfg.engine != "vllm" or cfg.vllm is None or cfg.vllm.threads is not None:
+    """``cfg`` with its engine's thread count decided (``vllm.threads`` or, in-process, ``threads``): as given;
+    else, resuming, the count recorded in ``record`` when the capture began (with a warning when ``current``
+    differs); else ``current``, this process's torch thread count. A capture resumed in a process with other
+    threads (a shell with another ``--threads``, a test process whose earlier tests set torch's threads) so
+    computes as it began, and the resumed dataset equals an uninterrupted one bit for bit. A record from before
+    the field keeps None: the current count, as those captures ran."""
+    vllm = cfg.engine == "vllm"
+    if vllm and cfg.vllm is None:
+        return cfg
+    if (cfg.vllm.threads if vllm else cfg.threads) is not None:
         return cfg
     n: int | None = current
     if record.is_file():
-        old = migrate_capture_record(json.loads(record.read_text())).get("vllm")
+        old = migrate_capture_record(json.loads(record.read_text()))
+        old = old.get("vllm") if vllm else old
         if isinstance(old, dict):
-            n = old["threads"]
+            n = old.get("threads")
             if n is not None and n != current:
                 warnings.warn(f"resuming the capture in {record.parent} with the {n} CPU threads it began with "
                               f"(this process has {current}), so that it computes as it began", stacklevel=2)
-    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n))
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n)) if vllm \
+        else dataclasses.replace(cfg, threads=n)

@@ -614,9 +614,11 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
 
 @contextmanager
 def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLMEngine | None]:
-    """The vLLM workers for ``--engine vllm`` (started once for all splits, stopped at the end); None in-process."""
+    """The vLLM workers for ``--engine vllm`` (started once for all splits, stopped at the end); None in-process,
+    on the capture's thread count."""
     if cfg.engine != "vllm":
-        yield None
+        with torch_threads(cfg.threads or torch.get_num_threads()):  # None: a record from before the field
+            yield None
         return
     assert cfg.vllm is not None
     longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \

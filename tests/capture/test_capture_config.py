@@ -73,3 +73,26 @@ def test_a_vllm_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
     old = pin_threads(_cfg(engine="vllm"), record, 1)
     assert old.vllm.threads is None
     check_resume(record, old.to_dict())
+
+
+def test_an_in_process_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
+    from capture.config import pin_threads
+
+    record = tmp_path / "capture_config.json"
+    fresh = pin_threads(_cfg(), record, 2)
+    assert fresh.threads == 2 and fresh.vllm is None  # a new capture: this process's count, recorded
+    record.write_text(json.dumps({**fresh.to_dict(), "inputs": {}}))
+    with pytest.warns(UserWarning, match="with the 2 CPU threads it began with"):
+        resumed = pin_threads(_cfg(), record, 1)
+    assert resumed.threads == 2
+    check_resume(record, resumed.to_dict())
+    with pytest.raises(ValueError, match="threads"):  # a count given that is not the recorded one: another dataset
+        check_resume(record, pin_threads(_cfg(threads=1), record, 2).to_dict())
+    with pytest.raises(ValueError, match="CaptureConfig.threads"):
+        _cfg(threads=0)
+
+    legacy = {k: v for k, v in fresh.to_dict().items() if k != "threads"}  # recorded before the field
+    record.write_text(json.dumps({**legacy, "inputs": {}}))
+    old = pin_threads(_cfg(), record, 1)
+    assert old.threads is None  # the current count, as it ran
+    check_resume(record, old.to_dict())

@@ -77,7 +77,7 @@ def test_capture_writes_what_the_target_computes(salm_dir, tone_manifest, tmp_pa
 def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path, writers):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     kw = dict(batch_tokens=70, shard_bytes=3000, writers=writers)  # ~2 samples a batch, ~1 a shard
-    capture(_cfg(salm_dir, tone_manifest, ref_dir, **kw))
+    capture(_cfg(salm_dir, tone_manifest, ref_dir, threads=1, **kw))  # the killed run's count, pinned below
     script = textwrap.dedent("""
         import os, signal, time, torch
         torch.set_num_threads(1)
@@ -105,7 +105,11 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
     assert not (cut_dir / "manifest.json").exists()
     part = json.loads((cut_dir / "_parts" / "train-rank00000.json").read_text())
     assert len(part["shards"]) >= 1  # some shards were final before the kill, some work was lost
-    m = capture(_cfg(salm_dir, tone_manifest, cut_dir, **kw))
+    from capture.pipeline import torch_threads
+
+    # resumed where torch has another count: it computes on the count the capture began with
+    with torch_threads(2), pytest.warns(UserWarning, match="with the 1 CPU threads it began with"):
+        m = capture(_cfg(salm_dir, tone_manifest, cut_dir, **kw))
     assert m["complete"] and m["run_stats"]["train"]["written"] < 10
     a, b = _samples(ref_dir), _samples(cut_dir)
     assert len(a) == len(b) == 10

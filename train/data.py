@@ -45,6 +45,28 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def first_samples(open_stream: OpenStream, n: int) -> OpenStream:
+    """``open_stream`` cut to each epoch's first ``n`` samples (evaluation's ``max_samples``)."""
+
+    class _First:
+        def __init__(self, it: Iterator[dict[str, Any]]) -> None:
+            self.it, self.left = it, n
+
+        def __iter__(self) -> "_First":
+            return self
+
+        def __next__(self) -> dict[str, Any]:
+            if self.left <= 0:
+                raise StopIteration
+            self.left -= 1
+            return next(self.it)
+
+        def state_dict(self) -> Any:
+            return self.it.state_dict()
+
+    return lambda epoch, state: _First(open_stream(epoch, state))
+
+
 def epochs(open_stream: OpenStream, state: dict[str, Any] | None = None, max_epochs: int | None = None):
     """Loop epochs; yield (sample, resume_state) where resume_state resumes AT that sample."""
     epoch = 0 if state is None else int(state["epoch"])

@@ -19,8 +19,9 @@ the expected speedup is tau / R and break-even lies at tau = R. Offline, R canno
 gives it (from the serving engine; ``tapdraft speculate`` measures tapdraft's own), else the result tabulates
 tau / R for a few R (:data:`train.acceptance.ROUND_COSTS`; vLLM measured 1.6 for EAGLE-3, 2.05 for DFlash).
 
-Sampled acceptance (``temperature`` > 0) is bounded in cost: it reads the split's batches in file order until
-``sampled_rows`` rows at draft position 1 are measured (:data:`SAMPLED_ROWS`), and the result says how many.
+Sampled acceptance (``temperature`` > 0) is bounded in cost: it reads the split's samples in file order, one a
+batch, until ``sampled_rows`` rows at draft position 1 are measured (:data:`SAMPLED_ROWS`; it overshoots by less
+than a sample's rows), and the result says how many.
 
 Writes ``eval.json`` and ``acceptance.png`` (matplotlib, Agg) into the output directory.
 """
@@ -34,7 +35,7 @@ from typing import Any
 
 from train.acceptance import (ROUND_COSTS, UNREACHED, AcceptanceCounts, alpha_text, breakeven, breakeven_text,
                               tau_from_alpha)
-from train.data import BatchStream, collate, has_targets, to_device, truncate
+from train.data import BatchStream, collate, first_samples, has_targets, to_device, truncate
 from train.drafters.common.teacher import last_hidden_source
 from train.run import Trained, load_trained
 
@@ -68,8 +69,8 @@ def evaluate(
     speculative SAMPLING at that temperature (``tau_sampled``) when the dataset holds the target's exact
     last hidden state; 0 measures greedy decoding only. ``round_cost``: the serving engine's cost of a round
     relative to a plain decode step, for the break-even line (None: a table over a few costs). ``sampled_rows``: the
-    sampled pass reads batches until that many rows at draft position 1 are measured (None: SAMPLED_ROWS; <= 0:
-    every batch)."""
+    sampled pass reads samples until that many rows at draft position 1 are measured (None: SAMPLED_ROWS; <= 0:
+    every sample). ``max_samples``: the split's first samples only."""
     if round_cost is not None and not round_cost > 0:
         raise ValueError(f"--round-cost is a round's time over a plain decode step's (> 0), got {round_cost}")
     loaded = load_trained(run_dir, data, split=split, device=device, template=template, template_kwargs=template_kwargs)
@@ -77,12 +78,22 @@ def evaluate(
     ck, split = loaded.checkpoint, loaded.split
     run_dir = Path(run_dir)
     tc = run.train
-    stream = BatchStream(
-        src.opener(seed=tc.seed, rank=0, world_size=1, shuffle=False),
-        max_tokens=max_tokens or tc.max_tokens, max_batch_size=tc.max_batch_size, max_seq_len=tc.max_seq_len,
-        max_epochs=1,
-    )
+    opener = src.opener(seed=tc.seed, rank=0, world_size=1, shuffle=False)
+    if max_samples is not None:  # the split's first samples, whatever the batches hold
+        opener = first_samples(opener, max_samples)
+
+    def batches(max_batch_size: int) -> BatchStream:
+        return BatchStream(opener, max_tokens=max_tokens or tc.max_tokens, max_batch_size=max_batch_size,
+                           max_seq_len=tc.max_seq_len, max_epochs=1)
+
     total: AcceptanceCounts | None = None
+    n = 0
+    for batch in batches(tc.max_batch_size):
+        n += len(batch["sample_id"])
+        acc = model.acceptance(to_device(batch, device))
+        acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
+                               acc.round_tokens, acc.rounds)
+        total = acc if total is None else total + acc
     sampled_note = None
     if temperature > 0 and last_hidden_source(src.layout) is None:
         sampled_note = ("sampled acceptance needs the target's exact last hidden state (final_hidden or a lossless "
@@ -90,21 +101,13 @@ def evaluate(
     sampled = None
     sampled_cap = SAMPLED_ROWS if sampled_rows is None else sampled_rows
     sampled_samples = 0
-    n = 0
-    for batch in stream:
-        if max_samples is not None and n >= max_samples:
-            break
-        n += len(batch["sample_id"])
-        batch = to_device(batch, device)
-        if temperature > 0 and sampled_note is None and (sampled is None or sampled_cap <= 0
-                                                         or float(sampled[1][0]) < sampled_cap):
-            s, c = model.sampled_acceptance(batch, temperature)
+    if temperature > 0 and sampled_note is None:  # one sample a batch, so the cap stops within a sample's rows
+        for batch in batches(1):
+            if sampled is not None and 0 < sampled_cap <= float(sampled[1][0]):
+                break
+            s, c = model.sampled_acceptance(to_device(batch, device), temperature)
             sampled = (s, c) if sampled is None else (sampled[0] + s, sampled[1] + c)
-            sampled_samples += len(batch["sample_id"])
-        acc = model.acceptance(batch)
-        acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
-                               acc.round_tokens, acc.rounds)
-        total = acc if total is None else total + acc
+            sampled_samples += 1
     if total is None:
         raise ValueError(f"{src.where} split {split!r} gave no samples with supervised tokens to evaluate")
     alpha = [float(a / r) if r > 0 else 0.0 for a, r in zip(total.accepted, total.reached)]

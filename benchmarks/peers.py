@@ -1,13 +1,17 @@
-"""tapdraft's training steps beside NVIDIA Model-Optimizer's, one row per family both train, same samples and shape.
+"""tapdraft's training steps beside its peers' (NVIDIA Model-Optimizer, vllm-project/speculators), one row per family
+both train, same samples and shape.
 
-The peer runs in its own venv built from pins (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch
-2.13.0 CPU, the transformers it allows), driven by ``engines/modelopt_runner.py``, which imports only the
-peer's packages. For each row this module builds a small tapdraft dataset itself, converts it to ModelOpt's
-offline format (``to_modelopt``: the family's taps by tapdraft's rule), then times interleaved pairs: one
-tapdraft step, one ModelOpt step, ...
+Each peer runs in its own venv built from pins, driven by a runner that imports only the peer's packages:
+ModelOpt by ``engines/modelopt_runner.py`` (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch 2.13.0
+CPU, the transformers it allows), speculators by ``engines/speculators_runner.py`` in the vLLM engine venv
+(``engines/venv.sh vllm``: engines/vllm.txt pins speculators 0.9.0 beside vLLM; that venv takes long to build, so
+the speculators rows are not in the default ``--rows``). For each row this module builds a small tapdraft dataset
+itself, converts it to the peer's offline format (``to_modelopt``, ``to_speculators``: the family's taps by
+tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step, ...
 
     python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
                                [--tokens 512] [--head-dtype auto] [--workdir DIR]
+    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
@@ -54,14 +58,32 @@ Rows:
 
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
-included: ``--rows`` one row per process for a clean figure; ModelOpt: its runner process, one per row, VmHWM
+included: ``--rows`` one row per process for a clean figure; the peer: its runner process, one per row, VmHWM
 since its exec), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
 pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
-Not compared (say so in docs/performance.md): speculators (its Trainer hard-codes CUDA and its FlexAttention
-mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP, DSpark (no
-ModelOpt counterpart measured).
+speculators rows (``engines/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
+its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
+CLI does (qwen3 layer at the verifier's widths: 3,873,152 trainable, as tapdraft's; embedding, lm_head, final norm
+frozen from the verifier directory, fp32), with its CLI's ``sdpa`` attention and its ``eager`` losses, and calls it
+as its Trainer does on the batch its ``ArrowDataset`` + ``CollateFn`` make (every sample packed in one row).
+
+  dflash-ce-speculators   tapdraft ``dflash`` (CE on the dataset's token) vs its ``loss_fn=ce``: a hard-label CE on
+              the argmax of the teacher row (last hidden at anchor + k - 1 -> final norm -> lm_head), not the
+              dataset's token (the same token where the target predicts its own text; on random data both are
+              about ln V at init).
+  dflash-kd-speculators   tapdraft ``kd=exact ce_weight=0`` vs its ``loss_fn=kl_div``: KL(p || q) against the same
+              teacher row on both sides, no offset.
+  Both: block 16, slot weights exp(-(k-1)/7) (its ``dflash_decay_gamma=7``, default 4), anchors = ``--anchors`` x
+  ``--samples`` per packed row (its ``max_anchors``) drawn among supervised positions except the row's last 16;
+  tapdraft ``--anchors`` per sequence whose block fits. A speculators block may run past its sample's end into the
+  next sample's unsupervised prompt, those slots masked: it trains the same blocks, a few rows fewer on some
+  draws (the table shows both counts). Its loss is sum(w l) / rows, tapdraft's sum(w l) / sum(w): the table gives
+  its loss rescaled to tapdraft's rule (rows / sum(w), reported by the runner) with its own figure in brackets.
+
+Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark, EAGLE-3 against speculators; DFlash2, MTP,
+DSpark against ModelOpt (no counterpart measured).
 """
 
 from __future__ import annotations

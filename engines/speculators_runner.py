@@ -11,7 +11,7 @@ JOB: {"verifier": DIR (config.json + model.safetensors: embed_tokens, lm_head, f
       "weight_decay", "seed": 0, "threads": 1}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "weight": W, "anchors": A} (forward + backward + AdamW
 step over one packed batch of every sample; L is its own loss, sum(w l) / R; W = sum of the slot weights over the
-R rows, so L * R / W is the weighted mean tapdraft reports); ``load`` -> {"samples": [{"input_ids",
+R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row); ``load`` -> {"samples": [{"input_ids",
 "hidden_states", "verifier_last_hidden_states", "loss_mask"} as lists]} (what its ``ArrowDataset`` returns, for
 the converter's test); ``exit`` -> {"peak_rss": BYTES} and exit. The first line out is {"ready": true,
 "trainable_params", "versions", ...}.
@@ -23,11 +23,12 @@ the frozen embedding, lm_head and final norm from the verifier directory), fed w
 from ``DFlashDraftModel.get_trainer_kwargs`` (``loss_fn`` ce or kl_div, ``dflash_decay_gamma``, ``max_anchors``,
 the static decay weighting ``fixed-exp-decay``), called as its Trainer calls the model: ``model(**batch, **kwargs)``.
 
-Where it differs from its Trainer, and why: the Trainer hard-codes CUDA (``.to(local_rank)``, FSDP, bf16 autocast)
-and its default attention, ``simple_flex_attention``, builds the mask with a ``torch.compile``d
-``create_block_mask`` that does not compile on CPU; its CLI's ``--draft-attn-impl sdpa`` (or ``eager``) is the CPU
+Where it differs from its Trainer, and why: the Trainer hard-codes CUDA (``.to(local_rank)``, FSDP, bf16 autocast);
+its default attention, ``simple_flex_attention``, builds its BlockMask on CPU (the compiled ``create_block_mask``
+runs under torch 2.13) but torch's FlexAttention refuses a forward whose inputs need gradients on CPU
+("FlexAttention does not support backward on CPU"). Its CLI's ``--draft-attn-impl sdpa`` (or ``eager``) is the CPU
 path: the same mask_mod materialised by ``create_mask`` as a dense bool [Q, KV] mask (``create_float_mask`` for
-eager), and transformers' SDPA. Its fused Triton losses need a GPU: ``--loss-implementation eager`` (its
+eager), and transformers' SDPA (eager gives the same first loss, about 2x slower). Its fused Triton losses need a GPU: ``--loss-implementation eager`` (its
 reference losses, the same formulas). fp32 throughout (its base model's dtype here; no autocast), no gradient
 clipping (its Trainer clips at 1.0; tapdraft's side does not), plain AdamW with tapdraft's settings, no schedule.
 

@@ -1,13 +1,17 @@
-"""tapdraft's training steps beside NVIDIA Model-Optimizer's, one row per family both train, same samples and shape.
+"""tapdraft's training steps beside its peers' (NVIDIA Model-Optimizer, vllm-project/speculators), one row per family
+both train, same samples and shape.
 
-The peer runs in its own venv built from pins (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch
-2.13.0 CPU, the transformers it allows), driven by ``engines/modelopt_runner.py``, which imports only the
-peer's packages. For each row this module builds a small tapdraft dataset itself, converts it to ModelOpt's
-offline format (``to_modelopt``: the family's taps by tapdraft's rule), then times interleaved pairs: one
-tapdraft step, one ModelOpt step, ...
+Each peer runs in its own venv built from pins, driven by a runner that imports only the peer's packages:
+ModelOpt by ``engines/modelopt_runner.py`` (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch 2.13.0
+CPU, the transformers it allows), speculators by ``engines/speculators_runner.py`` in the vLLM engine venv
+(``engines/venv.sh vllm``: engines/vllm.txt pins speculators 0.9.0 beside vLLM; that venv takes long to build, so
+the speculators rows are not in the default ``--rows``). For each row this module builds a small tapdraft dataset
+itself, converts it to the peer's offline format (``to_modelopt``, ``to_speculators``: the family's taps by
+tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step, ...
 
     python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
                                [--tokens 512] [--head-dtype auto] [--workdir DIR]
+    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
@@ -54,14 +58,32 @@ Rows:
 
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
-included: ``--rows`` one row per process for a clean figure; ModelOpt: its runner process, one per row, VmHWM
+included: ``--rows`` one row per process for a clean figure; the peer: its runner process, one per row, VmHWM
 since its exec), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
 pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
-Not compared (say so in docs/performance.md): speculators (its Trainer hard-codes CUDA and its FlexAttention
-mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP, DSpark (no
-ModelOpt counterpart measured).
+speculators rows (``engines/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
+its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
+CLI does (qwen3 layer at the verifier's widths: 3,873,152 trainable, as tapdraft's; embedding, lm_head, final norm
+frozen from the verifier directory, fp32), with its CLI's ``sdpa`` attention and its ``eager`` losses, and calls it
+as its Trainer does on the batch its ``ArrowDataset`` + ``CollateFn`` make (every sample packed in one row).
+
+  dflash-ce-speculators   tapdraft ``dflash`` (CE on the dataset's token) vs its ``loss_fn=ce``: a hard-label CE on
+              the argmax of the teacher row (last hidden at anchor + k - 1 -> final norm -> lm_head), not the
+              dataset's token (the same token where the target predicts its own text; on random data both are
+              about ln V at init).
+  dflash-kd-speculators   tapdraft ``kd=exact ce_weight=0`` vs its ``loss_fn=kl_div``: KL(p || q) against the same
+              teacher row on both sides, no offset.
+  Both: block 16, slot weights exp(-(k-1)/7) (its ``dflash_decay_gamma=7``, default 4), anchors = ``--anchors`` x
+  ``--samples`` per packed row (its ``max_anchors``) drawn among supervised positions except the row's last 16;
+  tapdraft ``--anchors`` per sequence whose block fits. A speculators block may run past its sample's end into the
+  next sample's unsupervised prompt, those slots masked: it trains the same blocks, a few rows fewer on some
+  draws (the table shows both counts). Its loss is sum(w l) / rows, tapdraft's sum(w l) / sum(w): the table gives
+  its loss rescaled to tapdraft's rule (rows / sum(w), reported by the runner) with its own figure in brackets.
+
+Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark, EAGLE-3 against speculators; DFlash2, MTP,
+DSpark against ModelOpt (no counterpart measured).
 """
 
 from __future__ import annotations
@@ -137,8 +159,6 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
 
     Layout of ``out``: ``base/`` and ``samples/NNNNNN.pt``; each file is written to a temp name and renamed.
     """
-    from safetensors.torch import save_file
-
     ds = open_dataset(str(dataset))
     layout, bundle = ds.layout, ds.bundle()
     L = layout.num_layers
@@ -151,21 +171,8 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
     col = {t: j for j, t in enumerate(layout.tap_ids)}
     out = Path(out)
     base, samples = out / "base", out / "samples"
-    base.mkdir(parents=True, exist_ok=True)
     samples.mkdir(parents=True, exist_ok=True)
-    c = bundle.config
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": bundle.hidden_size,
-              "num_hidden_layers": L, "vocab_size": bundle.vocab_size,
-              "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
-              "head_dim": c.get("head_dim", bundle.hidden_size // c["num_attention_heads"]),
-              "intermediate_size": c["intermediate_size"], "rms_norm_eps": bundle.head.eps,
-              "rope_theta": c.get("rope_theta", 10_000.0), "max_position_embeddings": 8192,
-              "tie_word_embeddings": False, "dtype": "float32"}
-    _atomic_write(base / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
-    weights = {"model.embed_tokens.weight": bundle.embed_tokens.float().contiguous(),
-               "lm_head.weight": bundle.lm_head.float().contiguous(),
-               "model.norm.weight": bundle.norm_weight.float().contiguous()}
-    _atomic_write(base / "model.safetensors", lambda p: save_file(weights, str(p)))
+    config = write_base(bundle, L, base)
     n = ds.num_samples(split) if limit is None else min(limit, ds.num_samples(split))
     files = []
     for i in range(n):
@@ -185,6 +192,85 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
             "rope_theta": config["rope_theta"]}
 
 
+def write_base(bundle: Any, num_layers: int, base: Path) -> dict[str, Any]:
+    """The frozen target pieces as a Llama checkpoint directory both peers load their base from: config.json (the
+    target's widths) and model.safetensors (``model.embed_tokens.weight``, ``lm_head.weight``,
+    ``model.norm.weight``, fp32); returns the config."""
+    from safetensors.torch import save_file
+
+    base.mkdir(parents=True, exist_ok=True)
+    L = num_layers
+    c = bundle.config
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": bundle.hidden_size,
+              "num_hidden_layers": L, "vocab_size": bundle.vocab_size,
+              "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
+              "head_dim": c.get("head_dim", bundle.hidden_size // c["num_attention_heads"]),
+              "intermediate_size": c["intermediate_size"], "rms_norm_eps": bundle.head.eps,
+              "rope_theta": c.get("rope_theta", 10_000.0), "max_position_embeddings": 8192,
+              "tie_word_embeddings": False, "dtype": "float32"}
+    _atomic_write(base / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
+    weights = {"model.embed_tokens.weight": bundle.embed_tokens.float().contiguous(),
+               "lm_head.weight": bundle.lm_head.float().contiguous(),
+               "model.norm.weight": bundle.norm_weight.float().contiguous()}
+    _atomic_write(base / "model.safetensors", lambda p: save_file(weights, str(p)))
+    return config
+
+
+def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limit: int | None = None) -> dict[str, Any]:
+    """Convert a tapdraft dataset to speculators' offline DFlash format; returns the job facts.
+
+    speculators 0.9.0 trains from a data directory (``speculators/train/data.py``, ``ArrowDataset`` with
+    ``FileTransfer``): an Arrow dataset saved with ``datasets.save_to_disk`` holding ``input_ids`` [T] and
+    ``loss_mask`` [T] (int64) and ``seq_len`` per row, as its ``prepare_data`` writes it, and one
+    ``hidden_states/hs_{i}.safetensors`` per row with ``token_ids`` [T] (equal to the row's ``input_ids``, or the
+    sample is refused) and ``hidden_states`` [T, n + 1, H]: the aux layers, ascending, then the verifier's last
+    layer (it splits off ``[:, :-1]`` as the context, ``[:, -1]`` as ``verifier_last_hidden_states``, the
+    teacher's input before the final norm). Stored in the dataset's bf16, as its vLLM capture writes them; its
+    ``CollateFn`` casts them to the training dtype. The aux layers are DFlash's by tapdraft's rule; speculators
+    names them by vLLM layer id, tap + 1 (``aux_layer_ids``; ``train.drafters.dflash.speculators``). Its frozen
+    pieces load from the verifier directory ``out/verifier`` (``write_base``). Layout: ``verifier/``, ``data/``
+    (written under a temp name and renamed).
+    """
+    import shutil
+
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    ds = open_dataset(str(dataset))
+    layout, bundle = ds.layout, ds.bundle()
+    L = layout.num_layers
+    aux = family_taps("dflash", L)
+    missing = [t for t in (*aux, L - 1) if t not in layout.tap_ids]
+    if missing:
+        raise ValueError(f"{dataset} stores taps {list(layout.tap_ids)}; speculators' offline DFlash needs {aux} "
+                         f"(tapdraft's layer rule) and the last layer {L - 1}: capture with --taps including {missing}")
+    col = [list(layout.tap_ids).index(t) for t in (*aux, L - 1)]
+    out = Path(out)
+    write_base(bundle, L, out / "verifier")
+    data, tmp = out / "data", out / "data.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "hidden_states").mkdir(parents=True)
+    n = ds.num_samples(split) if limit is None else min(limit, ds.num_samples(split))
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i in range(n):
+        s = ds.sample(split, i)
+        ids = s["input_ids"].long()
+        save_file({"hidden_states": s["taps"][:, col].contiguous(), "token_ids": ids.contiguous()},
+                  str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(s["loss_mask"].long().tolist())
+        rows["seq_len"].append(int(ids.numel()))
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(tmp / "arrow"))
+    for f in (tmp / "arrow").iterdir():  # the dataset's own files beside hidden_states/, as its data dir holds them
+        os.replace(f, tmp / f.name)
+    (tmp / "arrow").rmdir()
+    shutil.rmtree(data, ignore_errors=True)
+    os.replace(tmp, data)
+    return {"verifier": str(out / "verifier"), "data": str(data), "samples": n, "tokens": sum(rows["seq_len"]),
+            "target_layer_ids": aux, "aux_layer_ids": [t + 1 for t in aux], "num_layers": L,
+            "vocab_size": bundle.vocab_size, "hidden_size": bundle.hidden_size}
+
+
 def _atomic_write(path: Path, write: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -193,20 +279,29 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 @dataclass(frozen=True)
 class Row:
-    """One compared pair: tapdraft's recipe and overrides, ModelOpt's mode and job fields, and how to read it."""
+    """One compared pair: tapdraft's recipe and overrides, the peer, its mode (ModelOpt's ``mtsp.convert`` mode;
+    speculators' ``loss_fn``) and how to read it."""
 
     family: str
     loss: str
     label: str
     recipe: str
     mode: str
+    peer: str = "modelopt"
 
 
 ROW_SPECS = {
     "dflash-ce": Row("dflash", "ce", "DFlash CE", "dflash", "dflash"),
     "dflash-kd": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs self-distillation", "dflash", "dflash"),
     "eagle3": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "eagle"),
+    "dflash-ce-speculators": Row("dflash", "ce", "DFlash CE (speculators: on the teacher's argmax)", "dflash", "ce",
+                                 "speculators"),
+    "dflash-kd-speculators": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs kl_div", "dflash", "kl_div",
+                                 "speculators"),
 }
+PEERS = {"modelopt": "ModelOpt", "speculators": "speculators"}
+"""Each peer's name in the table; its venv (``engines/venv.sh``) and runner (``engines/<peer>_runner.py``)."""
+PEER_VENV = {"modelopt": "modelopt", "speculators": "vllm"}
 
 
 def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
@@ -294,16 +389,18 @@ class TapdraftSide:
 
 
 class ModelOptSide:
-    """engines/modelopt_runner.py in the peer's venv, one step per request (stderr to ``log``)."""
+    """engines/<peer>_runner.py (default ModelOpt's) in the peer's venv, one step per request (stderr to ``log``)."""
 
-    def __init__(self, python: Path, job: dict[str, Any], work: Path) -> None:
+    def __init__(self, python: Path, job: dict[str, Any], work: Path, peer: str = "modelopt") -> None:
         work.mkdir(parents=True, exist_ok=True)
-        job_path = work / "modelopt_job.json"
+        job_path = work / f"{peer}_job.json"
         job_path.write_text(json.dumps(job))
-        self.log = work / "modelopt_runner.log"
+        self.peer = peer
+        self.log = work / f"{peer}_runner.log"
         env = {**os.environ, "OMP_NUM_THREADS": str(job.get("threads", 1)), "MKL_NUM_THREADS": "1",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.proc = subprocess.Popen([str(python), str(RUNNER), str(job_path)], stdin=subprocess.PIPE,
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        runner = RUNNER if peer == "modelopt" else ROOT / "engines" / f"{peer}_runner.py"
+        self.proc = subprocess.Popen([str(python), str(runner), str(job_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env)
         self.ready = self._read()
 
@@ -311,7 +408,7 @@ class ModelOptSide:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
-            raise RuntimeError(f"the ModelOpt runner exited ({self.proc.returncode}); its log "
+            raise RuntimeError(f"the {PEERS[self.peer]} runner exited ({self.proc.returncode}); its log "
                                f"{self.log} ends:\n{self.log.read_text()[-3000:]}")
         return json.loads(line)
 
@@ -351,6 +448,18 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
             "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
 
 
+def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: int, mask_token_id: int,
+                    row: Row = ROW_SPECS["dflash-ce-speculators"]) -> dict[str, Any]:
+    """engines/speculators_runner.py's job: the converted data, ``row``'s loss, tapdraft's drafter and optimizer
+    settings; its anchors are per packed row (every sample in one), so tapdraft's per-sequence count x samples."""
+    d, t = run.drafter, run.train
+    return {"verifier": conv["verifier"], "data": conv["data"], "max_len": conv["tokens"], "loss": row.mode,
+            "block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
+            "mask_token_id": mask_token_id, "aux_layer_ids": conv["aux_layer_ids"], "draft_layers": d.num_layers,
+            "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0,
+            "threads": 1}
+
+
 def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     s = statistics.median(r["s"] for r in runs)
     return {"s_per_step": s, "tokens_per_s": tokens / s, "runs_s": [r["s"] for r in runs],
@@ -380,50 +489,63 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     """Build ``name``'s data, both sides, then warm-up steps and interleaved timed pairs; returns the row and the
     peer's library versions."""
     row = ROW_SPECS[name]
+    peer_key, peer_name = row.peer, PEERS[row.peer]
     tag = f"{args.samples}x{args.tokens}"
     data = build_dataset(work / f"dataset-{row.family}-{tag}", samples=args.samples, tokens=args.tokens,
                          family=row.family)
-    conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}", family=row.family)
+    if row.peer == "speculators":
+        conv = to_speculators(data, work / f"speculators-{tag}")
+    else:
+        conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}", family=row.family)
     mask = conv["vocab_size"] - 1  # the samples' ids stop below it
     _reset_peak_rss()
     tap = TapdraftSide(data, row, anchors=args.anchors, samples=args.samples, tokens=args.tokens, mask_token_id=mask,
                        head_dtype=args.head_dtype)
-    peer = ModelOptSide(python, modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens,
-                                             mask_token_id=mask, row=row), work / name)
-    print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  ModelOpt {peer.ready['trainable_params']:,}; "
-          f"taps {conv['target_layer_ids']} (ModelOpt {peer.ready['target_layer_ids']})", flush=True)
+    if row.peer == "speculators":
+        job = speculators_job(conv, tap.run, anchors=args.anchors, samples=args.samples, mask_token_id=mask, row=row)
+    else:
+        job = modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens, mask_token_id=mask, row=row)
+    peer = ModelOptSide(python, job, work / name, peer=row.peer)
+    print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  {peer_name} {peer.ready['trainable_params']:,}; "
+          f"taps {conv['target_layer_ids']} ({peer_name} {peer.ready['target_layer_ids']})", flush=True)
     first = {"tapdraft": [tap.step() for _ in range(args.warmup)],
-             "modelopt": [peer.step() for _ in range(args.warmup)]}
-    runs: dict[str, list[dict[str, Any]]] = {"tapdraft": [], "modelopt": []}
+             peer_key: [peer.step() for _ in range(args.warmup)]}
+    runs: dict[str, list[dict[str, Any]]] = {"tapdraft": [], peer_key: []}
     loads = []
     for i in range(args.pairs):
         runs["tapdraft"].append(tap.step())
-        runs["modelopt"].append(peer.step())
+        runs[peer_key].append(peer.step())
         loads.append(os.getloadavg()[0])
         print(f"{name} pair {i + 1}/{args.pairs}: tapdraft {runs['tapdraft'][-1]['s']:.2f} s  "
-              f"ModelOpt {runs['modelopt'][-1]['s']:.2f} s  load {loads[-1]:.1f}", flush=True)
+              f"{peer_name} {runs[peer_key][-1]['s']:.2f} s  load {loads[-1]:.1f}", flush=True)
     peak_peer = peer.close()["peak_rss"]
     peak_tap = _peak_rss()
+    theirs = {**_side(runs[peer_key], tap.tokens), "peak_rss_bytes": peak_peer,
+              "trainable_params": peer.ready["trainable_params"], "first_loss": first[peer_key][0]["loss"],
+              "head_dtype": peer.ready["head_dtype"].removeprefix("torch."),
+              "draft_dtype": peer.ready["dtype"].removeprefix("torch.")}
+    if row.peer == "speculators":  # its loss is sum(w l) / rows; tapdraft's sum(w l) / sum(w): the latter, for both
+        theirs.update(weighted_losses=[r["loss"] * r["rows"] / r["weight"] for r in runs[peer_key]],
+                      first_weighted_loss=first[peer_key][0]["loss"] * first[peer_key][0]["rows"]
+                      / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"],
+                      attention=peer.ready["attn"])
     sides = {"tapdraft": {**_side(runs["tapdraft"], tap.tokens), "peak_rss_bytes": peak_tap,
                           "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"],
                           "head_dtype": str(tap.head_dtype).removeprefix("torch.")},
-             "modelopt": {**_side(runs["modelopt"], tap.tokens), "peak_rss_bytes": peak_peer,
-                          "trainable_params": peer.ready["trainable_params"],
-                          "first_loss": first["modelopt"][0]["loss"],
-                          "head_dtype": peer.ready["head_dtype"].removeprefix("torch."),
-                          "draft_dtype": peer.ready["dtype"].removeprefix("torch.")}}
+             peer_key: theirs}
     d = tap.run.drafter
-    # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy)
+    # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy);
+    # speculators' kl_div is the KL itself
     weights = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
-    offset = teacher_entropy(data) * weights if row.loss != "ce" else 0.0
+    offset = teacher_entropy(data) * weights if row.loss != "ce" and row.peer == "modelopt" else 0.0
     shape = ({"ttt_steps": d.num_steps, "step_decay": d.step_decay, "draft_vocab": "full", "qk_norm": d.qk_norm,
               "train_lm_head": d.train_lm_head} if row.family == "eagle3" else {"anchors_per_seq": args.anchors})
-    return {"row": name, "family": row.family, "loss": row.loss, "peer": "modelopt", **shape, "tokens": tap.tokens,
+    return {"row": name, "family": row.family, "loss": row.loss, "peer": peer_key, **shape, "tokens": tap.tokens,
             "taps": conv["target_layer_ids"], "peer_taps": peer.ready["target_layer_ids"],
             "trainable_equal": tap.trainable == peer.ready["trainable_params"], **sides,
             "peer_loss_offset": offset,
             "peer_over_tapdraft": statistics.median(m["s"] / t["s"]
-                                                    for m, t in zip(runs["modelopt"], runs["tapdraft"])),
+                                                    for m, t in zip(runs[peer_key], runs["tapdraft"])),
             "load_avg_1m": loads}, peer.ready["versions"]
 
 
@@ -434,10 +556,18 @@ def _label(row: dict[str, Any]) -> str:
     return f"{spec.label}, {row['anchors_per_seq']} anchors/seq"
 
 
+def _peer_loss(side: dict[str, Any]) -> str:
+    """The peer's last loss per row as tapdraft normalises it (speculators: its own figure in brackets)."""
+    if "weighted_losses" in side:
+        return f"{side['weighted_losses'][-1]:.3f} [own {side['losses'][-1]:.3f}]"
+    return f"{side['losses'][-1]:.3f}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / ModelOpt step pairs")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: the ModelOpt rows)")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / peer step pairs")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     ap.add_argument("--anchors", type=int, default=32, help="DFlash anchors (blocks) per sequence on both sides")
     ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
@@ -450,37 +580,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROW_SPECS]
     if unknown or not names:
-        raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
+        raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROW_SPECS)}")
     if args.tokens % BLOCK:
         raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
     torch.set_num_threads(1)
     work = Path(args.workdir)
-    python = peer_python()
+    pythons = {p: peer_python(PEER_VENV[p]) for p in dict.fromkeys(ROW_SPECS[n].peer for n in names)}
     rows, versions = [], {}
     for name in names:
-        row, versions = run_row(name, args, work, python)
+        row, versions[ROW_SPECS[name].peer] = run_row(name, args, work, pythons[ROW_SPECS[name].peer])
         rows.append(row)
     n = args.warmup + args.pairs
-    print(f"\n| row | tapdraft s/step | ModelOpt s/step | ModelOpt / tapdraft (median of pairs) | tokens/s tapdraft / "
-          f"ModelOpt | peak RSS tapdraft / ModelOpt | loss/row after {n} steps tapdraft (+ H(p) offset) / ModelOpt | "
+    print(f"\n| row | peer | tapdraft s/step | peer s/step | peer / tapdraft (median of pairs) | tokens/s tapdraft / "
+          f"peer | peak RSS tapdraft / peer | loss/row after {n} steps tapdraft (+ H(p) offset) / peer | "
           f"trainable params | head dtype | load |")
     for r in rows:
-        t, m = r["tapdraft"], r["modelopt"]
+        t, m = r["tapdraft"], r[r["peer"]]
         h = r["peer_loss_offset"]
         off = f" (+{h:.2f} = {t['losses'][-1] + h:.3f})" if h else ""
         params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
-        print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {t['s_per_step']:.2f} | "
-              f"{m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | "
+        print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {PEERS[r['peer']]} | "
+              f"{t['s_per_step']:.2f} | {m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | "
               f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
               f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
-              f"{t['losses'][-1]:.3f}{off} / {m['losses'][-1]:.3f} | {params} | {t['head_dtype']} / "
+              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {params} | {t['head_dtype']} / "
               f"{m['head_dtype']} | {min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
     doc = {"benchmark": "peers", "shape": SHAPE, **shape_facts(SHAPE), "block_size": BLOCK, "gamma": GAMMA,
            "draft_layers": DRAFT_LAYERS, "ttt_steps": TTT_STEPS, "step_decay": STEP_DECAY, "samples": args.samples,
            "tokens_per_sample": args.tokens, "warmup": args.warmup, "pairs": args.pairs, "threads": 1,
-           "head_dtype": args.head_dtype, "rows": rows, "peer_versions": versions,
-           "not_run": {"speculators": "its Trainer hard-codes CUDA and its FlexAttention mask builder does not "
-                                      "compile on CPU"}}
+           "head_dtype": args.head_dtype, "rows": rows, "peer_versions": versions}
     write_result(args.name, doc)
     return doc
 

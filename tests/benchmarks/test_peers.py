@@ -1,13 +1,15 @@
-"""ModelOpt's own offline loader reads what benchmarks/peers.py's converter writes, value for value, and each
+"""The peers' own offline loaders read what benchmarks/peers.py's converters write, value for value, and each
 benchmark row's two sides train the same thing.
 
-Builds the ModelOpt venv on first use (engines/venv.sh modelopt: minutes, once), converts two samples of the
+ModelOpt: builds its venv on first use (engines/venv.sh modelopt: minutes, once), converts two samples of the
 benchmark's own dataset (its 49,152-token shape, 64 tokens a sample), and asks engines/modelopt_runner.py for what
 ModelOpt's ``OfflineSupervisedDataset(answer_only_loss=True)`` returns; every tensor must equal the tapdraft
 dataset's (read through ``shards.reader``): DFlash's one tap, EAGLE-3's three (tapdraft's rule, not ModelOpt's
 default). For every row, one step on each side: equal trainable parameters, equal loss rows, and first losses that
 agree once ModelOpt's soft cross-entropy is taken as tapdraft's KL + H(teacher) (``peers.teacher_entropy``).
-About 1 minute of CPU after the venv exists.
+speculators (the vLLM engine venv, engines/venv.sh vllm): the same through its ``ArrowDataset`` and
+engines/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div``.
+About 2 minutes of CPU after the venvs exist.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from benchmarks.peers import (ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, build_dataset, modelopt_job, peer_python,
-                              teacher_entropy, to_modelopt)
+                              speculators_job, teacher_entropy, to_modelopt, to_speculators)
 from shards.reader import open_dataset
 from shards.taps import default_tap_ids, eagle3_tap_ids
 
@@ -105,3 +107,47 @@ def test_both_sides_of_a_row_train_the_same_rows_from_the_same_loss(tmp_path: Pa
     assert 0.0 < ours["loss"] < 1.0  # tapdraft's KL(p || q): near 0 at random init
     # ModelOpt's -sum p log q = KL + H(p), per step weight (EAGLE-3: 1 + 0.8 + 0.64)
     assert abs(ours["loss"] + h * weight - theirs["loss"]) < 0.25
+
+
+@pytest.mark.parametrize("name", ["dflash-ce-speculators", "dflash-kd-speculators"])
+def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(tmp_path: Path, name: str) -> None:
+    """speculators' ``ArrowDataset`` (in the vLLM venv) returns the dataset's tensors; one step each side: equal
+    trainable parameters, the same blocks, the same loss once its per-row normalisation is taken as tapdraft's
+    per-weight one (its ``kl_div`` is tapdraft's KL with no offset; its ``ce`` targets the teacher's argmax, not the
+    dataset's token: both about ln V at random init)."""
+    torch.set_num_threads(1)
+    row = ROW_SPECS[name]
+    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3)
+    conv = to_speculators(data, tmp_path / "speculators")
+    assert conv["target_layer_ids"] == [4] and conv["aux_layer_ids"] == [5] and conv["tokens"] == 128
+    mask = conv["vocab_size"] - 1
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    peer = ModelOptSide(peer_python("vllm"), speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask,
+                                                             row=row), tmp_path / "run", peer="speculators")
+    try:
+        assert peer.ready["target_layer_ids"] == [5] and peer.ready["attn"] == "sdpa"
+        assert peer.ready["trainable_params"] == tap.trainable == 3_873_152
+        got = peer.ask("load")["samples"]
+        theirs = [peer.step() for _ in range(2)]
+    finally:
+        peer.close()
+    ours = tap.step()
+    ds = open_dataset(str(data))
+    col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
+    for i, g in enumerate(got):
+        s = ds.sample("train", i)
+        taps = s["taps"].float()
+        assert torch.equal(torch.tensor(g["input_ids"]), s["input_ids"].long())
+        assert torch.equal(torch.tensor(g["loss_mask"]), s["loss_mask"].long())
+        assert torch.equal(torch.tensor(g["hidden_states"]), taps[:, col[4]])
+        assert torch.equal(torch.tensor(g["verifier_last_hidden_states"]), taps[:, col[ds.layout.num_layers - 1]])
+    # 2 blocks a sequence on both sides; tapdraft's all fit (full_blocks_only), speculators draws over the packed
+    # row and masks the slots of a block that runs into the next sample's unsupervised half: never more rows
+    assert ours["rows"] == 2 * 2 * 15
+    assert all(t["anchors"] == 4 and 0 < t["rows"] <= ours["rows"] for t in theirs)
+    assert max(t["rows"] for t in theirs) == ours["rows"]  # its second draw (seed 0) has every block whole
+    first = theirs[0]["loss"] * theirs[0]["rows"] / theirs[0]["weight"]  # sum(w l) / sum(w), tapdraft's rule
+    if row.loss == "ce":
+        assert 9.0 < ours["loss"] < 13.0 and abs(ours["loss"] - first) < 0.25
+    else:
+        assert 0.0 < ours["loss"] < 1.0 and abs(ours["loss"] - first) < 0.05

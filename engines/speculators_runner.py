@@ -1,0 +1,147 @@
+"""Train vllm-project/speculators' DFlash draft step by step on CPU, INSIDE a venv that has speculators 0.9.0 (the
+vLLM engine venv, engines/venv.sh vllm: engines/vllm.txt pins it).
+
+    python speculators_runner.py JOB.json       # then one command a line on stdin, one JSON line back each
+
+JOB: {"verifier": DIR (config.json + model.safetensors: embed_tokens, lm_head, final norm), "data": DIR (its offline
+      format, benchmarks/peers.py ``to_speculators``: an Arrow dataset of input_ids / loss_mask / seq_len and
+      ``hidden_states/hs_{i}.safetensors``), "max_len": T (the packed row: every sample's tokens), "loss": "ce" |
+      "kl_div", "block_size": 16, "gamma": 7.0, "max_anchors": N (blocks per packed row), "mask_token_id": ID,
+      "aux_layer_ids": [...] (vLLM ids: tapdraft's taps + 1), "draft_layers": 1, "attn": "sdpa", "lr", "betas",
+      "weight_decay", "seed": 0, "threads": 1}
+Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "weight": W, "anchors": A} (forward + backward + AdamW
+step over one packed batch of every sample; L is its own loss, sum(w l) / R; W = sum of the slot weights over the
+R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row); ``load`` -> {"samples": [{"input_ids",
+"hidden_states", "verifier_last_hidden_states", "loss_mask"} as lists]} (what its ``ArrowDataset`` returns, for
+the converter's test); ``exit`` -> {"peak_rss": BYTES} and exit. The first line out is {"ready": true,
+"trainable_params", "versions", ...}.
+
+Built as its training CLI builds a fresh draft (``speculators.train.cli.create_transformer_layer_config`` from the
+verifier's config: qwen3 draft layer, the verifier's widths; ``DFlashDraftModel.from_training_args``, which loads
+the frozen embedding, lm_head and final norm from the verifier directory), fed what its ``ArrowDataset`` and
+``CollateFn`` make of the offline data (all samples packed into one [1, T] row with ``document_ids``), its loss
+from ``DFlashDraftModel.get_trainer_kwargs`` (``loss_fn`` ce or kl_div, ``dflash_decay_gamma``, ``max_anchors``,
+the static decay weighting ``fixed-exp-decay``), called as its Trainer calls the model: ``model(**batch, **kwargs)``.
+
+Where it differs from its Trainer, and why: the Trainer hard-codes CUDA (``.to(local_rank)``, FSDP, bf16 autocast);
+its default attention, ``simple_flex_attention``, builds its BlockMask on CPU (the compiled ``create_block_mask``
+runs under torch 2.13) but torch's FlexAttention refuses a forward whose inputs need gradients on CPU
+("FlexAttention does not support backward on CPU"). Its CLI's ``--draft-attn-impl sdpa`` (or ``eager``) is the CPU
+path: the same mask_mod materialised by ``create_mask`` as a dense bool [Q, KV] mask (``create_float_mask`` for
+eager), and transformers' SDPA (eager gives the same first loss, about 2x slower). Its fused Triton losses need a GPU: ``--loss-implementation eager`` (its
+reference losses, the same formulas). fp32 throughout (its base model's dtype here; no autocast), no gradient
+clipping (its Trainer clips at 1.0; tapdraft's side does not), plain AdamW with tapdraft's settings, no schedule.
+
+Its loss is normalised by the count of trained rows (``loss_function``: sum(w l) / sum(mask)), tapdraft's by the sum
+of their weights: the step reports both. ``ce`` is its hard-label CE against the verifier's argmax on the slot's
+teacher row (not the dataset's token); ``kl_div`` is KL(p || q) against the softmax of the same teacher row.
+
+It imports only the peer venv's packages (torch, transformers, datasets, speculators): it is not part of tapdraft.
+"""
+
+import json
+import resource
+import sys
+import time
+
+
+def _peak_rss():
+    """This process's peak RSS in bytes since exec (VmHWM; ``ru_maxrss`` would count the parent's RSS at fork)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(job_path: str) -> None:
+    job = json.load(open(job_path))
+    out = sys.stdout  # the protocol's channel: library notes go to stderr (the log) instead
+    sys.stdout = sys.stderr
+
+    def say(doc):
+        out.write(json.dumps(doc) + "\n")
+        out.flush()
+
+    import torch
+
+    torch.set_num_threads(int(job.get("threads", 1)))
+    torch.manual_seed(int(job.get("seed", 0)))
+    from importlib.metadata import version
+
+    import transformers
+    import speculators.models.dflash.core as dflash_core
+    from speculators.losses import dflash_loss_decay
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    block = int(job["block_size"])
+    layer_cfg = create_transformer_layer_config(
+        verifier_name_or_path=job["verifier"], num_layers=int(job.get("draft_layers", 1)), draft_arch="qwen3",
+        hidden_act=None, sliding_window=None, full_attention_indices=list(range(int(job.get("draft_layers", 1)))))
+    vocab = layer_cfg.vocab_size
+    model = DFlashDraftModel.from_training_args(
+        layer_cfg, draft_vocab_size=vocab, block_size=block, target_layer_ids=list(job["aux_layer_ids"]),
+        mask_token_id=int(job["mask_token_id"]), verifier_name_or_path=job["verifier"],
+        draft_attn_impl=job.get("attn", "sdpa"))
+    model.float().train()
+    train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
+        loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
+        max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": job["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=job["lr"], betas=tuple(job["betas"]))
+    data = ArrowDataset(max_len=int(job["max_len"]), datapath=job["data"], on_missing="raise",
+                        hidden_states_dtype=torch.float32)
+    n_aux = len(job["aux_layer_ids"])
+    collate = CollateFn(max_len=int(job["max_len"]), hidden_size=layer_cfg.hidden_size, num_target_layers=n_aux,
+                        dtype=torch.float32)
+    batch = {k: v for k, v in collate([data[i] for i in range(len(data))]).items() if isinstance(v, torch.Tensor)}
+
+    seen = {}
+    compute = dflash_core.compute_metrics
+
+    def record(logits, targets, loss_mask, block_size=1, gamma=4.0, **kw):
+        """Its own metrics, plus the trained rows and their weights (as ``loss_function`` weighs them)."""
+        pos = (torch.arange(loss_mask.shape[1]) % block_size).unsqueeze(0).float()
+        w = dflash_loss_decay(pos, gamma=gamma) * loss_mask.float()
+        seen.update(rows=int(loss_mask.sum()), weight=float(w.sum()),
+                    anchors=int((loss_mask.reshape(-1, block_size).sum(1) > 0).sum()))
+        return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
+
+    dflash_core.compute_metrics = record
+    say({"ready": True, "trainable_params": sum(p.numel() for p in params),
+         "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+         "target_layer_ids": list(model.target_layer_ids), "dtype": str(model.fc.weight.dtype),
+         "head_dtype": str(model.verifier_lm_head.weight.dtype), "attn": model._attn_impl,
+         "tokens": int((batch["document_ids"] >= 0).sum()),
+         "versions": {"speculators": version("speculators"), "torch": torch.__version__,
+                      "transformers": transformers.__version__}})
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            t0 = time.perf_counter()
+            _, loss, _ = model(**batch, **train_kwargs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            s = time.perf_counter() - t0
+            say({"s": s, "loss": float(loss.detach()), **seen})
+        elif cmd == "load":
+            keys = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
+            say({"samples": [{k: data[i][k].float().tolist() if "hidden" in k else data[i][k].tolist() for k in keys}
+                             for i in range(len(data))]})
+        elif cmd == "exit":
+            break
+        else:
+            say({"error": f"unknown command {cmd!r}"})
+    say({"peak_rss": _peak_rss()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

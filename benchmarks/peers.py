@@ -97,7 +97,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "engines" / "modelopt_runner.py"
 
 
-TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids}
+TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids,
+             "dspark": lambda L: default_tap_ids(L, DRAFT_LAYERS)}
 """Each compared family's taps over L target layers, by tapdraft's rule (``shards.taps``)."""
 
 
@@ -206,6 +207,8 @@ ROW_SPECS = {
     "dflash-ce": Row("dflash", "ce", "DFlash CE", "dflash", "dflash"),
     "dflash-kd": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs self-distillation", "dflash", "dflash"),
     "eagle3": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "eagle"),
+    "dspark": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)", "dspark",
+                  "dspark"),
 }
 
 
@@ -217,6 +220,11 @@ def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mas
         return [f"num_steps={TTT_STEPS}", "qk_norm=false", "loss_type=kl", "teacher=exact",
                 f"step_decay={STEP_DECAY}", "draft_vocab=null", "train_lm_head=false",
                 f"max_loss_rows={samples * tokens * TTT_STEPS}", *batch]
+    if row.family == "dspark":  # the recipe's head and loss weights, spelled out: the runner passes them on
+        return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
+                f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", "kd=exact",
+                "markov_rank=256", "markov_head_type=vanilla", "confidence_head=true", "ce_weight=0.1",
+                "tv_weight=0.9", "confidence_weight=0.1", *batch]
     kd = ["kd=exact", "ce_weight=0"] if row.loss == "kd" else []
     return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
             f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", *kd, *batch]
@@ -347,8 +355,12 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
     if row.mode == "eagle":
         return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay, "aux_layer_ids": conv["target_layer_ids"],
                 "rope_theta": conv["rope_theta"]}
-    return {**job, "block_size": d.block_size, "num_anchors": anchors, "gamma": d.gamma, "mask_token_id": mask_token_id,
-            "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
+    job = {**job, "block_size": d.block_size, "num_anchors": anchors, "gamma": d.gamma, "mask_token_id": mask_token_id,
+           "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
+    if row.mode == "dspark":
+        job.update({"markov_rank": d.markov_rank, "confidence_head": d.confidence_head, "ce_weight": d.ce_weight,
+                    "tv_weight": d.tv_weight, "confidence_weight": d.confidence_weight})
+    return job
 
 
 def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -415,7 +427,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     d = tap.run.drafter
     # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy)
     weights = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
-    offset = teacher_entropy(data) * weights if row.loss != "ce" else 0.0
+    offset = teacher_entropy(data) * weights if row.loss in ("kd", "kl") else 0.0  # DSpark's L1 is the same value
     shape = ({"ttt_steps": d.num_steps, "step_decay": d.step_decay, "draft_vocab": "full", "qk_norm": d.qk_norm,
               "train_lm_head": d.train_lm_head} if row.family == "eagle3" else {"anchors_per_seq": args.anchors})
     return {"row": name, "family": row.family, "loss": row.loss, "peer": "modelopt", **shape, "tokens": tap.tokens,

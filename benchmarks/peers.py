@@ -6,15 +6,15 @@ peer's packages. For each row this module builds a small tapdraft dataset itself
 offline format (``to_modelopt``: the family's taps by tapdraft's rule), then times interleaved pairs: one
 tapdraft step, one ModelOpt step, ...
 
-    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
+    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 5] [--anchors 32] [--samples 2]
                                [--tokens 512] [--head-dtype auto] [--workdir DIR]
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
 ``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are the
-family's (DFlash's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last layer. Random
-activations are fine for time: it does not depend on their values; the losses both sides report say they train
-the same rows from the same loss.
+family's (DFlash's and DSpark's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last
+layer. Random activations are fine for time: it does not depend on their values; the losses both sides report
+say they train the same rows from the same loss.
 
 Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
 and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.fit.head_dtype`` on CPU; ModelOpt's in
@@ -22,7 +22,8 @@ fp32, its base's dtype, which its trainable draft also takes, so it is not varie
 betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
 every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
 One step = forward + backward + optimizer step, timed inside each process. Trainable parameters are
-counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3).
+counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3, 29,039,809
+DSpark).
 
 Rows:
 
@@ -51,6 +52,24 @@ Rows:
               (ModelOpt also trains the last row, whose teacher predicts past the end; tapdraft the row before the
               first supervised token). Inits differ (tapdraft's norm starts at the target's, its linears at std
               0.02; ModelOpt's are torch's defaults): the first losses agree closely (tests: within 0.25), not exactly.
+  dspark      tapdraft ``dspark`` vs ModelOpt DSpark (DFlash's mode with ``projector_type="dspark"``, ``HFDSparkModel``;
+              not in the default ``ROWS``: a step costs about twice a DFlash CE step; ``--rows dspark``). The same
+              model: DFlash's backbone, the vanilla rank-256 Markov head (its own V x r embedding ``markov_w1``, r -> V
+              ``markov_w2``, no bias; tapdraft names them ``markov_head.markov_w{1,2}``, ModelOpt flat, its loader
+              takes both), the confidence head Linear(H + r -> 1, bias) over [h ; markov_w1[prev]], normal(0, 0.02)
+              head inits on both: DFlash's 3,873,152 + 2 x 49,152 x 256 + 833 trainable. The same slots: slot k
+              (from 0, slot 0 included) predicts anchor + k + 1 given the teacher-forced token at anchor + k,
+              weighted exp(-k / 7), teacher row anchor + k; anchors in [0, T - 16] on both (a block at T - 16 loses
+              its last slot, past the end, on both; sampled independently, the counts differ by at most one per
+              sample). The same loss, tapdraft's recipe weights on both: 0.1 CE(z) + 0.9 sum_v |p - q| + 0.1
+              BCE(c, 1 - TV) (ModelOpt's confidence weight defaults to 0 and its head to off: the job sets them);
+              ModelOpt divides every term by one slot-weighted count, tapdraft each by its own, the same count with
+              an exact teacher. The teacher: tapdraft ``kd=exact`` (the base head on the stored last hidden), as
+              ModelOpt's offline path computes it (its only one: it reads no stored top-k); the recipe's default
+              ``kd: topk`` is another loss (the lumped-tail L1, a lower bound). The L1 is the same quantity on both
+              sides, so the losses compare with no offset (tests: the first within 0.25; measured 1.655 / 1.650).
+              ModelOpt projects every position's base logits for its teachers (at 32 anchors x 16 slots on 512
+              tokens as many rows as tapdraft's trained ones), tapdraft only the trained rows.
 
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
@@ -60,7 +79,7 @@ pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numb
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
 Not compared (say so in docs/performance.md): speculators (its Trainer hard-codes CUDA and its FlexAttention
-mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP, DSpark (no
+mask builder does not compile on CPU; issue 29 drove it at the model level by hand); DFlash2, MTP (no
 ModelOpt counterpart measured).
 """
 
@@ -448,7 +467,8 @@ def _label(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default {', '.join(ROWS)})")
     ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / ModelOpt step pairs")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     ap.add_argument("--anchors", type=int, default=32, help="DFlash anchors (blocks) per sequence on both sides")
@@ -462,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROW_SPECS]
     if unknown or not names:
-        raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
+        raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROW_SPECS)}")
     if args.tokens % BLOCK:
         raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
     torch.set_num_threads(1)

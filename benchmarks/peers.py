@@ -9,16 +9,16 @@ the speculators rows are not in the default ``--rows``). For each row this modul
 itself, converts it to the peer's offline format (``to_modelopt``, ``to_speculators``: the family's taps by
 tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step, ...
 
-    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3] [--pairs 5] [--anchors 32] [--samples 2]
+    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 5] [--anchors 32] [--samples 2]
                                [--tokens 512] [--head-dtype auto] [--workdir DIR]
     python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
 ``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are the
-family's (DFlash's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last layer. Random
-activations are fine for time: it does not depend on their values; the losses both sides report say they train
-the same rows from the same loss.
+family's (DFlash's and DSpark's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last
+layer. Random activations are fine for time: it does not depend on their values; the losses both sides report
+say they train the same rows from the same loss.
 
 Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
 and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.fit.head_dtype`` on CPU; ModelOpt's in
@@ -26,7 +26,8 @@ fp32, its base's dtype, which its trainable draft also takes, so it is not varie
 betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
 every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
 One step = forward + backward + optimizer step, timed inside each process. Trainable parameters are
-counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3).
+counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3, 29,039,809
+DSpark).
 
 Rows:
 
@@ -55,6 +56,24 @@ Rows:
               (ModelOpt also trains the last row, whose teacher predicts past the end; tapdraft the row before the
               first supervised token). Inits differ (tapdraft's norm starts at the target's, its linears at std
               0.02; ModelOpt's are torch's defaults): the first losses agree closely (tests: within 0.25), not exactly.
+  dspark      tapdraft ``dspark`` vs ModelOpt DSpark (DFlash's mode with ``projector_type="dspark"``, ``HFDSparkModel``;
+              not in the default ``ROWS``: a step costs about twice a DFlash CE step; ``--rows dspark``). The same
+              model: DFlash's backbone, the vanilla rank-256 Markov head (its own V x r embedding ``markov_w1``, r -> V
+              ``markov_w2``, no bias; tapdraft names them ``markov_head.markov_w{1,2}``, ModelOpt flat, its loader
+              takes both), the confidence head Linear(H + r -> 1, bias) over [h ; markov_w1[prev]], normal(0, 0.02)
+              head inits on both: DFlash's 3,873,152 + 2 x 49,152 x 256 + 833 trainable. The same slots: slot k
+              (from 0, slot 0 included) predicts anchor + k + 1 given the teacher-forced token at anchor + k,
+              weighted exp(-k / 7), teacher row anchor + k; anchors in [0, T - 16] on both (a block at T - 16 loses
+              its last slot, past the end, on both; sampled independently, the counts differ by at most one per
+              sample). The same loss, tapdraft's recipe weights on both: 0.1 CE(z) + 0.9 sum_v |p - q| + 0.1
+              BCE(c, 1 - TV) (ModelOpt's confidence weight defaults to 0 and its head to off: the job sets them);
+              ModelOpt divides every term by one slot-weighted count, tapdraft each by its own, the same count with
+              an exact teacher. The teacher: tapdraft ``kd=exact`` (the base head on the stored last hidden), as
+              ModelOpt's offline path computes it (its only one: it reads no stored top-k); the recipe's default
+              ``kd: topk`` is another loss (the lumped-tail L1, a lower bound). The L1 is the same quantity on both
+              sides, so the losses compare with no offset (tests: the first within 0.25; measured 1.655 / 1.650).
+              ModelOpt projects every position's base logits for its teachers (at 32 anchors x 16 slots on 512
+              tokens as many rows as tapdraft's trained ones), tapdraft only the trained rows.
 
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
@@ -82,8 +101,8 @@ as its Trainer does on the batch its ``ArrowDataset`` + ``CollateFn`` make (ever
   draws (the table shows both counts). Its loss is sum(w l) / rows, tapdraft's sum(w l) / sum(w): the table gives
   its loss rescaled to tapdraft's rule (rows / sum(w), reported by the runner) with its own figure in brackets.
 
-Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark, EAGLE-3 against speculators; DFlash2, MTP,
-DSpark against ModelOpt (no counterpart measured).
+Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark, EAGLE-3 against speculators; DFlash2, MTP
+against ModelOpt (no counterpart measured).
 """
 
 from __future__ import annotations
@@ -119,7 +138,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "engines" / "modelopt_runner.py"
 
 
-TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids}
+TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids,
+             "dspark": lambda L: default_tap_ids(L, DRAFT_LAYERS)}
 """Each compared family's taps over L target layers, by tapdraft's rule (``shards.taps``)."""
 
 
@@ -298,6 +318,8 @@ ROW_SPECS = {
                                  "speculators"),
     "dflash-kd-speculators": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs kl_div", "dflash", "kl_div",
                                  "speculators"),
+    "dspark": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)", "dspark",
+                  "dspark"),
 }
 PEERS = {"modelopt": "ModelOpt", "speculators": "speculators"}
 """Each peer's name in the table; its venv (``engines/venv.sh``) and runner (``engines/<peer>_runner.py``)."""
@@ -312,6 +334,11 @@ def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mas
         return [f"num_steps={TTT_STEPS}", "qk_norm=false", "loss_type=kl", "teacher=exact",
                 f"step_decay={STEP_DECAY}", "draft_vocab=null", "train_lm_head=false",
                 f"max_loss_rows={samples * tokens * TTT_STEPS}", *batch]
+    if row.family == "dspark":  # the recipe's head and loss weights, spelled out: the runner passes them on
+        return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
+                f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", "kd=exact",
+                "markov_rank=256", "markov_head_type=vanilla", "confidence_head=true", "ce_weight=0.1",
+                "tv_weight=0.9", "confidence_weight=0.1", *batch]
     kd = ["kd=exact", "ce_weight=0"] if row.loss == "kd" else []
     return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
             f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", *kd, *batch]
@@ -444,8 +471,12 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
     if row.mode == "eagle":
         return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay, "aux_layer_ids": conv["target_layer_ids"],
                 "rope_theta": conv["rope_theta"]}
-    return {**job, "block_size": d.block_size, "num_anchors": anchors, "gamma": d.gamma, "mask_token_id": mask_token_id,
-            "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
+    job = {**job, "block_size": d.block_size, "num_anchors": anchors, "gamma": d.gamma, "mask_token_id": mask_token_id,
+           "draft_layers": d.num_layers, "self_distillation": row.loss == "kd"}
+    if row.mode == "dspark":
+        job.update({"markov_rank": d.markov_rank, "confidence_head": d.confidence_head, "ce_weight": d.ce_weight,
+                    "tv_weight": d.tv_weight, "confidence_weight": d.confidence_weight})
+    return job
 
 
 def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: int, mask_token_id: int,
@@ -537,7 +568,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy);
     # speculators' kl_div is the KL itself
     weights = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
-    offset = teacher_entropy(data) * weights if row.loss != "ce" and row.peer == "modelopt" else 0.0
+    offset = teacher_entropy(data) * weights if row.loss in ("kd", "kl") and row.peer == "modelopt" else 0.0  # DSpark's L1 is the same value
     shape = ({"ttt_steps": d.num_steps, "step_decay": d.step_decay, "draft_vocab": "full", "qk_norm": d.qk_norm,
               "train_lm_head": d.train_lm_head} if row.family == "eagle3" else {"anchors_per_seq": args.anchors})
     return {"row": name, "family": row.family, "loss": row.loss, "peer": peer_key, **shape, "tokens": tap.tokens,

@@ -1,13 +1,17 @@
-"""Train NVIDIA Model-Optimizer's offline DFlash or EAGLE-3 step by step, INSIDE its venv (engines/venv.sh modelopt).
+"""Train NVIDIA Model-Optimizer's offline DFlash, DSpark or EAGLE-3 step by step, INSIDE its venv
+(engines/venv.sh modelopt).
 
     python modelopt_runner.py JOB.json          # then one command a line on stdin, one JSON line back each
 
-JOB: {"mode": "dflash" | "eagle", "base": DIR (config.json + model.safetensors: embed_tokens, lm_head, final norm),
+JOB: {"mode": "dflash" | "dspark" | "eagle", "base": DIR (config.json + model.safetensors: embed_tokens, lm_head,
+      final norm),
       "files": [PT, ...] (ModelOpt's offline samples, benchmarks/peers.py ``to_modelopt``), "train_len": T, "lr",
       "betas", "weight_decay", "seed": 0, "threads": 1, "compile": false,
       "architecture": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"},
       dflash: "block_size": 16, "num_anchors": 32, "gamma": 7.0, "mask_token_id": ID, "draft_layers": 1,
               "self_distillation": false;
+      dspark: the dflash fields and "markov_rank": 256, "confidence_head": true, "ce_weight": 0.1,
+              "tv_weight": 0.9, "confidence_weight": 0.1;
       eagle:  "ttt_steps": K, "step_decay": 0.8, "aux_layer_ids": [...], "rope_theta"}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R} (forward + backward + AdamW step over one batch of
 every file); ``load`` -> {"samples": [{"input_ids", "base_model_hidden_states", "aux_hidden_states",
@@ -22,6 +26,13 @@ DFlash: loss weighting is the paper's static decay (``dflash_loss_objective="dec
 ModelOpt's own default D-PACE weighting is another loss. The draft layer's widths are passed explicitly: ModelOpt
 builds its draft config as a ``Qwen3Config`` whose class defaults (MLP 22,016, 32 heads) win over the base model's
 widths, so left alone a "1-layer" draft at hidden 576 has 47.8M trainable parameters instead of 3.9M.
+
+DSpark: DFlash's mode with ``dflash_architecture_config.projector_type="dspark"`` (``HFDSparkModel``,
+plugins/hf_dspark.py): the vanilla Markov head (``markov_w1`` V x r, ``markov_w2`` r -> V), the confidence head
+(``confidence_proj`` over [h ; markov_w1[prev]]) when asked, next-token slots (slot k predicts anchor + k + 1,
+slot 0 included), and its loss ce_alpha x CE + l1_alpha x sum|p - q| + conf_alpha x BCE(c, 1 - TV), every term
+over the same slot-weighted count, p the base head on the offline last hidden (final norm re-applied). Its
+confidence weight defaults to 0 (tapdraft's recipe: 0.1), so the job passes all three.
 
 EAGLE: its EAGLE-3 default (``eagle3_default_config``: fc over the aux layers, a Llama decoder layer over
 [input_layernorm(embedding) ; hidden_norm(hidden)], a trained last norm, the base lm_head frozen, the full
@@ -50,6 +61,17 @@ def _rows(model, anchors, keep, loss_mask, seq_len, block):
     return int((ok & (sup > 0.5)).sum())
 
 
+def _dspark_rows(anchors, keep, loss_mask, seq_len, block):
+    """Loss rows of a DSpark step as ``_compute_dspark_loss`` weighs them: every slot k of a kept block predicts
+    anchor + k + 1 (slot 0 included), in range, supervised."""
+    import torch
+
+    idx = anchors.unsqueeze(-1) + torch.arange(1, block + 1).view(1, 1, -1)
+    ok = keep.unsqueeze(-1) & (idx < seq_len)
+    sup = torch.gather(loss_mask.unsqueeze(1).expand(-1, anchors.shape[1], -1), 2, idx.clamp(max=seq_len - 1))
+    return int((ok & (sup > 0.5)).sum())
+
+
 def _peak_rss():
     """This process's peak RSS in bytes: VmHWM, its own address space's since exec (``ru_maxrss`` would be at least
     the parent's RSS when it forked this runner, so a large tapdraft process would show as ModelOpt's peak)."""
@@ -67,14 +89,30 @@ def _eagle_rows(loss_mask, steps):
     return int(sum(float(loss_mask[:, 1 + j:].sum()) for j in range(steps)))
 
 
+def _dflash_config(job):
+    """ModelOpt's DFlash config for the job (DSpark's is this plus its head and loss weights)."""
+    return {"dflash_offline": True, "dflash_block_size": job["block_size"], "dflash_num_anchors": job["num_anchors"],
+            "dflash_loss_objective": "decay", "dflash_loss_decay_factor": job["gamma"],
+            "dflash_mask_token_id": job["mask_token_id"],
+            "dflash_self_logit_distillation": bool(job.get("self_distillation", False)),
+            "dflash_use_torch_compile": bool(job.get("compile", False)),
+            "dflash_architecture_config": {"num_hidden_layers": job.get("draft_layers", 1),
+                                           **job.get("architecture", {})}}
+
+
 def _dflash(mtsp, base, job):
-    cfg = {"dflash_offline": True, "dflash_block_size": job["block_size"], "dflash_num_anchors": job["num_anchors"],
-           "dflash_loss_objective": "decay", "dflash_loss_decay_factor": job["gamma"],
-           "dflash_mask_token_id": job["mask_token_id"],
-           "dflash_self_logit_distillation": bool(job.get("self_distillation", False)),
-           "dflash_use_torch_compile": bool(job.get("compile", False)),
-           "dflash_architecture_config": {"num_hidden_layers": job.get("draft_layers", 1),
-                                          **job.get("architecture", {})}}
+    return mtsp.convert(base, [("dflash", _dflash_config(job))])
+
+
+def _dspark(mtsp, base, job):
+    """DFlash's mode with ``projector_type="dspark"`` (``HFDSparkModel``): the Markov head, the optional
+    confidence head and the three loss weights of the job."""
+    cfg = _dflash_config(job)
+    cfg["dflash_architecture_config"].update({
+        "projector_type": "dspark", "markov_rank": int(job["markov_rank"]), "markov_head_type": "vanilla",
+        "use_confidence_head": bool(job["confidence_head"])})
+    cfg.update({"dflash_ce_loss_alpha": float(job["ce_weight"]), "dflash_l1_loss_alpha": float(job["tv_weight"]),
+                "dflash_confidence_head_alpha": float(job["confidence_weight"]) if job["confidence_head"] else 0.0})
     return mtsp.convert(base, [("dflash", cfg)])
 
 
@@ -110,7 +148,7 @@ def main(job_path: str) -> None:
 
     mode = job.get("mode", "dflash")
     base = FakeBaseModel.from_source(job["base"])
-    model = {"dflash": _dflash, "eagle": _eagle}[mode](mtsp, base, job)
+    model = {"dflash": _dflash, "dspark": _dspark, "eagle": _eagle}[mode](mtsp, base, job)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -122,12 +160,15 @@ def main(job_path: str) -> None:
     batch = collate([data[i] for i in range(len(data))])
 
     seen = {}
-    if mode == "dflash":
+    if mode in ("dflash", "dspark"):
         sample = model._sample_anchor_positions
 
         def record(seq_len, loss_mask, device):
             anchors, keep = sample(seq_len, loss_mask, device)
-            seen["rows"] = _rows(model, anchors, keep, loss_mask, seq_len, job["block_size"])
+            if mode == "dspark":
+                seen["rows"] = _dspark_rows(anchors, keep, loss_mask, seq_len, job["block_size"])
+            else:
+                seen["rows"] = _rows(model, anchors, keep, loss_mask, seq_len, job["block_size"])
             return anchors, keep
 
         model._sample_anchor_positions = record

@@ -151,3 +151,34 @@ def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(tmp_pa
         assert 9.0 < ours["loss"] < 13.0 and abs(ours["loss"] - first) < 0.25
     else:
         assert 0.0 < ours["loss"] < 1.0 and abs(ours["loss"] - first) < 0.05
+
+
+def test_both_dspark_sides_train_the_same_rows_from_the_same_three_term_loss(tmp_path: Path) -> None:
+    """The dspark row: the same Markov and confidence heads (equal parameters), the same next-token slots and the
+    same 0.1 CE + 0.9 L1 + 0.1 BCE over the exact teacher on both sides, whose L1 is the same quantity (no offset)."""
+    torch.set_num_threads(1)
+    row = ROW_SPECS["dspark"]
+    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3, family=row.family)
+    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family)
+    assert conv["target_layer_ids"] == [4]  # DFlash's one-layer rule: DSpark is its backbone
+    mask = conv["vocab_size"] - 1
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    job = modelopt_job(conv, tap.run, anchors=2, tokens=64, mask_token_id=mask, row=row)
+    assert (job["markov_rank"], job["ce_weight"], job["tv_weight"], job["confidence_weight"]) == (256, 0.1, 0.9, 0.1)
+    peer = ModelOptSide(peer_python(), job, tmp_path / "run")
+    try:
+        assert peer.ready["target_layer_ids"] == conv["target_layer_ids"]
+        # DFlash's 3,873,152 + markov_w1 and markov_w2 (2 x 49,152 x 256) + the confidence head (576 + 256 + 1)
+        assert peer.ready["trainable_params"] == tap.trainable == 3_873_152 + 2 * 49_152 * 256 + 833
+        got = peer.ask("load")["samples"]
+        theirs = peer.step()
+    finally:
+        peer.close()
+    ours = tap.step()
+    _same_samples(got, data, conv["target_layer_ids"])
+    # 2 blocks a sample, every slot of a block (slot 0 too) supervised (anchors in the second half, 32..48); the one at
+    # the last eligible anchor, 48, loses its last slot (label 64, past the end) on both sides. Anchors are sampled
+    # independently, so each side has 64 rows less one per sample that drew anchor 48.
+    assert 62 <= ours["rows"] <= 64 and 62 <= theirs["rows"] <= 64
+    # 0.1 x CE (about ln(49,152) = 10.8) + 0.9 x sum|p - q| (at most 2) + 0.1 x BCE (about ln 2) at random init
+    assert 1.0 < ours["loss"] < 3.0 and abs(ours["loss"] - theirs["loss"]) < 0.25

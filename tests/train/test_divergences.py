@@ -12,6 +12,7 @@ from train.drafters.common.divergences import (
     lk_loss,
     mean_acceptance,
     parse_lk_lambda,
+    tv_full,
 )
 
 
@@ -45,6 +46,17 @@ def test_full_matches_float64_reference():
     torch.testing.assert_close(kl, rkl, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(tv, rtv, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(acceptance(tv), torch.minimum(p_logits.softmax(-1), q_logits.softmax(-1)).sum(-1))
+
+
+def test_tv_alone_matches_float64_reference_and_its_gradient():
+    p_logits, q_logits = _random(seed=4)
+    _, rtv = _ref_kl_tv(p_logits.softmax(-1), q_logits.softmax(-1))
+    torch.testing.assert_close(tv_full(p_logits, q_logits), rtv, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(tv_full(p_logits.float(), q_logits.float()).double(), rtv, rtol=1e-4, atol=1e-5)
+    a, b = q_logits.clone().requires_grad_(True), q_logits.clone().requires_grad_(True)
+    tv_full(p_logits, a).sum().backward()
+    kl_tv_full(p_logits, b)[1].sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_full_float32_close_to_float64():

@@ -74,6 +74,19 @@ def kl_tv_full(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Te
     return kl, tv
 
 
+def tv_full(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) alone from full logits [N, V] -> [N]: what DSpark's L1 and every sampled acceptance (1 - TV) need,
+    without ``kl_tv_full``'s KL passes (one softmax kernel each side instead of log_softmax + exp, no log p
+    masking, no KL product): a third fewer passes over the [N, V] rows."""
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"teacher logits {tuple(p_logits.shape)} and draft logits {tuple(q_logits.shape)} differ")
+    p = F.softmax(_work(p_logits), dim=-1)
+    q = F.softmax(_work(q_logits), dim=-1)
+    if torch.is_grad_enabled() and q.requires_grad:
+        return 0.5 * (p - q).abs().sum(-1)
+    return 0.5 * p.sub_(q).abs_().sum(-1)  # no graph: reuse p's buffer
+
+
 def kl_tv_topk(
     topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, q_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
 from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full
+from train.drafters.common.divergences import tv_full
 from train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.drafters.common.losses import slot_weights
 from train.drafters.common.mask import dense_mask, flex_block_mask
@@ -269,7 +269,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
             def alpha(hq, ht, pv):
                 p = self.target.logits(ht) / temperature
                 q = self.slot_logits(hq, pv, temperature)
-                return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
+                return (1.0 - tv_full(p.to(q.dtype), q),)
 
             (a,) = map_row_chunks(alpha, [h, last[b, row], prev], self.logits_chunk_rows())
             slot = torch.arange(K, device=ids.device).expand_as(v)[v]

@@ -44,7 +44,7 @@ from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+from train.drafters.common.divergences import kl_tv_topk, tv_full
 from train.drafters.common.losses import slot_weights
 from train.drafters.common.teacher import last_hidden
 from train.drafters.dflash.config import DFlashConfig
@@ -183,7 +183,7 @@ class DSparkDrafter(DFlashDrafter):
         ce = F.cross_entropy(z.float(), y, reduction="none")
         if self.config.kd == "exact":
             p = self.target.logits(teacher[0])
-            tv = kl_tv_full(p.to(z.dtype), z)[1]
+            tv = tv_full(p.to(z.dtype), z)
         else:
             tv = kl_tv_topk(teacher[0], teacher[1], z)[1]
         if self.confidence_head is not None:
@@ -250,7 +250,7 @@ class DSparkDrafter(DFlashDrafter):
             def alpha(hq, ht, pv):
                 p = self.target.logits(ht) / temperature
                 q = self.slot_logits(hq, pv, temperature)
-                return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
+                return (1.0 - tv_full(p.to(q.dtype), q),)
 
             (a,) = map_row_chunks(alpha, [h, last[b, row], ids[b, row]], self.logits_chunk_rows())
             slot = torch.arange(K, device=ids.device).expand_as(v)[v]

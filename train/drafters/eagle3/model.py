@@ -49,7 +49,7 @@ from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_to
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full
+from train.drafters.common.divergences import tv_full
 from train.drafters.common.draft_vocab import DraftVocab
 from train.drafters.common.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from train.drafters.common.mask import eagle3_block_mask, eagle3_dense_mask
@@ -278,7 +278,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
 
             def fn(a, b):
                 q = self.logits(a) / temperature
-                return (1.0 - kl_tv_full(self.teacher(b) / temperature, q)[1],)
+                return (1.0 - tv_full(self.teacher(b) / temperature, q),)
 
             (alpha,) = map_row_chunks(fn, [h[rows], last[(rows[0], rows[1] + j + 1)]], self.config.chunk_rows)
             sums.append(alpha.double().sum())

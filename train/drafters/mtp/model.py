@@ -57,7 +57,7 @@ from train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_b
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full
+from train.drafters.common.divergences import tv_full
 from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
@@ -253,7 +253,7 @@ class MTPDrafter(MTPLoss, Drafter):
             def fn(a, b, k=k):
                 q = self.logits(k, a) / temperature
                 p = self.teacher(b) / temperature
-                return (1.0 - kl_tv_full(p.to(q.dtype), q)[1],)
+                return (1.0 - tv_full(p.to(q.dtype), q),)
 
             (alpha,) = map_row_chunks(fn, [run["h"][k - 1][rows], t_h], self.config.chunk_rows)
             sums.append(alpha.double().sum())

@@ -45,9 +45,9 @@ It imports only the peer venv's packages (torch, transformers, modelopt): it is 
 """
 
 import json
-import resource
 import sys
-import time
+
+from peer_protocol import adamw, channel, serve
 
 
 def _rows(model, anchors, keep, loss_mask, seq_len, block):
@@ -70,18 +70,6 @@ def _dspark_rows(anchors, keep, loss_mask, seq_len, block):
     ok = keep.unsqueeze(-1) & (idx < seq_len)
     sup = torch.gather(loss_mask.unsqueeze(1).expand(-1, anchors.shape[1], -1), 2, idx.clamp(max=seq_len - 1))
     return int((ok & (sup > 0.5)).sum())
-
-
-def _peak_rss():
-    """This process's peak RSS in bytes: VmHWM, its own address space's since exec (``ru_maxrss`` would be at least
-    the parent's RSS when it forked this runner, so a large tapdraft process would show as ModelOpt's peak)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _eagle_rows(loss_mask, steps):
@@ -129,13 +117,7 @@ def _eagle(mtsp, base, job):
 
 def main(job_path: str) -> None:
     job = json.load(open(job_path))
-    out = sys.stdout  # the protocol's channel: ModelOpt prints its own notes, sent to stderr (the log) instead
-    sys.stdout = sys.stderr
-
-    def say(doc):
-        out.write(json.dumps(doc) + "\n")
-        out.flush()
-
+    say = channel()  # ModelOpt prints its own notes: they go to the log
     import torch
 
     torch.set_num_threads(int(job.get("threads", 1)))
@@ -151,10 +133,7 @@ def main(job_path: str) -> None:
     model = {"dflash": _dflash, "dspark": _dspark, "eagle": _eagle}[mode](mtsp, base, job)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": job["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=job["lr"], betas=tuple(job["betas"]))
+    opt = adamw(params, job)
     data = OfflineSupervisedDataset(job["files"], answer_only_loss=True)
     collate = EagleOfflineDataCollator(train_len=job["train_len"])
     batch = collate([data[i] for i in range(len(data))])
@@ -182,27 +161,14 @@ def main(job_path: str) -> None:
                       "head_dtype": str(model._base_model_lm_head.weight.dtype),
                       "versions": {"modelopt": modelopt.__version__, "torch": torch.__version__,
                                    "transformers": transformers.__version__}})
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "step":
-            t0 = time.perf_counter()
-            res = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        labels=batch["labels"], loss_mask=batch["loss_mask"],
-                        base_model_outputs=batch["base_model_outputs"])
-            res.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            s = time.perf_counter() - t0
-            say({"s": s, "loss": float(res.loss.detach()), "rows": seen.get("rows")})
-        elif cmd == "load":
-            keys = ("input_ids", "base_model_hidden_states", "aux_hidden_states", "loss_mask")
-            say({"samples": [{k: data[i][k].tolist() for k in keys} for i in range(len(data))]})
-        elif cmd == "exit":
-            break
-        else:
-            say({"error": f"unknown command {cmd!r}"})
-    say({"peak_rss": _peak_rss()})
 
+    def forward():
+        res = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    loss_mask=batch["loss_mask"], base_model_outputs=batch["base_model_outputs"])
+        return res.loss, {"rows": seen.get("rows")}
+
+    keys = ("input_ids", "base_model_hidden_states", "aux_hidden_states", "loss_mask")
+    serve(say, forward, opt, lambda: [{k: data[i][k].tolist() for k in keys} for i in range(len(data))])
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -40,31 +40,14 @@ It imports only the peer venv's packages (torch, transformers, datasets, specula
 """
 
 import json
-import resource
 import sys
-import time
 
-
-def _peak_rss():
-    """This process's peak RSS in bytes since exec (VmHWM; ``ru_maxrss`` would count the parent's RSS at fork)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from peer_protocol import adamw, channel, serve
 
 
 def main(job_path: str) -> None:
     job = json.load(open(job_path))
-    out = sys.stdout  # the protocol's channel: library notes go to stderr (the log) instead
-    sys.stdout = sys.stderr
-
-    def say(doc):
-        out.write(json.dumps(doc) + "\n")
-        out.flush()
-
+    say = channel()  # library notes go to the log
     import torch
 
     torch.set_num_threads(int(job.get("threads", 1)))
@@ -92,10 +75,7 @@ def main(job_path: str) -> None:
         loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
         max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": job["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=job["lr"], betas=tuple(job["betas"]))
+    opt = adamw(params, job)
     data = ArrowDataset(max_len=int(job["max_len"]), datapath=job["data"], on_missing="raise",
                         hidden_states_dtype=torch.float32)
     n_aux = len(job["aux_layer_ids"])
@@ -122,26 +102,14 @@ def main(job_path: str) -> None:
          "tokens": int((batch["document_ids"] >= 0).sum()),
          "versions": {"speculators": version("speculators"), "torch": torch.__version__,
                       "transformers": transformers.__version__}})
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "step":
-            t0 = time.perf_counter()
-            _, loss, _ = model(**batch, **train_kwargs)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            s = time.perf_counter() - t0
-            say({"s": s, "loss": float(loss.detach()), **seen})
-        elif cmd == "load":
-            keys = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
-            say({"samples": [{k: data[i][k].float().tolist() if "hidden" in k else data[i][k].tolist() for k in keys}
-                             for i in range(len(data))]})
-        elif cmd == "exit":
-            break
-        else:
-            say({"error": f"unknown command {cmd!r}"})
-    say({"peak_rss": _peak_rss()})
 
+    def forward():
+        _, loss, _ = model(**batch, **train_kwargs)
+        return loss, dict(seen)
+
+    keys = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
+    serve(say, forward, opt, lambda: [{k: data[i][k].float().tolist() if "hidden" in k else data[i][k].tolist()
+                                       for k in keys} for i in range(len(data))])
 
 if __name__ == "__main__":
     main(sys.argv[1])

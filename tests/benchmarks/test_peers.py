@@ -60,7 +60,10 @@ def test_modelopt_reads_the_converted_samples_as_the_dataset_holds_them(tmp_path
     assert step["rows"] > 0 and 9.0 < step["loss"] < 13.0  # about ln(49,152) = 10.8 at random init
 
 
-def _same_samples(got: list[dict], data: Path, aux: list[int]) -> None:
+def _same_samples(got: list[dict], data: Path, aux: list[int], names: tuple[str, str] = (
+        "aux_hidden_states", "base_model_hidden_states")) -> None:
+    """The peer loader's samples equal the dataset's: ids, mask, the ``aux`` taps concatenated and the last layer
+    (``names``: the peer's keys for those two)."""
     ds = open_dataset(str(data))
     col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
     for i, g in enumerate(got):
@@ -68,8 +71,8 @@ def _same_samples(got: list[dict], data: Path, aux: list[int]) -> None:
         taps = s["taps"].float()
         assert torch.equal(torch.tensor(g["input_ids"]), s["input_ids"].long())
         assert torch.equal(torch.tensor(g["loss_mask"]), s["loss_mask"].long())
-        assert torch.equal(torch.tensor(g["aux_hidden_states"]), torch.cat([taps[:, col[t]] for t in aux], dim=-1))
-        assert torch.equal(torch.tensor(g["base_model_hidden_states"]), taps[:, col[ds.layout.num_layers - 1]])
+        assert torch.equal(torch.tensor(g[names[0]]), torch.cat([taps[:, col[t]] for t in aux], dim=-1))
+        assert torch.equal(torch.tensor(g[names[1]]), taps[:, col[ds.layout.num_layers - 1]])
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -132,15 +135,7 @@ def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(tmp_pa
     finally:
         peer.close()
     ours = tap.step()
-    ds = open_dataset(str(data))
-    col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
-    for i, g in enumerate(got):
-        s = ds.sample("train", i)
-        taps = s["taps"].float()
-        assert torch.equal(torch.tensor(g["input_ids"]), s["input_ids"].long())
-        assert torch.equal(torch.tensor(g["loss_mask"]), s["loss_mask"].long())
-        assert torch.equal(torch.tensor(g["hidden_states"]), taps[:, col[4]])
-        assert torch.equal(torch.tensor(g["verifier_last_hidden_states"]), taps[:, col[ds.layout.num_layers - 1]])
+    _same_samples(got, data, [4], ("hidden_states", "verifier_last_hidden_states"))
     # 2 blocks a sequence on both sides; tapdraft's all fit (full_blocks_only), speculators draws over the packed
     # row and masks the slots of a block that runs into the next sample's unsupervised half: never more rows
     assert ours["rows"] == 2 * 2 * 15

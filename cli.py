@@ -175,9 +175,9 @@ def capture(
     writers: int = typer.Option(1, "--writers", help="Writer threads per rank, each compressing its own shards: "
                                 "what keeps up with a fast GPU (docs/performance.md)."),
     bf16_layout: str = typer.Option("planes", "--bf16-layout", help="planes (compresses better) | raw (uint16 words: "
-                                    "with --zstd-level 0, taps are read without a decode pass) | split (the taps "
-                                    "compress themselves at ~2.7x planes' speed a CPU second and about its size: "
-                                    "with --zstd-level 0, the layout for a writer at a GPU's rate)."),
+                                    "with --zstd-level 0, taps are read without a decode pass) | split (only the taps' "
+                                    "exponent bytes compressed, by the codec: with --zstd-level 0 the writer needs "
+                                    "about half planes' CPU for about its size; the layout for a GPU's rate)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     responses_from_target: bool = typer.Option(
         None, "--responses-from-target/--responses-from-elsewhere",

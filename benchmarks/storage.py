@@ -18,7 +18,7 @@ short (~36 tokens), so the baseline's per-file overhead (torch.save's zip framin
 with its teacher rows, ~2.4 KB a MiniLM one) is a visible share of its bytes: ``pt_framing_bytes`` reports it.
 
 Per bf16 byte plane (``plane_report``): each of Arrow's buffer codecs (zstd at levels 1, -1, -5, -10; LZ4
-frame; none) on the taps' high plane (sign + exponent), low plane (mostly mantissa) and both together (the
+frame), python-zstandard at level 1 and with the split layout's parameters, and none, on the taps' high plane (sign + exponent), low plane (mostly mantissa) and both together (the
 planes layout's one buffer): ratio, and encode and decode GB per CPU second, for the trained demo decoder,
 the qwen3-1024x8 read/write benchmarks' content and MiniLM, or each ``--dataset``: which plane is worth
 compressing at which cost to the writer and the reader (the writer's ceiling, docs/performance.md).
@@ -184,9 +184,38 @@ def field_bytes(samples: list[dict[str, Any]], cfg: ShardConfig, lay: Layout) ->
     return out
 
 
-PLANE_CODECS = ("zstd:1", "zstd:-1", "zstd:-5", "zstd:-10", "lz4", "raw")
-"""The codecs ``plane_report`` tries on each plane: Arrow IPC's two buffer codecs (zstd at a level, LZ4 frame), or
-none."""
+PLANE_CODECS = ("zstd:1", "zstd:-1", "zstd:-5", "zstd:-10", "lz4", "pyzstd:1", "split", "raw")
+"""The codecs ``plane_report`` tries on each plane: Arrow IPC's two buffer codecs (zstd at a level, LZ4 frame);
+python-zstandard at a level (WebDataset's member compressor, one reused context); ``split``: python-zstandard with
+the split layout's parameters (``shards.codec.SPLIT_PARAMS``), and on both planes the split layout itself (the
+high plane's frame and the raw low plane, ``shards.codec.bf16_to_bytes``); or none."""
+
+
+class _PyZstd:
+    """pyarrow.Codec's compress / decompress over python-zstandard with one reused context."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.c, self.d = zstandard.ZstdCompressor(**kw), zstandard.ZstdDecompressor()
+
+    def compress(self, b: Any) -> bytes:
+        return self.c.compress(b)
+
+    def decompress(self, b: bytes, decompressed_size: int) -> bytes:
+        return self.d.decompress(b, max_output_size=decompressed_size)
+
+
+def _split_report(taps: torch.Tensor, batch_bytes: int, per_cpu_s: Any) -> dict[str, Any]:
+    """The split layout's field over record-batch-sized pieces of ``taps``: ratio, encode and decode speed."""
+    from shards.codec import bf16_to_bytes, bytes_to_bf16
+
+    flat = taps.contiguous().reshape(-1)
+    pieces = list(flat.split(batch_bytes // 2))
+    blobs = [bytes(bf16_to_bytes(t, "split")) for t in pieces]
+    nbytes = 2 * flat.numel()
+    return {"ratio": sum(map(len, blobs)) / nbytes,
+            "encode_GB_per_cpu_s": per_cpu_s(lambda: [bf16_to_bytes(t, "split") for t in pieces], nbytes),
+            "decode_GB_per_cpu_s": per_cpu_s(
+                lambda: [bytes_to_bf16(b, (t.numel(),), "split") for b, t in zip(blobs, pieces)], nbytes)}
 
 
 def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_bytes, min_seconds: float = 0.5,
@@ -219,11 +248,21 @@ def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_byte
             if kind == "raw":
                 out[name][spec] = {"ratio": 1.0, "encode_GB_per_cpu_s": None, "decode_GB_per_cpu_s": None}
                 continue
-            codec = pa.Codec("lz4_frame") if kind == "lz4" else pa.Codec("zstd", compression_level=int(level))
+            if kind == "split" and name.startswith("both"):
+                out[name][spec] = _split_report(taps, batch_bytes, per_cpu_s)
+                continue
+            if kind == "split":
+                from shards.codec import SPLIT_PARAMS
+
+                codec = _PyZstd(compression_params=zstandard.ZstdCompressionParameters(**SPLIT_PARAMS))
+            elif kind == "pyzstd":
+                codec = _PyZstd(level=int(level))
+            else:
+                codec = pa.Codec("lz4_frame") if kind == "lz4" else pa.Codec("zstd", compression_level=int(level))
             blobs = [codec.compress(b) for b in pieces]
             sizes = [b.size for b in pieces]
             out[name][spec] = {
-                "ratio": sum(b.size for b in blobs) / plane.size,
+                "ratio": sum(len(b) for b in blobs) / plane.size,
                 "encode_GB_per_cpu_s": per_cpu_s(lambda: [codec.compress(b) for b in pieces], plane.size),
                 "decode_GB_per_cpu_s": per_cpu_s(
                     lambda: [codec.decompress(b, decompressed_size=n) for b, n in zip(blobs, sizes)], plane.size)}

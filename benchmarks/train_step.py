@@ -18,6 +18,7 @@ are timed interleaved A B A B; the table gives the medians, their ratio and a le
 time = a + b * rows per head dtype (b: seconds per loss row; a: the rest of the step).
 
     python -m benchmarks.train_step [--rows 30 120 240] [--pairs 5] [--workdir /tmp/tapdraft-train-step]
+    python -m benchmarks.train_step --shape llama-576x8 --rows 960 --name train_step_smollm2.json   # SmolLM2's widths
 
 ``--draft-vocab N`` compares instead A = the full vocabulary and B = a reduced draft vocabulary of N
 tokens (``train.drafters.common.draft_vocab``; both with the fp32 head), interleaved, and writes
@@ -46,9 +47,9 @@ from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
 SHAPE = "qwen3-1024x8"
 
 
-def build_dataset(root: Path, *, samples: int = 4, seed: int = 0) -> Path:
-    """The synthetic dataset at SHAPE, 512-2048 tokens a sample (built once; later runs reuse ``root``)."""
-    return synthetic_dataset(root, SHAPE, samples=samples, tokens=(512, 2048), tag="train_step", seed=seed)
+def build_dataset(root: Path, *, samples: int = 4, seed: int = 0, shape: str = SHAPE) -> Path:
+    """The synthetic dataset at ``shape``, 512-2048 tokens a sample (built once; later runs reuse ``root``)."""
+    return synthetic_dataset(root, shape, samples=samples, tokens=(512, 2048), tag="train_step", seed=seed)
 
 
 class Stepper:
@@ -142,7 +143,8 @@ def _command(argv: list[str] | None) -> str:
     return "python -m benchmarks.train_step " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
-def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv: list[str] | None) -> dict[str, Any]:
+def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv: list[str] | None,
+                        shape: str = SHAPE) -> dict[str, Any]:
     """A = full vocabulary, B = an N-token draft vocabulary, fp32 head, interleaved per loss-row budget."""
     def same_rows(steppers: dict[str, Stepper]) -> dict[str, float]:
         cover = steppers["draft"].vocab["coverage"]
@@ -154,7 +156,7 @@ def compare_draft_vocab(data: Path, n: int, budgets: list[int], pairs: int, argv
     make = {"full": lambda budget: Stepper(data, budget, "fp32"),
             "draft": lambda budget: Stepper(data, budget, "fp32", n)}
     out, fits = interleaved(make, budgets, pairs, "speedup", same_rows)
-    doc = {"benchmark": "train_step_draft_vocab", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
+    doc = {"benchmark": "train_step_draft_vocab", "shape": shape, **shape_facts(shape), "recipe": "dflash",
            "draft_vocab": n, "head_dtype": "fp32", "command": _command(argv),
            "threads": 1, "rows": out, "fit": fits,
            "predicted_s": {f"{k}@{r}": fits[k]["fixed_s"] + fits[k]["s_per_row"] * r for k in fits for r in (8192,)}}
@@ -167,23 +169,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", type=int, nargs="+", default=[30, 120, 240], help="loss-row budgets (max_loss_rows)")
     ap.add_argument("--pairs", type=int, default=5, help="interleaved A/B pairs per budget")
     ap.add_argument("--workdir", default="/tmp/tapdraft-train-step", help="where the synthetic dataset is cached")
+    ap.add_argument("--shape", default=SHAPE, choices=sorted(SHAPES), help="the target's shape (benchmarks/shapes.py)")
+    ap.add_argument("--name", default="train_step.json", help="result file in benchmarks/results/ (fp32 vs bf16)")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="compare the full vocabulary with a draft vocabulary of this many tokens (fp32 head) "
                          "instead of the fp32 and bf16 heads")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    data = build_dataset(Path(args.workdir) / "dataset")
+    data = build_dataset(Path(args.workdir) / f"dataset-{args.shape}", shape=args.shape)
     if args.draft_vocab is not None:
-        return compare_draft_vocab(data, args.draft_vocab, args.rows, args.pairs, argv)
+        return compare_draft_vocab(data, args.draft_vocab, args.rows, args.pairs, argv, args.shape)
     make = {h: (lambda budget, h=h: Stepper(data, budget, h)) for h in ("fp32", "bf16")}
     out, fits = interleaved(make, args.rows, args.pairs, "bf16_speedup")
-    flops_row = 4 * SHAPES[SHAPE].vocab * SHAPES[SHAPE].hidden
-    doc = {"benchmark": "train_step", "shape": SHAPE, **shape_facts(SHAPE), "recipe": "dflash",
+    flops_row = 4 * SHAPES[args.shape].vocab * SHAPES[args.shape].hidden
+    doc = {"benchmark": "train_step", "shape": args.shape, **shape_facts(args.shape), "recipe": "dflash",
            "command": _command(argv),
            "threads": 1, "lm_head_flops_per_row": flops_row, "rows": out, "fit": fits,
            "predicted_s": {f"{h}@{n}": fits[h]["fixed_s"] + fits[h]["s_per_row"] * n
                            for h in fits for n in (8192, 26_700)}}
-    write_result("train_step.json", doc)
+    write_result(args.name, doc)
     return doc
 
 

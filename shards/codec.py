@@ -19,8 +19,9 @@ the one home of the byte layout; the containers only add framing and compression
                                          first: a match must be 7 bytes, so almost every byte is a
                                          Huffman-coded literal), then the low plane raw; the frame's
                                          length is the field's minus the element count. On the real
-                                         targets' taps 0.705 / 0.698 of the raw bytes (planes + zstd-1:
-                                         0.703 / 0.680) at 2.6-2.9x the encode speed a CPU second
+                                         targets' taps 0.704 / 0.698 of the raw bytes (planes + zstd-1:
+                                         0.694 / 0.660) at 0.77-0.88 GB a CPU second to encode, 3.1-6.3x
+                                         Arrow's zstd-1 and 1.9x python-zstandard's
                                          (benchmarks/storage.py, ``plane_report``): the writer's ceiling
                                          at a GPU's rate (docs/performance.md). With uncompressed Arrow
                                          shards (zstd_level 0) nothing compresses it twice.
@@ -71,8 +72,9 @@ SPLIT_PARAMS = {"strategy": zstandard.STRATEGY_FAST, "min_match": 7, "search_log
                 "window_log": 19, "target_length": 0}
 """zstd parameters of the "split" layout's high-plane frame (the parameters are the encoder's; any zstd decodes it).
 The sign + exponent bytes are low-entropy but have few long repeats: zstd-1's match search costs most of its time
-and finds little, so the matches are cut to 7+ bytes in a tiny table and Huffman does the work (ratio 0.409 vs
-0.404 at 2.4x the speed on SmolLM2's taps)."""
+and finds little, so the matches are cut to 7+ bytes in a tiny table and Huffman does the work (on SmolLM2's taps
+0.408 of the plane at 0.64 GB a CPU second; zstd-1 0.390 at 0.28 in python-zstandard, 0.13 through Arrow's codec:
+``benchmarks/storage.py``, storage_real_planes.json)."""
 _zstd = threading.local()  # per-thread contexts: zstandard's are not thread-safe, the writer's lanes are threads
 
 

@@ -122,7 +122,7 @@ def head_dtype(device: torch.device, setting: str, head_weights: int = 0) -> tor
     - CUDA: bf16 (tensor cores);
     - a CPU with bf16 instructions (``cpu_has_bf16``) and an lm_head of at least ``BF16_HEAD_MIN_WEIGHTS``
       weights (``head_weights``), where its matmuls are most of a step: bf16. At SmolLM2's 49,152 x 576 a DFlash
-      step measured 1.41x faster than fp32 with the loss equal to 1e-5 (docs/performance.md); a toy head's
+      step measured 1.37x faster than fp32 with the loss equal to 5e-6 (benchmarks/train_step.py); a toy head's
       matmuls cost little either way, so small heads stay fp32;
     - any other CPU: fp32 (without the instructions bf16 is emulated, slower than fp32).
 

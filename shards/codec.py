@@ -212,8 +212,13 @@ def _split_to_bf16(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     if raw.size <= n:
         raise ValueError(f"bf16 split field has {raw.size} bytes, too few for its {n:,}-byte low plane and a frame")
-    try:
-        high = _decompressor().decompress(raw[: raw.size - n].tobytes(), max_output_size=n)
+    frame = raw[: raw.size - n].tobytes()
+    try:  # the header's size first: a crafted frame must not make the decoder allocate what it declares
+        declared = zstandard.frame_content_size(frame)
+        if declared != n:
+            raise ValueError(f"bf16 split field's high-plane frame declares {declared} bytes, expected {n} for shape "
+                             f"{shape}: refusing it (the shard is damaged or crafted)")
+        high = _decompressor().decompress(frame)
     except zstandard.ZstdError as e:
         raise ValueError(f"bf16 split field's high-plane frame does not decode: {e}") from None
     if len(high) != n:

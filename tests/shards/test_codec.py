@@ -32,6 +32,16 @@ def test_split_is_a_standard_zstd_frame_of_the_high_plane_then_the_raw_low_plane
     assert zstandard.ZstdDecompressor().decompress(data[:-n]) == (words >> 8).astype(np.uint8).tobytes()
 
 
+def test_a_split_frame_declaring_more_than_its_shape_is_refused_before_it_is_decoded():
+    import zstandard
+
+    x = torch.randn(16, 4).to(torch.bfloat16)
+    n = x.numel()
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(1 << 26))  # 64 MiB of zeros in a few KiB
+    with pytest.raises(ValueError, match=f"declares {1 << 26} bytes, expected {n}"):
+        bytes_to_bf16(bomb + bytes(n), tuple(x.shape), "split")
+
+
 @pytest.mark.parametrize("cut", ["truncated", "corrupt", "short"])
 def test_a_bad_split_field_is_one_clear_error(cut):
     x = torch.randn(32, 8).to(torch.bfloat16)

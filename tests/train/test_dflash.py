@@ -1,5 +1,6 @@
 """DFlash drafter: anchors, the batched blocks vs one-block-at-a-time reference, losses, flex vs dense."""
 
+import math
 import warnings
 
 import pytest
@@ -183,6 +184,41 @@ def test_loss_targets_and_weights_match_definition(setup):
         num, den = num + float(wk * ce), den + float(wk)
     s, c, _ = out.terms["ce"]
     assert abs(float(s.detach()) / float(c) - num / den) < 1e-6 and abs(float(c) - den) < 1e-5
+
+
+@pytest.mark.parametrize("weighting", ["reach", "dpace"])
+def test_adaptive_slot_weights_match_their_definition_from_the_rows_own_probabilities(setup, weighting):
+    """reach: slot k weighs prod_{i<k} of slot i's mean label probability over the batch; dpace: each row weighs the
+    suffix sum of its block's smoothed prefix products (both detached, checked in float64 by hand)."""
+    bundle, layout, samples = setup
+    model = DFlashDrafter.build(DFlashConfig(block_size=4, slot_weighting=weighting, dpace_alpha=0.3),
+                                bundle, layout).double()
+    batch = collate(samples[:2])
+    batch["taps"] = batch["taps"].double()
+    out = model(batch, torch.Generator().manual_seed(3))
+    anchors, valid = model._anchors(batch, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = model.block_hidden(batch["input_ids"], model.context(batch["taps"]), anchors)
+    rows = {}  # (b, j) -> {k: (ce, q)}
+    for b, j, k, p in supervised_slots(batch, anchors, valid, 4):
+        z = h[b, j, k] @ model.target.lm_head.double().T
+        ce = float(-torch.log_softmax(z, -1)[batch["input_ids"][b, p]])
+        rows.setdefault((b, j), {})[k] = (ce, math.exp(-ce))
+    if weighting == "reach":
+        mean_q = {k: sum(r[k][1] for r in rows.values() if k in r) / sum(k in r for r in rows.values()) for k in (1, 2)}
+        wk = {1: 1.0, 2: mean_q[1], 3: mean_q[1] * mean_q[2]}
+        pairs = [(wk[k], ce) for r in rows.values() for k, (ce, _) in r.items()]
+    else:
+        pairs = []
+        for r in rows.values():
+            prefix, acc = {}, 1.0
+            for k in sorted(r):
+                acc *= 0.7 * r[k][1] + 0.3
+                prefix[k] = acc
+            pairs += [(sum(prefix[j] for j in prefix if j >= k), r[k][0]) for k in r]
+    num, den = sum(w * ce for w, ce in pairs), sum(w for w, _ in pairs)
+    s, c, _ = out.terms["ce"]
+    assert abs(float(s.detach()) / float(c) - num / den) < 1e-6 and abs(float(c) - den) < 1e-6
 
 
 def test_acceptance_counts():

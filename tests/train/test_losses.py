@@ -8,7 +8,7 @@ import torch
 from shards.head import HeadSpec
 from train.acceptance import tau_from_alpha
 from train.drafters.base import combine_terms
-from train.drafters.common.losses import row_losses, slot_weights, weighted_terms
+from train.drafters.common.losses import dpace_weights, row_losses, slot_weights, weighted_terms
 from train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
@@ -36,6 +36,31 @@ def test_slot_weights():
     w = slot_weights(16, 7.0)
     assert w.shape == (15,)
     assert torch.allclose(w.double(), torch.tensor([math.exp(-(k - 1) / 7) for k in range(1, 16)], dtype=torch.float64))
+
+
+def _dpace_reference(q, valid, alpha):
+    """D-PACE in float64 loops: slot k weighs the sum over later valid slots j of the product of smoothed q up to j."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in q.shape[:-1]]):
+        qs, vs = q[tuple(idx)].double(), valid[tuple(idx)]
+        K = qs.shape[0]
+        prefix = [math.prod(((1 - alpha) * float(qs[i]) + alpha) for i in range(j + 1) if vs[i]) for j in range(K)]
+        for k in range(K):
+            if vs[k]:
+                out[tuple(idx)][k] = sum(prefix[j] for j in range(k, K) if vs[j])
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_dpace_weights_match_float64_reference(alpha):
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(2, 3, 7, generator=g)
+    valid = torch.rand(2, 3, 7, generator=g) > 0.3
+    w = dpace_weights(q, valid, alpha)
+    torch.testing.assert_close(w.double(), _dpace_reference(q, valid, alpha), rtol=1e-5, atol=1e-6)
+    assert not w.requires_grad and bool((w[~valid] == 0).all())
+    if alpha == 1.0:  # every factor 1: a valid slot weighs the count of valid slots from it on
+        torch.testing.assert_close(w[0, 0], (valid[0, 0].flip(0).cumsum(0).flip(0) * valid[0, 0]).float())
 
 
 def test_ce_matches_float64_reference():

@@ -15,7 +15,16 @@ The callers turn these into LossOutput terms (sum_i w_i * ce_i, sum_i w_i, weigh
 normalisation rule lives in ``train.drafters.base.combine_terms``.
 
 DFlash's slot weights: slot k >= 1 of a block weighs exp(-(k - 1) / gamma) (gamma 7 for B = 16,
-4 for B = 8): early slots matter most because acceptance stops at the first miss.
+4 for B = 8): early slots matter most because acceptance stops at the first miss. D-PACE weights
+(``dpace_weights``) instead follow the draft's own acceptance, detached: with s_k = (1 - alpha) q_k + alpha
+(q_k the draft's probability of slot k's label) and P_k = s_1 ... s_k, slot k weighs sum_{j >= k} P_j, the
+expected number of accepted slots that a miss at k would cost. Reach weights (``reach_weights``) are one
+weight a slot for the whole micro-batch: slot k weighs prod_{i < k} a_i, a_i the mean over the batch's valid
+slot-i rows of the draft's probability of the label (detached), i.e. how often drafting reaches slot k. An
+untrained draft trains slot 1 alone and each later slot joins as the ones before it start to be accepted;
+measured on the 8k-BPE target (docs/LOG.md, 2026-12-03), any fixed share of the loss on slots the draft
+cannot reach yet (gamma decay, D-PACE's per-row weights) held slot 1's acceptance to a third of what it
+reaches alone.
 """
 
 from __future__ import annotations
@@ -31,6 +40,27 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     """float32 [B - 1]: the weight of slots k = 1..B-1, exp(-(k - 1) / gamma)."""
     k = torch.arange(1, block_size, dtype=torch.float64)
     return torch.exp(-(k - 1) / gamma).float()
+
+
+def dpace_weights(q_BNK: torch.Tensor, valid_BNK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights [Bs, N, K] (no gradient): w_k = sum_{j >= k, valid} prod_{i <= j, valid} s_i with
+    s_i = (1 - alpha) q_i + alpha. ``q_BNK``: the draft's probability of each slot's label; an invalid slot is
+    a no-op in the products and adds nothing to the sums (its weight is 0)."""
+    with torch.no_grad():
+        v = valid_BNK.to(q_BNK.dtype)
+        s = torch.where(valid_BNK, (1.0 - alpha) * q_BNK + alpha, torch.ones_like(q_BNK))
+        prefix = torch.cumprod(s, dim=-1) * v
+        return prefix.flip(-1).cumsum(-1).flip(-1) * v
+
+
+def reach_weights(q_BNK: torch.Tensor, valid_BNK: torch.Tensor) -> torch.Tensor:
+    """Reach slot weights [K] (no gradient): w_1 = 1, w_k = prod_{i < k} a_i with a_i the mean of ``q_BNK`` over the
+    valid slot-i entries (1 where slot i has none, so an empty slot neither helps nor blocks the ones after it)."""
+    with torch.no_grad():
+        v = valid_BNK.to(q_BNK.dtype)
+        n = v.sum(dim=(0, 1))
+        a = torch.where(n > 0, (q_BNK * v).sum(dim=(0, 1)) / n.clamp(min=1), torch.ones_like(n))
+        return torch.cat([a.new_ones(1), torch.cumprod(a, 0)[:-1]])
 
 
 class _FusedRowLosses(torch.autograd.Function):

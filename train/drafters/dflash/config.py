@@ -44,7 +44,13 @@ class DFlashConfig:
     block_size: int = 16
     """B: slot 0 is the anchor token, slots 1..B-1 are predicted."""
     gamma: float = 7.0
-    """Slot k weighs exp(-(k-1)/gamma)."""
+    """Slot k weighs exp(-(k-1)/gamma) (``slot_weighting: decay``)."""
+    slot_weighting: str = "decay"
+    """decay (exp(-(k-1)/gamma)), reach (slot k weighs how often the micro-batch's drafts reach it, from their own
+    detached label probabilities: ``common.losses.reach_weights``) or dpace (D-PACE's per-row weights,
+    ``common.losses.dpace_weights``); gamma is used by decay only."""
+    dpace_alpha: float = 0.5
+    """D-PACE smoothing: each slot's factor is (1 - alpha) q + alpha (1: the plain suffix length; 0: the raw product)."""
     mask_token_id: int | None = None
     """Token id of the mask slots (default: a dedicated id, the first row of the embedding table past the
     tokenizer's ids, as the reference drafters add ``<|MASK|>``; the pad id, with a warning, when there is none)."""
@@ -79,6 +85,9 @@ class DFlashConfig:
     """Reduced draft vocabulary (off: None): logits over only the N target tokens most frequent at the training
     split's supervised positions (plus eos), mapped back to target ids for verification (``common.draft_vocab``)."""
 
+    slot_weightings = ("decay", "reach", "dpace")
+    """The slot weightings this family's loss implements (a class attribute, not a setting)."""
+
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
@@ -86,6 +95,11 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.slot_weighting not in self.slot_weightings:
+            raise ValueError(f"slot_weighting must be one of {self.slot_weightings} for this family, got "
+                             f"{self.slot_weighting!r}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.num_anchors < 1 or self.max_total_anchors < 1:
             raise ValueError("num_anchors and max_total_anchors must be >= 1")
         if self.max_loss_rows is not None and self.max_loss_rows < self.block_size - 1:

@@ -37,7 +37,7 @@ import torch
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
-from train.drafters.common.losses import row_losses, weighted_terms
+from train.drafters.common.losses import dpace_weights, reach_weights, row_losses, weighted_terms
 from train.drafters.common.teacher import gather_exact, gather_topk
 from train.drafters.dflash.anchors import sample_anchors
 
@@ -89,6 +89,19 @@ class DFlashLoss(DraftVocabMixin):
         return teacher, w * has.to(w.dtype)
 
     # -- training ----------------------------------------------------------------------------
+    def slot_row_weights(self, ce_R: torch.Tensor, rows_ok: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Each loss row's slot weight [R]: the fixed decay, or reach / D-PACE weights from the rows' own detached CE
+        (``common.losses``; a valid slot that carries no loss, its label outside the draft vocabulary, counts as a
+        sure miss, q = 0)."""
+        cfg = self.config
+        if cfg.slot_weighting == "decay":
+            return self.weights_k.to(ce_R.device).expand_as(rows_ok)[rows_ok]
+        q = torch.zeros(rows_ok.shape, dtype=ce_R.dtype, device=ce_R.device)
+        q[rows_ok] = torch.exp(-ce_R.detach())
+        if cfg.slot_weighting == "reach":
+            return reach_weights(q, valid).expand_as(rows_ok)[rows_ok]
+        return dpace_weights(q, valid, cfg.dpace_alpha)[rows_ok]
+
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         cfg = self.config
         anchors, vblk = self._anchors(batch, generator)
@@ -102,10 +115,12 @@ class DFlashLoss(DraftVocabMixin):
             rows_ok = valid & self.t2d[labels]
             y = draft_index(self.t2d, labels[rows_ok])
         h_rows = h[:, :, 1:][rows_ok]  # [R, H]
-        w = self.weights_k.to(h.device).expand_as(rows_ok)[rows_ok]
-        teacher, kd_w = self.kd_teacher(batch, rows_ok, tpos, w, (lm_head, bias))
+        ones = torch.ones(int(rows_ok.sum()), device=h.device)
+        teacher, has_teacher = self.kd_teacher(batch, rows_ok, tpos, ones, (lm_head, bias))
         ce, correct, kd = row_losses(h_rows, y, lm_head, head=self.head_spec, lm_head_bias=bias,
                                      chunk_rows=cfg.chunk_rows, teacher=teacher, ce_grad=cfg.ce_weight > 0)
+        w = self.slot_row_weights(ce, rows_ok, valid)
+        kd_w = None if has_teacher is None else w * has_teacher
         terms = weighted_terms(ce, w, kd, kd_w, ce_weight=cfg.ce_weight, kd_weight=cfg.kd_weight)
         # keep every parameter in the graph even when no row carries a loss (DDP waits on all grads)
         terms["ce"] = (terms["ce"][0] + 0.0 * h.sum(), terms["ce"][1], terms["ce"][2])

@@ -66,6 +66,9 @@ from train.drafters.dflash2.selector import GOLD_MISS_POLICIES, PathSelector, gr
 class DFlash2Config(DFlashConfig):
     """DFlash settings plus the convolutions and the path selector."""
 
+    slot_weightings = ("decay",)
+    """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
+
     chunk_rows: int = 0
     """Rows per checkpointed chunk of draft logits (CE, KD and the selector see a chunk's dense logits);
     0 = derived from the vocabulary size and ``logits_budget_mib``."""

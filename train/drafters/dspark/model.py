@@ -59,6 +59,9 @@ LAYOUTS = ("qwen3_omni",)
 class DSparkConfig(DFlashConfig):
     """DFlash settings with DSpark's alignment, Markov head, confidence head and loss weights."""
 
+    slot_weightings = ("decay",)
+    """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
+
     block_size: int = 16
     """B: slot 0 holds the anchor, slots 1..B-1 the mask; every slot k predicts a + k + 1 (K = B drafts)."""
     gamma: float = 7.0

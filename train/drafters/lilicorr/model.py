@@ -67,6 +67,9 @@ PENALTIES = ("exact", "topk_bound")
 class LiLiCorrConfig(DFlashConfig):
     """DFlash settings plus the lattice head's geometry and its two loss terms."""
 
+    slot_weightings = ("decay",)
+    """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
+
     candidate_topk: int = 8
     """k: candidates per slot (vLLM: a power of two <= 16)."""
     lattice_hidden: int | None = None

@@ -74,8 +74,7 @@ ON_LIMIT_HELP = ("A reply that hits --max-new-tokens: drop (default: a target th
 
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
                   on_limit: str):
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.windows import ReplyConfig
+    from capture.generation import GenerationConfig, ReplyConfig
 
     if on_limit not in ("keep", "drop"):
         raise ValueError(f"--on-limit {on_limit!r}: give keep or drop")

@@ -192,9 +192,8 @@ def main() -> None:
     from capture.config import CaptureConfig
     from capture.inputs import Conversation, read_jsonl
     from capture.pipeline import capture
-    from capture.replies.generate import GenerationConfig
+    from capture.generation import GenerationConfig, ReplyConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.replies.windows import ReplyConfig
     from capture.targets.load import load_target
 
     torch.set_num_threads(args.threads)

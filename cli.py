@@ -15,6 +15,8 @@ from pathlib import Path
 
 import typer
 
+from capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
+
 app = typer.Typer(
     name="tapdraft",
     no_args_is_help=True,
@@ -112,9 +114,7 @@ def regenerate(
                                  "their reason."),
     allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    engine: str = typer.Option("transformers", "--engine", help="What decodes: transformers (in-process, padded "
-                               "batches) | vllm (a vLLM worker in its own environment, continuous batching; greedy "
-                               "only; text causal LMs and Qwen2-Audio)."),
+    engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help=f"What decodes: {engine_help('regenerate')}."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
                                     "vLLM is installed in (`engines/venv.sh vllm` builds one and prints its path)."),
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
@@ -123,7 +123,6 @@ def regenerate(
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
 
-    from capture.config import VLLMConfig
     from capture.replies.regenerate import RegenerateConfig, summary
     from capture.replies.regenerate import regenerate as run_regenerate
     from shards.template import parse_template_kwargs
@@ -137,7 +136,7 @@ def regenerate(
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, window=window, dtype=dtype,
         device=device, on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         allow_outside_paths=allow_outside_paths, engine=engine,
-        vllm=VLLMConfig(data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm=engine_settings(engine, data_parallel_size=data_parallel_size),
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_regenerate(cfg)))
@@ -198,8 +197,7 @@ def capture(
     on_limit: str = typer.Option("drop", "--on-limit", help="With --regenerate: " + ON_LIMIT_HELP),
     restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
                                  "over (after a changed input or setting)."),
-    engine: str = typer.Option("transformers", "--engine", help="What runs the target: transformers (in-process) | "
-                               "vllm (a vLLM worker in its own environment; text causal LMs and Qwen2-Audio)."),
+    engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help=f"What runs the target: {engine_help('capture')}."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
                                     "vLLM is installed in (default: this one)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor "
@@ -213,7 +211,7 @@ def capture(
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
 
-    from capture.config import CaptureConfig, VLLMConfig
+    from capture.config import CaptureConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
     from shards.template import parse_template_kwargs
@@ -239,8 +237,8 @@ def capture(
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit)
         if regenerate else None, fused=not two_pass, engine=engine,
-        vllm=VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                        data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm=engine_settings(engine, tensor_parallel_size=tensor_parallel_size,
+                             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size),
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_capture(cfg, restart=restart)))

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.inputs import stored_source
+from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
 from capture.generation import ReplyConfig
 from capture.vllm.config import VLLMConfig
 from shards.errors import InputChangedError
@@ -45,7 +46,6 @@ _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 _LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None, "threads": None}
 """What captures recorded before ``--engine`` (and the in-process thread count) existed used: the in-process engine,
 on the thread count of the process (None)."""
-ENGINES = ("transformers", "vllm")
 
 RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python", "allow_outside_paths")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
@@ -134,8 +134,9 @@ class CaptureConfig:
     fused: bool = True
     """With ``replies``: store the states of the generation pass itself (no second forward); False = two passes
     (regenerate into ``OUT.regenerated/``, then capture that), for bit-identical prefill taps."""
-    engine: str = "transformers"
-    """What runs the target's forward: 'transformers' (in-process, the default) or 'vllm' (capture.vllm.engine)."""
+    engine: str = DEFAULT_ENGINE
+    """What runs the target's forward, a name in ``capture.engines.ENGINES``: 'transformers' (in-process, the default)
+    or 'vllm' (capture.vllm.engine)."""
     vllm: VLLMConfig | None = None
     """With engine 'vllm': how vLLM runs (defaults when None); must be None otherwise."""
     vllm_python: str | None = None
@@ -179,16 +180,7 @@ class CaptureConfig:
             raise ValueError("CaptureConfig.chat_template must be a file path or None")
         if self.replies is not None and not isinstance(self.replies, ReplyConfig):
             raise ValueError(f"CaptureConfig.replies must be a ReplyConfig or None, got {type(self.replies).__name__}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"CaptureConfig.engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "vllm":
-            if self.vllm is None:
-                object.__setattr__(self, "vllm", VLLMConfig())
-            if self.replies is not None:
-                raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
-                                 "regenerated input instead (tapdraft regenerate --engine vllm, then capture)")
-        elif self.vllm is not None or self.vllm_python is not None:
-            raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
+        get_engine(self.engine, "CaptureConfig.engine").check_capture(self)
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
@@ -281,19 +273,15 @@ def pin_threads(cfg: CaptureConfig, record: Path, current: int) -> CaptureConfig
     threads (a shell with another ``--threads``, a test process whose earlier tests set torch's threads) so
     computes as it began, and the resumed dataset equals an uninterrupted one bit for bit. A record from before
     the field keeps None: the current count, as those captures ran."""
-    vllm = cfg.engine == "vllm"
-    if vllm and cfg.vllm is None:
-        return cfg
-    if (cfg.vllm.threads if vllm else cfg.threads) is not None:
+    engine = ENGINES[cfg.engine]
+    if engine.threads(cfg) is not None:
         return cfg
     n: int | None = current
     if record.is_file():
-        old = migrate_capture_record(json.loads(record.read_text()))
-        old = old.get("vllm") if vllm else old
+        old = engine.recorded_threads(migrate_capture_record(json.loads(record.read_text())))
         if isinstance(old, dict):
             n = old.get("threads")
             if n is not None and n != current:
                 warnings.warn(f"resuming the capture in {record.parent} with the {n} CPU threads it began with "
                               f"(this process has {current}), so that it computes as it began", stacklevel=2)
-    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n)) if vllm \
-        else dataclasses.replace(cfg, threads=n)
+    return engine.with_threads(cfg, n)

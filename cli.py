@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 
 from capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
+from shards.taps import DEFAULT_TAPS_CODEC, codec_help
 
 app = typer.Typer(
     name="tapdraft",
@@ -161,7 +162,7 @@ def capture(
                              "--draft-layers and for one layer, as the dflash recipe trains, + the last layer)."),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
+    codec: str = typer.Option(DEFAULT_TAPS_CODEC, "--codec", help=f"Taps codec: {codec_help()}."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad input (resumable) | skip: record it."),
     allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
@@ -310,7 +311,7 @@ def derive(
     src: str = typer.Argument(..., help="Finished source dataset (directory or fsspec URL)."),
     out: str = typer.Option(..., "--out", help="New dataset directory (resumed when rerun with the same settings)."),
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids to keep (default: all)."),
-    codec: str = typer.Option(None, "--codec", help="Taps codec: fp8 (lossy, halves taps) | bf16 (default: keep)."),
+    codec: str = typer.Option(None, "--codec", help=f"Taps codec: {codec_help()} (default: the source's)."),
     splits: str = typer.Option(None, "--splits", help="Comma-separated splits to keep (default: all)."),
     max_samples: int = typer.Option(None, "--max-samples",
                                     help="At most N samples per split, the first in file order."),

@@ -34,9 +34,9 @@ from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
 from capture.generation import ReplyConfig
 from capture.vllm.config import VLLMConfig
 from shards.errors import InputChangedError
-from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
 from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
+from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields
 
 _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, **LEGACY_SHARD_FIELDS}
 """What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys
@@ -92,7 +92,7 @@ class CaptureConfig:
     """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
     device: str = "auto"
     """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
-    codec: str = "bf16"
+    codec: str = DEFAULT_TAPS_CODEC
     """Taps codec: 'bf16' (lossless) or 'fp8' (e4m3 + per-row scale, lossy; recorded in the manifest)."""
     final_hidden: bool = False
     """Store final_hidden separately (redundant when the last layer is a tap, which it is by default)."""
@@ -169,7 +169,7 @@ class CaptureConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"CaptureConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.codec not in TAPS_CODECS:
-            raise ValueError(f"CaptureConfig.codec must be one of {TAPS_CODECS}, got {self.codec!r}")
+            raise ValueError(f"CaptureConfig.codec must be one of {tuple(TAPS_CODECS)}, got {self.codec!r}")
         for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -221,8 +221,8 @@ def check_resume(path: Path, current: dict[str, Any], given: dict[str, str] | No
         return
     old = migrate_capture_record(json.loads(path.read_text()))
     for key in sorted(set(old) | set(current)):
-        if key in RUNTIME_FIELDS or key == INPUTS_KEY or (key == "fp8_layout" and current.get("codec") != "fp8"):
-            continue  # (the fp8 byte layout writes nothing when taps are bf16)
+        if key in RUNTIME_FIELDS or key == INPUTS_KEY or key in foreign_layout_fields(current.get("codec")):
+            continue  # (another codec's byte layout, such as fp8's when taps are bf16, writes nothing)
         if old.get(key) != current.get(key):
             raise ValueError(
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "

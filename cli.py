@@ -454,14 +454,27 @@ def speculate(
     typer.echo(format_result(run_speculate(cfg)))
 
 
+def _layout_help() -> str:
+    """``export --layout``'s help, from each family's declared layouts (families with the same list share an entry)."""
+    from train.drafters import export_layouts
+
+    groups: dict[tuple[tuple[str, ...], str | None], list[str]] = {}
+    for family, key in export_layouts().items():
+        if key[0]:
+            groups.setdefault(key, []).append(family)
+    entries = [", ".join(families) + ": " + (" | ".join(f"{n} (default)" if n == default else n for n in names)
+                                             if default else "native (default) | " + " | ".join(names))
+               for (names, default), families in groups.items()]
+    return ("The loader the export is for; the other families have one layout. " + "; ".join(entries)
+            + ". docs/engines.md says which engine loads which.")
+
+
 @app.command()
 def export(
     draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
     out: str = typer.Option(..., "--out", help="Export directory (model.safetensors + config.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
-    layout: str = typer.Option(None, "--layout", help="The loader the export is for. DFlash / DFlash2: native "
-                               "(default; vLLM, SGLang, Automodel) or speculators. MTP heads: deepseek (default), "
-                               "vllm-qwen3-next or nemo-salm. README says which engine loads which."),
+    layout: str = typer.Option(None, "--layout", help=_layout_help()),
     verifier: str = typer.Option(None, "--verifier", help="--layout speculators: the target's hub id or directory "
                                  "name, as the format records it (speculators_config.verifier)."),
 ) -> None:

@@ -39,7 +39,7 @@ PEER_CODE = ("benchmarks/peers.py", "engines/modelopt_runner.py")
 / ``eagle`` modes; the compared rows of benchmarks/peers.py): it names both by design, so the family rule leaves it
 out (tests/test_layout.py checks that each still does, so the list cannot go stale)."""
 
-FAMILY_REGISTRY = "train/drafters/base.py"
+FAMILY_REGISTRY = "train/drafters/__init__.py"
 FORMAT_HOME = "shards.formats"
 ENGINE_REGISTRY = "capture/engines.py"
 CODEC_REGISTRY = "shards/taps.py"

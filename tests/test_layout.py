@@ -161,7 +161,7 @@ def test_guard_sees_target_code_outside_capture_targets(tmp_path):
 
 
 def test_guard_sees_a_family_outside_its_folder(tmp_path):
-    root = _copy(tmp_path, "train/drafters/base.py", "train/drafters/*/__init__.py")
+    root = _copy(tmp_path, "train/drafters/__init__.py", "train/drafters/*/__init__.py")
     assert not guard.family_folders(root) and not guard.family_outside_folder(root)
     _plant(root, "capture/planted.py", 'def pick(family):\n    if family == "dflash":\n        return 1\n')
     _plant(root, "benchmarks/planted.py", 'ROWS = {"ce": "dflash"}\n\n\ndef pick(row):\n'

@@ -595,7 +595,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                                 "skipped": dict(st.skipped), "seconds": round(st.seconds, 3),
                                 "unsupervised_turns": st.unsupervised_turns}
         if engine is not None:
-            run_stats["engine"] = {"name": cfg.engine, "version": engine.version, "startup_s": round(engine.startup_s, 3)}
+            run_stats["engine"] = {"name": cfg.engine, "version": engine.version,
+                                   "startup_s": round(engine.startup_s, 3)}
     _barrier(world)
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}

@@ -6,8 +6,9 @@ The rules: no import circle between modules (lazy and relative imports included)
 of any package (its sub-modules and sub-folders: ``capture.config`` <-> ``capture.replies`` is one, even with no
 module-level circle, since it leaves no order to read or build the rooms in); every arrow between packages runs
 along ``ALLOWED``; shards/ imports no model code; a drafter family, a storage format, a capture engine and a taps
-codec are named only in their homes (a family, a format and an engine not at all elsewhere in the library; a
-codec not in a comparison; benchmarks and the CLI may pass a name as a value but never branch on one).
+codec are named only in their homes: a family and a format not at all elsewhere in the library, an engine and a
+codec in no comparison (their names are other things' too: vLLM the serving engine, bf16 a dtype); ``USERS``
+(benchmarks, demo, engines, the CLI) may pass a name as a value but never branch on one.
 """
 
 from __future__ import annotations
@@ -262,8 +263,8 @@ def family_outside_folder(root: Path) -> list[str]:
 
     def home(mod: str, f: Path) -> bool:
         parts = mod.split(".")
-        return f == root / FAMILY_REGISTRY or str(f.relative_to(root)) in PEER_CODE or parts[:2] == ["train", "drafters"] and len(parts) > 2 \
-            and parts[2] in fams
+        in_folder = parts[:2] == ["train", "drafters"] and len(parts) > 2 and parts[2] in fams
+        return in_folder or f == root / FAMILY_REGISTRY or str(f.relative_to(root)) in PEER_CODE
 
     bad = _scan(root, set(fams), home, named, "names a drafter family")
     for mod, f in modules(root).items():
@@ -286,7 +287,7 @@ def format_outside_home(root: Path) -> list[str]:
 
 
 def engine_outside_registry(root: Path) -> list[str]:
-    """A capture engine named outside its registry (``ENGINES``) and its own folder (capture/vllm/)."""
+    """A branch on a capture engine's name outside its registry (``ENGINES``) and its own folder (capture/vllm/)."""
     names = _registry_keys(root / ENGINE_REGISTRY, "ENGINES")
     reg = root / ENGINE_REGISTRY
     return _scan(root, names, lambda mod, f: f == reg or mod.startswith("capture.vllm"), compared,

@@ -122,8 +122,8 @@ class RegenerateConfig:
     progress: bool = True
     """Show a progress bar with replies/s and tokens/s."""
     engine: str = DEFAULT_ENGINE
-    """What decodes (a name in ``capture.engines.ENGINES``): 'transformers' (in-process, padded batches) or 'vllm' (capture's vLLM worker in generate mode,
-    continuous batching; greedy only)."""
+    """What decodes, a name in ``capture.engines.ENGINES``: 'transformers' (in-process, padded batches) or 'vllm'
+    (capture's vLLM worker in generate mode, continuous batching; greedy only)."""
     vllm: VLLMConfig | None = None
     """With engine 'vllm': its parallel sizes and CPU KV cache (None = VLLMConfig's defaults)."""
     vllm_python: str | None = None

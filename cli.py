@@ -15,6 +15,9 @@ from pathlib import Path
 
 import typer
 
+from capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
+from shards.taps import DEFAULT_TAPS_CODEC, codec_help
+
 app = typer.Typer(
     name="tapdraft",
     no_args_is_help=True,
@@ -74,8 +77,7 @@ ON_LIMIT_HELP = ("A reply that hits --max-new-tokens: drop (default: a target th
 
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
                   on_limit: str):
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.windows import ReplyConfig
+    from capture.generation import GenerationConfig, ReplyConfig
 
     if on_limit not in ("keep", "drop"):
         raise ValueError(f"--on-limit {on_limit!r}: give keep or drop")
@@ -113,9 +115,7 @@ def regenerate(
                                  "their reason."),
     allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    engine: str = typer.Option("transformers", "--engine", help="What decodes: transformers (in-process, padded "
-                               "batches) | vllm (a vLLM worker in its own environment, continuous batching; greedy "
-                               "only; text causal LMs and Qwen2-Audio)."),
+    engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help=f"What decodes: {engine_help('regenerate')}."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
                                     "vLLM is installed in (`engines/venv.sh vllm` builds one and prints its path)."),
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
@@ -124,7 +124,6 @@ def regenerate(
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
 
-    from capture.config import VLLMConfig
     from capture.replies.regenerate import RegenerateConfig, summary
     from capture.replies.regenerate import regenerate as run_regenerate
     from shards.template import parse_template_kwargs
@@ -138,7 +137,7 @@ def regenerate(
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, window=window, dtype=dtype,
         device=device, on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         allow_outside_paths=allow_outside_paths, engine=engine,
-        vllm=VLLMConfig(data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm=engine_settings(engine, data_parallel_size=data_parallel_size),
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_regenerate(cfg)))
@@ -163,7 +162,7 @@ def capture(
                              "--draft-layers and for one layer, as the dflash recipe trains, + the last layer)."),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Draft depth the default taps are chosen for."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    codec: str = typer.Option("bf16", "--codec", help="Taps codec: bf16 (lossless) | fp8 (lossy, halves taps)."),
+    codec: str = typer.Option(DEFAULT_TAPS_CODEC, "--codec", help=f"Taps codec: {codec_help()}."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad input (resumable) | skip: record it."),
     allow_outside_paths: bool = typer.Option(False, "--allow-outside-paths", help=OUTSIDE_HELP),
     final_hidden: bool = typer.Option(False, "--final-hidden", help="Also store final_hidden (pre-norm last layer)."),
@@ -199,8 +198,7 @@ def capture(
     on_limit: str = typer.Option("drop", "--on-limit", help="With --regenerate: " + ON_LIMIT_HELP),
     restart: bool = typer.Option(False, "--restart", help="Discard what an earlier capture wrote into --out and start "
                                  "over (after a changed input or setting)."),
-    engine: str = typer.Option("transformers", "--engine", help="What runs the target: transformers (in-process) | "
-                               "vllm (a vLLM worker in its own environment; text causal LMs and Qwen2-Audio)."),
+    engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help=f"What runs the target: {engine_help('capture')}."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
                                     "vLLM is installed in (default: this one)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor "
@@ -214,7 +212,7 @@ def capture(
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
 
-    from capture.config import CaptureConfig, VLLMConfig
+    from capture.config import CaptureConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
     from shards.template import parse_template_kwargs
@@ -240,8 +238,8 @@ def capture(
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit)
         if regenerate else None, fused=not two_pass, engine=engine,
-        vllm=VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                        data_parallel_size=data_parallel_size) if engine == "vllm" else None,
+        vllm=engine_settings(engine, tensor_parallel_size=tensor_parallel_size,
+                             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size),
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_capture(cfg, restart=restart)))
@@ -313,7 +311,7 @@ def derive(
     src: str = typer.Argument(..., help="Finished source dataset (directory or fsspec URL)."),
     out: str = typer.Option(..., "--out", help="New dataset directory (resumed when rerun with the same settings)."),
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids to keep (default: all)."),
-    codec: str = typer.Option(None, "--codec", help="Taps codec: fp8 (lossy, halves taps) | bf16 (default: keep)."),
+    codec: str = typer.Option(None, "--codec", help=f"Taps codec: {codec_help()} (default: the source's)."),
     splits: str = typer.Option(None, "--splits", help="Comma-separated splits to keep (default: all)."),
     max_samples: int = typer.Option(None, "--max-samples",
                                     help="At most N samples per split, the first in file order."),
@@ -456,14 +454,27 @@ def speculate(
     typer.echo(format_result(run_speculate(cfg)))
 
 
+def _layout_help() -> str:
+    """``export --layout``'s help, from each family's declared layouts (families with the same list share an entry)."""
+    from train.drafters import export_layouts
+
+    groups: dict[tuple[tuple[str, ...], str | None], list[str]] = {}
+    for family, key in export_layouts().items():
+        if key[0]:
+            groups.setdefault(key, []).append(family)
+    entries = [", ".join(families) + ": " + (" | ".join(f"{n} (default)" if n == default else n for n in names)
+                                             if default else "native (default) | " + " | ".join(names))
+               for (names, default), families in groups.items()]
+    return ("The loader the export is for; the other families have one layout. " + "; ".join(entries)
+            + ". docs/engines.md says which engine loads which.")
+
+
 @app.command()
 def export(
     draft: str = typer.Option(..., "--draft", help="Run directory written by `tapdraft train`."),
     out: str = typer.Option(..., "--out", help="Export directory (model.safetensors + config.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of text."),
-    layout: str = typer.Option(None, "--layout", help="The loader the export is for. DFlash / DFlash2: native "
-                               "(default; vLLM, SGLang, Automodel) or speculators. MTP heads: deepseek (default), "
-                               "vllm-qwen3-next or nemo-salm. README says which engine loads which."),
+    layout: str = typer.Option(None, "--layout", help=_layout_help()),
     verifier: str = typer.Option(None, "--verifier", help="--layout speculators: the target's hub id or directory "
                                  "name, as the format records it (speculators_config.verifier)."),
 ) -> None:

@@ -106,22 +106,31 @@ def _read_tapdraft(root: Path) -> list[dict[str, Any]]:
     return list(open_dataset(str(root)).stream("train", seed=0, shuffle=False))
 
 
-def _read_stock(root: Path, fmt: str, cache: Path) -> list[dict[str, Any]]:
-    files = sorted(str(p) for p in (root / "data").iterdir())
-    if fmt == "arrow":
-        import datasets
+def _stock_arrow(root: Path, files: list[str], cache: Path) -> list[dict[str, Any]]:
+    import datasets
 
-        from shards.formats.arrow import decode_row
+    from shards.formats.arrow import decode_row
 
-        meta = json.loads((root / "manifest.json").read_text())["field_meta"]
-        datasets.disable_progress_bars()
-        ds = datasets.load_dataset("arrow", data_files=files, split="train", cache_dir=str(cache))
-        return [decode_row(r, meta) for r in ds]
+    meta = json.loads((root / "manifest.json").read_text())["field_meta"]
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset("arrow", data_files=files, split="train", cache_dir=str(cache))
+    return [decode_row(r, meta) for r in ds]
+
+
+def _stock_wds(root: Path, files: list[str], cache: Path) -> list[dict[str, Any]]:
     import webdataset
 
     from shards.formats.wds import decode_wds_sample
 
     return list(webdataset.WebDataset(files, shardshuffle=False).map(decode_wds_sample))
+
+
+STOCK_READERS = {"arrow": _stock_arrow, "wds": _stock_wds}
+"""Storage format -> how its stock library (HF datasets, webdataset) reads a dataset's shards."""
+
+
+def _read_stock(root: Path, fmt: str, cache: Path) -> list[dict[str, Any]]:
+    return STOCK_READERS[fmt](root, sorted(str(p) for p in (root / "data").iterdir()), cache)
 
 
 def flips(clean: Path, fmt: str, n: int, work: Path) -> dict[str, Any]:

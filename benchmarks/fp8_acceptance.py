@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
+from shards.taps import TAPS_CODECS
 
 
 def _train_eval(run_name: str, data: Path, evals: dict[str, Path], root: Path, seed: int,
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"same batches: {runs[-1]['same_batches']}")
     diffs = [r["rel_diff_vs_bf16"] for r in runs if "rel_diff_vs_bf16" in r]
     uniform = [r["rel_diff_tau_uniform"] for r in runs if "rel_diff_tau_uniform" in r]
-    bf = [r["tau_replayed@bf16"] for r in runs if r["trained_on"] == "bf16"]
-    bf_u = [r["tau@bf16"] for r in runs if r["trained_on"] == "bf16"]
+    bf = [r["tau_replayed@bf16"] for r in runs if TAPS_CODECS[r["trained_on"]].lossless]
+    bf_u = [r["tau@bf16"] for r in runs if TAPS_CODECS[r["trained_on"]].lossless]
     doc = {"benchmark": "fp8_acceptance", "recipe": "dflash_demo",
            "command": "python -m benchmarks.fp8_acceptance " + " ".join(argv if argv is not None else sys.argv[1:]),
            "target": "demo SALM (hidden 96, 6 layers, vocab 54), taps (1, 3, 5), pre-norm",

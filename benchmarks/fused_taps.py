@@ -34,8 +34,7 @@ def main() -> None:
 
     from capture.config import CaptureConfig
     from capture.pipeline import capture
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.windows import ReplyConfig
+    from capture.generation import GenerationConfig, ReplyConfig
     from demo.data import prepare_demo
     from demo.target import FULL
     from shards.reader import open_dataset

@@ -143,6 +143,7 @@ def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
 def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save) -> dict[str, Any]:
     """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads; ``save(doc)`` after
     each pair (a slow machine keeps the pairs it finished)."""
+    from capture.engines import ENGINES
     from capture.replies.regenerate import RegenerateConfig, regenerate
 
     pairs: list[dict[str, Any]] = []
@@ -154,7 +155,7 @@ def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save
             doc = regenerate(RegenerateConfig(target=target_dir, data=str(data), out=str(out), replies=replies,
                                               max_batch_size=args.batch, window=args.window, progress=False,
                                               engine=engine, vllm_python=args.vllm_python),
-                             target=None if engine == "vllm" else target)
+                             target=target if ENGINES[engine].loads_decoder else None)  # vLLM's: head only
             rs = doc["run_stats"]
             runs[engine] = {"wall_s": time.perf_counter() - t0, "decode_s": rs["seconds"], "tokens": rs["tokens"],
                             "replies": rs["replies"], "tokens_per_s": rs["tokens"] / rs["seconds"],
@@ -192,9 +193,8 @@ def main() -> None:
     from capture.config import CaptureConfig
     from capture.inputs import Conversation, read_jsonl
     from capture.pipeline import capture
-    from capture.replies.generate import GenerationConfig
+    from capture.generation import GenerationConfig, ReplyConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.replies.windows import ReplyConfig
     from capture.targets.load import load_target
 
     torch.set_num_threads(args.threads)

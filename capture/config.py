@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from capture.inputs import stored_source
-from capture.replies.windows import ReplyConfig
+from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
+from capture.generation import ReplyConfig
+from capture.vllm.config import VLLMConfig
 from shards.errors import InputChangedError
-from shards.schema import TAPS_CODECS
 from shards.template import template_kwargs
 from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
+from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields
 
 _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, **LEGACY_SHARD_FIELDS}
 """What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys
@@ -44,7 +46,6 @@ _LEGACY_TEMPLATE_DEFAULTS = {"chat_template": None, "template_kwargs": {}}
 _LEGACY_ENGINE_DEFAULTS = {"engine": "transformers", "vllm": None, "vllm_python": None, "threads": None}
 """What captures recorded before ``--engine`` (and the in-process thread count) existed used: the in-process engine,
 on the thread count of the process (None)."""
-ENGINES = ("transformers", "vllm")
 
 RUNTIME_FIELDS = ("out", "stage", "on_error", "queue_size", "progress", "vllm_python", "allow_outside_paths")
 """Fields that may change between a run and its resume (where the dataset lives, how errors and progress are
@@ -60,39 +61,6 @@ PATH_FIELDS = ("target", "out", "llm_config", "chat_template", "vllm_python")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 INPUTS_KEY = "inputs"
 """Record key: {split: {"input": portable name, "sha256": content hash or None}}."""
-
-
-@dataclass(frozen=True)
-class VLLMConfig:
-    """How ``capture --engine vllm`` runs vLLM (capture.vllm.engine); recorded, since parallel layouts change
-    the rounding of the states."""
-
-    tensor_parallel_size: int = 1
-    """vLLM's tensor parallelism: devices one copy of the target is split over."""
-    pipeline_parallel_size: int = 1
-    """vLLM's pipeline parallelism: stages one copy of the target is split into."""
-    data_parallel_size: int = 1
-    """Independent vLLM engines, each on tensor x pipeline devices; a window's requests are dealt to them in turn."""
-    max_num_batched_tokens: int | None = None
-    """Tokens per vLLM step (longer prompts are prefilled in chunks); None = vLLM's default."""
-    cpu_kv_cache_gib: int = 1
-    """KV cache space of vLLM's CPU backend in GiB (``VLLM_CPU_KVCACHE_SPACE``; ignored on GPUs)."""
-    threads: int | None = None
-    """CPU threads: vLLM's ranks split them (``OMP_NUM_THREADS``), and a capture's teacher head runs on them.
-    None: this process's torch thread count when the run begins, or on a capture's resume the count it began
-    with (:func:`pin_threads`). Recorded by capture: the count orders fp32 reductions (two uninterrupted captures of
-    the BPE target's 64 conversations at 1 and 2 threads: top-k log-probs of 15 samples up to 2.9e-6 apart, taps
-    and ids equal; at one count, equal), so teacher rows equal to the last bit need the same count."""
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "cpu_kv_cache_gib"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"VLLMConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"VLLMConfig.threads must be >= 1 or None, got {self.threads}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("VLLMConfig.max_num_batched_tokens must be >= 1 or None, "
-                             f"got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +92,7 @@ class CaptureConfig:
     """Target compute dtype: 'auto' = bfloat16 on GPU, float32 on CPU."""
     device: str = "auto"
     """'auto' = cuda if available (cuda:LOCAL_RANK under torchrun), else cpu."""
-    codec: str = "bf16"
+    codec: str = DEFAULT_TAPS_CODEC
     """Taps codec: 'bf16' (lossless) or 'fp8' (e4m3 + per-row scale, lossy; recorded in the manifest)."""
     final_hidden: bool = False
     """Store final_hidden separately (redundant when the last layer is a tap, which it is by default)."""
@@ -166,8 +134,9 @@ class CaptureConfig:
     fused: bool = True
     """With ``replies``: store the states of the generation pass itself (no second forward); False = two passes
     (regenerate into ``OUT.regenerated/``, then capture that), for bit-identical prefill taps."""
-    engine: str = "transformers"
-    """What runs the target's forward: 'transformers' (in-process, the default) or 'vllm' (capture.vllm.engine)."""
+    engine: str = DEFAULT_ENGINE
+    """What runs the target's forward, a name in ``capture.engines.ENGINES``: 'transformers' (in-process, the default)
+    or 'vllm' (capture.vllm.engine)."""
     vllm: VLLMConfig | None = None
     """With engine 'vllm': how vLLM runs (defaults when None); must be None otherwise."""
     vllm_python: str | None = None
@@ -200,7 +169,7 @@ class CaptureConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"CaptureConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.codec not in TAPS_CODECS:
-            raise ValueError(f"CaptureConfig.codec must be one of {TAPS_CODECS}, got {self.codec!r}")
+            raise ValueError(f"CaptureConfig.codec must be one of {tuple(TAPS_CODECS)}, got {self.codec!r}")
         for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -211,16 +180,7 @@ class CaptureConfig:
             raise ValueError("CaptureConfig.chat_template must be a file path or None")
         if self.replies is not None and not isinstance(self.replies, ReplyConfig):
             raise ValueError(f"CaptureConfig.replies must be a ReplyConfig or None, got {type(self.replies).__name__}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"CaptureConfig.engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "vllm":
-            if self.vllm is None:
-                object.__setattr__(self, "vllm", VLLMConfig())
-            if self.replies is not None:
-                raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
-                                 "regenerated input instead (tapdraft regenerate --engine vllm, then capture)")
-        elif self.vllm is not None or self.vllm_python is not None:
-            raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
+        get_engine(self.engine, "CaptureConfig.engine").check_capture(self)
         if self.on_error not in ("fail", "skip"):
             raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
 
@@ -261,8 +221,8 @@ def check_resume(path: Path, current: dict[str, Any], given: dict[str, str] | No
         return
     old = migrate_capture_record(json.loads(path.read_text()))
     for key in sorted(set(old) | set(current)):
-        if key in RUNTIME_FIELDS or key == INPUTS_KEY or (key == "fp8_layout" and current.get("codec") != "fp8"):
-            continue  # (the fp8 byte layout writes nothing when taps are bf16)
+        if key in RUNTIME_FIELDS or key == INPUTS_KEY or key in foreign_layout_fields(current.get("codec")):
+            continue  # (another codec's byte layout, such as fp8's when taps are bf16, writes nothing)
         if old.get(key) != current.get(key):
             raise ValueError(
                 f"{path.parent} was captured with {key}={old.get(key)!r}, this run has {key}={current.get(key)!r}. "
@@ -313,19 +273,15 @@ def pin_threads(cfg: CaptureConfig, record: Path, current: int) -> CaptureConfig
     threads (a shell with another ``--threads``, a test process whose earlier tests set torch's threads) so
     computes as it began, and the resumed dataset equals an uninterrupted one bit for bit. A record from before
     the field keeps None: the current count, as those captures ran."""
-    vllm = cfg.engine == "vllm"
-    if vllm and cfg.vllm is None:
-        return cfg
-    if (cfg.vllm.threads if vllm else cfg.threads) is not None:
+    engine = ENGINES[cfg.engine]
+    if engine.threads(cfg) is not None:
         return cfg
     n: int | None = current
     if record.is_file():
-        old = migrate_capture_record(json.loads(record.read_text()))
-        old = old.get("vllm") if vllm else old
+        old = engine.recorded_threads(migrate_capture_record(json.loads(record.read_text())))
         if isinstance(old, dict):
             n = old.get("threads")
             if n is not None and n != current:
                 warnings.warn(f"resuming the capture in {record.parent} with the {n} CPU threads it began with "
                               f"(this process has {current}), so that it computes as it began", stacklevel=2)
-    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n)) if vllm \
-        else dataclasses.replace(cfg, threads=n)
+    return engine.with_threads(cfg, n)

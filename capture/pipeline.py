@@ -41,7 +41,6 @@ import threading
 import time
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -53,6 +52,7 @@ import torch
 
 from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
                             portable_path)
+from capture.engines import ENGINES
 from capture.forward import SampleSpec, run_batch
 from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
@@ -64,10 +64,7 @@ from capture.stages import Skip, bucket, numbered, rank_slice, resolve_device, r
 from capture.stages import dist_env as _dist_env
 from capture.targets.base import Prepared, Target
 from capture.targets.load import load_target
-from capture.vllm.engine import VLLMEngine, prove_head, vllm_batches
-from capture.vllm.engine import check_python as check_vllm_python
-from capture.vllm.engine import check_target as check_vllm_target
-from capture.vllm.engine import layer_ids as vllm_layer_ids
+from capture.vllm.engine import VLLMEngine, vllm_batches
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
 from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
@@ -554,21 +551,20 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     done = complete_manifest(str(out))
     if done is not None:
         return {**done, "run_stats": {"already_complete": True}}
-    if cfg.engine == "vllm":
-        check_vllm_python(cfg.vllm_python, cfg.vllm)  # before anything is loaded or written
+    engine_kind = ENGINES[cfg.engine]
+    engine_kind.preflight(cfg)  # before anything is loaded or written
     device = resolve_device(cfg)
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
-                             head_only=cfg.engine == "vllm")  # vLLM runs the decoder: only the head is loaded here
+                             head_only=not engine_kind.loads_decoder)  # vLLM's runs elsewhere: only the head here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
     if not target.kind:  # before anything is written: the manifest records it
         raise ValueError(f"{type(target).__name__} declares no kind; set ``kind`` in its class body (the manifest's "
                          "target_kind, capture/targets/base.py)")
-    if cfg.engine == "vllm":
-        check_vllm_target(target, audio_embeds=cfg.audio_embeds)
+    engine_kind.check_target(target, audio_embeds=cfg.audio_embeds)
     if cfg.replies is None and any(read_provenance(s) is not None for s in specs):
         check_target(specs, target_fingerprint(target))
     layout = make_layout(cfg, target)
@@ -583,7 +579,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         fingerprint = dataset_fingerprint(str(out))
     run_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with _engine(cfg, target, layout) as engine, torch.inference_mode():
+    with engine_kind.capture_session(cfg, target, layout) as engine, torch.inference_mode():
         for split, spec in cfg.data:
             if cfg.replies is not None and not cfg.fused:  # two passes: regenerate the text, capture it as input
                 spec = _regenerate_split(target, cfg, split, spec)
@@ -599,7 +595,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
                                 "skipped": dict(st.skipped), "seconds": round(st.seconds, 3),
                                 "unsupervised_turns": st.unsupervised_turns}
         if engine is not None:
-            run_stats["engine"] = {"name": "vllm", "version": engine.version, "startup_s": round(engine.startup_s, 3)}
+            run_stats["engine"] = {"name": cfg.engine, "version": engine.version,
+                                   "startup_s": round(engine.startup_s, 3)}
     _barrier(world)
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
@@ -610,37 +607,6 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
     )
     manifest["run_stats"] = {**run_stats, "seconds": round(time.perf_counter() - t0, 3)}
     return manifest
-
-
-@contextmanager
-def _engine(cfg: CaptureConfig, target: Target, layout: Layout) -> Iterator[VLLMEngine | None]:
-    """The vLLM workers for ``--engine vllm`` (started once for all splits, stopped at the end); None in-process,
-    on the capture's thread count."""
-    if cfg.engine != "vllm":
-        with torch_threads(cfg.threads or torch.get_num_threads()):  # None: a record from before the field
-            yield None
-        return
-    assert cfg.vllm is not None
-    longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \
-        if (cfg.max_length or target.max_positions) else cfg.batch_tokens
-    threads = cfg.vllm.threads or torch.get_num_threads()  # None: a record from before VLLMConfig.threads
-    with VLLMEngine(cfg.vllm, python=cfg.vllm_python, target_dir=cfg.target,
-                    layer_ids=vllm_layer_ids(layout.tap_ids, layout.num_layers),
-                    dtype=str(resolve_dtype(cfg, target.device)).removeprefix("torch."), max_model_len=longest,
-                    threads=threads) as engine, torch_threads(threads):  # the teacher head's reductions too
-        prove_head(engine, target, layout)  # before any sample: the teacher rows are tapdraft's head on vLLM's states
-        yield engine
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to ``n`` inside, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def template_record(target: Target) -> dict[str, Any]:

@@ -8,6 +8,7 @@ where it started or on what else runs: capture and regenerate resume by recomput
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Iterator
@@ -106,3 +107,14 @@ def barrier(world: int) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     dist.barrier()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

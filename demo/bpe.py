@@ -228,9 +228,8 @@ def write_split(target_dir: Path, pairs: Sequence[tuple[str, str]], path: Path, 
     and replies that do not re-tokenize to the same ids (BPE can emit a non-canonical split) are dropped
     and counted; replies cut at ``max_new_tokens`` are kept (marked), so every kept reply is token for
     token what the target decodes greedily."""
-    from capture.replies.generate import GenerationConfig
+    from capture.generation import GenerationConfig, ReplyConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.replies.windows import ReplyConfig
     from shards.atomic import staged
 
     src = path.with_name(path.stem + ".corpus.jsonl")

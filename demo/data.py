@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 from capture.config import CaptureConfig
-from capture.replies.generate import GenerationConfig
+from capture.generation import GenerationConfig, ReplyConfig
 from capture.replies.regenerate import RegenerateConfig
 from capture.replies.regenerate import regenerate as run_regenerate
-from capture.replies.windows import ReplyConfig
 from capture.targets.load import quiet_loading
 from capture.targets.salm.model import SALM
 from capture.targets.salm.target import SALMTarget

@@ -41,11 +41,11 @@ from shards.progress import Progress
 from shards.reader import open_dataset
 from shards.schema import Layout
 from shards.shard_file import ShardConfig
+from shards.taps import TAPS_CODECS
 from shards.writer import DatasetWriter
 
 DERIVED_KEY = "derived_from"
 """``extra[DERIVED_KEY]``: the lineage of a derived dataset (absent on captured ones)."""
-CODECS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ class DeriveConfig:
     """Show progress."""
 
     def __post_init__(self) -> None:
-        if self.codec is not None and self.codec not in CODECS:
-            raise ValueError(f"--codec must be one of {CODECS}, got {self.codec!r}")
+        if self.codec is not None and self.codec not in TAPS_CODECS:
+            raise ValueError(f"--codec must be one of {tuple(TAPS_CODECS)}, got {self.codec!r}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"--max-samples must be >= 1, got {self.max_samples}")
         if self.top_k is not None and self.top_k < 0:
@@ -100,8 +100,9 @@ def derived_layout(src: Layout, cfg: DeriveConfig) -> Layout:
     if k > src.top_k:
         raise ValueError(f"--top-k {k}: the source stores top-{src.top_k}; derive can keep fewer, not more")
     codec = cfg.codec or src.taps_codec
-    if src.taps_codec == "fp8" and codec == "bf16":
-        raise ValueError("--codec bf16: the source's taps are fp8 (lossy); derive cannot restore the precision")
+    if TAPS_CODECS[codec].lossless and not TAPS_CODECS[src.taps_codec].lossless:
+        raise ValueError(f"--codec {codec}: the source's taps are {src.taps_codec} (lossy); derive cannot restore the "
+                         "precision")
     return dataclasses.replace(src, tap_ids=taps, top_k=k, taps_codec=codec)
 
 

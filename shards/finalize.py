@@ -26,6 +26,7 @@ from shards.limits import safe_relpath
 from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
 from shards.shard_file import ShardConfig
 from shards.shard_index import index_name
+from shards.taps import TAPS_CODECS
 from shards.writer import check_part_version
 
 
@@ -153,7 +154,8 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
                     extra: dict[str, Any] | None, splits: dict[str, Any],
                     skipped: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     fm = shard_metadata(config.field_meta(layout), fingerprint)
-    fp8 = {"fp8_layout": config.fp8_layout} if layout.taps_codec == "fp8" else {}
+    codec = TAPS_CODECS[layout.taps_codec]
+    own = {codec.layout_field: getattr(config, codec.layout_field)} if codec.layout_field else {}
     return {
         "schema_version": SCHEMA_VERSION,
         "format": config.format,
@@ -166,7 +168,7 @@ def _build_manifest(config: ShardConfig, layout: Layout, fingerprint: str, captu
         "dtypes": fm["dtypes"],
         "codec": {"container": FORMATS[config.format].writer.container(config.zstd_level),
                   "zstd_level": config.zstd_level, "bf16_layout": config.bf16_layout,
-                  "taps_codec": layout.taps_codec, "lossy": layout.taps_codec != "bf16", **fp8},
+                  "taps_codec": layout.taps_codec, "lossy": not codec.lossless, **own},
         "field_meta": fm,
         "integrity": INTEGRITY,
         "shard_config": config.to_dict(),

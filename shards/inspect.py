@@ -9,6 +9,7 @@ import torch
 
 from shards.manifest import fmt_bytes
 from shards.reader import Dataset
+from shards.taps import TAPS_CODECS
 
 
 def summary(ds: Dataset) -> dict[str, Any]:
@@ -50,6 +51,7 @@ def _head_line(t: dict[str, Any]) -> str:
 
 
 def render_summary(info: dict[str, Any]) -> str:
+    layout_field = TAPS_CODECS[info["codec"]["taps_codec"]].layout_field  # fp8's byte layout; bf16 has none
     lines = [
         f"dataset      {info['path']}",
         f"format       {info['format']}  schema {info['schema_version']}  written by tapdraft {info['code_version']}",
@@ -59,7 +61,7 @@ def render_summary(info: dict[str, Any]) -> str:
         f"H={info['hidden_size']} of {info['num_layers']} layers",
         f"top-k        k={info['top_k']} on rows t with loss_mask[t+1]",
         f"codec        taps {info['codec']['taps_codec']}{' (LOSSY)' if info['codec']['lossy'] else ''}"
-        f"{' ' + info['codec'].get('fp8_layout', 'bytes') if info['codec']['taps_codec'] == 'fp8' else ''}, "
+        f"{' ' + info['codec'].get(layout_field, 'bytes') if layout_field else ''}, "
         f"bf16 {info['codec']['bf16_layout']}, {info['codec']['container']} "
         f"{'level ' + str(info['codec']['zstd_level']) if info['codec']['zstd_level'] else '(uncompressed)'}",
         "dtypes       " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()),

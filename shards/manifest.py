@@ -33,7 +33,7 @@ from shards.integrity import NO_INTEGRITY
 from shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
                            safe_relpath)
 from shards.schema import check_schema_version
-from shards.taps import TAP_NUMBERING
+from shards.taps import TAP_NUMBERING, TAPS_CODECS
 from shards.shard_index import INDEX_DIR, migrate_inline_index
 
 MANIFEST = "manifest.json"
@@ -299,7 +299,7 @@ def render_card(m: dict[str, Any]) -> str:
     fp8_layout = m["field_meta"].get("fp8_layout", "bytes")
     split = " (sign+exponent bytes in `taps_exponent`, 3-bit mantissas in `taps_mantissa`)"
     lossy = (f"LOSSY fp8 e4m3, one float32 scale per (token, tap) row, fp8 byte layout {fp8_layout}"
-             + (split if fp8_layout == "packed" else "") if codec == "fp8" else "lossless bf16")
+             + (split if fp8_layout == "packed" else "") if not TAPS_CODECS[codec].lossless else f"lossless {codec}")
     return card_front_matter(m) + f"""
 # tapdraft dataset
 

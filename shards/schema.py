@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shards.taps import to_vllm
+from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, to_vllm
 
 SCHEMA_VERSION = "2.0"
 """major.minor: readers refuse a major version they do not know; minor additions stay readable.
@@ -63,8 +63,6 @@ def check_schema_version(version: Any, where: str) -> None:
             "Use a tapdraft release for that major version, or migrate the dataset."
         )
 
-TAPS_CODECS = ("bf16", "fp8")
-"""bf16 is lossless; fp8 is e4m3 with one float32 scale per (token, tap) row, lossy, never default."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +83,8 @@ class Layout:
     """Whether ``final_hidden`` is stored (redundant when the last layer is a tap)."""
     has_audio_embeds: bool = False
     """Whether ``audio_embeds`` is stored."""
-    taps_codec: str = "bf16"
-    """How taps are stored: one of TAPS_CODECS."""
+    taps_codec: str = DEFAULT_TAPS_CODEC
+    """How taps are stored: a name in ``shards.taps.TAPS_CODECS``."""
 
     def __post_init__(self) -> None:
         if self.hidden_size <= 0 or self.num_layers <= 0:
@@ -98,7 +96,7 @@ class Layout:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.taps_codec not in TAPS_CODECS:
-            raise ValueError(f"taps_codec must be one of {TAPS_CODECS}, got {self.taps_codec!r}")
+            raise ValueError(f"taps_codec must be one of {tuple(TAPS_CODECS)}, got {self.taps_codec!r}")
 
     @property
     def n_taps(self) -> int:

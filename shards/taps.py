@@ -1,4 +1,4 @@
-"""Tap ids: which target decoder layers a dataset stores, and how engines number them.
+"""Tap ids: which target decoder layers a dataset stores, and how engines number them; and the taps codecs.
 
 The one home for the default-tap rule and the HF/vLLM numbering. A tap with id ``i`` is the
 output of decoder layer ``i`` (the residual stream BEFORE the final norm, the last layer included),
@@ -8,6 +8,8 @@ the final norm, so it is NOT tap L - 1.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 TAP_NUMBERING = ("tap i = output of decoder layer i before the final norm, the last layer included; vLLM layer "
                  "id = i + 1; HF hidden_states[i + 1] = tap i only for i < L - 1 (HF's last entry is after the "
@@ -70,3 +72,38 @@ def to_vllm(tap_ids: list[int] | tuple[int, ...]) -> list[int]:
 
 def from_vllm(vllm_ids: list[int] | tuple[int, ...]) -> list[int]:
     return [i - 1 for i in vllm_ids]
+
+
+@dataclass(frozen=True)
+class TapsCodec:
+    """How a dataset stores its taps: one entry of :data:`TAPS_CODECS`. The byte layout itself is ``shards.codec``'s;
+    everything else asks this entry, never the codec's name."""
+
+    name: str
+    lossless: bool
+    """Whether taps read back as the target computed them (lossy taps never stand for the exact last hidden state:
+    the exact teacher and MTP's h^0 promise the target's own distribution)."""
+    layout_field: str | None = None
+    """The ``ShardConfig`` field choosing this codec's byte layout (``fp8_layout``): recorded in the metadata, and
+    compared on a resume, only for this codec's datasets; None: the codec has no layouts of its own."""
+    help: str = ""
+    """What it is, for ``--codec``'s help."""
+
+
+TAPS_CODECS: dict[str, TapsCodec] = {
+    "bf16": TapsCodec("bf16", lossless=True, help="lossless"),
+    "fp8": TapsCodec("fp8", lossless=False, layout_field="fp8_layout", help="lossy, halves taps"),
+}
+"""bf16 is lossless; fp8 is e4m3 with one float32 scale per (token, tap) row, lossy, never default."""
+DEFAULT_TAPS_CODEC = "bf16"
+
+
+def foreign_layout_fields(codec: str | None) -> set[str]:
+    """The byte-layout settings of every codec but ``codec``: they write nothing into its datasets, so a resume and
+    the metadata leave them out."""
+    return {c.layout_field for c in TAPS_CODECS.values() if c.layout_field and c.name != codec}
+
+
+def codec_help() -> str:
+    """``--codec``'s choices, as its help lists them."""
+    return " | ".join(f"{c.name} ({c.help})" for c in TAPS_CODECS.values())

@@ -37,6 +37,7 @@ from shards.bundle import stored_fingerprint
 from shards.schema import SCHEMA_VERSION, Layout, validate_sample
 from shards.shard_file import ShardConfig, _Shard
 from shards.shard_index import INDEX_DIR, index_name
+from shards.taps import foreign_layout_fields
 
 PART_VERSION = 2
 """2: a shard entry records its index file (``index``) instead of its record batches (version 1, written
@@ -103,8 +104,8 @@ class DatasetWriter:
         check_part_version(part, self._part_path)
         mine = {"shard_config": self.config.to_dict(), "layout": self.layout.to_dict()}
         part = {**part, "shard_config": ShardConfig.from_dict(part["shard_config"]).to_dict()}
-        if self.layout.taps_codec != "fp8":  # the fp8 byte layout does not touch bf16 taps
-            part["shard_config"]["fp8_layout"] = mine["shard_config"]["fp8_layout"]
+        for name in foreign_layout_fields(self.layout.taps_codec):  # another codec's layout: fp8's for bf16 taps
+            part["shard_config"][name] = mine["shard_config"][name]
         for key, want in mine.items():
             if part[key] != want:
                 raise ValueError(

@@ -1,176 +1,201 @@
-"""The package layout: no import circle anywhere (lazy, function-level imports included) and every
-import runs along capture -> shards <- train, with speculate above capture and train, demo above all,
-cli on top, and shards importing no model code."""
+"""The package layout (tests/layout_guard.py holds the rules): no import circle anywhere, none between the rooms of a
+package, every import along capture -> shards <- train (speculate above capture and train, engines above speculate,
+demo above them, benchmarks and cli on top), shards importing no model code, and each drafter family, storage
+format, capture engine and taps codec named only in its home.
+
+Each rule runs twice: on the tree, where it must find nothing, and on a copy of the files it reads with one
+violation planted, where it must report exactly that, so no rule can pass by seeing nothing."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
+import pytest
+
+from tests import layout_guard as guard
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tapdraft", "capture", "shards", "train", "speculate", "demo")
-ALLOWED = {  # package -> project packages it may import
-    "tapdraft": {"shards"},  # the public entry point: a re-export of shards.reader
-    "shards": set(),
-    "capture": {"shards"},
-    "train": {"shards"},
-    "speculate": {"capture", "shards", "train"},
-    "demo": {"capture", "shards", "train", "speculate"},
-    "cli": {"capture", "shards", "train", "speculate", "demo"},
-}
-MODEL_CODE = ("transformers", "torch.nn", "capture", "train")
 
 
-def _modules() -> dict[str, Path]:
-    mods = {"cli": ROOT / "cli.py"}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")) if (ROOT / pkg).is_dir() else []:
-            parts = f.relative_to(ROOT).with_suffix("").parts
-            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return mods
+def _copy(dst: Path, *patterns: str) -> Path:
+    """The files of ``patterns`` (globs relative to the repository) copied to the same places under ``dst``."""
+    for pattern in patterns:
+        files = sorted(ROOT.glob(pattern))
+        assert files, f"{pattern} matches nothing in the tree"
+        for f in files:
+            (dst / f.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, dst / f.relative_to(ROOT))
+    return dst
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """Every module (project or not) that ``path`` imports anywhere in its body, lazy imports included."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
-    return out
+def _plant(root: Path, rel: str, text: str) -> None:
+    """Append ``text`` to ``root/rel`` (created when missing)."""
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text((path.read_text() if path.is_file() else "") + text)
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    known = set(mods)
-    return {m: {i for i in imports_of(f, known) if i in known} for m, f in mods.items()}
-
-
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle per strongly connected component of more than one module (or a self-import)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1 or v in graph.get(v, ()):
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_cycle_finder_sees_lazy_and_indirect_circles(tmp_path):
-    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert find_cycles({"a": {"b"}, "b": set()}) == []
-    probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from shards import writer\n    import capture.load\n")
-    assert imports_of(probe, {"shards.writer"}) >= {"shards", "shards.writer", "capture.load"}
-
-
+# ------------------------------------------------------------------------------------------ the tree
 def test_no_import_circle_anywhere():
-    assert not find_cycles(_graph())
+    assert not guard.import_cycles(ROOT)
+
+
+def test_no_circle_between_the_rooms_of_a_package():
+    assert not guard.room_cycles(ROOT)
 
 
 def test_imports_run_one_way():
-    bad = []
-    for mod, deps in _graph().items():
-        top = mod.split(".")[0]
-        for d in deps:
-            dtop = d.split(".")[0]
-            if dtop != top and dtop not in ALLOWED[top]:
-                bad.append(f"{mod} -> {d}")
-    assert not bad, bad
+    assert set(guard.ALLOWED) == {*guard.PACKAGES, "cli"}
+    assert not guard.upward_imports(ROOT)
+
+
+def test_every_package_is_in_the_graph():
+    tops = {m.split(".")[0] for m in guard.graph(ROOT)}
+    assert tops == {*guard.PACKAGES, "cli"}
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} <= set(guard.PACKAGES)
 
 
 def test_shards_imports_no_model_code():
-    bad = []
-    for mod, f in _modules().items():
-        if mod.split(".")[0] == "shards":
-            bad += [f"{mod} -> {i}" for i in imports_of(f, set()) if i.startswith(MODEL_CODE)]
-    assert not bad, bad
-
-
-def test_storage_formats_are_named_only_in_shards_formats(tmp_path):
-    """A format is known through its registry entry (shards.formats.FORMATS): no "arrow" / "wds" string outside
-    shards/formats/ but the CLI's --format option, so a new format is one module, not edits in many files."""
-    names = {"arrow", "wds"}
-
-    def named(path: Path) -> list[int]:
-        return [n.lineno for n in ast.walk(ast.parse(path.read_text()))
-                if isinstance(n, ast.Constant) and n.value in names]
-
-    probe = tmp_path / "probe.py"
-    probe.write_text('def f(cfg):\n    """Mentions arrow in prose."""\n    return cfg.format == "wds"\n')
-    assert named(probe) == [3]  # the check sees a comparison, not a docstring
-    bad = [f"{f.relative_to(ROOT)}:{line}" for mod, f in _modules().items()
-           if mod != "cli" and not mod.startswith("shards.formats") for line in named(f)]
-    assert not bad, f"storage format named outside shards/formats/ (ask the registry): {bad}"
+    assert not guard.shards_model_code(ROOT)
 
 
 def test_target_code_lives_only_under_capture_targets():
-    """A target family is code under capture/targets/ alone: no Target subclass elsewhere in capture/, and the
-    rest of capture/ reaches the families only through the interface (base) and the loader (load)."""
-    mods = _modules()
-    known = set(mods)
-    assert {"capture.targets.base", "capture.targets.load", "capture.targets.causal_lm"} <= known
-    bad = []
-    for mod, f in mods.items():
-        if mod.split(".")[0] != "capture" or mod.startswith("capture.targets"):
-            continue
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ClassDef):
-                bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
-                bad += [f"{mod}: class {node.name}({b})" for b in bases if b.endswith("Target")]
-        bad += [f"{mod} -> {i}" for i in imports_of(f, known)
-                if i.startswith("capture.targets.") and i.split(".")[2] not in ("base", "load")]
+    assert {"capture.targets.base", "capture.targets.load", "capture.targets.causal_lm"} <= set(guard.modules(ROOT))
+    assert not guard.target_code_outside_targets(ROOT)
+
+
+def test_family_folders_are_the_registry():
+    assert not guard.family_folders(ROOT)
 
 
 def test_family_code_lives_in_its_folder():
-    """A drafter family is one folder, ``train/drafters/<family>/``, known elsewhere only by its ``FAMILIES`` line:
-    every folder there but ``common`` is a registered family; no train module outside the family folders imports
-    one, names one (no ``if family == ...``, no default outside the registry) or carries its name as a file prefix."""
-    base = ROOT / "train" / "drafters" / "base.py"
-    registry = next(n.value for n in ast.walk(ast.parse(base.read_text()))
-                    if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "FAMILIES")
-    families = dict(ast.literal_eval(registry))
-    folders = {p.name for p in (ROOT / "train" / "drafters").iterdir() if (p / "__init__.py").is_file()} - {"common"}
-    assert folders == set(families), f"family folders {sorted(folders)} vs FAMILIES {sorted(families)}"
-    assert all(mod.startswith(f"train.drafters.{name}.") for name, mod in families.items()), families
-    bad = []
-    for mod, f in _modules().items():
-        parts = mod.split(".")
-        if parts[0] != "train" or (len(parts) > 2 and parts[1] == "drafters" and parts[2] in families):
-            continue
-        if any(parts[-1].startswith(name) for name in families):
-            bad.append(f"{mod}: a family's name as its file name")
-        bad += [f"{mod} imports {i}" for i in imports_of(f, set()) if i.split(".")[:2] == ["train", "drafters"]
-                and len(i.split(".")) > 2 and i.split(".")[2] in families]
-        if f == base:
-            continue
-        bad += [f"{mod}:{n.lineno} names family {n.value!r}" for n in ast.walk(ast.parse(f.read_text()))
-                if isinstance(n, ast.Constant) and n.value in families]
-    assert not bad, bad
+    assert not guard.family_outside_folder(ROOT)
+
+
+def test_storage_formats_are_named_only_in_shards_formats():
+    assert not guard.format_outside_home(ROOT)
+
+
+def test_capture_engines_are_branched_on_only_in_their_registry():
+    assert not guard.engine_outside_registry(ROOT)
+
+
+def test_taps_codecs_are_branched_on_only_in_their_table():
+    assert not guard.codec_outside_home(ROOT)
+
+
+def test_peer_code_still_names_families():
+    """Each ``PEER_CODE`` file exists and branches on a family: an exemption that no longer does is removed."""
+    families = set(guard.families(ROOT))
+    for rel in guard.PEER_CODE:
+        assert guard.compared(ast.parse((ROOT / rel).read_text()), families), f"{rel} no longer needs its exemption"
+
+
+# ------------------------------------------------------------------------------------------ the parts
+def test_cycle_finder_sees_lazy_and_indirect_circles(tmp_path):
+    assert guard.find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert guard.find_cycles({"a": {"b"}, "b": set()}) == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from shards import writer\n    import capture.load\n")
+    assert guard.imports_of(probe, {"shards.writer"}) >= {"shards", "shards.writer", "capture.load"}
+
+
+def test_relative_imports_resolve_against_their_package(tmp_path):
+    probe = tmp_path / "side.py"
+    probe.write_text("from . import wire\nfrom .worker import prompts\nfrom .. import engine\n"
+                     "def f():\n    from ..side import replies\n")
+    known = {"capture.vllm.side.wire", "capture.vllm.engine", "capture.vllm.side.replies"}
+    got = guard.imports_of(probe, known, "capture.vllm.side.probe")
+    assert {"capture.vllm.side.wire", "capture.vllm.side.worker", "capture.vllm.engine",
+            "capture.vllm.side.replies"} <= got
+    init = tmp_path / "__init__.py"
+    init.write_text("from .wire import send\n")
+    assert "capture.vllm.side.wire" in guard.imports_of(init, set(), "capture.vllm.side")
+
+
+def test_names_are_told_from_branches():
+    tree = ast.parse('"""Mentions arrow in prose."""\n'
+                     'a = f(codec="fp8")\n'
+                     'b = cfg.codec == "fp8"\n'
+                     'c = x in ("bf16", "fp8")\n'
+                     'match x:\n    case "fp8":\n        pass\n')
+    assert sorted(guard.named(tree, {"fp8", "arrow"})) == [2, 3, 4, 6]  # a docstring that mentions one is not a name
+    assert sorted(guard.compared(tree, {"fp8"})) == [3, 4, 6]  # a value passed on is not a branch
+
+
+# ------------------------------------------------------------------------------------------ planted violations
+def test_guard_sees_a_planted_relative_import_circle(tmp_path):
+    root = _copy(tmp_path, "capture/__init__.py", "capture/vllm/__init__.py", "capture/vllm/side/*.py")
+    assert not guard.import_cycles(root)
+    _plant(root, "capture/vllm/side/wire.py", "\n\ndef _late():\n    from .worker import build_llm\n")
+    assert any("capture.vllm.side.wire" in c and "capture.vllm.side.worker" in c for c in guard.import_cycles(root))
+
+
+def test_guard_sees_a_planted_circle_between_rooms(tmp_path):
+    """config -> replies/ while replies/ -> config: no module imports itself back, yet the rooms have no order."""
+    root = _copy(tmp_path, "capture/__init__.py", "capture/config.py", "capture/replies/__init__.py",
+                 "capture/replies/regenerate.py", "capture/replies/windows.py")
+    assert not guard.room_cycles(root)
+    _plant(root, "capture/config.py", "\nfrom capture.replies.windows import RunStats\n")
+    assert not guard.import_cycles(root)
+    assert "capture.config -> capture.replies.windows" in guard.room_cycles(root)
+
+
+def test_guard_sees_a_planted_upward_import(tmp_path):
+    root = _copy(tmp_path, "shards/__init__.py", "shards/taps.py", "capture/__init__.py", "capture/engines.py")
+    assert not guard.upward_imports(root) and not guard.shards_model_code(root)
+    _plant(root, "shards/taps.py", "\n\ndef _late():\n    from capture.engines import ENGINES\n")
+    assert guard.upward_imports(root) == ["shards.taps -> capture.engines"]
+    assert "shards.taps -> capture.engines" in guard.shards_model_code(root)
+
+
+def test_guard_sees_target_code_outside_capture_targets(tmp_path):
+    root = _copy(tmp_path, "capture/__init__.py", "capture/targets/*.py")
+    assert not guard.target_code_outside_targets(root)
+    _plant(root, "capture/planted.py", "from capture.targets.causal_lm import CausalLMTarget\n\n\n"
+                                       "class MyTarget(CausalLMTarget):\n    pass\n")
+    assert sorted(guard.target_code_outside_targets(root)) == [
+        "capture.planted -> capture.targets.causal_lm", "capture.planted: class MyTarget(CausalLMTarget)"]
+
+
+def test_guard_sees_a_family_outside_its_folder(tmp_path):
+    root = _copy(tmp_path, "train/drafters/__init__.py", "train/drafters/*/__init__.py")
+    assert not guard.family_folders(root) and not guard.family_outside_folder(root)
+    _plant(root, "capture/planted.py", 'def pick(family):\n    if family == "dflash":\n        return 1\n')
+    _plant(root, "benchmarks/planted.py", 'ROWS = {"ce": "dflash"}\n\n\ndef pick(row):\n'
+                                          '    return row.family == "eagle3"\n')
+    assert sorted(guard.family_outside_folder(root)) == ["benchmarks/planted.py:5 names a drafter family",
+                                                         "capture/planted.py:2 names a drafter family"]
+    _plant(root, "train/drafters/scratch/__init__.py", "")
+    assert guard.family_folders(root) == ["train/drafters/scratch/ is no FAMILIES entry"]
+
+
+def test_guard_sees_a_storage_format_outside_shards_formats(tmp_path):
+    root = _copy(tmp_path, "shards/formats/*.py")
+    assert not guard.format_outside_home(root)
+    _plant(root, "train/planted.py", 'def read(cfg):\n    """Reads arrow or wds."""\n    return cfg.format == "wds"\n')
+    assert guard.format_outside_home(root) == ["train/planted.py:3 names a storage format"]
+
+
+def test_guard_sees_an_engine_branch_outside_the_registry(tmp_path):
+    root = _copy(tmp_path, "capture/engines.py", "capture/vllm/*.py")
+    assert not guard.engine_outside_registry(root)  # the registry and vLLM's own folder may name it
+    _plant(root, "cli.py", 'def settings(engine, n):\n    return {"n": n} if engine == "vllm" else None\n')
+    _plant(root, "capture/planted.py", 'def load(cfg):\n    return dict(engine="vllm")\n')  # a value: not a branch
+    assert guard.engine_outside_registry(root) == ["cli.py:2 branches on a capture engine"]
+
+
+def test_guard_sees_a_codec_branch_outside_its_table(tmp_path):
+    root = _copy(tmp_path, "shards/taps.py", "shards/codec.py")
+    assert guard.compared(ast.parse((root / "shards/codec.py").read_text()), {"fp8"})  # the byte layout's own
+    assert not guard.codec_outside_home(root)
+    _plant(root, "shards/planted.py", 'def lossy(layout):\n    return layout.taps_codec != "bf16"\n')
+    assert guard.codec_outside_home(root) == ["shards/planted.py:2 branches on a taps codec"]
+
+
+@pytest.mark.parametrize("check", [guard.engine_outside_registry, guard.codec_outside_home, guard.family_folders])
+def test_a_missing_registry_fails_loudly(tmp_path, check):
+    with pytest.raises((AssertionError, FileNotFoundError, StopIteration)):
+        check(tmp_path)

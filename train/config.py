@@ -4,7 +4,7 @@ recipes (YAML in ``train/recipes/``) and ``key=value`` overrides.
 A recipe file:
 
     base: dflash              # optional: a recipe (or a _shared block in train/recipes/) merged first
-    family: dflash            # a name in train.drafters.base.FAMILIES
+    family: dflash            # a name in train.drafters.FAMILIES
     drafter: {block_size: 16, gamma: 7.0, ...}   # fields of the family's config class
     train: {lr: 6.0e-4, max_steps: 2000, ...}    # fields of TrainConfig
 
@@ -42,7 +42,8 @@ from typing import Any
 import yaml
 
 from shards.template import template_kwargs as canonical_template_kwargs
-from train.drafters.base import DEFAULT_FAMILY, get_family
+from train.drafters import DEFAULT_FAMILY
+from train.drafters.base import get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 

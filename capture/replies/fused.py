@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 
 from capture.forward import SampleSpec, sample_fields
-from capture.replies.windows import BAD_INPUT_REASONS, ReplyConfig, RunStats, process_window
+from capture.generation import ReplyConfig
+from capture.replies.windows import BAD_INPUT_REASONS, RunStats, process_window
 from capture.stages import Skip
 from capture.targets.base import Expanded, Prepared, Target
 

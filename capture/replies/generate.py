@@ -24,82 +24,20 @@ capture path pays it once per batch). Shapes: B batch, P padded prompt length, S
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from capture.generation import Generation, GenerationConfig
 from capture.hooks import LayerTaps
-from capture.targets.base import Expanded, Prepared, Target
+from capture.targets.base import Prepared, Target
 from shards.order import epoch_rng
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How replies are decoded: greedy by default, or seeded sampling."""
-
-    max_new_tokens: int = 256
-    """Reply tokens at most; a reply that reaches it without an end of turn is truncated."""
-    temperature: float = 0.0
-    """0: greedy argmax; > 0: sample from softmax(logits / temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (sampling only)."""
-    seed: int = 0
-    """Base seed; each reply's generator is seeded from (seed, sample id, turn)."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def to_dict(self) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "greedy": self.greedy}
-
-
-@dataclass
-class Generation:
-    """One reply: its tokens (without the stop id) and, with taps, the states of every position."""
-
-    tokens: list[int]
-    stop_id: int | None
-    """The end-of-turn id that ended the reply; None when it hit max_new_tokens (truncated)."""
-    expanded: Expanded | None
-    """The prompt as the target saw it (None from an engine that expands it itself: ``capture.vllm.replies``)."""
-    taps: torch.Tensor | None = None  # [T, n, H], T = prompt + tokens (+ stop id)
-    last: torch.Tensor | None = None  # [T, H], last decoder layer, pre-norm
-    error: bool = False
-    """The target produced NaN/Inf logits while decoding this reply."""
-    audio_seconds: float = 0.0
-    """Seconds of audio in the prompt."""
-
-    @property
-    def truncated(self) -> bool:
-        return self.stop_id is None
-
-    @property
-    def ids(self) -> list[int]:
-        """The reply as the target emitted it: tokens plus the stop id when there is one."""
-        return self.tokens + ([] if self.stop_id is None else [self.stop_id])
 
 
 def row_seed(seed: int, sample_id: str, turn: int) -> int:
     """The seed of one reply's sampler: a pure function of (base seed, sample id, assistant turn)."""
     sid = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little")
     return int(epoch_rng(seed, turn, sid).integers(1 << 62))
-
-
-def context_length(target: Target) -> int | None:
-    """Positions the target's decoder supports (``max_position_embeddings``), when it says."""
-    n = getattr(target.lm_config, "max_position_embeddings", None)
-    return None if n is None else int(n)
 
 
 def _choose(logits_BV: torch.Tensor, cfg: GenerationConfig, gens: list[torch.Generator] | None) -> torch.Tensor:

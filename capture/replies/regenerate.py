@@ -60,7 +60,6 @@ import shutil
 import time
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -68,20 +67,19 @@ from typing import Any, Iterator
 import torch
 
 from capture.config import VLLMConfig
+from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
 from capture.inputs import BadInput, read_inputs
 from capture.provenance import sidecar_path, target_fingerprint
 from capture.replies.stream import stream_windows
 from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.targets.base import Target
-from capture.vllm.engine import check_python as check_vllm_python
 from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.progress import Progress
 from shards.template import read_template_file, template_kwargs, template_sha
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ENGINES = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -123,9 +121,9 @@ class RegenerateConfig:
     """Let a JSONL's audio paths leave its directory (as capture's ``allow_outside_paths``; not in the resume key)."""
     progress: bool = True
     """Show a progress bar with replies/s and tokens/s."""
-    engine: str = "transformers"
-    """What decodes: 'transformers' (in-process, padded batches) or 'vllm' (capture's vLLM worker in generate mode,
-    continuous batching; greedy only)."""
+    engine: str = DEFAULT_ENGINE
+    """What decodes, a name in ``capture.engines.ENGINES``: 'transformers' (in-process, padded batches) or 'vllm'
+    (capture's vLLM worker in generate mode, continuous batching; greedy only)."""
     vllm: VLLMConfig | None = None
     """With engine 'vllm': its parallel sizes and CPU KV cache (None = VLLMConfig's defaults)."""
     vllm_python: str | None = None
@@ -134,14 +132,7 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.replies, ReplyConfig):
             raise ValueError("RegenerateConfig.replies must be a ReplyConfig")
-        if self.engine not in ENGINES:
-            raise ValueError(f"RegenerateConfig.engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "vllm" and not self.replies.generation.greedy:
-            raise ValueError("--engine vllm regenerates greedily only: vLLM's sampler draws other numbers than "
-                             "tapdraft's per-reply seeded one, so its sampled replies would not be reproducible; "
-                             "drop --temperature, or drop --engine vllm")
-        if self.engine == "vllm" and self.vllm is None:
-            object.__setattr__(self, "vllm", VLLMConfig())
+        get_engine(self.engine, "RegenerateConfig.engine").check_regenerate(self)
         for name in ("batch_tokens", "max_batch_size", "window", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -158,7 +149,7 @@ class RegenerateConfig:
         return {"data": self.data, **self.replies.to_dict(), "chat_template": self.chat_template,
                 "template_kwargs": dict(self.template_kwargs), "max_samples": self.max_samples,
                 "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
-                "dtype": self.dtype, **({"engine": self.engine} if self.engine != "transformers" else {})}
+                "dtype": self.dtype, **({"engine": self.engine} if self.engine != DEFAULT_ENGINE else {})}
 
 
 # ------------------------------------------------------------------------------------------ run, resume, merge
@@ -233,13 +224,13 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
             shutil.rmtree(work)
         return {**doc, "run_stats": {"already_complete": True}}
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
-    if cfg.engine == "vllm":
-        check_vllm_python(cfg.vllm_python, cfg.vllm)  # before anything is loaded or written
+    engine_kind = ENGINES[cfg.engine]
+    engine_kind.preflight(cfg)  # before anything is loaded or written
     device = resolve_device(cfg)
     if target is None:
         target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
-                             head_only=cfg.engine == "vllm")  # vLLM runs the decoder: tokenizer and head here
+                             head_only=not engine_kind.loads_decoder)  # vLLM's runs elsewhere: tokenizer and head here
     elif template is not None or cfg.template_kwargs:
         target.use_template(template, dict(cfg.template_kwargs))
     fp = target_fingerprint(target)
@@ -255,7 +246,7 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
     out_dir.mkdir(parents=True, exist_ok=True)
     placeholder = target.input_placeholder
     stats = RunStats()
-    with _engine(cfg, target, device) as engine, torch.inference_mode():
+    with engine_kind.reply_session(cfg, target, device) as engine, torch.inference_mode():
         t0 = time.perf_counter()  # after the engine's start: rates are decoding's
         _run_rank(target, engine, cfg, work, fp, out_dir, placeholder, rank, world, stats, t0)
         stats.seconds = time.perf_counter() - t0
@@ -263,7 +254,7 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
     run_stats = {"conversations": stats.conversations, "replies": stats.replies, "tokens": stats.tokens,
                  "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
     if engine is not None:
-        run_stats["engine"] = {"name": "vllm", "version": engine.version, "startup_s": round(engine.startup_s, 3)}
+        run_stats["engine"] = {"name": cfg.engine, "version": engine.version, "startup_s": round(engine.startup_s, 3)}
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
     doc = merge(cfg, work, out, placeholder, fp, target.template.text)
@@ -273,26 +264,6 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
 def _turns(item: Any, last_only: bool) -> int:
     """Replies a conversation asks for: the progress bar's unit (a bad input counts one)."""
     return 1 if isinstance(item, BadInput) else max(1, len(regenerated_turns(item.messages, last_only)))
-
-
-@contextmanager
-def _engine(cfg: RegenerateConfig, target: Target, device: torch.device) -> Iterator[Any]:
-    """vLLM workers in generate mode for ``engine='vllm'`` (capture.vllm.replies); None in-process."""
-    if cfg.engine != "vllm":
-        yield None
-        return
-    from capture.replies.generate import context_length
-    from capture.vllm.engine import check_target
-    from capture.vllm.replies import VLLMReplies
-
-    check_target(target)
-    assert cfg.vllm is not None
-    ctx = context_length(target) or 8192
-    with VLLMReplies(cfg.vllm, target, python=cfg.vllm_python, target_dir=cfg.target,
-                     dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."), max_model_len=ctx,
-                     max_new_tokens=cfg.replies.generation.max_new_tokens,
-                     threads=cfg.vllm.threads or torch.get_num_threads()) as engine:
-        yield engine
 
 
 def _run_rank(target: Target, engine: Any, cfg: RegenerateConfig, work: Path, fp: str, out_dir: Path,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
+from capture.generation import Generation, ReplyConfig, context_length
 from capture.inputs import BadInput
-from capture.replies.generate import Generation, context_length
-from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, ReplyConfig, RunStats, _check, _drop,
+from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, RunStats, _check, _drop,
                                      _Live, _prompt, output_record, regenerated_turns)
 from capture.targets.base import Prepared, Target
 

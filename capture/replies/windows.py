@@ -33,39 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from capture.generation import Generation, ReplyConfig, context_length
 from capture.inputs import AudioRef, BadInput, Conversation
-from capture.replies.generate import Generation, GenerationConfig, context_length, generate, row_seed
+from capture.replies.generate import generate, row_seed
 from capture.stages import bucket
 from capture.targets.base import Prepared, Target
 from shards.atomic import staged
 from shards.errors import TapdraftError
-
-
-@dataclass(frozen=True)
-class ReplyConfig:
-    """Which assistant turns the target rewrites and how (shared by ``regenerate`` and ``capture --regenerate``)."""
-
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """Greedy or seeded sampling, and the reply length cap."""
-    last_turn_only: bool = False
-    """Replace only the last assistant turn (earlier ones stay as given)."""
-    keep_truncated: bool = False
-    """``--on-limit keep``: keep replies that hit max_new_tokens, marked ``"truncated": true`` (their ids are
-    supervised, no end of turn), instead of dropping them (the default: a target that never ends its turns, from
-    a wrong template or end-of-turn id, then shows as drops rather than as a dataset of cut replies)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.generation, GenerationConfig):
-            raise ValueError("ReplyConfig.generation must be a GenerationConfig")
-
-    @property
-    def from_target(self) -> bool:
-        """Every supervised turn is the target's own greedy reply (offline tau is then exact for greedy decoding)."""
-        return self.generation.greedy and not self.last_turn_only
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"generation": self.generation.to_dict(), "last_turn_only": self.last_turn_only,
-                "keep_truncated": self.keep_truncated}
 
 
 # ------------------------------------------------------------------------------------------ keys and turns

@@ -54,10 +54,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from capture.config import VLLMConfig
 from capture.forward import SampleSpec, sample_fields
 from capture.head import UnsupportedHead
 from capture.targets.base import Prepared, Target
+from capture.vllm.config import VLLMConfig
 from capture.vllm.side import wire
 from shards.errors import CaptureError
 from shards.schema import Layout

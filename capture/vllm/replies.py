@@ -20,9 +20,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from capture.config import VLLMConfig
-from capture.replies.generate import Generation
+from capture.generation import Generation
 from capture.targets.base import Prepared, Target
+from capture.vllm.config import VLLMConfig
 from capture.vllm.engine import VLLMEngine, request
 from capture.vllm.side import wire
 

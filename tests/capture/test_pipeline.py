@@ -105,7 +105,7 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
     assert not (cut_dir / "manifest.json").exists()
     part = json.loads((cut_dir / "_parts" / "train-rank00000.json").read_text())
     assert len(part["shards"]) >= 1  # some shards were final before the kill, some work was lost
-    from capture.pipeline import torch_threads
+    from capture.stages import torch_threads
 
     # resumed where torch has another count: it computes on the count the capture began with
     with torch_threads(2), pytest.warns(UserWarning, match="with the 1 CPU threads it began with"):

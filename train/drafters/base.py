@@ -1,11 +1,12 @@
-"""The drafter protocol the loop, eval and export use, the family registry, the frozen target pieces, and the
+"""The drafter protocol the loop, eval and export use, the family lookup, the frozen target pieces, and the
 ONE loss rule.
 
-A drafter family (``dflash``, ``dflash2``, ``mtp``, ``eagle3``, ``mtp_native``) is a folder
+A drafter family (one per ``FAMILIES`` entry) is a folder
 ``train/drafters/<family>/`` whose model module defines ``CONFIG`` (a frozen dataclass, validated in
 ``__post_init__``) and ``DRAFTER`` (a :class:`Drafter` subclass, which also owns the family's export layouts). The
-registry maps a family name to that module path; nothing is imported until a family is asked for
-(no import-time registration side effects). A new family is one folder, one line in ``FAMILIES`` and one recipe.
+registry (``FAMILIES``, in ``train/drafters/__init__.py``, re-exported here) maps a family name to that module path;
+nothing is imported until a family is asked for (no import-time registration side effects). A new family is one
+folder, one line in ``FAMILIES`` and one recipe.
 
 Loss normalisation (the one home of the rule): a drafter's ``forward(batch)`` returns
 :class:`LossOutput` whose ``terms`` are ``{name: (sum, count, weight)}`` of LOCAL, unnormalised
@@ -35,20 +36,9 @@ from torch import nn
 from shards.bundle import TargetBundle
 from shards.head import head_spec, teacher_logits
 from shards.schema import Layout
+from train.drafters import FAMILIES
 from train.drafters.common import export_files
 
-FAMILIES: dict[str, str] = {
-    "dflash": "train.drafters.dflash.model",
-    "dflash2": "train.drafters.dflash2.model",
-    "mtp": "train.drafters.mtp.model",
-    "eagle3": "train.drafters.eagle3.model",
-    "mtp_native": "train.drafters.mtp_native.model",
-    "dspark": "train.drafters.dspark.model",
-    "lilicorr": "train.drafters.lilicorr.model",
-}
-"""Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
-DEFAULT_FAMILY = "dflash"
-"""The family of a recipe or run config that names none."""
 
 
 @dataclass

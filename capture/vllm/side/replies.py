@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from . import wire
+from .prompts import prompts
 
 ALIVE_S = 30.0
 
@@ -38,8 +39,6 @@ def build(llm: dict[str, Any]) -> Any:
 def serve_replies(sock: Any, start: dict[str, Any]) -> None:
     """Build the engine, say ready, then generate until a stop frame or a closed socket."""
     from vllm import SamplingParams, __version__
-
-    from .worker import prompts
 
     llm = build(start["llm"])
     wire.send(sock, {"kind": "ready", "vllm": __version__})

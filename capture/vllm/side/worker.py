@@ -26,10 +26,9 @@ import sys
 import traceback
 from typing import Any
 
-import numpy as np
-
 from . import wire
 from .connector import SOCKET_KEY, TAG_KEY
+from .prompts import prompts
 
 
 EAGLE3_HINT = ("stock vLLM 0.32 lets extract_hidden_states read the layers of a speech target's language model only "
@@ -45,23 +44,6 @@ def build_llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:
         if "does not support EAGLE3 interface" in str(e):
             raise RuntimeError(EAGLE3_HINT) from e
         raise
-
-
-def prompts(reqs: list[dict[str, Any]], payload: bytearray) -> list[dict[str, Any]]:
-    """vLLM prompts of a run frame: token ids, and each request's waveforms from the payload as multi_modal_data."""
-    out, at = [], 0
-    for r in reqs:
-        prompt: dict[str, Any] = {"prompt_token_ids": r["prompt_token_ids"]}
-        waves = []
-        for n in r.get("audio") or []:
-            waves.append((np.frombuffer(payload, dtype=np.float32, count=n, offset=at), r["sample_rate"]))
-            at += 4 * n
-        if waves:
-            prompt["multi_modal_data"] = {"audio": waves}
-        out.append(prompt)
-    if at != len(payload):
-        raise ValueError(f"run frame: {len(payload)} payload bytes for {at} bytes of audio")
-    return out
 
 
 def _llm(address: str, llm: dict[str, Any], layer_ids: list[int]) -> Any:

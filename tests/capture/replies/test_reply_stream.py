@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import capture.replies.regenerate as rg
+from capture.engines import DEFAULT_ENGINE, ENGINES
 from capture.replies.generate import GenerationConfig, generate
 from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
 from capture.replies.windows import ReplyConfig
@@ -55,7 +56,7 @@ def _with(monkeypatch, make):
         engines.append(make(target, cfg.replies.generation))
         yield engines[-1]
 
-    monkeypatch.setattr(rg, "_engine", fake)
+    monkeypatch.setattr(ENGINES[DEFAULT_ENGINE], "reply_session", fake)  # a streaming engine in place of in-process
     return engines
 
 

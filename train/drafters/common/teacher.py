@@ -24,6 +24,7 @@ import torch
 
 from shards.head import HeadSpec, teacher_logits
 from shards.schema import Layout
+from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS
 
 
 @dataclass
@@ -55,17 +56,13 @@ class TopKTeacher:
     logprobs_Rk: torch.Tensor
 
 
-LOSSLESS_TAPS_CODECS = ("bf16",)
-"""Taps codecs that keep the target's states as it computed them (bf16); fp8 is lossy."""
-
-
 def exact_last_tap(layout: Layout) -> int | None:
     """Index of the last-layer tap when it can serve as the exact last hidden state, else None.
 
     The exact teacher and MTP's h^0 promise the target's own distribution: a last layer stored
     through a lossy taps codec (fp8) would silently break that promise, so it does not count.
     """
-    if getattr(layout, "taps_codec", "bf16") not in LOSSLESS_TAPS_CODECS:
+    if not TAPS_CODECS[getattr(layout, "taps_codec", DEFAULT_TAPS_CODEC)].lossless:
         return None
     return getattr(layout, "last_layer_tap", None)
 

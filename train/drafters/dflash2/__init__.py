@@ -1,1 +1,4 @@
 """DFlash2: DFlash with convolutional sublayers and a learned path selector."""
+
+LAYOUTS: tuple[str, ...] = ("speculators",)
+"""Export layouts besides the native one (no ``--layout``): speculators' DFlash2 format."""

@@ -49,10 +49,8 @@ from train.drafters.common.losses import slot_weights
 from train.drafters.common.teacher import last_hidden
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
+from train.drafters.dspark import LAYOUTS
 from train.drafters.dspark.markov import HEAD_TYPES, ConfidenceHead, MarkovHead, walk
-
-LAYOUTS = ("qwen3_omni",)
-"""Export layouts besides the native one (``Qwen3DSparkModel``)."""
 
 
 @dataclass(frozen=True)

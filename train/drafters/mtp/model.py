@@ -61,6 +61,7 @@ from train.drafters.common.divergences import tv_full
 from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from train.drafters.mtp import DEFAULT_LAYOUT
 from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.heads import MTPHead, _Model
 from train.drafters.mtp.layouts import convert
@@ -69,7 +70,7 @@ from train.drafters.mtp.loss import MTPLoss
 
 class MTPDrafter(MTPLoss, Drafter):
     family = "mtp"
-    default_layout = "deepseek"
+    default_layout = DEFAULT_LAYOUT
 
     def __init__(self, config: MTPConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)

@@ -70,7 +70,7 @@ from capture.vllm.engine import check_target as check_vllm_target
 from capture.vllm.engine import layer_ids as vllm_layer_ids
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
-from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
+from shards.manifest import (complete_manifest, dataset_fingerprint, discard_dataset,
                              foreign_directory, write_or_check_bundle, writer_lock)
 from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
@@ -523,17 +523,9 @@ def check_inputs(cfg: CaptureConfig) -> None:
 
 
 def discard_capture(out: Path) -> None:
-    """``capture --restart``: remove what an earlier capture wrote into ``out`` (its shards, parts, bundle,
-    record, manifest and card), keeping only the lock files of the ranks running now."""
-    for name in (MANIFEST, CARD, CONFIG_FILE):
-        for p in (out / name, out / (name + ".tmp")):
-            p.unlink(missing_ok=True)
-    for name in (DATA_DIR, TARGET_DIR):
-        for p in (out / name, out / (name + ".tmp"), out / (name + ".old")):
-            shutil.rmtree(p, ignore_errors=True)
-    for p in (out / PARTS_DIR).glob("*"):
-        if not p.name.endswith(".lock"):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    """``capture --restart``: remove what an earlier capture wrote into ``out`` and nothing else
+    (``shards.manifest.discard_dataset``), keeping the lock files of the ranks running now."""
+    discard_dataset(out, own=(CONFIG_FILE,))
 
 
 def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int,

@@ -47,14 +47,21 @@ def test_foreign_directory(tmp_path):
     assert not foreign_directory(str(tmp_path / "missing")) and not foreign_directory(str(tmp_path))
     (tmp_path / ".lock").write_text("1")
     assert not foreign_directory(str(tmp_path))  # hidden entries do not count
-    (tmp_path / "target.tmp").mkdir()  # a capture that crashed while writing its bundle
-    assert not foreign_directory(str(tmp_path))
     other = tmp_path / "other"
     other.mkdir()
     (other / "README.md").write_text("my project")
     assert foreign_directory(str(other))
+    for folder in ("data", "index", "target", "target.tmp"):  # a project has these too: they prove nothing
+        (other / folder).mkdir()
+        assert foreign_directory(str(other)), folder
     (other / "capture_config.json").write_text("{}")
     assert not foreign_directory(str(other), own=("capture_config.json",))
+    (other / "capture_config.json").unlink()
+    (other / "_parts").mkdir()  # every writer's lock makes it before writing anything else
+    assert not foreign_directory(str(other))
+    (other / "_parts").rmdir()
+    (other / "manifest.json").write_text("{}")
+    assert not foreign_directory(str(other))
 
 
 def test_capture_refuses_a_foreign_out_directory(salm_dir, tone_manifest, tmp_path):

@@ -466,13 +466,15 @@ def export(
                                "vllm-qwen3-next or nemo-salm. README says which engine loads which."),
     verifier: str = typer.Option(None, "--verifier", help="--layout speculators: the target's hub id or directory "
                                  "name, as the format records it (speculators_config.verifier)."),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="A checkpoint directory of the run "
+                                   "(RUN/checkpoints/step-N) instead of its latest."),
 ) -> None:
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
 
     from train.export import export_run, format_export
 
-    res = export_run(draft, out, layout=layout, verifier=verifier)
+    res = export_run(draft, out, checkpoint=checkpoint, layout=layout, verifier=verifier)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
 
 

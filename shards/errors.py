@@ -76,6 +76,11 @@ class InputChangedError(TapdraftError, ValueError):
     """A resumed capture's input no longer has the content the capture started from."""
 
 
+class DivergedError(TapdraftError, ValueError):
+    """Training went non-finite (a loss, a gradient norm or a weight): such a step is never applied, a checkpoint
+    of such weights is never saved, and they are never exported."""
+
+
 class Interrupted(TapdraftError):
     """Ctrl-C or SIGTERM stopped a command after it saved what it could; the message says what was kept."""
 

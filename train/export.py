@@ -23,7 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from shards.errors import DivergedError
 from shards.template import template_sha
+from train.checkpoints import nonfinite
 from train.drafters.base import Drafter, get_family
 
 
@@ -35,10 +39,20 @@ def family_of(cfg: dict[str, Any]) -> type[Drafter]:
     return get_family(family)[1]
 
 
+def check_finite(weights: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse weights holding a NaN or an infinity: a server loads them and proposes garbage with no warning."""
+    bad = nonfinite(weights)
+    if bad:
+        raise DivergedError(f"{where} holds {len(bad)} non-finite tensor(s) of {len(weights)} (first: {bad[0]}): the "
+                            "run diverged, so nothing was exported; export an earlier checkpoint (--checkpoint) or train "
+                            "again with a lower lr")
+
+
 def export_drafter(model: Drafter, out_dir: str | os.PathLike, meta: dict[str, Any], *,
                    layout: str | None = None) -> Path:
     """Export a drafter in memory: its trainable weights and ``export_config()`` plus ``meta``."""
     weights, cfg = type(model).export_layout(model.trainable_state_dict(), model.export_config(), layout)
+    check_finite(weights, "the drafter")
     return type(model).write_export(out_dir, weights, cfg, meta)
 
 
@@ -66,6 +80,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     native = cfg
     family = family_of(native)
     weights, cfg = family.export_layout(state.draft, native, layout, verifier=verifier)
+    check_finite(weights, str(ck))
     out = family.write_export(out_dir, weights, cfg, meta)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state.step), "parameters": n, "tensors": len(weights),

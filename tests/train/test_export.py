@@ -1,0 +1,81 @@
+"""An export is one unit: written whole in a fresh folder, committed in one rename under a lock, never into the run
+or over a directory that is not an export; what an earlier export did not write is carried over."""
+
+import json
+import shutil
+
+import pytest
+
+from cli import main
+from dflash_fixtures import tiny_dataset
+from shards.lock import exclusive_lock
+from train.config import load_run_config
+from train.drafters.common import export_files
+from train.loop import train
+
+FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
+        "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]", "max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two finished runs of one dataset: dflash_b8 and dflash (block sizes 8 and 16)."""
+    root = tmp_path_factory.mktemp("runs")
+    mem = tiny_dataset(root, n=8, min_len=16, max_len=24)
+    for name in ("dflash_b8", "dflash"):
+        train(load_run_config(name, overrides=FAST), mem.path, root / name)
+    return root
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _export(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(["export", *map(str, args)])
+    err = capsys.readouterr().err.strip()
+    return e.value.code, err
+
+
+def test_a_kill_between_the_files_leaves_the_old_export_whole(runs, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "exp"
+    assert _export(capsys, "--draft", runs / "dflash_b8", "--out", out)[0] == 0
+    before = _tree(out)
+    real = export_files.staged
+
+    def killed(dest):
+        if dest.name == export_files.CONFIG:  # the weights of the other run are written, its config not yet
+            raise KeyboardInterrupt
+        return real(dest)
+
+    monkeypatch.setattr(export_files, "staged", killed)
+    assert _export(capsys, "--draft", runs / "dflash", "--out", out)[0] == 130
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    monkeypatch.setattr(export_files, "staged", real)
+    (out / "README.md").write_text("my model card")  # the user's, beside the export
+    assert _export(capsys, "--draft", runs / "dflash", "--out", out)[0] == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["block_size"] == 16 and (out / "README.md").read_text() == "my model card"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no temp, old or lock file left
+
+
+def test_a_second_export_meanwhile_is_refused_and_the_run_and_foreign_folders_are_never_an_out(runs, tmp_path,
+                                                                                              capsys):
+    out = tmp_path / "exp"
+    with exclusive_lock(str(out) + ".lock", "an export", guards=out):
+        code, err = _export(capsys, "--draft", runs / "dflash", "--out", out)
+    assert code == 2 and err.startswith("error: ") and "in use by an export" in err and "\n" not in err, err
+    assert not out.exists()
+    run = runs / "dflash"
+    before = _tree(run)
+    for bad in (run, runs):
+        code, err = _export(capsys, "--draft", run, "--out", bad)
+        assert code == 2 and "is the run" in err and "\n" not in err, err
+    assert _tree(run) == before
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    code, err = _export(capsys, "--draft", run, "--out", project)
+    assert code == 2 and "not a draft export" in err and _tree(project) == {"notes.txt": b"mine"}, err
+    shutil.rmtree(project)

@@ -3,6 +3,7 @@ or over a directory that is not an export; what an earlier export did not write 
 
 import json
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
@@ -79,3 +80,25 @@ def test_a_second_export_meanwhile_is_refused_and_the_run_and_foreign_folders_ar
     code, err = _export(capsys, "--draft", run, "--out", project)
     assert code == 2 and "not a draft export" in err and _tree(project) == {"notes.txt": b"mine"}, err
     shutil.rmtree(project)
+
+
+def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(runs, tmp_path, capsys, monkeypatch):
+    import signal
+
+    from train import export
+
+    out = tmp_path / "exp"
+    assert _export(capsys, "--draft", runs / "dflash_b8", "--out", out)[0] == 0
+    before = _tree(out)
+    real = export.staged
+
+    @contextmanager
+    def hit(dest):
+        with real(dest) as tmp:
+            yield tmp  # the new export is written whole in its temp folder, then the signal lands
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(export, "staged", hit)
+    code, err = _export(capsys, "--draft", runs / "dflash", "--out", out)
+    assert code == 130 and err.startswith("interrupted: export stopped by SIGTERM: ") and "is as it was" in err, err
+    assert "\n" not in err and _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exp"]

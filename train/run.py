@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"  checkpoint {s.get('checkpoint')}")
     if s.get("curves") or s.get("tensorboard"):
         lines.append(f"  curves {s.get('curves', '-')}; metrics {s.get('metrics')}; TensorBoard: tensorboard --logdir "
-                     f"{s.get('tensorboard')}")
+                     f"{shlex.quote(str(s.get('tensorboard')))}")  # a command to paste: quoted for the shell
     return "\n".join(lines)
 
 

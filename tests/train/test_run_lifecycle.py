@@ -72,6 +72,11 @@ def test_finished_run_is_left_alone(tmp_path, mem, capsys):
     assert format_summary(first).startswith("trained dflash to step 2 of 2")
 
 
+def test_the_tensorboard_command_in_the_summary_is_quoted_for_the_shell():
+    text = format_summary({"steps": 1, "max_steps": 1, "tensorboard": "/runs/my run/tensorboard", "curves": "c.png"})
+    assert "tensorboard --logdir '/runs/my run/tensorboard'" in text
+
+
 def test_metrics_never_repeat_a_step_after_a_resume(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=2", "keep_checkpoints=5"])
     train(run, mem.path, tmp_path / "full")

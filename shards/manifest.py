@@ -49,7 +49,7 @@ TOPK_ROWS = "row t is stored when loss_mask[t + 1] (topk_rows, ascending); log-p
 
 def check_split(split: str) -> str:
     if not _SPLIT_RE.match(split):
-        raise ValueError(f"split name {split!r} must be letters, digits or underscores")
+        raise ValueError(f"split name {split!r} must be letters, digits or underscores (e.g. --data validation=FILE)")
     return split
 
 

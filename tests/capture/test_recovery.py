@@ -134,3 +134,11 @@ def test_restart_leaves_what_a_fresh_capture_leaves_and_keeps_what_it_did_not_wr
     assert run(capture_args(salm_dir, good, fresh, "--shard-bytes", "6000"), capsys)[0] == 0
     assert sorted(_tree(out)) == sorted(_tree(fresh))
     assert run(["verify", out], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("name", ["a*b", "../../x"])
+def test_a_bad_split_name_is_refused_before_anything_is_captured(salm_dir, good, tmp_path, capsys, name):
+    out = tmp_path / "ds"
+    code, err = run(capture_args(salm_dir, good, out, "--data", f"{name}={good}"), capsys)
+    assert code == 2 and f"split name {name!r} must be letters, digits or underscores" in one_line(err)
+    assert not out.exists()

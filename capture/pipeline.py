@@ -54,7 +54,7 @@ import torch
 from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
                             portable_path)
 from capture.forward import SampleSpec, run_batch
-from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
+from capture.inputs import BadInput, check_input, header_seconds, input_digest, read_inputs, stored_source
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
 from capture.replies.fused import fused_window
 from capture.replies.regenerate import RegenerateConfig, regenerate
@@ -92,11 +92,39 @@ class WindowPlan:
     batches: list[list[Prepared]] = field(default_factory=list)
 
 
-def prepare_window(target: Target, chunk: list[tuple[int, Any]]) -> list[Prepared | Skip]:
+HEADER_MARGIN = 2.0
+"""A sample is skipped as too long from its audio headers, before decoding, when its audio alone is more than this
+many times the positions that fit (at the target's nominal seconds a frame): sure to be too long whatever an encoder's
+rounding, so nothing that fits is skipped; anything closer is decoded and measured exactly (``plan_window``)."""
+
+
+def _too_long_unheard(target: Target, item: Any, limit: tuple[int, str] | None) -> str | None:
+    """Why ``item`` is too long, told from its audio headers alone (None when they do not tell)."""
+    frame_s = target.audio_bundle().get("frame_seconds") if limit is not None and item.audios else None
+    if not frame_s:
+        return None
+    seconds = [header_seconds(a) for a in item.audios]
+    if any(s is None for s in seconds) or sum(seconds) / frame_s <= HEADER_MARGIN * limit[0]:
+        return None
+    return (f"too long: {sum(seconds):.1f}s of audio (from its header, not decoded) is about "
+            f"{int(sum(seconds) / frame_s)} positions > {limit[1]} {limit[0]}")
+
+
+def prepare_window(target: Target, chunk: list[tuple[int, Any]], *, max_length: int | None = None,
+                   max_positions: int | None = None) -> list[Prepared | Skip]:
+    """Each input prepared for the forward (audio decoded), or a Skip: a bad input, or one whose audio headers
+    already show it too long for ``max_length`` / the target's ``max_positions`` (never decoded)."""
+    limits = [(n, what) for n, what in ((max_length, "max_length"), (max_positions, "the target's "
+              "max_position_embeddings")) if n is not None]
+    limit = min(limits) if limits else None
     out: list[Prepared | Skip] = []
     for idx, item in chunk:
         if isinstance(item, BadInput):
             out.append(Skip(idx, item.sample_id, item.reason, "error", item.line, item.source))
+            continue
+        why = _too_long_unheard(target, item, limit)
+        if why is not None:
+            out.append(Skip(idx, item.sample_id, why, "too_long", item.line, item.source))
             continue
         try:
             out.append(target.prepare(item, idx))
@@ -378,6 +406,7 @@ def capture_split(
     wt = _WriterThread(writer, stats, on_error=cfg.on_error, queue_size=cfg.queue_size,
                        unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
     sample_spec = SampleSpec.of(layout, cfg.row_chunk)
+    prepare = partial(prepare_window, max_length=cfg.max_length, max_positions=target.max_positions)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
     done = min(writer.num_done, total)
@@ -393,11 +422,11 @@ def capture_split(
                 nxt, fut = None, None
             else:
                 nxt = next(wins, None)
-                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+                fut = pool.submit(prepare, target, nxt) if nxt is not None else None
             while fut is not None:
                 prepared = fut.result()
                 nxt = next(wins, None)
-                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+                fut = pool.submit(prepare, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, max_length=cfg.max_length, batch_tokens=cfg.batch_tokens,
                                    max_batch_size=cfg.max_batch_size, max_positions=target.max_positions)
                 done, stop = _run_window(target, engine, sample_spec, plan, writer, wt, report, done,

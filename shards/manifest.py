@@ -1,7 +1,7 @@
 """The dataset directory: file naming, manifest.json (written last, atomically) and the README card.
 
     manifest.json                      complete: true only once every shard is final
-    README.md                          dataset card generated from the manifest
+    README.md                          dataset card generated from the manifest (its sha256 in the manifest's card)
     target/                            target bundle (shards.bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
     index/train-00000-of-00012.arrow.json   each shard's record batches and checksums (shards.shard_index)
@@ -318,6 +318,18 @@ def card_front_matter(m: dict[str, Any]) -> str:
 
 UPLOAD_IGNORE = ["manifest.json", "_parts/**", "**/*.tmp", "**/*.lock", ".*"]
 """What a first upload leaves out: the manifest goes last (the commit point), partial indexes and temp files never."""
+
+
+CARD_KEY = "card"
+"""Manifest key ``{bytes, sha256}`` of README.md as finalize wrote it (absent from manifests written before it was
+recorded: their card is not checked)."""
+
+
+def card_record(data: bytes) -> dict[str, Any]:
+    """The manifest's record of the card's bytes (``CARD_KEY``)."""
+    import hashlib
+
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def render_card(m: dict[str, Any]) -> str:

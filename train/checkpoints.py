@@ -95,6 +95,21 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return cands[-1] if cands else None
 
 
+def load_latest(out: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, Checkpoint] | None:
+    """(path, state) of the latest checkpoint of run ``out`` (None: it has none). A training still running prunes its
+    older checkpoints: one deleted between finding it and opening it is followed by the newer one that replaced it,
+    never a raw ``[Errno 2] ... state.pt``."""
+    while True:
+        ck = latest_checkpoint(out)
+        if ck is None:
+            return None
+        try:
+            return ck, load_checkpoint(ck, map_location)
+        except FileNotFoundError:
+            if latest_checkpoint(out) == ck:  # not pruned: gone for another reason
+                raise
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
     """The checkpoint in directory ``path``, loaded without running any code it holds (ValueError when it holds
     anything but tensors and plain types, or a version this code does not read)."""

@@ -65,7 +65,7 @@ def commit_export(out_dir: str | os.PathLike, write: Callable[[Path], Any], *, r
     ``out_dir`` is new, empty or an earlier export; what an earlier export did not write (a model card, ``.git``)
     is carried into the new one (hard links, a copy where the filesystem has none). Anything else (a file, another
     non-empty directory, the run itself or a folder holding it) is refused before anything is written."""
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))
     if run is not None and (out.resolve() == run.resolve() or out.resolve() in run.resolve().parents):
         raise ValueError(f"--out {out} is the run {run} (or holds it): export into another directory")
     with exclusive_lock(Path(str(out) + ".lock"), "an export", guards=out):
@@ -122,13 +122,15 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
 
     ``layout``: one of the family's layouts (``Drafter.export_layout``; None: its default; ``speculators`` names the
     target: ``verifier``)."""
-    from train.checkpoints import latest_checkpoint, load_checkpoint
+    from train.checkpoints import STATE_FILE, load_checkpoint, load_latest
 
     run = Path(run_dir)
-    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
-    if ck is None:
+    if checkpoint and not (Path(checkpoint) / STATE_FILE).is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} holds no {STATE_FILE}: give one of {run}/checkpoints/step-N")
+    found = (Path(checkpoint), load_checkpoint(checkpoint)) if checkpoint else load_latest(run)
+    if found is None:
         raise FileNotFoundError(f"{run} has no checkpoint (expected {run}/checkpoints/step-*/state.pt); train first")
-    state = load_checkpoint(ck)
+    ck, state = found
     cfg = state.export_config
     if not cfg:
         raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")

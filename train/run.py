@@ -29,7 +29,7 @@ from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.reader import open_dataset
 from shards.template import check_template
-from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint
+from train.checkpoints import Checkpoint, latest_checkpoint, load_latest
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafters.base import Drafter, get_family
@@ -146,10 +146,10 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: {run_dir} is not a training run directory")
     run = RunConfig.load(cfg_path)
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
+    found = load_latest(run_dir)
+    if found is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint yet; train first")
-    return run, ck, load_checkpoint(ck)
+    return run, *found
 
 
 def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu",

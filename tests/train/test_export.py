@@ -102,3 +102,32 @@ def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(runs, tmp_pat
     code, err = _export(capsys, "--draft", runs / "dflash", "--out", out)
     assert code == 130 and err.startswith("interrupted: export stopped by SIGTERM: ") and "is as it was" in err, err
     assert "\n" not in err and _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+
+
+def test_a_checkpoint_pruned_while_it_is_opened_is_followed_by_the_newer_one(runs, tmp_path, monkeypatch, capsys):
+    """eval and export read the latest checkpoint while a training may prune it: a raw ``[Errno 2] ... state.pt``
+    before; now the newer checkpoint that replaced it is read."""
+    from train import checkpoints
+    from train.run import load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "dflash_b8", run)
+    old = checkpoints.latest_checkpoint(run)
+    real = checkpoints.load_checkpoint
+
+    def pruned(path, *a, **kw):  # the training saves step N+1 and prunes step N just as it is opened
+        if path == old and (run / "checkpoints" / "step-0000003").exists() is False:
+            shutil.copytree(old, run / "checkpoints" / "step-0000003")
+            shutil.rmtree(old)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(checkpoints, "load_checkpoint", pruned)
+    _, ck, state = load_run(run)
+    assert ck.name == "step-0000003" and state.step == 2
+    shutil.rmtree(run / "checkpoints" / "step-0000003")
+    shutil.copytree(runs / "dflash_b8" / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
+    code, err = _export(capsys, "--draft", run, "--out", tmp_path / "exp")
+    assert code == 0 and "step-0000003" in json.loads((tmp_path / "exp" / "config.json").read_text())["tapdraft"][
+        "source_checkpoint"], err
+    code, err = _export(capsys, "--draft", run, "--out", tmp_path / "exp2", "--checkpoint", run / "nope")
+    assert code == 2 and "holds no state.pt" in err and "\n" not in err, err

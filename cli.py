@@ -8,10 +8,14 @@ problems or a bug); ``tapdraft --debug COMMAND`` also prints the traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import typer
 
@@ -24,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-_RUN = {"debug": False}
+_RUN: dict = {"debug": False, "signal": ""}
 
 THREADS_HELP = "CPU threads for torch (0: auto = half the CPUs this process may use, at most 8)."
 # options several commands share: one wording each
@@ -54,6 +58,18 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an error, pri
     whole chain on a built-in task.
     """
     _RUN["debug"] = debug
+
+
+@contextmanager
+def _kept_on_interrupt(command: str, kept: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM (``main`` makes SIGTERM a KeyboardInterrupt, as train and capture take Ctrl-C) during
+    ``command``: exit 130 with one line saying what was kept, as train's, instead of a bare 130 or 143."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from shards.errors import Interrupted
+
+        raise Interrupted(f"{command} stopped by {_RUN['signal'] or 'SIGINT'}: {kept}") from None
 
 
 def _threads(n: int) -> int:
@@ -286,7 +302,9 @@ def push(
     """Upload a dataset: shards and bundle first (resumable multipart, each object verified), manifest.json last."""
     from shards.transfer import push as run_push
 
-    st = run_push(dataset, url)
+    with _kept_on_interrupt("push", f"what was sent to {url} is kept and its manifest.json, written last, is not "
+                            "yet new; rerun the same command to resume"):
+        st = run_push(dataset, url)
     typer.echo(f"{url}: up to date ({st['files']} files)" if st["up_to_date"] else
                f"{url}: {st['uploaded']} uploaded ({st['bytes_sent']} bytes), {st['copied']} copied on the store, "
                f"{st['skipped']} already there; manifest written last")
@@ -300,7 +318,9 @@ def pull(
     """Download a dataset (resumable), verify every shard's sha256 and the bundle, write manifest.json last."""
     from shards.transfer import pull as run_pull
 
-    st = run_pull(url, dest)
+    with _kept_on_interrupt("pull", f"the files downloaded into {dest} are kept (manifest.json is written last); "
+                            "rerun the same command to resume"):
+        st = run_pull(url, dest)
     typer.echo(f"{dest}: up to date ({st['files']} files)" if st["up_to_date"] else
                f"{dest}: {st['downloaded']} downloaded ({st['bytes_received']} bytes), {st['skipped']} already there; "
                "verified, manifest written last")
@@ -337,7 +357,8 @@ def derive(
         raise ValueError(f"--taps {taps!r}: give comma-separated integer tap ids, e.g. 1,9,17") from None
     cfg = DeriveConfig(src=src, out=out, taps=tap_ids, codec=codec, splits=_list(splits), max_samples=max_samples,
                        top_k=top_k, zstd_level=zstd_level, bf16_layout=bf16_layout, writers=writers)
-    derive_dataset(cfg)
+    with _kept_on_interrupt("derive", f"the finished shards in {out} are kept; rerun the same command to resume"):
+        derive_dataset(cfg)
     typer.echo(render_summary(summary(open_dataset(out))))
 
 
@@ -477,13 +498,17 @@ def export(
     layout: str = typer.Option(None, "--layout", help=_layout_help()),
     verifier: str = typer.Option(None, "--verifier", help="--layout speculators: the target's hub id or directory "
                                  "name, as the format records it (speculators_config.verifier)."),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="A checkpoint directory of the run "
+                                   "(RUN/checkpoints/step-N) instead of its latest."),
 ) -> None:
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
 
     from train.export import export_run, format_export
 
-    res = export_run(draft, out, layout=layout, verifier=verifier)
+    with _kept_on_interrupt("export", f"{out} is as it was (an export is committed whole or not at all); rerun the "
+                            "same command"):
+        res = export_run(draft, out, checkpoint=checkpoint, layout=layout, verifier=verifier)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
 
 
@@ -559,11 +584,9 @@ def main(argv: list[str] | None = None) -> None:
     a warning of tapdraft's own is one ``warning:`` line. The same holds for such an error in a library's
     thread (TensorBoard writes its event files from one, then raises the error again in the caller): one line,
     not the thread's traceback and then the line."""
-    import threading
-
     from shards.errors import EXIT_INTERRUPTED, classify
 
-    _RUN["debug"] = False
+    _RUN["debug"], _RUN["signal"] = False, ""
     warnings.formatwarning = _format_warning
     said: set[str] = set()
     thread_hook = threading.excepthook
@@ -576,7 +599,13 @@ def main(argv: list[str] | None = None) -> None:
             said.add(verdict[1])
             typer.echo(f"error: {verdict[1]}", err=True)
 
+    def terminate(signum: int, frame: object) -> None:  # SIGTERM stops a command as Ctrl-C does (train: its own)
+        _RUN["signal"] = signal.Signals(signum).name
+        raise KeyboardInterrupt
+
     threading.excepthook = one_line
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, terminate) if main_thread else None
     try:
         _tagged(typer.main.get_command(app))(args=argv, prog_name="tapdraft")
     except Exception as e:  # SystemExit and KeyboardInterrupt pass (typer turns Ctrl-C into exit 130)
@@ -593,6 +622,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(verdict[0]) from None
     finally:
         threading.excepthook = thread_hook
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

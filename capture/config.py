@@ -35,6 +35,7 @@ from capture.generation import ReplyConfig
 from capture.vllm.config import VLLMConfig
 from shards.errors import InputChangedError
 from shards.template import template_kwargs
+from shards.manifest import check_split
 from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
 from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields
 
@@ -153,8 +154,8 @@ class CaptureConfig:
         if not self.data:
             raise ValueError("CaptureConfig.data is empty: give at least one (split, input) pair")
         object.__setattr__(self, "data", tuple((str(s), str(p)) for s, p in self.data))
-        splits = [s for s, _ in self.data]
-        if len(set(splits)) != len(splits):
+        splits = [check_split(s) for s, _ in self.data]  # before any work: a bad name after a captured split was
+        if len(set(splits)) != len(splits):             # refused only then, and its fix refused as a changed setting
             raise ValueError(f"CaptureConfig.data names a split twice: {splits}")
         if self.taps is not None:
             object.__setattr__(self, "taps", tuple(sorted({int(t) for t in self.taps})))

@@ -484,6 +484,22 @@ def _check_header(info: str, name: str, sr: int, frame_bytes: int) -> None:
                          "truncated; re-copy it")
 
 
+def header_seconds(ref: AudioRef) -> float | None:
+    """Seconds ``ref`` will decode to, read from the file's header alone (no sample decoded: a 1-hour WAV is 3.4 GB
+    once decoded); None when the header cannot tell (``load_audio`` then decodes and names the problem)."""
+    import soundfile as sf
+
+    if ref.array is not None:
+        return len(ref.array) / ref.sample_rate if ref.sample_rate else None
+    try:
+        with sf.SoundFile(io.BytesIO(ref.data) if ref.data is not None else ref.path) as f:
+            sr, total = int(f.samplerate), f.frames
+        start, count = _span(ref, sr, total)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError):
+        return None
+    return ((total - start) if count < 0 else count) / sr
+
+
 def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarray, float]:
     """Decode, mix to mono, cut [offset, offset + duration), resample -> (float32 waveform, seconds)."""
     import soundfile as sf

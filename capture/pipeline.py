@@ -54,7 +54,7 @@ from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, Captur
                             portable_path)
 from capture.engines import ENGINES
 from capture.forward import SampleSpec, run_batch
-from capture.inputs import BadInput, check_input, input_digest, read_inputs, stored_source
+from capture.inputs import BadInput, check_input, header_seconds, input_digest, read_inputs, stored_source
 from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
 from capture.replies.fused import fused_window
 from capture.replies.regenerate import RegenerateConfig, regenerate
@@ -67,7 +67,7 @@ from capture.targets.load import load_target
 from capture.vllm.engine import VLLMEngine, vllm_batches
 from shards.atomic import staged
 from shards.errors import CaptureError, Interrupted
-from shards.manifest import (CARD, DATA_DIR, MANIFEST, PARTS_DIR, TARGET_DIR, complete_manifest, dataset_fingerprint,
+from shards.manifest import (complete_manifest, dataset_fingerprint, discard_dataset,
                              foreign_directory, write_or_check_bundle, writer_lock)
 from shards.progress import Progress
 from shards.schema import Layout, NonFiniteError
@@ -89,11 +89,39 @@ class WindowPlan:
     batches: list[list[Prepared]] = field(default_factory=list)
 
 
-def prepare_window(target: Target, chunk: list[tuple[int, Any]]) -> list[Prepared | Skip]:
+HEADER_MARGIN = 2.0
+"""A sample is skipped as too long from its audio headers, before decoding, when its audio alone is more than this
+many times the positions that fit (at the target's nominal seconds a frame): sure to be too long whatever an encoder's
+rounding, so nothing that fits is skipped; anything closer is decoded and measured exactly (``plan_window``)."""
+
+
+def _too_long_unheard(target: Target, item: Any, limit: tuple[int, str] | None) -> str | None:
+    """Why ``item`` is too long, told from its audio headers alone (None when they do not tell)."""
+    frame_s = target.audio_bundle().get("frame_seconds") if limit is not None and item.audios else None
+    if not frame_s:
+        return None
+    seconds = [header_seconds(a) for a in item.audios]
+    if any(s is None for s in seconds) or sum(seconds) / frame_s <= HEADER_MARGIN * limit[0]:
+        return None
+    return (f"too long: {sum(seconds):.1f}s of audio (from its header, not decoded) is about "
+            f"{int(sum(seconds) / frame_s)} positions > {limit[1]} {limit[0]}")
+
+
+def prepare_window(target: Target, chunk: list[tuple[int, Any]], *, max_length: int | None = None,
+                   max_positions: int | None = None) -> list[Prepared | Skip]:
+    """Each input prepared for the forward (audio decoded), or a Skip: a bad input, or one whose audio headers
+    already show it too long for ``max_length`` / the target's ``max_positions`` (never decoded)."""
+    limits = [(n, what) for n, what in ((max_length, "max_length"), (max_positions, "the target's "
+              "max_position_embeddings")) if n is not None]
+    limit = min(limits) if limits else None
     out: list[Prepared | Skip] = []
     for idx, item in chunk:
         if isinstance(item, BadInput):
             out.append(Skip(idx, item.sample_id, item.reason, "error", item.line, item.source))
+            continue
+        why = _too_long_unheard(target, item, limit)
+        if why is not None:
+            out.append(Skip(idx, item.sample_id, why, "too_long", item.line, item.source))
             continue
         try:
             out.append(target.prepare(item, idx))
@@ -375,6 +403,7 @@ def capture_split(
     wt = _WriterThread(writer, stats, on_error=cfg.on_error, queue_size=cfg.queue_size,
                        unk_token_id=getattr(target.tokenizer, "unk_token_id", None))
     sample_spec = SampleSpec.of(layout, cfg.row_chunk)
+    prepare = partial(prepare_window, max_length=cfg.max_length, max_positions=target.max_positions)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-prepare")
     t0 = time.perf_counter()
     done = min(writer.num_done, total)
@@ -390,11 +419,11 @@ def capture_split(
                 nxt, fut = None, None
             else:
                 nxt = next(wins, None)
-                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+                fut = pool.submit(prepare, target, nxt) if nxt is not None else None
             while fut is not None:
                 prepared = fut.result()
                 nxt = next(wins, None)
-                fut = pool.submit(prepare_window, target, nxt) if nxt is not None else None
+                fut = pool.submit(prepare, target, nxt) if nxt is not None else None
                 plan = plan_window(prepared, max_length=cfg.max_length, batch_tokens=cfg.batch_tokens,
                                    max_batch_size=cfg.max_batch_size, max_positions=target.max_positions)
                 done, stop = _run_window(target, engine, sample_spec, plan, writer, wt, report, done,
@@ -520,17 +549,9 @@ def check_inputs(cfg: CaptureConfig) -> None:
 
 
 def discard_capture(out: Path) -> None:
-    """``capture --restart``: remove what an earlier capture wrote into ``out`` (its shards, parts, bundle,
-    record, manifest and card), keeping only the lock files of the ranks running now."""
-    for name in (MANIFEST, CARD, CONFIG_FILE):
-        for p in (out / name, out / (name + ".tmp")):
-            p.unlink(missing_ok=True)
-    for name in (DATA_DIR, TARGET_DIR):
-        for p in (out / name, out / (name + ".tmp"), out / (name + ".old")):
-            shutil.rmtree(p, ignore_errors=True)
-    for p in (out / PARTS_DIR).glob("*"):
-        if not p.name.endswith(".lock"):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    """``capture --restart``: remove what an earlier capture wrote into ``out`` and nothing else
+    (``shards.manifest.discard_dataset``), keeping the lock files of the ranks running now."""
+    discard_dataset(out, own=(CONFIG_FILE,))
 
 
 def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: int, world: int,

@@ -27,7 +27,8 @@ measured 2026-12-01 on ext4, 1.4% of a capture's time (qwen3-256x4) and 4% of th
 (its worst case) were spent inside fsync; the wall-clock ratios, 0.98 and 1.13, were within the shared machine's
 noise (docs/reliability.md).
 
-A write that fails inside ``staged`` names its destination: an ``OSError`` without a path gets ``dest``, and a
+A write that fails inside ``staged`` names its destination: an ``OSError`` without a path gets ``dest`` (one inside a
+staged directory the name it would have had there), and a
 library that hides the errno (torch's writer: ``RuntimeError: ... unexpected pos``; safetensors: ``Os { code:
 28``) is raised again as the ``OSError`` it was (``shards.errors.disk_errno``), so ``classify`` prints one line.
 """
@@ -186,6 +187,8 @@ def _named(exc: BaseException, tmp: Path, dest: Path) -> OSError | None:
     if isinstance(exc, OSError):
         if exc.errno is not None and not exc.filename:
             exc.filename = str(dest)  # a write through a file object (torch.save(obj, f)) names no path
+        elif isinstance(exc.filename, str) and exc.filename.startswith(str(tmp) + os.sep):
+            exc.filename = str(dest) + exc.filename[len(str(tmp)):]  # a file of a staged directory: its final name
         return None
     code = disk_errno(exc)
     if code is None and torch_write_failed(exc):

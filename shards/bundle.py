@@ -294,7 +294,8 @@ def write_bundle(
     fp = fingerprint_of(config, audio, chat_template, {n: _sha(d) for n, d in tok.items()}, tensor_sha, kwargs, head)
     with staged(out_dir) as tmp:
         (tmp / TOKENIZER_DIR).mkdir(parents=True)
-        save_file(weights, str(tmp / WEIGHTS_FILE))
+        with staged(tmp / WEIGHTS_FILE) as w:  # the ordinary mode of a new file: safetensors creates it 0600
+            save_file(weights, str(w))
         for name, data in tok.items():
             (tmp / TOKENIZER_DIR / name).write_bytes(data)
         weights_path = tmp / WEIGHTS_FILE

@@ -207,9 +207,9 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
         raise ValueError(f"{out} is a non-empty directory that is not a tapdraft dataset; choose a new --out")
     shard_cfg = shard_config(ShardConfig.from_dict(man["shard_config"]), cfg)
     out.mkdir(parents=True, exist_ok=True)
-    _copy_bundle(ds.fs, ds.root, out, ds.fingerprint)
     counts: dict[str, int] = {}
-    with mf.writer_lock(str(out), 0):
+    with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
+        _copy_bundle(ds.fs, ds.root, out, ds.fingerprint)
         for split in splits:
             n = ds.num_samples(split) if cfg.max_samples is None else min(cfg.max_samples, ds.num_samples(split))
             counts[split] = n

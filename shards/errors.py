@@ -76,6 +76,11 @@ class InputChangedError(TapdraftError, ValueError):
     """A resumed capture's input no longer has the content the capture started from."""
 
 
+class DivergedError(TapdraftError, ValueError):
+    """Training went non-finite (a loss, a gradient norm or a weight): such a step is never applied, a checkpoint
+    of such weights is never saved, and they are never exported."""
+
+
 class Interrupted(TapdraftError):
     """Ctrl-C or SIGTERM stopped a command after it saved what it could; the message says what was kept."""
 
@@ -126,7 +131,8 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     a library hands it as bytes, as TensorBoard's writer does; the destination when a copy names both files), one
     found in the exception's ``__cause__`` (``raise ... from``), a ``shutil.Error`` of ``copytree`` (a list of
     ``[Errno N]`` strings), and a library error that hides the errno in its message (safetensors' ``Os { code:
-    N``): see :func:`disk_errno`."""
+    N``): see :func:`disk_errno`. A resource limit (memory, open files, name length) is one line too
+    (:func:`_resource_limit`)."""
     if isinstance(exc, TapdraftError):
         return exc.exit_code, _one_line(str(exc))
     disk = _disk_error(exc)
@@ -140,8 +146,45 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
         todo = ("free space (or raise the quota) and rerun the same command: finished work is kept and resumed"
                 if code in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location, or fix its permissions")
         return EXIT_USER, f"{what}{where}; {todo}"
+    limit = _resource_limit(exc)
+    if limit is not None:
+        return EXIT_USER, limit
     if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
         return EXIT_USER, _one_line(str(exc))
+    return None
+
+
+_OUT_OF_MEMORY = ("std::bad_alloc", "can't allocate memory", "CUDA out of memory")
+
+
+def _resource_limit(exc: BaseException) -> str | None:
+    """The line for a resource limit the user can raise (memory: ``ulimit -v`` or the machine's; open files:
+    ``ulimit -n``; a name the filesystem cannot hold), wherever the library underneath surfaced it: a MemoryError
+    (Arrow's ArrowMemoryError is one), torch's or C++'s allocation failure in a RuntimeError's text, or the errno
+    of an OSError; searched through ``raise ... from`` as disk errors are."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(t in str(e) for t in _OUT_OF_MEMORY)) \
+                or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+            return ("out of memory (the machine's, or a limit such as ulimit -v); raise the limit or use a smaller "
+                    "batch (train: --set max_tokens=N; capture: --batch-tokens N), then rerun the same command: "
+                    "finished work is kept")
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            try:
+                import resource
+
+                now = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+            except (ImportError, OSError, ValueError):
+                now = ""
+            return (f"too many open files{now}; raise the limit (e.g. ulimit -n 4096) and rerun the same command: "
+                    "finished work is kept")
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
+            name = _text(e.filename)
+            return (f"file name too long{' for ' + name[:80] + '...' if name else ''} (at most 255 bytes a name, "
+                    "4096 a path); choose a shorter path")
+        e = e.__cause__
     return None
 
 

@@ -207,6 +207,8 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
         skipped[split] = _split_skips(sparts)
 
     manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
-    write_bytes_atomic(fs, mf.join(root, mf.CARD), mf.render_card(manifest).encode())
+    card = mf.render_card(manifest).encode()
+    manifest[mf.CARD_KEY] = mf.card_record(card)  # verify and pull check the card too (rendered without this key)
+    write_bytes_atomic(fs, mf.join(root, mf.CARD), card)
     write_json_atomic(fs, man_path, manifest, indent=None)  # O(shards), ~10 MB at 30k shards: compact
     return manifest

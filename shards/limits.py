@@ -141,7 +141,7 @@ _SPLIT_SHAPE = {"samples": int, "tokens": int, "supervised_tokens": int, "audio_
                 "shards": list}
 _MANIFEST_SHAPE = {"schema_version": str, "format": str, "complete": bool, "fingerprint": str, "layout": dict,
                    "field_meta": dict, "splits": dict, "skipped": dict, "extra": (dict, type(None)),
-                   "integrity": dict, "shard_config": dict}
+                   "integrity": dict, "shard_config": dict, "card": dict}
 
 
 def _kind_name(t: Any) -> str:

@@ -1,12 +1,12 @@
 """The dataset directory: file naming, manifest.json (written last, atomically) and the README card.
 
     manifest.json                      complete: true only once every shard is final
-    README.md                          dataset card generated from the manifest
+    README.md                          dataset card generated from the manifest (its sha256 in the manifest's card)
     target/                            target bundle (shards.bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
     index/train-00000-of-00012.arrow.json   each shard's record batches and checksums (shards.shard_index)
     _parts/train-rank00000.json        a writer rank's partial index (resume + finalize input)
-    _parts/rank00000.lock              held by the capture writing as that rank (``writer_lock``)
+    _parts/rank00000.lock              held by the capture (derive, pull) writing as that rank (``writer_lock``)
 
 This module is the one home of the directory layout: code outside shards/ asks it for paths and
 status (``complete_manifest``, ``dataset_fingerprint``, ``write_or_check_bundle``) and never names
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import fsspec
 
-from shards.bundle import bundle_fingerprint, stored_fingerprint, write_bundle
+from shards.bundle import BUNDLE_FILE, bundle_fingerprint, stored_fingerprint, write_bundle
 from shards.formats import FORMATS, get_format
 from shards.integrity import NO_INTEGRITY
 from shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
@@ -49,7 +49,7 @@ TOPK_ROWS = "row t is stored when loss_mask[t + 1] (topk_rows, ascending); log-p
 
 def check_split(split: str) -> str:
     if not _SPLIT_RE.match(split):
-        raise ValueError(f"split name {split!r} must be letters, digits or underscores")
+        raise ValueError(f"split name {split!r} must be letters, digits or underscores (e.g. --data validation=FILE)")
     return split
 
 
@@ -76,15 +76,17 @@ def part_name(split: str, rank: int) -> str:
     return f"{PARTS_DIR}/{split}-rank{rank:05d}.json"
 
 
-def writer_lock(url: str, rank: int):
+def writer_lock(url: str, rank: int, what: str = "a capture"):
     """Context manager: the exclusive lock of rank ``rank`` on the dataset directory ``url`` (a local path);
-    a second capture of the same rank is refused with ``shards.lock.LockedError``."""
+    a second writer of the same rank is refused with ``shards.lock.LockedError`` naming ``what`` holds it.
+    Taking it creates ``_parts/``, the mark of a dataset being written (``foreign_directory``): every writer takes
+    it before writing anything else."""
     from shards.lock import exclusive_lock
 
     fs, root = fsspec.core.url_to_fs(str(url))
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         raise ValueError(f"{url}: capture writes to a local directory (copy the dataset to its final place after)")
-    return exclusive_lock(join(root, f"{PARTS_DIR}/rank{rank:05d}.lock"), f"a capture (rank {rank})", guards=root)
+    return exclusive_lock(join(root, f"{PARTS_DIR}/rank{rank:05d}.lock"), f"{what} (rank {rank})", guards=root)
 
 
 def shard_names(doc: dict[str, Any]) -> list[str]:
@@ -216,20 +218,59 @@ def complete_manifest(url: str) -> dict[str, Any] | None:
 
 def foreign_directory(url: str, own: tuple[str, ...] = ()) -> bool:
     """Whether ``url`` is a non-empty directory that is not a tapdraft dataset (finished or being written),
-    so that a capture must not write into it (it would overwrite a README.md, for one).
+    so that no writer may write into it (it would overwrite a README.md, for one).
 
-    A dataset directory holds one of manifest.json, data/, index/, _parts/, target/ or a name in ``own``
-    (the caller's own files), possibly under a temp or old name (a crash mid-write). Hidden entries
-    (lock files, ``.git``) are not counted: a directory holding only those is treated as empty.
+    A directory is a dataset only by what tapdraft itself writes there first: manifest.json (a finished
+    dataset) or ``_parts/`` (every writer's lock and partial indexes, created before any other file), or a name
+    in ``own`` (the caller's own record), possibly under a temp or old name (a crash mid-write). A ``data/``,
+    ``index/`` or ``target/`` folder proves nothing: a user's project has those too. Hidden entries (lock files,
+    ``.git``) are not counted: a directory holding only those is treated as empty.
     """
     fs, root = fsspec.core.url_to_fs(str(url))
     if not fs.exists(root) or not fs.isdir(root):
         return False
     names = [p.rstrip("/").split("/")[-1] for p in fs.ls(root, detail=False)]
     names = [n for n in names if not n.startswith(".")]
-    marks = {MANIFEST, DATA_DIR, PARTS_DIR, TARGET_DIR, INDEX_DIR, *own}
+    marks = {MANIFEST, PARTS_DIR, *own}
     base = {n.removesuffix(".tmp").removesuffix(".old") for n in names}
     return bool(names) and not (base & marks)
+
+
+_OWN_SHARD_RE = re.compile(rf"^[A-Za-z0-9_]+-(rank\d{{5}}-\d{{5}}|\d{{5}}-of-\d{{5}})\.({_EXTENSIONS})(\.tmp)?$")
+_OWN_INDEX_RE = re.compile(rf"^[A-Za-z0-9_]+-(rank\d{{5}}-\d{{5}}|\d{{5}}-of-\d{{5}})\.({_EXTENSIONS})\.json(\.tmp)?$")
+
+
+def discard_dataset(root: str | Path, own: tuple[str, ...] = ()) -> None:
+    """Remove from the local directory ``root`` what tapdraft's writers put there, and nothing else: the manifest
+    and card, the shards and index files by the names writers give them (temp names included), the target bundle
+    (a ``target/`` holding bundle.json, or its temp and old names), ``_parts/`` less its lock files (the writers
+    running now hold them) and the caller's ``own`` names. A file tapdraft does not name (a user's input under
+    ``data/``, say) is kept; ``data/`` and ``index/`` are removed only when that leaves them empty. Afterwards the
+    directory holds what it held before the first writer came, so a new capture leaves what a fresh one does."""
+    import shutil
+
+    root = Path(root)
+    for name in (MANIFEST, CARD, *own):
+        for p in (root / name, root / (name + ".tmp")):
+            p.unlink(missing_ok=True)
+    for folder, own_re in ((DATA_DIR, _OWN_SHARD_RE), (INDEX_DIR, _OWN_INDEX_RE)):
+        d = root / folder
+        if d.is_dir() and not d.is_symlink():
+            for p in d.iterdir():
+                if own_re.match(p.name) and p.is_file() and not p.is_symlink():
+                    p.unlink()
+            try:
+                d.rmdir()
+            except OSError:
+                pass  # something not ours is in it
+    for p in (root / (TARGET_DIR + ".tmp"), root / (TARGET_DIR + ".old"), root / TARGET_DIR):
+        if p.is_dir() and not p.is_symlink() and (p != root / TARGET_DIR or (p / BUNDLE_FILE).is_file()):
+            shutil.rmtree(p)
+    parts = root / PARTS_DIR
+    if parts.is_dir() and not parts.is_symlink():
+        for p in parts.iterdir():
+            if not p.name.endswith(".lock"):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def dataset_fingerprint(url: str) -> str | None:
@@ -277,6 +318,18 @@ def card_front_matter(m: dict[str, Any]) -> str:
 
 UPLOAD_IGNORE = ["manifest.json", "_parts/**", "**/*.tmp", "**/*.lock", ".*"]
 """What a first upload leaves out: the manifest goes last (the commit point), partial indexes and temp files never."""
+
+
+CARD_KEY = "card"
+"""Manifest key ``{bytes, sha256}`` of README.md as finalize wrote it (absent from manifests written before it was
+recorded: their card is not checked)."""
+
+
+def card_record(data: bytes) -> dict[str, Any]:
+    """The manifest's record of the card's bytes (``CARD_KEY``)."""
+    import hashlib
+
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def render_card(m: dict[str, Any]) -> str:

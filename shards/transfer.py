@@ -27,6 +27,7 @@ shard before finalize renamed it) is copied on the server instead of sent again.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -208,9 +209,8 @@ def _upload(fs: Any, R: Callable[..., Any], lpath: str, rpath: str, size: int, p
 
 def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: bool = True,
          part_bytes: int = PART_BYTES) -> dict[str, Any]:
-    """Download the finished dataset at ``url`` into the local directory ``dest``; returns counts."""
-    from shards.verify import verify_dataset
-
+    """Download the finished dataset at ``url`` into the local directory ``dest``; returns counts. ``dest`` is new,
+    empty, a copy under way or the same dataset: a directory of anything else is refused before a byte is written."""
     config = config or RemoteConfig()
     fs, root, R = _open(url, config)
     if is_local(fs) and Path(fs._strip_protocol(root)).resolve() == Path(dest).resolve():
@@ -229,14 +229,28 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
         if (out / mf.MANIFEST).read_bytes() != raw:
             raise ValueError(f"{dest} already holds another dataset (a different manifest.json); pull into a new "
                              "directory")
-        done = all((out / rel).is_file() and (out / rel).stat().st_size == n for rel, n in files.items())
-        if done:
+        if all((out / rel).is_file() and (out / rel).stat().st_size == n for rel, n in files.items()):
             return {"files": len(files), "downloaded": 0, "skipped": len(files), "bytes_received": 0,
                     "up_to_date": True}
-        (out / mf.MANIFEST).unlink()  # damaged since: not a dataset until the copy is whole again
     elif mf.foreign_directory(str(out)):
         raise ValueError(f"{dest} is a non-empty directory that is not a tapdraft dataset; pull into a new or empty "
                          "directory (nothing in it was changed)")
+    with mf.writer_lock(str(out), 0, "a pull"):  # its _parts/ marks a copy under way as a dataset
+        stats = _pull_locked(fs, R, url, root, raw, files, remote, out, part_bytes, progress)
+    try:
+        (out / mf.PARTS_DIR).rmdir()  # the manifest marks the finished copy
+    except OSError:
+        pass
+    return stats
+
+
+def _pull_locked(fs: Any, R: Callable[..., Any], url: str, root: str, raw: bytes, files: dict[str, int],
+                 remote: dict[str, Any], out: Path, part_bytes: int, progress: bool) -> dict[str, Any]:
+    """``pull``'s copy into ``out``, whose writer lock the caller holds."""
+    from shards.verify import verify_dataset
+
+    dest = str(out)
+    (out / mf.MANIFEST).unlink(missing_ok=True)  # damaged since: not a dataset until the copy is whole again
     stats = {"files": len(files), "downloaded": 0, "skipped": 0, "bytes_received": 0}
     with Progress(f"pull {url}", sum(files.values()), enabled=progress, fmt_count=mf.fmt_bytes) as bar:
         for rel in sorted(files):
@@ -250,13 +264,19 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
             stats["bytes_received"] += got
         rep = verify_dataset(str(out), deep=False, progress=False, manifest=raw)
         if rep.problems:
-            for p in rep.problems:  # each names its file first: delete what failed, so a rerun fetches it again
-                bad = Path(p.split(": ", 1)[0])
-                if bad.is_file() and out.resolve() in bad.resolve().parents:
+            base, kept = Path(os.path.abspath(out)), []
+            for p in rep.problems:  # each names its file first: delete a member that failed, so a rerun fetches it
+                bad = Path(os.path.abspath(p.split(": ", 1)[0]))  # again; a file that is no member is never touched
+                rel = bad.relative_to(base).as_posix() if bad.is_relative_to(base) else None
+                if rel in files and bad.is_file() and not bad.is_symlink():
                     bad.unlink()
+                elif bad != base / mf.MANIFEST and (bad.exists() or bad.is_symlink()):
+                    kept.append(str(bad))
+            then = (f"{len(kept)} file(s) in {dest} are not part of the dataset and were left as they are (first: "
+                    f"{kept[0]}): move them out of it, then rerun the pull" if kept else
+                    "the bad files were deleted: rerun the pull to fetch them again")
             raise CorruptShardError(f"the copy of {url} in {dest} failed verification ({len(rep.problems)} "
-                                    f"problem(s); first: {rep.problems[0]}); the bad files were deleted: rerun the "
-                                    "pull to fetch them again")
+                                    f"problem(s); first: {rep.problems[0]}); {then}")
         tmp = out / (mf.MANIFEST + ".tmp")
         tmp.write_bytes(raw)
         replace(tmp, out / mf.MANIFEST)  # last: the commit point (synced before and after)

@@ -1,7 +1,7 @@
 """Check a dataset end to end and report EVERY problem, not just the first.
 
 Checks: manifest present, valid, complete, known schema major, required keys; target bundle
-fingerprint; per shard: present, size, sha256, its index file (size and hash against the manifest,
+fingerprint; the card (README.md) against the manifest's record of it, where it has one; per shard: present, size, sha256, its index file (size and hash against the manifest,
 ranges inside the shard), readable to the end, schema metadata (version, fingerprint, dtypes), row
 counts and record-batch byte ranges, every block and row checksum
 (shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
@@ -99,6 +99,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
         rep.problems.append(str(e))
         return rep
     _check_bundle(fs, root, fp, rep)
+    _check_card(fs, root, m, rep)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
     rep.problems += strays(fs, root, m)
@@ -121,6 +122,24 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
                 rep.problems.append(f"{man_path}: split {split} says {k}={d.get(k)}, its shards add up to {got}; "
                                     "re-run finalize")
     return rep
+
+
+def _check_card(fs: fsspec.AbstractFileSystem, root: str, m: dict, rep: VerifyReport) -> None:
+    """README.md against the manifest's record of it (``manifest.CARD_KEY``; older manifests have none)."""
+    want = m.get(mf.CARD_KEY)
+    if want is None:
+        return
+    path = mf.join(root, mf.CARD)
+    if not fs.exists(path):
+        rep.problems.append(f"{path}: missing, the manifest records the dataset card; re-copy README.md")
+        return
+    if fs.size(path) != want.get("bytes"):
+        got = None
+    else:
+        got = hashlib.sha256(fs.cat_file(path)).hexdigest()
+    if got != want.get("sha256"):
+        rep.problems.append(f"{path}: not the card the manifest records (edited or damaged since finalize); restore "
+                            "it from the original dataset (re-copy README.md)")
 
 
 def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport) -> None:

@@ -230,3 +230,34 @@ def test_readme_path_default_taps_train_the_dflash_recipe_without_a_tap_warning(
                 assert rule <= set(capture_tap_ids(L, 2)), (path.stem, L)
             else:
                 assert rule <= set(capture_tap_ids(L, 5)), (path.stem, L)
+
+
+@pytest.mark.parametrize("command", ["capture", "derive", "push", "pull"])
+def test_sigterm_exits_130_saying_what_was_kept(command, salm_dir, inputs, tmp_path, capsys, monkeypatch):
+    """SIGTERM stops every command as Ctrl-C does (train's behaviour): exit 130 and one line saying what was kept,
+    never a bare 143. The signal lands inside the command's work (in-process: signal.raise_signal)."""
+    import signal
+
+    from capture import pipeline
+    from shards import derive, transfer
+
+    def term(real):
+        def hit(*a, **kw):
+            signal.raise_signal(signal.SIGTERM)
+            return real(*a, **kw)
+        return hit
+
+    ds = tmp_path / "ds"
+    write_dataset(str(ds), tiny_layout(), ShardConfig(shard_bytes=2500), [5, 6, 7])
+    where, name, args, kept = {
+        "capture": (pipeline, "run_batch", capture_args(salm_dir, inputs, tmp_path / "cap"), "inputs done and kept"),
+        "derive": (derive, "cut_sample", ["derive", ds, "--out", tmp_path / "d"], "finished shards in"),
+        "push": (transfer, "_upload", ["push", ds, tmp_path / "store"], "what was sent to"),
+        "pull": (transfer, "_download", ["pull", ds, tmp_path / "copy"], "files downloaded into"),
+    }[command]
+    monkeypatch.setattr(where, name, term(getattr(where, name)))
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = run(args, capsys)
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith(("interrupted:", "error:"))]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("interrupted: ") and kept in lines[0], err
+    assert "rerun the same command" in lines[0] and signal.getsignal(signal.SIGTERM) == before

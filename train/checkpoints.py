@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from shards.atomic import recover_dir, staged
+from shards.errors import DivergedError
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
@@ -92,6 +93,21 @@ def latest_checkpoint(out: str | Path) -> Path | None:
         recover_dir(old.with_suffix(""))  # a directory swap a crash interrupted
     cands = _checkpoints(root)
     return cands[-1] if cands else None
+
+
+def load_latest(out: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, Checkpoint] | None:
+    """(path, state) of the latest checkpoint of run ``out`` (None: it has none). A training still running prunes its
+    older checkpoints: one deleted between finding it and opening it is followed by the newer one that replaced it,
+    never a raw ``[Errno 2] ... state.pt``."""
+    while True:
+        ck = latest_checkpoint(out)
+        if ck is None:
+            return None
+        try:
+            return ck, load_checkpoint(ck, map_location)
+        except FileNotFoundError:
+            if latest_checkpoint(out) == ck:  # not pruned: gone for another reason
+                raise
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -163,10 +179,21 @@ def _save(obj: Any, file: Path) -> None:
         torch.save(obj, f)
 
 
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating tensors that hold a NaN or an infinity: weights no checkpoint or export may carry."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
-    """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``."""
+    """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``.
+    Weights that are not finite are refused (``DivergedError``): the older checkpoints stay, none is pruned."""
     root = out / CKPT_DIR
     final = root / f"step-{ckpt.step:07d}"
+    bad = nonfinite(ckpt.draft)
+    if bad:
+        raise DivergedError(f"step {ckpt.step}: {len(bad)} of {len(ckpt.draft)} draft tensors are not finite (first: "
+                            f"{bad[0]}), so no checkpoint was saved and those in {root} are kept; train again into a "
+                            "new --out with a lower lr")
     with staged(final) as tmp:
         tmp.mkdir()
         _save(ckpt.to_payload(), tmp / STATE_FILE)

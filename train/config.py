@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -59,6 +60,9 @@ RENAMED_VALUES: dict[tuple[str, str], dict[Any, Any]] = {
 """(section, field) -> {old value: today's value}."""
 DTYPES = ("auto", "bfloat16", "float32")
 """``train.precision`` and ``train.head_dtype`` values (torch's dtype names; head_dtype auto: train.loop.head_dtype)."""
+
+MAX_LR = 1.0
+"""The largest peak learning rate accepted: AdamW steps each weight by about lr, so past 1 a run only diverges."""
 
 RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
                             "eval_every", "eval_samples"})
@@ -142,8 +146,13 @@ class TrainConfig:
                              f"{self.eval_every} and {self.eval_samples}")
         if self.num_workers < 0:
             raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
-        if self.warmup_steps < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("need warmup_steps >= 0, lr > 0 and 0 <= min_lr_ratio <= 1")
+        if self.warmup_steps < 0 or not 0 < self.lr <= MAX_LR or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need warmup_steps >= 0, 0 < lr <= {MAX_LR} and 0 <= min_lr_ratio <= 1, got "
+                             f"{self.warmup_steps}, {self.lr} and {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.weight_decay <= 1
+                and math.isfinite(self.grad_clip)):
+            raise ValueError(f"need 0 <= beta1, beta2 < 1, 0 <= weight_decay <= 1 and a finite grad_clip, got "
+                             f"{self.beta1}, {self.beta2}, {self.weight_decay} and {self.grad_clip}")
         if self.device not in ("auto", "cpu") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"train.device must be auto, cpu or cuda:N (e.g. cuda:0), got {self.device!r}")
         for name in ("precision", "head_dtype"):
@@ -222,6 +231,13 @@ _SCALARS: dict[Any, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int
 """Declared scalar type -> the YAML/JSON value types it accepts (bool is never an int or a float here)."""
 
 
+def _finite(x: float, where: str) -> float:
+    """Every float setting is a finite number: inf or nan (YAML's .inf, --set lr=inf) trains nothing but NaNs."""
+    if not math.isfinite(x):
+        raise ValueError(f"{where}: {x} is not a finite number; give a finite value")
+    return x
+
+
 def _check_type(value: Any, tp: Any, where: str) -> Any:
     """``value`` as the declared field type ``tp`` (unions, None, tuples from lists, scalars) or ValueError."""
     origin = typing.get_origin(tp)
@@ -241,11 +257,13 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
         try:
-            return float(value)
+            x = float(value)
         except ValueError:
-            pass
+            x = None
+        if x is not None:
+            return _finite(x, where)
     elif tp in _SCALARS and isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
-        return float(value) if tp is float else value
+        return _finite(float(value), where) if tp is float else value
     raise ValueError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
 
 

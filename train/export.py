@@ -15,16 +15,28 @@ and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and t
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
 The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``.
+
+An export is one unit (``commit_export``): written whole into a fresh folder and committed in one rename under
+``<out>.lock``, so a kill -9 or a second export at any point leaves the old export or the new one. Non-finite
+weights are never exported (``check_finite``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import torch
+
+from shards.atomic import staged
+from shards.errors import DivergedError
+from shards.lock import exclusive_lock
 from shards.template import template_sha
+from train.checkpoints import nonfinite
 from train.drafters.base import Drafter, get_family
+from train.drafters.common.export_files import export_names
 
 
 def family_of(cfg: dict[str, Any]) -> type[Drafter]:
@@ -35,11 +47,73 @@ def family_of(cfg: dict[str, Any]) -> type[Drafter]:
     return get_family(family)[1]
 
 
+def check_finite(weights: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse weights holding a NaN or an infinity: a server loads them and proposes garbage with no warning."""
+    bad = nonfinite(weights)
+    if bad:
+        raise DivergedError(f"{where} holds {len(bad)} non-finite tensor(s) of {len(weights)} (first: {bad[0]}): the "
+                            "run diverged, so nothing was exported; export an earlier checkpoint (--checkpoint) or train "
+                            "again with a lower lr")
+
+
+def commit_export(out_dir: str | os.PathLike, write: Callable[[Path], Any], *, run: Path | None = None) -> Path:
+    """Write an export with ``write(folder)`` into a fresh folder and commit it as ``out_dir`` in one rename
+    (``shards.atomic.staged``: an existing export is swapped out whole), holding ``<out_dir>.lock``
+    (``shards.lock``) throughout, so a kill or a second export at any point leaves the old export or the new one,
+    never one's weights under the other's config; a second export meanwhile is refused at once.
+
+    ``out_dir`` is new, empty or an earlier export; what an earlier export did not write (a model card, ``.git``)
+    is carried into the new one (hard links, a copy where the filesystem has none). Anything else (a file, another
+    non-empty directory, the run itself or a folder holding it) is refused before anything is written."""
+    out = Path(os.path.abspath(out_dir))
+    if run is not None and (out.resolve() == run.resolve() or out.resolve() in run.resolve().parents):
+        raise ValueError(f"--out {out} is the run {run} (or holds it): export into another directory")
+    with exclusive_lock(Path(str(out) + ".lock"), "an export", guards=out):
+        keep = _kept_names(out)
+        with staged(out) as tmp:
+            tmp.mkdir()
+            write(tmp)
+            for name in sorted(keep - {p.name for p in tmp.iterdir()}):
+                _link_copy(out / name, tmp / name)
+    return out
+
+
+def _kept_names(out: Path) -> set[str]:
+    """What of ``out`` a new export there carries over; ValueError when ``out`` is no place for an export."""
+    if not out.exists() and not out.is_symlink():
+        return set()
+    if out.is_symlink() or not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory: export into a new or empty directory")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return set()
+    own = export_names(out)
+    if own is None:
+        raise ValueError(f"--out {out} is a non-empty directory that is not a draft export; export into a new or empty "
+                         "directory (nothing in it was changed)")
+    return names - own
+
+
+def _link_copy(src: Path, dst: Path) -> None:
+    """``src`` (a file, link or directory tree) at ``dst``: hard links where the filesystem allows, else copies."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(a, b, follow_symlinks=False)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    else:
+        link(str(src), str(dst))
+
+
 def export_drafter(model: Drafter, out_dir: str | os.PathLike, meta: dict[str, Any], *,
                    layout: str | None = None) -> Path:
     """Export a drafter in memory: its trainable weights and ``export_config()`` plus ``meta``."""
     weights, cfg = type(model).export_layout(model.trainable_state_dict(), model.export_config(), layout)
-    return type(model).write_export(out_dir, weights, cfg, meta)
+    check_finite(weights, "the drafter")
+    return commit_export(out_dir, lambda tmp: type(model).write_export(tmp, weights, cfg, meta))
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
@@ -48,13 +122,15 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
 
     ``layout``: one of the family's layouts (``Drafter.export_layout``; None: its default; ``speculators`` names the
     target: ``verifier``)."""
-    from train.checkpoints import latest_checkpoint, load_checkpoint
+    from train.checkpoints import STATE_FILE, load_checkpoint, load_latest
 
     run = Path(run_dir)
-    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
-    if ck is None:
+    if checkpoint and not (Path(checkpoint) / STATE_FILE).is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} holds no {STATE_FILE}: give one of {run}/checkpoints/step-N")
+    found = (Path(checkpoint), load_checkpoint(checkpoint)) if checkpoint else load_latest(run)
+    if found is None:
         raise FileNotFoundError(f"{run} has no checkpoint (expected {run}/checkpoints/step-*/state.pt); train first")
-    state = load_checkpoint(ck)
+    ck, state = found
     cfg = state.export_config
     if not cfg:
         raise ValueError(f"{ck} holds no export_config: its drafter family cannot be exported")
@@ -66,7 +142,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     native = cfg
     family = family_of(native)
     weights, cfg = family.export_layout(state.draft, native, layout, verifier=verifier)
-    out = family.write_export(out_dir, weights, cfg, meta)
+    check_finite(weights, str(ck))
+    out = commit_export(out_dir, lambda tmp: family.write_export(tmp, weights, cfg, meta), run=run)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state.step), "parameters": n, "tensors": len(weights),
             "layout": layout or family.default_layout,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shards.errors import Interrupted, StopSignals
+from shards.errors import DivergedError, Interrupted, StopSignals
 from shards.progress import Progress
 from train.drafters.common import draft_vocab
 from train.acceptance import tau_from_alpha
@@ -318,10 +318,25 @@ def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, devi
             step_vals[n] = step_vals.get(n, 0.0) + v / tc.grad_accum
         window.add_metrics(lo.metrics)
     gnorm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+    if _diverged(step_vals["loss"], gnorm, world, device):
+        t.opt.zero_grad(set_to_none=True)
+        raise DivergedError(f"training diverged at step {step + 1}: loss {step_vals['loss']:.4g}, gradient norm "
+                            f"{float(gnorm):.4g} (not finite); the step was not applied")
     t.opt.step()
     t.sched.step()
     t.opt.zero_grad(set_to_none=True)
     return step_vals, tokens, gnorm
+
+
+def _diverged(loss: float, gnorm: torch.Tensor, world: int, device: torch.device) -> bool:
+    """Whether a step's loss (on any rank) or its gradient norm is not finite: one all-reduce under DDP, so every rank
+    stops at the same step."""
+    bad = not (math.isfinite(loss) and math.isfinite(float(gnorm)))
+    if world == 1:
+        return bad
+    flag = torch.tensor([float(bad)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _train(run: RunConfig, src: DataSource, out: Path, ckpt: Checkpoint | None, rank: int, world: int,
@@ -346,7 +361,14 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: Checkpoint | None, 
     stop = StopSignals().__enter__()
     try:
         for step in range(t.start, end):
-            step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window)
+            try:
+                step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window)
+            except DivergedError as e:
+                kept = latest_checkpoint(out)
+                kept_txt = f"the last good checkpoint {kept} is kept" if kept else "no checkpoint was saved"
+                progress.close(final_line=False)
+                raise DivergedError(f"{e}; {kept_txt}: train again into a new --out with a lower lr (now {tc.lr:g}) "
+                                    f"or more warmup_steps (now {tc.warmup_steps})") from None
             tokens += n_tok
             if first_loss is None:
                 first_loss = step_vals["loss"]

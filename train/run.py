@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.reader import open_dataset
 from shards.template import check_template
-from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint
+from train.checkpoints import Checkpoint, latest_checkpoint, load_latest
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafters.base import Drafter, get_family
@@ -114,7 +115,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"  checkpoint {s.get('checkpoint')}")
     if s.get("curves") or s.get("tensorboard"):
         lines.append(f"  curves {s.get('curves', '-')}; metrics {s.get('metrics')}; TensorBoard: tensorboard --logdir "
-                     f"{s.get('tensorboard')}")
+                     f"{shlex.quote(str(s.get('tensorboard')))}")  # a command to paste: quoted for the shell
     return "\n".join(lines)
 
 
@@ -145,10 +146,10 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: {run_dir} is not a training run directory")
     run = RunConfig.load(cfg_path)
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
+    found = load_latest(run_dir)
+    if found is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint yet; train first")
-    return run, ck, load_checkpoint(ck)
+    return run, *found
 
 
 def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu",

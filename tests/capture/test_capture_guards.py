@@ -47,14 +47,21 @@ def test_foreign_directory(tmp_path):
     assert not foreign_directory(str(tmp_path / "missing")) and not foreign_directory(str(tmp_path))
     (tmp_path / ".lock").write_text("1")
     assert not foreign_directory(str(tmp_path))  # hidden entries do not count
-    (tmp_path / "target.tmp").mkdir()  # a capture that crashed while writing its bundle
-    assert not foreign_directory(str(tmp_path))
     other = tmp_path / "other"
     other.mkdir()
     (other / "README.md").write_text("my project")
     assert foreign_directory(str(other))
+    for folder in ("data", "index", "target", "target.tmp"):  # a project has these too: they prove nothing
+        (other / folder).mkdir()
+        assert foreign_directory(str(other)), folder
     (other / "capture_config.json").write_text("{}")
     assert not foreign_directory(str(other), own=("capture_config.json",))
+    (other / "capture_config.json").unlink()
+    (other / "_parts").mkdir()  # every writer's lock makes it before writing anything else
+    assert not foreign_directory(str(other))
+    (other / "_parts").rmdir()
+    (other / "manifest.json").write_text("{}")
+    assert not foreign_directory(str(other))
 
 
 def test_capture_refuses_a_foreign_out_directory(salm_dir, tone_manifest, tmp_path):
@@ -168,3 +175,27 @@ def test_ctrl_c_while_loading_says_nothing_was_lost(salm_dir, tone_manifest, tmp
     monkeypatch.setattr(pipeline, "load_target", interrupted)
     with pytest.raises(Interrupted, match="outside its sample loop.*rerun the same command"):
         capture(_cfg(salm_dir, tone_manifest, tmp_path / "ds"))
+
+
+def test_audio_far_too_long_is_skipped_from_its_header_without_decoding(salm_dir, tmp_path, monkeypatch):
+    """An hour of WAV was decoded whole (3.4 GB) before being skipped as too long: its header says enough. Audio
+    that may fit is still decoded and measured exactly."""
+    import numpy as np
+    import soundfile as sf
+
+    from capture.targets.salm import target as salm_target
+    from tests.capture.util import write_wav
+
+    frame_s = load_target(salm_dir).audio_bundle()["frame_seconds"]
+    max_length = 200
+    sf.write(tmp_path / "long.wav", np.zeros(int(3 * max_length * frame_s * 16000), np.int16), 16000)
+    write_wav(tmp_path / "short.wav", [1, 2])
+    man = write_manifest(tmp_path / "m.jsonl", [conv_record("long", "long.wav"), conv_record("short", "short.wav")])
+    decoded = []
+    real = salm_target.load_audio
+    monkeypatch.setattr(salm_target, "load_audio", lambda ref, **kw: decoded.append(ref.path) or real(ref, **kw))
+    m = capture(_cfg(salm_dir, man, tmp_path / "ds", max_length=max_length))
+    assert [str(p).rsplit("/", 1)[-1] for p in decoded] == ["short.wav"]
+    (skip,) = m["skipped"]["train"]
+    assert skip["sample_id"] == "long" and skip["reason"].startswith("too long: ") and "not decoded" in skip["reason"]
+    assert m["splits"]["train"]["samples"] == 1

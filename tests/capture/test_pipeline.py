@@ -18,7 +18,7 @@ from capture.config import CaptureConfig
 from capture.forward import SampleSpec, run_batch
 from capture.pipeline import CaptureError, bucket, capture, rank_slice
 from capture.targets.load import load_target
-from shards.manifest import write_or_check_bundle
+from shards.manifest import write_or_check_bundle, writer_lock
 from shards.reader import open_dataset
 from shards.shard_file import ShardConfig
 from shards.verify import verify_dataset
@@ -197,7 +197,8 @@ def test_multi_rank_slices_and_merge(salm_dir, tone_manifest, tmp_path, monkeypa
     monkeypatch.setattr(pipeline, "_barrier", lambda world: None)
     out = tmp_path / "ds"
     out.mkdir()
-    write_or_check_bundle(str(out), **load_target(salm_dir).bundle_parts())  # what rank 0 does before the first barrier
+    with writer_lock(str(out), 0):  # what rank 0 does before the first barrier (its lock first, then the bundle)
+        write_or_check_bundle(str(out), **load_target(salm_dir).bundle_parts())
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in (1, 0):  # rank 0 finalizes after both wrote
         monkeypatch.setenv("RANK", str(rank))

@@ -94,3 +94,51 @@ def test_device_cuda_without_cuda_is_one_line_and_leaves_nothing(salm_dir, good,
     assert not out.exists()
     code, err = run(capture_args(salm_dir, good, out, "--device", "gpu0"), capsys)
     assert code == 2 and "is not a device" in one_line(err) and not out.exists()
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_project_directory_is_never_written_into_restart_included(salm_dir, tmp_path, capsys):
+    """A user's project (a README and inputs under data/) is not a dataset: capture, --restart and derive each
+    refuse it in one line and leave every file as it was."""
+    project = tmp_path / "project"
+    write_wav(project / "data" / "a.wav", [1, 2, 3])
+    data = write_manifest(project / "data" / "train.jsonl", [conv_record(f"u{i}", "a.wav") for i in range(3)])
+    (project / "README.md").write_text("my project")
+    before = _tree(project)
+    for extra in ((), ("--restart",)):
+        code, err = run(capture_args(salm_dir, data, project, *extra), capsys)
+        assert code == 2 and "is a non-empty directory that is not a tapdraft dataset" in one_line(err)
+        assert _tree(project) == before, extra
+    ds = tmp_path / "ds"
+    assert run(capture_args(salm_dir, data, ds), capsys)[0] == 0
+    code, err = run(["derive", ds, "--out", project], capsys)
+    assert code == 2 and "not a tapdraft dataset" in one_line(err) and _tree(project) == before
+
+
+def test_restart_leaves_what_a_fresh_capture_leaves_and_keeps_what_it_did_not_write(salm_dir, good, tmp_path,
+                                                                                   capsys):
+    """--restart after a changed input removes only the earlier capture's own files (a user's file under data/
+    stays) and the result, file for file, is what a fresh capture of the new input writes: verify passes."""
+    out, fresh = tmp_path / "ds", tmp_path / "fresh"
+    assert run(capture_args(salm_dir, good, out, "--shard-bytes", "6000"), capsys)[0] == 0
+    (out / "data" / "notes.txt").write_text("mine")
+    changed = write_manifest(tmp_path / "changed.jsonl", [conv_record(f"v{i}", "a.wav") for i in range(2)])
+    good.write_text(changed.read_text())
+    code, err = run(capture_args(salm_dir, good, out, "--shard-bytes", "6000", "--restart"), capsys)
+    assert code == 0, err
+    assert (out / "data" / "notes.txt").read_text() == "mine"
+    (out / "data" / "notes.txt").unlink()
+    assert run(capture_args(salm_dir, good, fresh, "--shard-bytes", "6000"), capsys)[0] == 0
+    assert sorted(_tree(out)) == sorted(_tree(fresh))
+    assert run(["verify", out], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("name", ["a*b", "../../x"])
+def test_a_bad_split_name_is_refused_before_anything_is_captured(salm_dir, good, tmp_path, capsys, name):
+    out = tmp_path / "ds"
+    code, err = run(capture_args(salm_dir, good, out, "--data", f"{name}={good}"), capsys)
+    assert code == 2 and f"split name {name!r} must be letters, digits or underscores" in one_line(err)
+    assert not out.exists()

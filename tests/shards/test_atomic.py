@@ -155,6 +155,20 @@ def test_staged_file_gets_the_ordinary_mode(tmp_path):
     assert dest.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_every_file_of_a_bundle_gets_the_ordinary_mode(tmp_path):
+    """A capture's target/weights.safetensors was 0600 (safetensors' own mode) while every other file was 0644."""
+    import os
+
+    from tests.shards.synthetic import tiny_bundle, tiny_layout
+
+    tiny_bundle(str(tmp_path / "target"), tiny_layout())
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [p for p in (tmp_path / "target").rglob("*") if p.is_file()]
+    assert len(files) >= 2 and {p.name: p.stat().st_mode & 0o777 for p in files} == {
+        p.name: 0o666 & ~umask for p in files}
+
+
 def _record_syncs(monkeypatch) -> list[tuple[str, str]]:
     """Every fsync and rename as ("fsync"|"rename", path), in order (an fd's path read back from /proc)."""
     import os

@@ -88,3 +88,34 @@ def test_derive_out_of_disk_in_its_copy_is_one_line(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {FULL}{out}/target"), err
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("exc, line", [
+    (MemoryError(), "out of memory"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 3400000000 bytes"), "out of memory"),
+    (RuntimeError("std::bad_alloc"), "out of memory"),
+    (OSError(errno.EMFILE, "Too many open files", "/d/data/x.arrow"), "too many open files (now "),
+    (OSError(errno.ENAMETOOLONG, "File name too long", "/d/" + "x" * 300), "file name too long for /d/xxx"),
+])
+def test_a_resource_limit_is_one_line(exc, line):
+    """ulimit -v, ulimit -n and an over-long --out were tracebacks (exit 1): one line now, exit 2."""
+    code, msg = classify(exc)
+    assert code == 2 and msg.startswith(line) and "\n" not in msg, msg
+    wrapped = ValueError("decoding failed")
+    wrapped.__cause__ = exc  # raised from the limit: found as a disk error is
+    assert classify(wrapped)[1].startswith(line)
+    assert classify(RuntimeError("while writing")) is None  # a bug stays a traceback
+
+
+def test_arrows_memory_error_and_an_over_long_out_are_one_line(tmp_path, capsys):
+    import pyarrow as pa
+
+    assert classify(pa.lib.ArrowMemoryError("malloc of size 4400000000 failed"))[1].startswith("out of memory")
+    src = tmp_path / "ds"
+    write_dataset(str(src), tiny_layout(), ShardConfig(shard_bytes=2500), [3, 4])
+    for args in (["derive", src, "--out", tmp_path / ("x" * 300)], ["pull", src, tmp_path / ("y" * 300)]):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith("error: file name too long") and "\n" not in err, err

@@ -109,6 +109,30 @@ def test_pull_fetches_only_the_members(good, tmp_path):
     assert leaked(tmp_path / "copy") == [] and verify_dataset(str(tmp_path / "copy"), progress=False).ok
 
 
+def test_pull_never_writes_into_or_deletes_from_a_users_directory(good, tmp_path):
+    """A project (a README, a data/ folder) is refused before a byte is written; in a copy under way, a file that is
+    no member is never deleted as "a bad file": the pull names it and leaves it."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "README.md").write_text("my project")
+    (project / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a tapdraft dataset"):
+        pull(str(good), str(project), progress=False)
+    assert sorted(p.relative_to(project).as_posix() for p in project.rglob("*")) == ["README.md", "data",
+                                                                                      "data/notes.txt"]
+    assert (project / "README.md").read_text() == "my project"
+    copy = tmp_path / "copy"
+    (copy / "_parts").mkdir(parents=True)  # a pull under way (its lock was released by a crash)
+    (copy / "data").mkdir()
+    (copy / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(CorruptShardError, match=r"not part of the dataset and were left as they are.*notes\.txt"):
+        pull(str(good), str(copy), progress=False)
+    assert (copy / "data" / "notes.txt").read_text() == "mine" and not (copy / "manifest.json").exists()
+    (copy / "data" / "notes.txt").unlink()
+    pull(str(good), str(copy), progress=False)
+    assert verify_dataset(str(copy), progress=False).ok and not (copy / "_parts").exists()
+
+
 def test_push_removes_what_an_older_push_sent_beside_the_dataset(good, tmp_path):
     dest = tmp_path / "bucket"
     push(str(good), str(dest), progress=False)

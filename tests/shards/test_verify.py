@@ -184,3 +184,26 @@ def test_sample_any_format_and_out_of_range(good):
         ds.sample("train", 99999)
     with pytest.raises(SampleIndexError):
         ds.sample("train", -1)
+
+
+def test_the_card_is_covered_by_the_manifest_and_older_manifests_still_verify(good, tmp_path):
+    """A card edited after finalize passed verify (and pull said "verified"); a manifest written before the card was
+    recorded has no record of it and verifies as before."""
+    from shards.errors import CorruptShardError
+    from shards.transfer import pull
+
+    root, man = good
+    card = root / "README.md"
+    assert man["card"] == {"bytes": card.stat().st_size, "sha256": hashlib.sha256(card.read_bytes()).hexdigest()}
+    card.write_text(card.read_text().replace("tapdraft dataset", "tapdraft datasat"))  # same size, other bytes
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(str(card))] and len(rep.problems) == 1, rep.problems
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and "not the card the manifest records" in r.output
+    with pytest.raises(CorruptShardError, match="README.md: not the card the manifest records"):
+        pull(str(root), str(tmp_path / "copy"), progress=False)
+    card.unlink()
+    assert any("README.md: missing" in p for p in verify_dataset(str(root), progress=False).problems)
+    _patch_manifest(root, lambda m: m.pop("card"))  # as a dataset finalized before the card was recorded
+    card.write_text("edited")
+    assert verify_dataset(str(root), progress=False).ok

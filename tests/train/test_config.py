@@ -37,6 +37,13 @@ def test_overrides_and_round_trip(tmp_path):
     ("gamma", "key=value"),
     ("attention=sparse", "attention must be one of"),
     ("max_steps=0", "max_steps must be >= 1"),
+    ("lr=inf", "train.lr: inf is not a finite number"),
+    ("lr=-inf", "train.lr: -inf is not a finite number"),
+    ("lr=nan", "train.lr: nan is not a finite number"),
+    ("drafter.gamma=inf", "drafter.gamma: inf is not a finite number"),
+    ("lr=1e30", r"0 < lr <= 1.0"),
+    ("beta2=1", "beta2 < 1"),
+    ("grad_clip=1e400", "train.grad_clip: inf is not a finite number"),
 ])
 def test_bad_overrides_are_clear_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):

@@ -72,6 +72,11 @@ def test_finished_run_is_left_alone(tmp_path, mem, capsys):
     assert format_summary(first).startswith("trained dflash to step 2 of 2")
 
 
+def test_the_tensorboard_command_in_the_summary_is_quoted_for_the_shell():
+    text = format_summary({"steps": 1, "max_steps": 1, "tensorboard": "/runs/my run/tensorboard", "curves": "c.png"})
+    assert "tensorboard --logdir '/runs/my run/tensorboard'" in text
+
+
 def test_metrics_never_repeat_a_step_after_a_resume(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=2", "keep_checkpoints=5"])
     train(run, mem.path, tmp_path / "full")
@@ -89,3 +94,52 @@ def test_tap_substitution_is_loud_and_recorded(tmp_path, mem):
     with pytest.warns(UserWarning, match=r"dataset stores taps \[1, 3\]: training on \[1\] instead"):
         train(run, mem.path, tmp_path / "r")
     assert json.loads((tmp_path / "r" / "config.json").read_text())["drafter"]["target_layer_ids"] == [1]
+
+
+def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_exports_nothing_non_finite(
+        tmp_path, mem, monkeypatch, capsys):
+    """A step whose loss and gradients go NaN is not applied: train exits 2 with one line naming the step and the
+    checkpoint kept; a checkpoint of non-finite weights is never saved, and one written by an older tapdraft is
+    never exported."""
+    from cli import main
+    from shards.errors import DivergedError
+    from train.checkpoints import _save, load_checkpoint, nonfinite, save_checkpoint
+
+    real, calls = loop.combine_terms, []
+
+    def poisoned(*a, **kw):
+        loss, vals = real(*a, **kw)
+        calls.append(1)
+        nan = float("nan") if len(calls) == 4 else 1.0
+        return loss * nan, {k: v * nan for k, v in vals.items()}
+
+    with pytest.raises(SystemExit) as e:  # an infinite setting is refused before anything starts
+        main(["train", "--data", str(mem.path), "--recipe", "dflash_b8", "--out", str(tmp_path / "inf"), "--set",
+              "lr=inf"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "error: train.lr: inf is not a finite number; give a finite value", err
+    assert not (tmp_path / "inf").exists()
+    monkeypatch.setattr(loop, "combine_terms", poisoned)
+    out = tmp_path / "run"
+    args = ["train", "--data", str(mem.path), "--recipe", "dflash_b8", "--out", str(out), "--set", "max_steps=6",
+            "--set", "ckpt_every=2", *[a for kv in FAST for a in ("--set", kv)]]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "training diverged at step 4: loss nan" in err[0] and "step-0000002 is kept" in err[0], err[0]
+    assert "lower lr (now 0.003)" in err[0]
+    assert latest_checkpoint(out).name == "step-0000002" and not (out / "summary.json").exists()
+    ck = load_checkpoint(latest_checkpoint(out))
+    assert nonfinite(ck.draft) == []
+    name = next(k for k, v in ck.draft.items() if v.is_floating_point())
+    ck.draft[name][0] = float("inf")
+    with pytest.raises(DivergedError, match=rf"step 2: 1 of \d+ draft tensors are not finite \(first: {name}\)"):
+        save_checkpoint(tmp_path / "other", ck, keep=2)
+    assert not (tmp_path / "other" / "checkpoints").exists() or not any((tmp_path / "other" / "checkpoints").iterdir())
+    _save(ck.to_payload(), latest_checkpoint(out) / "state.pt")  # as a tapdraft that saved anything left it
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--draft", str(out), "--out", str(tmp_path / "exp")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "non-finite tensor(s)" in err and "\n" not in err, err
+    assert not (tmp_path / "exp").exists()

@@ -27,8 +27,8 @@ CONFIG = "config.json"
 def write_export(out_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict[str, Any],
                  meta: dict[str, Any] | None = None, *, serving_dir: Path | None = None) -> Path:
     """Write weights (floating tensors as float32; integer and bool tables, such as a draft vocabulary's ``d2t`` /
-    ``t2d``, in their own dtype; contiguous) and config atomically-per-file into ``out_dir``; the modules the config
-    names in ``auto_map`` are copied from ``serving_dir``."""
+    ``t2d``, in their own dtype; contiguous) and config into ``out_dir``; the modules the config names in ``auto_map``
+    are copied from ``serving_dir``. ``train.export`` gives a fresh directory and commits it whole."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -67,6 +67,24 @@ def load_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torc
     if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
         raise FileNotFoundError(f"{root} is not a draft export: it needs {CONFIG} and {WEIGHTS}")
     return json.loads((root / CONFIG).read_text()), load_file(str(root / WEIGHTS))
+
+
+def export_names(root: Path) -> set[str] | None:
+    """The names an earlier export at ``root`` wrote (config, weights and their index, shipped modeling files); None
+    when ``root`` holds no export (no ``config.json`` with a ``tapdraft`` section)."""
+    try:
+        doc = json.loads((root / CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tapdraft"), dict):
+        return None
+    names = {CONFIG, WEIGHTS, "model.safetensors.index.json"}
+    try:
+        names.update(weight_files(root))
+    except (OSError, ValueError, KeyError):
+        pass
+    auto_map = doc.get("auto_map") if isinstance(doc.get("auto_map"), dict) else {}
+    return names | {f"{str(ref).split('.')[0]}.py" for ref in auto_map.values()}
 
 
 def weight_files(root: Path) -> list[str]:

@@ -500,6 +500,8 @@ def export(
                                  "name, as the format records it (speculators_config.verifier)."),
     checkpoint: str = typer.Option(None, "--checkpoint", help="A checkpoint directory of the run "
                                    "(RUN/checkpoints/step-N) instead of its latest."),
+    data: str = typer.Option(None, "--data", help="A dataset of the draft's target: needed only by a draft with a "
+                             "draft vocabulary, whose export carries those frozen lm_head rows for vLLM."),
 ) -> None:
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
@@ -508,7 +510,7 @@ def export(
 
     with _kept_on_interrupt("export", f"{out} is as it was (an export is committed whole or not at all); rerun the "
                             "same command"):
-        res = export_run(draft, out, checkpoint=checkpoint, layout=layout, verifier=verifier)
+        res = export_run(draft, out, checkpoint=checkpoint, layout=layout, verifier=verifier, data=data)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
 
 

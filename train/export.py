@@ -111,17 +111,21 @@ def _link_copy(src: Path, dst: Path) -> None:
 def export_drafter(model: Drafter, out_dir: str | os.PathLike, meta: dict[str, Any], *,
                    layout: str | None = None) -> Path:
     """Export a drafter in memory: its trainable weights and ``export_config()`` plus ``meta``."""
-    weights, cfg = type(model).export_layout(model.trainable_state_dict(), model.export_config(), layout)
+    native, config = model.trainable_state_dict(), model.export_config()
+    native = {**native, **type(model).head_rows(native, config, lambda: model.target.lm_head)}
+    weights, cfg = type(model).export_layout(native, config, layout)
     check_finite(weights, "the drafter")
     return commit_export(out_dir, lambda tmp: type(model).write_export(tmp, weights, cfg, meta))
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
-               layout: str | None = None, verifier: str | None = None) -> dict[str, Any]:
+               layout: str | None = None, verifier: str | None = None,
+               data: str | os.PathLike | None = None) -> dict[str, Any]:
     """Export a run's latest (or the given) checkpoint; returns a summary dict.
 
     ``layout``: one of the family's layouts (``Drafter.export_layout``; None: its default; ``speculators`` names the
-    target: ``verifier``)."""
+    target: ``verifier``). ``data``: a dataset of the run's target, read only when the export must carry frozen target
+    rows itself (``Drafter.head_rows``: a DFlash draft vocabulary's lm_head rows)."""
     from train.checkpoints import STATE_FILE, load_checkpoint, load_latest
 
     run = Path(run_dir)
@@ -141,7 +145,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
         meta["chat_template"] = {"sha256": template_sha(state.template["text"]), "kwargs": state.template["kwargs"]}
     native = cfg
     family = family_of(native)
-    weights, cfg = family.export_layout(state.draft, native, layout, verifier=verifier)
+    rows = family.head_rows(state.draft, native, lambda: target_lm_head(data, native, run))
+    weights, cfg = family.export_layout({**state.draft, **rows}, native, layout, verifier=verifier)
     check_finite(weights, str(ck))
     out = commit_export(out_dir, lambda tmp: family.write_export(tmp, weights, cfg, meta), run=run)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
@@ -149,6 +154,22 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
             "layout": layout or family.default_layout,
             "block_size": native.get("block_size"), "target_layer_ids": native.get("target_layer_ids"),
             "target_layer_ids_vllm": native.get("target_layer_ids_vllm"), "mask_token_id": native.get("mask_token_id")}
+
+
+def target_lm_head(data: str | os.PathLike | None, native: dict[str, Any], run: Path) -> torch.Tensor:
+    """The lm_head [V, H] of the target a run's draft was trained for, from a dataset of that target (``data``);
+    ValueError when none is given or the dataset is of another target."""
+    if data is None:
+        raise ValueError(f"the draft in {run} drafts from a subset of the target's lm_head rows, which the export must "
+                         "carry for vLLM: pass --data DATASET, a dataset of the target it was trained for")
+    from shards.reader import open_dataset
+
+    bundle = open_dataset(str(data)).bundle()
+    want = native.get("tapdraft", {}).get("target_fingerprint")
+    if want and bundle.fingerprint != want:
+        raise ValueError(f"{data} was captured from target {bundle.fingerprint[:12]}, but the draft in {run} was "
+                         f"trained for {want[:12]}: pass a dataset of the same target")
+    return bundle.lm_head
 
 
 def format_export(res: dict[str, Any]) -> str:

@@ -149,7 +149,7 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Callable[[st
         sets = [x for s in cfg.sets for x in ("--set", s)]
         _cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
              str(cfg.threads), *sets, log=log)
-        _cli("export", "--draft", str(run), "--out", str(export), log=log)
+        _cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), log=log)
     return run, export
 
 

@@ -45,7 +45,8 @@ def train_and_export(data: Path, out: Path, recipe: str, *overrides: str) -> tup
         args += ["--set", o]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--json"],
+    res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--data", str(data),
+                                   "--json"],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return run, export
@@ -53,9 +54,13 @@ def train_and_export(data: Path, out: Path, recipe: str, *overrides: str) -> tup
 
 @pytest.fixture(scope="session")
 def bpe_dflash(bpe_target, tmp_path_factory):
-    """A DFlash drafter (block 8: 7 drafts a round) trained briefly on the BPE target's dataset, exported."""
+    """A DFlash drafter (block 8: 7 drafts a round) trained briefly on the BPE target's dataset, exported, with what
+    the CPU recipe (``dflash_small``) adds: a draft vocabulary (256 of the target's 1,024; the export carries those
+    lm_head rows and vLLM maps its ids through ``d2t``) and reach slot weights (now the recipe's own). The speech
+    target's DFlash (``speech_case``) keeps the full vocabulary."""
     return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("dflash"), "dflash_demo",
-                            "drafter.num_layers=1", "max_steps=200")
+                            "drafter.num_layers=1", "max_steps=200", "drafter.draft_vocab=256",
+                            "drafter.slot_weighting=reach")
 
 
 def read_jsonl(path: Path) -> list[dict]:

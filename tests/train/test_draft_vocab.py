@@ -177,12 +177,17 @@ def test_run_fits_checkpoints_checks_on_resume_evaluates_and_exports(tmp_path):
 
     res = evaluate(tmp_path / "run", mem.path, plot=False)
     assert 1.0 <= res["tau"] <= 4
-    # export: EAGLE-3's keys, int64 d2t and bool t2d, loaded by the shipped modeling file with the same logits
-    export_run(tmp_path / "run", tmp_path / "export")
+    # export: EAGLE-3's keys, int64 d2t and bool t2d, the subset's frozen lm_head rows (which vLLM projects on), loaded
+    # by the shipped modeling file with the same logits; the rows come from a dataset of the same target
+    with pytest.raises(ValueError, match="pass --data DATASET"):
+        export_run(tmp_path / "run", tmp_path / "export")
+    export_run(tmp_path / "run", tmp_path / "export", data=mem.path)
     cfg, weights = load_export(tmp_path / "export")
     assert cfg["draft_vocab_size"] == 20 and cfg["vocab_size"] == 64
     assert weights["d2t"].dtype == torch.int64 and torch.equal(weights["d2t"], want.d2t)
     assert weights["t2d"].dtype == torch.bool and torch.equal(weights["t2d"], want.t2d)
+    ids = torch.arange(20) + want.d2t
+    assert torch.equal(weights["lm_head.weight"], mem.bundle.lm_head.float()[ids])
     auto, info = AutoModel.from_pretrained(tmp_path / "export", trust_remote_code=True, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert torch.equal(auto.d2t, want.d2t) and torch.equal(auto.t2d, want.t2d)

@@ -27,7 +27,7 @@ import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 import torch.distributed as dist
@@ -172,6 +172,13 @@ class Drafter(nn.Module):
         if layout is None:
             return weights, config
         raise ValueError(f"a {cls.family!r} draft has one export layout: drop --layout")
+
+    @classmethod
+    def head_rows(cls, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                  lm_head: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Frozen target tensors an export must carry itself (``weights``, ``config``: the native trained weights and
+        ``export_config``; ``lm_head``: the target's [V, H] lm_head, loaded only when called). None by default: engines use the target's own."""
+        return {}
 
     @classmethod
     def write_export(cls, out_dir: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict[str, Any],

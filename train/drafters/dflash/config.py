@@ -50,7 +50,8 @@ class DFlashConfig:
     detached label probabilities: ``common.losses.reach_weights``) or dpace (D-PACE's per-row weights,
     ``common.losses.dpace_weights``); gamma is used by decay only."""
     dpace_alpha: float = 0.5
-    """D-PACE smoothing: each slot's factor is (1 - alpha) q + alpha (1: the plain suffix length; 0: the raw product)."""
+    """D-PACE smoothing: each slot's factor is (1 - alpha) q + alpha (1: the plain suffix length; 0: the raw
+    product)."""
     mask_token_id: int | None = None
     """Token id of the mask slots (default: a dedicated id, the first row of the embedding table past the
     tokenizer's ids, as the reference drafters add ``<|MASK|>``; the pad id, with a warning, when there is none)."""

@@ -23,7 +23,7 @@ Shapes: Bs batch, T positions, N blocks per sequence, B block size, H hidden, V 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -291,6 +291,19 @@ class DFlashDrafter(DFlashLoss, Drafter):
             return to_speculators(weights, config, verifier=verifier)
         raise ValueError(f"unknown layout {layout!r} for a {cls.family} draft: its layouts are the native one (no "
                          "--layout) and speculators")
+
+    @classmethod
+    def head_rows(cls, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                  lm_head: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With a draft vocabulary, its N frozen lm_head rows as the export's own ``lm_head.weight`` [N, H]: vLLM
+        shares the target's whole lm_head with a draft that ships none and then keeps its first N logits
+        (``LogitsProcessor(draft_vocab_size)``), not the rows ``d2t`` names; with these rows it computes the N
+        logits tapdraft drafts from and maps them to target ids through ``d2t``."""
+        n = config.get("draft_vocab_size")
+        if n is None:
+            return {}
+        ids = torch.arange(int(n)) + weights["d2t"].long().cpu()
+        return {"lm_head.weight": lm_head().detach().float().index_select(0, ids).contiguous()}
 
     def export_config(self) -> dict[str, Any]:
         cfg = self.config

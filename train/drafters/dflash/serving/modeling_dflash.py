@@ -11,9 +11,10 @@ complete model repository. It computes exactly what tapdraft's trainer computes 
     output   = RMSNorm_final(block)                                  -> logits = target lm_head(output)
 
 Draft vocabulary (``draft_vocab_size`` in the config, EAGLE-3's convention): the export then holds
-``d2t`` (int64 [N]; draft id i is target id i + d2t[i]) and ``t2d`` (bool [V]), and the draft's logits
-exist only at those N target ids: ``compute_logits`` projects on those lm_head rows and puts -inf at
-every other target id, as vLLM's EAGLE-3 drafter does.
+``d2t`` (int64 [N]; draft id i is target id i + d2t[i]), ``t2d`` (bool [V]) and ``lm_head.weight`` [N, H], the
+target's lm_head rows at those ids (frozen, carried so that vLLM, which otherwise shares the target's whole head
+and keeps its first N logits, projects on the right rows), and the draft's logits exist only at those N target
+ids: ``compute_logits`` projects on those rows and puts -inf at every other target id, as vLLM's drafters do.
 
 Logits: apply the target's lm_head ONLY. A target that divides its logits (Granite's
 ``logits_scaling``) has that division folded into ``norm.weight`` at export, so engines that apply
@@ -159,16 +160,18 @@ class DFlashDraftModel(PreTrainedModel):
         if self.draft_vocab_size is not None:  # filled from the export's weights
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)  # the target's rows at the draft ids
         self.post_init()
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V] over the target vocabulary from ``forward``'s output and the target's lm_head
-        weight [V, H]: all of it, or with a draft vocabulary its N rows and -inf at every other target id."""
+        weight [V, H]: all of it, or with a draft vocabulary the export's own N rows (the target's at the draft ids)
+        and -inf at every other target id."""
         w = lm_head_weight.to(hidden.dtype)
         if self.draft_vocab_size is None:
             return hidden @ w.T
         ids = self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
-        z = hidden @ w[ids].T
+        z = hidden @ self.lm_head.weight.to(hidden.dtype).T
         out = z.new_full((*z.shape[:-1], w.shape[0]), float("-inf"))
         out[..., ids] = z
         return out

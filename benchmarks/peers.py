@@ -340,7 +340,7 @@ def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mas
                 "markov_rank=256", "markov_head_type=vanilla", "confidence_head=true", "ce_weight=0.1",
                 "tv_weight=0.9", "confidence_weight=0.1", *batch]
     kd = ["kd=exact", "ce_weight=0"] if row.loss == "kd" else []
-    return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}",
+    return [f"num_anchors={anchors}", "full_blocks_only=true", f"mask_token_id={mask_token_id}", "slot_weighting=decay",
             f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", *kd, *batch]
 
 

@@ -42,9 +42,10 @@ verifier's tensors into the module's own fp32 parameters with ``load_state_dict`
 ``device_type = "cuda"`` (the same file), an autocast that does nothing to CPU ops, but the Trainer cannot run there
 anyway (``.to(local_rank)``): its default on real hardware is bf16 autocast. So ``precision: bfloat16`` runs the
 forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32 trainable parameters, as its Trainer on GPU, and
-stores the frozen embedding and verifier lm_head in bf16: the checkpoint's own values (autocast casts the lm_head
-to bf16 for its matmul anyway; the embedding rows reach the draft as the same numbers), so the frozen parts match
-tapdraft's bf16 head. ``float32``: everything fp32, no autocast (the control).
+stores the frozen embedding and both lm_heads (the draft's and the verifier's, the same weights) in bf16: the
+checkpoint's own values (autocast casts the heads to bf16 for their matmuls anyway; the embedding rows reach the
+draft as the same numbers), so the frozen parts match tapdraft's bf16 head, in memory too (its Trainer would hold
+fp32 copies: 3 x 113 MB at this vocabulary rather than 3 x 57). ``float32``: everything fp32, no autocast (the control).
 
 Its loss is normalised by the count of trained rows (``loss_function``: sum(w l) / sum(mask)), tapdraft's by the sum
 of their weights: the step reports both. ``ce`` is its hard-label CE against the verifier's argmax on the slot's
@@ -87,8 +88,8 @@ def main(job_path: str) -> None:
     model.float().train()
     bf16 = job.get("precision", "bfloat16") == "bfloat16"
     if bf16:  # the frozen parts as the checkpoint holds them; the trainable ones stay fp32 under autocast
-        model.embed_tokens.to(torch.bfloat16)
-        model.verifier_lm_head.to(torch.bfloat16)
+        for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+            frozen.to(torch.bfloat16)
     train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
         loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
         max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
@@ -118,7 +119,7 @@ def main(job_path: str) -> None:
         return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
 
     dflash_core.compute_metrics = record
-    probe = dtype_probe({"head": [model.verifier_lm_head], "embedding": [model.embed_tokens],
+    probe = dtype_probe({"head": [model.verifier_lm_head, model.lm_head], "embedding": [model.embed_tokens],
                          "draft": [m for m in model.modules() if isinstance(m, torch.nn.Linear)
                                    and m.weight.requires_grad]})
     say({"ready": True, "trainable_params": sum(p.numel() for p in params),

@@ -55,6 +55,14 @@ def test_a_row_whose_sides_differ_in_precision_is_refused_unless_mixed() -> None
         check_dtypes("r", bf16, {"head": "bfloat16", "embedding": "bfloat16"}, mixed=False)
 
 
+def test_a_mixed_row_is_labelled_mixed() -> None:
+    from benchmarks.peers import _label
+
+    row = {"row": "dflash-ce", "family": "dflash", "anchors_per_seq": 32}
+    assert not _label({**row, "mixed": False}).startswith("MIXED")
+    assert _label({**row, "mixed": True}).startswith("MIXED precision: DFlash CE")
+
+
 def test_a_mixed_precision_request_is_refused_before_anything_is_built(tmp_path: Path) -> None:
     args = argparse.Namespace(precision="bfloat16", peer_precision="float32", mixed=False, samples=2, heldout=1,
                               tokens=64, anchors=2, warmup=1, pairs=1)

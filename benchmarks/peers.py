@@ -777,7 +777,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: the ModelOpt rows)")
     ap.add_argument("--pairs", type=int, default=7, help="interleaved tapdraft / peer step pairs (5 at least for a "
                                                          "median worth reading)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first (at least 1)")
     ap.add_argument("--anchors", type=int, default=32, help="DFlash anchors (blocks) per sequence on both sides")
     ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
     ap.add_argument("--heldout", type=int, default=2, help="samples held out for the held-out loss (0: none)")
@@ -798,8 +798,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROW_SPECS)}")
     if args.tokens % BLOCK:
         raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
-    if args.pairs < 1 or args.heldout < 0:
-        raise ValueError("--pairs must be at least 1 and --heldout at least 0")
+    if args.pairs < 1 or args.warmup < 1 or args.heldout < 0:
+        raise ValueError("--pairs and --warmup must be at least 1 (the first step's dtypes are checked), --heldout "
+                         "at least 0")
     if args.pairs < 5:
         warnings.warn(f"--pairs {args.pairs}: a median of fewer than 5 pairs is a smoke test, not a figure")
     torch.set_num_threads(1)

@@ -9,22 +9,51 @@ the speculators rows are not in the default ``--rows``). For each row this modul
 itself, converts it to the peer's offline format (``to_modelopt``, ``to_speculators``: the family's taps by
 tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step, ...
 
-    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 5] [--anchors 32] [--samples 2]
-                               [--tokens 512] [--head-dtype auto] [--workdir DIR]
+    python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 7] [--anchors 32] [--samples 2]
+                               [--heldout 2] [--tokens 512] [--precision bfloat16|float32] [--workdir DIR]
     python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators
+    python -m benchmarks.peers --precision bfloat16 --peer-precision float32 --mixed   # a labelled mixed row
+
+Equal terms, enforced per row:
+
+  precision   ``--precision`` (default bfloat16) sets both sides: bfloat16 is how each peer runs on a real
+              checkpoint (ModelOpt: every part in its base checkpoint's dtype, the converter writes it bf16;
+              speculators: its Trainer's bf16 autocast over fp32 weights, engines/*_runner.py cite the source) and
+              tapdraft with its bf16 frozen head and bf16 autocast over fp32 trainable weights; float32 is the control,
+              fp32 everywhere. Each side reports the dtype its frozen head's matmul, its embedding rows and its
+              trainable draft's matmuls ran in (forward hooks, autocast included) and the trainable weights' dtype; a
+              row whose head / embedding / draft dtypes differ is refused in one line (``check_dtypes``) unless
+              ``--mixed``, which runs and labels it "mixed" in the table and JSON. What equal does not cover, and each
+              row records (``draft_params``): ModelOpt's bf16 keeps its trainable weights and AdamW state in bf16 (no
+              fp32 master copy), tapdraft and speculators keep them fp32.
+  anchors     fresh every step on both sides: tapdraft's from one generator seeded once per row and advanced by each
+              step, the peers' from their own RNG (seeded once per process). Neither peer takes given anchors (its
+              sampler is internal), so the two sequences are independent draws of the same distribution, not the
+              same positions: each row says so. EAGLE-3 has no anchors (every supervised row, every step).
+  held-out    after the timed steps, each side's loss on ``--heldout`` samples it never trained on (the dataset's
+              last ones: tapdraft's batch, ModelOpt's held-out files, speculators' rows after the training ones), no
+              gradient, the RNG seeded with ``HELDOUT_SEED`` on both: after equal steps, so a faster step that learns
+              less shows as a worse held-out loss. Not measured: the loss after equal wall time.
+  loss        the same loss on the same labels: the samples are self-predicting (every next token is the teacher's
+              argmax, benchmarks/shapes.py), so speculators' CE on the teacher's argmax and tapdraft's CE on the
+              dataset token train one label; ``argmax_agreement`` checks it (1.0) before the row runs, in both
+              precisions, or refuses it.
+  spread      the per-pair ratios, their median, min and max (``ratio_spread``) and the 1-minute load average at every
+              pair, in the table and JSON; fewer than 5 pairs warns that the figure is a smoke test.
 
 Content: a synthetic target bundle at SmolLM2-135M's widths (``llama-576x8`` in benchmarks/shapes.py:
 hidden 576, 9/3 heads, MLP 1536, vocab 49,152, 8 layers; random fp32-exact bf16 embedding and lm_head) and
-``--samples`` samples of ``--tokens`` tokens (random ids, the second half supervised) whose taps are the
-family's (DFlash's and DSpark's one-layer rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last
+``--samples`` + ``--heldout`` samples of ``--tokens`` tokens (random ids, each the teacher's argmax on the
+previous position; the second half supervised) whose taps are the family's (DFlash's and DSpark's one-layer
+rule: layer 4; EAGLE-3's ``eagle3_tap_ids``: 1, 3, 5) plus the last
 layer. Random activations are fine for time: it does not depend on their values; the losses both sides report
 say they train the same rows from the same loss.
 
 Common to every row: 1 draft layer at the target's widths (passed to ModelOpt explicitly), frozen embedding
-and lm_head (tapdraft's in ``--head-dtype``, default ``auto`` = ``train.fit.head_dtype`` on CPU; ModelOpt's in
-fp32, its base's dtype, which its trainable draft also takes, so it is not varied), AdamW (tapdraft's recipe lr,
-betas, weight decay; no schedule, no clipping on either side), one micro-batch of every sample, the same batch
-every step (so both have seen equal tokens after equal steps), one torch thread each, torch.compile off.
+and lm_head (both sides in ``--precision``, above), AdamW (tapdraft's recipe lr,
+betas, weight decay; no schedule, no clipping on either side), one micro-batch of the ``--samples`` training
+samples, the same batch every step (so both have seen equal tokens after equal steps), one torch thread each,
+torch.compile off.
 One step = forward + backward + optimizer step, timed inside each process. Trainable parameters are
 counted on both sides and recorded (equal in every row: 3,873,152 DFlash, 5,089,536 EAGLE-3, 29,039,809
 DSpark).
@@ -78,20 +107,23 @@ Rows:
 Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows, peak RSS (tapdraft: this
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
 included: ``--rows`` one row per process for a clean figure; the peer: its runner process, one per row, VmHWM
-since its exec), the head dtype, the loss per row after the warm-up + ``--pairs`` steps; and the median over
-pairs of peer s / tapdraft s, with the 1-minute load average at every pair. Numbers taken beside other work on
+since its exec), the dtypes (head / embedding / draft, and the trainable weights'), the loss per row after the
+warm-up + ``--pairs`` steps and the held-out loss after them; and the median over pairs of peer s / tapdraft s with
+its min and max, and the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
 speculators rows (``engines/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
 its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
 CLI does (qwen3 layer at the verifier's widths: 3,873,152 trainable, as tapdraft's; embedding, lm_head, final norm
-frozen from the verifier directory, fp32), with its CLI's ``sdpa`` attention and its ``eager`` losses, and calls it
-as its Trainer does on the batch its ``ArrowDataset`` + ``CollateFn`` make (every sample packed in one row).
+frozen from the verifier directory; at bfloat16 under its Trainer's autocast), with its CLI's ``sdpa``
+attention and its ``eager`` losses, and calls it as its Trainer does on the batch its ``ArrowDataset`` +
+``CollateFn`` make (every training sample packed in one row).
 
   dflash-ce-speculators   tapdraft ``dflash`` (CE on the dataset's token) vs its ``loss_fn=ce``: a hard-label CE on
-              the argmax of the teacher row (last hidden at anchor + k - 1 -> final norm -> lm_head), not the
-              dataset's token (the same token where the target predicts its own text; on random data both are
-              about ln V at init).
+              the argmax of the teacher row (last hidden at anchor + k - 1 -> final norm -> lm_head). On these
+              self-predicting samples that argmax is the dataset's token at every supervised position
+              (``argmax_agreement``, checked before the row runs): one loss on one label. speculators still
+              projects the teacher rows to find it (its cost, kept in its time); tapdraft reads the token.
   dflash-kd-speculators   tapdraft ``kd=exact ce_weight=0`` vs its ``loss_fn=kl_div``: KL(p || q) against the same
               teacher row on both sides, no offset.
   Both: block 16, slot weights exp(-(k-1)/7) (its ``dflash_decay_gamma=7``, default 4), anchors = ``--anchors`` x
@@ -114,6 +146,7 @@ import resource
 import statistics
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +167,13 @@ TTT_STEPS = 3
 STEP_DECAY = 0.8
 """EAGLE-3's per-step loss weight base on both sides (tapdraft's recipe; ModelOpt's default is 0.9)."""
 ROWS = ("dflash-ce", "dflash-kd", "eagle3")
+PRECISIONS = ("bfloat16", "float32")
+"""``--precision``: bfloat16, both sides as the peers run on real checkpoints (the default); float32, the control."""
+DTYPE_PARTS = ("head", "embedding", "draft")
+"""The parts whose compute dtype each side records and a row requires equal (unless ``--mixed``): the frozen
+lm_head's matmuls, the frozen embedding rows the draft reads, the trainable draft's matmuls."""
+HELDOUT_SEED = 1234
+"""The RNG seed of every held-out evaluation (its anchors), on both sides (engines/peer_protocol.py's too)."""
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "engines" / "modelopt_runner.py"
 
@@ -150,16 +190,39 @@ def family_taps(family: str, num_layers: int) -> list[int]:
     return list(TAP_RULES[family](num_layers))
 
 
-def build_dataset(root: Path, *, samples: int = 2, tokens: int = 512, seed: int = 0, family: str = "dflash") -> Path:
+def build_dataset(root: Path, *, samples: int = 2, tokens: int = 512, seed: int = 0, family: str = "dflash",
+                  self_predicting: bool = True) -> Path:
     """The synthetic dataset at SHAPE storing ``family``'s taps and the last layer, ``tokens`` a sample (built once
-    per argument set; later runs reuse ``root``)."""
+    per argument set; later runs reuse ``root``), by default one whose every next token is the teacher's argmax
+    (``self_predicting``, benchmarks/shapes.py), so a CE on the dataset token and one on the argmax are one loss."""
     taps = tuple(family_taps(family, SHAPES[SHAPE].layers))
     return synthetic_dataset(root, SHAPE, samples=samples, tokens=(tokens, tokens), tag="peers", seed=seed,
-                             draft_layers=DRAFT_LAYERS, tap_ids=taps)
+                             draft_layers=DRAFT_LAYERS, tap_ids=taps, self_predicting=self_predicting)
+
+
+def argmax_agreement(dataset: str | Path, dtype: str = "bfloat16", split: str = "train") -> float:
+    """The share of supervised tokens (after the first) that equal the teacher's argmax on the previous position
+    (last layer -> final norm -> lm_head, the head in ``dtype``): 1.0 when a CE on the dataset token and a CE on
+    the teacher's argmax train the same labels."""
+    from shards.head import head_spec, teacher_logits
+
+    ds = open_dataset(str(dataset))
+    bundle, L = ds.bundle(), ds.layout.num_layers
+    col = list(ds.layout.tap_ids).index(L - 1)
+    t = getattr(torch, dtype)
+    same = total = 0
+    for i in range(ds.num_samples(split)):
+        s = ds.sample(split, i)
+        sup = s["loss_mask"].bool()[1:]
+        h = s["taps"][:-1, col][sup].to(t)  # [R, H], the row before each supervised token
+        z = teacher_logits(h, bundle.norm_weight.to(t), bundle.lm_head.to(t), head_spec(bundle))
+        same += int((z.argmax(-1) == s["input_ids"][1:][sup].long()).sum())
+        total += int(sup.sum())
+    return same / max(total, 1)
 
 
 def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split: str = "train",
-                limit: int | None = None) -> dict[str, Any]:
+                limit: int | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
     """Convert a tapdraft dataset to ModelOpt's offline DFlash / EAGLE-3 format; returns the job facts.
 
     ModelOpt 0.47.0 reads (``modelopt/torch/speculative/eagle/utils.py``, ``OfflineSupervisedDataset``; both
@@ -174,8 +237,10 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
     tapdraft's is [1, 3, 5]). Its frozen pieces come from a base checkpoint directory
     (``plugins/modeling_fakebase.py``, ``FakeBaseModel.from_source``: config.json + model.safetensors with
     ``model.embed_tokens.weight``, ``lm_head.weight``, ``model.norm.weight``), written as ``out/base``
-    in fp32. Taps are stored as fp32 (exactly the dataset's bf16 values): the peer's draft runs in its base
-    model's dtype.
+    in ``dtype``: ModelOpt builds every part, its trainable draft included, in the base config's dtype
+    (engines/modelopt_runner.py cites where), so bfloat16 is its default on a real checkpoint and float32 the
+    control. Taps are stored in ``dtype`` too (the dataset's bf16 values, exact either way): the draft reads them
+    in its own dtype.
 
     Layout of ``out``: ``base/`` and ``samples/NNNNNN.pt``; each file is written to a temp name and renamed.
     """
@@ -192,12 +257,12 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
     out = Path(out)
     base, samples = out / "base", out / "samples"
     samples.mkdir(parents=True, exist_ok=True)
-    config = write_base(bundle, L, base)
+    config = write_base(bundle, L, base, dtype=dtype)
     n = ds.num_samples(split) if limit is None else min(limit, ds.num_samples(split))
     files = []
     for i in range(n):
         s = ds.sample(split, i)
-        taps = s["taps"].float()  # [T, n_taps, H]
+        taps = s["taps"].to(getattr(torch, dtype))  # [T, n_taps, H]
         doc = {"input_ids": s["input_ids"].long(),
                "hidden_states": taps[:, col[L - 1]].contiguous(),
                "aux_hidden_states": torch.cat([taps[:, col[t]] for t in aux], dim=-1).contiguous(),
@@ -207,15 +272,19 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
         _atomic_write(path, lambda p, doc=doc: torch.save(doc, p))
         files.append(str(path))
     arch = {k: config[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")}
-    return {"base": str(base), "files": files, "family": family, "target_layer_ids": aux, "num_layers": L,
+    return {"base": str(base), "files": files, "dtype": dtype, "family": family, "target_layer_ids": aux,
+            "num_layers": L,
             "vocab_size": bundle.vocab_size, "hidden_size": bundle.hidden_size, "architecture": arch,
             "rope_theta": config["rope_theta"]}
 
 
-def write_base(bundle: Any, num_layers: int, base: Path) -> dict[str, Any]:
+def write_base(bundle: Any, num_layers: int, base: Path, dtype: str = "bfloat16") -> dict[str, Any]:
     """The frozen target pieces as a Llama checkpoint directory both peers load their base from: config.json (the
-    target's widths) and model.safetensors (``model.embed_tokens.weight``, ``lm_head.weight``,
-    ``model.norm.weight``, fp32); returns the config."""
+    target's widths, ``"dtype": dtype``) and model.safetensors (``model.embed_tokens.weight``, ``lm_head.weight``,
+    ``model.norm.weight`` in ``dtype``: bfloat16 as a real checkpoint, the bundle's values exactly); returns the
+    config."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"base dtype {dtype!r}: choose one of {PRECISIONS}")
     from safetensors.torch import save_file
 
     base.mkdir(parents=True, exist_ok=True)
@@ -227,16 +296,18 @@ def write_base(bundle: Any, num_layers: int, base: Path) -> dict[str, Any]:
               "head_dim": c.get("head_dim", bundle.hidden_size // c["num_attention_heads"]),
               "intermediate_size": c["intermediate_size"], "rms_norm_eps": bundle.head.eps,
               "rope_theta": c.get("rope_theta", 10_000.0), "max_position_embeddings": 8192,
-              "tie_word_embeddings": False, "dtype": "float32"}
+              "tie_word_embeddings": False, "dtype": dtype}
     _atomic_write(base / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
-    weights = {"model.embed_tokens.weight": bundle.embed_tokens.float().contiguous(),
-               "lm_head.weight": bundle.lm_head.float().contiguous(),
-               "model.norm.weight": bundle.norm_weight.float().contiguous()}
+    t = getattr(torch, dtype)
+    weights = {"model.embed_tokens.weight": bundle.embed_tokens.to(t).contiguous(),
+               "lm_head.weight": bundle.lm_head.to(t).contiguous(),
+               "model.norm.weight": bundle.norm_weight.to(t).contiguous()}
     _atomic_write(base / "model.safetensors", lambda p: save_file(weights, str(p)))
     return config
 
 
-def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limit: int | None = None) -> dict[str, Any]:
+def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limit: int | None = None,
+                   dtype: str = "bfloat16") -> dict[str, Any]:
     """Convert a tapdraft dataset to speculators' offline DFlash format; returns the job facts.
 
     speculators 0.9.0 trains from a data directory (``speculators/train/data.py``, ``ArrowDataset`` with
@@ -248,7 +319,8 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
     teacher's input before the final norm). Stored in the dataset's bf16, as its vLLM capture writes them; its
     ``CollateFn`` casts them to the training dtype. The aux layers are DFlash's by tapdraft's rule; speculators
     names them by vLLM layer id, tap + 1 (``aux_layer_ids``; ``train.drafters.dflash.speculators``). Its frozen
-    pieces load from the verifier directory ``out/verifier`` (``write_base``). Layout: ``verifier/``, ``data/``
+    pieces load from the verifier directory ``out/verifier`` (``write_base`` in ``dtype``; its loader copies
+    them into its own fp32 parameters either way, and the runner sets their precision). Layout: ``verifier/``, ``data/``
     (written under a temp name and renamed).
     """
     import shutil
@@ -266,7 +338,7 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
                          f"(tapdraft's layer rule) and the last layer {L - 1}: capture with --taps including {missing}")
     col = [list(layout.tap_ids).index(t) for t in (*aux, L - 1)]
     out = Path(out)
-    write_base(bundle, L, out / "verifier")
+    write_base(bundle, L, out / "verifier", dtype=dtype)
     data, tmp = out / "data", out / "data.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "hidden_states").mkdir(parents=True)
@@ -287,6 +359,7 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
     shutil.rmtree(data, ignore_errors=True)
     os.replace(tmp, data)
     return {"verifier": str(out / "verifier"), "data": str(data), "samples": n, "tokens": sum(rows["seq_len"]),
+            "lengths": rows["seq_len"], "dtype": dtype,
             "target_layer_ids": aux, "aux_layer_ids": [t + 1 for t in aux], "num_layers": L,
             "vocab_size": bundle.vocab_size, "hidden_size": bundle.hidden_size}
 
@@ -314,8 +387,8 @@ ROW_SPECS = {
     "dflash-ce": Row("dflash", "ce", "DFlash CE", "dflash", "dflash"),
     "dflash-kd": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs self-distillation", "dflash", "dflash"),
     "eagle3": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "eagle"),
-    "dflash-ce-speculators": Row("dflash", "ce", "DFlash CE (speculators: on the teacher's argmax)", "dflash", "ce",
-                                 "speculators"),
+    "dflash-ce-speculators": Row("dflash", "ce", "DFlash CE (the dataset token = the teacher's argmax)", "dflash",
+                                 "ce", "speculators"),
     "dflash-kd-speculators": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs kl_div", "dflash", "kl_div",
                                  "speculators"),
     "dspark": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)", "dspark",
@@ -327,9 +400,13 @@ PEER_VENV = {"modelopt": "modelopt", "speculators": "vllm"}
 
 
 def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
-                       head_dtype: str) -> list[str]:
-    """The recipe overrides that put tapdraft's side at the peer's settings (module docstring)."""
-    batch = [f"max_batch_size={samples}", f"max_tokens={samples * tokens}", f"head_dtype={head_dtype}"]
+                       precision: str = "bfloat16") -> list[str]:
+    """The recipe overrides that put tapdraft's side at the peer's settings (module docstring); ``precision`` is
+    both the frozen head's dtype and the draft's autocast (``train.precision``)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose one of {PRECISIONS}")
+    batch = [f"max_batch_size={samples}", f"max_tokens={samples * tokens}", f"head_dtype={precision}",
+             f"precision={precision}"]
     if row.family == "eagle3":
         return [f"num_steps={TTT_STEPS}", "qk_norm=false", "loss_type=kl", "teacher=exact",
                 f"step_decay={STEP_DECAY}", "draft_vocab=null", "train_lm_head=false",
@@ -344,18 +421,18 @@ def tapdraft_overrides(row: Row, *, anchors: int, samples: int, tokens: int, mas
             f"max_loss_rows={samples * tokens * BLOCK}", f"max_total_anchors={samples * anchors}", *kd, *batch]
 
 
-def teacher_entropy(dataset: str | Path, split: str = "train") -> float:
+def teacher_entropy(dataset: str | Path, split: str = "train", indices: range | None = None) -> float:
     """Mean entropy H(p) of the target's next-token distribution over the supervised rows (last hidden -> final
     norm -> lm_head, ``shards.head.teacher_logits``, fp32): ModelOpt's distillation losses are the soft
     cross-entropy -sum p log q = KL(p || q) + H(p), tapdraft's the KL, so the peer's loss per row sits H(p) above
-    (same gradient)."""
+    (same gradient). ``indices``: the samples to average over (default all)."""
     from shards.head import head_spec, teacher_logits
 
     ds = open_dataset(str(dataset))
     bundle, L = ds.bundle(), ds.layout.num_layers
     col = list(ds.layout.tap_ids).index(L - 1)
     total, n = 0.0, 0
-    for i in range(ds.num_samples(split)):
+    for i in range(ds.num_samples(split)) if indices is None else indices:
         s = ds.sample(split, i)
         h = s["taps"][s["loss_mask"].bool(), col].float()  # [R, H]
         z = teacher_logits(h, bundle.norm_weight.float(), bundle.lm_head.float(), head_spec(bundle))
@@ -366,37 +443,63 @@ def teacher_entropy(dataset: str | Path, split: str = "train") -> float:
 
 
 class TapdraftSide:
-    """A tapdraft recipe at the peer's settings (``tapdraft_overrides``), one fixed micro-batch of every sample."""
+    """A tapdraft recipe at the peer's settings (``tapdraft_overrides``): one fixed micro-batch of the dataset's
+    first ``samples`` samples, the next ``heldout`` held out (never trained on).
+
+    Anchors are fresh every step: one generator seeded once per row (``seed``) and advanced by every step, as the
+    peers draw theirs from their global RNG. ``precision`` bfloat16: the frozen embedding and lm_head stored in bf16
+    and the forward under CPU bf16 autocast (``train.precision``, as the loop runs it), fp32 trainable weights;
+    float32: no autocast, fp32 head.
+    """
 
     def __init__(self, data: Path, row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
-                 head_dtype: str = "auto") -> None:
+                 precision: str = "bfloat16", heldout: int = 0, seed: int = 0) -> None:
         from train.config import load_run_config
-        from train.data import BatchStream
+        from train.data import collate
         from train.drafters.base import combine_terms
-        from train.fit import head_dtype as resolve_head_dtype
         from train.loop import make_optimizer
         from train.run import build_drafter
         from train.source import open_source
 
-        self.row = row
+        self.row, self.precision = row, precision
         self.run = load_run_config(row.recipe, overrides=tapdraft_overrides(
-            row, anchors=anchors, samples=samples, tokens=tokens, mask_token_id=mask_token_id, head_dtype=head_dtype))
+            row, anchors=anchors, samples=samples, tokens=tokens, mask_token_id=mask_token_id, precision=precision))
         src = open_source(str(data))
+        if src.num_samples < samples + heldout:
+            raise ValueError(f"{data} holds {src.num_samples} samples; the row needs {samples} + {heldout} held out")
         self.model = build_drafter(self.run, src)
-        self.head_dtype = resolve_head_dtype(torch.device("cpu"), self.run.train.head_dtype,
-                                             self.model.target.lm_head.numel())
+        self.head_dtype = getattr(torch, precision)
         self.model.target.to_dtype(self.head_dtype)
         self.opt, _ = make_optimizer(self.model, self.run.train)
         for g in self.opt.param_groups:  # the schedule's constructor applied warm-up step 0 (lr / 100): undo it
             g["lr"] = self.run.train.lr
-        stream = BatchStream(src.opener(seed=0, rank=0, world_size=1), max_tokens=self.run.train.max_tokens,
-                             max_batch_size=self.run.train.max_batch_size)
-        self.batch = next(stream)
-        if len(self.batch["lengths"]) != samples:
-            raise ValueError(f"the micro-batch holds {len(self.batch['lengths'])} of {samples} samples")
+        self.batch = collate([src.data.sample(src.split, i) for i in range(samples)])
+        self.heldout = collate([src.data.sample(src.split, i) for i in range(samples, samples + heldout)]) \
+            if heldout else None
         self.tokens = int(self.batch["lengths"].sum())
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.combine = combine_terms
+        self.generator = torch.Generator().manual_seed(seed)
+        self._dtypes: dict[str, set[str]] = {}
+        for m in self.model.modules():  # the draft's matmuls as they ran (autocast included)
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad:
+                m.register_forward_hook(lambda mod, a, out: self._dtypes.setdefault("draft", set()).add(
+                    str(out.dtype).removeprefix("torch.")))
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bfloat16")
+
+    def dtypes(self) -> dict[str, str]:
+        """What each part computed in (``DTYPE_PARTS``): the frozen head's matmul and embedding rows are the stored
+        tensors' dtype (the fused loss projects with them), the draft's from forward hooks on its linears."""
+        t = self.model.target
+        return {"head": str(t.lm_head.dtype).removeprefix("torch."),
+                "embedding": str(t.embed_tokens.dtype).removeprefix("torch."),
+                "draft": "/".join(sorted(self._dtypes.get("draft", ()))) or "none"}
+
+    def draft_params(self) -> str:
+        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters()
+                                if p.requires_grad}))
 
     def rows(self, lo: Any) -> int:
         """Loss rows of a step: DFlash's trained slots (its acc@k counts), EAGLE-3's rows over all steps."""
@@ -406,13 +509,25 @@ class TapdraftSide:
 
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        lo = self.model(self.batch, torch.Generator().manual_seed(0))
-        loss, _ = self.combine(lo.terms)
+        with self._autocast():
+            lo = self.model(self.batch, self.generator)
+            loss, _ = self.combine(lo.terms)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         s = time.perf_counter() - t0
-        return {"s": s, "loss": float(loss.detach()), "rows": self.rows(lo)}
+        return {"s": s, "loss": float(loss.detach()), "rows": self.rows(lo), "dtypes": self.dtypes()}
+
+    @torch.no_grad()
+    def heldout_loss(self) -> dict[str, Any]:
+        """The training loss on the held-out batch, no gradient, anchors from ``HELDOUT_SEED`` (the peers' runners
+        seed theirs the same way)."""
+        if self.heldout is None:
+            raise ValueError("no held-out samples: build the side with heldout > 0")
+        with self._autocast():
+            lo = self.model(self.heldout, torch.Generator().manual_seed(HELDOUT_SEED))
+            loss, _ = self.combine(lo.terms)
+        return {"loss": float(loss), "rows": self.rows(lo)}
 
 
 class ModelOptSide:
@@ -462,10 +577,13 @@ def peer_python(name: str = "modelopt") -> Path:
 
 
 def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, mask_token_id: int,
-                 row: Row = ROW_SPECS["dflash-ce"]) -> dict[str, Any]:
-    """The runner's job: the converted data, ``row``'s mode and tapdraft's drafter and optimizer settings."""
+                 row: Row = ROW_SPECS["dflash-ce"], samples: int | None = None) -> dict[str, Any]:
+    """The runner's job: the converted data (the first ``samples`` files train, the rest are held out; default all
+    train), ``row``'s mode and tapdraft's drafter and optimizer settings; its precision is the converted base's."""
     d, t = run.drafter, run.train
-    job = {"mode": row.mode, "base": conv["base"], "files": conv["files"], "train_len": tokens, "lr": t.lr,
+    n = len(conv["files"]) if samples is None else samples
+    job = {"mode": row.mode, "base": conv["base"], "files": conv["files"][:n], "heldout_files": conv["files"][n:],
+           "precision": conv["dtype"], "train_len": tokens, "lr": t.lr,
            "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0, "threads": 1,
            "architecture": conv["architecture"]}
     if row.mode == "eagle":
@@ -481,10 +599,14 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
 
 def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: int, mask_token_id: int,
                     row: Row = ROW_SPECS["dflash-ce-speculators"]) -> dict[str, Any]:
-    """engines/speculators_runner.py's job: the converted data, ``row``'s loss, tapdraft's drafter and optimizer
-    settings; its anchors are per packed row (every sample in one), so tapdraft's per-sequence count x samples."""
+    """engines/speculators_runner.py's job: the converted data (its first ``samples`` rows train, packed in one row,
+    the rest are held out), ``row``'s loss, tapdraft's drafter and optimizer settings, the converted precision; its
+    anchors are per packed row, so tapdraft's per-sequence count x samples."""
     d, t = run.drafter, run.train
-    return {"verifier": conv["verifier"], "data": conv["data"], "max_len": conv["tokens"], "loss": row.mode,
+    lengths = conv["lengths"]
+    return {"verifier": conv["verifier"], "data": conv["data"], "max_len": sum(lengths[:samples]),
+            "train_samples": samples, "heldout_len": sum(lengths[samples:]), "precision": conv["dtype"],
+            "loss": row.mode,
             "block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
             "mask_token_id": mask_token_id, "aux_layer_ids": conv["aux_layer_ids"], "draft_layers": d.num_layers,
             "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0,
@@ -516,31 +638,64 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def check_dtypes(name: str, ours: dict[str, str], theirs: dict[str, str], *, mixed: bool) -> bool:
+    """Whether the row is mixed: the parts (``DTYPE_PARTS``) whose compute dtype differs between the sides. A
+    difference refuses the row (``ValueError``, one line) unless ``mixed``, which labels it instead."""
+    diff = [f"{p} {ours.get(p)} vs {theirs.get(p)}" for p in DTYPE_PARTS if ours.get(p) != theirs.get(p)]
+    if diff and not mixed:
+        raise ValueError(f"row {name}: the sides compute at different precisions (tapdraft vs peer: "
+                         f"{'; '.join(diff)}); run both at one --precision, or pass --mixed for a labelled mixed row")
+    return bool(diff)
+
+
+def spread(ratios: list[float]) -> dict[str, float]:
+    """The per-pair ratios' median, min and max (the table's spread)."""
+    if not ratios:
+        raise ValueError("no timed pairs: --pairs must be at least 1")
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "pairs": len(ratios)}
+
+
 def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """Build ``name``'s data, both sides, then warm-up steps and interleaved timed pairs; returns the row and the
-    peer's library versions."""
+    """Build ``name``'s data, both sides, then warm-up steps, interleaved timed pairs and the held-out loss of each
+    side; returns the row and the peer's library versions."""
     row = ROW_SPECS[name]
     peer_key, peer_name = row.peer, PEERS[row.peer]
-    tag = f"{args.samples}x{args.tokens}"
-    data = build_dataset(work / f"dataset-{row.family}-{tag}", samples=args.samples, tokens=args.tokens,
-                         family=row.family)
+    ours_p, theirs_p = args.precision, args.peer_precision or args.precision
+    if ours_p != theirs_p and not args.mixed:
+        raise ValueError(f"row {name}: --precision {ours_p} against --peer-precision {theirs_p} is a mixed row; "
+                         f"pass --mixed to run it labelled as one")
+    tag = f"{args.samples}+{args.heldout}x{args.tokens}"
+    data = build_dataset(work / f"dataset-{row.family}-{tag}", samples=args.samples + args.heldout,
+                         tokens=args.tokens, family=row.family)
     if row.peer == "speculators":
-        conv = to_speculators(data, work / f"speculators-{tag}")
+        conv = to_speculators(data, work / f"speculators-{tag}-{theirs_p}", dtype=theirs_p)
     else:
-        conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}", family=row.family)
+        conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}-{theirs_p}", family=row.family, dtype=theirs_p)
     mask = conv["vocab_size"] - 1  # the samples' ids stop below it
+    if row.peer == "speculators" and row.loss == "ce":  # its CE's label is the teacher's argmax, tapdraft's the token
+        for p in dict.fromkeys((ours_p, theirs_p)):
+            if (a := argmax_agreement(data, p)) < 1.0:
+                raise ValueError(f"row {name}: the teacher's argmax ({p}) equals only {a:.1%} of the dataset's "
+                                 f"supervised tokens, so the two CE losses would train different labels")
     _reset_peak_rss()
     tap = TapdraftSide(data, row, anchors=args.anchors, samples=args.samples, tokens=args.tokens, mask_token_id=mask,
-                       head_dtype=args.head_dtype)
+                       precision=ours_p, heldout=args.heldout)
     if row.peer == "speculators":
         job = speculators_job(conv, tap.run, anchors=args.anchors, samples=args.samples, mask_token_id=mask, row=row)
     else:
-        job = modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens, mask_token_id=mask, row=row)
+        job = modelopt_job(conv, tap.run, anchors=args.anchors, tokens=args.tokens, mask_token_id=mask, row=row,
+                           samples=args.samples)
     peer = ModelOptSide(python, job, work / name, peer=row.peer)
     print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  {peer_name} {peer.ready['trainable_params']:,}; "
           f"taps {conv['target_layer_ids']} ({peer_name} {peer.ready['target_layer_ids']})", flush=True)
     first = {"tapdraft": [tap.step() for _ in range(args.warmup)],
              peer_key: [peer.step() for _ in range(args.warmup)]}
+    dtypes = {"tapdraft": first["tapdraft"][0]["dtypes"], peer_key: first[peer_key][0]["dtypes"]}
+    try:
+        mixed = check_dtypes(name, dtypes["tapdraft"], dtypes[peer_key], mixed=args.mixed)
+    except ValueError:
+        peer.close()
+        raise
     runs: dict[str, list[dict[str, Any]]] = {"tapdraft": [], peer_key: []}
     loads = []
     for i in range(args.pairs):
@@ -549,62 +704,91 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
         loads.append(os.getloadavg()[0])
         print(f"{name} pair {i + 1}/{args.pairs}: tapdraft {runs['tapdraft'][-1]['s']:.2f} s  "
               f"{peer_name} {runs[peer_key][-1]['s']:.2f} s  load {loads[-1]:.1f}", flush=True)
+    held = {"tapdraft": tap.heldout_loss(), peer_key: peer.ask("heldout")} if args.heldout else {}
     peak_peer = peer.close()["peak_rss"]
     peak_tap = _peak_rss()
     theirs = {**_side(runs[peer_key], tap.tokens), "peak_rss_bytes": peak_peer,
               "trainable_params": peer.ready["trainable_params"], "first_loss": first[peer_key][0]["loss"],
-              "head_dtype": peer.ready["head_dtype"].removeprefix("torch."),
-              "draft_dtype": peer.ready["dtype"].removeprefix("torch.")}
+              "dtypes": dtypes[peer_key], "draft_params": peer.ready["dtype"].removeprefix("torch."),
+              "heldout": held.get(peer_key)}
     if row.peer == "speculators":  # its loss is sum(w l) / rows; tapdraft's sum(w l) / sum(w): the latter, for both
         theirs.update(weighted_losses=[r["loss"] * r["rows"] / r["weight"] for r in runs[peer_key]],
                       first_weighted_loss=first[peer_key][0]["loss"] * first[peer_key][0]["rows"]
                       / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"],
                       attention=peer.ready["attn"])
+        if held:
+            h = held[peer_key]
+            theirs["heldout"] = {**h, "weighted_loss": h["loss"] * h["rows"] / h["weight"]}
     sides = {"tapdraft": {**_side(runs["tapdraft"], tap.tokens), "peak_rss_bytes": peak_tap,
                           "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"],
-                          "head_dtype": str(tap.head_dtype).removeprefix("torch.")},
+                          "dtypes": dtypes["tapdraft"], "draft_params": tap.draft_params(),
+                          "heldout": held.get("tapdraft")},
              peer_key: theirs}
     d = tap.run.drafter
     # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy);
     # speculators' kl_div is the KL itself
     weights = sum(d.step_decay**j for j in range(d.num_steps)) if row.family == "eagle3" else 1.0
-    offset = teacher_entropy(data) * weights if row.loss in ("kd", "kl") and row.peer == "modelopt" else 0.0  # DSpark's L1 is the same value
+    soft_ce = row.loss in ("kd", "kl") and row.peer == "modelopt"  # DSpark's L1 is the same value on both
+    offset = teacher_entropy(data, indices=range(args.samples)) * weights if soft_ce else 0.0
+    held_offset = teacher_entropy(data, indices=range(args.samples, args.samples + args.heldout)) * weights \
+        if soft_ce and args.heldout else 0.0
     shape = ({"ttt_steps": d.num_steps, "step_decay": d.step_decay, "draft_vocab": "full", "qk_norm": d.qk_norm,
               "train_lm_head": d.train_lm_head} if row.family == "eagle3" else {"anchors_per_seq": args.anchors})
+    anchors = ("none: every supervised row each step" if row.family == "eagle3" else
+               f"fresh each step on both sides, drawn independently ({peer_name}'s sampler takes no given anchors)")
+    ratios = [m["s"] / t["s"] for m, t in zip(runs[peer_key], runs["tapdraft"])]
     return {"row": name, "family": row.family, "loss": row.loss, "peer": peer_key, **shape, "tokens": tap.tokens,
             "taps": conv["target_layer_ids"], "peer_taps": peer.ready["target_layer_ids"],
-            "trainable_equal": tap.trainable == peer.ready["trainable_params"], **sides,
-            "peer_loss_offset": offset,
-            "peer_over_tapdraft": statistics.median(m["s"] / t["s"]
-                                                    for m, t in zip(runs[peer_key], runs["tapdraft"])),
+            "precision": {"tapdraft": ours_p, peer_key: theirs_p}, "mixed": mixed, "anchors": anchors,
+            "heldout_samples": args.heldout, "trainable_equal": tap.trainable == peer.ready["trainable_params"],
+            **sides, "peer_loss_offset": offset, "peer_heldout_offset": held_offset,
+            "peer_over_tapdraft": statistics.median(ratios), "ratios": ratios, "ratio_spread": spread(ratios),
             "load_avg_1m": loads}, peer.ready["versions"]
 
 
 def _label(row: dict[str, Any]) -> str:
     spec = ROW_SPECS[row["row"]]
+    mixed = "MIXED precision: " if row.get("mixed") else ""
     if row["family"] == "eagle3":
-        return f"{spec.label}, {row['ttt_steps']} steps, full vocabulary"
-    return f"{spec.label}, {row['anchors_per_seq']} anchors/seq"
+        return f"{mixed}{spec.label}, {row['ttt_steps']} steps, full vocabulary"
+    return f"{mixed}{spec.label}, {row['anchors_per_seq']} anchors/seq"
 
 
-def _peer_loss(side: dict[str, Any]) -> str:
+def _peer_loss(side: dict[str, Any], key: str = "losses") -> str:
     """The peer's last loss per row as tapdraft normalises it (speculators: its own figure in brackets)."""
+    if key == "heldout":
+        h = side.get("heldout")
+        if not h:
+            return "-"
+        return f"{h['weighted_loss']:.3f} [own {h['loss']:.3f}]" if "weighted_loss" in h else f"{h['loss']:.3f}"
     if "weighted_losses" in side:
         return f"{side['weighted_losses'][-1]:.3f} [own {side['losses'][-1]:.3f}]"
     return f"{side['losses'][-1]:.3f}"
+
+
+def _dtypes(side: dict[str, Any]) -> str:
+    d = side["dtypes"]
+    return "/".join(d[p] for p in DTYPE_PARTS) + f" (params {side['draft_params']})"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS),
                     help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: the ModelOpt rows)")
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved tapdraft / peer step pairs")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    ap.add_argument("--pairs", type=int, default=7, help="interleaved tapdraft / peer step pairs (5 at least for a "
+                                                         "median worth reading)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first (at least 1)")
     ap.add_argument("--anchors", type=int, default=32, help="DFlash anchors (blocks) per sequence on both sides")
     ap.add_argument("--samples", type=int, default=2, help="samples in the micro-batch")
+    ap.add_argument("--heldout", type=int, default=2, help="samples held out for the held-out loss (0: none)")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per sample (a multiple of the block, 16)")
-    ap.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="tapdraft's frozen head dtype (auto: what train.fit.head_dtype picks on this CPU)")
+    ap.add_argument("--precision", default="bfloat16", choices=PRECISIONS,
+                    help="both sides' precision: bfloat16 (the peers' default on real checkpoints: ModelOpt's bf16 "
+                         "base, speculators' bf16 autocast; tapdraft's bf16 head and autocast) or float32 (control)")
+    ap.add_argument("--peer-precision", default=None, choices=PRECISIONS,
+                    help="the peer's precision when it differs from --precision (needs --mixed)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="run a row whose sides compute at different precisions, labelled mixed, instead of refusing")
     ap.add_argument("--workdir", default="/tmp/tapdraft-peers", help="where the datasets and their conversions live")
     ap.add_argument("--name", default="peers.json", help="result file in benchmarks/results/")
     args = ap.parse_args(argv)
@@ -614,6 +798,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--rows: unknown {unknown}; choose from {', '.join(ROW_SPECS)}")
     if args.tokens % BLOCK:
         raise ValueError(f"--tokens must be a multiple of the block size {BLOCK} (ModelOpt refuses others)")
+    if args.pairs < 1 or args.warmup < 1 or args.heldout < 0:
+        raise ValueError("--pairs and --warmup must be at least 1 (the first step's dtypes are checked), --heldout "
+                         "at least 0")
+    if args.pairs < 5:
+        warnings.warn(f"--pairs {args.pairs}: a median of fewer than 5 pairs is a smoke test, not a figure")
     torch.set_num_threads(1)
     work = Path(args.workdir)
     pythons = {p: peer_python(PEER_VENV[p]) for p in dict.fromkeys(ROW_SPECS[n].peer for n in names)}
@@ -622,27 +811,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row, versions[ROW_SPECS[name].peer] = run_row(name, args, work, pythons[ROW_SPECS[name].peer])
         rows.append(row)
     n = args.warmup + args.pairs
-    print(f"\n| row | peer | tapdraft s/step | peer s/step | peer / tapdraft (median of pairs) | tokens/s tapdraft / "
-          f"peer | peak RSS tapdraft / peer | loss/row after {n} steps tapdraft (+ H(p) offset) / peer | "
-          f"trainable params | head dtype | load |")
+    print(f"\n| row | peer | dtypes head/embedding/draft tapdraft ; peer | tapdraft s/step | peer s/step | "
+          f"peer / tapdraft: median (min-max, pairs) | tokens/s tapdraft / peer | peak RSS tapdraft / peer | "
+          f"loss/row after {n} steps tapdraft (+ H(p) offset) / peer | held-out loss after {n} steps tapdraft / "
+          f"peer | trainable params | load |")
     for r in rows:
         t, m = r["tapdraft"], r[r["peer"]]
         h = r["peer_loss_offset"]
         off = f" (+{h:.2f} = {t['losses'][-1] + h:.3f})" if h else ""
+        hh = r["peer_heldout_offset"]
+        hoff = f" (+{hh:.2f} = {t['heldout']['loss'] + hh:.3f})" if hh and t.get("heldout") else ""
+        held = f"{t['heldout']['loss']:.3f}{hoff} / {_peer_loss(m, 'heldout')}" if t.get("heldout") else "-"
         params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
+        sp = r["ratio_spread"]
         print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {PEERS[r['peer']]} | "
-              f"{t['s_per_step']:.2f} | {m['s_per_step']:.2f} | {r['peer_over_tapdraft']:.2f} | "
+              f"{_dtypes(t)} ; {_dtypes(m)}{' MIXED' if r['mixed'] else ''} | "
+              f"{t['s_per_step']:.2f} | {m['s_per_step']:.2f} | "
+              f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}, {sp['pairs']}) | "
               f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
               f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
-              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {params} | {t['head_dtype']} / "
-              f"{m['head_dtype']} | {min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
+              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {held} | {params} | "
+              f"{min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
+    for r in rows:
+        print(f"{r['row']}: anchors {r['anchors']}; trainable weights tapdraft {r['tapdraft']['draft_params']}, "
+              f"{PEERS[r['peer']]} {r[r['peer']]['draft_params']}{'; MIXED precision' if r['mixed'] else ''}")
     doc = {"benchmark": "peers", "shape": SHAPE, **shape_facts(SHAPE), "block_size": BLOCK, "gamma": GAMMA,
            "draft_layers": DRAFT_LAYERS, "ttt_steps": TTT_STEPS, "step_decay": STEP_DECAY, "samples": args.samples,
-           "tokens_per_sample": args.tokens, "warmup": args.warmup, "pairs": args.pairs, "threads": 1,
-           "head_dtype": args.head_dtype, "rows": rows, "peer_versions": versions}
+           "heldout_samples": args.heldout, "tokens_per_sample": args.tokens, "warmup": args.warmup,
+           "pairs": args.pairs, "threads": 1, "precision": args.precision,
+           "peer_precision": args.peer_precision or args.precision, "mixed": any(r["mixed"] for r in rows),
+           "rows": rows, "peer_versions": versions}
     write_result(args.name, doc)
     return doc
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")

@@ -109,11 +109,17 @@ FAMILY_CONFIG = {
 
 
 def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int, int], tag: str, seed: int = 0,
-                      draft_layers: int = 1, tap_ids: tuple[int, ...] | None = None) -> Path:
+                      draft_layers: int = 1, tap_ids: tuple[int, ...] | None = None,
+                      self_predicting: bool = False) -> Path:
     """A tapdraft dataset at shape ``name`` with no model behind it (built once; later runs reuse ``root``): a
     bundle of random bf16 embedding and head, and ``samples`` sequences of random ids and taps (``tap_ids``, default
     the ones a ``draft_layers`` DFlash drafter reads; plus the last layer always), ``tokens`` = (shortest, longest)
-    each, the second half supervised. For the benchmarks that time training steps at real widths."""
+    each, the second half supervised. For the benchmarks that time training steps at real widths.
+
+    ``self_predicting``: the target predicts its own text, as on data it generated: every token after the first is
+    the head's argmax on the previous position's last layer (final norm -> lm_head), that row nudged toward the
+    token's lm_head row (0.6 sqrt(H) along it: its logit about 6 against a field whose maximum is about 2, a margin
+    no bf16 rounding flips), so a CE on the dataset token and one on the teacher's argmax train the same labels."""
     import torch
 
     from shards.bundle import write_bundle
@@ -136,20 +142,24 @@ def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int,
               "intermediate_size": s.intermediate, "logits_scaling": 1.0, **FAMILY_CONFIG[family]}
     audio = {"sample_rate": 16000, "frame_seconds": 0.08, "placeholder": "<audio>", "placeholder_token_id": 3,
              "audio_token_id": 0}
-    fp = write_bundle(root / "target", config=config, audio=audio, chat_template=None,
-                      embed_tokens=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
-                      norm_weight=torch.ones(s.hidden, dtype=torch.bfloat16),
-                      lm_head=(torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16),
-                      tokenizer_dir=None)
+    embed = (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16)
+    lm_head = (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(torch.bfloat16)
+    fp = write_bundle(root / "target", config=config, audio=audio, chat_template=None, embed_tokens=embed,
+                      norm_weight=torch.ones(s.hidden, dtype=torch.bfloat16), lm_head=lm_head, tokenizer_dir=None)
     lo, hi = tokens
+    last = taps.index(s.layers - 1)
     with DatasetWriter(str(root), ShardConfig(), layout, fingerprint=fp) as w:
         for i in range(samples):
             T = lo if lo == hi else int(torch.randint(lo, hi + 1, (1,), generator=g))
             loss = torch.zeros(T, dtype=torch.bool)
             loss[T // 2:] = True
+            ids = torch.randint(4, s.vocab - int(self_predicting), (T,), generator=g, dtype=torch.int32)
+            x = torch.randn(T, len(taps), s.hidden, generator=g)
+            if self_predicting:
+                u = lm_head[ids[1:].long()].float()
+                x[:-1, last] += 0.6 * s.hidden**0.5 * u / u.norm(dim=-1, keepdim=True)
             w.write({"sample_id": f"s{i}", "source": "bench", "audio_seconds": 0.0,
-                     "input_ids": torch.randint(4, s.vocab, (T,), generator=g, dtype=torch.int32),
-                     "is_audio": torch.zeros(T, dtype=torch.bool), "loss_mask": loss,
-                     "taps": torch.randn(T, len(taps), s.hidden, generator=g).to(torch.bfloat16)}, i)
+                     "input_ids": ids, "is_audio": torch.zeros(T, dtype=torch.bool), "loss_mask": loss,
+                     "taps": x.to(torch.bfloat16)}, i)
     finalize_dataset(str(root), layout=layout, fingerprint=fp, capture_config={"benchmark": tag})
     return root

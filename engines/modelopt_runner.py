@@ -8,15 +8,18 @@ JOB: {"mode": "dflash" | "dspark" | "eagle", "base": DIR (config.json + model.sa
       "files": [PT, ...] (ModelOpt's offline samples, benchmarks/peers.py ``to_modelopt``), "train_len": T, "lr",
       "betas", "weight_decay", "seed": 0, "threads": 1, "compile": false,
       "architecture": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"},
+      "heldout_files": [PT, ...] (samples never trained on, for ``heldout``), "precision": "bfloat16" | "float32",
       dflash: "block_size": 16, "num_anchors": 32, "gamma": 7.0, "mask_token_id": ID, "draft_layers": 1,
               "self_distillation": false;
       dspark: the dflash fields and "markov_rank": 256, "confidence_head": true, "ce_weight": 0.1,
               "tv_weight": 0.9, "confidence_weight": 0.1;
       eagle:  "ttt_steps": K, "step_decay": 0.8, "aux_layer_ids": [...], "rope_theta"}
-Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R} (forward + backward + AdamW step over one batch of
-every file); ``load`` -> {"samples": [{"input_ids", "base_model_hidden_states", "aux_hidden_states",
-"loss_mask"} as lists]} (what ModelOpt's own dataset class reads, for the converter's test); ``exit`` ->
-{"peak_rss": BYTES} and exit. The first line out is {"ready": true, "trainable_params", "versions", ...}.
+Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "dtypes": {"head", "embedding", "draft"}} (forward +
+backward + AdamW step over one batch of the training files; the dtypes each part computed in, from forward hooks);
+``heldout`` -> {"loss": L, "rows": R} (the same loss on one batch of the held-out files, no gradient); ``load`` ->
+{"samples": [{"input_ids", "base_model_hidden_states", "aux_hidden_states", "loss_mask"} as lists]} (what
+ModelOpt's own dataset class reads, for the converter's test); ``exit`` -> {"peak_rss": BYTES} and exit. The
+first line out is {"ready": true, "trainable_params", "versions", ...}.
 
 The model is built as ModelOpt's offline recipes build it: ``FakeBaseModel.from_source`` (the frozen
 embedding, lm_head and final norm, no decoder layers) converted with ``mtsp.convert(model, [(MODE, cfg)])``;
@@ -41,13 +44,21 @@ steps (``eagle_ttt_steps``, its default 3) and the step decay (``eagle_loss_deca
 the job; torch.compile off. Its loss is always the soft cross-entropy -sum p log q against the base logits (the
 offline last hidden, final norm re-applied, lm_head), summed over steps each normalised by its own mask count.
 
+Precision: ModelOpt takes its dtype from the base checkpoint and nothing else, on CPU as on GPU:
+``FakeBaseModel.from_source`` builds the embedding, lm_head and norm in the config's ``dtype``
+(``modelopt/torch/speculative/plugins/modeling_fakebase.py``) and the draft module is moved to the base model's
+dtype (``self.dflash_module.to(self._base_model.dtype)`` in ``plugins/hf_dflash.py``, ``self.eagle_module.to(...)``
+in ``plugins/hf_eagle.py``). A real checkpoint is bf16, so by default every part, the trainable draft and its AdamW
+state included, is bf16 (no fp32 master weights); the converter writes the base in the job's precision, and EAGLE's
+``torch_dtype`` follows it.
+
 It imports only the peer venv's packages (torch, transformers, modelopt): it is not part of tapdraft's package.
 """
 
 import json
 import sys
 
-from peer_protocol import adamw, channel, serve
+from peer_protocol import adamw, channel, dtype_probe, serve
 
 
 def _rows(model, anchors, keep, loss_mask, seq_len, block):
@@ -108,7 +119,8 @@ def _eagle(mtsp, base, job):
     theta = float(job.get("rope_theta", 10_000.0))
     arch = {"num_hidden_layers": 1, **job.get("architecture", {}),
             "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"]), "rope_theta": theta,
-            "rope_scaling": {"rope_type": "default", "rope_theta": theta}, "torch_dtype": "float32"}
+            "rope_scaling": {"rope_type": "default", "rope_theta": theta},
+            "torch_dtype": job.get("precision", "bfloat16")}
     cfg = {"eagle_offline": True, "eagle_ttt_steps": int(job["ttt_steps"]),
            "eagle_loss_decay_factor": float(job["step_decay"]), "eagle_mix_hidden_states": False,
            "eagle_use_torch_compile": bool(job.get("compile", False)), "eagle_architecture_config": arch}
@@ -137,6 +149,10 @@ def main(job_path: str) -> None:
     data = OfflineSupervisedDataset(job["files"], answer_only_loss=True)
     collate = EagleOfflineDataCollator(train_len=job["train_len"])
     batch = collate([data[i] for i in range(len(data))])
+    held = None
+    if job.get("heldout_files"):
+        hdata = OfflineSupervisedDataset(job["heldout_files"], answer_only_loss=True)
+        held = collate([hdata[i] for i in range(len(hdata))])
 
     seen = {}
     if mode in ("dflash", "dspark"):
@@ -153,8 +169,10 @@ def main(job_path: str) -> None:
         model._sample_anchor_positions = record
         draft, layers = model.dflash_module, list(model.target_layer_ids)
     else:
-        seen["rows"] = _eagle_rows(batch["loss_mask"], int(job["ttt_steps"]))
         draft, layers = model.eagle_module, list(model.eagle_config.eagle_aux_hidden_state_layer_ids)
+    probe = dtype_probe({"head": [model._base_model_lm_head], "embedding": [model._base_model_embeddings],
+                         "draft": [m for m in draft.modules() if isinstance(m, torch.nn.Linear)
+                                   and m.weight.requires_grad]})
     say({"ready": True, "trainable_params": sum(p.numel() for p in params),
                       "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
                       "target_layer_ids": layers, "dtype": str(next(draft.parameters()).dtype),
@@ -162,13 +180,15 @@ def main(job_path: str) -> None:
                       "versions": {"modelopt": modelopt.__version__, "torch": torch.__version__,
                                    "transformers": transformers.__version__}})
 
-    def forward():
-        res = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                    loss_mask=batch["loss_mask"], base_model_outputs=batch["base_model_outputs"])
-        return res.loss, {"rows": seen.get("rows")}
+    def forward(b=batch):
+        res = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                    loss_mask=b["loss_mask"], base_model_outputs=b["base_model_outputs"])
+        rows = _eagle_rows(b["loss_mask"], int(job["ttt_steps"])) if mode == "eagle" else seen.get("rows")
+        return res.loss, {"rows": rows, "dtypes": probe()}
 
     keys = ("input_ids", "base_model_hidden_states", "aux_hidden_states", "loss_mask")
-    serve(say, forward, opt, lambda: [{k: data[i][k].tolist() for k in keys} for i in range(len(data))])
+    serve(say, forward, opt, lambda: [{k: data[i][k].tolist() for k in keys} for i in range(len(data))],
+          heldout=None if held is None else lambda: forward(held))
 
 if __name__ == "__main__":
     main(sys.argv[1])

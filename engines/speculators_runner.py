@@ -8,11 +8,14 @@ JOB: {"verifier": DIR (config.json + model.safetensors: embed_tokens, lm_head, f
       ``hidden_states/hs_{i}.safetensors``), "max_len": T (the packed row: every sample's tokens), "loss": "ce" |
       "kl_div", "block_size": 16, "gamma": 7.0, "max_anchors": N (blocks per packed row), "mask_token_id": ID,
       "aux_layer_ids": [...] (vLLM ids: tapdraft's taps + 1), "draft_layers": 1, "attn": "sdpa", "lr", "betas",
-      "weight_decay", "seed": 0, "threads": 1}
+      "weight_decay", "seed": 0, "threads": 1, "precision": "bfloat16" | "float32", "train_samples": N (the
+      data's first N rows train; the rest are held out), "heldout_len": T' (their packed row)}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "weight": W, "anchors": A} (forward + backward + AdamW
-step over one packed batch of every sample; L is its own loss, sum(w l) / R; W = sum of the slot weights over the
-R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row); ``load`` -> {"samples": [{"input_ids",
-"hidden_states", "verifier_last_hidden_states", "loss_mask"} as lists]} (what its ``ArrowDataset`` returns, for
+step over one packed batch of the training samples; L is its own loss, sum(w l) / R; W = sum of the slot weights
+over the R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row; "dtypes":
+{"head", "embedding", "draft"}, what each part computed in, from forward hooks); ``heldout`` -> the same loss and
+counts on one packed batch of the held-out rows, no gradient; ``load`` -> {"samples": [{"input_ids", "hidden_states",
+"verifier_last_hidden_states", "loss_mask"} as lists]} (what its ``ArrowDataset`` returns, for
 the converter's test); ``exit`` -> {"peak_rss": BYTES} and exit. The first line out is {"ready": true,
 "trainable_params", "versions", ...}.
 
@@ -32,6 +35,18 @@ eager), and transformers' SDPA (eager gives the same first loss, about 2x slower
 reference losses, the same formulas). fp32 throughout (its base model's dtype here; no autocast), no gradient
 clipping (its Trainer clips at 1.0; tapdraft's side does not), plain AdamW with tapdraft's settings, no schedule.
 
+Precision: its Trainer keeps fp32 parameters (``_load_verifier_weights`` in ``speculators/model.py`` copies the
+verifier's tensors into the module's own fp32 parameters with ``load_state_dict``) and runs the forward under
+``torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype)``, bf16 by default
+(``speculators/train/trainer.py``, ``TrainerConfig.hidden_states_dtype``). On a machine with no accelerator it sets
+``device_type = "cuda"`` (the same file), an autocast that does nothing to CPU ops, but the Trainer cannot run there
+anyway (``.to(local_rank)``): its default on real hardware is bf16 autocast. So ``precision: bfloat16`` runs the
+forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32 trainable parameters, as its Trainer on GPU, and
+stores the frozen embedding and both lm_heads (the draft's and the verifier's, the same weights) in bf16: the
+checkpoint's own values (autocast casts the heads to bf16 for their matmuls anyway; the embedding rows reach the
+draft as the same numbers), so the frozen parts match tapdraft's bf16 head, in memory too (its Trainer would hold
+fp32 copies: 3 x 113 MB at this vocabulary rather than 3 x 57). ``float32``: everything fp32, no autocast (the control).
+
 Its loss is normalised by the count of trained rows (``loss_function``: sum(w l) / sum(mask)), tapdraft's by the sum
 of their weights: the step reports both. ``ce`` is its hard-label CE against the verifier's argmax on the slot's
 teacher row (not the dataset's token); ``kl_div`` is KL(p || q) against the softmax of the same teacher row.
@@ -42,7 +57,7 @@ It imports only the peer venv's packages (torch, transformers, datasets, specula
 import json
 import sys
 
-from peer_protocol import adamw, channel, serve
+from peer_protocol import adamw, channel, dtype_probe, serve
 
 
 def main(job_path: str) -> None:
@@ -71,6 +86,10 @@ def main(job_path: str) -> None:
         mask_token_id=int(job["mask_token_id"]), verifier_name_or_path=job["verifier"],
         draft_attn_impl=job.get("attn", "sdpa"))
     model.float().train()
+    bf16 = job.get("precision", "bfloat16") == "bfloat16"
+    if bf16:  # the frozen parts as the checkpoint holds them; the trainable ones stay fp32 under autocast
+        for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+            frozen.to(torch.bfloat16)
     train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
         loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
         max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
@@ -79,9 +98,14 @@ def main(job_path: str) -> None:
     data = ArrowDataset(max_len=int(job["max_len"]), datapath=job["data"], on_missing="raise",
                         hidden_states_dtype=torch.float32)
     n_aux = len(job["aux_layer_ids"])
-    collate = CollateFn(max_len=int(job["max_len"]), hidden_size=layer_cfg.hidden_size, num_target_layers=n_aux,
-                        dtype=torch.float32)
-    batch = {k: v for k, v in collate([data[i] for i in range(len(data))]).items() if isinstance(v, torch.Tensor)}
+    n_train = int(job.get("train_samples", len(data)))
+
+    def packed(lo, hi, max_len):
+        c = CollateFn(max_len=max_len, hidden_size=layer_cfg.hidden_size, num_target_layers=n_aux, dtype=torch.float32)
+        return {k: v for k, v in c([data[i] for i in range(lo, hi)]).items() if isinstance(v, torch.Tensor)}
+
+    batch = packed(0, n_train, int(job["max_len"]))
+    held = packed(n_train, len(data), int(job["heldout_len"])) if n_train < len(data) else None
 
     seen = {}
     compute = dflash_core.compute_metrics
@@ -95,6 +119,9 @@ def main(job_path: str) -> None:
         return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
 
     dflash_core.compute_metrics = record
+    probe = dtype_probe({"head": [model.verifier_lm_head, model.lm_head], "embedding": [model.embed_tokens],
+                         "draft": [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+                                   and m.weight.requires_grad]})
     say({"ready": True, "trainable_params": sum(p.numel() for p in params),
          "frozen_params": sum(p.numel() for p in model.parameters() if not p.requires_grad),
          "target_layer_ids": list(model.target_layer_ids), "dtype": str(model.fc.weight.dtype),
@@ -103,13 +130,15 @@ def main(job_path: str) -> None:
          "versions": {"speculators": version("speculators"), "torch": torch.__version__,
                       "transformers": transformers.__version__}})
 
-    def forward():
-        _, loss, _ = model(**batch, **train_kwargs)
-        return loss, dict(seen)
+    def forward(b=batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _, loss, _ = model(**b, **train_kwargs)
+        return loss, {**seen, "dtypes": probe()}
 
     keys = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
     serve(say, forward, opt, lambda: [{k: data[i][k].float().tolist() if "hidden" in k else data[i][k].tolist()
-                                       for k in keys} for i in range(len(data))])
+                                       for k in keys} for i in range(n_train)],
+          heldout=None if held is None else lambda: forward(held))
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -1,5 +1,10 @@
 """The peers' own offline loaders read what benchmarks/peers.py's converters write, value for value, and each
-benchmark row's two sides train the same thing.
+benchmark row's two sides train the same thing on equal terms.
+
+Without a peer venv (seconds): a row whose sides compute at different precisions is refused unless asked for a
+labelled mixed row; tapdraft draws fresh anchors every step from one generator per row; the held-out loss is on
+samples the row never trains on and trains nothing; the synthetic target predicts its own text, so a CE on the
+dataset token and one on the teacher's argmax are one loss; the spread is the pairs' min and max.
 
 ModelOpt: builds its venv on first use (engines/venv.sh modelopt: minutes, once), converts two samples of the
 benchmark's own dataset (its 49,152-token shape, 64 tokens a sample), and asks engines/modelopt_runner.py for what
@@ -14,17 +19,164 @@ About 2 minutes of CPU after the venvs exist.
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.peers import (ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, build_dataset, modelopt_job, peer_python,
-                              speculators_job, teacher_entropy, to_modelopt, to_speculators)
+import train.drafters.dflash.loss as dflash_loss
+from benchmarks.peers import (DTYPE_PARTS, ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, argmax_agreement,
+                              build_dataset, check_dtypes, modelopt_job, peer_python, run_row, speculators_job, spread,
+                              teacher_entropy, to_modelopt, to_speculators, write_base)
 from shards.reader import open_dataset
 from shards.taps import default_tap_ids, eagle3_tap_ids
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+MASK = 49_151  # the synthetic vocabulary's last id, which its samples never use
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 self-predicting samples of 64 tokens at the benchmark's shape: 2 to train, 1 held out."""
+    return build_dataset(tmp_path_factory.mktemp("peers") / "dataset", samples=3, tokens=64, seed=3)
+
+
+def test_a_row_whose_sides_differ_in_precision_is_refused_unless_mixed() -> None:
+    bf16 = dict.fromkeys(DTYPE_PARTS, "bfloat16")
+    assert check_dtypes("r", bf16, dict(bf16), mixed=False) is False
+    for part in DTYPE_PARTS:  # one part at fp32 on the peer: refused, in one line naming the part
+        theirs = {**bf16, part: "float32"}
+        with pytest.raises(ValueError, match=f"{part} bfloat16 vs float32") as e:
+            check_dtypes("r", bf16, theirs, mixed=False)
+        assert "\n" not in str(e.value) and "--mixed" in str(e.value)
+        assert check_dtypes("r", bf16, theirs, mixed=True) is True  # labelled mixed instead
+    with pytest.raises(ValueError, match="draft bfloat16 vs None"):  # a side that did not report a part
+        check_dtypes("r", bf16, {"head": "bfloat16", "embedding": "bfloat16"}, mixed=False)
+
+
+def test_a_mixed_row_is_labelled_mixed() -> None:
+    from benchmarks.peers import _label
+
+    row = {"row": "dflash-ce", "family": "dflash", "anchors_per_seq": 32}
+    assert not _label({**row, "mixed": False}).startswith("MIXED")
+    assert _label({**row, "mixed": True}).startswith("MIXED precision: DFlash CE")
+
+
+def test_a_mixed_precision_request_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    args = argparse.Namespace(precision="bfloat16", peer_precision="float32", mixed=False, samples=2, heldout=1,
+                              tokens=64, anchors=2, warmup=1, pairs=1)
+    with pytest.raises(ValueError, match="mixed row; pass --mixed"):
+        run_row("dflash-ce", args, tmp_path, Path("/nonexistent/python"))
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["dflash", "eagle3", "dspark"])
+def test_tapdraft_side_computes_every_part_at_the_asked_precision(tmp_path_factory: pytest.TempPathFactory,
+                                                                  small: Path, family: str, precision: str) -> None:
+    torch.set_num_threads(1)
+    name = {"dflash": "dflash-ce", "eagle3": "eagle3", "dspark": "dspark"}[family]
+    data = small if family != "eagle3" else build_dataset(tmp_path_factory.mktemp("e3") / "d", samples=2, tokens=64,
+                                                          seed=3, family="eagle3")
+    tap = TapdraftSide(data, ROW_SPECS[name], anchors=2, samples=2, tokens=64, mask_token_id=MASK,
+                       precision=precision)
+    assert tap.step()["dtypes"] == dict.fromkeys(DTYPE_PARTS, precision)
+    assert tap.draft_params() == "float32"  # fp32 trainable weights either way (bf16: under autocast)
+
+
+def test_write_base_writes_the_checkpoint_in_the_asked_dtype(small: Path, tmp_path: Path) -> None:
+    ds = open_dataset(str(small))
+    from safetensors.torch import load_file
+
+    for dtype in ("bfloat16", "float32"):
+        cfg = write_base(ds.bundle(), ds.layout.num_layers, tmp_path / dtype, dtype=dtype)
+        assert cfg["dtype"] == json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == dtype
+        w = load_file(str(tmp_path / dtype / "model.safetensors"))
+        assert {str(t.dtype) for t in w.values()} == {f"torch.{dtype}"}
+        assert torch.equal(w["lm_head.weight"].float(), ds.bundle().lm_head.float())  # the values exactly
+
+
+def _spy_anchors(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    real = dflash_loss.sample_anchors
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(dflash_loss, "sample_anchors", spy)
+    return seen
+
+
+def test_tapdraft_draws_fresh_anchors_every_step_from_one_seed_per_row(small: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    seen = _spy_anchors(monkeypatch)
+
+    def side() -> TapdraftSide:
+        return TapdraftSide(small, ROW_SPECS["dflash-ce"], anchors=2, samples=2, tokens=64, mask_token_id=MASK,
+                            precision="float32")
+
+    a = side()
+    for _ in range(3):
+        a.step()
+    first = list(seen)
+    assert len(first) == 3
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])  # new rows each step
+    seen.clear()
+    b = side()  # the same row again: the same sequence (seeded once per row, not per step)
+    for _ in range(3):
+        b.step()
+    assert all(torch.equal(x, y) for x, y in zip(first, seen))
+    seen.clear()
+    for _ in range(2):  # the planted violation, reseeding every step, is what the spy catches
+        b.generator.manual_seed(0)
+        b.step()
+    assert torch.equal(seen[0], seen[1])
+
+
+def test_heldout_loss_is_on_samples_not_trained_on_and_trains_nothing(small: Path) -> None:
+    torch.set_num_threads(1)
+    tap = TapdraftSide(small, ROW_SPECS["dflash-ce"], anchors=2, samples=2, tokens=64, mask_token_id=MASK,
+                       precision="float32", heldout=1)
+    assert tap.batch["sample_id"] == ["s0", "s1"] and tap.heldout["sample_id"] == ["s2"]
+    before = [p.detach().clone() for p in tap.model.parameters()]
+    one, two = tap.heldout_loss(), tap.heldout_loss()
+    assert one == two and one["rows"] > 0  # seeded anchors, no step taken
+    assert all(torch.equal(p, q) for p, q in zip(before, tap.model.parameters()))
+    for _ in range(3):
+        tap.step()
+    assert tap.heldout_loss()["loss"] != one["loss"]  # it measures the trained model
+    # the peers' jobs hold out the same samples: ModelOpt's files and speculators' rows after the training ones
+    conv = {"files": ["a.pt", "b.pt", "c.pt"], "dtype": "bfloat16", "base": "B", "architecture": {}}
+    job = modelopt_job(conv, tap.run, anchors=2, tokens=64, mask_token_id=MASK, samples=2)
+    assert job["files"] == ["a.pt", "b.pt"] and job["heldout_files"] == ["c.pt"]
+    conv = {"verifier": "V", "data": "D", "lengths": [64, 64, 64], "dtype": "bfloat16", "aux_layer_ids": [5]}
+    job = speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=MASK)
+    assert (job["train_samples"], job["max_len"], job["heldout_len"]) == (2, 128, 64)
+    with pytest.raises(ValueError, match="needs 3 \\+ 1 held out"):
+        TapdraftSide(small, ROW_SPECS["dflash-ce"], anchors=2, samples=3, tokens=64, mask_token_id=MASK, heldout=1)
+
+
+def test_the_dataset_token_is_the_teachers_argmax_so_both_ce_rows_train_one_label(small: Path, tmp_path: Path) -> None:
+    assert argmax_agreement(small, "bfloat16") == argmax_agreement(small, "float32") == 1.0
+    plain = build_dataset(tmp_path / "plain", samples=2, tokens=64, seed=3, self_predicting=False)
+    assert argmax_agreement(plain) < 0.01  # random text: the two CE losses would be two losses
+    args = argparse.Namespace(precision="float32", peer_precision=None, mixed=False, samples=1, heldout=1,
+                              tokens=64, anchors=2, warmup=1, pairs=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "dataset-dflash-1+1x64").symlink_to(plain)  # the row refuses it before starting its peer
+    with pytest.raises(ValueError, match="two CE losses would train different labels"):
+        run_row("dflash-ce-speculators", args, work, Path("/nonexistent/python"))
+
+
+def test_spread_is_the_median_min_and_max_of_the_pairs() -> None:
+    assert spread([1.5, 1.1, 2.0, 1.3, 1.4]) == {"median": 1.4, "min": 1.1, "max": 2.0, "pairs": 5}
+    with pytest.raises(ValueError):
+        spread([])
 
 
 class _Run:  # the few recipe fields modelopt_job reads
@@ -35,18 +187,27 @@ class _Run:  # the few recipe fields modelopt_job reads
         lr, beta1, beta2, weight_decay = 6e-4, 0.9, 0.95, 0.01
 
 
-def test_modelopt_reads_the_converted_samples_as_the_dataset_holds_them(tmp_path: Path) -> None:
-    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3)
+@pytest.mark.engine
+@pytest.mark.slow
+def test_modelopt_reads_the_converted_samples_as_the_dataset_holds_them(small: Path, tmp_path: Path) -> None:
+    """At its default precision on a bf16 checkpoint: every part computes in bf16, as tapdraft's side at bfloat16
+    (the trainable draft's weights too: ModelOpt keeps no fp32 master copy), and it reports a held-out loss."""
+    data = small
     conv = to_modelopt(data, tmp_path / "modelopt")
-    assert len(conv["files"]) == 2 and conv["target_layer_ids"] == [4]
-    job = modelopt_job(conv, _Run, anchors=2, tokens=64, mask_token_id=conv["vocab_size"] - 1)
+    assert len(conv["files"]) == 3 and conv["target_layer_ids"] == [4] and conv["dtype"] == "bfloat16"
+    job = modelopt_job(conv, _Run, anchors=2, tokens=64, mask_token_id=conv["vocab_size"] - 1, samples=2)
     peer = ModelOptSide(peer_python(), job, tmp_path / "run")
     try:
         assert peer.ready["target_layer_ids"] == conv["target_layer_ids"]  # ModelOpt's own layer rule
+        assert peer.ready["dtype"] == peer.ready["head_dtype"] == "torch.bfloat16"
         got = peer.ask("load")["samples"]
         step = peer.step()
+        held = peer.ask("heldout")
     finally:
         peer.close()
+    assert len(got) == 2
+    assert not check_dtypes("dflash-ce", dict.fromkeys(DTYPE_PARTS, "bfloat16"), step["dtypes"], mixed=False)
+    assert held["rows"] > 0 and 9.0 < held["loss"] < 13.0
     ds = open_dataset(str(data))
     col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
     (aux,) = default_tap_ids(ds.layout.num_layers, 1)
@@ -75,16 +236,21 @@ def _same_samples(got: list[dict], data: Path, aux: list[int], names: tuple[str,
         assert torch.equal(torch.tensor(g[names[1]]), taps[:, col[ds.layout.num_layers - 1]])
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ROWS)
 def test_both_sides_of_a_row_train_the_same_rows_from_the_same_loss(tmp_path: Path, name: str) -> None:
     torch.set_num_threads(1)
     row = ROW_SPECS[name]
-    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3, family=row.family)
-    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family)
+    # ModelOpt's CE is on the dataset token, as tapdraft's, on any data: the random text these first-loss bounds
+    # were set on (first losses differ by the two inits and independent anchor draws: 0.2 here, 0.55 on the
+    # self-predicting samples at this seed, and within 0.2 from the second step on either)
+    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3, family=row.family, self_predicting=False)
+    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family, dtype="float32")  # the fp32 control
     if row.family == "eagle3":
         assert conv["target_layer_ids"] == eagle3_tap_ids(8) == [1, 3, 5]
     mask = conv["vocab_size"] - 1
-    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, precision="float32")
     peer = ModelOptSide(peer_python(), modelopt_job(conv, tap.run, anchors=2, tokens=64, mask_token_id=mask, row=row),
                         tmp_path / "run")
     try:
@@ -95,6 +261,7 @@ def test_both_sides_of_a_row_train_the_same_rows_from_the_same_loss(tmp_path: Pa
     finally:
         peer.close()
     ours = tap.step()
+    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)  # fp32 on both
     _same_samples(got, data, conv["target_layer_ids"])
     if row.family == "eagle3":  # every supervised row at each of the 3 steps (the second half of 2 x 64 tokens)
         assert ours["rows"] == theirs["rows"] == 3 * 2 * 32
@@ -112,29 +279,40 @@ def test_both_sides_of_a_row_train_the_same_rows_from_the_same_loss(tmp_path: Pa
     assert abs(ours["loss"] + h * weight - theirs["loss"]) < 0.25
 
 
-@pytest.mark.parametrize("name", ["dflash-ce-speculators", "dflash-kd-speculators"])
-def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(tmp_path: Path, name: str) -> None:
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "precision"), [("dflash-ce-speculators", "bfloat16"),
+                                               ("dflash-kd-speculators", "float32")])
+def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(small: Path, tmp_path: Path, name: str,
+                                                                          precision: str) -> None:
     """speculators' ``ArrowDataset`` (in the vLLM venv) returns the dataset's tensors; one step each side: equal
-    trainable parameters, the same blocks, the same loss once its per-row normalisation is taken as tapdraft's
-    per-weight one (its ``kl_div`` is tapdraft's KL with no offset; its ``ce`` targets the teacher's argmax, not the
-    dataset's token: both about ln V at random init)."""
+    trainable parameters, equal compute dtypes (bf16: its Trainer's autocast against tapdraft's bf16 head and
+    autocast), the same blocks, the same loss once its per-row normalisation is taken as tapdraft's per-weight one
+    (its ``kl_div`` is tapdraft's KL with no offset; its ``ce`` targets the teacher's argmax, which on this
+    self-predicting data is the dataset's token tapdraft's CE targets: one loss), and a held-out loss."""
     torch.set_num_threads(1)
     row = ROW_SPECS[name]
-    data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3)
-    conv = to_speculators(data, tmp_path / "speculators")
-    assert conv["target_layer_ids"] == [4] and conv["aux_layer_ids"] == [5] and conv["tokens"] == 128
+    data = small
+    conv = to_speculators(data, tmp_path / "speculators", dtype=precision)
+    assert conv["target_layer_ids"] == [4] and conv["aux_layer_ids"] == [5] and conv["tokens"] == 192
     mask = conv["vocab_size"] - 1
-    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, precision=precision)
     peer = ModelOptSide(peer_python("vllm"), speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask,
                                                              row=row), tmp_path / "run", peer="speculators")
     try:
         assert peer.ready["target_layer_ids"] == [5] and peer.ready["attn"] == "sdpa"
         assert peer.ready["trainable_params"] == tap.trainable == 3_873_152
+        assert peer.ready["tokens"] == 128  # the 2 training samples packed; the third held out
         got = peer.ask("load")["samples"]
         theirs = [peer.step() for _ in range(2)]
+        held = peer.ask("heldout")
     finally:
         peer.close()
     ours = tap.step()
+    assert not check_dtypes(name, ours["dtypes"], theirs[0]["dtypes"], mixed=False)
+    assert ours["dtypes"]["head"] == precision
+    assert held["rows"] > 0 and held["weight"] > 0
+    assert len(got) == 2
     _same_samples(got, data, [4], ("hidden_states", "verifier_last_hidden_states"))
     # 2 blocks a sequence on both sides; tapdraft's all fit (full_blocks_only), speculators draws over the packed
     # row and masks the slots of a block that runs into the next sample's unsupervised half: never more rows
@@ -142,22 +320,25 @@ def test_speculators_reads_the_converted_samples_and_trains_the_same_rows(tmp_pa
     assert all(t["anchors"] == 4 and 0 < t["rows"] <= ours["rows"] for t in theirs)
     assert max(t["rows"] for t in theirs) == ours["rows"]  # its second draw (seed 0) has every block whole
     first = theirs[0]["loss"] * theirs[0]["rows"] / theirs[0]["weight"]  # sum(w l) / sum(w), tapdraft's rule
-    if row.loss == "ce":
-        assert 9.0 < ours["loss"] < 13.0 and abs(ours["loss"] - first) < 0.25
+    if row.loss == "ce":  # the labels are one (test above); the first values differ by the two inits and anchor
+        # draws over 4 blocks (10.73 / 11.10 at this seed): about ln V each, far from the 2x a wrong normalisation gives
+        assert 9.0 < ours["loss"] < 13.0 and abs(ours["loss"] - first) < 0.5
     else:
         assert 0.0 < ours["loss"] < 1.0 and abs(ours["loss"] - first) < 0.05
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_both_dspark_sides_train_the_same_rows_from_the_same_three_term_loss(tmp_path: Path) -> None:
     """The dspark row: the same Markov and confidence heads (equal parameters), the same next-token slots and the
     same 0.1 CE + 0.9 L1 + 0.1 BCE over the exact teacher on both sides, whose L1 is the same quantity (no offset)."""
     torch.set_num_threads(1)
     row = ROW_SPECS["dspark"]
     data = build_dataset(tmp_path / "dataset", samples=2, tokens=64, seed=3, family=row.family)
-    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family)
+    conv = to_modelopt(data, tmp_path / "modelopt", family=row.family, dtype="float32")
     assert conv["target_layer_ids"] == [4]  # DFlash's one-layer rule: DSpark is its backbone
     mask = conv["vocab_size"] - 1
-    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, head_dtype="float32")
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, precision="float32")
     job = modelopt_job(conv, tap.run, anchors=2, tokens=64, mask_token_id=mask, row=row)
     assert (job["markov_rank"], job["ce_weight"], job["tv_weight"], job["confidence_weight"]) == (256, 0.1, 0.9, 0.1)
     peer = ModelOptSide(peer_python(), job, tmp_path / "run")

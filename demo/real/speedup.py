@@ -173,7 +173,7 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
     job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": 1024,
            "warmup": 1, "repeats": 1}
     tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
-    method = tapdraft_cfg.get("method", cfg.method)
+    method = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("method") or tapdraft_cfg.get("method", cfg.method)
     runs: dict[str, list[dict]] = {"alone": [], **{f"k={k}": [] for k in cfg.k}}
     for p in range(cfg.pairs):
         for name in (list(runs) if p % 2 == 0 else list(runs)[::-1]):

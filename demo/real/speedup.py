@@ -164,6 +164,12 @@ def speculate_held_out(work: Path, target: Path, run: Path, dataset: Path, n: in
     return run_speculate(cfg, progress=False)
 
 
+def served_method(tapdraft_cfg: dict[str, Any], default: str) -> str:
+    """vLLM's speculative method for an export: what its config states (``tapdraft.serve_with.vllm.method``), else
+    ``default``."""
+    return tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("method") or tapdraft_cfg.get("method", default)
+
+
 def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     from engines.serving import check_served, serve_vllm, vllm_requests
@@ -173,7 +179,7 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
     job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": 1024,
            "warmup": 1, "repeats": 1}
     tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
-    method = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("method") or tapdraft_cfg.get("method", cfg.method)
+    method = served_method(tapdraft_cfg, cfg.method)
     runs: dict[str, list[dict]] = {"alone": [], **{f"k={k}": [] for k in cfg.k}}
     for p in range(cfg.pairs):
         for name in (list(runs) if p % 2 == 0 else list(runs)[::-1]):

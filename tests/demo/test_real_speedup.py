@@ -11,7 +11,7 @@ import pytest
 
 from capture.inputs import BadInput, read_inputs
 from demo.real.listen import ListenConfig, sentences, speech_splits
-from demo.real.speedup import SpeedupConfig, format_serve, stage_prompts
+from demo.real.speedup import SpeedupConfig, format_serve, served_method, stage_prompts
 
 
 @pytest.fixture
@@ -78,3 +78,10 @@ def test_the_serve_summary_names_both_speeds_and_the_agreement():
     out = format_serve(report)
     assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
     assert "greedy output identical" in out and "rounds equal to it: True" in out
+
+
+def test_an_export_is_served_with_the_method_it_states():
+    """A DFlash export states method dflash; the stage's default (eagle3) applies only when an export states none."""
+    assert served_method({"serve_with": {"vllm": {"method": "dflash", "num_speculative_tokens": 3}}}, "eagle3") == "dflash"
+    assert served_method({"serve_with": {"vllm": {"method": "mtp"}}}, "eagle3") == "mtp"
+    assert served_method({}, "eagle3") == "eagle3"

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="vLLM's threads (1: on a shared machine more threads wait on each other at OpenMP barriers)")
     ap.add_argument("--recipe", default=d.recipe)
     ap.add_argument("--method", default=d.method, help="vLLM's method when the export does not state one")
+    ap.add_argument("--layout", default=None,
+                    help="the export's layout (default: the family's; an MTP head is served in tapdraft-vllm)")
     ap.add_argument("--run", default=None, help="run name (default: the recipe)")
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
     ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")
@@ -50,13 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SpeedupConfig(target=a.target, train=a.train, validation=a.validation, held_out=a.held_out,
                         max_tokens=a.max_tokens, threads=a.threads, engine_threads=a.engine_threads, recipe=a.recipe,
                         run=a.run, sets=tuple(a.set), k=tuple(int(x) for x in a.k.split(",")), pairs=a.pairs,
-                        prompts=a.prompts, listen_steps=a.listen_steps, method=a.method)
+                        prompts=a.prompts, listen_steps=a.listen_steps, method=a.method,
+                        layout=a.layout)
     serve = run_speedup(a.workdir, cfg, a.stop_after, log=lambda m: print(m, flush=True))
     if serve is None:
         return
     print(format_serve(serve))
     target, name = NAMES[a.target]
-    report = {"target": target, "recipe": cfg.recipe, "set": list(cfg.sets), "k": list(cfg.k), "pairs": cfg.pairs,
+    report = {"target": target, "recipe": cfg.recipe, "layout": cfg.layout, "set": list(cfg.sets), "k": list(cfg.k), "pairs": cfg.pairs,
               "prompts": cfg.prompts, "train": cfg.train, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
               "engine_threads": cfg.engine_threads,
               "command": "python -m benchmarks.real_speedup " + " ".join(argv if argv is not None else sys.argv[1:]),

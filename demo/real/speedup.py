@@ -71,6 +71,9 @@ class SpeedupConfig:
     """The listener's projector updates (its cached directory is keyed by them)."""
     method: str = "eagle3"
     """vLLM's method when the export does not state one."""
+    layout: str | None = None
+    """The export's layout (``tapdraft export --layout``; None: the family's default). An MTP head is served by vLLM
+    in ``tapdraft-vllm``."""
 
     def __post_init__(self) -> None:
         if self.target not in DEFAULTS:
@@ -149,7 +152,8 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Callable[[st
         sets = [x for s in cfg.sets for x in ("--set", s)]
         _cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
              str(cfg.threads), *sets, log=log)
-        _cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), log=log)
+        layout = ("--layout", cfg.layout) if cfg.layout else ()
+        _cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), *layout, log=log)
     return run, export
 
 

@@ -2,8 +2,10 @@
 module of its own, through the project's plugin: greedy output is the target's own, and vLLM's per-round accepted
 drafts equal ``tapdraft speculate``'s, round by round.
 
-The head is trained briefly on the BPE target's dataset (a Qwen3 causal LM, ``mtp_lk_demo``: one depth, LK loss
-against the frozen target) and exported with ``--layout tapdraft-vllm``; vLLM runs it as
+The head is trained briefly on the BPE target's dataset (a Qwen3 causal LM) as the CPU recipe (``mtp_small``) trains
+it: one depth, CE, a draft vocabulary (256 of the target's 1,024; the export carries those lm_head rows and the
+plugin scores them only, mapping ids through ``d2t``); exported with ``--layout tapdraft-vllm``. The speech tests
+train the LK loss over the whole vocabulary (``mtp_lk_demo``). vLLM runs it as
 ``{"method": "mtp", "model": EXPORT, "num_speculative_tokens": 1}``: the plugin's ``TapdraftMTPForCausalLM``
 (``engines/vllm_plugin/tapdraft_vllm/mtp.py``) with the target's embedding and lm_head shared by vLLM's proposer.
 At one draft a round, ``per_step_accepted`` is 0 or 1 a round: the check needs both to occur.
@@ -24,16 +26,17 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def bpe_mtp(bpe_target, tmp_path_factory):
-    """(run, export in the ``tapdraft-vllm`` layout) of an MTP head trained briefly on the BPE target's dataset."""
+    """(run, export in the ``tapdraft-vllm`` layout) of an MTP head with a draft vocabulary, trained briefly on the BPE
+    target's dataset."""
     from typer.testing import CliRunner
 
     from cli import app
 
     root = tmp_path_factory.mktemp("mtp_head")
-    run, _ = train_and_export(bpe_target.dataset, root, "mtp_lk_demo", "max_steps=200")
+    run, _ = train_and_export(bpe_target.dataset, root, "mtp_demo", "max_steps=200", "drafter.draft_vocab=256")
     export = root / "export-vllm"
     res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--layout", "tapdraft-vllm",
-                                   "--json"], catch_exceptions=False)
+                                   "--data", str(bpe_target.dataset), "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return run, export
 
@@ -42,6 +45,7 @@ def test_vllm_serves_a_bolt_on_mtp_head_with_tapdrafts_acceptance(vllm_venv, bpe
     _, export = bpe_mtp
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["TapdraftMTPForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["draft_vocab_size"] == 256 < cfg["vocab_size"]
     serve = cfg["tapdraft"]["serve_with"]["vllm"]
     assert (serve["method"], serve["num_speculative_tokens"]) == ("mtp", 1)
     rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_mtp, "mtp", 1, tmp_path)

@@ -137,8 +137,9 @@ def test_refused_where_the_mechanism_does_not_reach(tmp_path):
         DFlashConfig(draft_vocab=8, kd="topk")
     with pytest.raises(ValueError, match="DFlash-only"):
         DFlash2Config(draft_vocab=8)
-    with pytest.raises(ValueError, match="draft_vocab"):
-        load_run_config("mtp", overrides=["drafter.draft_vocab=8"])
+    with pytest.raises(ValueError, match="draft_vocab trains with loss_type: ce"):
+        load_run_config("mtp_lk", overrides=["drafter.draft_vocab=8"])
+    assert load_run_config("mtp", overrides=["drafter.draft_vocab=8"]).drafter.draft_vocab == 8
     bundle = tiny_bundle(tmp_path)
     with pytest.raises(ValueError, match="exceeds the target vocabulary"):
         DFlashDrafter.build(DFlashConfig(draft_vocab=65), bundle, tiny_layout(bundle))

@@ -1,5 +1,6 @@
 """MTP heads: alignment, losses against float64 references, teacher forms, refusals, eval chain, export."""
 
+import json
 import math
 
 import pytest
@@ -79,9 +80,11 @@ def test_padded_targets_are_token_t_plus_k_plus_1():
 
 
 @torch.no_grad()
-def _reference_ce(drafter, batch):
-    """Float64, per (b, t) loops from the definition; reuses only the head modules' weights."""
+def _reference_ce(drafter, batch, subset=None):
+    """Float64, per (b, t) loops from the definition; reuses only the head modules' weights. ``subset``: the draft
+    vocabulary's target ids (a row whose label is outside carries no loss; the softmax runs over the subset)."""
     d = drafter
+    rows = torch.arange(V) if subset is None else subset
     ids, lengths, mask = batch["input_ids"], batch["lengths"], batch["loss_mask"]
     last = batch["taps"][:, :, d.last_tap].double()
     emb_t = d.target.embed_tokens.double()
@@ -104,9 +107,10 @@ def _reference_ce(drafter, batch):
             ce = 0.0
             c = 0
             for t in range(n):
-                if t + k + 1 < n and bool(mask[b, t + k + 1]):
-                    z = rms(h[t], head.shared_head.norm.weight) @ d.target.lm_head.double().T / d.logits_scaling
-                    ce += (torch.logsumexp(z, 0) - z[ids[b, t + k + 1]]).item()
+                y = int(ids[b, t + k + 1]) if t + k + 1 < n else -1
+                if t + k + 1 < n and bool(mask[b, t + k + 1]) and y in rows.tolist():
+                    z = rms(h[t], head.shared_head.norm.weight) @ d.target.lm_head.double()[rows].T / d.logits_scaling
+                    ce += (torch.logsumexp(z, 0) - z[rows.tolist().index(y)]).item()
                     c += 1
             total[k] = total.get(k, 0.0) + ce
             counts[k] = counts.get(k, 0) + c
@@ -132,6 +136,50 @@ def test_ce_loss_matches_float64_reference(repeated):
     loss.backward()
     assert all(p.grad is not None for p in d.parameters())
     assert not any(n.startswith(("embed", "lm_head", "norm_weight")) for n in d.state_dict())
+
+
+def test_draft_vocabulary_loss_acceptance_and_export(tmp_path):
+    """With ``draft_vocab`` the head scores only the subset's frozen rows: CE over them (a label outside carries no
+    loss) equals the float64 reference, drafts are subset tokens (-inf elsewhere), a label outside is a miss, and the
+    export carries the subset's rows and ``d2t`` for the tapdraft-vllm layout (other loaders are refused)."""
+    from train.drafters.common.draft_vocab import DraftVocab
+    from train.drafters.mtp.layouts import convert
+
+    torch.manual_seed(8)
+    bundle, layout = tiny_bundle(scaling=2.0), tiny_layout(top_k=0)
+    subset = torch.tensor([1, 2, 3, 5, 8, 13, 21, 30, 34, 37])
+    d = MTPDrafter.build(MTPConfig(num_depths=2, draft_vocab=10, chunk_rows=5), bundle, layout).double()
+    d.target.to_dtype(torch.float64)
+    d.set_draft_vocab(DraftVocab(subset, V))
+    batch = batch_of(layout, bundle, lengths=(14, 11))
+    batch["taps"] = batch["taps"].double()
+    out = d(batch)
+    ref, cnt = _reference_ce(d, batch, subset)
+    full, _ = _reference_ce(d, batch)
+    for k in (1, 2):
+        s, c, _ = out.terms[f"loss@{k}"]
+        assert int(c) == cnt[k] > 0 and abs(s.item() - ref[k]) < 1e-6 * max(1.0, ref[k])
+        assert ref[k] != full[k]  # the subset's softmax, not the whole head's
+    run = d.run_depths(batch)
+    z = d.logits(1, run["h"][0][0])
+    assert z.shape[-1] == V and torch.isinf(z[:, [i for i in range(V) if i not in subset.tolist()]]).all()
+    acc = d.acceptance(batch)
+    outside = (run["targets"][0] != IGNORE) & ~d.t2d[run["targets"][0].clamp(min=0)]
+    assert bool(outside.any()) and int(acc.accepted[0]) <= int(acc.reached[0]) - int(outside.sum())
+    one = MTPDrafter.build(MTPConfig(num_depths=1, draft_vocab=10), bundle, layout)  # vLLM's layout: one depth
+    one.set_draft_vocab(DraftVocab(subset, V))
+    export_drafter(one, tmp_path, {"source": "test"})
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 10
+    assert torch.equal(weights["d2t"] + torch.arange(10), subset)
+    torch.testing.assert_close(weights["lm_head.weight"].double(), bundle.lm_head.double()[subset])
+    vllm_w, vllm_cfg = convert(weights, cfg, "tapdraft-vllm")
+    assert vllm_cfg["draft_vocab_size"] == 10 and "lm_head.weight" in vllm_w and "d2t" in vllm_w
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        convert(weights, cfg, "nemo-salm")
 
 
 def test_ce_gradients_match_dense_autograd_float64():
@@ -247,6 +295,8 @@ def test_config_refusals():
         MTPConfig(loss_type="lk", lk_lambda=2.0)
     with pytest.raises(ValueError, match="num_depths"):
         MTPConfig(num_depths=0)
+    with pytest.raises(ValueError, match="loss_type: ce"):
+        MTPConfig(loss_type="lk", draft_vocab=8)
     assert MTPConfig(lk_lambda="adaptive").lk_lambda == "adaptive"
     with pytest.raises(ValueError, match="last layer"):
         MTPDrafter.build(MTPConfig(), tiny_bundle(), tiny_layout(tap_ids=(1,)))

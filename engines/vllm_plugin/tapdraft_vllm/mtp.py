@@ -21,6 +21,10 @@ Multimodal: a head trained on the dataset's audio frame embeddings (``tapdraft.a
 ``supports_multimodal_embeddings``, so the proposer hands it the target's merged embeddings on audio prompts; one
 trained without them reads the placeholder id's embedding there, which is what vLLM's text-only path gives it.
 
+A draft vocabulary (``draft_vocab_size`` in the config, tapdraft's ``common.draft_vocab``): the head scores the N
+frozen lm_head rows the export carries instead of the target's V (on a CPU the head is most of a draft's cost) and
+scatters them to target ids through ``d2t``, -inf elsewhere, as vLLM's EAGLE-3 ``compute_logits`` does.
+
 Shapes: N tokens, H hidden.
 """
 
@@ -113,6 +117,16 @@ class TapdraftMTPForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
                                       prefix=maybe_prefix(prefix, "lm_head"))  # the target's, shared
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # a draft vocabulary: the export's own N frozen rows (``lm_head.weight``), scored instead of the target's V, and
+        # its offsets ``d2t`` (target id of draft id i = i + d2t[i]); the proposer still shares ``lm_head`` above
+        n = getattr(config, "draft_vocab_size", None)
+        self.draft_vocab_size = int(n) if n else None
+        if self.draft_vocab_size:
+            self.draft_lm_head = ParallelLMHead(self.draft_vocab_size, config.hidden_size,
+                                                prefix=maybe_prefix(prefix, "draft_lm_head"))
+            self.draft_logits_processor = LogitsProcessor(self.draft_vocab_size)
+            self.register_buffer("draft_target_ids", torch.zeros(self.draft_vocab_size, dtype=torch.long),
+                                 persistent=False)
         # an instance flag: the proposer asks the instance (``supports_multimodal_embeddings(self.model)``)
         self.supports_multimodal_embeddings = bool((getattr(config, "tapdraft", None) or {}).get("audio_embeds"))
 
@@ -131,13 +145,29 @@ class TapdraftMTPForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
         normed = self.model.layer(spec_step_idx).shared_head.norm(hidden_states)
-        return self.logits_processor(self.lm_head, normed)
+        if not self.draft_vocab_size:
+            return self.logits_processor(self.lm_head, normed)
+        z = self.draft_logits_processor(self.draft_lm_head, normed)
+        if z is None:
+            return None
+        out = z.new_full((z.shape[0], self.config.vocab_size), float("-inf"))
+        out[:, self.draft_target_ids] = z
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         # the embedding and lm_head are the target's: the proposer shares them after loading
         loaded = {"model.embed_tokens.weight", "lm_head.weight"}
         for name, w in weights:
+            if self.draft_vocab_size and name == "lm_head.weight":  # the draft vocabulary's rows
+                p = self.draft_lm_head.weight
+                getattr(p, "weight_loader", default_weight_loader)(p, w)
+                loaded.add("draft_lm_head.weight")
+                continue
+            if self.draft_vocab_size and name == "d2t":
+                self.draft_target_ids.copy_(torch.arange(self.draft_vocab_size) + w.long().to(
+                    self.draft_target_ids.device))
+                continue
             if not name.startswith("model.layers."):
                 continue
             for fused, part, shard in STACKED:

@@ -31,7 +31,7 @@ Shapes: V target vocabulary, N draft vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -80,8 +80,15 @@ class DraftVocab:
 
 
 class DraftVocabMixin:
-    """The draft vocabulary half of a drafter (DFlash, DFlash2, EAGLE-3): installs the subset into the drafter's
-    persistent ``d2t`` / ``t2d`` buffers and reads it back. It reads ``config.draft_vocab`` and ``vocab_size``."""
+    """The draft vocabulary half of a drafter (DFlash, DFlash2, EAGLE-3, MTP): installs the subset into the drafter's
+    persistent ``d2t`` / ``t2d`` buffers and reads it back. It reads ``config.draft_vocab`` and ``vocab_size``; the
+    frozen-head methods (``frozen_draft_head``, ``to_target_logits``) also read ``target`` (a ``FrozenHead``)."""
+
+    def register_draft_vocab(self) -> None:
+        """EAGLE-3's buffers, filled by ``set_draft_vocab`` (or a checkpoint); -1 = unset. No-op without a subset."""
+        if self.config.draft_vocab is not None:
+            self.register_buffer("d2t", torch.full((self.config.draft_vocab,), -1, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
 
     def set_draft_vocab(self, vocab: DraftVocab) -> None:
         """Install the draft vocabulary (:func:`setup` fits it on the training split)."""
@@ -100,6 +107,38 @@ class DraftVocabMixin:
             raise RuntimeError("the draft vocabulary was never set: train.drafters.common.draft_vocab.setup (or "
                                "loading a checkpoint) fills it before the drafter runs")
         return ids
+
+    def frozen_draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen target lm_head rows (and bias) a drafter that projects on the target's head scores: the
+        subset's, or all of them."""
+        ids = self.draft_ids()
+        if ids is None:
+            return self.target.lm_head, self.target.lm_head_bias
+        bias = None if self.target.lm_head_bias is None else self.target.lm_head_bias.index_select(0, ids)
+        return self.target.lm_head.index_select(0, ids), bias
+
+    def to_target_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [..., N] -> over the target's [..., V], -inf at every id outside the
+        subset (never proposed); unchanged without a subset."""
+        ids = self.draft_ids()
+        if ids is None:
+            return z
+        out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., ids] = z
+        return out
+
+
+def subset_head_rows(weights: dict[str, torch.Tensor], config: dict[str, Any],
+                     lm_head: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An export's own ``lm_head.weight`` [N, H] when its draft projects on N frozen rows of the target's head (a
+    ``draft_vocab_size`` in its config; ``weights`` hold ``d2t``): engines that share the target's head with such a
+    draft would score the wrong rows (vLLM keeps the first N logits), so the export carries the subset's rows and
+    its loader projects on them. {} without a subset."""
+    n = config.get("draft_vocab_size")
+    if n is None:
+        return {}
+    ids = torch.arange(int(n)) + weights["d2t"].long().cpu()
+    return {"lm_head.weight": lm_head().detach().float().index_select(0, ids).contiguous()}
 
 
 def draft_index(t2d_V: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:

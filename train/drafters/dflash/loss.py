@@ -47,15 +47,7 @@ class DFlashLoss(DraftVocabMixin):
     training anchors, the KD teacher rows and ``forward``. It reads the drafter's config, frozen head
     buffers, ``block_hidden``, ``context`` and ``_targets``."""
 
-    # -- draft vocabulary (set_draft_vocab, draft_ids: common.draft_vocab.DraftVocabMixin) ----------------------------
-    def draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The lm_head rows (and bias) the draft's logits use: the subset's, or all of them."""
-        ids = self.draft_ids()
-        if ids is None:
-            return self.target.lm_head, self.target.lm_head_bias
-        bias = None if self.target.lm_head_bias is None else self.target.lm_head_bias.index_select(0, ids)
-        return self.target.lm_head.index_select(0, ids), bias
-
+    # -- draft vocabulary: set_draft_vocab, draft_ids, frozen_draft_head (common.draft_vocab.DraftVocabMixin) ---------
     def _anchors(self, batch: dict[str, Any], generator: torch.Generator | None, take_all: bool = False):
         """Training anchors (within the loss-row budget), or with ``take_all`` evaluation's (caps only)."""
         cfg = self.config
@@ -108,7 +100,7 @@ class DFlashLoss(DraftVocabMixin):
         ctx = self.context(batch["taps"])
         h = self.block_hidden(batch["input_ids"], ctx, anchors)  # [Bs, N, B, H]
         labels, valid, tpos = self._targets(batch, anchors, vblk)
-        lm_head, bias = self.draft_head()
+        lm_head, bias = self.frozen_draft_head()
         if cfg.draft_vocab is None:
             rows_ok, y = valid, labels[valid]
         else:  # loss rows: labels the draft vocabulary holds, as draft ids (module docstring)

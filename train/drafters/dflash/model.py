@@ -37,6 +37,7 @@ from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
 from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import tv_full
+from train.drafters.common.draft_vocab import subset_head_rows
 from train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from train.drafters.common.losses import slot_weights
 from train.drafters.common.mask import dense_mask, flex_block_mask
@@ -91,9 +92,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
         self.rotary = RotaryEmbedding(cfg.head_dim, self.rope_theta)
         self.target = FrozenHead(bundle)
         self.register_buffer("weights_k", slot_weights(cfg.block_size, cfg.gamma), persistent=False)
-        if cfg.draft_vocab is not None:  # EAGLE-3's buffers, filled by set_draft_vocab (or a checkpoint); -1 = unset
-            self.register_buffer("d2t", torch.full((cfg.draft_vocab,), -1, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
+        self.register_draft_vocab()
         self._init_weights(cfg.init_std)
         self._stack = self._run_layers
         if cfg.compile:
@@ -148,14 +147,8 @@ class DFlashDrafter(DFlashLoss, Drafter):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target vocabulary for hidden rows (through the target's frozen head); with a
         draft vocabulary, its rows only and -inf at every other target id (never proposed)."""
-        ids = self.draft_ids()
-        if ids is None:
-            return project(h, self.target.lm_head, self.head_spec, self.target.lm_head_bias)
-        lm_head, bias = self.draft_head()
-        z = project(h, lm_head, self.head_spec, bias)
-        out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., ids] = z
-        return out
+        lm_head, bias = self.frozen_draft_head()
+        return self.to_target_logits(project(h, lm_head, self.head_spec, bias))
 
     # -- targets -----------------------------------------------------------------------------
     def _targets(self, batch: dict[str, Any], anchors: torch.Tensor, valid_blocks: torch.Tensor):
@@ -295,15 +288,10 @@ class DFlashDrafter(DFlashLoss, Drafter):
     @classmethod
     def head_rows(cls, weights: dict[str, torch.Tensor], config: dict[str, Any],
                   lm_head: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """With a draft vocabulary, its N frozen lm_head rows as the export's own ``lm_head.weight`` [N, H]: vLLM
-        shares the target's whole lm_head with a draft that ships none and then keeps its first N logits
-        (``LogitsProcessor(draft_vocab_size)``), not the rows ``d2t`` names; with these rows it computes the N
-        logits tapdraft drafts from and maps them to target ids through ``d2t``."""
-        n = config.get("draft_vocab_size")
-        if n is None:
-            return {}
-        ids = torch.arange(int(n)) + weights["d2t"].long().cpu()
-        return {"lm_head.weight": lm_head().detach().float().index_select(0, ids).contiguous()}
+        """A draft vocabulary's N frozen lm_head rows as the export's own ``lm_head.weight``
+        (``common.draft_vocab.subset_head_rows``): vLLM 0.32's ``qwen3_dflash.py`` shares the target's whole head with
+        a draft that ships none and keeps its first N logits (``LogitsProcessor(draft_vocab_size)``)."""
+        return subset_head_rows(weights, config, lm_head)
 
     def export_config(self) -> dict[str, Any]:
         cfg = self.config

@@ -108,9 +108,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         N = cfg.draft_vocab or self.vocab_size
         self.lm_head = nn.Linear(H, N, bias=False)
         self.lm_head.weight.requires_grad_(cfg.train_lm_head)
-        if cfg.draft_vocab is not None:  # EAGLE-3's d2t / t2d, filled by set_draft_vocab (or a checkpoint); -1 = unset
-            self.register_buffer("d2t", torch.full((N,), -1, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
+        self.register_draft_vocab()
         with torch.no_grad():
             for m in (self.fc, *self.midlayer.modules()):
                 if isinstance(m, nn.Linear):

@@ -41,6 +41,9 @@ class MTPConfig:
     """eta of the adaptive lambda."""
     teacher: str = "auto"
     """LK teacher: exact (per-row projection of the last hidden), topk (stored top-k + tail), auto."""
+    draft_vocab: int | None = None
+    """N: the head scores only the N target tokens seen most often where the training split is supervised (plus
+    eos), mapped back to target ids (``common.draft_vocab``); None = the target's whole vocabulary. CE only."""
     chunk_rows: int = 1024
     """Rows per checkpointed lm_head chunk (bounds [rows, V] memory); <= 0 = one chunk."""
     init_std: float = 0.02
@@ -63,6 +66,11 @@ class MTPConfig:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
         if self.lk_eta <= 0:
             raise ValueError(f"lk_eta must be > 0, got {self.lk_eta}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (or null: the full vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab is not None and self.loss_type != "ce":
+            raise ValueError("draft_vocab trains with loss_type: ce (LK's divergence is over the target's whole "
+                             "vocabulary); set loss_type: ce or drop draft_vocab")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):

@@ -37,7 +37,8 @@ self_attn.*, mlp.*, ...}``, ``train.drafters.mtp.model``). :func:`convert` turns
     target vLLM serves: the target's final-normed last hidden state is h^0). One depth (vLLM's further drafts
     rerun the layer over its own cache, which is not tapdraft's depth chain); ``tapdraft.audio_embeds`` says
     whether the head reads the target's merged audio embeddings (the plugin then declares multimodal
-    embeddings) or the placeholder id's embedding (vLLM's text-only draft inputs). Served as
+    embeddings) or the placeholder id's embedding (vLLM's text-only draft inputs). A head with a draft vocabulary
+    carries its N frozen lm_head rows (``lm_head.weight``) and ``d2t``; the plugin scores those rows only. Served as
     ``{"method": "mtp", "model": DIR, "num_speculative_tokens": 1}``.
 
 Logits: every engine applies the target's lm_head alone, so a target's ``logits_scaling`` is folded
@@ -89,6 +90,10 @@ def _check(config: dict[str, Any], layout: str) -> float:
         raise ValueError("vLLM's Qwen3-Next MTP shares one fc, pre-fc norms and output norm across its layers; "
                          f"this head has {config['num_nextn_predict_layers']} physical depths with their own: train "
                          "use_repeated_layer: true (or one depth) for --layout vllm-qwen3-next")
+    if config.get("draft_vocab_size") and layout not in ("deepseek", "tapdraft-vllm"):
+        raise ValueError(f"this head drafts from a {config['draft_vocab_size']}-token draft vocabulary; {layout!r} "
+                         "loaders score the target's whole lm_head: use --layout tapdraft-vllm, or train without "
+                         "draft_vocab")
     if layout != "deepseek" and (config.get("target_head") or {}).get("lm_head_bias"):
         raise ValueError(f"the target's lm_head has a bias: {layout!r} loaders apply the lm_head alone and the logits "
                          "scaling cannot be folded past a bias; use --layout deepseek")
@@ -157,6 +162,7 @@ def _config(config: dict[str, Any], layout: str) -> dict[str, Any]:
             "tie_word_embeddings": False, "mtp_recursion": config.get("mtp_recursion", "pre_norm"),
             "max_position_embeddings": int(config.get("max_position_embeddings") or 32768), **keep,
             "tapdraft": tapdraft,
+            **{k: config[k] for k in ("draft_vocab_size", "draft_vocab") if k in config},
         }
     if layout == "vllm-qwen3-next":
         return {

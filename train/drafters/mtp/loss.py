@@ -10,6 +10,10 @@ frozen-head loss (``train.drafters.common.losses.row_losses``: analytic gradient
 term needs TV's gradient) through autograd in checkpointed chunks.
 Each depth is its own loss term (weight 1/D, its own denominator over the data-parallel group).
 
+Draft vocabulary (``draft_vocab = N``, CE only; the subset rule is ``train.drafters.common.draft_vocab``): the head
+scores N rows of the frozen lm_head instead of V, so a loss row costs N/V of its full-vocabulary price, in training
+and in every served round; a row whose label lies outside the subset carries no loss and counts as a miss.
+
 Shapes: Bs batch, T positions, H hidden, V vocab, D depths, n valid rows.
 """
 
@@ -24,12 +28,14 @@ from train.drafters.base import LossOutput
 from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
 from train.drafters.common.losses import row_losses
 
 
-class MTPLoss:
-    """The training half of :class:`MTPDrafter` (``mtp.model``) (a mixin of it): ``forward`` and its per-row CE and
-    LK losses. It reads the drafter's config, ``run_depths``, ``logits``, ``teacher`` and ``teacher_kind``."""
+class MTPLoss(DraftVocabMixin):
+    """The training half of :class:`MTPDrafter` (``mtp.model``) (a mixin of it): the draft vocabulary, ``forward`` and
+    its per-row CE and LK losses. It reads the drafter's config, ``run_depths``, ``logits``, ``teacher`` and
+    ``teacher_kind``."""
 
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         run = self.run_depths(batch)
@@ -46,7 +52,7 @@ class MTPLoss:
             n = torch.tensor(int(y.numel()), device=y.device)
             if self.config.loss_type == "ce":
                 ce, correct = self._ce_rows(k, hk, y)
-                terms[step_metric("loss", k)] = (ce.sum(), n, 1.0 / D)
+                terms[step_metric("loss", k)] = (ce.sum(), torch.tensor(int(ce.numel()), device=y.device), 1.0 / D)
             else:
                 trow = (rows[0], rows[1] + k)  # the target's row predicting the same token
                 kl, tv, correct = self._lk_rows(k, hk, y, trow, batch, last)
@@ -71,12 +77,23 @@ class MTPLoss:
         return LossOutput(terms=terms, metrics=metrics)
 
     def _ce_rows(self, k: int, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row CE and argmax == label through the frozen lm_head (``logits``), fused: the gradient w.r.t. the
-        rows is computed in the forward, so no chunk is recomputed in the backward."""
+        """Per-row CE over the head's vocabulary (the draft vocabulary's rows when it has one: a row whose label lies
+        outside carries no loss and is a miss) and argmax == label for every row, through the frozen lm_head, fused:
+        the gradient w.r.t. the rows is computed in the forward, so no chunk is recomputed in the backward."""
         t = self.target
-        ce, correct, _ = row_losses(self.out_norm(k, h), y, t.lm_head, head=self.head_spec, lm_head_bias=t.lm_head_bias,
+        lm_head, bias = self.frozen_draft_head()
+        keep = None if self.config.draft_vocab is None else self.t2d[y]
+        if keep is not None:
+            h, y_in = h[keep], draft_index(self.t2d, y[keep])
+        else:
+            y_in = y
+        ce, correct, _ = row_losses(self.out_norm(k, h), y_in, lm_head, head=self.head_spec, lm_head_bias=bias,
                                     chunk_rows=self.config.chunk_rows)
-        return ce, correct.bool()
+        if keep is None:
+            return ce, correct.bool()
+        hit = torch.zeros_like(keep)
+        hit[keep] = correct.bool()
+        return ce, hit
 
     def _lk_rows(self, k, hk, y, trow, batch, last):
         if self.teacher_kind == "exact":

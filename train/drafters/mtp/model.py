@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import tv_full
+from train.drafters.common.draft_vocab import subset_head_rows
 from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
@@ -99,6 +100,8 @@ class MTPDrafter(MTPLoss, Drafter):
         self.eps = self.head_spec.eps
         self.logits_scaling = self.head_spec.logits_scaling
         self.target = FrozenHead(bundle, dtype=None)  # in the bundle's dtype
+        self.vocab_size = int(bundle.lm_head.shape[0])
+        self.register_draft_vocab()
         self.fingerprint = bundle.fingerprint
         self.max_positions = int(bundle.config.get("max_position_embeddings") or 32768)
         self.last_tap = exact_last_tap(layout)
@@ -155,8 +158,10 @@ class MTPDrafter(MTPLoss, Drafter):
         return self.head(k).step(emb, h_prev, self.rope(pos))
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
-        """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them."""
-        return project(self.out_norm(k, h), self.target.lm_head, self.head_spec, self.target.lm_head_bias)
+        """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them; with
+        a draft vocabulary its rows only, -inf at every other target id (never proposed)."""
+        lm_head, bias = self.frozen_draft_head()
+        return self.to_target_logits(project(self.out_norm(k, h), lm_head, self.head_spec, bias))
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
         """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
@@ -269,6 +274,14 @@ class MTPDrafter(MTPLoss, Drafter):
         """The head in a loader's names (``mtp.layouts``; None: ``deepseek``, the checkpoint's own)."""
         return convert(weights, config, layout or cls.default_layout)
 
+    @classmethod
+    def head_rows(cls, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                  lm_head: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A draft vocabulary's N frozen lm_head rows as the export's own ``lm_head.weight``
+        (``common.draft_vocab.subset_head_rows``): vLLM's MTP proposer shares the target's whole head with the draft,
+        so the plugin projects on these rows instead and scatters them to target ids through ``d2t``."""
+        return subset_head_rows(weights, config, lm_head)
+
     def export_config(self) -> dict[str, Any]:
         """DeepSeek-V3 MTP config; the weights' names already are DeepSeek's (``model.layers.{L + i}.*``).
 
@@ -296,6 +309,10 @@ class MTPDrafter(MTPLoss, Drafter):
             "target_head": self.head_spec.to_dict(),
             "max_position_embeddings": self.max_positions,
             "mtp_config": asdict(self.config),
+            **({} if self.config.draft_vocab is None else {
+                "draft_vocab_size": self.config.draft_vocab,
+                "draft_vocab": "logits only at target ids arange(draft_vocab_size) + d2t, from the export's own "
+                               "lm_head rows (the target's, frozen)"}),
             "tapdraft": {"family": self.family, "target_fingerprint": self.fingerprint,
                          "audio_embeds": self.uses_audio_embeds},
         }

@@ -79,6 +79,8 @@ class MTPNativeConfig(MTPConfig):
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is the checkpoint's own for its MTP module; leave it null")
+        if self.draft_vocab is not None:
+            raise ValueError("the target's own MTP module is served on the target's whole lm_head: drop draft_vocab")
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

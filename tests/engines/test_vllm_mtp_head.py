@@ -1,14 +1,16 @@
-"""vLLM serves tapdraft's bolt-on MTP head (family ``mtp``, head-only, LK loss) beside a dense target that has no MTP
+"""vLLM serves tapdraft's bolt-on MTP head (family ``mtp``, head-only) beside a dense target that has no MTP
 module of its own, through the project's plugin: greedy output is the target's own, and vLLM's per-round accepted
 drafts equal ``tapdraft speculate``'s, round by round.
 
 The head is trained briefly on the BPE target's dataset (a Qwen3 causal LM) as the CPU recipe (``mtp_small``) trains
-it: one depth, CE, a draft vocabulary (256 of the target's 1,024; the export carries those lm_head rows and the
-plugin scores them only, mapping ids through ``d2t``); exported with ``--layout tapdraft-vllm``. The speech tests
-train the LK loss over the whole vocabulary (``mtp_lk_demo``). vLLM runs it as
-``{"method": "mtp", "model": EXPORT, "num_speculative_tokens": 1}``: the plugin's ``TapdraftMTPForCausalLM``
+it, plus a second depth: CE, a draft vocabulary (256 of the target's 1,024; the export carries those lm_head rows and
+the plugin scores them only, mapping ids through ``d2t``), two depths of one layer trained with ``chain: rerun``
+(vLLM's proposer reruns the layer on its own output for the second draft); exported with ``--layout tapdraft-vllm``
+and served with two drafts a round. The speech tests train one depth with the LK loss over the whole vocabulary
+(``mtp_lk_demo``). vLLM runs it as
+``{"method": "mtp", "model": EXPORT, "num_speculative_tokens": D}``: the plugin's ``TapdraftMTPForCausalLM``
 (``engines/vllm_plugin/tapdraft_vllm/mtp.py``) with the target's embedding and lm_head shared by vLLM's proposer.
-At one draft a round, ``per_step_accepted`` is 0 or 1 a round: the check needs both to occur.
+``per_step_accepted`` is 0, 1 or 2 a round: the check needs both acceptance and rejection to occur.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def bpe_mtp(bpe_target, tmp_path_factory):
     from cli import app
 
     root = tmp_path_factory.mktemp("mtp_head")
-    run, _ = train_and_export(bpe_target.dataset, root, "mtp_demo", "max_steps=200", "drafter.draft_vocab=256")
+    run, _ = train_and_export(bpe_target.dataset, root, "mtp_demo", "max_steps=200", "drafter.draft_vocab=256",
+                              "drafter.num_depths=2", "drafter.use_repeated_layer=true", "drafter.chain=rerun")
     export = root / "export-vllm"
     res = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(export), "--layout", "tapdraft-vllm",
                                    "--data", str(bpe_target.dataset), "--json"], catch_exceptions=False)
@@ -47,9 +50,9 @@ def test_vllm_serves_a_bolt_on_mtp_head_with_tapdrafts_acceptance(vllm_venv, bpe
     assert cfg["architectures"] == ["TapdraftMTPForCausalLM"] and cfg["model_type"] == "qwen3"
     assert cfg["draft_vocab_size"] == 256 < cfg["vocab_size"]
     serve = cfg["tapdraft"]["serve_with"]["vllm"]
-    assert (serve["method"], serve["num_speculative_tokens"]) == ("mtp", 1)
-    rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_mtp, "mtp", 1, tmp_path)
-    assert 0 < accepted < rounds, "both the accept and the reject path should be exercised"
+    assert (serve["method"], serve["num_speculative_tokens"]) == ("mtp", 2)
+    rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_mtp, "mtp", 2, tmp_path)
+    assert 0 < accepted < 2 * rounds, "both the accept and the reject path should be exercised"
 
 
 def test_stock_vllm_has_no_class_for_a_bolt_on_mtp_head(vllm_venv, bpe_target, bpe_mtp, tmp_path):

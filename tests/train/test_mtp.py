@@ -182,6 +182,41 @@ def test_draft_vocabulary_loss_acceptance_and_export(tmp_path):
         convert(weights, cfg, "nemo-salm")
 
 
+def test_rerun_chain_is_what_incremental_drafting_computes():
+    """``chain: rerun``: depth k >= 2 of the chain anchored at row t equals a per-anchor incremental draft, as vLLM's
+    proposer runs it: depth 1 over rows 0..t (its keys cached), then the one layer rerun at positions t + 1, t + 2,
+    ... on its own output and the drafted (here: the dataset's) tokens, attending the cache plus its own new keys."""
+    torch.manual_seed(9)
+    bundle, layout = tiny_bundle(), tiny_layout(top_k=0)
+    d = MTPDrafter.build(MTPConfig(num_depths=3, use_repeated_layer=True, chain="rerun"), bundle, layout).double()
+    d.target.to_dtype(torch.float64)
+    batch = batch_of(layout, bundle, lengths=(10, 7))
+    batch["taps"] = batch["taps"].double()
+    run = d.run_depths(batch)
+    head = d.head(1)
+    emb = d.target.embed_tokens.double()[batch["input_ids"].long()]
+    last = batch["taps"][:, :, d.last_tap]
+    h0 = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + d.eps) * d.target.norm_weight.double()
+    for b, n in enumerate(batch["lengths"].tolist()):
+        for t in range(n - 3):
+            rows = torch.arange(t + 1)
+            h, kv = head.step(emb[b, 1 : t + 2][None], h0[b, : t + 1][None], d.rope(rows[None]), return_kv=True)
+            torch.testing.assert_close(h[0, t], run["h"][0][b, t], rtol=1e-9, atol=1e-9)
+            r = h[:, t : t + 1]
+            for k in (2, 3):
+                pos = torch.tensor([[t + k - 1]])
+                r, new = head.step(emb[b, t + k : t + k + 1][None], r, d.rope(pos), cache=kv,
+                                   mask=torch.ones(1, 1, 1, kv[0].shape[2] + 1, dtype=torch.bool), return_kv=True)
+                kv = (torch.cat([kv[0], new[0]], 2), torch.cat([kv[1], new[1]], 2))
+                torch.testing.assert_close(r[0, 0], run["h"][k - 1][b, t], rtol=1e-9, atol=1e-9)
+    seq = MTPDrafter.build(MTPConfig(num_depths=3, use_repeated_layer=True), bundle, layout).double()
+    seq.load_state_dict(d.state_dict())
+    seq.target.to_dtype(torch.float64)
+    assert not torch.allclose(seq.run_depths(batch)["h"][1], run["h"][1])  # the sequence chain is another model
+    with pytest.raises(ValueError, match="use_repeated_layer: true"):
+        MTPConfig(num_depths=2, chain="rerun")
+
+
 def test_ce_gradients_match_dense_autograd_float64():
     """The fused CE's parameter gradients equal float64 autograd through dense logits + cross_entropy."""
     torch.manual_seed(0)

@@ -191,5 +191,8 @@ def test_tapdraft_vllm_layout_keeps_the_names_and_folds_the_logits_scaling(tmp_p
 
 def test_tapdraft_vllm_layout_refuses_what_vllm_would_serve_differently(tmp_path):
     two, _, _ = _head(MTPConfig(num_depths=2, recursion="post_norm"))
-    with pytest.raises(ValueError, match="num_depths: 1"):
+    with pytest.raises(ValueError, match="chain: rerun"):
         _export(two, tmp_path, "tapdraft-vllm")
+    rerun, _, _ = _head(MTPConfig(num_depths=2, use_repeated_layer=True, chain="rerun"))
+    cfg, _ = _export(rerun, tmp_path / "rerun", "tapdraft-vllm")  # what vLLM's proposer computes: served with 2
+    assert cfg["mtp_chain"] == "rerun" and cfg["tapdraft"]["serve_with"]["vllm"]["num_speculative_tokens"] == 2

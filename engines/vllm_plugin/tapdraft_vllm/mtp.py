@@ -13,9 +13,10 @@ Names are the export's (DeepSeek-V3's MTP names at ``model.layers.{L}``: L = the
 draft's attention layer never collides with the target's). The forward returns h before the output norm and
 ``compute_logits`` applies it, as DeepSeek's MTP does.
 
-One depth (``num_speculative_tokens: 1``): vLLM drafts a second token by rerunning the layer on its own output at
-the next position over a cache that holds depth-1 states, while tapdraft's depth 2 attends over depth-2 states of
-every earlier row; the two differ, so more is refused here.
+Drafts a round: vLLM drafts a second token by rerunning the layer on its own output at the next position over a cache
+that holds depth-1 states. A head trained with ``chain: rerun`` (``mtp_chain`` in its config) learned exactly that
+and is served with several; a ``sequence`` head (depth 2 attends over depth-2 states of every earlier row) drafts one
+(``num_speculative_tokens: 1``) and more is refused here.
 
 Multimodal: a head trained on the dataset's audio frame embeddings (``tapdraft.audio_embeds``) declares
 ``supports_multimodal_embeddings``, so the proposer hands it the target's merged embeddings on audio prompts; one
@@ -108,10 +109,11 @@ class TapdraftMTPForCausalLM(nn.Module):
         config = _draft_config(vllm_config)
         spec = vllm_config.speculative_config
         k = getattr(spec, "num_speculative_tokens", 1) if spec is not None else 1
-        if k != 1:
-            raise ValueError(f"tapdraft's MTP head drafts one token a round in vLLM, got num_speculative_tokens={k}: "
-                             "vLLM reruns the layer over its own cache for further tokens, which is not how tapdraft "
-                             "chains depths; serve it with num_speculative_tokens 1")
+        if k != 1 and getattr(config, "mtp_chain", "sequence") != "rerun":
+            raise ValueError(f"this MTP head was trained to draft one token a round (its depths run over whole "
+                             f"sequences), got num_speculative_tokens={k}: vLLM drafts further tokens by rerunning the "
+                             "layer over its own cache; serve it with num_speculative_tokens 1, or train it with "
+                             "drafter.chain: rerun")
         self.config = config
         self.model = TapdraftMTPModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,

@@ -222,12 +222,21 @@ class DecoderLayer(nn.Module):
         is_causal: bool = False,
         context: torch.Tensor | None = None,
         context_rope: Rope | None = None,
-    ) -> torch.Tensor:
-        prefix = None
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        return_kv: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, L, H] -> [B, L, H]. ``cache``: keys and values [B, kv, C, D] computed earlier (a drafter's own
+        cache: masks index kv as [cache | own]); ``return_kv``: also return the own rows' (keys, values)."""
+        prefix = cache
         if context is not None:
             if context_rope is None:
                 raise ValueError("context needs context_rope (the RoPE tables of the context positions)")
+            if cache is not None:
+                raise ValueError("a layer takes either a context to project or a cache, not both")
             prefix = self.self_attn.project_kv(context, context_rope)
-        h = self.self_attn(self.input_layernorm(x), rope, mask=mask, is_causal=is_causal, kv_prefix=prefix)
+        out = self.self_attn(self.input_layernorm(x), rope, mask=mask, is_causal=is_causal, kv_prefix=prefix,
+                             return_kv=return_kv)
+        h, kv = out if return_kv else (out, None)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (x, kv) if return_kv else x

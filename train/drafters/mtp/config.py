@@ -11,6 +11,7 @@ LOSS_TYPES = ("ce", "lk")
 TRAINING_MODES = ("head_only",)
 TEACHERS = ("auto", "exact", "topk")
 RECURSIONS = ("pre_norm", "post_norm")
+CHAINS = ("sequence", "rerun")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class MTPConfig:
     """SwiGLU width of the block; None = the target's."""
     recursion: str = "pre_norm"
     """What depth k + 1 reads of depth k: pre_norm (h^k, DeepSeek-V3) or post_norm (FinalNorm_k(h^k), Qwen3-Next)."""
+    chain: str = "sequence"
+    """How depth k >= 2 runs: ``sequence`` (DeepSeek-V3: causally over the whole sequence of depth k-1 states) or
+    ``rerun`` (how vLLM drafts past the first token: the one layer reruns at the next position on its own previous
+    output, attending the depth-1 keys of the rows up to its anchor and its own chain's keys, as EAGLE-3's
+    training-time test; a head trained so is served by vLLM with num_depths drafts a round)."""
     training_mode: str = "head_only"
     """head_only: only the heads train (a dataset holds no target backbone to train)."""
     loss_type: str = "ce"
@@ -56,6 +62,12 @@ class MTPConfig:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.recursion not in RECURSIONS:
             raise ValueError(f"recursion must be one of {RECURSIONS}, got {self.recursion!r}")
+        if self.chain not in CHAINS:
+            raise ValueError(f"chain must be one of {CHAINS}, got {self.chain!r}")
+        if self.chain == "rerun" and (self.recursion != "pre_norm" or (self.num_depths > 1
+                                                                        and not self.use_repeated_layer)):
+            raise ValueError("chain: rerun runs one layer at every depth on its pre-norm output (vLLM's proposer): set "
+                             "use_repeated_layer: true and recursion: pre_norm")
         if self.training_mode not in TRAINING_MODES:
             raise ValueError(
                 f"training_mode must be one of {TRAINING_MODES}, got {self.training_mode!r}: a dataset holds only "

@@ -38,10 +38,12 @@ class MTPHead(DecoderLayer):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.shared_head = SharedHead(H, eps)
 
-    def step(self, emb: torch.Tensor, h_prev: torch.Tensor, rope) -> torch.Tensor:
-        """emb, h_prev [Bs, T, H] -> h^k [Bs, T, H] (before the output norm)."""
+    def step(self, emb: torch.Tensor, h_prev: torch.Tensor, rope, *, mask: torch.Tensor | None = None,
+             cache: tuple[torch.Tensor, torch.Tensor] | None = None, return_kv: bool = False):
+        """emb, h_prev [Bs, Q, H] -> h^k [Bs, Q, H] (before the output norm); causal over the rows unless ``mask``
+        (over [cache | own] keys) is given; ``return_kv``: also this step's (keys, values)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self(x, rope, is_causal=True)
+        return self(x, rope, mask=mask, is_causal=mask is None, cache=cache, return_kv=return_kv)
 
 
 class _Model(nn.Module):

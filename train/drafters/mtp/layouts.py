@@ -34,12 +34,13 @@ self_attn.*, mlp.*, ...}``, ``train.drafters.mtp.model``). :func:`convert` turns
 ``tapdraft-vllm``  the checkpoint's own names (as ``deepseek``) under a Qwen3 block's config
     (``model_type: qwen3``, ``architectures: [TapdraftMTPForCausalLM]``), served by vLLM's MTP path through the
     project's plugin (``engines/vllm_plugin/tapdraft_vllm/mtp.py``, which computes exactly this head over any dense
-    target vLLM serves: the target's final-normed last hidden state is h^0). One depth (vLLM's further drafts
-    rerun the layer over its own cache, which is not tapdraft's depth chain); ``tapdraft.audio_embeds`` says
+    target vLLM serves: the target's final-normed last hidden state is h^0). One depth, or several trained with
+    ``chain: rerun`` (one layer rerun on its own output over its own cache: what vLLM's proposer does past the
+    first draft; a ``sequence`` chain is refused), served with as many drafts a round; ``tapdraft.audio_embeds`` says
     whether the head reads the target's merged audio embeddings (the plugin then declares multimodal
     embeddings) or the placeholder id's embedding (vLLM's text-only draft inputs). A head with a draft vocabulary
     carries its N frozen lm_head rows (``lm_head.weight``) and ``d2t``; the plugin scores those rows only. Served as
-    ``{"method": "mtp", "model": DIR, "num_speculative_tokens": 1}``.
+    ``{"method": "mtp", "model": DIR, "num_speculative_tokens": D}``.
 
 Logits: every engine applies the target's lm_head alone, so a target's ``logits_scaling`` is folded
 into the head's output norm (exactly, for one depth; several depths with post-norm recursion would feed
@@ -72,16 +73,18 @@ def _check(config: dict[str, Any], layout: str) -> float:
         raise ValueError(f"unknown MTP layout {layout!r}; known: {list(LAYOUTS)}")
     steps = int(config.get("num_speculative_steps", config["num_nextn_predict_layers"]))
     scale = float(config.get("logits_scaling") or 1.0)
-    if layout != "deepseek" and steps > 1 and config.get("mtp_recursion", "pre_norm") != "post_norm":
+    rerun = config.get("mtp_chain", "sequence") == "rerun"
+    if layout == "tapdraft-vllm" and steps > 1 and not rerun:
+        raise ValueError(f"this head chains {steps} depths over whole sequences (chain: sequence); vLLM drafts past "
+                         "the first token by rerunning one layer over its own cache: train drafter.chain: rerun (or "
+                         "num_depths: 1) for --layout tapdraft-vllm")
+    if layout not in ("deepseek", "tapdraft-vllm") and steps > 1 and config.get("mtp_recursion",
+                                                                               "pre_norm") != "post_norm":
         raise ValueError(
             f"layout {layout!r} feeds each step the previous step's normed output, but this head chains "
             f"{steps} depths on the pre-norm state (DeepSeek-V3); train it with drafter.recursion: post_norm, or "
             "export one depth, or use --layout deepseek"
         )
-    if layout == "tapdraft-vllm" and steps > 1:
-        raise ValueError(f"this head chains {steps} depths; vLLM drafts past the first by rerunning one layer over its "
-                         "own cache, which is not tapdraft's depth chain: train drafter.num_depths: 1 for --layout "
-                         "tapdraft-vllm")
     head = config.get("target_head") or {}
     if layout == "tapdraft-vllm" and (float(head.get("embed_scale", 1.0)) != 1.0 or head.get("final_logit_softcap")):
         raise ValueError("the target scales its input embeddings or soft-caps its logits; vLLM's MTP path shares the "
@@ -97,7 +100,7 @@ def _check(config: dict[str, Any], layout: str) -> float:
     if layout != "deepseek" and (config.get("target_head") or {}).get("lm_head_bias"):
         raise ValueError(f"the target's lm_head has a bias: {layout!r} loaders apply the lm_head alone and the logits "
                          "scaling cannot be folded past a bias; use --layout deepseek")
-    if layout != "deepseek" and steps > 1 and scale != 1.0:
+    if layout != "deepseek" and steps > 1 and scale != 1.0 and not rerun:
         raise ValueError(f"the target scales logits by 1/{scale}: folding that into the output norm would also scale "
                          f"what the next depth reads; export a one-depth head for {layout!r}")
     return scale
@@ -151,8 +154,8 @@ def _config(config: dict[str, Any], layout: str) -> dict[str, Any]:
     keep = {"tapdraft": config.get("tapdraft", {}), "mtp_layout": layout, "num_speculative_steps": steps,
             "logits": "target lm_head(output) only: the target's logits_scaling is folded into the output norm"}
     if layout == "tapdraft-vllm":
-        tapdraft = {**keep["tapdraft"], "serve_with": {"vllm": {"method": "mtp", "num_speculative_tokens": 1}},
-                    "block_size": {"vllm": 2}, "vllm_plugin": "tapdraft-vllm (engines/vllm_plugin)"}
+        tapdraft = {**keep["tapdraft"], "serve_with": {"vllm": {"method": "mtp", "num_speculative_tokens": steps}},
+                    "block_size": {"vllm": steps + 1}, "vllm_plugin": "tapdraft-vllm (engines/vllm_plugin)"}
         return {
             "architectures": ["TapdraftMTPForCausalLM"], "model_type": "qwen3", **arch,
             "num_hidden_layers": int(config["first_mtp_layer_index"]),
@@ -160,6 +163,7 @@ def _config(config: dict[str, Any], layout: str) -> dict[str, Any]:
             "hidden_act": "silu", "attention_bias": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": arch["rope_theta"]},
             "tie_word_embeddings": False, "mtp_recursion": config.get("mtp_recursion", "pre_norm"),
+            "mtp_chain": config.get("mtp_chain", "sequence"),
             "max_position_embeddings": int(config.get("max_position_embeddings") or 32768), **keep,
             "tapdraft": tapdraft,
             **{k: config[k] for k in ("draft_vocab_size", "draft_vocab") if k in config},

@@ -9,7 +9,10 @@ Depth k = 1..D at position t predicts the token at t + k + 1 from
     logits  = head(FinalNorm_k(h^k))        (the frozen target head: lm_head, bias, scaling, soft cap)
 
 with one causal Qwen3 decoder block per depth (``train.drafters.common.layers.DecoderLayer``), or one physical
-head serving every depth (``use_repeated_layer``). The recursion (``recursion``) feeds depth k + 1
+head serving every depth (``use_repeated_layer``). The chain (``chain``): ``sequence`` runs depth k causally over
+the whole sequence of depth k-1 states (DeepSeek-V3); ``rerun`` runs depth k >= 2 of the chain anchored at row t at
+position t + k - 1 over the depth-1 keys of rows <= t and its own chain's keys (the mask of EAGLE-3's training-time
+test, ``common.mask``), which is what vLLM's proposer computes when it drafts past the first token. The recursion (``recursion``) feeds depth k + 1
 either h^k (the block's output, before FinalNorm_k) as DeepSeek-V3 does (``pre_norm``, default), or
 FinalNorm_k(h^k) as the Qwen3-Next / NeMo Automodel MTP modules do (``post_norm``); a head with more
 than one depth exports to those layouts only when it was trained with their recursion
@@ -61,6 +64,7 @@ from train.drafters.common.divergences import tv_full
 from train.drafters.common.draft_vocab import subset_head_rows
 from train.drafters.common.export_files import load_export
 from train.drafters.common.layers import RotaryEmbedding
+from train.drafters.common.mask import eagle3_dense_mask
 from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
 from train.drafters.mtp import DEFAULT_LAYOUT
 from train.drafters.mtp.config import MTPConfig
@@ -153,9 +157,10 @@ class MTPDrafter(MTPLoss, Drafter):
         """Depth k's output norm (before the shared lm_head)."""
         return self.head(k).shared_head.norm(h)
 
-    def step(self, k: int, emb: torch.Tensor, h_prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Depth k: input embeddings of x_{t+k} and h^{k-1}_t [Bs, T, H], positions [Bs, T] -> h^k [Bs, T, H]."""
-        return self.head(k).step(emb, h_prev, self.rope(pos))
+    def step(self, k: int, emb: torch.Tensor, h_prev: torch.Tensor, pos: torch.Tensor, **attend):
+        """Depth k: input embeddings of x_{t+k} and h^{k-1}_t [Bs, T, H], positions [Bs, T] -> h^k [Bs, T, H]
+        (``attend``: ``MTPHead.step``'s mask, cache and return_kv)."""
+        return self.head(k).step(emb, h_prev, self.rope(pos), **attend)
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Head logits from depth-k block outputs [n, H] -> [n, V] (float32 or wider), as the target scales them; with
@@ -176,8 +181,15 @@ class MTPDrafter(MTPLoss, Drafter):
         nb = None if t.norm_bias is None else t.norm_bias.to(dtype)
         h_in = final_norm(self.last_hidden(batch).to(dtype), t.norm_weight.to(dtype), self.head_spec, nb)  # h^0
         outs, targets, audio_masked = [], [], []
+        rows, cache = torch.arange(T, device=ids.device), None
         for k in range(1, self.config.num_depths + 1):
-            h = self.step(k, shift_left(emb, k).to(dtype), h_in, pos)
+            e = shift_left(emb, k).to(dtype)
+            if self.config.chain == "sequence":
+                h = self.step(k, e, h_in, pos)
+            else:  # rerun: depth k >= 2 at row t sits at position t + k - 1 over [depth-1 keys | its own chain's]
+                h, kv = self.step(k, e, h_in, pos + (k - 1), mask=eagle3_dense_mask(rows, T, k - 1), cache=cache,
+                                  return_kv=True)
+                cache = kv if cache is None else (torch.cat([cache[0], kv[0]], 2), torch.cat([cache[1], kv[1]], 2))
             h_in = h if self.config.recursion == "pre_norm" else self.out_norm(k, h)
             tgt = depth_targets(labels, doc_end, k)
             unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
@@ -299,6 +311,7 @@ class MTPDrafter(MTPLoss, Drafter):
             "num_speculative_steps": self.config.num_depths,
             "use_repeated_layer": self.config.use_repeated_layer,
             "mtp_recursion": self.config.recursion,
+            "mtp_chain": self.config.chain,
             "num_physical_mtp_layers": len(self.model.layers),
             "first_mtp_layer_index": self.first_layer,
             "mtp_concat_order": "embedding_first",

@@ -36,8 +36,9 @@ from shards.errors import DivergedError
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
 CKPT_NAME = re.compile(r"step-\d+")
-CKPT_VERSION = 2
-"""2: loadable with ``weights_only=True`` (1: the same payload, written before the rule was kept)."""
+CKPT_VERSION = 3
+"""3: records the training data's identity (``dataset``); 2: loadable with ``weights_only=True``; 1: the same payload
+as 2, written before that rule was kept. Older versions load through :data:`MIGRATIONS`."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,12 @@ class Checkpoint:
     """Each rank's batch-stream state (resume continues the same sample order)."""
     export_config: dict[str, Any] | None = None
     """The drafter's ``export_config()``, so export needs no dataset (None: its family cannot be exported)."""
+    dataset: dict[str, Any] | None = None
+    """The training split's identity (``train.source.DataSource.identity``: the split and a digest of its shards'
+    sha256s); a resume must train on the same bytes (None: written before version 3)."""
 
     ORDER = ("version", "step", "config", "fingerprint", "template", "draft", "optimizer", "scheduler", "data_states",
-             "export_config")
+             "export_config", "dataset")
 
     def to_payload(self) -> dict[str, Any]:
         """The dict ``state.pt`` holds (keys in :attr:`ORDER`, so the bytes do not depend on field order)."""
@@ -123,8 +127,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"`python -m train.checkpoints trust {Path(path)}`; otherwise ask them for the run again") from None
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {file} holds a {type(state).__name__}, not a checkpoint's state")
-    if state.get("version") == 1:
-        state = migrate_v1(state)
+    while state.get("version") in MIGRATIONS:
+        state = MIGRATIONS[state["version"]](state)
     if state.get("version") != CKPT_VERSION:
         raise ValueError(f"checkpoint {path} has version {state.get('version')}, this trainer reads {CKPT_VERSION}")
     return Checkpoint.from_payload(state, path)
@@ -133,6 +137,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 def migrate_v1(state: dict[str, Any]) -> dict[str, Any]:
     """Version 1 -> 2: the same keys (a v1 state that loaded with ``weights_only=True`` is already plain)."""
     return {**state, "version": 2}
+
+
+def migrate_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 -> 3: no dataset identity recorded (a resume then checks the target's fingerprint only)."""
+    return {**state, "version": 3, "dataset": None}
+
+
+MIGRATIONS = {1: migrate_v1, 2: migrate_v2}
+"""Version -> the step to the next one (a loaded checkpoint walks them up to :data:`CKPT_VERSION`)."""
 
 
 def _first_line(e: BaseException) -> str:

@@ -214,6 +214,11 @@ def _resumable_checkpoint(run: RunConfig, src: DataSource, out: Path) -> Checkpo
     if ckpt.fingerprint not in (None, src.fingerprint):
         raise ValueError(f"{ckpt_path} was trained on target {ckpt.fingerprint[:12]}, the dataset is "
                          f"{src.fingerprint[:12]}; resume with the dataset it was trained on")
+    if ckpt.dataset is not None and ckpt.dataset != src.identity():
+        raise ValueError(f"{src.where} is not the dataset {ckpt_path} was trained on (split {src.split!r} now holds "
+                         f"other shards: sha256 {src.identity()['sha256'][:12]}, trained on "
+                         f"{ckpt.dataset.get('sha256', '?')[:12]}); resume with the dataset the run was trained on, or "
+                         "start a new --out directory")
     return ckpt
 
 
@@ -475,6 +480,7 @@ def _checkpoint(out: Path, step: int, run: RunConfig, t: _Trainer, src: DataSour
     path = None
     if rank == 0:
         ckpt = Checkpoint(step=step, config=run.to_dict(), fingerprint=src.fingerprint, template=template_state(src),
+                          dataset=src.identity(),
                           draft={k: v.detach().cpu() for k, v in t.model.state_dict().items()},
                           optimizer=t.opt.state_dict(), scheduler=t.sched.state_dict(), data_states=states,
                           export_config=_export_config(t.model))

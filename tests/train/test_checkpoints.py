@@ -64,11 +64,12 @@ def test_a_crafted_run_directory_is_refused_and_its_pickle_never_runs(tmp_path, 
 def test_a_version_1_checkpoint_loads_through_its_migration(tmp_path):
     state = {"version": 1, "step": 3, "draft": {"w": torch.arange(4.0)}, "data_states": [{"epoch": 0, "pos": 7}]}
     got = load_checkpoint(_write(tmp_path, 3, state))
-    assert CKPT_VERSION == migrate_v1(state)["version"] == 2 and got.to_payload()["version"] == 2
+    assert migrate_v1(state)["version"] == 2 and CKPT_VERSION == got.to_payload()["version"] == 3
+    assert got.dataset is None  # version 3's key, not recorded before it
     assert got.step == 3 and torch.equal(got.draft["w"], torch.arange(4.0)) and got.data_states == [
         {"epoch": 0, "pos": 7}]
     _write(tmp_path, 4, {**state, "version": 99})
-    with pytest.raises(ValueError, match="has version 99, this trainer reads 2"):
+    with pytest.raises(ValueError, match="has version 99, this trainer reads 3"):
         load_checkpoint(tmp_path / "checkpoints" / "step-0000004")
 
 
@@ -90,17 +91,20 @@ def test_a_trusted_old_checkpoint_is_converted_once(tmp_path):
 
 def test_the_checkpoint_payload_keeps_its_keys_and_order(tmp_path):
     """``Checkpoint`` owns the keys of ``state.pt``: the same keys, in the order the loop always wrote them (so
-    the file's bytes are unchanged), and a round trip through the file gives the same checkpoint back."""
+    the file's bytes are unchanged; version 3 appends ``dataset``), and a round trip through the file gives the same
+    checkpoint back."""
     from train.checkpoints import Checkpoint, save_checkpoint
 
     ck = Checkpoint(step=5, draft={"w": torch.arange(3.0)}, config={"family": "dflash"}, fingerprint="ab" * 8,
                     template={"text": "t", "kwargs": {}}, optimizer={"state": {}}, scheduler={"last_epoch": 5},
-                    data_states=[{"epoch": 0}], export_config={"block_size": 4})
+                    data_states=[{"epoch": 0}], export_config={"block_size": 4},
+                    dataset={"split": "train", "shards": 1, "sha256": "cd" * 32})
     payload = ck.to_payload()
     assert list(payload) == ["version", "step", "config", "fingerprint", "template", "draft", "optimizer",
-                             "scheduler", "data_states", "export_config"] and payload["version"] == CKPT_VERSION
+                             "scheduler", "data_states", "export_config", "dataset"] and payload["version"] == CKPT_VERSION
     got = load_checkpoint(save_checkpoint(tmp_path, ck, keep=1))
     assert got.step == 5 and torch.equal(got.draft["w"], ck.draft["w"]) and got.config == ck.config
-    assert (got.template, got.data_states, got.export_config) == (ck.template, ck.data_states, ck.export_config)
+    assert (got.template, got.data_states, got.export_config, got.dataset) == (ck.template, ck.data_states,
+                                                                               ck.export_config, ck.dataset)
     with pytest.raises(ValueError, match=r"keys this trainer does not know: \['extra'\]"):
         load_checkpoint(_write(tmp_path / "x", 1, {**payload, "extra": 1}))

@@ -57,6 +57,33 @@ def test_resume_with_loader_workers_continues_exactly(tmp_path, mem):
     assert len(_losses(tmp_path / "one")) == 4
 
 
+def test_resume_on_other_bytes_of_the_same_target_is_refused(tmp_path, mem):
+    """A checkpoint records its training split's identity (its shards' sha256s): a resume on another dataset of the
+    same target (a derive or a recapture at the same path) is refused in one line that says the dataset changed; a
+    checkpoint written before the identity was recorded (version 2) still resumes on its own data."""
+    import shutil
+
+    from train.checkpoints import STATE_FILE
+
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100"])
+    data = tmp_path / "data"
+    shutil.copytree(mem.path, data)
+    train(run, data, tmp_path / "r", stop_at=2)
+    ck = latest_checkpoint(tmp_path / "r")
+    assert load_checkpoint(ck).dataset["shards"] >= 1
+    shutil.rmtree(data)
+    tiny_dataset(data, n=16, seed=5, min_len=16, max_len=32)  # the same target, other samples
+    with pytest.raises(ValueError, match=r"is not the dataset .* was trained on \(split 'train' now holds other "
+                                         r"shards"):
+        train(run, data, tmp_path / "r")
+    shutil.rmtree(data)
+    shutil.copytree(mem.path, data)
+    state = torch.load(ck / STATE_FILE, weights_only=True)
+    del state["dataset"]
+    torch.save({**state, "version": 2}, ck / STATE_FILE)  # written before version 3
+    assert train(run, data, tmp_path / "r")["resumed_from_step"] == 2
+
+
 def test_resume_with_another_config_is_refused(tmp_path, mem):
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=2"])
     train(run, mem.path, tmp_path / "r")

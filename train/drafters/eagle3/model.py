@@ -205,13 +205,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
 
     def logits(self, r_RH: torch.Tensor) -> torch.Tensor:
         """[R, V] logits over the target vocabulary: -inf at target ids outside the draft vocabulary."""
-        z = self.draft_logits(r_RH)
-        ids = self.draft_ids()
-        if ids is None:
-            return z
-        out = z.new_full((z.shape[0], self.vocab_size), float("-inf"))
-        out[:, ids] = z
-        return out
+        return self.to_target_logits(self.draft_logits(r_RH))
 
     def teacher(self, h_RH: torch.Tensor) -> torch.Tensor:
         """The target's exact logits [R, V] of pre-norm last-layer rows."""

@@ -65,7 +65,7 @@ MAX_LR = 1.0
 """The largest peak learning rate accepted: AdamW steps each weight by about lr, so past 1 a run only diverges."""
 
 RESUME_MUTABLE = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "progress", "num_threads",
-                            "eval_every", "eval_samples"})
+                            "eval_every", "eval_samples", "diverge_ratio"})
 """TrainConfig fields a resume may change (everything else must equal the checkpoint's)."""
 
 
@@ -93,6 +93,9 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Max global grad norm (<= 0 disables clipping)."""
+    diverge_ratio: float = 20.0
+    """A step whose loss exceeds this many times max(1, the first step's loss) stops training as diverged, as a
+    non-finite loss or gradient does (0: only non-finite stops it). A watchdog: it changes no step it lets through."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     max_tokens: int | None = 8192
@@ -141,6 +144,8 @@ class TrainConfig:
                      "keep_checkpoints"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.diverge_ratio != 0 and not self.diverge_ratio > 1:
+            raise ValueError(f"train.diverge_ratio must be > 1 (or 0: off), got {self.diverge_ratio}")
         if self.eval_every < 0 or self.eval_samples < 1:
             raise ValueError(f"train.eval_every must be >= 0 (0: off) and train.eval_samples >= 1, got "
                              f"{self.eval_every} and {self.eval_samples}")

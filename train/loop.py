@@ -302,8 +302,9 @@ class _Window:
 
 
 def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, device: torch.device,
-                    window: _Window) -> tuple[dict[str, float], int, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro-batches -> (loss values, tokens read, grad norm)."""
+                    window: _Window, limit: float = math.inf) -> tuple[dict[str, float], int, torch.Tensor]:
+    """One optimizer step over ``grad_accum`` micro-batches -> (loss values, tokens read, grad norm); a loss over
+    ``limit`` or a non-finite loss or gradient raises ``DivergedError`` before the step is applied."""
     t.model.train()
     step_vals: dict[str, float] = {}
     tokens = 0
@@ -323,25 +324,38 @@ def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, devi
             step_vals[n] = step_vals.get(n, 0.0) + v / tc.grad_accum
         window.add_metrics(lo.metrics)
     gnorm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    if _diverged(step_vals["loss"], gnorm, world, device):
+    why = _divergence(step_vals["loss"], gnorm, limit, world, device)
+    if why is not None:
         t.opt.zero_grad(set_to_none=True)
         raise DivergedError(f"training diverged at step {step + 1}: loss {step_vals['loss']:.4g}, gradient norm "
-                            f"{float(gnorm):.4g} (not finite); the step was not applied")
+                            f"{float(gnorm):.4g} ({why}); the step was not applied")
     t.opt.step()
     t.sched.step()
     t.opt.zero_grad(set_to_none=True)
     return step_vals, tokens, gnorm
 
 
-def _diverged(loss: float, gnorm: torch.Tensor, world: int, device: torch.device) -> bool:
-    """Whether a step's loss (on any rank) or its gradient norm is not finite: one all-reduce under DDP, so every rank
-    stops at the same step."""
-    bad = not (math.isfinite(loss) and math.isfinite(float(gnorm)))
+def _divergence(loss: float, gnorm: torch.Tensor, limit: float, world: int, device: torch.device) -> str | None:
+    """Why a step diverged (its loss or gradient norm not finite, or its loss over ``limit``), on any rank; None when
+    it did not. One all-reduce under DDP, so every rank stops at the same step."""
+    why = None
+    if not (math.isfinite(loss) and math.isfinite(float(gnorm))):
+        why = "not finite"
+    elif loss > limit:
+        why = f"over {limit:.4g}, train.diverge_ratio times the first step's loss"
     if world == 1:
-        return bad
-    flag = torch.tensor([float(bad)], device=device)
+        return why
+    flag = torch.tensor([float(why is not None)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return why or ("on another rank" if flag.item() else None)
+
+
+def _loss_limit(tc: Any, first_loss: float | None) -> float:
+    """The loss past which a step counts as diverged: ``diverge_ratio`` x max(1, the first step's loss) of this
+    process (a resumed run measures from its own first step); infinite before that step or with the ratio 0."""
+    if first_loss is None or not tc.diverge_ratio:
+        return math.inf
+    return tc.diverge_ratio * max(1.0, first_loss)
 
 
 def _train(run: RunConfig, src: DataSource, out: Path, ckpt: Checkpoint | None, rank: int, world: int,
@@ -367,7 +381,8 @@ def _train(run: RunConfig, src: DataSource, out: Path, ckpt: Checkpoint | None, 
     try:
         for step in range(t.start, end):
             try:
-                step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window)
+                step_vals, n_tok, gnorm = _optimizer_step(t, tc, step, rank, world, device, window,
+                                                          _loss_limit(tc, first_loss))
             except DivergedError as e:
                 kept = latest_checkpoint(out)
                 kept_txt = f"the last good checkpoint {kept} is kept" if kept else "no checkpoint was saved"

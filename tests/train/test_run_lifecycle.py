@@ -143,3 +143,30 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: ") and "non-finite tensor(s)" in err and "\n" not in err, err
     assert not (tmp_path / "exp").exists()
+
+
+def test_a_finite_but_exploding_loss_stops_the_run_as_diverged(tmp_path, mem, monkeypatch):
+    """A loss that stays finite but leaps past train.diverge_ratio x the first step's loss (what a too-large lr
+    gives before it overflows) stops training as a NaN does, before the step is applied; the ratio 0 lets it run."""
+    from shards.errors import DivergedError
+
+    real, calls = loop.combine_terms, []
+
+    def exploding(*a, **kw):
+        loss, vals = real(*a, **kw)
+        calls.append(1)
+        k = 1e4 if len(calls) >= 4 else 1.0
+        return loss * k, {n: v * k for n, v in vals.items()}
+
+    monkeypatch.setattr(loop, "combine_terms", exploding)
+    run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=6", "ckpt_every=2"])
+    with pytest.raises(DivergedError, match=r"training diverged at step 4: loss [\d.e+]+, gradient norm [\d.e+]+ "
+                                            r"\(over [\d.e+]+, train.diverge_ratio times the first step's loss\); "
+                                            r"the step was not applied; the last good checkpoint .*step-0000002"):
+        train(run, mem.path, tmp_path / "run")
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000002"
+    calls.clear()
+    off = load_run_config("dflash_b8", overrides=FAST + ["max_steps=6", "ckpt_every=2", "diverge_ratio=0"])
+    assert train(off, mem.path, tmp_path / "off")["steps"] == 6
+    with pytest.raises(ValueError, match=r"train.diverge_ratio must be > 1 \(or 0: off\), got 0.5"):
+        load_run_config("dflash_b8", overrides=["diverge_ratio=0.5"])

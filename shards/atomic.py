@@ -27,6 +27,10 @@ measured 2026-12-01 on ext4, 1.4% of a capture's time (qwen3-256x4) and 4% of th
 (its worst case) were spent inside fsync; the wall-clock ratios, 0.98 and 1.13, were within the shared machine's
 noise (docs/reliability.md).
 
+A write that fails inside ``staged`` because the process ran out of file descriptors (``ulimit -n``) still removes
+its temp path: removing a directory needs descriptors of its own, so a few are held in reserve (``_SPARE``) and
+given up for that removal only.
+
 A write that fails inside ``staged`` names its destination: an ``OSError`` without a path gets ``dest`` (one inside a
 staged directory the name it would have had there), and a
 library that hides the errno (torch's writer: ``RuntimeError: ... unexpected pos``; safetensors: ``Os { code:
@@ -104,6 +108,39 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+SPARE_FDS = 4
+"""Descriptors held in reserve for removing a temp path after EMFILE (rmtree holds about two a directory level)."""
+_SPARE: list[int] = []
+
+
+def _reserve_fds() -> None:
+    try:
+        while len(_SPARE) < SPARE_FDS:
+            _SPARE.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass  # fewer in reserve: the removal below is then best effort, as it was
+
+
+def _remove_after_failure(path: Path) -> None:
+    """Remove a failed write's temp path, if need be on the reserved descriptors; a removal that fails all the same
+    leaves the path (readers skip temp names, the next ``staged`` of that destination removes it) and never hides
+    the failure that is being raised."""
+    try:
+        _remove(path)
+        return
+    except OSError as e:
+        if e.errno != errno.EMFILE or not _SPARE:
+            return
+    while _SPARE:
+        os.close(_SPARE.pop())
+    try:
+        _remove(path)
+    except OSError:
+        pass
+    finally:
+        _reserve_fds()
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two existing paths atomically; False when the platform or filesystem cannot."""
     try:
@@ -170,11 +207,12 @@ def staged(dest: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(temp_name(str(dest)))
     _remove(tmp)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _reserve_fds()
     try:
         yield tmp
     except BaseException as e:
         named = _named(e, tmp, dest)
-        _remove(tmp)
+        _remove_after_failure(tmp)
         if named is not None:
             raise named from e
         raise

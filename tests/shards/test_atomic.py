@@ -109,6 +109,39 @@ def test_failed_body_leaves_old_and_no_temp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
 
 
+OUT_OF_FDS = """
+import errno, os, resource, sys
+from pathlib import Path
+from shards import atomic
+dest = Path(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+held = []
+try:
+    with atomic.staged(dest) as tmp:
+        (tmp / "sub").mkdir(parents=True)
+        for i in range(3):
+            (tmp / "sub" / f"f{i}").write_bytes(b"x")
+        while True:  # a step saving a checkpoint while the process is out of descriptors
+            held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as e:
+    print("errno", e.errno)
+"""
+
+
+def test_a_write_out_of_file_descriptors_leaves_no_temp(tmp_path):
+    """ulimit -n: the failed write's temp directory is removed on the reserved descriptors (it was left behind,
+    rmtree itself needing descriptors) and the EMFILE is what is raised."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "step-0000002"
+    done = subprocess.run([sys.executable, "-c", OUT_OF_FDS, str(dest)], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2], timeout=120)
+    assert done.stdout.split() == ["errno", "24"], done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 def test_file_write_never_leaves_no_file(tmp_path, monkeypatch):
     fs = fsspec.filesystem("file")
     path = str(tmp_path / "manifest.json")

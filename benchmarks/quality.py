@@ -67,6 +67,11 @@ DFlash-backbone recipes share ``dflash_demo``'s drafter (2 layers, block 8) and 
 matched comparison (PR #2342) keeps DFlash's backbone and block 16; EAGLE-3 drafts 4 steps, MTP one depth (what
 vLLM serves)."""
 
+SMALL_FAMILY_RECIPES = ("dflash_small", "dflash2_small", "dspark_small", "lilicorr_small", "eagle3_small", "mtp_small")
+"""``--recipes families_small``: every drafter family in the form for a small target served on a CPU (SmolLM2-135M
+class), all on ``dflash_small``'s budget; the four DFlash-backbone recipes share its one layer and block 4 (only
+DFlash takes a draft vocabulary: the others score the whole vocabulary, as their serving code does)."""
+
 
 def one_budget(runs: dict[str, Any]) -> dict[str, Any]:
     """The budget every run shares: the same training config, and for the recipes whose drafter has a block (the
@@ -95,6 +100,14 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     """The dataset (and, when built here, the target and held-out conversations for live decoding)."""
     if args.dataset:
         return {"dataset": Path(args.dataset), "target": None, "conversations": None, "info": {}}
+    if args.target == "smollm2":  # the real text target: the stages benchmarks.real_speedup caches in --workdir
+        from demo.real.speedup import SpeedupConfig, run_speedup, target_dir
+
+        cfg = SpeedupConfig(target="text", train=args.train)
+        run_speedup(args.workdir, cfg, stop_after="capture")
+        work = Path(args.workdir).resolve()
+        return {"dataset": work / "dataset", "target": target_dir(cfg), "conversations": work / "data" /
+                "validation.jsonl", "info": {"train_conversations": cfg.train, "max_tokens": cfg.max_tokens}}
     if args.target == "bpe":
         from demo.bpe import prepare_bpe
 
@@ -209,13 +222,17 @@ def table(rows: list[dict[str, Any]], temperatures: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", choices=("demo", "bpe"), default="demo",
-                    help="demo: the demo SALM (54 words); bpe: Qwen3 causal LM with an 8k BPE vocabulary")
+    ap.add_argument("--target", choices=("demo", "bpe", "smollm2"), default="demo",
+                    help="demo: the demo SALM (54 words); bpe: Qwen3 causal LM with an 8k BPE vocabulary; smollm2: "
+                    "SmolLM2-135M-Instruct from PyPI, its own replies through vLLM (benchmarks.real_speedup's stages)")
+    ap.add_argument("--train", type=int, default=None,
+                    help="--target smollm2: training conversations (default: benchmarks.real_speedup's 1,800)")
     ap.add_argument("--workdir", default="demo_work", help="target, data, dataset and runs cache")
     ap.add_argument("--quick", action="store_true", help="tiny target and data")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; 40 with --quick)")
     ap.add_argument("--recipes", default="dflash_demo",
-                    help="comma-separated recipe names, or 'families': one recipe per family on one budget")
+                    help="comma-separated recipe names, or 'families' (demo-sized) or 'families_small' (a small "
+                    "target on a CPU): one recipe per family on one budget")
     ap.add_argument("--dataset", default=None, help="use this already captured dataset (no target build, no live)")
     ap.add_argument("--temperatures", default="0,1", help="live decoding temperatures (comma-separated)")
     ap.add_argument("--live", type=int, default=64, help="validation conversations decoded live per temperature "
@@ -233,10 +250,11 @@ def main(argv: list[str] | None = None) -> Path:
     prep_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)
     runs_root = Path(args.workdir) / "quality_runs"
-    names = list(FAMILY_RECIPES) if args.recipes == "families" else [r for r in args.recipes.split(",") if r]
+    sets = {"families": FAMILY_RECIPES, "families_small": SMALL_FAMILY_RECIPES}
+    names = list(sets.get(args.recipes, [r for r in args.recipes.split(",") if r]))
     runs = {r: recipe_config(r, args.steps or (40 if args.quick else load_run_config(r).train.max_steps), args)
             for r in names}
-    budget = one_budget(runs) if args.recipes == "families" else None
+    budget = one_budget(runs) if args.recipes in sets else None
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows = []
     for recipe, run in runs.items():

@@ -2,8 +2,8 @@
 both train, same samples and shape.
 
 Each peer runs in its own venv built from pins, driven by a runner that imports only the peer's packages:
-ModelOpt by ``engines/modelopt_runner.py`` (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch 2.13.0
-CPU, the transformers it allows), speculators by ``engines/speculators_runner.py`` in the vLLM engine venv
+ModelOpt by ``engines/peers/modelopt_runner.py`` (``engines/venv.sh modelopt``: nvidia-modelopt 0.47.0, torch 2.13.0
+CPU, the transformers it allows), speculators by ``engines/peers/speculators_runner.py`` in the vLLM engine venv
 (``engines/venv.sh vllm``: engines/vllm.txt pins speculators 0.9.0 beside vLLM; that venv takes long to build, so
 the speculators rows are not in the default ``--rows``). For each row this module builds a small tapdraft dataset
 itself, converts it to the peer's offline format (``to_modelopt``, ``to_speculators``: the family's taps by
@@ -112,7 +112,7 @@ warm-up + ``--pairs`` steps and the held-out loss after them; and the median ove
 its min and max, and the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
-speculators rows (``engines/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
+speculators rows (``engines/peers/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
 its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
 CLI does (qwen3 layer at the verifier's widths: 3,873,152 trainable, as tapdraft's; embedding, lm_head, final norm
 frozen from the verifier directory; at bfloat16 under its Trainer's autocast), with its CLI's ``sdpa``
@@ -173,9 +173,9 @@ DTYPE_PARTS = ("head", "embedding", "draft")
 """The parts whose compute dtype each side records and a row requires equal (unless ``--mixed``): the frozen
 lm_head's matmuls, the frozen embedding rows the draft reads, the trainable draft's matmuls."""
 HELDOUT_SEED = 1234
-"""The RNG seed of every held-out evaluation (its anchors), on both sides (engines/peer_protocol.py's too)."""
+"""The RNG seed of every held-out evaluation (its anchors), on both sides (engines/peers/peer_protocol.py's too)."""
 ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "engines" / "modelopt_runner.py"
+RUNNER = ROOT / "engines" / "peers" / "modelopt_runner.py"
 
 
 TAP_RULES = {"dflash": lambda L: default_tap_ids(L, DRAFT_LAYERS), "eagle3": eagle3_tap_ids,
@@ -238,7 +238,7 @@ def to_modelopt(dataset: str | Path, out: Path, *, family: str = "dflash", split
     (``plugins/modeling_fakebase.py``, ``FakeBaseModel.from_source``: config.json + model.safetensors with
     ``model.embed_tokens.weight``, ``lm_head.weight``, ``model.norm.weight``), written as ``out/base``
     in ``dtype``: ModelOpt builds every part, its trainable draft included, in the base config's dtype
-    (engines/modelopt_runner.py cites where), so bfloat16 is its default on a real checkpoint and float32 the
+    (engines/peers/modelopt_runner.py cites where), so bfloat16 is its default on a real checkpoint and float32 the
     control. Taps are stored in ``dtype`` too (the dataset's bf16 values, exact either way): the draft reads them
     in its own dtype.
 
@@ -541,7 +541,7 @@ class ModelOptSide:
         self.log = work / f"{peer}_runner.log"
         env = {**os.environ, "OMP_NUM_THREADS": str(job.get("threads", 1)), "MKL_NUM_THREADS": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        runner = RUNNER if peer == "modelopt" else ROOT / "engines" / f"{peer}_runner.py"
+        runner = RUNNER if peer == "modelopt" else ROOT / "engines" / "peers" / f"{peer}_runner.py"
         self.proc = subprocess.Popen([str(python), str(runner), str(job_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env)
         self.ready = self._read()
@@ -599,7 +599,7 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
 
 def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: int, mask_token_id: int,
                     row: Row = ROW_SPECS["dflash-ce-speculators"]) -> dict[str, Any]:
-    """engines/speculators_runner.py's job: the converted data (its first ``samples`` rows train, packed in one row,
+    """engines/peers/speculators_runner.py's job: the converted data (its first ``samples`` rows train, packed in one row,
     the rest are held out), ``row``'s loss, tapdraft's drafter and optimizer settings, the converted precision; its
     anchors are per packed row, so tapdraft's per-sequence count x samples."""
     d, t = run.drafter, run.train

@@ -232,10 +232,12 @@ def test_readme_path_default_taps_train_the_dflash_recipe_without_a_tap_warning(
                 assert rule <= set(capture_tap_ids(L, 5)), (path.stem, L)
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("command", ["capture", "derive", "push", "pull"])
-def test_sigterm_exits_130_saying_what_was_kept(command, salm_dir, inputs, tmp_path, capsys, monkeypatch):
-    """SIGTERM stops every command as Ctrl-C does (train's behaviour): exit 130 and one line saying what was kept,
-    never a bare 143. The signal lands inside the command's work (in-process: signal.raise_signal)."""
+def test_sigterm_exits_130_saying_what_was_kept(command, sig, salm_dir, inputs, tmp_path, capsys, monkeypatch):
+    """SIGTERM stops every command as Ctrl-C (SIGINT) does (train's behaviour): exit 130 and one line saying what was
+    kept, never a bare 143 or a traceback. The signal lands inside the command's work (in-process:
+    signal.raise_signal)."""
     import signal
 
     from capture import pipeline
@@ -243,7 +245,7 @@ def test_sigterm_exits_130_saying_what_was_kept(command, salm_dir, inputs, tmp_p
 
     def term(real):
         def hit(*a, **kw):
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(getattr(signal, sig))
             return real(*a, **kw)
         return hit
 
@@ -256,8 +258,14 @@ def test_sigterm_exits_130_saying_what_was_kept(command, salm_dir, inputs, tmp_p
         "pull": (transfer, "_download", ["pull", ds, tmp_path / "copy"], "files downloaded into"),
     }[command]
     monkeypatch.setattr(where, name, term(getattr(where, name)))
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(getattr(signal, sig))
     code, err = run(args, capsys)
     lines = [ln for ln in err.strip().splitlines() if ln.startswith(("interrupted:", "error:"))]
     assert code == 130 and len(lines) == 1 and lines[0].startswith("interrupted: ") and kept in lines[0], err
-    assert "rerun the same command" in lines[0] and signal.getsignal(signal.SIGTERM) == before
+    assert "rerun the same command" in lines[0] and signal.getsignal(getattr(signal, sig)) == before
+
+
+def test_an_over_long_capture_out_is_one_line(salm_dir, inputs, tmp_path, capsys):
+    """ENAMETOOLONG was a traceback in capture (derive and pull: tests/shards/test_errors.py)."""
+    code, err = run(capture_args(salm_dir, inputs, tmp_path / ("c" * 300)), capsys)
+    assert_one_line(code, err, contains="file name too long")

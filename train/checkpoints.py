@@ -197,6 +197,16 @@ def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
+def check_finite(weights: dict[str, torch.Tensor], where: str, refused: str) -> None:
+    """Refuse weights holding a NaN or an infinity (a server loads them and proposes garbage with no warning; an
+    evaluation of them reports a tau of 1): ``DivergedError`` saying nothing was ``refused`` (exported, evaluated)."""
+    bad = nonfinite(weights)
+    if bad:
+        raise DivergedError(f"{where} holds {len(bad)} non-finite tensor(s) of {len(weights)} (first: {bad[0]}): the "
+                            f"run diverged, so nothing was {refused}; use an earlier checkpoint (export --checkpoint) "
+                            "or train again with a lower lr")
+
+
 def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
     """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``.
     Weights that are not finite are refused (``DivergedError``): the older checkpoints stay, none is pruned."""

@@ -31,10 +31,9 @@ from typing import Any, Callable
 import torch
 
 from shards.atomic import staged
-from shards.errors import DivergedError
 from shards.lock import exclusive_lock
 from shards.template import template_sha
-from train.checkpoints import nonfinite
+from train.checkpoints import check_finite
 from train.drafters.base import Drafter, get_family
 from train.drafters.common.export_files import export_names
 
@@ -45,15 +44,6 @@ def family_of(cfg: dict[str, Any]) -> type[Drafter]:
     if not family:
         raise ValueError("the export config names no drafter family (tapdraft.family): it was not written by a drafter")
     return get_family(family)[1]
-
-
-def check_finite(weights: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse weights holding a NaN or an infinity: a server loads them and proposes garbage with no warning."""
-    bad = nonfinite(weights)
-    if bad:
-        raise DivergedError(f"{where} holds {len(bad)} non-finite tensor(s) of {len(weights)} (first: {bad[0]}): the "
-                            "run diverged, so nothing was exported; export an earlier checkpoint (--checkpoint) or train "
-                            "again with a lower lr")
 
 
 def commit_export(out_dir: str | os.PathLike, write: Callable[[Path], Any], *, run: Path | None = None) -> Path:
@@ -114,7 +104,7 @@ def export_drafter(model: Drafter, out_dir: str | os.PathLike, meta: dict[str, A
     native, config = model.trainable_state_dict(), model.export_config()
     native = {**native, **type(model).head_rows(native, config, lambda: model.target.lm_head)}
     weights, cfg = type(model).export_layout(native, config, layout)
-    check_finite(weights, "the drafter")
+    check_finite(weights, "the drafter", "exported")
     return commit_export(out_dir, lambda tmp: type(model).write_export(tmp, weights, cfg, meta))
 
 
@@ -147,7 +137,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     family = family_of(native)
     rows = family.head_rows(state.draft, native, lambda: target_lm_head(data, native, run))
     weights, cfg = family.export_layout({**state.draft, **rows}, native, layout, verifier=verifier)
-    check_finite(weights, str(ck))
+    check_finite(weights, str(ck), "exported")
     out = commit_export(out_dir, lambda tmp: family.write_export(tmp, weights, cfg, meta), run=run)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables
     return {"out": str(out), "step": int(state.step), "parameters": n, "tensors": len(weights),

@@ -29,7 +29,7 @@ from shards.atomic import staged
 from shards.lock import exclusive_lock
 from shards.reader import open_dataset
 from shards.template import check_template
-from train.checkpoints import Checkpoint, latest_checkpoint, load_latest
+from train.checkpoints import Checkpoint, check_finite, latest_checkpoint, load_latest
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafters.base import Drafter, get_family
@@ -161,6 +161,7 @@ def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, de
     ``template`` text / ``template_kwargs`` (None: no expectation).
     """
     run, ck, state = load_run(run_dir)
+    check_finite(state.draft, str(ck), "evaluated")
     ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
     src = open_source(ds, split or pick_split(list(ds.splits), run.train.split))
     check_trained_template(state, src, run_dir)

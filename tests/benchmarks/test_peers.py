@@ -7,13 +7,13 @@ samples the row never trains on and trains nothing; the synthetic target predict
 dataset token and one on the teacher's argmax are one loss; the spread is the pairs' min and max.
 
 ModelOpt: builds its venv on first use (engines/venv.sh modelopt: minutes, once), converts two samples of the
-benchmark's own dataset (its 49,152-token shape, 64 tokens a sample), and asks engines/modelopt_runner.py for what
+benchmark's own dataset (its 49,152-token shape, 64 tokens a sample), and asks engines/peers/modelopt_runner.py for what
 ModelOpt's ``OfflineSupervisedDataset(answer_only_loss=True)`` returns; every tensor must equal the tapdraft
 dataset's (read through ``shards.reader``): DFlash's one tap, EAGLE-3's three (tapdraft's rule, not ModelOpt's
 default). For every row, one step on each side: equal trainable parameters, equal loss rows, and first losses that
 agree once ModelOpt's soft cross-entropy is taken as tapdraft's KL + H(teacher) (``peers.teacher_entropy``).
 speculators (the vLLM engine venv, engines/venv.sh vllm): the same through its ``ArrowDataset`` and
-engines/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div``.
+engines/peers/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div``.
 About 2 minutes of CPU after the venvs exist.
 """
 

@@ -136,6 +136,18 @@ def test_restart_leaves_what_a_fresh_capture_leaves_and_keeps_what_it_did_not_wr
     assert run(["verify", out], capsys)[0] == 0
 
 
+def test_restart_with_the_same_input_leaves_what_the_first_capture_left(salm_dir, good, tmp_path, capsys):
+    """--restart with unchanged input left a stray index beside the new shards (verify exited 1): the same files now,
+    and verify passes."""
+    out = tmp_path / "ds"
+    assert run(capture_args(salm_dir, good, out, "--shard-bytes", "6000"), capsys)[0] == 0
+    first = sorted(_tree(out))
+    code, err = run(capture_args(salm_dir, good, out, "--shard-bytes", "6000", "--restart"), capsys)
+    assert code == 0, err
+    assert sorted(_tree(out)) == first
+    assert run(["verify", out], capsys)[0] == 0
+
+
 @pytest.mark.parametrize("name", ["a*b", "../../x"])
 def test_a_bad_split_name_is_refused_before_anything_is_captured(salm_dir, good, tmp_path, capsys, name):
     out = tmp_path / "ds"

@@ -17,7 +17,7 @@ from tests.engines.test_vllm_dflash import prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-MODULES = Path(__file__).resolve().parents[2] / "engines" / "vllm_dflash2_modules.py"
+MODULES = Path(__file__).resolve().parent / "in_venv" / "vllm_dflash2_modules.py"
 
 
 @pytest.fixture(scope="module")

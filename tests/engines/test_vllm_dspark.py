@@ -1,7 +1,7 @@
 """DSpark exports against vLLM 0.32's own code on a CPU, and tapdraft's live tau against its replay.
 
 vLLM serves DSpark only through its V2 model runner (Triton, GPU only); ``benchmarks/gpu.sh`` serves it on a GPU
-machine. Here, in the engine venv (``engines/vllm_dspark_modules.py``): vLLM's ``DSparkMarkovHead`` and
+machine. Here, in the engine venv (``tests/engines/in_venv/vllm_dspark_modules.py``): vLLM's ``DSparkMarkovHead`` and
 ``DSparkConfidenceHead`` take every DSpark tensor of the export with its shape; vLLM's sequential Markov sampling,
 run in float64 with those modules on tapdraft's base logits, drafts what ``propose`` (``tapdraft speculate``'s
 proposer) drafts, and its confidence is tapdraft's; the ``qwen3_omni`` export passes vLLM's own Qwen3-Omni
@@ -25,7 +25,7 @@ from tests.engines.test_vllm_dflash import speculate
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-MODULES = Path(__file__).resolve().parents[2] / "engines" / "vllm_dspark_modules.py"
+MODULES = Path(__file__).resolve().parent / "in_venv" / "vllm_dspark_modules.py"
 MAX_TOKENS = 24  # the regenerated replies' cap: decoding stays inside what the dataset covers
 
 

@@ -1,7 +1,7 @@
 """LiLiCorr exports against vLLM 0.32's own code on a CPU, and tapdraft's live tau against its replay.
 
 vLLM serves LiLiCorr only through its V2 model runner (Triton, GPU only); ``benchmarks/gpu.sh`` serves it on a GPU
-machine. Here, in the engine venv (``engines/vllm_lilicorr_modules.py``): vLLM's ``LiLiCorrHead``, built from the
+machine. Here, in the engine venv (``tests/engines/in_venv/vllm_lilicorr_modules.py``): vLLM's ``LiLiCorrHead``, built from the
 export's config as ``LiLiCorr`` builds it, takes every ``lilicorr.`` tensor of the export with its shape; its
 scores, in float64 on tapdraft's candidates (ids, embeddings, log-probs, the slots' hidden rows, the anchor's
 context row), walked as vLLM's selector kernel walks, draft what ``propose`` (``tapdraft speculate``'s proposer)
@@ -22,7 +22,7 @@ from tests.engines.test_vllm_dflash import speculate
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-MODULES = Path(__file__).resolve().parents[2] / "engines" / "vllm_lilicorr_modules.py"
+MODULES = Path(__file__).resolve().parent / "in_venv" / "vllm_lilicorr_modules.py"
 MAX_TOKENS = 24  # the regenerated replies' cap: decoding stays inside what the dataset covers
 
 

@@ -22,10 +22,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def load_with_speculators(venv: Path, export: Path, work: Path) -> dict:
-    """What speculators' own classes made of an export (engines/speculators_load.py, run in the engine venv)."""
+    """What speculators' own classes made of an export (tests/engines/in_venv/speculators_load.py, run in the engine venv)."""
     out = work / "load.json"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    res = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "engines" / "speculators_load.py"), str(export),
+    res = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "tests" / "engines" / "in_venv" / "speculators_load.py"), str(export),
                           str(out)], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600,
                          cwd=work)
     assert res.returncode == 0, res.stderr[-4000:]

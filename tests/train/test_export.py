@@ -82,7 +82,8 @@ def test_a_second_export_meanwhile_is_refused_and_the_run_and_foreign_folders_ar
     shutil.rmtree(project)
 
 
-def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(runs, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(sig, runs, tmp_path, capsys, monkeypatch):
     import signal
 
     from train import export
@@ -96,11 +97,11 @@ def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(runs, tmp_pat
     def hit(dest):
         with real(dest) as tmp:
             yield tmp  # the new export is written whole in its temp folder, then the signal lands
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(getattr(signal, sig))
 
     monkeypatch.setattr(export, "staged", hit)
     code, err = _export(capsys, "--draft", runs / "dflash", "--out", out)
-    assert code == 130 and err.startswith("interrupted: export stopped by SIGTERM: ") and "is as it was" in err, err
+    assert code == 130 and err.startswith(f"interrupted: export stopped by {sig}: ") and "is as it was" in err, err
     assert "\n" not in err and _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
 
 
@@ -131,3 +132,54 @@ def test_a_checkpoint_pruned_while_it_is_opened_is_followed_by_the_newer_one(run
         "source_checkpoint"], err
     code, err = _export(capsys, "--draft", run, "--out", tmp_path / "exp2", "--checkpoint", run / "nope")
     assert code == 2 and "holds no state.pt" in err and "\n" not in err, err
+
+
+def test_an_over_long_out_is_one_line_for_export_and_train(runs, tmp_path, capsys):
+    """ENAMETOOLONG was a traceback in train and export: one line (exit 2) that says to choose a shorter path."""
+    code, err = _export(capsys, "--draft", runs / "dflash_b8", "--out", tmp_path / ("z" * 300))
+    assert code == 2 and err.startswith("error: file name too long") and "\n" not in err, err
+    with pytest.raises(SystemExit) as e:  # runs/ is the runs' dataset too
+        main(["train", "--data", str(runs), "--recipe", "dflash_b8", "--out", str(tmp_path / ("t" * 300)),
+              *[a for kv in FAST for a in ("--set", kv)]])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: file name too long") and "\n" not in err, err
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from shards import atomic
+from train.drafters.common import export_files
+point, run, out = sys.argv[1:]
+die = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+if point == "between_files":  # the new weights written, their config not yet
+    real_staged = export_files.staged
+    export_files.staged = lambda dest: die() if dest.name == export_files.CONFIG else real_staged(dest)
+elif point == "before_swap":  # the new export whole in its temp folder
+    atomic._exchange = die
+else:  # swapped in; the old one not yet removed from the temp name
+    real_exchange = atomic._exchange
+    atomic._exchange = lambda a, b: (real_exchange(a, b), die())
+from cli import main
+main(["export", "--draft", run, "--out", out])
+"""
+
+
+@pytest.mark.parametrize("point", ["between_files", "before_swap", "after_swap"])
+def test_a_kill_9_anywhere_in_an_export_leaves_the_old_or_the_new_one_whole(point, runs, tmp_path, capsys):
+    """A real SIGKILL of the export process (no handler runs): the old export or the new one, whole, then a rerun
+    exits 0 and leaves no temp, old or lock file."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ref, out = tmp_path / "ref" / "exp", tmp_path / "a" / "exp"
+    assert _export(capsys, "--draft", runs / "dflash", "--out", ref)[0] == 0
+    assert _export(capsys, "--draft", runs / "dflash_b8", "--out", out)[0] == 0
+    old, new = _tree(out), _tree(ref)
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, point, str(runs / "dflash"), str(out)],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert _tree(out) == (new if point == "after_swap" else old)
+    assert _export(capsys, "--draft", runs / "dflash", "--out", out)[0] == 0
+    assert _tree(out) == new and sorted(p.name for p in out.parent.iterdir()) == ["exp"]

@@ -142,7 +142,11 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
         main(["export", "--draft", str(out), "--out", str(tmp_path / "exp")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: ") and "non-finite tensor(s)" in err and "\n" not in err, err
-    assert not (tmp_path / "exp").exists()
+    assert "nothing was exported" in err and not (tmp_path / "exp").exists()
+    with pytest.raises(SystemExit) as e:  # nor evaluated: eval printed tau 1.000 for it
+        main(["eval", "--draft", str(out), "--data", str(mem.path)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "non-finite tensor(s)" in err and "nothing was evaluated" in err, err
 
 
 def test_a_finite_but_exploding_loss_stops_the_run_as_diverged(tmp_path, mem, monkeypatch):

@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "engines" / "vllm_runner.py"
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
 def engine_venv(name: str) -> Path:

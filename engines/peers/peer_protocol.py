@@ -1,6 +1,6 @@
-"""What the peer trainers' runners (engines/modelopt_runner.py, engines/speculators_runner.py) share, run INSIDE a
+"""What the peer trainers' runners (engines/peers/modelopt_runner.py, engines/peers/speculators_runner.py) share, run INSIDE a
 peer's venv (the standard library and torch only): the JSON line protocol, the AdamW both sides of a comparison use,
-the timed step and the process's own peak memory. ``python engines/NAME_runner.py`` finds this module beside it.
+the timed step and the process's own peak memory. ``python engines/peers/NAME_runner.py`` finds this module beside it.
 
 Protocol: the runner's first line out is its ready document; then one command a line on stdin, one JSON line back
 each: ``step`` -> {"s": SECONDS, "loss": L, "dtypes": {...}, ...the runner's counts} (forward + backward + optimizer

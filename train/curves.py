@@ -23,7 +23,9 @@ from typing import Any, Iterable
 import torch
 
 from train.acceptance import AcceptanceCounts, tau_from_alpha
+from train.config import TrainConfig
 from train.data import BatchStream, to_device
+from train.source import DataSource
 
 TB_DIR = "tensorboard"
 PNG = "curves.png"
@@ -60,7 +62,7 @@ class CurveLog:
         self.writer.close()
 
 
-def eval_batches(src: Any, tc: Any) -> list[dict[str, Any]]:
+def eval_batches(src: DataSource, tc: TrainConfig) -> list[dict[str, Any]]:
     """The first ``tc.eval_samples`` samples of ``src``'s split as batches, in file order (read once, kept)."""
     stream = BatchStream(src.opener(seed=tc.seed, rank=0, world_size=1, shuffle=False), max_tokens=tc.max_tokens,
                          max_batch_size=tc.max_batch_size, max_seq_len=tc.max_seq_len, max_epochs=1)

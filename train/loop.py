@@ -46,7 +46,7 @@ from shards.progress import Progress
 from train.drafters.common import draft_vocab
 from train.acceptance import tau_from_alpha
 from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.config import RESUME_MUTABLE, RunConfig, migrate_run_config
+from train.config import RESUME_MUTABLE, RunConfig, TrainConfig, migrate_run_config
 from train.curves import PNG as CURVES_PNG
 from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
 from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
@@ -57,7 +57,7 @@ from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, f
 from train.source import DataSource, check_data, check_trained_template, open_source, template_state
 
 
-def lr_lambda(tc: Any):
+def lr_lambda(tc: TrainConfig):
     def f(step: int) -> float:
         if step < tc.warmup_steps:
             return (step + 1) / max(tc.warmup_steps, 1)
@@ -68,7 +68,7 @@ def lr_lambda(tc: Any):
     return f
 
 
-def make_optimizer(model: torch.nn.Module, tc: Any) -> tuple[torch.optim.Optimizer, Any]:
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -83,7 +83,7 @@ def make_optimizer(model: torch.nn.Module, tc: Any) -> tuple[torch.optim.Optimiz
     return opt, sched
 
 
-def _dist_setup(tc: Any) -> tuple[int, int, torch.device, bool]:
+def _dist_setup(tc: TrainConfig) -> tuple[int, int, torch.device, bool]:
     """(rank, world, device, we_initialised) from torchrun's launch environment."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     want_cuda = tc.device.startswith("cuda") or (tc.device == "auto" and torch.cuda.is_available())
@@ -265,7 +265,7 @@ def _setup(run: RunConfig, src: DataSource, ckpt: Checkpoint | None, rank: int, 
     return _Trainer(model, ddp, opt, sched, _batch_stream(src, tc, rank, world, data_state), start, vocab)
 
 
-def _batch_stream(src: DataSource, tc: Any, rank: int, world: int, data_state: Any):
+def _batch_stream(src: DataSource, tc: TrainConfig, rank: int, world: int, data_state: Any):
     """This rank's endless batch stream (in-process, or over ``num_workers`` loader processes)."""
     sizes = {"max_tokens": tc.max_tokens, "max_batch_size": tc.max_batch_size, "max_seq_len": tc.max_seq_len}
     if tc.num_workers > 0:
@@ -301,7 +301,7 @@ class _Window:
         return _log_line(done, {k: v / self.steps for k, v in self.vals.items()}, mets, extra)
 
 
-def _optimizer_step(t: _Trainer, tc: Any, step: int, rank: int, world: int, device: torch.device,
+def _optimizer_step(t: _Trainer, tc: TrainConfig, step: int, rank: int, world: int, device: torch.device,
                     window: _Window, limit: float = math.inf) -> tuple[dict[str, float], int, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches -> (loss values, tokens read, grad norm); a loss over
     ``limit`` or a non-finite loss or gradient raises ``DivergedError`` before the step is applied."""
@@ -350,7 +350,7 @@ def _divergence(loss: float, gnorm: torch.Tensor, limit: float, world: int, devi
     return why or ("on another rank" if flag.item() else None)
 
 
-def _loss_limit(tc: Any, first_loss: float | None) -> float:
+def _loss_limit(tc: TrainConfig, first_loss: float | None) -> float:
     """The loss past which a step counts as diverged: ``diverge_ratio`` x max(1, the first step's loss) of this
     process (a resumed run measures from its own first step); infinite before that step or with the ratio 0."""
     if first_loss is None or not tc.diverge_ratio:

@@ -188,6 +188,35 @@ def run_recipe(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, 
     return row
 
 
+def _run_in_worker(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
+                   temperatures: list[float]) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    return run_recipe(recipe, run, args, prep, runs_root, temperatures)
+
+
+def run_all(runs: dict[str, Any], args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
+            temperatures: list[float]) -> list[dict[str, Any]]:
+    """Every recipe's row, in the given order: one after another, or ``--jobs`` at a time in worker processes of
+    ``--threads`` each (each row records the load it ran under)."""
+    if args.jobs <= 1:
+        rows = []
+        for recipe, run in runs.items():
+            rows.append(run_recipe(recipe, run, args, prep, runs_root, temperatures))
+            print(format_row(rows[-1]), flush=True)
+        return rows
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_in_worker, recipe, run, args, prep, runs_root, temperatures): recipe
+                   for recipe, run in runs.items()}
+        done = {}
+        for f in as_completed(futures):
+            done[futures[f]] = f.result()
+            print(format_row(done[futures[f]]), flush=True)
+    return [done[r] for r in runs]
+
+
 def format_row(row: dict[str, Any]) -> str:
     opt = lambda x: "    -" if x is None else f"{x:5.3f}"  # noqa: E731
     lv = row.get("live", {})
@@ -238,6 +267,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--live", type=int, default=64, help="validation conversations decoded live per temperature "
                     "(0: no live decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="live decoding reply cap")
+    ap.add_argument("--jobs", type=int, default=1, help="recipes trained and measured at once, each in its own "
+                    "process of --threads threads (their round costs are then timed side by side)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared box; 2 threads fighting "
                     "other processes for 2 cores ran 4x slower here)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
@@ -256,10 +287,7 @@ def main(argv: list[str] | None = None) -> Path:
             for r in names}
     budget = one_budget(runs) if args.recipes in sets else None
     load_start = [round(x, 2) for x in os.getloadavg()]
-    rows = []
-    for recipe, run in runs.items():
-        rows.append(run_recipe(recipe, run, args, prep, runs_root, temperatures))
-        print(format_row(rows[-1]), flush=True)
+    rows = run_all(runs, args, prep, runs_root, temperatures)
     print(table(rows, temperatures))
     from shards.reader import open_dataset
 
@@ -279,7 +307,7 @@ def main(argv: list[str] | None = None) -> Path:
         "table": table(rows, temperatures).splitlines(),
         "seconds": round(time.perf_counter() - t0, 1),
         "config": vars(args),
-        "machine_extra": {"threads": args.threads, "device": "cpu", "load_avg_start": load_start},
+        "machine_extra": {"threads": args.threads, "jobs": args.jobs, "device": "cpu", "load_avg_start": load_start},
     })
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.common as common
-from benchmarks.quality import FAMILY_RECIPES, main, one_budget, recipe_config
+from benchmarks.quality import FAMILY_RECIPES, SMALL_FAMILY_RECIPES, main, one_budget, recipe_config
 from train.drafters.base import FAMILIES
 
 
@@ -27,6 +27,13 @@ def test_the_family_recipes_cover_every_family_on_one_budget() -> None:
     assert budget["train"]["max_steps"] == 10 and budget["block"] == {"block_size": 8, "num_layers": 2}
 
 
+def test_the_small_family_recipes_cover_every_family_on_dflash_smalls_budget() -> None:
+    runs = _runs(list(SMALL_FAMILY_RECIPES))
+    assert {r.family for r in runs.values()} == set(FAMILIES) - {"mtp_native"}
+    budget = one_budget(runs)
+    assert budget["train"]["max_tokens"] == 2048 and budget["block"] == {"block_size": 4, "num_layers": 1}
+
+
 def test_one_budget_refuses_another_budget_or_block() -> None:
     with pytest.raises(ValueError, match="mtp_demo trains on another budget .*max_tokens"):
         one_budget({**_runs(["dflash_demo"]), **_runs(["mtp_demo"], "train.max_tokens=512")})
@@ -38,10 +45,10 @@ def test_one_budget_refuses_another_budget_or_block() -> None:
 def test_quick_comparison_reports_cost_and_tokens_per_second(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     path = main(["--quick", "--workdir", str(tmp_path / "w"), "--recipes", "families", "--steps", "2",
-                 "--live", "2", "--max-new-tokens", "6", "--name", "q.json"])
+                 "--live", "2", "--max-new-tokens", "6", "--jobs", "2", "--name", "q.json"])
     doc = json.loads(path.read_text())
     rows = {r["recipe"]: r for r in doc["results"]}
-    assert list(rows) == list(FAMILY_RECIPES)
+    assert list(rows) == list(FAMILY_RECIPES) and doc["config"]["jobs"] == 2  # in order, whichever ends first
     assert doc["budget"]["train"]["max_steps"] == 2 and len(doc["table"]) == 2 + len(FAMILY_RECIPES)
     for r in rows.values():
         assert r["steps"] == 2 and len(r["load_avg"]) == 3

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from vllm_load import load_into, single_process
+
 
 def build(cfg: dict, torch, CandidateSelector, DFlashGroupedConv) -> dict:
     """vLLM's DFlash2 modules for this config, keyed by the export's name prefix."""
@@ -35,30 +37,14 @@ def main(export: str, out_path: str) -> None:
     import torch
     from safetensors.torch import load_file
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.models.qwen3_dflash2 import CandidateSelector, DFlashGroupedConv
 
     cfg = json.load(open(os.path.join(export, "config.json")))
     weights = load_file(os.path.join(export, "model.safetensors"))
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{os.path.abspath(out_path)}.init")
-        initialize_model_parallel(1, 1)
+        single_process(out_path)
         modules = build(cfg, torch, CandidateSelector, DFlashGroupedConv)
-    loaded, unset, mismatched = [], [], []
-    for prefix, module in modules.items():
-        for name, param in module.named_parameters():
-            key = f"{prefix}.{name}"
-            if key not in weights:
-                unset.append(key)
-            elif tuple(weights[key].shape) != tuple(param.shape):
-                mismatched.append([key, list(weights[key].shape), list(param.shape)])
-            else:
-                param.data.copy_(weights[key])
-                loaded.append(key)
-    covered = [k for k in weights if any(k.startswith(p + ".") for p in modules)]
-    doc = {"loaded": sorted(loaded), "unset": unset, "mismatched": mismatched,
-           "export_keys_not_in_vllm": sorted(set(covered) - set(loaded))}
+    doc = load_into(modules, weights)
     with open(out_path, "w") as f:
         json.dump(doc, f)
 

@@ -27,6 +27,8 @@ import os
 import sys
 from types import SimpleNamespace
 
+from vllm_load import load_into, single_process
+
 
 def build(cfg: dict, DSparkMarkovHead, DSparkConfidenceHead) -> dict:
     """vLLM's DSpark head modules for this config, keyed by the export's name prefix (``Qwen3DSparkModel``'s)."""
@@ -39,23 +41,6 @@ def build(cfg: dict, DSparkMarkovHead, DSparkConfidenceHead) -> dict:
         modules["confidence_head"] = DSparkConfidenceHead(dim, prefix="confidence_head", bias=True,
                                                           with_markov=with_markov)
     return modules
-
-
-def load(modules: dict, weights: dict) -> dict:
-    loaded, unset, mismatched = [], [], []
-    for prefix, module in modules.items():
-        for name, param in module.named_parameters():
-            key = f"{prefix}.{name}"
-            if key not in weights:
-                unset.append(key)
-            elif tuple(weights[key].shape) != tuple(param.shape):
-                mismatched.append([key, list(weights[key].shape), list(param.shape)])
-            else:
-                param.data.copy_(weights[key])
-                loaded.append(key)
-    covered = [k for k in weights if k.startswith(("markov_head.", "confidence_head."))]
-    return {"loaded": sorted(loaded), "unset": unset, "mismatched": mismatched,
-            "export_keys_not_in_vllm": sorted(set(covered) - set(loaded))}
 
 
 def walk(torch, modules: dict, cfg: dict, LogitsProcessor, job: dict) -> list[dict]:
@@ -118,7 +103,6 @@ def main(export: str, job_path: str, out_path: str) -> None:
     from safetensors.torch import load_file
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.config.speculative import _validate_qwen3_omni_dspark
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
 
@@ -126,11 +110,9 @@ def main(export: str, job_path: str, out_path: str) -> None:
     weights = load_file(os.path.join(export, "model.safetensors"))
     job = json.load(open(job_path))
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{os.path.abspath(out_path)}.init")
-        initialize_model_parallel(1, 1)
+        single_process(out_path)
         modules = build(cfg, DSparkMarkovHead, DSparkConfidenceHead)
-        doc = load(modules, weights)
+        doc = load_into(modules, weights, ("markov_head", "confidence_head"))  # one vLLM did not build, too
         with torch.no_grad():
             doc["walks"] = walk(torch, modules, cfg, LogitsProcessor, job.get("walks", []))
     if job.get("validate"):

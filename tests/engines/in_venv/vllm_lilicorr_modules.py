@@ -20,27 +20,13 @@ import json
 import os
 import sys
 
+from vllm_load import load_into, single_process
+
 
 def build(cfg: dict, LiLiCorrHead):
     dcfg = cfg["dflash_config"]
     return LiLiCorrHead(model_hidden_size=int(cfg["hidden_size"]), block_size=int(dcfg["block_size"]),
                         rms_norm_eps=float(cfg["rms_norm_eps"]), config=dcfg, prefix="lilicorr")
-
-
-def load(head, weights: dict) -> dict:
-    loaded, unset, mismatched = [], [], []
-    for name, param in head.named_parameters():
-        key = f"lilicorr.{name}"
-        if key not in weights:
-            unset.append(key)
-        elif tuple(weights[key].shape) != tuple(param.shape):
-            mismatched.append([key, list(weights[key].shape), list(param.shape)])
-        else:
-            param.data.copy_(weights[key])
-            loaded.append(key)
-    covered = [k for k in weights if k.startswith("lilicorr.")]
-    return {"loaded": sorted(loaded), "unset": unset, "mismatched": mismatched,
-            "export_keys_not_in_vllm": sorted(set(covered) - set(loaded))}
 
 
 def walk(torch, head, jobs: list) -> list:
@@ -70,7 +56,6 @@ def main(export: str, job_path: str, out_path: str) -> None:
     from safetensors.torch import load_file
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.config.compilation import CompilationMode
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.models.lilicorr import LiLiCorrHead
 
     cfg = json.load(open(os.path.join(export, "config.json")))
@@ -78,11 +63,9 @@ def main(export: str, job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     vllm_config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{os.path.abspath(out_path)}.init")
-        initialize_model_parallel(1, 1)
+        single_process(out_path)
         head = build(cfg, LiLiCorrHead)
-        doc = load(head, weights)
+        doc = load_into({"lilicorr": head}, weights)
         with torch.no_grad():
             doc["walks"] = walk(torch, head, job.get("walks", []))
     with open(out_path, "w") as f:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import shutil
 import time
@@ -153,7 +154,9 @@ def recipe_config(recipe: str, steps: int, args: argparse.Namespace) -> Any:
 def run_recipe(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
                temperatures: list[float]) -> dict[str, Any]:
     dataset, steps = str(prep["dataset"]), run.train.max_steps
-    base_dir, run_dir = runs_root / f"{recipe}-step1", runs_root / f"{recipe}-{steps}"
+    # runs with other --set overrides go to their own folders, so variants of one recipe can run at once
+    tag = "-" + hashlib.sha256("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
+    base_dir, run_dir = runs_root / f"{recipe}{tag}-step1", runs_root / f"{recipe}{tag}-{steps}"
     for d in (base_dir, run_dir):
         if d.exists():
             shutil.rmtree(d)

@@ -29,7 +29,8 @@ from benchmarks.common import peak_memory_growth, write_result
 from shards.bundle import TargetBundle
 from shards.schema import Layout
 from train.drafters.base import combine_terms
-from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+from train.drafters.dflash2.config import DFlash2Config
+from train.drafters.dflash2.model import DFlash2Drafter
 
 V = 151_936
 

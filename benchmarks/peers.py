@@ -318,7 +318,7 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
     layer (it splits off ``[:, :-1]`` as the context, ``[:, -1]`` as ``verifier_last_hidden_states``, the
     teacher's input before the final norm). Stored in the dataset's bf16, as its vLLM capture writes them; its
     ``CollateFn`` casts them to the training dtype. The aux layers are DFlash's by tapdraft's rule; speculators
-    names them by vLLM layer id, tap + 1 (``aux_layer_ids``; ``train.drafters.dflash.speculators``). Its frozen
+    names them by vLLM layer id, tap + 1 (``aux_layer_ids``; ``train.drafters.dflash.export``). Its frozen
     pieces load from the verifier directory ``out/verifier`` (``write_base`` in ``dtype``; its loader copies
     them into its own fp32 parameters either way, and the runner sets their precision). Layout: ``verifier/``, ``data/``
     (written under a temp name and renamed).

@@ -246,14 +246,28 @@ def families(root: Path) -> dict[str, str]:
     return dict(ast.literal_eval(registry))
 
 
+FAMILY_FILES = ("config.py", "model.py")
+"""What every family folder holds under these names: its settings (the ``CONFIG`` class) and its drafter (the
+``FAMILIES`` module); a family's own loss and export layouts, where it has them, are ``loss.py`` and ``export.py``."""
+ROLE_ALIASES = ("layouts.py", "losses.py", "configs.py", "settings.py", "exports.py", "speculators.py")
+"""Names a role file has gone by: refused in a family folder, so a role has one file name everywhere."""
+
+
 def family_folders(root: Path) -> list[str]:
-    """Every folder in train/drafters/ but common is a registered family whose module lives in it."""
+    """Every folder in train/drafters/ but common is a registered family whose module is its ``model.py``, beside a
+    ``config.py``, with no role file under another name."""
     fams = families(root)
-    folders = {p.name for p in (root / "train" / "drafters").iterdir() if (p / "__init__.py").is_file()} - {"common"}
+    drafters = root / "train" / "drafters"
+    folders = {p.name for p in drafters.iterdir() if (p / "__init__.py").is_file()} - {"common"}
     bad = [f"train/drafters/{f}/ is no FAMILIES entry" for f in sorted(folders - set(fams))]
     bad += [f"FAMILIES[{f!r}] has no folder" for f in sorted(set(fams) - folders)]
-    return bad + [f"FAMILIES[{n!r}] = {m} lives outside its folder" for n, m in fams.items()
-                  if not m.startswith(f"train.drafters.{n}.")]
+    bad += [f"FAMILIES[{n!r}] = {m} is not its folder's model.py" for n, m in fams.items()
+            if m != f"train.drafters.{n}.model"]
+    for f in sorted(folders & set(fams)):
+        bad += [f"train/drafters/{f}/ has no {name}" for name in FAMILY_FILES if not (drafters / f / name).is_file()]
+        bad += [f"train/drafters/{f}/{name} holds a role under another name (config, model, loss, export)"
+                for name in ROLE_ALIASES if (drafters / f / name).is_file()]
+    return bad
 
 
 def family_outside_folder(root: Path) -> list[str]:

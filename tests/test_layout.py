@@ -161,7 +161,7 @@ def test_guard_sees_target_code_outside_capture_targets(tmp_path):
 
 
 def test_guard_sees_a_family_outside_its_folder(tmp_path):
-    root = _copy(tmp_path, "train/drafters/__init__.py", "train/drafters/*/__init__.py")
+    root = _copy(tmp_path, "train/drafters/__init__.py", "train/drafters/*/*.py")
     assert not guard.family_folders(root) and not guard.family_outside_folder(root)
     _plant(root, "capture/planted.py", 'def pick(family):\n    if family == "dflash":\n        return 1\n')
     _plant(root, "benchmarks/planted.py", 'ROWS = {"ce": "dflash"}\n\n\ndef pick(row):\n'
@@ -170,6 +170,16 @@ def test_guard_sees_a_family_outside_its_folder(tmp_path):
                                                          "capture/planted.py:2 names a drafter family"]
     _plant(root, "train/drafters/scratch/__init__.py", "")
     assert guard.family_folders(root) == ["train/drafters/scratch/ is no FAMILIES entry"]
+
+
+def test_guard_sees_a_family_folder_without_its_role_files(tmp_path):
+    root = _copy(tmp_path, "train/drafters/__init__.py", "train/drafters/*/*.py")
+    assert not guard.family_folders(root)
+    (root / "train/drafters/dspark/config.py").unlink()
+    (root / "train/drafters/mtp/export.py").rename(root / "train/drafters/mtp/layouts.py")
+    assert guard.family_folders(root) == [
+        "train/drafters/dspark/ has no config.py",
+        "train/drafters/mtp/layouts.py holds a role under another name (config, model, loss, export)"]
 
 
 def test_guard_sees_a_storage_format_outside_shards_formats(tmp_path):

@@ -2,7 +2,7 @@
 
 The draft's frozen target pieces (input embedding, final norm, lm_head) are NOT exported: serving
 engines share the target's own. The files and the logits rule are ``train.drafters.common.export_files``;
-each family owns its layouts (``Drafter.export_layout``: MTP heads ``mtp.layouts``, DFlash / DFlash2
+each family owns its layouts (``Drafter.export_layout``: MTP heads ``mtp.export``, DFlash / DFlash2
 ``speculators`` beside the native one) and its writer (``Drafter.write_export``: ``mtp_native`` writes a copy of
 the target checkpoint with its ``mtp.*`` tensors replaced). This module finds the family from the checkpoint's
 export config through the registry and knows no family by name.

@@ -132,7 +132,8 @@ def test_head_starts_from_the_checkpoints_mtp_and_lk_trains_only_it(qwen3_5_case
     from safetensors.torch import load_file
 
     from shards.reader import open_dataset
-    from train.drafters.mtp_native.model import MTPNativeConfig, MTPNativeDrafter, read_checkpoint
+    from train.drafters.mtp_native.config import MTPNativeConfig
+    from train.drafters.mtp_native.model import MTPNativeDrafter, read_checkpoint
 
     ds = open_dataset(str(qwen3_5_case["dataset"]))
     _, own = read_checkpoint(qwen3_5_case["target"])

@@ -311,7 +311,8 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
 def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
     """Offline acceptance walks every eligible anchor of every sequence (not the training cap), and chunking the
     anchors to bound memory changes nothing."""
-    from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+    from train.drafters.dflash2.config import DFlash2Config
+    from train.drafters.dflash2.model import DFlash2Drafter
 
     bundle, layout, samples = setup
     batch = collate(samples)

@@ -11,7 +11,8 @@ from train.data import collate
 from train.drafters.base import combine_terms
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter, SublayerConv
+from train.drafters.dflash2.config import DFlash2Config
+from train.drafters.dflash2.model import DFlash2Drafter, SublayerConv
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 from dflash_fixtures import tiny_bundle, tiny_layout
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+from train.drafters.dflash2.config import DFlash2Config
+from train.drafters.dflash2.model import DFlash2Drafter
 from train.export import export_drafter
 
 INT, NUM, STR, BOOL, ARR, OBJ, NULL = int, (int, float), str, bool, list, dict, type(None)

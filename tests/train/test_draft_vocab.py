@@ -20,7 +20,7 @@ from train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, r
 from train.drafters.common.export_files import load_export
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.model import DFlash2Config
+from train.drafters.dflash2.config import DFlash2Config
 from train.export import export_run
 from train.loop import train
 

@@ -16,7 +16,8 @@ from tests.train.dflash_fixtures import (away_from_init, synthetic_samples, tiny
 from train.data import collate
 from train.drafters.base import combine_terms, get_family
 from train.drafters.common.export_files import load_export
-from train.drafters.dspark.model import DSparkConfig, DSparkDrafter
+from train.drafters.dspark.config import DSparkConfig
+from train.drafters.dspark.model import DSparkDrafter
 from train.export import export_drafter
 
 B, RANK = 4, 8

@@ -18,7 +18,8 @@ from tests.train.lilicorr_reference import vllm_greedy_walk, vllm_scores
 from train.data import collate
 from train.drafters.base import combine_terms, get_family
 from train.drafters.common.export_files import load_export
-from train.drafters.lilicorr.model import LiLiCorrConfig, LiLiCorrDrafter, topk_bound
+from train.drafters.lilicorr.config import LiLiCorrConfig
+from train.drafters.lilicorr.model import LiLiCorrDrafter, topk_bound
 from train.export import export_drafter
 
 B, K = 5, 16
@@ -287,7 +288,8 @@ def test_export_is_vllms_lilicorr_layout(setup, tmp_path):
 def test_conv_variant_is_dflash2s_backbone_under_the_lattice(setup, tmp_path):
     """lilicorr_conv starts as the identity of LiLiCorr (the same loss from the same weights) and exports DFlash2's
     convolution tensors, names and shapes those of a DFlash2 export, with the geometry vLLM's LiLiCorr reads."""
-    from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+    from train.drafters.dflash2.config import DFlash2Config
+    from train.drafters.dflash2.model import DFlash2Drafter
 
     bundle, layout, batch = setup
     plain, conv = drafter(bundle, layout), drafter(bundle, layout, **CONV)

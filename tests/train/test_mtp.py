@@ -143,7 +143,7 @@ def test_draft_vocabulary_loss_acceptance_and_export(tmp_path):
     loss) equals the float64 reference, drafts are subset tokens (-inf elsewhere), a label outside is a miss, and the
     export carries the subset's rows and ``d2t`` for the tapdraft-vllm layout (other loaders are refused)."""
     from train.drafters.common.draft_vocab import DraftVocab
-    from train.drafters.mtp.layouts import convert
+    from train.drafters.mtp.export import convert
 
     torch.manual_seed(8)
     bundle, layout = tiny_bundle(scaling=2.0), tiny_layout(top_k=0)

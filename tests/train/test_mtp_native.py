@@ -10,7 +10,8 @@ import torch
 
 from tests.engines import vllm_qwen3_5_mtp as ref
 from tests.engines.qwen3_5_target import save_qwen3_5
-from train.drafters.mtp_native.model import MTPNativeConfig, Qwen3_5MTP, read_checkpoint, text_config
+from train.drafters.mtp_native.config import MTPNativeConfig
+from train.drafters.mtp_native.model import Qwen3_5MTP, read_checkpoint, text_config
 
 
 @pytest.fixture(scope="module")

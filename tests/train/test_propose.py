@@ -15,7 +15,8 @@ from train.data import collate
 from train.drafters.base import Drafter
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.model import DFlash2Config, DFlash2Drafter
+from train.drafters.dflash2.config import DFlash2Config
+from train.drafters.dflash2.model import DFlash2Drafter
 from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.model import MTPDrafter
 

@@ -7,7 +7,7 @@ import torch
 from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
 from train.drafters.dflash.config import DFlashConfig
 from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash.speculators import to_speculators
+from train.drafters.dflash.export import to_speculators
 
 
 def _draft(tmp_path, taps):

@@ -3,7 +3,8 @@
     base.py     the Drafter protocol, LossOutput and the loss-normalisation rule, the family lookup
     common/     parts several families share: layers, masks, divergences, teacher rows, the fused loss,
                 row chunks, the reduced draft vocabulary, chain alignment (MTP and EAGLE-3), export files
-    dflash/ dflash2/ dspark/ eagle3/ lilicorr/ mtp/ mtp_native/   each family's model, config, loss, layouts
+    dflash/ dflash2/ dspark/ eagle3/ lilicorr/ mtp/ mtp_native/   one folder per family, its files named by role:
+                config.py (CONFIG's class) and model.py (the drafter) in each; loss.py, export.py where it has its own
 
 A family is known to the rest of the code only through its ``FAMILIES`` line: its module defines ``CONFIG`` and
 ``DRAFTER``, and the drafter class owns its export layouts; the family's package (``__init__``) names those layouts

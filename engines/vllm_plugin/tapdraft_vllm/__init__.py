@@ -39,7 +39,7 @@ SPEECH_CLASSES = (
 AUDIO_TOKEN_FIELDS = ("audio_token_index", "audio_token_id")
 
 MTP_ARCHITECTURE = "TapdraftMTPForCausalLM"
-"""The architecture a ``tapdraft-vllm`` MTP export names (``train/drafters/mtp/layouts.py``)."""
+"""The architecture a ``tapdraft-vllm`` MTP export names (``train/drafters/mtp/export.py``)."""
 MTP_MODEL_TYPE = "mtp"
 """The generic entry of vLLM's ``MTPModelTypes``: the draft's model type its MTP path accepts."""
 

@@ -1,5 +1,5 @@
-"""DFlash: the block-diffusion drafter (model, config, loss, anchors, the speculators layout, the shipped
-modeling file in serving/)."""
+"""DFlash: the block-diffusion drafter (config, model, loss, export: the speculators layout and the Open Spec
+Config block; anchors; the shipped modeling file in serving/)."""
 
 LAYOUTS: tuple[str, ...] = ("speculators",)
 """Export layouts besides the native one (no ``--layout``): speculators' DFlash format."""

@@ -45,8 +45,7 @@ from train.drafters.common.teacher import exact_last_tap, last_hidden, require_l
 from train.drafters.dflash.anchors import sample_anchors
 from train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
 from train.drafters.dflash.loss import DFlashLoss
-from train.drafters.dflash.open_spec import open_spec_block
-from train.drafters.dflash.speculators import to_speculators
+from train.drafters.dflash.export import open_spec_block, to_speculators
 
 
 class DFlashDrafter(DFlashLoss, Drafter):
@@ -275,7 +274,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
     def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
                       verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The native layout (None: the reference release's names, ``auto_map`` to the shipped modeling file) or
-        ``speculators`` (``dflash.speculators``, naming the ``verifier``)."""
+        ``speculators`` (``dflash.export``, naming the ``verifier``)."""
         if layout is None:
             if cls is DFlashDrafter:  # the 0.0.0 block describes DFlash drafts; the subclasses add heads it lacks
                 return weights, {**config, **open_spec_block(config, code_version())}

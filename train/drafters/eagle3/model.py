@@ -43,7 +43,7 @@ from torch import nn
 from shards.bundle import TargetBundle
 from shards.head import head_spec
 from shards.schema import Layout
-from shards.taps import TAP_NUMBERING, eagle3_tap_ids, to_vllm
+from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts
 from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
 from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,

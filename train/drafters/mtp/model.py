@@ -16,7 +16,7 @@ test, ``common.mask``), which is what vLLM's proposer computes when it drafts pa
 either h^k (the block's output, before FinalNorm_k) as DeepSeek-V3 does (``pre_norm``, default), or
 FinalNorm_k(h^k) as the Qwen3-Next / NeMo Automodel MTP modules do (``post_norm``); a head with more
 than one depth exports to those layouts only when it was trained with their recursion
-(``train.drafters.mtp.layouts``).
+(``train.drafters.mtp.export``).
 
 Alignment (``train.drafters.common.chain``): depth k's target at t is the token at t + k + 1 when it is
 supervised and inside t's sequence. Audio positions' input embeddings come from the dataset's
@@ -69,7 +69,7 @@ from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidd
 from train.drafters.mtp import DEFAULT_LAYOUT
 from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.heads import MTPHead, _Model
-from train.drafters.mtp.layouts import convert
+from train.drafters.mtp.export import convert
 from train.drafters.mtp.loss import MTPLoss
 
 
@@ -283,7 +283,7 @@ class MTPDrafter(MTPLoss, Drafter):
     @classmethod
     def export_layout(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], layout: str | None, *,
                       verifier: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The head in a loader's names (``mtp.layouts``; None: ``deepseek``, the checkpoint's own)."""
+        """The head in a loader's names (``mtp.export``; None: ``deepseek``, the checkpoint's own)."""
         return convert(weights, config, layout or cls.default_layout)
 
     @classmethod

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,41 +46,13 @@ from shards.bundle import TargetBundle
 from shards.schema import Layout
 from train.drafters.base import Drafter
 from train.drafters.common.export_files import weight_files
-from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.model import MTPDrafter
 from train.drafters.mtp_native.export import export_native
+from train.drafters.mtp_native.config import MTPNativeConfig
 
 MODEL_TYPES = ("qwen3_5_text",)
 """Target ``model_type`` values whose own MTP module this family builds."""
 PREFIX = "mtp."
-
-
-@dataclass(frozen=True)
-class MTPNativeConfig(MTPConfig):
-    """The target's own MTP module (Qwen3.5), fine-tuned head-only."""
-
-    checkpoint: str = ""
-    """The target checkpoint directory: its config.json and the ``mtp.*`` tensors of its safetensors."""
-    recursion: str = "post_norm"
-    """Fixed: the next step reads the MTP's normed output, as vLLM feeds it."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.checkpoint:
-            raise ValueError("drafter.checkpoint must name the target checkpoint directory (its mtp.* weights "
-                             "initialise the head); pass --set drafter.checkpoint=DIR")
-        if self.num_depths != 1:
-            raise ValueError(
-                "the target's MTP module trains one depth (num_depths: 1): vLLM drafts a further token by running the "
-                "same layer again at the next position over its own cache, which tapdraft's depth chain does not "
-                "reproduce; serve it with num_speculative_tokens: 1")
-        if self.recursion != "post_norm":
-            raise ValueError("the target's MTP feeds a further step its normed output: recursion must be post_norm")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is the checkpoint's own for its MTP module; leave it null")
-        if self.draft_vocab is not None:
-            raise ValueError("the target's own MTP module is served on the target's whole lm_head: drop draft_vocab")
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

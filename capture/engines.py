@@ -165,13 +165,13 @@ class VLLM(Engine):
 
     @contextmanager
     def reply_session(self, cfg: Any, target: Target, device: torch.device) -> Iterator[Any]:
-        """vLLM workers in generate mode (capture.vllm.replies)."""
+        """vLLM workers in generate mode (capture.vllm.regenerate)."""
         import torch
 
         from capture.generation import context_length
         from capture.stages import resolve_dtype
         from capture.vllm.engine import check_target
-        from capture.vllm.replies import VLLMReplies
+        from capture.vllm.regenerate import VLLMReplies
 
         check_target(target)
         assert cfg.vllm is not None

@@ -1,6 +1,6 @@
 """What a reply is and how replies are asked for: :class:`GenerationConfig`, :class:`ReplyConfig`, :class:`Generation`
 and :func:`context_length`. Capture's config, the in-process decoder (``capture.replies``) and vLLM's
-(``capture.vllm.replies``) all use them; here, below all three, none of them imports another for a type.
+(``capture.vllm.regenerate``) all use them; here, below all three, none of them imports another for a type.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Generation:
     stop_id: int | None
     """The end-of-turn id that ended the reply; None when it hit max_new_tokens (truncated)."""
     expanded: Expanded | None
-    """The prompt as the target saw it (None from an engine that expands it itself: ``capture.vllm.replies``)."""
+    """The prompt as the target saw it (None from an engine that expands it itself: ``capture.vllm.regenerate``)."""
     taps: torch.Tensor | None = None  # [T, n, H], T = prompt + tokens (+ stop id)
     last: torch.Tensor | None = None  # [T, H], last decoder layer, pre-norm
     error: bool = False

@@ -105,11 +105,11 @@ def test_cycle_finder_sees_lazy_and_indirect_circles(tmp_path):
 def test_relative_imports_resolve_against_their_package(tmp_path):
     probe = tmp_path / "side.py"
     probe.write_text("from . import wire\nfrom .worker import prompts\nfrom .. import engine\n"
-                     "def f():\n    from ..side import replies\n")
-    known = {"capture.vllm.side.wire", "capture.vllm.engine", "capture.vllm.side.replies"}
+                     "def f():\n    from ..side import generate\n")
+    known = {"capture.vllm.side.wire", "capture.vllm.engine", "capture.vllm.side.generate"}
     got = guard.imports_of(probe, known, "capture.vllm.side.probe")
     assert {"capture.vllm.side.wire", "capture.vllm.side.worker", "capture.vllm.engine",
-            "capture.vllm.side.replies"} <= got
+            "capture.vllm.side.generate"} <= got
     init = tmp_path / "__init__.py"
     init.write_text("from .wire import send\n")
     assert "capture.vllm.side.wire" in guard.imports_of(init, set(), "capture.vllm.side")

@@ -10,7 +10,7 @@ Stages, per rank (``rank_slice`` of the input, as capture does):
     in-process (``engine='transformers'``): capture.replies.process_window: round r = the r-th regenerated
         turn of every live conversation, prompt prepared (template's generation prompt, audio decoded),
         bucketed by prompt + max_new_tokens, generated, checked
-    ``engine='vllm'``: capture.replies.stream over capture.vllm.replies: up to ``max_batch_size``
+    ``engine='vllm'``: capture.replies.stream over capture.vllm.regenerate: up to ``max_batch_size``
         conversations in flight in vLLM (continuous batching), each reply checked as it finishes and the
         conversation's next turn sent at once; windows overlap, each written when its last conversation settles
     part file: one JSON line per conversation (its record, or why it was dropped), written atomically

@@ -2,7 +2,7 @@
 
 :func:`capture.replies.windows.process_window` runs a window round by round (every first reply, then every
 second...) in padded batches, which an in-process decoder needs. An engine that schedules requests itself
-(``capture.vllm.replies.VLLMReplies``: ``submit`` prompts, ``next`` reply as it finishes) is better fed one
+(``capture.vllm.regenerate.VLLMReplies``: ``submit`` prompts, ``next`` reply as it finishes) is better fed one
 conversation at a time: up to ``max_in_flight`` conversations are live, and when a reply finishes it is
 checked (the same ``_check`` as the windowed path), the conversation's next turn is prompted with it at once
 (a later turn needs the earlier replies), or the conversation is settled and the next one from the input

@@ -262,7 +262,7 @@ class VLLMEngine:
             if header.get("kind") == "hello":
                 self.drivers[int(header["worker"])] = conn
                 start = {"kind": "start", "llm": llm, "layer_ids": self.layer_ids}
-                if self.mode != "capture":  # capture.vllm.replies: plain generation, no states
+                if self.mode != "capture":  # capture.vllm.regenerate: plain generation, no states
                     start["mode"] = self.mode
                 wire.send(conn, start)
         ready = 0

@@ -11,5 +11,5 @@ modules, so the worker can import it under another top-level name without the re
     worker      the driver: builds vLLM's LLM with extract_hidden_states + TapConnector, runs the prompts
                 tapdraft sends (with their audio as multi_modal_data), window by window
     prompts     a frame's requests (token ids, audio from the payload) as vLLM prompts; both modes use it
-    replies     the worker's generate mode (regenerate --engine vllm): replies streamed back as each finishes
+    generate    the worker's generate mode (regenerate --engine vllm): replies streamed back as each finishes
 """

@@ -1,5 +1,5 @@
 """A run or generate frame's requests as vLLM prompts: shared by the worker's two modes (``worker.py`` captures,
-``replies.py`` generates), which import it, never each other."""
+``generate.py`` generates), which import it, never each other."""
 
 from __future__ import annotations
 

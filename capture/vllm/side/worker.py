@@ -14,7 +14,7 @@ each goes to vLLM as ``multi_modal_data`` (waveform, sample rate), so vLLM's pro
 features and expands the audio token. The states themselves travel on the
 connector's own connection, from whichever vLLM process holds the cache. A closed socket (tapdraft
 exited or was killed) ends the worker; any failure is sent as ``{"kind": "error", "message"}`` first.
-A start frame with ``"mode": "generate"`` serves ``regenerate --engine vllm`` instead (``replies.py``).
+A start frame with ``"mode": "generate"`` serves ``regenerate --engine vllm`` instead (``generate.py``).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def serve(address: str, worker: int) -> None:
     wire.send(sock, {"kind": "hello", "worker": worker})
     try:
         start, _ = wire.recv(sock)
-        if start.get("mode") == "generate":  # regenerate --engine vllm (replies.py)
-            from .replies import serve_replies
+        if start.get("mode") == "generate":  # regenerate --engine vllm (generate.py)
+            from .generate import serve_replies
 
             return serve_replies(sock, start)
         llm = build_llm(address, start["llm"], start["layer_ids"])

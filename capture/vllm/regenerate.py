@@ -1,7 +1,7 @@
 """``regenerate --engine vllm``: the target's replies decoded by vLLM, with continuous batching.
 
 The same worker processes as ``capture --engine vllm`` (:class:`capture.vllm.engine.VLLMEngine`: vLLM's own
-venv, a Unix socket, the ``wire`` frames), started in ``generate`` mode (``capture.vllm.side.replies``): no
+venv, a Unix socket, the ``wire`` frames), started in ``generate`` mode (``capture.vllm.side.generate``): no
 ``extract_hidden_states``, no connector, plain generation. tapdraft keeps everything else: the prompts (its
 chat template's generation prompt, audio decoded and resampled as for capture, sent as the frame's payload),
 the end-of-turn ids (``Target.end_token_ids``, vLLM's own eos ignored), the checks of each reply, the part

@@ -56,11 +56,12 @@ def train_and_export(data: Path, out: Path, recipe: str, *overrides: str) -> tup
 def bpe_dflash(bpe_target, tmp_path_factory):
     """A DFlash drafter (block 8: 7 drafts a round) trained briefly on the BPE target's dataset, exported, with what
     the CPU recipe (``dflash_small``) adds: a draft vocabulary (256 of the target's 1,024; the export carries those
-    lm_head rows and vLLM maps its ids through ``d2t``) and reach slot weights (now the recipe's own). The speech
-    target's DFlash (``speech_case``) keeps the full vocabulary."""
+    lm_head rows and vLLM maps its ids through ``d2t``), reach slot weights (now the recipe's own) and more
+    context taps than draft layers (``context_taps``: vLLM sizes the context's fc from the export's tap list). The
+    speech target's DFlash (``speech_case``) keeps the full vocabulary and one tap."""
     return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("dflash"), "dflash_demo",
                             "drafter.num_layers=1", "max_steps=200", "drafter.draft_vocab=256",
-                            "drafter.slot_weighting=reach")
+                            "drafter.slot_weighting=reach", "drafter.context_taps=2")
 
 
 def read_jsonl(path: Path) -> list[dict]:

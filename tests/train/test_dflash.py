@@ -443,3 +443,18 @@ def test_the_tap_rule_fallback_warns_once_however_often_the_config_is_resolved(t
     taps = [w for w in seen if "tap rule" in str(w.message)]
     assert len(taps) == 1, [str(w.message) for w in taps]
     assert first.target_layer_ids == second.target_layer_ids == (0, 1)
+
+
+def test_context_taps_spread_the_tap_rule_independently_of_the_draft_depth(tmp_path):
+    """A one-layer draft reads the middle layer by the references' rule; ``context_taps: 3`` spreads three over the
+    target (SmolLM2's 30 layers: EAGLE-3's 1 / 14 / 27); explicit ids win; fewer than one tap is refused."""
+    from shards.taps import default_tap_ids
+
+    bundle = tiny_bundle(tmp_path, layers=30)
+    layout = tiny_layout(bundle, tap_ids=tuple(sorted({*default_tap_ids(30, 5), 15, 29})))
+    assert DFlashConfig(num_layers=1).resolve(bundle, layout).target_layer_ids == (15,)
+    assert DFlashConfig(num_layers=1, context_taps=3).resolve(bundle, layout).target_layer_ids == (1, 14, 27)
+    assert DFlashConfig(num_layers=1, context_taps=3, target_layer_ids=(8,)).resolve(
+        bundle, layout).target_layer_ids == (8,)
+    with pytest.raises(ValueError, match="context_taps must be >= 1"):
+        DFlashConfig(context_taps=0)

@@ -57,6 +57,9 @@ class DFlashConfig:
     tokenizer's ids, as the reference drafters add ``<|MASK|>``; the pad id, with a warning, when there is none)."""
     target_layer_ids: tuple[int, ...] | None = None
     """HF decoder-layer ids fused as context (default: the DFlash tap rule if stored, else all non-last taps)."""
+    context_taps: int | None = None
+    """With target_layer_ids unset: how many target layers the tap rule spreads (None: one per draft layer, the
+    references' rule, so a one-layer draft reads the middle layer alone). The context's fc takes any count."""
     num_anchors: int = 512
     """Most blocks per sequence."""
     max_total_anchors: int = 4096
@@ -92,6 +95,8 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.context_taps is not None and self.context_taps < 1:
+            raise ValueError(f"context_taps must be >= 1 or null (one per draft layer), got {self.context_taps}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
         if not self.gamma > 0:
@@ -160,7 +165,8 @@ class DFlashConfig:
             raise ValueError(f"draft_vocab {self.draft_vocab} exceeds the target vocabulary ({V}); lower it or drop it")
         ids = self.target_layer_ids
         if ids is None:
-            rule = sorted(set(default_tap_ids(layout.num_layers, self.num_layers)))
+            taps = self.context_taps or self.num_layers
+            rule = sorted(set(default_tap_ids(layout.num_layers, taps)))
             if set(rule) <= set(layout.tap_ids):
                 ids = tuple(rule)
             else:
@@ -168,10 +174,10 @@ class DFlashConfig:
                 ids = tuple(non_last or layout.tap_ids)
                 # warned from this line (as warn_zero_mask): shown once per run, not once per place that resolves
                 warnings.warn(
-                    f"the DFlash tap rule for a {self.num_layers}-layer draft over {layout.num_layers} target layers "
+                    f"the DFlash tap rule for {taps} context taps over {layout.num_layers} target layers "
                     f"is {rule}, but the dataset stores taps {list(layout.tap_ids)}: training on {list(ids)} instead "
                     "(recorded as drafter.target_layer_ids in the run's config.json). Set drafter.target_layer_ids "
-                    f"to choose, or capture with --draft-layers {self.num_layers}", UserWarning, stacklevel=1)
+                    f"to choose, or capture with --draft-layers {taps}", UserWarning, stacklevel=1)
         missing = [i for i in ids if i not in layout.tap_ids]
         if missing:
             raise ValueError(

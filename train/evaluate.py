@@ -38,6 +38,7 @@ from train.acceptance import (ROUND_COSTS, UNREACHED, AcceptanceCounts, alpha_te
 from train.data import BatchStream, collate, first_samples, has_targets, to_device, truncate
 from train.drafters.common.teacher import last_hidden_source
 from train.run import Trained, load_trained
+from train.source import DataRef
 
 SAMPLED_ROWS = 2048
 """Rows at draft position 1 the sampled-acceptance pass measures by default, then it stops reading batches: each
@@ -48,7 +49,7 @@ anchor (DFlash: 15 a block) over the whole split it made ``eval`` of a DFlash ru
 
 def evaluate(
     run_dir: str | Path,
-    data: Any,
+    data: DataRef,
     *,
     split: str | None = None,
     out_dir: str | Path | None = None,

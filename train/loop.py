@@ -54,7 +54,7 @@ from train.drafters.base import Drafter, combine_terms, reduce_metrics
 from train.fit import fit_to_device, head_dtype
 from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
-from train.source import DataSource, check_data, check_trained_template, open_source, template_state
+from train.source import DataRef, DataSource, check_data, check_trained_template, open_source, template_state
 
 
 def lr_lambda(tc: TrainConfig):
@@ -149,7 +149,7 @@ def _log_line(step: int, vals: dict[str, float], mets: dict[str, tuple[float, fl
     return rec
 
 
-def train(run: RunConfig, data: Any, out: str | Path, *, resume: bool = True,
+def train(run: RunConfig, data: DataRef, out: str | Path, *, resume: bool = True,
           stop_at: int | None = None) -> dict[str, Any]:
     """Train a drafter on ``data`` into run directory ``out``; resumes from its latest checkpoint.
 

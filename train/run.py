@@ -33,7 +33,7 @@ from train.checkpoints import Checkpoint, check_finite, latest_checkpoint, load_
 from train.config import RunConfig
 from train.data import derive_seed
 from train.drafters.base import Drafter, get_family
-from train.source import DataSource, check_trained_template, open_source
+from train.source import DataRef, DataSource, check_trained_template, open_source
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -152,7 +152,7 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
     return run, *found
 
 
-def load_trained(run_dir: str | Path, data: Any, *, split: str | None = None, device: str = "cpu",
+def load_trained(run_dir: str | Path, data: DataRef, *, split: str | None = None, device: str = "cpu",
                  template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> Trained:
     """Load the latest checkpoint of ``run_dir`` for ``data`` (an evaluation split by default).
 

@@ -15,18 +15,22 @@ from typing import Any
 
 from shards.derive import derived_note
 from shards.manifest import responses_from_target
-from shards.reader import open_dataset
+from shards.reader import Dataset, open_dataset
 from shards.template import check_template, read_template_file
 from train.checkpoints import Checkpoint
 from train.config import RunConfig
 from train.drafters.base import get_family
 
 
+DataRef = str | os.PathLike | Dataset
+"""What every entry point takes as its data: a dataset path or URL, or an opened ``shards.reader`` dataset."""
+
+
 class DataSource:
     """One split of a dataset (a path/URL or an opened ``shards.reader`` dataset) as the loop needs it:
     bundle, layout, fingerprint, manifest, and stream openers over the real reader."""
 
-    def __init__(self, data: Any, split: str) -> None:
+    def __init__(self, data: DataRef, split: str) -> None:
         ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
         if split not in ds.splits:
             raise ValueError(f"dataset {ds.url} has no split {split!r}; it has {ds.splits} (set train.split)")
@@ -64,7 +68,7 @@ class DataSource:
         return responses_from_target(self.manifest)
 
 
-def open_source(data: Any, split: str = "train") -> DataSource:
+def open_source(data: DataRef, split: str = "train") -> DataSource:
     return DataSource(data, split)
 
 

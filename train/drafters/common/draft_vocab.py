@@ -31,9 +31,12 @@ Shapes: V target vocabulary, N draft vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:  # the annotation only: drafters import no reader
+    from shards.reader import Dataset
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ def choose(counts_V: torch.Tensor, n: int, forced: list[int] | tuple[int, ...] =
     return torch.sort(torch.cat([torch.tensor(forced, dtype=torch.long), rest.long()])).values
 
 
-def token_counts(data: Any, split: str, vocab_size: int) -> torch.Tensor:
+def token_counts(data: Dataset, split: str, vocab_size: int) -> torch.Tensor:
     """int64 [V]: how often each target id occurs at a supervised position of ``split`` (every sample, file order).
 
     ``data``: an opened ``shards.reader`` dataset. One pass over the split (it decodes whole samples: the
@@ -186,7 +189,7 @@ def token_counts(data: Any, split: str, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def fit(data: Any, split: str, n: int, bundle_config: dict[str, Any], vocab_size: int) -> tuple[DraftVocab, float]:
+def fit(data: Dataset, split: str, n: int, bundle_config: dict[str, Any], vocab_size: int) -> tuple[DraftVocab, float]:
     """The draft vocabulary of size ``n`` for a training split, and the fraction of its supervised tokens it covers."""
     counts = token_counts(data, split, vocab_size)
     vocab = DraftVocab(choose(counts, n, required_ids(bundle_config, vocab_size)), vocab_size)

@@ -25,6 +25,7 @@ import torch
 from train.acceptance import AcceptanceCounts, tau_from_alpha
 from train.config import TrainConfig
 from train.data import BatchStream, to_device
+from train.drafters.base import Drafter
 from train.source import DataSource
 
 TB_DIR = "tensorboard"
@@ -75,7 +76,7 @@ def eval_batches(src: DataSource, tc: TrainConfig) -> list[dict[str, Any]]:
     return out
 
 
-def held_out_acceptance(model: Any, batches: Iterable[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+def held_out_acceptance(model: Drafter, batches: Iterable[dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """Greedy acceptance of ``model`` over ``batches``: replayed tau, teacher-forced tau and alpha by position."""
     total: AcceptanceCounts | None = None
     n = 0

@@ -30,9 +30,11 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from shards.bundle import TargetBundle
+from train.config import RunConfig
 
 LOSS_GFLOP = {"cpu": 120.0, "cuda": 5100.0}
 """Head-matmul GFLOP per micro-batch that a null ``max_loss_rows`` is fitted to, per device type."""
@@ -45,7 +47,7 @@ DEFAULT_TOKENS = 8192
 """Micro-batch tokens of a null ``max_tokens`` where nothing fits them (the full-size recipes' value)."""
 
 
-def fit_to_device(run: Any, bundle: Any, device: torch.device) -> tuple[Any, str | None]:
+def fit_to_device(run: RunConfig, bundle: TargetBundle, device: torch.device) -> tuple[RunConfig, str | None]:
     """(run with a null ``drafter.max_loss_rows`` / ``train.max_tokens`` fitted to ``device``, the one line to
     print when training starts, or None when nothing was fitted: a budget set by hand is the user's choice)."""
     cfg, tc = run.drafter, run.train

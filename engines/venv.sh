@@ -5,8 +5,9 @@
 #
 # The venv is keyed by a hash of engines/NAME.txt, so a changed pin builds a new one and an
 # unchanged one is reused (a machine that keeps ~/.cache keeps it). A venv is used only once its
-# `.complete` stamp exists: a build killed half-way is rebuilt, never half-used. The engine's plugin
-# package (engines/NAME_plugin, when there is one) is reinstalled whenever its files change.
+# `.complete` stamp exists: a build killed half-way is rebuilt, never half-used; concurrent callers take
+# turns. The engine's plugin package (engines/NAME_plugin, when there is one) is reinstalled whenever its
+# files change.
 # --root DIR puts the venvs elsewhere. Progress goes to stderr; stdout is the venv path alone.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -28,10 +29,15 @@ key="$(sha256sum "$spec" | cut -c1-12)"
 venv="$root/$name-$key"
 python="${PYTHON:-python3}"
 
+# One build or plugin install at a time per venv: a second caller (another test process, a benchmark) waits here
+# and then finds the venv complete, instead of deleting the one being built.
+mkdir -p "$root"
+exec 9>"$venv.lock"
+flock 9
+
 if [ ! -f "$venv/.complete" ]; then
   echo "building the $name venv in $venv (a few minutes, once)" >&2
   rm -rf "$venv"
-  mkdir -p "$root"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   "$venv/bin/python" -m pip install -q -r "$spec" >&2

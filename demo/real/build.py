@@ -23,6 +23,7 @@ hashes the pinned package versions and ``BUILD_VERSION``. The two model packages
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import re
@@ -84,12 +85,23 @@ def build_key() -> str:
 
 
 def cached_dir(root: Path, name: str, key: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
-    """``root/<name>-<key>`` built by ``build(tmp_dir) -> info`` unless complete; the stamp is written last."""
+    """``root/<name>-<key>`` built by ``build(tmp_dir) -> info`` unless complete; the stamp is written last. One
+    build under ``root`` at a time (a kernel lock on ``root/.build.lock``): a second process asking at once waits,
+    then finds the directory complete, where it used to delete the first one's half-built copy."""
     out = root / f"{name}-{key}"
     stamp = out / ".complete"
     if stamp.is_file():
         return out, json.loads((out / "build.json").read_text())
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed holder's process ends
+        if stamp.is_file():
+            return out, json.loads((out / "build.json").read_text())
+        return _build(root, out, name, key, build)
+
+
+def _build(root: Path, out: Path, name: str, key: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
+    stamp = out / ".complete"
     tmp = root / f".{name}-{key}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

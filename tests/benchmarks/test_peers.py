@@ -28,7 +28,7 @@ import torch
 
 import train.drafters.dflash.loss as dflash_loss
 from benchmarks.peers import (DTYPE_PARTS, ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, argmax_agreement,
-                              build_dataset, check_dtypes, modelopt_job, peer_python, run_row, speculators_job, spread,
+                              build_dataset, catch_up, check_dtypes, modelopt_job, peer_python, run_row, speculators_job, spread,
                               teacher_entropy, to_modelopt, to_speculators, write_base)
 from shards.reader import open_dataset
 from shards.taps import default_tap_ids, eagle3_tap_ids
@@ -177,6 +177,25 @@ def test_spread_is_the_median_min_and_max_of_the_pairs() -> None:
     assert spread([1.5, 1.1, 2.0, 1.3, 1.4]) == {"median": 1.4, "min": 1.1, "max": 2.0, "pairs": 5}
     with pytest.raises(ValueError):
         spread([])
+
+
+def test_the_faster_side_trains_on_until_it_has_spent_the_slower_sides_seconds() -> None:
+    """Held-out loss after equal wall time: the side whose timed steps took less (here the peer's 2 s a step against
+    5 s) steps on until its seconds reach the other's; a side whose steps take no time stops at the cap."""
+    taken = {"tapdraft": 0, "peer": 0}
+
+    def stepper(name: str, s: float):
+        def step() -> dict[str, float]:
+            taken[name] += 1
+            return {"s": s}
+        return step
+
+    spent = {"tapdraft": 10.0, "peer": 4.0}
+    assert catch_up(spent, {"tapdraft": stepper("tapdraft", 5.0), "peer": stepper("peer", 2.0)}, cap=20) == ("peer", 3)
+    assert taken == {"tapdraft": 0, "peer": 3} and spent == {"tapdraft": 10.0, "peer": 10.0}
+    spent = {"tapdraft": 1.0, "peer": 9.0}
+    assert catch_up(spent, {"tapdraft": stepper("tapdraft", 0.0), "peer": stepper("peer", 1.0)}, cap=4) == \
+        ("tapdraft", 4)
 
 
 class _Run:  # the few recipe fields modelopt_job reads

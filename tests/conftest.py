@@ -1,12 +1,27 @@
 """Shared test setup: GPU-only tests skip on machines without CUDA; the tiny demo SALM every package tests on."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N`: each worker computes on one core (and the commands its tests start inherit it): N workers of
+    # several threads each on N cores wait on each other at OpenMP barriers and run several times slower
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+SLOWEST_FIRST = ("long", "engine", "slow")
+"""The markers that order the run, slowest first."""
+
 
 def pytest_collection_modifyitems(config, items):
+    """GPU-only tests skip without CUDA; the slowest kinds run first (long, engine, slow, then the rest: a stable
+    sort), so that under ``-n 2`` the long files start at once and the many short tests fill in beside them, and the
+    workers finish together instead of one running a long file alone at the end."""
+    items.sort(key=lambda item: next((i for i, m in enumerate(SLOWEST_FIRST) if m in item.keywords), 3))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.long]
 
 K = 3  # drafts per round
 N_NEW = 16  # reply cap: regeneration, tapdraft's decoding and vLLM's all stop here (or at eos)

@@ -1,6 +1,7 @@
 """Shared test setup: GPU-only tests skip on machines without CUDA; the tiny demo SALM every package tests on."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-SLOWEST_FIRST = ("long", "engine", "slow")
-"""The markers that order the run, slowest first."""
+def run_order(keywords) -> int:
+    """Where a test runs under ``-n 2``: the one long test first (it builds the vLLM venv and the real models, which
+    the engine tests then share), the other slow tests beside it (they need neither, so the second worker never
+    waits on those builds), then the engine tests, then the many short ones, which let the workers finish
+    together."""
+    if "long" in keywords:
+        return 0
+    if "engine" in keywords:
+        return 2
+    return 1 if "slow" in keywords else 3
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests skip without CUDA; the slowest kinds run first (long, engine, slow, then the rest: a stable
-    sort), so that under ``-n 2`` the long files start at once and the many short tests fill in beside them, and the
-    workers finish together instead of one running a long file alone at the end."""
-    items.sort(key=lambda item: next((i for i, m in enumerate(SLOWEST_FIRST) if m in item.keywords), 3))
+    """GPU-only tests skip without CUDA; the order is ``run_order``'s (a stable sort; ``--no-loadscope-reorder`` in
+    pyproject keeps it: xdist would otherwise start the files with the most tests first)."""
+    items.sort(key=lambda item: run_order(item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -39,6 +47,18 @@ def salm_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("salm")
     build_demo_salm(QUICK, seed=0).save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def terminal_signals():
+    """SIGINT and SIGTERM as a terminal gives them, whatever the suite was started under (a shell starts a background
+    job with SIGINT ignored, and the commands keep an ignored SIGINT ignored), restored after the test."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(autouse=True)

@@ -234,7 +234,8 @@ def test_readme_path_default_taps_train_the_dflash_recipe_without_a_tap_warning(
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("command", ["capture", "derive", "push", "pull"])
-def test_sigterm_exits_130_saying_what_was_kept(command, sig, salm_dir, inputs, tmp_path, capsys, monkeypatch):
+def test_sigterm_exits_130_saying_what_was_kept(command, sig, salm_dir, inputs, tmp_path, capsys, monkeypatch,
+                                                terminal_signals):
     """SIGTERM stops every command as Ctrl-C (SIGINT) does (train's behaviour): exit 130 and one line saying what was
     kept, never a bare 143 or a traceback. The signal lands inside the command's work (in-process:
     signal.raise_signal)."""

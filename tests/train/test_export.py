@@ -83,7 +83,8 @@ def test_a_second_export_meanwhile_is_refused_and_the_run_and_foreign_folders_ar
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(sig, runs, tmp_path, capsys, monkeypatch):
+def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(sig, runs, tmp_path, capsys, monkeypatch,
+                                                                  terminal_signals):
     import signal
 
     from train import export

@@ -5,6 +5,8 @@ drafter, on either real target (demo.real.speedup holds the stages; each is cach
     python -m benchmarks.real_speedup --target speech --workdir speech_work  # the listener on held-out speech
     python -m benchmarks.real_speedup --target text --workdir real_work --recipe eagle3 --run eagle3_k5 --k 5 \\
         --set max_steps=800 --name real_speedup_eagle3.json                 # another recipe on the same data
+    python -m benchmarks.real_speedup --target text --workdir real_work --requests other \\
+        --name real_speedup_smollm2_other.json                              # the same drafter, another kind of request
 
 Writes benchmarks/results/NAME (default real_speedup_smollm2.json / real_speedup_speech.json). Needs the vLLM
 engine venv (``engines/venv.sh vllm``, built on first use) and the real targets (``python -m demo.real build``).
@@ -44,7 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
     ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")
     ap.add_argument("--pairs", type=int, default=d.pairs)
-    ap.add_argument("--prompts", type=int, default=d.prompts, help="held-out requests served")
+    ap.add_argument("--prompts", type=int, default=d.prompts, help="requests served")
+    ap.add_argument("--requests", choices=["held_out", "other"], default=d.requests,
+                    help="held_out: the training prompts' kind on unseen topics or sentences; other: another kind "
+                         "(text: everyday writing and explaining; speech: words the listener never heard)")
     ap.add_argument("--listen-steps", type=int, default=d.listen_steps, help="the speech target's projector updates")
     ap.add_argument("--stop-after", choices=["prompts", "replies", "capture", "train"], default=None)
     ap.add_argument("--name", default=None)
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SpeedupConfig(target=a.target, train=a.train, validation=a.validation, held_out=a.held_out,
                         max_tokens=a.max_tokens, threads=a.threads, engine_threads=a.engine_threads, recipe=a.recipe,
                         run=a.run, sets=tuple(a.set), k=tuple(int(x) for x in a.k.split(",")), pairs=a.pairs,
-                        prompts=a.prompts, listen_steps=a.listen_steps, method=a.method,
+                        prompts=a.prompts, requests=a.requests, listen_steps=a.listen_steps, method=a.method,
                         layout=a.layout)
     serve = run_speedup(a.workdir, cfg, a.stop_after, log=lambda m: print(m, flush=True))
     if serve is None:
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_serve(serve))
     target, name = NAMES[a.target]
     report = {"target": target, "recipe": cfg.recipe, "layout": cfg.layout, "set": list(cfg.sets), "k": list(cfg.k), "pairs": cfg.pairs,
-              "prompts": cfg.prompts, "train": cfg.train, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
+              "prompts": cfg.prompts, "requests": cfg.requests, "train": cfg.train, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
               "engine_threads": cfg.engine_threads,
               "command": "python -m benchmarks.real_speedup " + " ".join(argv if argv is not None else sys.argv[1:]),
               "serve": serve}

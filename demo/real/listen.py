@@ -315,11 +315,6 @@ def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: i
     ``tapdraft regenerate`` (the prompt the listener was trained on; the reply is the target's to write), their
     16 kHz wavs under ``out/audio``. ``held_out`` sentences are ones neither the listener nor ``train`` /
     ``validation`` hold, so a drafter is judged on speech it did not see. Voices cycle as in training."""
-    import soundfile as sf
-
-    from demo.real.prompts import PENDING
-    from shards.atomic import staged
-
     cfg = ListenConfig()
     listener = sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)
     taken = set(listener["train"]) | set(listener["test"])
@@ -330,10 +325,29 @@ def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: i
                          f"{held_out} held out: ask for fewer")
     rest = [s for s in pool if s not in fresh[:held_out]]
     picks = {"train": rest[:train], "validation": rest[train:train + validation], "held_out": fresh[:held_out]}
+    return _spoken(out, picks, progress)
+
+
+def speech_other(out: Path, n: int, seed: int = 1, progress=None) -> list[dict]:
+    """Requests of another kind than ``speech_splits``'s: spoken sentences each holding a word the listener never
+    heard (its out-of-vocabulary pool), none of them the listener's own out-of-vocabulary test sentences; wavs
+    under ``out/audio`` as ``other-NNNNN.wav``."""
+    cfg = ListenConfig()
+    taken = set(sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)["oov"])
+    pool = [s for s in sentences(0, 0, n + len(taken), seed)["oov"] if s not in taken]
+    return _spoken(out, {"other": pool[:n]}, progress)["other"]
+
+
+def _spoken(out: Path, picks: dict[str, list[str]], progress=None) -> dict[str, list[dict]]:
+    """Conversations asking to transcribe each sentence, spoken into ``out/audio/SPLIT-NNNNN.wav`` (kept across
+    reruns); voices cycle as in training."""
+    from demo.real.prompts import PENDING
+    from shards.atomic import staged
+
     (out / "audio").mkdir(parents=True, exist_ok=True)
     voice = itertools.cycle(VOICES)
     convs: dict[str, list[dict]] = {}
-    done = 0
+    done, total = 0, sum(map(len, picks.values()))
     for split, texts in picks.items():
         convs[split] = []
         for i, text in enumerate(texts):
@@ -350,7 +364,7 @@ def speech_splits(out: Path, train: int, validation: int, held_out: int, seed: i
                 {"from": "Assistant", "type": "text", "value": PENDING}]})
             done += 1
             if progress is not None and done % 200 == 0:
-                progress(f"spoke {done}/{train + validation + held_out} sentences")
+                progress(f"spoke {done}/{total} sentences")
     return convs
 
 

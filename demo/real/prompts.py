@@ -102,3 +102,33 @@ def prompt_splits(train: int, validation: int, held_out: int, seed: int = 0) -> 
                          f"for {train + validation} and {held_out}: ask for fewer")
     pick = {"train": known[:train], "validation": known[train:train + validation], "held_out": unseen[:held_out]}
     return {split: [conversation(i, p) for i, p in items] for split, items in pick.items()}
+
+
+OTHER_TEMPLATES = (
+    "Write a short story about {subject}.",
+    "Give me three tips for {activity}.",
+    "Explain to a child how {thing} works.",
+    "Write a friendly email inviting a colleague to {event}.",
+)
+SUBJECTS = ("a lighthouse keeper", "a lost umbrella", "a robot who learns to paint", "two rival bakers",
+            "a dragon afraid of the dark", "a girl who collects maps", "the last train of the night",
+            "a talking garden gnome", "a storm at sea", "an old violin")
+ACTIVITIES = ("sleeping better", "learning to cook", "running a first marathon", "saving money", "growing tomatoes",
+              "speaking in public", "travelling on a budget", "keeping a plant alive", "studying for exams",
+              "training a puppy")
+THINGS = ("a rainbow", "a bicycle", "the moon's phases", "a fridge", "an airplane", "a volcano", "a compass",
+          "a microwave oven", "the heart", "a telescope")
+EVENTS = ("a team lunch", "a board game night", "a charity run", "a book club", "a farewell party",
+          "a picnic in the park", "a cooking class", "a hiking trip", "a movie night", "a chess tournament")
+
+
+def other_prompts(n: int, seed: int = 0) -> list[dict]:
+    """Requests of another kind than ``prompt_splits``'s: everyday writing and explaining, no Python, so that a
+    drafter trained on the library's requests is also judged off its own distribution."""
+    fill = {"subject": SUBJECTS, "activity": ACTIVITIES, "thing": THINGS, "event": EVENTS}
+    texts = [template.format(**{k: v}) for template in OTHER_TEMPLATES for k, vs in fill.items()
+             if "{" + k + "}" in template for v in vs]
+    if n > len(texts):
+        raise ValueError(f"there are {len(texts)} requests of the other kind; asked for {n}: ask for fewer")
+    random.Random(seed).shuffle(texts)
+    return [conversation(f"other-{i:05d}", t) for i, t in enumerate(texts[:n])]

@@ -10,13 +10,15 @@ Two real targets (``python -m demo.real build``):
 
 Stages, each cached in the work directory (rerun to continue where it stopped):
 
-    prompts   data/SPLIT.prompts.jsonl (+ data/audio/*.wav): train, validation, held_out
+    prompts   data/SPLIT.prompts.jsonl (+ data/audio/*.wav): train, validation, held_out; with requests="other"
+              also other: requests of another kind than the training ones (text: everyday writing and
+              explaining, no Python; speech: sentences holding words the listener never heard)
     replies   data/SPLIT.jsonl: the target's greedy replies, ``tapdraft regenerate --engine vllm --on-limit keep``
               (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length), threads /
               engine_threads engines side by side
     capture   dataset/: ``tapdraft capture`` of the three splits
     train     runs/RUN, exports/RUN: ``tapdraft train --recipe R``, then ``tapdraft export``
-    serve     vLLM alone and with the export, one request at a time (batch 1, the latency speculative decoding
+    serve     vLLM alone and with the export on the held-out (or other) requests, one request at a time (batch 1, the latency speculative decoding
               is for), ``pairs`` times alternated: tokens/s of each, their ratio, greedy outputs compared, and
               vLLM's accepted drafts held round by round against ``tapdraft speculate`` on the same requests
 
@@ -39,6 +41,8 @@ from shards.atomic import staged
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "validation", "held_out")
+REQUESTS = ("held_out", "other")
+"""What the serve stage serves: held-out requests of the training prompts' kind, or requests of another kind."""
 DEFAULTS = {"text": (1800, 192), "speech": (2400, 32)}
 """Per target: training conversations, reply cap."""
 
@@ -66,7 +70,10 @@ class SpeedupConfig:
     """Drafts a round to serve with."""
     pairs: int = 3
     prompts: int = 16
-    """Held-out requests served."""
+    """Requests served."""
+    requests: str = "held_out"
+    """``held_out`` (the training prompts' kind, on topics or sentences never trained on) or ``other`` (another
+    kind: a drafter that pays only on its own distribution is fragile)."""
     listen_steps: int = 300  # demo.real.listen.ListenConfig's default
     """The listener's projector updates (its cached directory is keyed by them)."""
     method: str = "eagle3"
@@ -78,6 +85,8 @@ class SpeedupConfig:
     def __post_init__(self) -> None:
         if self.target not in DEFAULTS:
             raise ValueError(f"target must be one of {sorted(DEFAULTS)}, got {self.target!r}")
+        if self.requests not in REQUESTS:
+            raise ValueError(f"requests must be one of {list(REQUESTS)}, got {self.requests!r}")
         n, cap = DEFAULTS[self.target]
         object.__setattr__(self, "train", self.train or n)
         object.__setattr__(self, "max_tokens", self.max_tokens or cap)
@@ -111,6 +120,16 @@ def _cli(*args: str, log: Callable[[str], None] = print) -> None:
 
 def stage_prompts(work: Path, cfg: SpeedupConfig, log: Callable[[str], None] = print) -> None:
     data = work / "data"
+    if cfg.requests == "other" and not (data / "other.prompts.jsonl").exists():
+        data.mkdir(parents=True, exist_ok=True)
+        if cfg.target == "text":
+            from demo.real.prompts import other_prompts
+
+            _jsonl(data / "other.prompts.jsonl", other_prompts(cfg.prompts))
+        else:
+            from demo.real.listen import speech_other
+
+            _jsonl(data / "other.prompts.jsonl", speech_other(data, cfg.prompts, progress=log))
     if (data / "held_out.prompts.jsonl").exists():
         return
     data.mkdir(parents=True, exist_ok=True)
@@ -129,7 +148,7 @@ def stage_prompts(work: Path, cfg: SpeedupConfig, log: Callable[[str], None] = p
 def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Callable[[str], None] = print) -> None:
     data = work / "data"
     engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
-    for split in ("held_out", "validation", "train"):
+    for split in ("other",) * (cfg.requests == "other") + ("held_out", "validation", "train"):
         if not (data / f"{split}.jsonl").exists():
             _cli("regenerate", "--target", str(target), "--data", str(data / f"{split}.prompts.jsonl"),
                  "--out", str(data / f"{split}.jsonl"), "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep",
@@ -157,13 +176,14 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Callable[[st
     return run, export
 
 
-def speculate_held_out(work: Path, target: Path, run: Path, dataset: Path, n: int, max_tokens: int) -> dict[str, Any]:
-    """``tapdraft speculate`` (in-process decoding) of the same held-out conversations: per-round counts to hold
+def speculate_served(work: Path, target: Path, run: Path, dataset: Path, requests: str, n: int,
+                     max_tokens: int) -> dict[str, Any]:
+    """``tapdraft speculate`` (in-process decoding) of the same served conversations: per-round counts to hold
     vLLM's against, and the offline replay on those conversations."""
     from speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset),
-                          conversations=str(work / "data" / "held_out.jsonl"), max_samples=n,
+                          conversations=str(work / "data" / f"{requests}.jsonl"), max_samples=n,
                           max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
     return run_speculate(cfg, progress=False)
 
@@ -178,8 +198,9 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     from engines.serving import check_served, serve_vllm, vllm_requests
 
-    requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / "held_out.jsonl", cfg.prompts,
-                                                     work / "vllm" / "audio")
+    audio = work / "vllm" / ("audio" if cfg.requests == "held_out" else f"audio-{cfg.requests}")
+    requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / f"{cfg.requests}.jsonl", cfg.prompts,
+                                                     audio)
     job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": 1024,
            "warmup": 1, "repeats": 1}
     tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
@@ -200,11 +221,11 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
                 f"(load {os.getloadavg()[0]:.1f})")
     alone = runs["alone"]
     greedy = alone[0]["outputs"]
-    report: dict[str, Any] = {"alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
+    report: dict[str, Any] = {"requests": cfg.requests, "alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
                               "prompt_ids_equal_to_capture": alone[0]["prompt_ids"] == prompt_ids}
     k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
     if f"k={k_trained}" in runs:  # vLLM's rounds against tapdraft's at the drafts it was trained for
-        ours = speculate_held_out(work, target, run, dataset, len(sample_ids), cfg.max_tokens)
+        ours = speculate_served(work, target, run, dataset, cfg.requests, len(sample_ids), cfg.max_tokens)
         first = runs[f"k={k_trained}"][0]
         served = {"vllm": "", "outputs": [{"token_ids": t, "spec": s} for t, s in zip(first["outputs"], first["spec"])]}
         try:
@@ -232,6 +253,8 @@ def format_serve(report: dict[str, Any]) -> str:
     """The serve stage in a few lines: both speeds, the ratio, and whether vLLM agreed with tapdraft."""
     alone = statistics.median(report["alone_tokens_per_s"])
     lines = [f"vLLM, the target alone: {alone:.1f} tokens/s (median of {len(report['alone_tokens_per_s'])})"]
+    if report.get("requests") == "other":
+        lines.insert(0, "served: requests of another kind than the training prompts")
     for name, r in report.items():
         if name.startswith("k="):
             lines.append(f"vLLM with the drafter ({name[2:]} drafts a round): {statistics.median(r['tokens_per_s']):.1f} "

@@ -25,3 +25,18 @@ def test_asking_for_more_than_the_library_documents_is_one_clear_error():
     with pytest.raises(ValueError, match="ask for fewer"):
         prompt_splits(train=10**6, validation=1, held_out=1)
     assert len(TEMPLATES) == 4
+
+
+def test_requests_of_another_kind_share_nothing_with_the_library_requests():
+    from demo.real.prompts import other_prompts
+
+    other = other_prompts(30)
+    texts = [r["conversations"][0]["value"] for r in other]
+    assert len(set(texts)) == 30 and other_prompts(30) == other  # distinct, deterministic
+    assert not [t for t in texts if "python" in t.lower() or "`" in t]
+    library = {r["conversations"][0]["value"] for v in prompt_splits(300, 20, 20).values() for r in v}
+    assert not library & set(texts)
+    import pytest
+
+    with pytest.raises(ValueError, match="ask for fewer"):
+        other_prompts(10**4)

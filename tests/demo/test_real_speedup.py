@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from capture.inputs import BadInput, read_inputs
-from demo.real.listen import ListenConfig, sentences, speech_splits
+from demo.real.listen import VOCAB_OOV, ListenConfig, sentences, speech_other, speech_splits
 from demo.real.speedup import SpeedupConfig, format_serve, served_method, stage_prompts
 
 
@@ -37,6 +37,8 @@ def test_config_defaults_follow_the_target_and_bad_values_are_refused():
         SpeedupConfig(prompts=65, held_out=64)
     with pytest.raises(ValueError, match="must be >= 1"):
         SpeedupConfig(k=(0,))
+    with pytest.raises(ValueError, match="requests must be one of"):
+        SpeedupConfig(requests="test")
 
 
 def test_spoken_requests_hold_out_what_the_listener_and_the_drafter_heard(tmp_path, fake_speech):
@@ -70,6 +72,26 @@ def test_the_prompts_stage_writes_each_split_once(tmp_path, fake_speech):
     assert len(fake_speech) == 11
 
 
+def test_spoken_requests_of_another_kind_hold_words_the_listener_never_heard(tmp_path, fake_speech):
+    other = speech_other(tmp_path, 16)
+    text = [c["reference"] for c in other]
+    cfg = ListenConfig()
+    listener = sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed)
+    assert len(set(text)) == 16 and all(VOCAB_OOV & set(t.split()) for t in text)
+    assert not set(text) & set(listener["oov"])  # not the listener's own out-of-vocabulary test
+    assert [c["id"] for c in other[:2]] == ["other-00000", "other-00001"]
+    assert (tmp_path / "audio" / "other-00015.wav").exists()
+
+
+def test_the_prompts_stage_adds_the_other_kind_when_asked(tmp_path, fake_speech):
+    cfg = SpeedupConfig(target="speech", train=6, validation=2, held_out=3, prompts=3)
+    stage_prompts(tmp_path, cfg, log=lambda m: None)
+    assert not (tmp_path / "data" / "other.prompts.jsonl").exists()
+    stage_prompts(tmp_path, SpeedupConfig(**{**cfg.__dict__, "requests": "other"}), log=lambda m: None)
+    assert len((tmp_path / "data" / "other.prompts.jsonl").read_text().splitlines()) == 3
+    assert len(fake_speech) == 11 + 3  # the three splits were not spoken again
+
+
 def test_the_serve_summary_names_both_speeds_and_the_agreement():
     report = {"alone_tokens_per_s": [10.0, 11.0, 12.0], "rounds_equal_to_speculate": True,
               "speculate": {"k": 3, "tau": 2.5, "offline_tau_replayed": 2.5},
@@ -78,6 +100,7 @@ def test_the_serve_summary_names_both_speeds_and_the_agreement():
     out = format_serve(report)
     assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
     assert "greedy output identical" in out and "rounds equal to it: True" in out
+    assert "another kind" not in out and "another kind" in format_serve({**report, "requests": "other"})
 
 
 def test_an_export_is_served_with_the_method_it_states():

@@ -20,6 +20,7 @@ from typing import Iterator
 import typer
 
 from capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
+from shards.formats import DEFAULT_FORMAT, format_help
 from shards.taps import DEFAULT_TAPS_CODEC, codec_help
 
 app = typer.Typer(
@@ -172,7 +173,7 @@ def capture(
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N inputs of each split."),
     max_length: int = typer.Option(None, "--max-length",
                                    help="Skip (and count) samples longer than this many tokens; never truncate."),
-    format: str = typer.Option("arrow", "--format", help="arrow | wds"),
+    format: str = typer.Option(DEFAULT_FORMAT, "--format", help=f"Storage format: {format_help()}."),
     top_k: int = typer.Option(64, "--top-k", help="Teacher top-k per supervised row (0: none)."),
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids (default: the DFlash rule for "
                              "--draft-layers and for one layer, as the dflash recipe trains, + the last layer)."),

@@ -36,6 +36,23 @@ def test_every_command_has_help_in_pipeline_order():
         assert res.exit_code == 0 and "Usage" in res.output, name
 
 
+def test_choices_in_help_come_from_their_registries(monkeypatch):
+    """capture --help lists every storage format, taps codec and engine its registry holds, a new entry included."""
+    import dataclasses
+
+    from capture.engines import ENGINES
+    from shards.formats import FORMATS
+    from shards.taps import TAPS_CODECS
+
+    monkeypatch.setitem(FORMATS, "parquet", dataclasses.replace(FORMATS["arrow"], name="parquet", help="columns"))
+    import cli
+
+    flat = " ".join(cli.format_help().split())
+    assert all(f"{name} (" in flat for name in FORMATS) and "parquet (columns)" in flat
+    assert all(f"{name} (" in cli.codec_help() for name in TAPS_CODECS)
+    assert all(f"{name} (" in cli.engine_help("capture") for name in ENGINES)
+
+
 def test_help_names_the_program_however_it_was_started(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])  # argv[0] is pytest's here, as it is cli.py under `python cli.py`

@@ -18,6 +18,11 @@ DEFAULT_FORMAT = ARROW.name
 """Random access and the stock ``datasets`` loader: what a capture writes unless told otherwise."""
 
 
+def format_help() -> str:
+    """``--format``'s choices, as its help lists them."""
+    return " | ".join(f"{f.name} ({f.help})" for f in FORMATS.values())
+
+
 def get_format(name: object, where: str) -> Format:
     """The registry entry of ``name``; ValueError naming ``where`` (a file or setting) for an unknown one."""
     fmt = FORMATS.get(name) if isinstance(name, str) else None

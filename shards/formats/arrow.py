@@ -423,4 +423,5 @@ sample = decode_row(ds[0], manifest["field_meta"])   # bf16 tensors, as tapdraft
 ```"""
 
 
-FORMAT = Format(NAME, "arrow", ArrowShardWriter, ArrowShardReader)
+FORMAT = Format(NAME, "arrow", ArrowShardWriter, ArrowShardReader,
+                help="Arrow IPC shards: random access, memory-mapped by `datasets`")

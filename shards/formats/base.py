@@ -93,10 +93,12 @@ class ShardReader:
 
 @dataclass(frozen=True)
 class Format:
-    """A registry entry: the name the manifest records, the shard files' extension, the class pair."""
+    """A registry entry: the name the manifest records, the shard files' extension, the class pair, and the few
+    words ``capture --format``'s help gives it."""
 
     name: str
     extension: str
     """``data/<split>-00000-of-00012.<extension>``."""
     writer: type[ShardWriter]
     reader: type[ShardReader]
+    help: str = ""

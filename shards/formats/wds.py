@@ -278,4 +278,5 @@ sample = next(iter(ds))   # each sample's meta.json carries what the decoder nee
 ```"""
 
 
-FORMAT = Format(NAME, "tar", TarShardWriter, TarShardReader)
+FORMAT = Format(NAME, "tar", TarShardWriter, TarShardReader,
+                help="WebDataset tar shards: streamed whole by `webdataset`")

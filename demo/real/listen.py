@@ -269,7 +269,8 @@ def transcribe(model, proc, waves: list[np.ndarray], max_new_tokens: int = 24) -
     return out
 
 
-def _score(refs: list[str], hyps: list[str]) -> dict:
+def score_transcripts(refs: list[str], hyps: list[str]) -> dict:
+    """WER over all words, exact matches, and the first five pairs (both normalised: case and punctuation off)."""
     e = [wer(normalise(r), normalise(h)) for r, h in zip(refs, hyps)]
     return {"wer": sum(a for a, _ in e) / max(1, sum(b for _, b in e)),
             "exact": sum(normalise(r) == normalise(h) for r, h in zip(refs, hyps)), "n": len(refs),
@@ -297,7 +298,7 @@ def train_listener(cfg: ListenConfig, out: Path, speech: Path, log=print) -> dic
         shutil.copy(f, out / f.name)
     model = Qwen2AudioForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(out)
-    res = {k: _score(data[k], transcribe(model, proc, waves[k])) for k in ("test", "oov")}
+    res = {k: score_transcripts(data[k], transcribe(model, proc, waves[k])) for k in ("test", "oov")}
     a, b = waves["test"][:10], waves["test"][10:20]
     ha, hb = transcribe(model, proc, a), transcribe(model, proc, b)
     follows = sum(normalise(x) != normalise(y) and wer(normalise(data["test"][10 + i]), normalise(y))[0]

@@ -223,6 +223,9 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
     greedy = alone[0]["outputs"]
     report: dict[str, Any] = {"requests": cfg.requests, "alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
                               "prompt_ids_equal_to_capture": alone[0]["prompt_ids"] == prompt_ids}
+    transcripts = served_transcripts(target, work / "data" / f"{cfg.requests}.prompts.jsonl", sample_ids, greedy)
+    if transcripts is not None:
+        report["transcripts"] = transcripts
     k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
     if f"k={k_trained}" in runs:  # vLLM's rounds against tapdraft's at the drafts it was trained for
         ours = speculate_served(work, target, run, dataset, cfg.requests, len(sample_ids), cfg.max_tokens)
@@ -249,6 +252,22 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
     return report
 
 
+def served_transcripts(target: Path, prompts: Path, sample_ids: list[str], outputs: list[list[int]]
+                       ) -> dict[str, Any] | None:
+    """The served greedy replies scored as transcripts of the spoken sentences (speech requests carry the sentence
+    as ``reference``): WER and exact matches; None for requests without one (text)."""
+    refs = {r["id"]: r.get("reference") for r in map(json.loads, prompts.read_text().splitlines())}
+    if not all(refs.get(i) for i in sample_ids):
+        return None
+    from transformers import AutoTokenizer
+
+    from demo.real.listen import score_transcripts
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    hyps = [tok.decode(ids, skip_special_tokens=True).strip() for ids in outputs]
+    return score_transcripts([refs[i] for i in sample_ids], hyps)
+
+
 def format_serve(report: dict[str, Any]) -> str:
     """The serve stage in a few lines: both speeds, the ratio, and whether vLLM agreed with tapdraft."""
     alone = statistics.median(report["alone_tokens_per_s"])
@@ -261,6 +280,10 @@ def format_serve(report: dict[str, Any]) -> str:
                          f"tokens/s: {r['speedup_median']:.2f}x (pairs {', '.join(f'{x:.2f}' for x in r['speedup_pairs'])}), "
                          f"acceptance length {r['vllm_tau']:.2f}, greedy output "
                          f"{'identical' if r['greedy_identical'] else 'DIFFERENT'}")
+    if "transcripts" in report:
+        t = report["transcripts"]
+        lines.append(f"the replies as transcripts of the spoken sentences: WER {100 * t['wer']:.1f}%, "
+                     f"{t['exact']}/{t['n']} exact")
     if "speculate" in report:
         s = report["speculate"]
         lines.append(f"tapdraft speculate on the same requests: tau {s['tau']:.3f} (offline replay "

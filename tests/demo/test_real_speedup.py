@@ -11,7 +11,7 @@ import pytest
 
 from capture.inputs import BadInput, read_inputs
 from demo.real.listen import VOCAB_OOV, ListenConfig, sentences, speech_other, speech_splits
-from demo.real.speedup import SpeedupConfig, format_serve, served_method, stage_prompts
+from demo.real.speedup import SpeedupConfig, format_serve, served_method, served_transcripts, stage_prompts
 
 
 @pytest.fixture
@@ -101,6 +101,24 @@ def test_the_serve_summary_names_both_speeds_and_the_agreement():
     assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
     assert "greedy output identical" in out and "rounds equal to it: True" in out
     assert "another kind" not in out and "another kind" in format_serve({**report, "requests": "other"})
+
+
+def test_served_speech_replies_are_scored_as_transcripts(tmp_path, monkeypatch):
+    class Words:  # token id i is word i
+        words = ["the", "old", "cat", "sees", "dog", "Dog."]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(self.words[i] for i in ids)
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: Words())
+    prompts = tmp_path / "held_out.prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"h{i}", "reference": r}) + "\n"
+                               for i, r in enumerate(["the old cat sees the dog", "the dog"])))
+    t = served_transcripts(tmp_path, prompts, ["h1", "h0"], [[0, 5], [0, 2, 3, 0, 4]])
+    assert (t["wer"], t["exact"], t["n"]) == (1 / 8, 1, 2)  # "Dog." is "dog"; one word of eight missing
+    assert "WER 12.5%, 1/2 exact" in format_serve({"alone_tokens_per_s": [1.0], "transcripts": t})
+    prompts.write_text(json.dumps({"id": "h0", "conversations": []}) + "\n")
+    assert served_transcripts(tmp_path, prompts, ["h0"], [[0]]) is None  # a text request has no sentence
 
 
 def test_an_export_is_served_with_the_method_it_states():

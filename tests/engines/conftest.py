@@ -57,11 +57,12 @@ def bpe_dflash(bpe_target, tmp_path_factory):
     """A DFlash drafter (block 8: 7 drafts a round) trained briefly on the BPE target's dataset, exported, with what
     the CPU recipe (``dflash_small``) adds: a draft vocabulary (256 of the target's 1,024; the export carries those
     lm_head rows and vLLM maps its ids through ``d2t``), reach slot weights (now the recipe's own) and more
-    context taps than draft layers (``context_taps``: vLLM sizes the context's fc from the export's tap list). The
-    speech target's DFlash (``speech_case``) keeps the full vocabulary and one tap."""
+    context taps than draft layers (``context_taps``: vLLM sizes the context's fc from the export's tap list), and
+    a sliding window of 12 positions (the export's ``dflash_config.use_swa``: vLLM must build the same mask). The speech target's DFlash (``speech_case``) keeps the full vocabulary, one tap and full
+    attention."""
     return train_and_export(bpe_target.dataset, tmp_path_factory.mktemp("dflash"), "dflash_demo",
                             "drafter.num_layers=1", "max_steps=200", "drafter.draft_vocab=256",
-                            "drafter.slot_weighting=reach", "drafter.context_taps=2")
+                            "drafter.slot_weighting=reach", "drafter.context_taps=2", "drafter.sliding_window=12")
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -57,6 +57,12 @@ def serve_and_check(vllm_venv, bpe_target, drafter, method: str, k: int, tmp_pat
 
 
 def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_target, bpe_dflash, tmp_path):
+    """The drafter attends a sliding window (``bpe_dflash``): every prompt is longer than it, so vLLM's rounds equal
+    tapdraft's only if both hide the same context from each slot."""
+    import json
+
+    W = json.loads((bpe_dflash[1] / "config.json").read_text())["dflash_config"]["swa_window_size"]
+    assert min(len(ids) for _, ids in prompts(bpe_target)) > W
     _, accepted = serve_and_check(vllm_venv, bpe_target, bpe_dflash, "dflash", K, tmp_path)
     assert accepted > 0, "the trained drafter should get some drafts accepted"
 

@@ -86,7 +86,8 @@ def test_anchor_sampling_is_seeded_and_uniform_ish():
 
 
 def _reference_blocks(model, batch, anchors, valid):
-    """Each valid block on its own: context = ctx[:anchor], no mask at all."""
+    """Each valid block on its own: context = ctx[:anchor], no mask at all (with a sliding window W: slot s, at
+    position a + s, keeps the context keys above a + s - W, written here as its own loop)."""
     ctx = model.context(batch["taps"])
     B = model.config.block_size
     out = {}
@@ -101,17 +102,25 @@ def _reference_blocks(model, batch, anchors, valid):
             rope = model.rotary((a + torch.arange(B))[None])
             c = ctx[b : b + 1, :a]
             crope = model.rotary(torch.arange(a)[None])
+            W = model.config.sliding_window
+            mask = None
+            if W is not None:
+                mask = torch.ones(1, 1, B, a + B, dtype=torch.bool)
+                for s in range(B):
+                    for kv in range(a):
+                        mask[0, 0, s, kv] = a + s - kv < W
             for layer in model.layers:
-                x = layer(x, rope, context=c, context_rope=crope)
+                x = layer(x, rope, mask=mask, context=c, context_rope=crope)
             out[(b, j)] = model.norm(x)[0]
     return out
 
 
-@pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_batched_blocks_equal_one_block_at_a_time(setup, attention):
+@pytest.mark.parametrize("attention,window", [("dense", None), ("flex", None), ("dense", 5), ("flex", 6)])
+def test_batched_blocks_equal_one_block_at_a_time(setup, attention, window):
     bundle, layout, samples = setup
     torch.manual_seed(0)
-    cfg = DFlashConfig(num_layers=2, block_size=4, attention=attention, flex_block_size=16, num_anchors=5)
+    cfg = DFlashConfig(num_layers=2, block_size=4, attention=attention, flex_block_size=16, num_anchors=5,
+                       sliding_window=window)
     model = DFlashDrafter.build(cfg, bundle, layout).double()
     batch = collate(samples[:3])
     batch["taps"] = batch["taps"].double()
@@ -138,6 +147,40 @@ def test_context_after_anchor_is_invisible(setup):
         ctx2[:, 9] += 5.0
         h3 = model.block_hidden(batch["input_ids"], ctx2, anchors)
     assert torch.allclose(h1, h2) and not torch.allclose(h1, h3)
+
+
+def test_a_sliding_window_hides_the_context_behind_each_slot(setup):
+    """One layer, window 6, anchor 12: slot s sees context 7 + s .. 11. A change at 7 reaches slot 0 alone, a
+    change at 6 or earlier no slot; without the window every slot sees both."""
+    bundle, layout, samples = setup
+    torch.manual_seed(0)
+    batch = collate(samples[:1])
+    anchors = torch.tensor([[12]])
+    for window, moved in ((6, [0]), (None, [0, 1, 2, 3])):
+        model = DFlashDrafter.build(DFlashConfig(num_layers=1, block_size=4, sliding_window=window), bundle, layout)
+        with torch.no_grad():
+            ctx = model.context(batch["taps"])
+            h = model.block_hidden(batch["input_ids"], ctx, anchors)[0, 0]
+            at7, before7 = ctx.clone(), ctx.clone()
+            at7[:, 7] += 5.0
+            before7[:, :7] += 5.0
+            h7 = model.block_hidden(batch["input_ids"], at7, anchors)[0, 0]
+            h6 = model.block_hidden(batch["input_ids"], before7, anchors)[0, 0]
+        assert [s for s in range(4) if not torch.allclose(h[s], h7[s])] == moved
+        assert [s for s in range(4) if not torch.allclose(h[s], h6[s])] == ([] if window else [0, 1, 2, 3])
+
+
+def test_a_window_is_dflashs_and_holds_a_whole_block():
+    from train.drafters.dflash2.config import DFlash2Config
+    from train.drafters.dspark.config import DSparkConfig
+    from train.drafters.lilicorr.config import LiLiCorrConfig
+
+    assert DFlashConfig(block_size=4, sliding_window=4).sliding_window == 4
+    with pytest.raises(ValueError, match="sliding_window must be >= block_size"):
+        DFlashConfig(block_size=8, sliding_window=7)
+    for cls in (DFlash2Config, DSparkConfig, LiLiCorrConfig):
+        with pytest.raises(ValueError, match="sliding_window is DFlash's only"):
+            cls(block_size=4, sliding_window=8)
 
 
 @pytest.mark.parametrize("kd", ["none", "topk", "exact"])

@@ -16,13 +16,15 @@ from train.export import export_drafter
 B = 4
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, 6], ids=["full", "window6"])
+def exported(request, tmp_path_factory):
+    """A two-layer draft exported with full attention, and with a sliding window of 6 (the shipped modeling file
+    reads it from ``dflash_config``, as vLLM does)."""
     root = tmp_path_factory.mktemp("auto")
     bundle = tiny_bundle(root, scaling=1.7)
     layout = tiny_layout(bundle, tap_ids=(1, 2, 3))
     torch.manual_seed(0)
-    cfg = DFlashConfig(num_layers=2, block_size=B, target_layer_ids=(1, 2))
+    cfg = DFlashConfig(num_layers=2, block_size=B, target_layer_ids=(1, 2), sliding_window=request.param)
     model = away_from_init(DFlashDrafter.build(cfg, bundle, layout), 0.2)
     export_drafter(model, root / "export", {})
     sample = synthetic_samples(bundle, layout, 1, min_len=30, max_len=30, seed=3)[0]
@@ -46,6 +48,10 @@ def test_automodel_loads_the_exact_drafter(exported):
     assert (export / "modeling_dflash.py").is_file()
     for key in ("max_position_embeddings", "rope_parameters", "layer_types"):
         assert key in cfg
+    W = model.config.sliding_window
+    assert cfg["layer_types"] == ["full_attention"] * 2  # vLLM makes a sliding_attention layer causal
+    assert ({"use_swa": True, "swa_window_size": W} if W else {}).items() <= cfg["dflash_config"].items()
+    assert W or not {"use_swa", "swa_window_size"} & set(cfg["dflash_config"])
     auto, info = AutoModel.from_pretrained(export, trust_remote_code=True, output_loading_info=True)
     assert type(auto).__name__ == "DFlashDraftModel"
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

@@ -7,8 +7,9 @@ from train.drafters.common.layers import Attention, RotaryEmbedding
 from train.drafters.common.mask import dense_mask, draft_mask_mod, flex_block_mask, flex_tile
 
 
-def reference_mask(anchors, valid, T, B):
-    """Loop-by-loop statement of the rule (independent of draft_mask_mod)."""
+def reference_mask(anchors, valid, T, B, window=None):
+    """Loop-by-loop statement of the rule (independent of draft_mask_mod): slot s of block j, at position
+    anchor + s, sees the context before its anchor and, with a window, only keys fewer than W positions behind it."""
     Bs, N = anchors.shape
     m = torch.zeros(Bs, 1, N * B, T + N * B, dtype=torch.bool)
     for b in range(Bs):
@@ -17,7 +18,7 @@ def reference_mask(anchors, valid, T, B):
                 q = j * B + s
                 if valid[b, j]:
                     for kv in range(int(anchors[b, j])):
-                        m[b, 0, q, kv] = True
+                        m[b, 0, q, kv] = window is None or int(anchors[b, j]) + s - kv < window
                 for s2 in range(B):
                     m[b, 0, q, T + j * B + s2] = True
     return m
@@ -37,6 +38,20 @@ def test_dense_mask_matches_reference():
     assert torch.equal(got, reference_mask(anchors, valid, T, B))
     # every query row sees at least its own block: no fully masked (NaN) rows
     assert bool(got.any(-1).all())
+
+
+@pytest.mark.parametrize("window", [4, 5, 9])
+def test_windowed_mask_matches_reference(window):
+    anchors, valid, T, B = cases()
+    a = torch.where(valid, anchors, 0)
+    got = dense_mask(a, T, B, window)
+    assert torch.equal(got, reference_mask(anchors, valid, T, B, window))
+    assert torch.equal(dense_mask(a, T, B, T + B), dense_mask(a, T, B))  # a window past every key: no window
+    # block 3 of row 0 (anchor 18): slot 0 sees 18 - W < kv < 18, the last slot one key fewer
+    q0, q3 = 3 * B, 3 * B + 3
+    assert got[0, 0, q0, :T].nonzero().flatten().tolist() == list(range(max(0, 19 - window), 18))
+    assert got[0, 0, q3, :T].nonzero().flatten().tolist() == list(range(max(0, 22 - window), 18))
+    assert got[0, 0, q3, T + 3 * B:T + 4 * B].all()  # the own block, whole
 
 
 def test_mask_keys_on_anchor_position_not_block_index():
@@ -62,8 +77,8 @@ def test_block_mask_matches_dense():
         flex_tile(24)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_flex_forward_matches_dense_sdpa_cpu(kv_heads):
+@pytest.mark.parametrize("kv_heads,window", [(1, None), (2, None), (2, 6)])
+def test_flex_forward_matches_dense_sdpa_cpu(kv_heads, window):
     torch.manual_seed(0)
     Bs, N, B, T, H = 2, 5, 4, 37, 32
     anchors = torch.sort(torch.randint(0, T, (Bs, N)), dim=1).values
@@ -75,8 +90,8 @@ def test_flex_forward_matches_dense_sdpa_cpu(kv_heads):
     pos = (anchors[:, :, None] + torch.arange(B)).view(Bs, N * B)
     with torch.no_grad():
         pre = att.project_kv(ctx, rot(torch.arange(T)[None].expand(Bs, T)))
-        dense = att(x, rot(pos), mask=dense_mask(anchors, T, B), kv_prefix=pre)
-        flex = att(x, rot(pos), mask=flex_block_mask(anchors, T, B, 16), kv_prefix=pre)
+        dense = att(x, rot(pos), mask=dense_mask(anchors, T, B, window), kv_prefix=pre)
+        flex = att(x, rot(pos), mask=flex_block_mask(anchors, T, B, 16, window), kv_prefix=pre)
     assert torch.allclose(dense, flex, atol=1e-10, rtol=0)
 
 

@@ -39,3 +39,6 @@ def test_refuses_what_the_format_cannot_hold(tmp_path):
         to_speculators(state, cfg, verifier=None)
     with pytest.raises(ValueError, match="DFlash and DFlash2"):
         to_speculators(state, {**cfg, "tapdraft": {"family": "mtp"}}, verifier="t")
+    windowed = {**cfg, "dflash_config": {**cfg["dflash_config"], "use_swa": True, "swa_window_size": 8}}
+    with pytest.raises(ValueError, match="sliding window"):
+        to_speculators(state, windowed, verifier="t")

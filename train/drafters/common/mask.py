@@ -9,6 +9,11 @@ concatenate them in (``train.drafters.common.layers.Attention`` prepends the con
   index: anchors are sorted but may be arbitrary positions, and overlapping blocks are fine);
 - every slot of its own block (T + j*B <= kv < T + (j+1)*B); nothing else.
 
+With a sliding window W (``window``), a context key must also lie fewer than W positions behind the query: slot s of
+block j sits at position anchor_j + s and sees context kv iff anchor_j + s - W < kv < anchor_j. That is the rule of
+the DFlash reference model (``query - key < sliding_window``) and of vLLM's sliding-window attention, which serves
+such a draft; W >= B keeps the whole own block visible (its keys lie within B - 1 positions of every query).
+
 Padding blocks carry anchor 0, so they see only their own block: no row is fully masked, so no NaN.
 
 :func:`draft_mask_mod` is the rule; :func:`dense_mask` evaluates it on broadcast index grids for
@@ -35,23 +40,26 @@ except ImportError:  # pragma: no cover
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def draft_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> MaskMod:
+def draft_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None) -> MaskMod:
     """The visibility rule as a FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool.
 
-    anchors_BN: int [Bs, N], the anchor position of every block (0 for padding blocks).
+    anchors_BN: int [Bs, N], the anchor position of every block (0 for padding blocks); window: the sliding window
+    W (None: the whole context before the anchor).
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
         j = q_idx // block_size
         in_ctx = kv_idx < ctx_len
         sees_ctx = in_ctx & (kv_idx < anchors_BN[b, j])
+        if window is not None:
+            sees_ctx = sees_ctx & (kv_idx > anchors_BN[b, j] + q_idx % block_size - window)
         own_block = (~in_ctx) & ((kv_idx - ctx_len) // block_size == j)
         return sees_ctx | own_block
 
     return mask_mod
 
 
-def dense_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def dense_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None) -> torch.Tensor:
     """Bool [Bs, 1, Q, KV] (True = may attend) for ``scaled_dot_product_attention``."""
     Bs, N = anchors_BN.shape
     dev = anchors_BN.device
@@ -60,7 +68,7 @@ def dense_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch
     h = torch.zeros((), dtype=torch.long, device=dev)
     q = torch.arange(Q, device=dev)[None, None, :, None]
     kv = torch.arange(ctx_len + Q, device=dev)[None, None, None, :]
-    return draft_mask_mod(anchors_BN, ctx_len, block_size)(b, h, q, kv)
+    return draft_mask_mod(anchors_BN, ctx_len, block_size, window)(b, h, q, kv)
 
 
 def flex_tile(mask_block: int) -> int:
@@ -71,7 +79,8 @@ def flex_tile(mask_block: int) -> int:
     raise ValueError(f"flex_block_size {mask_block} must be a multiple of 16")
 
 
-def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mask_block: int = 128) -> "BlockMask":
+def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mask_block: int = 128,
+                    window: int | None = None) -> "BlockMask":
     """FlexAttention BlockMask of the same rule (heads broadcast)."""
     if create_block_mask is None:
         raise ValueError("this torch has no FlexAttention; use attention='dense'")
@@ -79,7 +88,7 @@ def flex_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int, mas
     Bs, N = anchors_BN.shape
     Q = N * block_size
     return create_block_mask(
-        draft_mask_mod(anchors_BN, ctx_len, block_size),
+        draft_mask_mod(anchors_BN, ctx_len, block_size, window),
         Bs,
         None,
         Q,

@@ -71,6 +71,10 @@ class DFlashConfig:
     """Anchors need p + B <= length (True) or only p + 1 < length (False, overhang masked)."""
     attention: str = "dense"
     """dense (SDPA with a bool mask; trains on CPU) or flex (BlockMask; backward needs a GPU)."""
+    sliding_window: int | None = None
+    """Sliding-window draft layers: a slot at position p attends to context keys above p - W only (and its whole
+    block), the rule of the DFlash reference model and of vLLM, which the export tells (``dflash_config.use_swa``,
+    ``swa_window_size``). None: every layer attends the whole context before its anchor. At least block_size."""
     flex_block_size: int = 128
     """BlockMask block size (a multiple of the Flex kernel tile)."""
     compile: bool = False
@@ -91,6 +95,8 @@ class DFlashConfig:
 
     slot_weightings = ("decay", "reach", "dpace")
     """The slot weightings this family's loss implements (a class attribute, not a setting)."""
+    serves_window = True
+    """Whether the family's export tells engines a sliding window (DFlash's does, checked against vLLM)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -111,6 +117,13 @@ class DFlashConfig:
         if self.max_loss_rows is not None and self.max_loss_rows < self.block_size - 1:
             raise ValueError(f"max_loss_rows must hold one block's {self.block_size - 1} loss rows, "
                              f"got {self.max_loss_rows}; raise it or lower block_size")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window must be >= block_size ({self.block_size}) so a slot sees its whole block, "
+                             f"got {self.sliding_window}; or null for full attention")
+        if self.sliding_window is not None and not self.serves_window:
+            raise ValueError(f"sliding_window is DFlash's only: this family's export does not tell an engine the "
+                             "window (vLLM serves it in its V2 runner, whose model was not checked for one); use "
+                             "family dflash or drop it")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.kd not in KD_MODES:

@@ -75,6 +75,9 @@ def to_speculators(state: dict[str, torch.Tensor], config: dict[str, Any], *, ve
                          "as a context tap (it drops it and slices fc.weight); export it in the native layout (drop "
                          "--layout), which vLLM serves as it is")
     dc = config["dflash_config"]
+    if dc.get("use_swa"):
+        raise ValueError("this draft's layers attend a sliding window, which speculators' DFlash config cannot state "
+                         "(vLLM would serve it with full attention); export it in the native layout (drop --layout)")
     doc: dict[str, Any] = {
         "speculators_model_type": family,
         "speculators_version": FORMAT_VERSION,

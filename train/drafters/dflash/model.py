@@ -8,7 +8,8 @@ Model:
              its own k/v and prepends it to the block's K/V (context rows are never queried)
     final RMSNorm -> the target's FROZEN head (lm_head, bias, scaling, soft cap: shards.head) -> slot k
              predicts input_ids[a + k]; block tokens are embedded as the target embeds them (embed_scale)
-Visibility (``train.drafters.common.mask``): block j sees context positions < anchor_j and its own block.
+Visibility (``train.drafters.common.mask``): block j sees context positions < anchor_j and its own block; with
+``sliding_window`` W, slot k sees only the context above anchor_j + k - W.
 
 Settings are ``dflash.config``, anchors ``dflash.anchors``, and the training loss, with its
 loss-row budget and the reduced draft vocabulary, ``train.drafters.dflash.loss`` (a mixin of the drafter);
@@ -137,9 +138,9 @@ class DFlashDrafter(DFlashLoss, Drafter):
         rope = self.rotary(pos)
         ctx_rope = self.rotary(torch.arange(T, device=dev)[None].expand(Bs, T))
         if cfg.attention == "flex":
-            mask = flex_block_mask(anchors_BN, T, B, cfg.flex_block_size)
+            mask = flex_block_mask(anchors_BN, T, B, cfg.flex_block_size, cfg.sliding_window)
         else:
-            mask = dense_mask(anchors_BN, T, B)
+            mask = dense_mask(anchors_BN, T, B, cfg.sliding_window)
         h = self._stack(x, rope, mask, ctx_BTH, ctx_rope)
         return h.view(Bs, N, B, -1)
 
@@ -329,6 +330,7 @@ class DFlashDrafter(DFlashLoss, Drafter):
                 "mask_token_id": cfg.mask_token_id,
                 **({"mask_token": self.mask_token} if self.mask_token else {}),
                 "target_layer_ids": list(cfg.target_layer_ids),
+                **self._window_config(),
             },
             **self._draft_vocab_config(),
             "tapdraft": {
@@ -360,6 +362,14 @@ class DFlashDrafter(DFlashLoss, Drafter):
         return {"last_layer_tap": f"tap {last} is the last decoder layer's output BEFORE the final norm (vLLM's "
                 f"layer id {last + 1} is the same tensor); HF hidden_states[-1] is after the final norm, so a trainer "
                 "or loader that reads hidden_states (NeMo Automodel's DFlash) would feed this draft post-norm states"}
+
+    def _window_config(self) -> dict[str, Any]:
+        """A sliding window as vLLM 0.32's ``qwen3_dflash.py`` reads it (``_resolve_layer_attention``): ``use_swa`` makes
+        every layer sliding while ``layer_types`` stays full attention, so the blocks stay non-causal (a
+        ``sliding_attention`` layer type would make them causal there); ``swa_window_size`` is W. {} when off."""
+        if self.config.sliding_window is None:
+            return {}
+        return {"use_swa": True, "swa_window_size": int(self.config.sliding_window)}
 
     def _draft_vocab_config(self) -> dict[str, Any]:
         """EAGLE-3's config key for a reduced draft vocabulary (``d2t`` / ``t2d`` ride in the weights); {} when off."""

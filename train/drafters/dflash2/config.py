@@ -12,6 +12,8 @@ from train.drafters.dflash2.selector import GOLD_MISS_POLICIES
 class DFlash2Config(DFlashConfig):
     """DFlash settings plus the convolutions and the path selector."""
 
+    serves_window = False
+
     slot_weightings = ("decay",)
     """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
 

@@ -13,6 +13,8 @@ from train.drafters.dspark.markov import HEAD_TYPES
 class DSparkConfig(DFlashConfig):
     """DFlash settings with DSpark's alignment, Markov head, confidence head and loss weights."""
 
+    serves_window = False
+
     slot_weightings = ("decay",)
     """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
 

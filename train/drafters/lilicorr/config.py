@@ -14,6 +14,8 @@ PENALTIES = ("exact", "topk_bound")
 class LiLiCorrConfig(DFlashConfig):
     """DFlash settings plus the lattice head's geometry and its two loss terms."""
 
+    serves_window = False
+
     slot_weightings = ("decay",)
     """Its loss weighs slots by the fixed decay only (its rows' weights are set before their losses are known)."""
 

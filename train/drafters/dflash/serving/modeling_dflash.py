@@ -10,6 +10,10 @@ complete model repository. It computes exactly what tapdraft's trainer computes 
                then the block] (context rows are keys/values only), QK-norm before RoPE, SwiGLU
     output   = RMSNorm_final(block)                                  -> logits = target lm_head(output)
 
+Sliding window (``dflash_config.use_swa`` with ``swa_window_size`` W, as vLLM reads them): a block slot at position p
+sees only keys above p - W (its whole block when W >= the block size). Keys are taken to hold consecutive positions
+ending with the block, as in a fresh call (context 0..P-1, block P..) and in the reference decoding loop's cache.
+
 Draft vocabulary (``draft_vocab_size`` in the config, EAGLE-3's convention): the export then holds
 ``d2t`` (int64 [N]; draft id i is target id i + d2t[i]), ``t2d`` (bool [V]) and ``lm_head.weight`` [N, H], the
 target's lm_head rows at those ids (frozen, carried so that vLLM, which otherwise shares the target's whole head
@@ -72,6 +76,8 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        dcfg = getattr(config, "dflash_config", None) or {}
+        self.window = int(dcfg["swa_window_size"]) if dcfg.get("use_swa") else None
         self.n, self.kv = config.num_attention_heads, config.num_key_value_heads
         self.d = getattr(config, "head_dim", None) or config.hidden_size // self.n
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -99,6 +105,10 @@ class DFlashAttention(nn.Module):
         k, v = torch.cat([k_c, k_x.to(k_c.dtype)], 2), torch.cat([v_c, v_x.to(v_c.dtype)], 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_mask is None and self.window is not None:
+            K = k.shape[2]
+            q_pos = torch.arange(K - L, K, device=k.device)[:, None]
+            attention_mask = (q_pos - torch.arange(K, device=k.device)[None]).abs() < self.window  # [L, K]
         rep = self.n // self.kv
         if rep > 1:
             k = k[:, :, None].expand(B, self.kv, rep, *k.shape[2:]).reshape(B, self.n, *k.shape[2:])

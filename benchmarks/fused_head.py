@@ -5,10 +5,13 @@
   ``train.drafters.common.losses.trained_head_losses`` (gradients for rows and head in the forward).
 - ``dflash_ce0``: DFlash's fused loss with the exact KD teacher and ``ce_weight: 0``: A = the CE gradient computed
   anyway, B = skipped (``ce_grad=False``).
+- ``dspark``: DSpark's CE + L1 on the Markov-corrected logits (rank 256) against a stored top-64 teacher, at its
+  weights 0.1 / 0.9: A = autograd through activation-checkpointed chunks (DSpark's loss before), B = the fused
+  ``train.drafters.dspark.loss.dspark_row_losses`` (one gradient a chunk for rows, Markov embeddings and markov_w2).
 
 Random weights and rows (time does not depend on their values); one thread; the table gives medians and the ratio.
 
-    python -m benchmarks.fused_head [--rows 512] [--pairs 3]
+    python -m benchmarks.fused_head [--rows 512] [--pairs 3] [--cases dspark]
 """
 
 from __future__ import annotations
@@ -24,18 +27,48 @@ import torch
 from benchmarks.common import write_result
 from shards.head import HeadSpec
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full
+from shards.head import project
+from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
 from train.drafters.common.losses import row_losses, trained_head_losses
-from train.drafters.common.teacher import ExactTeacher
+from train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from train.drafters.dspark.loss import dspark_row_losses
 
 V, H = 49_152, 576
 
 
+RANK, TOPK = 256, 64
+
+
 def _inputs(rows: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(rows, V, generator=g), -1)
+    ids = lp.topk(TOPK, -1).indices
     return {"x": torch.randn(rows, H, generator=g), "W": torch.randn(V, H, generator=g) * 0.05,
             "Wt": torch.randn(V, H, generator=g) * 0.05, "th": torch.randn(rows, H, generator=g),
-            "nw": torch.ones(H), "y": torch.randint(0, V, (rows,), generator=g)}
+            "nw": torch.ones(H), "y": torch.randint(0, V, (rows,), generator=g),
+            "e": torch.randn(rows, RANK, generator=g), "W2": torch.randn(V, RANK, generator=g) * 0.02,
+            "topk": TopKTeacher(ids, lp.gather(-1, ids)), "w": torch.rand(rows, generator=g)}
+
+
+def dspark_checkpointed(a: dict[str, Any], chunk: int) -> None:
+    x, e, W2 = (a[k].clone().requires_grad_(True) for k in ("x", "e", "W2"))
+    t = a["topk"]
+
+    def rows(xc, ec, yc, ic, lc):
+        z = project(xc, a["W"], HeadSpec()) + ec @ W2.T
+        return torch.nn.functional.cross_entropy(z.float(), yc, reduction="none"), 2.0 * kl_tv_topk(ic, lc, z)[1]
+
+    ce, l1 = map_row_chunks(rows, [x, e, a["y"], t.ids_Rk, t.logprobs_Rk], chunk)
+    w = a["w"]
+    (0.1 * (w * ce).sum() / w.sum() + 0.9 * (w * l1).sum() / w.sum()).backward()
+
+
+def dspark_fused(a: dict[str, Any], chunk: int) -> None:
+    x, e, W2 = (a[k].clone().requires_grad_(True) for k in ("x", "e", "W2"))
+    w = a["w"]
+    ce, l1, _, _, _ = dspark_row_losses(x, e, W2, a["W"], a["y"], w, w, a["topk"], chunk_rows=chunk,
+                                        weights=(0.1, 0.9))
+    (0.1 * ce / w.sum() + 0.9 * l1 / w.sum()).backward()
 
 
 def eagle3_checkpointed(a: dict[str, Any], chunk: int) -> None:
@@ -69,6 +102,7 @@ def dflash_ce0(ce_grad: bool) -> Callable[[dict[str, Any], int], None]:
 CASES = {
     "eagle3_kl": ("checkpointed autograd + TV", eagle3_checkpointed, "fused", eagle3_fused),
     "dflash_ce0": ("CE gradient computed", dflash_ce0(True), "skipped (ce_weight 0)", dflash_ce0(False)),
+    "dspark": ("checkpointed autograd", dspark_checkpointed, "fused", dspark_fused),
 }
 
 
@@ -77,11 +111,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--name", default="fused_head.json")
     args = ap.parse_args(argv)
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASES):
+        ap.error(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
     torch.set_num_threads(1)
     a = _inputs(args.rows)
     out = []
-    for name, (a_name, fa, b_name, fb) in CASES.items():
+    for name in cases:
+        a_name, fa, b_name, fb = CASES[name]
         times: dict[str, list[float]] = {"A": [], "B": []}
         loads = []
         fa(a, args.chunk), fb(a, args.chunk)  # warm
@@ -97,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<11} A {a_name}: {ma:.2f} s  B {b_name}: {mb:.2f} s  {ma / mb:.2f}x  (load {loads})", flush=True)
     doc = {"benchmark": "fused_head", "vocab": V, "hidden": H, "rows": args.rows, "chunk_rows": args.chunk,
            "pairs": args.pairs, "results": out}
-    write_result("fused_head.json", doc)
+    write_result(args.name, doc)
     return doc
 
 

@@ -18,8 +18,9 @@ mask, frozen target head and checkpointing are inherited):
     kept on it), p the stored teacher row (``kd``: ``topk``, the lumped-tail form, a lower bound; or
     ``exact``), q = softmax(z). The confidence head's logit c is trained towards the row's analytical
     acceptance 1 - TV (detached). Each term is normalised by its own slot-weighted row count
-    (``train.drafters.base.combine_terms``). Rows are processed in checkpointed chunks (``chunk_rows``),
-    so [rows, V] logits never exist whole.
+    (``train.drafters.base.combine_terms``). The CE and L1 rows are fused (``train.drafters.dspark.loss``): chunks of
+    ``chunk_rows`` whose gradients are computed in the forward, so [rows, V] logits never exist whole and none is
+    computed twice.
 
 Export: vLLM 0.32's ``Qwen3DSparkModel`` (vllm/model_executor/models/qwen3_dspark.py): DFlash's tensors plus
 ``markov_head.markov_w{1,2}.weight`` and ``confidence_head.proj.{weight,bias}``, and the config fields its
@@ -42,13 +43,14 @@ from shards.schema import Layout
 from train.acceptance import acceptance_counts, acceptance_metrics
 from train.drafters.base import LossOutput
 from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_topk, tv_full
+from train.drafters.common.divergences import tv_full
 from train.drafters.common.losses import slot_weights
 from train.drafters.common.teacher import last_hidden
 from train.drafters.dflash.model import DFlashDrafter
 from train.drafters.dspark import LAYOUTS
 from train.drafters.dspark.markov import ConfidenceHead, MarkovHead, walk
 from train.drafters.dspark.config import DSparkConfig
+from train.drafters.dspark.loss import dspark_row_losses
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -111,36 +113,22 @@ class DSparkDrafter(DFlashDrafter):
         prev = self.predecessors(batch["input_ids"], tpos)[valid]
         w = self.weights_k.to(h.device).expand_as(valid)[valid]
         teacher, t_w = self.kd_teacher(batch, valid, tpos, w)
-        extra = [teacher.hidden_RH] if cfg.kd == "exact" else [teacher.ids_Rk, teacher.logprobs_Rk]
-        ce, l1, bce, correct = map_row_chunks(self._row_losses, [h_rows, y, prev, *extra], cfg.chunk_rows)
+        emb = self.markov_head.embed(prev)
+        ce_sum, l1_sum, _, tv, correct = dspark_row_losses(
+            h_rows, emb, self.markov_head.markov_w2.weight, self.frozen_draft_head()[0], y, w, t_w, teacher,
+            head=self.head_spec, chunk_rows=cfg.chunk_rows, weights=(cfg.ce_weight, cfg.tv_weight))
         # every trainable parameter stays in the graph when no row carries a loss (DDP waits on all grads)
         anchor = 0.0 * h.sum() + 0.0 * sum(p.sum() for p in self.markov_head.parameters())
-        terms = {"ce": ((w * ce).sum() + anchor, w.sum().detach(), cfg.ce_weight),
-                 "l1": ((t_w * l1).sum(), t_w.sum().detach(), cfg.tv_weight)}
+        terms = {"ce": (ce_sum + anchor, w.sum().detach(), cfg.ce_weight),
+                 "l1": (l1_sum, t_w.sum().detach(), cfg.tv_weight)}
         if self.confidence_head is not None:
+            c = self.confidence_head(h_rows, emb)
+            bce = F.binary_cross_entropy_with_logits(c.float(), (1.0 - tv).clamp(0.0, 1.0).float(), reduction="none")
             anchor_c = 0.0 * sum(p.sum() for p in self.confidence_head.parameters())
             terms["confidence"] = ((t_w * bce).sum() + anchor_c, t_w.sum().detach(), cfg.confidence_weight)
         corr = torch.zeros(valid.shape, dtype=torch.bool, device=h.device)
-        corr[valid] = correct.bool()
+        corr[valid] = correct
         return LossOutput(terms=terms, metrics=acceptance_metrics(acceptance_counts(corr, valid)))
-
-    def _row_losses(self, h: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, *teacher: torch.Tensor):
-        """Per-row CE, L1 (= 2 TV) to the teacher, the confidence BCE (0 without the head) and correctness, for
-        one chunk of rows (its [rows, V] logits built here only)."""
-        z = self.corrected_logits(h, prev)
-        ce = F.cross_entropy(z.float(), y, reduction="none")
-        if self.config.kd == "exact":
-            p = self.target.logits(teacher[0])
-            tv = tv_full(p.to(z.dtype), z)
-        else:
-            tv = kl_tv_topk(teacher[0], teacher[1], z)[1]
-        if self.confidence_head is not None:
-            c = self.confidence_head(h, self.markov_head.embed(prev))
-            bce = F.binary_cross_entropy_with_logits(c.float(), (1.0 - tv).detach().clamp(0.0, 1.0).float(),
-                                                     reduction="none")
-        else:
-            bce = torch.zeros_like(ce)
-        return ce, 2.0 * tv, bce, (z.argmax(-1) == y)
 
     # -- drafting and evaluation ---------------------------------------------------------------
     @torch.no_grad()

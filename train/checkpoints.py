@@ -59,7 +59,7 @@ class Checkpoint:
     """The optimizer's state dict."""
     scheduler: dict[str, Any] | None = None
     """The learning-rate schedule's state dict."""
-    data_states: list[Any] = field(default_factory=list)
+    data_states: list[dict[str, Any]] = field(default_factory=list)
     """Each rank's batch-stream state (resume continues the same sample order)."""
     export_config: dict[str, Any] | None = None
     """The drafter's ``export_config()``, so export needs no dataset (None: its family cannot be exported)."""

@@ -44,7 +44,7 @@ import yaml
 
 from shards.template import template_kwargs as canonical_template_kwargs
 from train.drafters import DEFAULT_FAMILY
-from train.drafters.base import get_family
+from train.drafters.base import DrafterConfig, get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -174,7 +174,7 @@ class RunConfig:
     """Everything a run needs: which drafter family, its config, and the training config."""
 
     family: str
-    drafter: Any
+    drafter: DrafterConfig
     train: TrainConfig
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from shards.errors import DivergedError, Interrupted, StopSignals
 from shards.progress import Progress
@@ -68,7 +69,7 @@ def lr_lambda(tc: TrainConfig):
     return f
 
 
-def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> tuple[torch.optim.Optimizer, LambdaLR]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -229,8 +230,8 @@ class _Trainer:
     model: Drafter
     ddp: torch.nn.Module
     opt: torch.optim.Optimizer
-    sched: Any
-    stream: Any
+    sched: LambdaLR
+    stream: BatchStream | WorkerBatchStream
     start: int
     draft_vocab: dict[str, Any] | None = None
 
@@ -265,7 +266,8 @@ def _setup(run: RunConfig, src: DataSource, ckpt: Checkpoint | None, rank: int, 
     return _Trainer(model, ddp, opt, sched, _batch_stream(src, tc, rank, world, data_state), start, vocab)
 
 
-def _batch_stream(src: DataSource, tc: TrainConfig, rank: int, world: int, data_state: Any):
+def _batch_stream(src: DataSource, tc: TrainConfig, rank: int, world: int,
+                  data_state: dict[str, Any] | None) -> BatchStream | WorkerBatchStream:
     """This rank's endless batch stream (in-process, or over ``num_workers`` loader processes)."""
     sizes = {"max_tokens": tc.max_tokens, "max_batch_size": tc.max_batch_size, "max_seq_len": tc.max_seq_len}
     if tc.num_workers > 0:

@@ -107,3 +107,27 @@ def test_shared_blocks_are_not_listed_as_recipes():
     with pytest.raises(ValueError, match="unknown recipe") as e:
         load_run_config("nope")
     assert "_train" not in str(e.value) and "dflash_b8" in str(e.value)
+
+
+def test_every_family_config_has_what_the_drafter_protocol_reads():
+    from train.drafters import FAMILIES
+    from train.drafters.base import CONFIG_MEMBERS, get_family
+
+    assert {"num_heads", "draft_vocab", "chunk_rows"} <= set(CONFIG_MEMBERS)
+    for family in FAMILIES:
+        get_family(family)  # raises for a config without a member
+
+
+def test_a_family_config_without_a_protocol_field_is_refused():
+    import dataclasses
+
+    from train.drafters.base import check_config_class
+    from train.drafters.eagle3.config import Eagle3Config
+
+    check_config_class("eagle3", Eagle3Config)
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(Eagle3Config) if f.name != "chunk_rows"]
+    planted = dataclasses.make_dataclass("Planted", fields, frozen=True)
+    with pytest.raises(ValueError, match="lacks the fields chunk_rows"):
+        check_config_class("planted", planted)
+    with pytest.raises(ValueError, match="lacks the fields"):
+        check_config_class("planted", dict)

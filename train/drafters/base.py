@@ -23,11 +23,12 @@ and ranks, reported as sum / count.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,26 @@ class FrozenHead(nn.Module):
                               lm_head_bias_V=self.lm_head_bias)
 
 
+class DrafterConfig(Protocol):
+    """What every family's ``CONFIG`` (a frozen dataclass) has: the draft layer's shape (None: the target's), the
+    draft vocabulary (None: the target's), the loss's chunk of rows and the initialisation's scale."""
+
+    @property
+    def num_heads(self) -> int | None: ...
+    @property
+    def num_kv_heads(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def intermediate_size(self) -> int | None: ...
+    @property
+    def draft_vocab(self) -> int | None: ...
+    @property
+    def chunk_rows(self) -> int: ...
+    @property
+    def init_std(self) -> float: ...
+
+
 class Drafter(nn.Module):
     """Base class of every drafter family.
 
@@ -117,17 +138,17 @@ class Drafter(nn.Module):
     serving_dir: ClassVar[Path | None] = None
     """The folder of the self-contained modeling files an export ships when its config names them in ``auto_map``."""
 
-    def __init__(self, config: Any, bundle: TargetBundle, layout: Layout) -> None:
+    def __init__(self, config: DrafterConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__()
         self.config = config
 
     @classmethod
-    def build(cls, config: Any, bundle: TargetBundle, layout: Layout) -> "Drafter":
+    def build(cls, config: DrafterConfig, bundle: TargetBundle, layout: Layout) -> "Drafter":
         cls.check_dataset(config, bundle, layout)
         return cls(config, bundle, layout)
 
     @classmethod
-    def check_dataset(cls, config: Any, bundle: TargetBundle, layout: Layout) -> None:
+    def check_dataset(cls, config: DrafterConfig, bundle: TargetBundle, layout: Layout) -> None:
         """Raise ValueError when the dataset cannot train this drafter (default: accept)."""
 
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
@@ -231,7 +252,7 @@ def pick_tokens(logits_KV: torch.Tensor, temperature: float,
     return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
 
 
-def layer_shape(bundle: TargetBundle, config: Any) -> tuple[int, int, int, int, int]:
+def layer_shape(bundle: TargetBundle, config: DrafterConfig) -> tuple[int, int, int, int, int]:
     """(hidden, heads, kv heads, head dim, intermediate) of a draft layer: the config's ``num_heads``,
     ``num_kv_heads``, ``head_dim`` and ``intermediate_size`` where set, else the target's (from the bundle)."""
     tc = bundle.config
@@ -243,7 +264,7 @@ def layer_shape(bundle: TargetBundle, config: Any) -> tuple[int, int, int, int, 
     return H, heads, kv, head_dim, inter
 
 
-def get_family(name: str) -> tuple[type, type[Drafter]]:
+def get_family(name: str) -> tuple[type[DrafterConfig], type[Drafter]]:
     """Family name -> (ConfigClass, DrafterClass); ValueError lists the known names."""
     if name not in FAMILIES:
         raise ValueError(f"unknown drafter family {name!r}; known: {sorted(FAMILIES)}")
@@ -251,14 +272,27 @@ def get_family(name: str) -> tuple[type, type[Drafter]]:
         mod = importlib.import_module(FAMILIES[name])
     except ModuleNotFoundError as e:
         raise ValueError(f"drafter family {name!r} is registered but its module {FAMILIES[name]} is missing: {e}")
+    check_config_class(name, mod.CONFIG)
     return mod.CONFIG, mod.DRAFTER
 
 
-def _world(group: Any = None) -> int:
+CONFIG_MEMBERS = tuple(n for n, v in vars(DrafterConfig).items() if isinstance(v, property))
+
+
+def check_config_class(family: str, config: type) -> None:
+    """Refuse a family whose CONFIG is not a dataclass with every :class:`DrafterConfig` member as a field."""
+    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    missing = [n for n in CONFIG_MEMBERS if n not in fields]
+    if missing:
+        raise ValueError(f"drafter family {family!r}: its CONFIG {config.__name__} lacks the fields "
+                         f"{', '.join(missing)} every family's config has (train.drafters.base.DrafterConfig)")
+
+
+def _world(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum over the DP group (identity when not distributed). Returns a new tensor."""
     t = t.detach().clone()
     if _world(group) > 1:
@@ -269,7 +303,7 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
 def combine_terms(
     terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     ddp_averages: bool = True,
     eps: float = 1e-12,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -301,7 +335,7 @@ def combine_terms(
 
 
 def reduce_metrics(
-    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]], *, group: Any = None
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]], *, group: dist.ProcessGroup | None = None
 ) -> dict[str, tuple[float, float]]:
     """All-reduce metric (sum, count) pairs in one collective -> {name: (global sum, global count)}."""
     if not metrics:

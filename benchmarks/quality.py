@@ -83,9 +83,9 @@ def one_budget(runs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("no recipes to compare")
     first, ref = items[0]
     for name, run in items[1:]:
-        if run.train != ref.train:
+        if dataclasses.replace(run.train, seed=ref.train.seed) != ref.train:  # seeds may differ (--seeds)
             diff = sorted(k for k, v in dataclasses.asdict(run.train).items()
-                          if v != getattr(ref.train, k))
+                          if v != getattr(ref.train, k) and k != "seed")
             raise ValueError(f"recipe {name} trains on another budget than {first} ({', '.join(diff)} differ); "
                              f"give them one with --set train.KEY=VALUE or compare them in separate runs")
     blocks = {name: (run.drafter.block_size, run.drafter.num_layers) for name, run in items
@@ -145,17 +145,24 @@ def live(target: Path, run_dir: Path, dataset: Path, conversations: Path, *, tem
     return out
 
 
-def recipe_config(recipe: str, steps: int, args: argparse.Namespace) -> Any:
+def recipe_config(recipe: str, steps: int, args: argparse.Namespace, seed: int | None = None) -> Any:
     sets = [f"max_steps={steps}", "progress=false", f"log_every={max(steps // 10, 1)}", "ckpt_every=100000",
-            *args.overrides]
+            *args.overrides, *([f"seed={seed}"] if seed is not None else [])]
     return load_run_config(recipe, overrides=sets)
 
 
-def run_recipe(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
+def run_label(recipe: str, seed: int | None) -> str:
+    """A row's name: the recipe, and with --seeds its seed (``dflash_demo@1``)."""
+    return recipe if seed is None else f"{recipe}@{seed}"
+
+
+def run_recipe(label: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
                temperatures: list[float]) -> dict[str, Any]:
+    recipe = label.split("@")[0]
     dataset, steps = str(prep["dataset"]), run.train.max_steps
     # runs with other --set overrides go to their own folders, so variants of one recipe can run at once
     tag = "-" + hashlib.sha256("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
+    tag += f"-seed{label.split('@')[1]}" if "@" in label else ""
     base_dir, run_dir = runs_root / f"{recipe}{tag}-step1", runs_root / f"{recipe}{tag}-{steps}"
     for d in (base_dir, run_dir):
         if d.exists():
@@ -167,7 +174,7 @@ def run_recipe(recipe: str, run: Any, args: argparse.Namespace, prep: dict[str, 
     train_s = time.perf_counter() - t1
     res = evaluate(run_dir, dataset, split="validation")
     row: dict[str, Any] = {
-        "recipe": recipe, "family": run.family, "steps": steps, "block_size": res["block_size"],
+        "recipe": recipe, "seed": run.train.seed, "family": run.family, "steps": steps, "block_size": res["block_size"],
         "tau": round(res["tau"], 4), "tau_untrained": round(base["tau"], 4),
         "tau_gain": round(res["tau"] - base["tau"], 4),
         "tau_replayed": None if res.get("tau_replayed") is None else round(res["tau_replayed"], 4),
@@ -225,10 +232,32 @@ def format_row(row: dict[str, Any]) -> str:
     lv = row.get("live", {})
     live_s = "  ".join(f"live {k} {v['tau']:.3f}" + (f" ({v['matches_greedy']} exact)" if "matches_greedy" in v else "")
                        for k, v in lv.items())
-    return (f"{row['recipe']:13s} B={row['block_size']:2d} steps={row['steps']:4d}  tau {row['tau']:.3f} "
+    return (f"{run_label(row['recipe'], row.get('seed')):13s} B={row['block_size']:2d} steps={row['steps']:4d}  tau {row['tau']:.3f} "
             f"(untrained {row['tau_untrained']:.3f})  replayed {opt(row['tau_replayed'])}  sampled "
             f"{opt(row['tau_sampled'])}  {live_s}  train {row['train_seconds']:.0f}s  "
             f"loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}")
+
+
+def over_seeds(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per recipe, over its seeds' rows: the mean, min and max of the first two slots' acceptance, tau and tau
+    replayed (the spread one seed cannot show)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        mine = [r for r in rows if r["recipe"] == recipe]
+        figures = {"first_slot": [r["alpha"][0] for r in mine],
+                   "second_slot": [r["alpha"][1] if len(r["alpha"]) > 1 else None for r in mine],
+                   "tau": [r["tau"] for r in mine], "tau_replayed": [r["tau_replayed"] for r in mine]}
+        out[recipe] = {k: {"mean": round(sum(v) / len(v), 4), "min": min(v), "max": max(v), "n": len(v)}
+                       for k, v in figures.items() if v and None not in v}
+    return out
+
+
+def format_over_seeds(summary: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = []
+    for recipe, figs in summary.items():
+        lines.append(f"{recipe:18s} " + "  ".join(f"{k} {v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+                                                  for k, v in figs.items()) + f"  (seeds: {next(iter(figs.values()))['n']})")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]], temperatures: list[float]) -> str:
@@ -242,7 +271,7 @@ def table(rows: list[dict[str, Any]], temperatures: list[float]) -> str:
     for r in rows:
         lv = r.get("live", {})
         k = next((v["drafts_per_round"] for v in lv.values()), None)
-        line = (f"{r['recipe']:18s} {r['family']:8s} {'-' if k is None else k:<2} {r['train_seconds']:7.0f} "
+        line = (f"{run_label(r['recipe'], r.get('seed')):18s} {r['family']:8s} {'-' if k is None else k:<2} {r['train_seconds']:7.0f} "
                 f"{r['tau']:5.3f} {f(r['tau_replayed'])} {f(r['tau_sampled'])}")
         for t in temperatures:
             v = lv.get(f"T={t:g}", {})
@@ -275,6 +304,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared box; 2 threads fighting "
                     "other processes for 2 cores ran 4x slower here)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra key=value overrides")
+    ap.add_argument("--seeds", default=None, help="comma-separated training seeds: every recipe trains once per "
+                    "seed, and the results add each recipe's mean and range over them (default: the recipe's seed)")
     ap.add_argument("--name", default=None, help="results file name (default quality.json, quality_quick.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -286,12 +317,17 @@ def main(argv: list[str] | None = None) -> Path:
     runs_root = Path(args.workdir) / "quality_runs"
     sets = {"families": FAMILY_RECIPES, "families_small": SMALL_FAMILY_RECIPES}
     names = list(sets.get(args.recipes, [r for r in args.recipes.split(",") if r]))
-    runs = {r: recipe_config(r, args.steps or (40 if args.quick else load_run_config(r).train.max_steps), args)
-            for r in names}
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    runs = {run_label(r, seed): recipe_config(r, args.steps or (40 if args.quick else load_run_config(r).train.max_steps),
+                                              args, seed)
+            for r in names for seed in seeds}
     budget = one_budget(runs) if args.recipes in sets else None
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows = run_all(runs, args, prep, runs_root, temperatures)
     print(table(rows, temperatures))
+    seed_rows = over_seeds(rows) if args.seeds else None
+    if seed_rows:
+        print(format_over_seeds(seed_rows))
     from shards.reader import open_dataset
 
     cfg = open_dataset(str(prep["dataset"])).bundle().config
@@ -307,6 +343,7 @@ def main(argv: list[str] | None = None) -> Path:
                    **{k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}},
         "budget": budget,
         "results": rows,
+        "over_seeds": seed_rows,
         "table": table(rows, temperatures).splitlines(),
         "seconds": round(time.perf_counter() - t0, 1),
         "config": vars(args),

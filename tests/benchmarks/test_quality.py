@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import benchmarks.common as common
-from benchmarks.quality import FAMILY_RECIPES, SMALL_FAMILY_RECIPES, main, one_budget, recipe_config
+from benchmarks.quality import (FAMILY_RECIPES, SMALL_FAMILY_RECIPES, main, one_budget, over_seeds, recipe_config,
+                                run_label)
 from train.drafters.base import FAMILIES
 
 
@@ -39,6 +40,20 @@ def test_one_budget_refuses_another_budget_or_block() -> None:
         one_budget({**_runs(["dflash_demo"]), **_runs(["mtp_demo"], "train.max_tokens=512")})
     with pytest.raises(ValueError, match="block_size"):
         one_budget({**_runs(["dflash_demo"]), **_runs(["dspark_demo"], "drafter.block_size=4")})
+
+
+def test_seeds_share_one_budget_and_are_summarised_per_recipe() -> None:
+    args = argparse.Namespace(overrides=[])
+    runs = {run_label("dflash_demo", s): recipe_config("dflash_demo", 10, args, s) for s in (0, 1)}
+    assert list(runs) == ["dflash_demo@0", "dflash_demo@1"] and runs["dflash_demo@1"].train.seed == 1
+    one_budget(runs)  # the seed is the one setting seeds may differ in
+    rows = [{"recipe": "a", "alpha": [0.5, 0.2], "tau": 1.6, "tau_replayed": 1.5},
+            {"recipe": "a", "alpha": [0.3, 0.1], "tau": 1.4, "tau_replayed": 1.3},
+            {"recipe": "b", "alpha": [0.4], "tau": 1.4, "tau_replayed": None}]
+    s = over_seeds(rows)
+    assert s["a"]["first_slot"] == {"mean": 0.4, "min": 0.3, "max": 0.5, "n": 2}
+    assert s["a"]["tau_replayed"]["mean"] == 1.4
+    assert set(s["b"]) == {"first_slot", "tau"}  # no second slot, no replay: no figure made up
 
 
 @pytest.mark.slow

@@ -216,13 +216,16 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
             runs[name].append({"seconds": res["seconds"][0], "tokens": tokens, "load_avg": os.getloadavg()[0],
                                "outputs": [o["token_ids"] for o in res["outputs"]],
                                "prompt_ids": [o["prompt_token_ids"] for o in res["outputs"]],
-                               "spec": [o["spec"] for o in res["outputs"]]})
+                               "spec": [o["spec"] for o in res["outputs"]],
+                               "decode": decode_rate(res["outputs"])})
             log(f"pair {p + 1}/{cfg.pairs} {name}: {tokens / res['seconds'][0]:.1f} tokens/s "
                 f"(load {os.getloadavg()[0]:.1f})")
     alone = runs["alone"]
     greedy = alone[0]["outputs"]
     report: dict[str, Any] = {"requests": cfg.requests, "alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
                               "prompt_ids_equal_to_capture": alone[0]["prompt_ids"] == prompt_ids}
+    if all(r["decode"] is not None for rs in runs.values() for r in rs):
+        report["alone_decode_tokens_per_s"] = [r["decode"] for r in alone]
     transcripts = served_transcripts(target, work / "data" / f"{cfg.requests}.prompts.jsonl", sample_ids, greedy)
     if transcripts is not None:
         report["transcripts"] = transcripts
@@ -249,7 +252,21 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
                         "greedy_identical": all(r["outputs"] == greedy for r in rs),
                         "vllm_tau": 1 + accepted / max(rounds, 1), "rounds": rounds, "accepted": accepted,
                         "load_avg": [r["load_avg"] for r in rs]}
+        if "alone_decode_tokens_per_s" in report:
+            pairs = [r["decode"] / a["decode"] for a, r in zip(alone, rs)]
+            report[name].update(decode_tokens_per_s=[r["decode"] for r in rs], decode_speedup_pairs=pairs,
+                                decode_speedup_median=statistics.median(pairs))
     return report
+
+
+def decode_rate(outputs: list[dict[str, Any]]) -> float | None:
+    """Tokens per second over the decode alone: every token after a request's first over the engine's time from its
+    first token to its last (the audio encoder and the prefill excluded); None when the engine gave no timestamps."""
+    if any(o.get("timing") is None for o in outputs):
+        return None
+    tokens = sum(max(len(o["token_ids"]) - 1, 0) for o in outputs)
+    seconds = sum(o["timing"]["last_token_ts"] - o["timing"]["first_token_ts"] for o in outputs)
+    return tokens / seconds if seconds > 0 else None
 
 
 def served_transcripts(target: Path, prompts: Path, sample_ids: list[str], outputs: list[list[int]]
@@ -280,6 +297,10 @@ def format_serve(report: dict[str, Any]) -> str:
                          f"tokens/s: {r['speedup_median']:.2f}x (pairs {', '.join(f'{x:.2f}' for x in r['speedup_pairs'])}), "
                          f"acceptance length {r['vllm_tau']:.2f}, greedy output "
                          f"{'identical' if r['greedy_identical'] else 'DIFFERENT'}")
+            if "decode_speedup_median" in r:
+                lines.append(f"  over the decode alone (first token to last): {r['decode_speedup_median']:.2f}x "
+                             f"(pairs {', '.join(f'{x:.2f}' for x in r['decode_speedup_pairs'])}; the target alone "
+                             f"{statistics.median(report['alone_decode_tokens_per_s']):.1f} tokens/s)")
     if "transcripts" in report:
         t = report["transcripts"]
         lines.append(f"the replies as transcripts of the spoken sentences: WER {100 * t['wer']:.1f}%, "

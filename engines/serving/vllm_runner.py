@@ -8,7 +8,8 @@ JOB: {"target": DIR, "speculative": {"method": "dflash", "model": EXPORT, "num_s
       "max_tokens": N, "max_model_len": M, "dtype": "float32", "ignore_eos": false,
       "max_num_seqs": 1, "repeats": 1, "warmup": 0}
 OUT: {"vllm": VERSION, "plugins": [...], "outputs": [{"token_ids", "finish_reason", "prompt_token_ids",
-      "spec": {"per_step_accepted", "per_step_drafted", ...} | null}],
+      "spec": {"per_step_accepted", "per_step_drafted", ...} | null,
+      "timing": {"scheduled_ts", "first_token_ts", "last_token_ts"} | null}],  (the engine core's clock, seconds)
       "seconds": [one wall time per repeat of the whole generate call], "warmup_seconds": S}
 
 Greedy (temperature 0) and one sequence per request, so vLLM's per-request speculative metrics
@@ -83,8 +84,11 @@ def main(job_path: str, out_path: str) -> None:
     for o in outs:
         c = o.outputs[0]
         spec = c.spec_decode_metrics.to_dict() if c.spec_decode_metrics is not None else None
+        m = o.metrics  # the engine's own timestamps (stats are on): the decode is first token to last
+        timing = None if m is None else {"scheduled_ts": m.scheduled_ts, "first_token_ts": m.first_token_ts,
+                                         "last_token_ts": m.last_token_ts}
         doc["outputs"].append({"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-                               "prompt_token_ids": list(o.prompt_token_ids or []), "spec": spec})
+                               "prompt_token_ids": list(o.prompt_token_ids or []), "spec": spec, "timing": timing})
     with open(out_path + ".tmp", "w") as f:
         json.dump(doc, f)
     os.replace(out_path + ".tmp", out_path)

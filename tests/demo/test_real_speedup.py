@@ -11,7 +11,8 @@ import pytest
 
 from capture.inputs import BadInput, read_inputs
 from demo.real.listen import VOCAB_OOV, ListenConfig, sentences, speech_other, speech_splits
-from demo.real.speedup import SpeedupConfig, format_serve, served_method, served_transcripts, stage_prompts
+from demo.real.speedup import (SpeedupConfig, decode_rate, format_serve, served_method, served_transcripts,
+                               stage_prompts)
 
 
 @pytest.fixture
@@ -101,6 +102,20 @@ def test_the_serve_summary_names_both_speeds_and_the_agreement():
     assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
     assert "greedy output identical" in out and "rounds equal to it: True" in out
     assert "another kind" not in out and "another kind" in format_serve({**report, "requests": "other"})
+
+
+def test_the_decode_rate_leaves_out_what_comes_before_the_first_token():
+    outs = [{"token_ids": [1, 2, 3, 4, 5], "timing": {"scheduled_ts": 0.0, "first_token_ts": 9.0, "last_token_ts": 11.0}},
+            {"token_ids": [7], "timing": {"scheduled_ts": 20.0, "first_token_ts": 21.0, "last_token_ts": 21.0}},
+            {"token_ids": [1, 2, 3], "timing": {"scheduled_ts": 30.0, "first_token_ts": 35.0, "last_token_ts": 37.0}}]
+    assert decode_rate(outs) == (4 + 0 + 2) / (2.0 + 0.0 + 2.0)  # the encoder and prefill (9 s, 1 s, 5 s) excluded
+    assert decode_rate([*outs, {"token_ids": [1, 2], "timing": None}]) is None  # no timestamps: no figure made up
+    assert decode_rate(outs[1:2]) is None  # one-token replies: no decode to time
+    report = {"alone_tokens_per_s": [1.0], "alone_decode_tokens_per_s": [10.0, 12.0, 11.0],
+              "k=3": {"tokens_per_s": [1.2], "speedup_median": 1.2, "speedup_pairs": [1.2], "vllm_tau": 2.0,
+                      "greedy_identical": True, "decode_speedup_median": 1.8, "decode_speedup_pairs": [1.7, 1.8, 1.9]}}
+    assert "over the decode alone (first token to last): 1.80x (pairs 1.70, 1.80, 1.90; the target alone 11.0" \
+        in format_serve(report)
 
 
 def test_served_speech_replies_are_scored_as_transcripts(tmp_path, monkeypatch):

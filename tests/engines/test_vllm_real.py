@@ -42,6 +42,9 @@ def test_the_real_speedup_chain_at_a_miniature_size(vllm_venv, tmp_path):
     assert report[f"k={K}"]["greedy_identical"] is True
     assert report["rounds_equal_to_speculate"] is True
     assert report[f"k={K}"]["rounds"] > 0
+    # the engine's own timestamps time the decode apart from the prefill, for every pass on both sides
+    assert len(report["alone_decode_tokens_per_s"]) == len(report[f"k={K}"]["decode_speedup_pairs"]) == 1
+    assert report["alone_decode_tokens_per_s"][0] > 0 and report[f"k={K}"]["decode_speedup_median"] > 0
     assert report[f"k={K}"]["accepted"] > 0, "40 steps should get some drafts accepted (12 of 48 rounds here)"
     assert report["speculate"]["tau"] == pytest.approx(report["speculate"]["offline_tau_replayed"])
     assert [n for n in ("regenerate", "capture", "train", "export") if any(f"tapdraft {n} " in m for m in logs)] == \

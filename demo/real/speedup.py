@@ -239,8 +239,12 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
             report["rounds_equal_to_speculate"] = True
         except (AssertionError, KeyError):  # reported, not hidden: the table says whether they agree
             report["rounds_equal_to_speculate"] = False
-        report["speculate"] = {"k": k_trained, "tau": ours["tau"], "offline_tau_replayed": ours["offline_tau_replayed"],
-                               "offline_over": ours["offline_over"]}
+        # requests of another kind are not in the dataset: speculate then has no replay over them (None, not a figure
+        # from other conversations)
+        same = ours.get("offline_same", False)
+        report["speculate"] = {"k": k_trained, "tau": ours["tau"],
+                               "offline_tau_replayed": ours.get("offline_tau_replayed") if same else None,
+                               "offline_over": ours.get("offline_over") if same else None}
     for name, rs in runs.items():
         if name == "alone":
             continue
@@ -307,8 +311,10 @@ def format_serve(report: dict[str, Any]) -> str:
                      f"{t['exact']}/{t['n']} exact")
     if "speculate" in report:
         s = report["speculate"]
-        lines.append(f"tapdraft speculate on the same requests: tau {s['tau']:.3f} (offline replay "
-                     f"{s['offline_tau_replayed']:.3f}); vLLM's rounds equal to it: {report['rounds_equal_to_speculate']}")
+        replay = ("no offline replay: the requests are not in the dataset" if s.get("offline_tau_replayed") is None
+                  else f"offline replay {s['offline_tau_replayed']:.3f}")
+        lines.append(f"tapdraft speculate on the same requests: tau {s['tau']:.3f} ({replay}); vLLM's rounds equal "
+                     f"to it: {report['rounds_equal_to_speculate']}")
     return "\n".join(lines)
 
 

@@ -102,6 +102,8 @@ def test_the_serve_summary_names_both_speeds_and_the_agreement():
     assert "alone: 11.0 tokens/s" in out and "15.0 tokens/s: 1.36x" in out
     assert "greedy output identical" in out and "rounds equal to it: True" in out
     assert "another kind" not in out and "another kind" in format_serve({**report, "requests": "other"})
+    other = {**report, "requests": "other", "speculate": {"k": 3, "tau": 1.4, "offline_tau_replayed": None}}
+    assert "tau 1.400 (no offline replay: the requests are not in the dataset)" in format_serve(other)
 
 
 def test_the_decode_rate_leaves_out_what_comes_before_the_first_token():

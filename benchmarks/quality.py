@@ -158,11 +158,11 @@ def run_label(recipe: str, seed: int | None) -> str:
 
 def run_recipe(label: str, run: Any, args: argparse.Namespace, prep: dict[str, Any], runs_root: Path,
                temperatures: list[float]) -> dict[str, Any]:
-    recipe = label.split("@")[0]
+    recipe, _, seed = label.partition("@")  # run_label's two parts
     dataset, steps = str(prep["dataset"]), run.train.max_steps
     # runs with other --set overrides go to their own folders, so variants of one recipe can run at once
     tag = "-" + hashlib.sha256("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
-    tag += f"-seed{label.split('@')[1]}" if "@" in label else ""
+    tag += f"-seed{seed}" if seed else ""
     base_dir, run_dir = runs_root / f"{recipe}{tag}-step1", runs_root / f"{recipe}{tag}-{steps}"
     for d in (base_dir, run_dir):
         if d.exists():

@@ -1,11 +1,13 @@
 """``python -m demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
-``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe."""
+``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
+``python -m demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken requests."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from demo.real.answer import AnswerConfig, build_answerer
 from demo.real.build import build_real_targets
 from demo.real.listen import ListenConfig, build_listener
 
@@ -19,10 +21,26 @@ def main(argv: list[str] | None = None) -> None:
     li.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
     li.add_argument("--steps", type=int, default=ListenConfig.steps, help="projector updates")
     li.add_argument("--n-train", type=int, default=ListenConfig.n_train, help="training sentences")
+    an = sub.add_parser("answer", help="the speech LLM aligned to answer a spoken request as its LM answers it written")
+    an.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
+    an.add_argument("--steps", type=int, default=AnswerConfig.steps, help="updates")
+    an.add_argument("--n-train", type=int, default=AnswerConfig.n_train, help="training requests")
+    an.add_argument("--batch", type=int, default=AnswerConfig.batch, help="requests per update")
+    an.add_argument("--lr", type=float, default=AnswerConfig.lr, help="AdamW learning rate")
+    an.add_argument("--projector-only", action="store_true", help="train the projector alone (the encoder frozen)")
+    an.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
+    if getattr(a, "threads", None):
+        import torch
+
+        torch.set_num_threads(a.threads)
     if a.cmd == "build":
         t = build_real_targets(a.root)
         print(json.dumps({"smollm2": str(t.smollm2), "speech": str(t.speech), "checks": t.checks}, indent=2))
+    elif a.cmd == "answer":
+        d, info = build_answerer(a.root, AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr,
+                                                      train_encoder=not a.projector_only))
+        print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))
     else:
         d, info = build_listener(a.root, ListenConfig(steps=a.steps, n_train=a.n_train))
         print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))

@@ -65,8 +65,11 @@ def _fill(template: str, rng: random.Random, pool: dict[str, list[str]]) -> str:
     return template.format(**vals)
 
 
-def sentences(n_train: int, n_test: int, n_oov: int, seed: int = 0) -> dict[str, list[str]]:
-    """Disjoint train and held-out sentences over ``VOCAB``; OOV sentences each hold at least one unseen word."""
+def sentences(n_train: int, n_test: int, n_oov: int, seed: int = 0,
+              templates: list[str] | tuple[str, ...] | None = None) -> dict[str, list[str]]:
+    """Disjoint train and held-out sentences over the vocabulary, from ``templates`` (default: the transcription
+    task's ``TEMPLATES``); OOV sentences each hold at least one unseen word."""
+    templates = templates or TEMPLATES
     rng = random.Random(seed)
     pool = dict(noun=NOUNS, adj=ADJS, verb=VERBS, color=COLORS, object=OBJECTS, action=ACTIONS, name=NAMES,
                 number=NUMBERS, place=PLACES, dir=DIRS)
@@ -77,7 +80,7 @@ def sentences(n_train: int, n_test: int, n_oov: int, seed: int = 0) -> dict[str,
         for _ in range(100 * n):
             if len(out[split]) == n:
                 break
-            s = _fill(rng.choice(TEMPLATES), rng, oov_pool if split == "oov" else pool)
+            s = _fill(rng.choice(templates), rng, oov_pool if split == "oov" else pool)
             if s not in seen and (split != "oov" or VOCAB_OOV & set(s.split())):
                 seen.add(s)
                 out[split].append(s)
@@ -156,31 +159,42 @@ def _prompt_text(tok) -> str:
     return tok.apply_chat_template(_conversation(None), tokenize=False) + "<|im_start|>assistant\n"
 
 
-def encode_audio(model, waves: list[np.ndarray], fe) -> list[torch.Tensor]:
-    """Each wave's encoder frames (before the projector), as the model computes them with the padded frames
-    masked, but over the valid frames (+2 padded mel frames the convolutions read) instead of all 3000: the
-    same numbers (masked keys add nothing) at ~1/10 of the CPU time for 3 s of speech."""
+def audio_inputs(tower, waves: list[np.ndarray], fe) -> list[dict]:
+    """Each wave's encoder input over its valid frames (+2 padded mel frames the convolutions read) instead of all
+    3000, with its mask: ``tower_frames`` turns one into the frames the model computes (masked keys add nothing)
+    at ~1/10 of the CPU time for 3 s of speech. Cached once when the encoder itself trains."""
     from transformers.masking_utils import create_bidirectional_mask
 
-    tower = model.model.audio_tower
     out = []
     for w in waves:
         m = log_mel([w], fe)
         feat_len, out_len = tower._get_feat_extract_output_lengths(m["feature_attention_mask"].sum(-1))
         n = int(feat_len[0]) + 1  # one padded encoder frame, masked
-        x = m["input_features"][:, :, : 2 * n]
         valid = (torch.arange(n)[None, :] < feat_len[:, None]).long()
-        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(1, n, 1),
-                                         attention_mask=valid)
-        with torch.no_grad():
-            h = torch.nn.functional.gelu(tower.conv1(x))
-            h = torch.nn.functional.gelu(tower.conv2(h)).permute(0, 2, 1) + tower.embed_positions.weight[:n]
-            for layer in tower.layers:
-                h = layer(h, mask)
-                h = h[0] if isinstance(h, tuple) else h
-            h = tower.layer_norm(tower.avg_pooler(h.permute(0, 2, 1)).permute(0, 2, 1))
-        out.append(h[0, : int(out_len[0])].clone())
+        out.append({"x": m["input_features"][:, :, : 2 * n], "n_out": int(out_len[0]),
+                    "mask": create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(1, n, 1),
+                                                      attention_mask=valid)})
     return out
+
+
+def tower_frames(tower, inp: dict) -> torch.Tensor:
+    """The audio tower's pooled frames [T, D] for one ``audio_inputs`` item; differentiable when grad is on."""
+    F = torch.nn.functional
+    n = inp["mask"].shape[-1]
+    h = F.gelu(tower.conv2(F.gelu(tower.conv1(inp["x"])))).permute(0, 2, 1) + tower.embed_positions.weight[:n]
+    for layer in tower.layers:
+        h = layer(h, inp["mask"])
+        h = h[0] if isinstance(h, tuple) else h
+    h = tower.layer_norm(tower.avg_pooler(h.permute(0, 2, 1)).permute(0, 2, 1))
+    return h[0, : inp["n_out"]]
+
+
+def encode_audio(model, waves: list[np.ndarray], fe) -> list[torch.Tensor]:
+    """Each wave's encoder frames (before the projector), as the model computes them with the padded frames
+    masked (``audio_inputs``)."""
+    tower = model.model.audio_tower
+    with torch.no_grad():
+        return [tower_frames(tower, inp).clone() for inp in audio_inputs(tower, waves, fe)]
 
 
 def encode_audio_full(model, waves: list[np.ndarray], fe) -> list[torch.Tensor]:
@@ -202,42 +216,53 @@ def encode_audio_full(model, waves: list[np.ndarray], fe) -> list[torch.Tensor]:
     return out
 
 
-def train_projector(model, tok, frames: list[torch.Tensor], texts: list[str], cfg: ListenConfig,
-                    log=print) -> list[float]:
-    """Train ``model``'s projector in place on (encoder frames, transcript) pairs; the losses."""
+@dataclass(frozen=True)
+class Example:
+    """One training pair: a prompt holding one audio placeholder, the audio it stands for, the reply to learn."""
+    audio: int
+    """Index into the audio list ``fit`` is given."""
+    prompt: torch.Tensor
+    """Token ids with one ``<|AUDIO|>``, ending with the assistant turn's header."""
+    reply: torch.Tensor
+    """Reply ids (with ``<|im_end|>`` when the reply is whole)."""
+
+
+def fit(model, examples: list[Example], audio: list, params: list[torch.nn.Parameter], steps: int, batch: int,
+        lr: float, seed: int, log=print) -> list[float]:
+    """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the frozen language model, CE on the
+    reply tokens alone; the losses. ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once) or
+    an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
     lm = model.model.language_model
     head = model.lm_head
     proj = model.model.multi_modal_projector
+    tower = model.model.audio_tower
     for p in model.parameters():
         p.requires_grad_(False)
-    for p in proj.parameters():
+    for p in params:
         p.requires_grad_(True)
     audio_id = model.config.audio_token_id
-    prompt = tok(_prompt_text(tok), add_special_tokens=False)["input_ids"]
-    at = prompt.index(audio_id)
-    pre, post = torch.tensor(prompt[:at]), torch.tensor(prompt[at + 1:])
     emb = lm.get_input_embeddings()
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    replies = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"] + [end]) for t in texts]
-    opt = torch.optim.AdamW(proj.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * min(s, cfg.steps) / cfg.steps)))
-    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * min(s, steps) / steps)))
+    rng = random.Random(seed)
     order: list[int] = []
     losses = []
     t0 = time.time()
-    with torch.no_grad():
-        pre_e, post_e = emb(pre), emb(post)
-    for step in range(cfg.steps):
-        if len(order) < cfg.batch:
-            order += rng.sample(range(len(texts)), len(texts))
-        idx, order = order[: cfg.batch], order[cfg.batch:]
+    for step in range(steps):
+        if len(order) < batch:
+            order += rng.sample(range(len(examples)), len(examples))
+        idx, order = order[:batch], order[batch:]
         seqs, labels = [], []
         for i in idx:
+            ex = examples[i]
+            a = audio[ex.audio]
+            frames = a if isinstance(a, torch.Tensor) else tower_frames(tower, a)
+            at = int((ex.prompt == audio_id).nonzero()[0, 0])
             with torch.no_grad():
-                r_e = emb(replies[i])
-            x = torch.cat([pre_e, proj(frames[i]), post_e, r_e])
+                pre_e, post_e, r_e = emb(ex.prompt[:at]), emb(ex.prompt[at + 1:]), emb(ex.reply)
+            x = torch.cat([pre_e, proj(frames), post_e, r_e])
             y = torch.full((x.shape[0],), -100)
-            y[-len(replies[i]) - 1: -1] = replies[i]  # position t predicts token t+1
+            y[-len(ex.reply) - 1: -1] = ex.reply  # position t predicts token t+1
             seqs.append(x)
             labels.append(y)
         T = max(s.shape[0] for s in seqs)
@@ -252,9 +277,24 @@ def train_projector(model, tok, frames: list[torch.Tensor], texts: list[str], cf
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             log(f"step {step:4d}  loss {np.mean(losses[-20:]):.4f}  {time.time() - t0:.0f}s")
     return losses
+
+
+def transcription_examples(tok, texts: list[str], first_audio: int = 0) -> list[Example]:
+    """The transcription task's pairs: the listener's prompt, the sentence as the reply."""
+    prompt = torch.tensor(tok(_prompt_text(tok), add_special_tokens=False)["input_ids"])
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return [Example(first_audio + i, prompt, torch.tensor(tok(t, add_special_tokens=False)["input_ids"] + [end]))
+            for i, t in enumerate(texts)]
+
+
+def train_projector(model, tok, frames: list[torch.Tensor], texts: list[str], cfg: ListenConfig,
+                    log=print) -> list[float]:
+    """Train ``model``'s projector in place on (encoder frames, transcript) pairs; the losses."""
+    return fit(model, transcription_examples(tok, texts), frames,
+               list(model.model.multi_modal_projector.parameters()), cfg.steps, cfg.batch, cfg.lr, cfg.seed, log)
 
 
 def transcribe(model, proc, waves: list[np.ndarray], max_new_tokens: int = 24) -> list[str]:

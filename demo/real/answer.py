@@ -1,0 +1,221 @@
+"""Teach the real-parts speech LLM to answer a spoken request with the reply its LM gives the same request written.
+
+The cross-modal alignment speech LLMs are built with (BLSP, Qwen2-Audio's pretraining): the frozen language model is
+its own teacher. Its greedy reply to the written request is the target of the spoken one, so the audio side learns
+to put into the LM what the written words put there, and the LM itself never changes.
+
+    task        spoken-friendly requests from ``REQUESTS`` over ``listen``'s closed vocabulary ("tell me about a
+                brave pilot", "write a short story where anna finds a red book"); train and held-out requests
+                disjoint; an out-of-vocabulary set holds words never trained on
+    start       the transcribing listener (``listen.build_listener``): its projector already puts words into the LM
+    training    the projector, and the audio encoder with it unless ``train_encoder`` is off (the Qwen2-Audio
+                layout is unchanged, so vLLM and ``capture`` load the result as any checkpoint); CE on the written
+                reply's first ``reply_tokens`` tokens; a share of every pass is transcription, so the first task
+                stays (its WER is measured after)
+    evaluation  the saved directory reloaded as ``Qwen2AudioForConditionalGeneration``: on held-out spoken requests,
+                how often the spoken reply's first 32 tokens equal the written reply's, the whole reply (up to
+                ``eval_tokens``), the mean agreeing prefix; transcription WER on ``listen``'s held-out sentences;
+                and that a reply follows its audio (closer to its own request's written reply than to another's)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from demo.real.listen import (VOICES, Example, ListenConfig, audio_inputs, build_listener, encode_audio, fit,
+                              score_transcripts, sentences, speak, transcribe, transcription_examples)
+
+ANSWER_VERSION = 1
+"""Bump when the answerer's output changes (a new cache key)."""
+REQUESTS = (
+    "tell me about a {adj} {noun}",
+    "write a short story where {name} finds a {color} {object}",
+    "describe a {color} {object}",
+    "write a poem about a {adj} {noun}",
+    "what does a {noun} do at the {place}",
+)
+AUDIO_TURN = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+"""The user turn of a spoken request: the audio alone, no written instruction."""
+
+
+@dataclass(frozen=True)
+class AnswerConfig:
+    n_train: int = 400
+    """Training requests (each spoken once, voices cycled)."""
+    n_test: int = 40
+    """Held-out requests over trained words."""
+    n_oov: int = 20
+    """Held-out requests each holding a word never trained on."""
+    reply_tokens: int = 32
+    """The written reply's first tokens each training request learns (the span the first-32 figure judges)."""
+    eval_tokens: int = 64
+    """Tokens generated per held-out request, spoken and written; "whole" compares up to here."""
+    steps: int = 400
+    """Updates."""
+    batch: int = 8
+    """Requests per update."""
+    transcribe_share: float = 0.25
+    """Share of the training pairs that are transcription (``listen``'s sentences), so that task stays."""
+    lr: float = 1e-3
+    """AdamW learning rate (cosine to 0)."""
+    train_encoder: bool = True
+    """Train the audio encoder with the projector (off: the projector alone)."""
+    listen_steps: int = ListenConfig.steps
+    """The transcribing listener it starts from."""
+    seed: int = 0
+    """Requests, voices, order."""
+
+    def __post_init__(self) -> None:
+        if min(self.n_train, self.n_test, self.reply_tokens, self.eval_tokens, self.steps, self.batch) < 1:
+            raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch must be >= 1")
+        if not 0 <= self.transcribe_share < 1 or self.lr <= 0:
+            raise ValueError("transcribe_share must be in [0, 1) and lr > 0")
+
+
+def requests(cfg: AnswerConfig) -> dict[str, list[str]]:
+    """The train, held-out (``test``) and out-of-vocabulary (``oov``) requests: disjoint, a function of the seed."""
+    return sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed, REQUESTS)
+
+
+def prompt_text(tok, request: str | None) -> str:
+    """The chat prompt of a written request, or of a spoken one (``None``: the audio placeholder alone)."""
+    return tok.apply_chat_template([{"role": "user", "content": AUDIO_TURN if request is None else request}],
+                                   tokenize=False, add_generation_prompt=True)
+
+
+def _cut(ids: list[int], end: int) -> list[int]:
+    return ids[: ids.index(end) + 1] if end in ids else ids
+
+
+def written_replies(model, tok, texts: list[str], max_new_tokens: int, batch: int = 16) -> list[list[int]]:
+    """The LM's greedy replies to the written requests (ids, through ``<|im_end|>`` when the reply ends), batched
+    with left padding: training targets. Held-out targets use ``reply`` one at a time, as the spoken side runs."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    side, tok.padding_side = tok.padding_side, "left"
+    out = []
+    try:
+        for i in range(0, len(texts), batch):
+            enc = tok([prompt_text(tok, t) for t in texts[i:i + batch]], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+            with torch.no_grad():
+                g = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=end)
+            out += [_cut(row.tolist(), end) for row in g[:, enc["input_ids"].shape[1]:]]
+    finally:
+        tok.padding_side = side
+    return out
+
+
+def reply(model, proc, request: str | None, wave: np.ndarray | None, max_new_tokens: int) -> list[int]:
+    """One greedy reply's ids: to the written ``request``, or (``request`` None) to the spoken ``wave``."""
+    tok = proc.tokenizer
+    text = prompt_text(tok, request)
+    if wave is None:
+        inp = tok(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        inp = proc(text=text, audio=[wave], sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        g = model.generate(**inp, max_new_tokens=max_new_tokens, do_sample=False)
+    return _cut(g[0, inp["input_ids"].shape[1]:].tolist(), tok.convert_tokens_to_ids("<|im_end|>"))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def score_replies(written: list[list[int]], spoken: list[list[int]], first: int = 32, tok=None) -> dict:
+    """How often the spoken reply equals the written one over the ``first`` tokens and whole, the mean agreeing
+    prefix, and whether each reply follows its audio (a longer prefix with its own request's written reply than
+    with the next request's, counted where the two written replies differ there)."""
+    n = len(written)
+    cps = [common_prefix(w, s) for w, s in zip(written, spoken)]
+    follows = sum(common_prefix(written[i], spoken[i]) > common_prefix(written[(i + 1) % n], spoken[i])
+                  for i in range(n) if written[i][:first] != written[(i + 1) % n][:first])
+    judged = sum(written[i][:first] != written[(i + 1) % n][:first] for i in range(n))
+    out = {"n": n, f"first_{first}": sum(w[:first] == s[:first] for w, s in zip(written, spoken)) / n,
+           "whole": sum(w == s for w, s in zip(written, spoken)) / n, "mean_prefix_tokens": float(np.mean(cps)),
+           "follows_audio": f"{follows}/{judged}"}
+    if tok is not None:
+        out["examples"] = [{"written": tok.decode(w), "spoken": tok.decode(s)} for w, s in list(zip(written, spoken))[:4]]
+    return out
+
+
+def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_tokens: int) -> list[Example]:
+    prompt = torch.tensor(tok(prompt_text(tok, None), add_special_tokens=False)["input_ids"])
+    return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens])) for i, r in enumerate(replies)]
+
+
+def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> dict:
+    """The whole item: speak the requests, write the LM's replies, train, save, reload, evaluate."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    t0 = time.time()
+    asked = requests(cfg)
+    heard = sentences(ListenConfig.n_train, ListenConfig.n_test, ListenConfig.n_oov, ListenConfig.seed)
+    n_transcribe = round(cfg.transcribe_share / (1 - cfg.transcribe_share) * cfg.n_train)
+    voice = itertools.cycle(VOICES)
+    waves = {k: [speak(s, *next(voice)) for s in v] for k, v in asked.items()}
+    heard_waves = {k: [speak(s, *next(voice)) for s in heard[k][:n]]
+                   for k, n in (("train", n_transcribe), ("test", len(heard["test"])))}
+    log(f"synthesised {sum(map(len, waves.values())) + sum(map(len, heard_waves.values()))} utterances in "
+        f"{time.time() - t0:.0f}s")
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(listener, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(listener)
+    tok = proc.tokenizer
+    train_replies = written_replies(model, tok, asked["train"], cfg.reply_tokens)
+    held = {k: [reply(model, proc, t, None, cfg.eval_tokens) for t in asked[k]] for k in ("test", "oov")}
+    log(f"wrote the LM's replies in {time.time() - t0:.0f}s")
+    tower = model.model.audio_tower
+    train_waves = waves["train"] + heard_waves["train"]
+    audio = (audio_inputs(tower, train_waves, proc.feature_extractor) if cfg.train_encoder
+             else encode_audio(model, train_waves, proc.feature_extractor))
+    examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens)
+                + transcription_examples(tok, heard["train"][:n_transcribe], first_audio=cfg.n_train))
+    params = list(model.model.multi_modal_projector.parameters())
+    if cfg.train_encoder:
+        params += list(tower.parameters())
+    torch.manual_seed(cfg.seed)
+    losses = fit(model, examples, audio, params, cfg.steps, cfg.batch, cfg.lr, cfg.seed, log)
+    model.save_pretrained(out)
+    proc.save_pretrained(out)
+    for f in listener.glob("LICENSE*"):
+        shutil.copy(f, out / f.name)
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(out)
+    answers = {k: score_replies(held[k], [reply(model, proc, None, w, cfg.eval_tokens) for w in waves[k]],
+                                tok=tok) for k in ("test", "oov")}
+    info = {"config": asdict(cfg), "final_loss": float(np.mean(losses[-20:])), "answers_held_out": answers["test"],
+            "answers_out_of_vocabulary": answers["oov"],
+            "transcription_held_out": score_transcripts(heard["test"],
+                                                        transcribe(model, proc, heard_waves["test"])),
+            "train_seconds": round(time.time() - t0),
+            "trained": "multi_modal_projector" + (" + audio_tower" if cfg.train_encoder else " only"),
+            "starts_from": listener.name}
+    log(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=1))
+    return info
+
+
+def build_answerer(root: str | Path | None = None, cfg: AnswerConfig | None = None,
+                   log=print) -> tuple[Path, dict]:
+    """The answering speech LLM, cached as ``<root>/smollm2-whisper-tiny-answer-<key>``."""
+    from demo.real.build import DEFAULT_ROOT, cached_dir
+
+    cfg = cfg or AnswerConfig()
+    listener, _ = build_listener(root, ListenConfig(steps=cfg.listen_steps), log)
+    root = Path(root) if root is not None else DEFAULT_ROOT
+    key = hashlib.sha256(f"{listener.name}:{ANSWER_VERSION}:{json.dumps(asdict(cfg), sort_keys=True)}".encode())
+    return cached_dir(root, "smollm2-whisper-tiny-answer", key.hexdigest()[:12],
+                      lambda d: train_answerer(cfg, d, listener, log))

@@ -1,0 +1,102 @@
+"""demo.real.answer's parts on a tiny Qwen2-Audio in its real layout: the requests, the written replies, the scores,
+and ``listen.fit`` (what trains and what stays frozen; the encoder's two audio forms agree)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from demo.real.answer import (AnswerConfig, answer_examples, common_prefix, reply, requests, score_replies,
+                              written_replies)
+from demo.real.listen import VOCAB_OOV, audio_inputs, encode_audio, encode_audio_full, fit, tower_frames
+from tests.capture.speech_models import save_qwen2_audio
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    d = tmp_path_factory.mktemp("qwen2_audio")
+    save_qwen2_audio(d, seed=3)
+    return Qwen2AudioForConditionalGeneration.from_pretrained(d).eval(), AutoProcessor.from_pretrained(d)
+
+
+def waves(n: int) -> list[np.ndarray]:
+    return [(0.1 * np.sin(np.arange(4000 + 1500 * i) / (3 + i))).astype(np.float32) for i in range(n)]
+
+
+def test_requests_are_disjoint_and_hold_out_words():
+    r = requests(AnswerConfig())
+    assert [len(r[k]) for k in ("train", "test", "oov")] == [400, 40, 20]
+    assert not set(r["train"]) & set(r["test"]) and not set(r["train"]) & set(r["oov"])
+    seen = {w for s in r["train"] for w in s.split()}
+    assert all(VOCAB_OOV & set(s.split()) for s in r["oov"]) and not VOCAB_OOV & seen
+    assert requests(AnswerConfig()) == r
+    with pytest.raises(ValueError, match="transcribe_share"):
+        AnswerConfig(transcribe_share=1.0)
+
+
+def test_scores_count_prefixes_and_whether_a_reply_follows_its_audio():
+    written = [[1, 2, 3, 4], [5, 6, 7], [1, 2, 9, 9]]
+    spoken = [[1, 2, 3, 4], [5, 6, 0], [1, 2, 3, 4]]  # the third follows the first's audio, not its own
+    s = score_replies(written, spoken, first=2)
+    assert s["first_2"] == 1.0 and s["whole"] == pytest.approx(1 / 3)
+    assert s["mean_prefix_tokens"] == pytest.approx((4 + 2 + 2) / 3)
+    assert s["follows_audio"] == "2/2"  # the 3rd is not judged: its written reply and the 1st's agree over 2
+    assert score_replies(written, spoken, first=3)["follows_audio"] == "2/3"  # 3rd: 2 against the 1st's 4
+    assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_written_replies_batched_equal_one_at_a_time(tiny):
+    model, proc = tiny
+    asked = ["what did you say", "say one two three four", "you said five"]
+    side = proc.tokenizer.padding_side
+    batched = written_replies(model, proc.tokenizer, asked, max_new_tokens=6, batch=2)
+    assert batched == [reply(model, proc, t, None, 6) for t in asked]
+    assert all(1 <= len(r) <= 6 for r in batched) and proc.tokenizer.padding_side == side
+    spoken = reply(model, proc, None, waves(1)[0], 5)
+    assert 1 <= len(spoken) <= 5
+
+
+def test_the_fast_encoder_pass_equals_the_models_masked_one(tiny):
+    model, proc = tiny
+    for a, b in zip(encode_audio(model, waves(2), proc.feature_extractor),
+                    encode_audio_full(model, waves(2), proc.feature_extractor)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
+    base, proc = tiny
+    tok = proc.tokenizer
+    replies = [tok("one two three", add_special_tokens=False)["input_ids"],
+               tok("four five", add_special_tokens=False)["input_ids"]]
+    examples = answer_examples(tok, replies, 0, reply_tokens=2)
+    assert [e.reply.tolist() for e in examples] == [r[:2] for r in replies]
+    w = waves(2)
+
+    def run(train_tower: bool, frames: bool):
+        model = copy.deepcopy(base)
+        tower = model.model.audio_tower
+        audio = encode_audio(model, w, proc.feature_extractor) if frames else audio_inputs(tower, w, proc.feature_extractor)
+        params = list(model.model.multi_modal_projector.parameters()) + (list(tower.parameters()) if train_tower else [])
+        losses = fit(model, examples, audio, params, steps=4, batch=2, lr=1e-2, seed=0, log=lambda *_: None)
+        return model, losses
+
+    before = base.state_dict()
+    model, losses = run(train_tower=True, frames=False)
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(k.startswith("model.multi_modal_projector.") for k in changed)
+    assert any(k.startswith("model.audio_tower.layers.") for k in changed)
+    assert not [k for k in changed if k.startswith(("model.language_model.", "lm_head."))]
+    assert losses[-1] < losses[0]
+    frozen_a, la = run(train_tower=False, frames=False)
+    frozen_b, lb = run(train_tower=False, frames=True)  # the encoder run once, its frames cached: the same steps
+    assert la == lb
+    assert torch.equal(frozen_a.model.audio_tower.layers[0].fc1.weight, base.model.audio_tower.layers[0].fc1.weight)
+    with torch.no_grad():
+        x = audio_inputs(base.model.audio_tower, w[:1], proc.feature_extractor)[0]
+        assert torch.equal(tower_frames(base.model.audio_tower, x), encode_audio(base, w[:1], proc.feature_extractor)[0])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -79,6 +80,43 @@ class AnswerConfig:
             raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch must be >= 1")
         if not 0 <= self.transcribe_share < 1 or self.lr <= 0:
             raise ValueError("transcribe_share must be in [0, 1) and lr > 0")
+
+
+def every_request() -> list[str]:
+    """Every request ``REQUESTS`` makes over the trained vocabulary, in a fixed order."""
+    from demo.real.listen import ADJS, COLORS, NAMES, NOUNS, OBJECTS, PLACES
+
+    pool = dict(adj=ADJS, noun=NOUNS, name=NAMES, color=COLORS, object=OBJECTS, place=PLACES)
+    out = []
+    for t in REQUESTS:
+        keys = [k for k in pool if "{" + k + "}" in t]
+        out += [t.format(**dict(zip(keys, vals))) for vals in itertools.product(*(pool[k] for k in keys))]
+    return out
+
+
+def spoken_requests(out: Path, train: int, validation: int, held_out: int, seed: int = 1,
+                    progress=None) -> dict[str, list[dict]]:
+    """Spoken requests for a drafter's data, as conversations for ``tapdraft regenerate`` (the reply is the
+    target's to write), wavs under ``out/audio``. ``held_out`` requests are ones neither the answerer (train or
+    test) nor ``train`` / ``validation`` hold; those two take the other requests in every voice (a request spoken
+    by another voice is another utterance), so their count may exceed the requests'."""
+    from demo.real.listen import _spoken
+
+    cfg = AnswerConfig()
+    taken = set().union(*(requests(cfg)[k] for k in ("train", "test")))
+    pool = every_request()
+    random.Random(seed).shuffle(pool)
+    fresh = [s for s in pool if s not in taken]
+    if len(fresh) < held_out:
+        raise ValueError(f"the templates hold {len(fresh)} requests the answerer did not train on; asked for "
+                         f"{held_out} held out: ask for fewer")
+    rest = [s for s in pool if s not in fresh[:held_out]]
+    voiced = [(s, v) for v in range(len(VOICES)) for s in rest]
+    if len(voiced) < train + validation:
+        raise ValueError(f"the templates hold {len(voiced)} spoken requests to train on; asked for "
+                         f"{train + validation}: ask for fewer")
+    picks = {"train": voiced[:train], "validation": voiced[train:train + validation], "held_out": fresh[:held_out]}
+    return _spoken(out, picks, progress, system=None, prompt="", label="request")
 
 
 def requests(cfg: AnswerConfig) -> dict[str, list[str]]:

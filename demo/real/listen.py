@@ -379,9 +379,12 @@ def speech_other(out: Path, n: int, seed: int = 1, progress=None) -> list[dict]:
     return _spoken(out, {"other": pool[:n]}, progress)["other"]
 
 
-def _spoken(out: Path, picks: dict[str, list[str]], progress=None) -> dict[str, list[dict]]:
-    """Conversations asking to transcribe each sentence, spoken into ``out/audio/SPLIT-NNNNN.wav`` (kept across
-    reruns); voices cycle as in training."""
+def _spoken(out: Path, picks: dict[str, list], progress=None, system: str | None = SYSTEM,
+            prompt: str = PROMPT, label: str = "reference") -> dict[str, list[dict]]:
+    """Conversations asking ``prompt`` of each spoken sentence (``system`` first when given), spoken into
+    ``out/audio/SPLIT-NNNNN.wav`` (kept across reruns), the sentence under ``label`` (``reference``: what a
+    transcript is scored against). A pick is a sentence (voices cycle as in training) or a (sentence, index into
+    ``VOICES``) pair."""
     from demo.real.prompts import PENDING
     from shards.atomic import staged
 
@@ -389,19 +392,18 @@ def _spoken(out: Path, picks: dict[str, list[str]], progress=None) -> dict[str, 
     voice = itertools.cycle(VOICES)
     convs: dict[str, list[dict]] = {}
     done, total = 0, sum(map(len, picks.values()))
-    for split, texts in picks.items():
+    for split, items in picks.items():
         convs[split] = []
-        for i, text in enumerate(texts):
+        for i, item in enumerate(items):
+            text, v = (item, next(voice)) if isinstance(item, str) else (item[0], VOICES[item[1]])
             sid = f"{split}-{i:05d}"
             rel = f"audio/{sid}.wav"
             if not (out / rel).exists():
                 with staged(out / rel) as tmp:
-                    sf.write(tmp, speak(text, *next(voice)), 16000, subtype="PCM_16", format="WAV")
-            else:
-                next(voice)
-            convs[split].append({"id": sid, "reference": text, "conversations": [
-                {"from": "System", "value": SYSTEM},
-                {"from": "User", "type": "text", "value": f"<|AUDIO|>{PROMPT}", "audio": rel},
+                    sf.write(tmp, speak(text, *v), 16000, subtype="PCM_16", format="WAV")
+            turns = [{"from": "System", "value": system}] if system is not None else []
+            convs[split].append({"id": sid, label: text, "conversations": turns + [
+                {"from": "User", "type": "text", "value": f"<|AUDIO|>{prompt}", "audio": rel},
                 {"from": "Assistant", "type": "text", "value": PENDING}]})
             done += 1
             if progress is not None and done % 200 == 0:

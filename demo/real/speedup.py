@@ -1,18 +1,21 @@
 """A drafter worth serving on a real model, end to end: the target's own replies, a capture, a trained drafter,
 then vLLM on this machine serving held-out requests alone and with the drafter, timed in alternated pairs.
 
-Two real targets (``python -m demo.real build``):
+Three real targets (``python -m demo.real build``), in ``TARGETS``:
 
-    text      SmolLM2-135M-Instruct; requests about the Python standard library (demo.real.prompts), held
-              out by module
-    speech    the real-parts speech LLM taught to transcribe (demo.real.listen); spoken sentences of its task,
-              the held-out ones never heard by the listener or the drafter
+    text       SmolLM2-135M-Instruct; requests about the Python standard library (demo.real.prompts), held
+               out by module
+    speech     the real-parts speech LLM taught to transcribe (demo.real.listen); spoken sentences of its task,
+               the held-out ones never heard by the listener or the drafter
+    assistant  the same speech LLM aligned to answer spoken requests (demo.real.answer); spoken requests, the
+               held-out ones never heard by the answerer or the drafter
 
 Stages, each cached in the work directory (rerun to continue where it stopped):
 
     prompts   data/SPLIT.prompts.jsonl (+ data/audio/*.wav): train, validation, held_out; with requests="other"
               also other: requests of another kind than the training ones (text: everyday writing and
-              explaining, no Python; speech: sentences holding words the listener never heard)
+              explaining, no Python; speech: sentences holding words the listener never heard; assistant: those
+              sentences to transcribe, the model's other task)
     replies   data/SPLIT.jsonl: the target's greedy replies, ``tapdraft regenerate --engine vllm --on-limit keep``
               (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length), threads /
               engine_threads engines side by side
@@ -22,7 +25,7 @@ Stages, each cached in the work directory (rerun to continue where it stopped):
               is for), ``pairs`` times alternated: tokens/s of each, their ratio, greedy outputs compared, and
               vLLM's accepted drafts held round by round against ``tapdraft speculate`` on the same requests
 
-``tapdraft demo --real`` runs it on the speech target; ``python -m benchmarks.real_speedup`` on either, writing
+``tapdraft demo --real`` runs it on a speech target; ``python -m benchmarks.real_speedup`` on either, writing
 its figures to benchmarks/results/.
 """
 
@@ -39,24 +42,23 @@ from typing import Any, Callable
 
 from shards.atomic import staged
 
+Log = Callable[[str], None]
+
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "validation", "held_out")
 REQUESTS = ("held_out", "other")
 """What the serve stage serves: held-out requests of the training prompts' kind, or requests of another kind."""
-DEFAULTS = {"text": (1800, 192), "speech": (2400, 32)}
-"""Per target: training conversations, reply cap."""
-
-
 @dataclass(frozen=True)
 class SpeedupConfig:
     target: str = "speech"
-    """``text`` (SmolLM2-135M-Instruct) or ``speech`` (the listener: Whisper tiny.en + SmolLM2)."""
+    """A name in ``TARGETS``: ``text`` (SmolLM2-135M-Instruct), ``speech`` (the listener: Whisper tiny.en +
+    SmolLM2) or ``assistant`` (the same speech LLM answering spoken requests)."""
     train: int | None = None
-    """Training conversations (None: 1,800 text requests, 2,400 spoken sentences)."""
+    """Training conversations (None: the target's ``train``)."""
     validation: int = 64
     held_out: int = 64
     max_tokens: int | None = None
-    """Reply cap, generating and serving alike (None: 192 text, 32 speech)."""
+    """Reply cap, generating and serving alike (None: the target's ``max_tokens``)."""
     threads: int = 2
     """torch threads of capture and training."""
     engine_threads: int = 1
@@ -76,6 +78,8 @@ class SpeedupConfig:
     kind: a drafter that pays only on its own distribution is fragile)."""
     listen_steps: int = 300  # demo.real.listen.ListenConfig's default
     """The listener's projector updates (its cached directory is keyed by them)."""
+    answer_steps: int = 300  # demo.real.answer.AnswerConfig's default
+    """The answerer's updates (its cached directory is keyed by them)."""
     method: str = "eagle3"
     """vLLM's method when the export does not state one."""
     layout: str | None = None
@@ -83,13 +87,13 @@ class SpeedupConfig:
     in ``tapdraft-vllm``."""
 
     def __post_init__(self) -> None:
-        if self.target not in DEFAULTS:
-            raise ValueError(f"target must be one of {sorted(DEFAULTS)}, got {self.target!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {sorted(TARGETS)}, got {self.target!r}")
         if self.requests not in REQUESTS:
             raise ValueError(f"requests must be one of {list(REQUESTS)}, got {self.requests!r}")
-        n, cap = DEFAULTS[self.target]
-        object.__setattr__(self, "train", self.train or n)
-        object.__setattr__(self, "max_tokens", self.max_tokens or cap)
+        t = TARGETS[self.target]
+        object.__setattr__(self, "train", self.train or t.train)
+        object.__setattr__(self, "max_tokens", self.max_tokens or t.max_tokens)
         object.__setattr__(self, "run", self.run or self.recipe)
         if min(self.train, self.validation, self.held_out, self.pairs, self.prompts, *self.k) < 1:
             raise ValueError("train, validation, held_out, pairs, prompts and every k must be >= 1")
@@ -97,15 +101,79 @@ class SpeedupConfig:
             raise ValueError(f"prompts ({self.prompts}) must be <= held_out ({self.held_out})")
 
 
-def target_dir(cfg: SpeedupConfig, log: Callable[[str], None] = print) -> Path:
-    """The model directory (built and cached on first use)."""
-    if cfg.target == "text":
-        from demo.real.build import build_real_targets
+def _smollm2(cfg: SpeedupConfig, log: Log) -> Path:
+    from demo.real.build import build_real_targets
 
-        return build_real_targets().smollm2
+    return build_real_targets().smollm2
+
+
+def _listener(cfg: SpeedupConfig, log: Log) -> Path:
     from demo.real.listen import ListenConfig, build_listener
 
     return build_listener(None, ListenConfig(steps=cfg.listen_steps), log)[0]
+
+
+def _answerer(cfg: SpeedupConfig, log: Log) -> Path:
+    from demo.real.answer import AnswerConfig, build_answerer
+
+    return build_answerer(None, AnswerConfig(steps=cfg.answer_steps, listen_steps=cfg.listen_steps), log)[0]
+
+
+def _text_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
+    from demo.real.prompts import prompt_splits
+
+    return prompt_splits(cfg.train, cfg.validation, cfg.held_out)
+
+
+def _text_other(data: Path, cfg: SpeedupConfig, log: Log) -> list[dict]:
+    from demo.real.prompts import other_prompts
+
+    return other_prompts(cfg.prompts)
+
+
+def _spoken_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
+    from demo.real.listen import speech_splits
+
+    return speech_splits(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
+
+
+def _spoken_other(data: Path, cfg: SpeedupConfig, log: Log) -> list[dict]:
+    from demo.real.listen import speech_other
+
+    return speech_other(data, cfg.prompts, progress=log)
+
+
+def _request_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
+    from demo.real.answer import spoken_requests
+
+    return spoken_requests(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
+
+
+@dataclass(frozen=True)
+class RealTarget:
+    """A real target of the chain: how its model directory is built, its requests, its defaults."""
+    model: Callable[[SpeedupConfig, Log], Path]
+    """The model directory (built and cached on first use)."""
+    splits: Callable[[Path, SpeedupConfig, Log], dict[str, list[dict]]]
+    """train / validation / held_out conversations (wavs written under the data folder)."""
+    other: Callable[[Path, SpeedupConfig, Log], list[dict]]
+    """``prompts`` requests of another kind."""
+    train: int
+    """Default training conversations."""
+    max_tokens: int
+    """Default reply cap."""
+
+
+TARGETS = {
+    "text": RealTarget(_smollm2, _text_splits, _text_other, train=1800, max_tokens=192),
+    "speech": RealTarget(_listener, _spoken_splits, _spoken_other, train=2400, max_tokens=32),
+    "assistant": RealTarget(_answerer, _request_splits, _spoken_other, train=1200, max_tokens=128),
+}
+
+
+def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:
+    """The model directory (built and cached on first use)."""
+    return TARGETS[cfg.target].model(cfg, log)
 
 
 def _jsonl(path: Path, records: list[dict]) -> None:
@@ -113,39 +181,26 @@ def _jsonl(path: Path, records: list[dict]) -> None:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _cli(*args: str, log: Callable[[str], None] = print) -> None:
+def _cli(*args: str, log: Log = print) -> None:
     log("+ tapdraft " + " ".join(args[:12]))
     subprocess.run([sys.executable, "-m", "cli", *args], check=True, cwd=ROOT)
 
 
-def stage_prompts(work: Path, cfg: SpeedupConfig, log: Callable[[str], None] = print) -> None:
+def stage_prompts(work: Path, cfg: SpeedupConfig, log: Log = print) -> None:
     data = work / "data"
+    target = TARGETS[cfg.target]
     if cfg.requests == "other" and not (data / "other.prompts.jsonl").exists():
         data.mkdir(parents=True, exist_ok=True)
-        if cfg.target == "text":
-            from demo.real.prompts import other_prompts
-
-            _jsonl(data / "other.prompts.jsonl", other_prompts(cfg.prompts))
-        else:
-            from demo.real.listen import speech_other
-
-            _jsonl(data / "other.prompts.jsonl", speech_other(data, cfg.prompts, progress=log))
+        _jsonl(data / "other.prompts.jsonl", target.other(data, cfg, log))
     if (data / "held_out.prompts.jsonl").exists():
         return
     data.mkdir(parents=True, exist_ok=True)
-    if cfg.target == "text":
-        from demo.real.prompts import prompt_splits
-
-        splits = prompt_splits(cfg.train, cfg.validation, cfg.held_out)
-    else:
-        from demo.real.listen import speech_splits
-
-        splits = speech_splits(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
+    splits = target.splits(data, cfg, log)
     for split in SPLITS:  # held_out last: its file marks the stage done
         _jsonl(data / f"{split}.prompts.jsonl", splits[split])
 
 
-def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Callable[[str], None] = print) -> None:
+def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log = print) -> None:
     data = work / "data"
     engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
     for split in ("other",) * (cfg.requests == "other") + ("held_out", "validation", "train"):
@@ -156,7 +211,7 @@ def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log:
                  "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
 
 
-def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Callable[[str], None] = print) -> Path:
+def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Log = print) -> Path:
     ds, data = work / "dataset", work / "data"
     if not (ds / "manifest.json").exists():
         _cli("capture", "--target", str(target), "--data", str(data / "train.jsonl"),
@@ -165,7 +220,7 @@ def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Callable[[s
     return ds
 
 
-def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Log = print) -> tuple[Path, Path]:
     run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
     if not (export / "config.json").exists():
         sets = [x for s in cfg.sets for x in ("--set", s)]
@@ -195,7 +250,7 @@ def served_method(tapdraft_cfg: dict[str, Any], default: str) -> str:
 
 
 def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+                log: Log = print) -> dict[str, Any]:
     from engines.serving import check_served, serve_vllm, vllm_requests
 
     audio = work / "vllm" / ("audio" if cfg.requests == "held_out" else f"audio-{cfg.requests}")
@@ -319,7 +374,7 @@ def format_serve(report: dict[str, Any]) -> str:
 
 
 def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = None,
-                log: Callable[[str], None] = print) -> dict[str, Any] | None:
+                log: Log = print) -> dict[str, Any] | None:
     """Every stage up to ``stop_after`` (None: through serving); the serve report, or None when stopped early."""
     from engines.serving import engine_venv
 

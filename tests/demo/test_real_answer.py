@@ -4,6 +4,7 @@ and ``listen.fit`` (what trains and what stays frozen; the encoder's two audio f
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -100,3 +101,25 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
     with torch.no_grad():
         x = audio_inputs(base.model.audio_tower, w[:1], proc.feature_extractor)[0]
         assert torch.equal(tower_frames(base.model.audio_tower, x), encode_audio(base, w[:1], proc.feature_extractor)[0])
+
+
+def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_path, fake_speech):
+    from capture.inputs import BadInput, read_inputs
+    from demo.real.answer import every_request, spoken_requests
+    from demo.real.listen import VOICES
+
+    assert len(every_request()) == len(set(every_request())) == 516
+    convs = spoken_requests(tmp_path, 600, 20, 30)
+    text = {s: [c["request"] for c in v] for s, v in convs.items()}
+    assert [len(text[s]) for s in ("train", "validation", "held_out")] == [600, 20, 30]
+    answerer = requests(AnswerConfig())
+    held = set(text["held_out"])
+    assert not held & (set(answerer["train"]) | set(answerer["test"]) | set(text["train"]) | set(text["validation"]))
+    assert len(fake_speech) == len(set(fake_speech)) == 650  # a repeated request is another voice's utterance
+    assert len(set(text["train"])) < 600 and {(v, r) for t, v, r in fake_speech} >= set(VOICES[:2])
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs["train"]))
+    first = next(iter(read_inputs(str(tmp_path / "train.jsonl"), placeholder="<|AUDIO|>")))
+    assert not isinstance(first, BadInput)
+    assert first.messages[0] == {"role": "user", "content": "<|AUDIO|>"}  # no system turn, no written instruction
+    with pytest.raises(ValueError, match="requests the answerer did not train on"):
+        spoken_requests(tmp_path, 10, 1, 77)

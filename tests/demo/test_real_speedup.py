@@ -15,23 +15,11 @@ from demo.real.speedup import (SpeedupConfig, decode_rate, format_serve, served_
                                stage_prompts)
 
 
-@pytest.fixture
-def fake_speech(monkeypatch):
-    """espeak-ng replaced by a tone whose length follows the text (the splits' logic, not the voice, is tested)."""
-    spoken = []
-
-    def speak(text, voice, speed):
-        spoken.append((text, voice, speed))
-        return (0.1 * np.sin(np.arange(800 * len(text.split())) / 7)).astype(np.float32)
-
-    monkeypatch.setattr("demo.real.listen.speak", speak)
-    return spoken
-
-
 def test_config_defaults_follow_the_target_and_bad_values_are_refused():
     assert (SpeedupConfig(target="text").train, SpeedupConfig(target="text").max_tokens) == (1800, 192)
     s = SpeedupConfig(target="speech", recipe="eagle3")
     assert (s.train, s.max_tokens, s.run) == (2400, 32, "eagle3")
+    assert (SpeedupConfig(target="assistant").train, SpeedupConfig(target="assistant").max_tokens) == (1200, 128)
     with pytest.raises(ValueError, match="target must be one of"):
         SpeedupConfig(target="video")
     with pytest.raises(ValueError, match="prompts .* must be <= held_out"):

@@ -1,0 +1,19 @@
+"""Fixtures shared by the real targets' tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def fake_speech(monkeypatch):
+    """espeak-ng replaced by a tone whose length follows the text (the splits' logic, not the voice, is tested)."""
+    spoken = []
+
+    def speak(text, voice, speed):
+        spoken.append((text, voice, speed))
+        return (0.1 * np.sin(np.arange(800 * len(text.split())) / 7)).astype(np.float32)
+
+    monkeypatch.setattr("demo.real.listen.speak", speak)
+    return spoken

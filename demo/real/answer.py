@@ -70,6 +70,9 @@ class AnswerConfig:
     """AdamW learning rate (cosine to 0)."""
     train_encoder: bool = True
     """Train the audio encoder with the projector (off: the projector alone)."""
+    lm_rank: int = 0
+    """Rank of a low-rank update to every linear layer of the LM, merged into its weights before saving (the layout
+    unchanged); 0 keeps the LM frozen. It changes the LM's written replies too: the evaluation says by how much."""
     listen_steps: int = ListenConfig.steps
     """The transcribing listener it starts from."""
     seed: int = 0
@@ -78,6 +81,8 @@ class AnswerConfig:
     def __post_init__(self) -> None:
         if min(self.n_train, self.n_test, self.reply_tokens, self.eval_tokens, self.steps, self.batch) < 1:
             raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch must be >= 1")
+        if self.lm_rank < 0:
+            raise ValueError("lm_rank must be >= 0 (0: the LM frozen)")
         if not 0 <= self.transcribe_share < 1 or self.lr <= 0:
             raise ValueError("transcribe_share must be in [0, 1) and lr > 0")
 
@@ -191,6 +196,47 @@ def score_replies(written: list[list[int]], spoken: list[list[int]], first: int 
     return out
 
 
+LM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LowRank(torch.nn.Module):
+    """A weight's low-rank update, W + B A (B starts at zero: the model starts as it was)."""
+
+    def __init__(self, weight: torch.Tensor, rank: int) -> None:
+        super().__init__()
+        out_f, in_f = weight.shape
+        self.A = torch.nn.Parameter(torch.randn(rank, in_f, dtype=weight.dtype) / in_f ** 0.5)
+        self.B = torch.nn.Parameter(torch.zeros(out_f, rank, dtype=weight.dtype))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + self.B @ self.A
+
+
+def add_low_rank(lm: torch.nn.Module, rank: int) -> list[torch.nn.Parameter]:
+    """A ``LowRank`` on every ``LM_LINEARS`` weight of ``lm``; the new parameters."""
+    from torch.nn.utils import parametrize
+
+    params = []
+    for name, mod in lm.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LM_LINEARS:
+            update = LowRank(mod.weight, rank)
+            parametrize.register_parametrization(mod, "weight", update)
+            params += [update.A, update.B]
+    return params
+
+
+def merge_low_rank(lm: torch.nn.Module) -> int:
+    """Fold every ``LowRank`` into its weight (plain ``nn.Linear`` again, the checkpoint's names); how many."""
+    from torch.nn.utils import parametrize
+
+    merged = 0
+    for mod in lm.modules():
+        if parametrize.is_parametrized(mod, "weight"):
+            parametrize.remove_parametrizations(mod, "weight", leave_parametrized=True)
+            merged += 1
+    return merged
+
+
 def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_tokens: int) -> list[Example]:
     prompt = torch.tensor(tok(prompt_text(tok, None), add_special_tokens=False)["input_ids"])
     return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens])) for i, r in enumerate(replies)]
@@ -226,7 +272,10 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     if cfg.train_encoder:
         params += list(tower.parameters())
     torch.manual_seed(cfg.seed)
+    if cfg.lm_rank:
+        params += add_low_rank(model.model.language_model, cfg.lm_rank)
     losses = fit(model, examples, audio, params, cfg.steps, cfg.batch, cfg.lr, cfg.seed, log)
+    merge_low_rank(model.model.language_model)
     model.save_pretrained(out)
     proc.save_pretrained(out)
     for f in listener.glob("LICENSE*"):
@@ -235,12 +284,17 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     proc = AutoProcessor.from_pretrained(out)
     answers = {k: score_replies(held[k], [reply(model, proc, None, w, cfg.eval_tokens) for w in waves[k]],
                                 tok=tok) for k in ("test", "oov")}
+    if cfg.lm_rank:  # the LM changed: how far its own written replies moved from the frozen LM's
+        answers["written_after"] = score_replies(held["test"], [reply(model, proc, t, None, cfg.eval_tokens)
+                                                                for t in asked["test"]])
     info = {"config": asdict(cfg), "final_loss": float(np.mean(losses[-20:])), "answers_held_out": answers["test"],
             "answers_out_of_vocabulary": answers["oov"],
             "transcription_held_out": score_transcripts(heard["test"],
                                                         transcribe(model, proc, heard_waves["test"])),
             "train_seconds": round(time.time() - t0),
-            "trained": "multi_modal_projector" + (" + audio_tower" if cfg.train_encoder else " only"),
+            "written_replies_after_vs_before": answers.get("written_after"),
+            "trained": "multi_modal_projector" + (" + audio_tower" if cfg.train_encoder else "")
+                       + (f" + the LM at rank {cfg.lm_rank}, merged" if cfg.lm_rank else ""),
             "starts_from": listener.name}
     log(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=1))
     return info

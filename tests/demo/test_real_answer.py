@@ -123,3 +123,32 @@ def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_pa
     assert first.messages[0] == {"role": "user", "content": "<|AUDIO|>"}  # no system turn, no written instruction
     with pytest.raises(ValueError, match="requests the answerer did not train on"):
         spoken_requests(tmp_path, 10, 1, 77)
+
+
+def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_names(tiny, tmp_path):
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    from demo.real.answer import add_low_rank, merge_low_rank
+
+    base, proc = tiny
+    model = copy.deepcopy(base)
+    names = set(base.state_dict())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+    params = add_low_rank(model.model.language_model, rank=2)
+    assert len(params) == 2 * 7 * base.config.text_config.num_hidden_layers
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)  # B = 0: the model as it was
+        for p in params[1::2]:
+            p.normal_()
+        moved = model(input_ids=ids).logits
+    assert not torch.allclose(moved, before)
+    assert merge_low_rank(model.model.language_model) == 7 * base.config.text_config.num_hidden_layers
+    assert set(model.state_dict()) == names  # plain Linear weights again, under the checkpoint's names
+    model.save_pretrained(tmp_path)
+    again = Qwen2AudioForConditionalGeneration.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(input_ids=ids).logits, moved, atol=1e-5)
+    with pytest.raises(ValueError, match="lm_rank"):
+        AnswerConfig(lm_rank=-1)

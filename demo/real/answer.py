@@ -8,8 +8,9 @@ to put into the LM what the written words put there, and the LM itself never cha
                 brave pilot", "write a short story where anna finds a red book"); train and held-out requests
                 disjoint; an out-of-vocabulary set holds words never trained on
     start       the transcribing listener (``listen.build_listener``): its projector already puts words into the LM
-    training    the projector, and the audio encoder with it unless ``train_encoder`` is off (the Qwen2-Audio
-                layout is unchanged, so vLLM and ``capture`` load the result as any checkpoint); CE on the written
+    training    the projector (with ``train_encoder`` the audio encoder too, at its own rate; with ``lm_rank`` a
+                low-rank LM update, merged: the Qwen2-Audio layout is unchanged either way, so vLLM and ``capture``
+                load the result as any checkpoint); CE on the written
                 reply's first ``reply_tokens`` tokens; a share of every pass is transcription, so the first task
                 stays (its WER is measured after)
     evaluation  the saved directory reloaded as ``Qwen2AudioForConditionalGeneration``: on held-out spoken requests,
@@ -68,8 +69,11 @@ class AnswerConfig:
     """Share of the training pairs that are transcription (``listen``'s sentences), so that task stays."""
     lr: float = 1e-3
     """AdamW learning rate (cosine to 0)."""
-    train_encoder: bool = True
-    """Train the audio encoder with the projector (off: the projector alone)."""
+    train_encoder: bool = False
+    """Train the audio encoder with the projector, at ``encoder_lr`` (off: the projector alone). At the projector's
+    1e-3 the encoder forgot how to hear: transcription WER 169%, no reply right (docs/LOG.md 2026-12-04)."""
+    encoder_lr: float = 1e-5
+    """The encoder's AdamW learning rate when it trains (a pretrained encoder's fine-tuning rate)."""
     lm_rank: int = 0
     """Rank of a low-rank update to every linear layer of the LM, merged into its weights before saving (the layout
     unchanged); 0 keeps the LM frozen. It changes the LM's written replies too: the evaluation says by how much."""
@@ -83,8 +87,8 @@ class AnswerConfig:
             raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch must be >= 1")
         if self.lm_rank < 0:
             raise ValueError("lm_rank must be >= 0 (0: the LM frozen)")
-        if not 0 <= self.transcribe_share < 1 or self.lr <= 0:
-            raise ValueError("transcribe_share must be in [0, 1) and lr > 0")
+        if not 0 <= self.transcribe_share < 1 or self.lr <= 0 or self.encoder_lr <= 0:
+            raise ValueError("transcribe_share must be in [0, 1), lr and encoder_lr > 0")
 
 
 def every_request() -> list[str]:
@@ -268,12 +272,12 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
              else encode_audio(model, train_waves, proc.feature_extractor))
     examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens)
                 + transcription_examples(tok, heard["train"][:n_transcribe], first_audio=cfg.n_train))
-    params = list(model.model.multi_modal_projector.parameters())
+    params = [{"params": list(model.model.multi_modal_projector.parameters())}]
     if cfg.train_encoder:
-        params += list(tower.parameters())
+        params.append({"params": list(tower.parameters()), "lr": cfg.encoder_lr})
     torch.manual_seed(cfg.seed)
     if cfg.lm_rank:
-        params += add_low_rank(model.model.language_model, cfg.lm_rank)
+        params.append({"params": add_low_rank(model.model.language_model, cfg.lm_rank)})
     losses = fit(model, examples, audio, params, cfg.steps, cfg.batch, cfg.lr, cfg.seed, log)
     merge_low_rank(model.model.language_model)
     model.save_pretrained(out)

@@ -227,18 +227,19 @@ class Example:
     """Reply ids (with ``<|im_end|>`` when the reply is whole)."""
 
 
-def fit(model, examples: list[Example], audio: list, params: list[torch.nn.Parameter], steps: int, batch: int,
-        lr: float, seed: int, log=print) -> list[float]:
-    """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the frozen language model, CE on the
-    reply tokens alone; the losses. ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once) or
-    an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
+def fit(model, examples: list[Example], audio: list, params: list, steps: int, batch: int, lr: float, seed: int,
+        log=print) -> list[float]:
+    """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the language model, CE on the reply
+    tokens alone; the losses. ``params`` are parameters or AdamW groups (``{"params": [...], "lr": ...}``: a group's
+    lr is scaled by the same cosine). ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once)
+    or an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
     lm = model.model.language_model
     head = model.lm_head
     proj = model.model.multi_modal_projector
     tower = model.model.audio_tower
     for p in model.parameters():
         p.requires_grad_(False)
-    for p in params:
+    for p in (q for g in params for q in (g["params"] if isinstance(g, dict) else [g])):
         p.requires_grad_(True)
     audio_id = model.config.audio_token_id
     emb = lm.get_input_embeddings()

@@ -98,6 +98,13 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
     frozen_b, lb = run(train_tower=False, frames=True)  # the encoder run once, its frames cached: the same steps
     assert la == lb
     assert torch.equal(frozen_a.model.audio_tower.layers[0].fc1.weight, base.model.audio_tower.layers[0].fc1.weight)
+    model = copy.deepcopy(base)  # parameter groups: the encoder's own rate (0 here) holds it still
+    groups = [{"params": list(model.model.multi_modal_projector.parameters())},
+              {"params": list(model.model.audio_tower.parameters()), "lr": 0.0}]
+    fit(model, examples, audio_inputs(model.model.audio_tower, w, proc.feature_extractor), groups, steps=2, batch=2,
+        lr=1e-2, seed=0, log=lambda *_: None)
+    assert torch.equal(model.model.audio_tower.layers[0].fc1.weight, base.model.audio_tower.layers[0].fc1.weight)
+    assert not torch.equal(model.model.multi_modal_projector.linear.weight, base.model.multi_modal_projector.linear.weight)
     with torch.no_grad():
         x = audio_inputs(base.model.audio_tower, w[:1], proc.feature_extractor)[0]
         assert torch.equal(tower_frames(base.model.audio_tower, x), encode_audio(base, w[:1], proc.feature_extractor)[0])

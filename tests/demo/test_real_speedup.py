@@ -131,3 +131,10 @@ def test_an_export_is_served_with_the_method_it_states():
     assert served_method({"serve_with": {"vllm": {"method": "dflash", "num_speculative_tokens": 3}}}, "eagle3") == "dflash"
     assert served_method({"serve_with": {"vllm": {"method": "mtp"}}}, "eagle3") == "mtp"
     assert served_method({}, "eagle3") == "eagle3"
+
+
+def test_the_chain_builds_the_models_its_builders_default_to():
+    from demo.real.answer import AnswerConfig
+    from demo.real.listen import ListenConfig
+
+    assert (SpeedupConfig.listen_steps, SpeedupConfig.answer_steps) == (ListenConfig.steps, AnswerConfig.steps)

@@ -78,7 +78,7 @@ class SpeedupConfig:
     kind: a drafter that pays only on its own distribution is fragile)."""
     listen_steps: int = 300  # demo.real.listen.ListenConfig's default
     """The listener's projector updates (its cached directory is keyed by them)."""
-X
+    answer_steps: int = 400  # demo.real.answer.AnswerConfig's default
     """The answerer's updates (its cached directory is keyed by them)."""
     method: str = "eagle3"
     """vLLM's method when the export does not state one."""

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     an.add_argument("--lr", type=float, default=AnswerConfig.lr, help="AdamW learning rate")
     an.add_argument("--train-encoder", action="store_true", help="train the audio encoder too, at --encoder-lr")
     an.add_argument("--encoder-lr", type=float, default=AnswerConfig.encoder_lr, help="the encoder's learning rate")
+    an.add_argument("--distill", action="store_true",
+                    help="learn the LM's distribution given the written request (KL), not only its greedy reply")
     an.add_argument("--lm-rank", type=int, default=AnswerConfig.lm_rank,
                     help="rank of a low-rank LM update merged before saving (0: the LM frozen)")
     an.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "answer":
         d, info = build_answerer(a.root, AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr,
                                                       train_encoder=a.train_encoder, encoder_lr=a.encoder_lr,
-                                                      lm_rank=a.lm_rank))
+                                                      distill=a.distill, lm_rank=a.lm_rank))
         print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))
     else:
         d, info = build_listener(a.root, ListenConfig(steps=a.steps, n_train=a.n_train))

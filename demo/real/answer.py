@@ -74,6 +74,9 @@ class AnswerConfig:
     1e-3 the encoder forgot how to hear: transcription WER 169%, no reply right (docs/LOG.md 2026-12-04)."""
     encoder_lr: float = 1e-5
     """The encoder's AdamW learning rate when it trains (a pretrained encoder's fine-tuning rate)."""
+    distill: bool = False
+    """Learn the LM's whole distribution at each reply position given the written request (KL), not only its greedy
+    token (CE): one more forward of the LM a request, no grad."""
     lm_rank: int = 0
     """Rank of a low-rank update to every linear layer of the LM, merged into its weights before saving (the layout
     unchanged); 0 keeps the LM frozen. It changes the LM's written replies too: the evaluation says by how much."""
@@ -241,9 +244,14 @@ def merge_low_rank(lm: torch.nn.Module) -> int:
     return merged
 
 
-def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_tokens: int) -> list[Example]:
-    prompt = torch.tensor(tok(prompt_text(tok, None), add_special_tokens=False)["input_ids"])
-    return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens])) for i, r in enumerate(replies)]
+def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_tokens: int,
+                    written: list[str] | None = None) -> list[Example]:
+    """The answering task's pairs: the spoken prompt, the written request's reply; with ``written`` (the requests)
+    each carries its written prompt as the teacher."""
+    ids = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    prompt = ids(prompt_text(tok, None))
+    return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens]),
+                    None if written is None else ids(prompt_text(tok, written[i]))) for i, r in enumerate(replies)]
 
 
 def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> dict:
@@ -270,7 +278,7 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     train_waves = waves["train"] + heard_waves["train"]
     audio = (audio_inputs(tower, train_waves, proc.feature_extractor) if cfg.train_encoder
              else encode_audio(model, train_waves, proc.feature_extractor))
-    examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens)
+    examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens, asked["train"] if cfg.distill else None)
                 + transcription_examples(tok, heard["train"][:n_transcribe], first_audio=cfg.n_train))
     params = [{"params": list(model.model.multi_modal_projector.parameters())}]
     if cfg.train_encoder:

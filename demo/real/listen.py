@@ -225,12 +225,15 @@ class Example:
     """Token ids with one ``<|AUDIO|>``, ending with the assistant turn's header."""
     reply: torch.Tensor
     """Reply ids (with ``<|im_end|>`` when the reply is whole)."""
+    teacher: torch.Tensor | None = None
+    """A written prompt's ids (no audio): with one, each reply position learns the LM's whole distribution given that
+    prompt (KL from it), not only the reply's token (CE)."""
 
 
 def fit(model, examples: list[Example], audio: list, params: list, steps: int, batch: int, lr: float, seed: int,
         log=print) -> list[float]:
-    """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the language model, CE on the reply
-    tokens alone; the losses. ``params`` are parameters or AdamW groups (``{"params": [...], "lr": ...}``: a group's
+    """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the language model, on the reply
+    positions alone (CE, or KL from the LM given the example's ``teacher`` prompt), their mean; the losses. ``params`` are parameters or AdamW groups (``{"params": [...], "lr": ...}``: a group's
     lr is scaled by the same cosine). ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once)
     or an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
     lm = model.model.language_model
@@ -253,9 +256,10 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
         if len(order) < batch:
             order += rng.sample(range(len(examples)), len(examples))
         idx, order = order[:batch], order[batch:]
-        seqs, labels = [], []
+        seqs, labels, teachers = [], [], []
         for i in idx:
             ex = examples[i]
+            teachers.append(None if ex.teacher is None else teacher_logprobs(lm, head, ex.teacher, ex.reply))
             a = audio[ex.audio]
             frames = a if isinstance(a, torch.Tensor) else tower_frames(tower, a)
             at = int((ex.prompt == audio_id).nonzero()[0, 0])
@@ -272,7 +276,11 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
         am = torch.stack([(torch.arange(T) < s.shape[0]).long() for s in seqs])
         h = lm(inputs_embeds=x_BTH, attention_mask=am).last_hidden_state
         logits = head(h[y_BT != -100])
-        loss = torch.nn.functional.cross_entropy(logits.float(), y_BT[y_BT != -100])
+        if all(t is None for t in teachers):
+            loss = torch.nn.functional.cross_entropy(logits.float(), y_BT[y_BT != -100])
+        else:
+            lengths = [len(examples[i].reply) for i in idx]
+            loss = reply_losses(logits.float(), y_BT[y_BT != -100], lengths, teachers).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -281,6 +289,29 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
         if step % 10 == 0 or step == steps - 1:
             log(f"step {step:4d}  loss {np.mean(losses[-20:]):.4f}  {time.time() - t0:.0f}s")
     return losses
+
+
+def teacher_logprobs(lm, head, prompt: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
+    """The LM's log-probabilities [L, V] at the positions that predict ``reply``'s L tokens after the written
+    ``prompt``, no grad: the frozen LM (with a low-rank update in training, the LM as it is at that step)."""
+    ids = torch.cat([prompt, reply])
+    with torch.no_grad():
+        h = lm(input_ids=ids[None]).last_hidden_state[0, len(prompt) - 1: len(ids) - 1]
+        return torch.log_softmax(head(h).float(), -1)
+
+
+def reply_losses(logits_NV: torch.Tensor, y_N: torch.Tensor, lengths: list[int],
+                 teachers: list[torch.Tensor | None]) -> torch.Tensor:
+    """Per reply position [N]: CE on the token, or KL(teacher || student) where the example has a teacher. Rows are
+    the examples' replies in order, ``lengths[i]`` of them each; ``teachers[i]`` is [lengths[i], V] or None."""
+    logp = torch.log_softmax(logits_NV, -1)
+    out, at = [], 0
+    for n, t in zip(lengths, teachers):
+        rows = logp[at:at + n]
+        out.append(-rows.gather(1, y_N[at:at + n, None])[:, 0] if t is None else (t.exp() * (t - rows)).sum(-1))
+        at += n
+    assert at == logits_NV.shape[0], (at, logits_NV.shape)
+    return torch.cat(out)
 
 
 def transcription_examples(tok, texts: list[str], first_audio: int = 0) -> list[Example]:

@@ -159,3 +159,42 @@ def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_name
         assert torch.allclose(again(input_ids=ids).logits, moved, atol=1e-5)
     with pytest.raises(ValueError, match="lm_rank"):
         AnswerConfig(lm_rank=-1)
+
+
+def test_reply_losses_equal_a_float64_reference():
+    from demo.real.listen import reply_losses
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 11, (7,), generator=g)
+    teacher = torch.log_softmax(torch.randn(4, 11, generator=g, dtype=torch.float64), -1)
+    got = reply_losses(logits.float(), y, [3, 4], [None, teacher.float()])
+    logp = torch.log_softmax(logits, -1)
+    ce = torch.nn.functional.cross_entropy(logits[:3], y[:3], reduction="none")
+    kl = torch.nn.functional.kl_div(logp[3:], teacher, log_target=True, reduction="none").sum(-1)
+    assert torch.allclose(got.double(), torch.cat([ce, kl]), atol=1e-5, rtol=0)
+    with pytest.raises(AssertionError):
+        reply_losses(logits.float(), y, [3, 3], [None, None])  # rows left over: the lengths do not cover the batch
+
+
+def test_the_teacher_is_the_lms_own_forward_on_the_written_request(tiny):
+    from demo.real.listen import teacher_logprobs
+
+    model, proc = tiny
+    prompt, rep = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
+    got = teacher_logprobs(model.model.language_model, model.lm_head, prompt, rep)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=torch.cat([prompt, rep])[None]).logits[0, 2:4].double(), -1)
+    assert got.shape == (2, ref.shape[-1]) and torch.allclose(got.double(), ref, atol=1e-5)
+    tok = proc.tokenizer
+    ex = answer_examples(tok, [[8, 9, 10]], 0, 2, written=["what did you say"])[0]
+    assert ex.reply.tolist() == [8, 9] and tok.decode(ex.teacher).count("what did you say") == 1
+    frames = encode_audio(model, waves(1), proc.feature_extractor)
+
+    def first_loss(examples):
+        m = copy.deepcopy(model)
+        return fit(m, examples, frames, list(m.model.multi_modal_projector.parameters()), steps=1, batch=1, lr=1e-3,
+                   seed=0, log=lambda *_: None)
+
+    ce, kl = first_loss(answer_examples(tok, [[8, 9]], 0, 2)), first_loss([ex])
+    assert kl[0] >= 0 and kl[0] != ce[0]

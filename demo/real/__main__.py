@@ -1,6 +1,7 @@
 """``python -m demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
 ``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
-``python -m demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken requests."""
+``python -m demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken
+requests."""
 
 from __future__ import annotations
 

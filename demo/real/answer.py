@@ -199,7 +199,8 @@ def score_replies(written: list[list[int]], spoken: list[list[int]], first: int 
            "whole": sum(w == s for w, s in zip(written, spoken)) / n, "mean_prefix_tokens": float(np.mean(cps)),
            "follows_audio": f"{follows}/{judged}"}
     if tok is not None:
-        out["examples"] = [{"written": tok.decode(w), "spoken": tok.decode(s)} for w, s in list(zip(written, spoken))[:4]]
+        out["examples"] = [{"written": tok.decode(w), "spoken": tok.decode(s)}
+                           for w, s in list(zip(written, spoken))[:4]]
     return out
 
 
@@ -248,7 +249,9 @@ def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_token
                     written: list[str] | None = None) -> list[Example]:
     """The answering task's pairs: the spoken prompt, the written request's reply; with ``written`` (the requests)
     each carries its written prompt as the teacher."""
-    ids = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    def ids(text: str) -> torch.Tensor:
+        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+
     prompt = ids(prompt_text(tok, None))
     return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens]),
                     None if written is None else ids(prompt_text(tok, written[i]))) for i, r in enumerate(replies)]

@@ -81,8 +81,10 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
     def run(train_tower: bool, frames: bool):
         model = copy.deepcopy(base)
         tower = model.model.audio_tower
-        audio = encode_audio(model, w, proc.feature_extractor) if frames else audio_inputs(tower, w, proc.feature_extractor)
-        params = list(model.model.multi_modal_projector.parameters()) + (list(tower.parameters()) if train_tower else [])
+        fe = proc.feature_extractor
+        audio = encode_audio(model, w, fe) if frames else audio_inputs(tower, w, fe)
+        params = list(model.model.multi_modal_projector.parameters())
+        params += list(tower.parameters()) if train_tower else []
         losses = fit(model, examples, audio, params, steps=4, batch=2, lr=1e-2, seed=0, log=lambda *_: None)
         return model, losses
 
@@ -104,10 +106,12 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
     fit(model, examples, audio_inputs(model.model.audio_tower, w, proc.feature_extractor), groups, steps=2, batch=2,
         lr=1e-2, seed=0, log=lambda *_: None)
     assert torch.equal(model.model.audio_tower.layers[0].fc1.weight, base.model.audio_tower.layers[0].fc1.weight)
-    assert not torch.equal(model.model.multi_modal_projector.linear.weight, base.model.multi_modal_projector.linear.weight)
+    proj, base_proj = model.model.multi_modal_projector, base.model.multi_modal_projector
+    assert not torch.equal(proj.linear.weight, base_proj.linear.weight)
     with torch.no_grad():
         x = audio_inputs(base.model.audio_tower, w[:1], proc.feature_extractor)[0]
-        assert torch.equal(tower_frames(base.model.audio_tower, x), encode_audio(base, w[:1], proc.feature_extractor)[0])
+        one = encode_audio(base, w[:1], proc.feature_extractor)[0]
+        assert torch.equal(tower_frames(base.model.audio_tower, x), one)
 
 
 def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_path, fake_speech):

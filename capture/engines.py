@@ -14,19 +14,47 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 if TYPE_CHECKING:
     import torch
 
+    from capture.generation import ReplyConfig
     from capture.targets.base import Target
     from capture.vllm.config import VLLMConfig
     from shards.schema import Layout
 
 
+class RunSettings(Protocol):
+    """What an engine reads of the run it serves: a ``CaptureConfig`` or a ``RegenerateConfig`` (both frozen
+    dataclasses; named structurally, as ``capture.config`` imports this module)."""
+
+    @property
+    def target(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def replies(self) -> ReplyConfig | None: ...
+    @property
+    def vllm(self) -> VLLMConfig | None: ...
+    @property
+    def vllm_python(self) -> str | None: ...
+
+
+class CaptureSettings(RunSettings, Protocol):
+    """What a capture adds (``CaptureConfig``): the in-process thread count and the longest sample."""
+
+    @property
+    def threads(self) -> int | None: ...
+    @property
+    def max_length(self) -> int | None: ...
+    @property
+    def batch_tokens(self) -> int: ...
+
+
 class Engine:
-    """One capture engine. ``cfg`` is a ``CaptureConfig`` or a ``RegenerateConfig``: both carry ``engine``,
-    ``vllm`` (the vLLM engine's settings) and ``vllm_python``."""
+    """One capture engine. ``cfg`` is the run it serves: a capture's (``CaptureSettings``) or a regeneration's
+    (``RunSettings``)."""
 
     name: str = ""
     capture_help: str = ""
@@ -41,19 +69,19 @@ class Engine:
         """The engine's own settings (``cfg.vllm``) from the CLI's flags; None for an engine that has none."""
         return None
 
-    def check_capture(self, cfg: Any) -> None:
+    def check_capture(self, cfg: CaptureSettings) -> None:
         """Validate (and complete, on the frozen ``cfg``) a capture's engine settings; ``ValueError`` if refused."""
 
-    def check_regenerate(self, cfg: Any) -> None:
+    def check_regenerate(self, cfg: RunSettings) -> None:
         """Validate (and complete) a regeneration's engine settings; ``ValueError`` if refused."""
 
-    def preflight(self, cfg: Any) -> None:
+    def preflight(self, cfg: RunSettings) -> None:
         """Checks that must pass before anything is loaded or written."""
 
     def check_target(self, target: Target, *, audio_embeds: bool = False) -> None:
         """Refuse a target (or a stored field) this engine cannot run, before anything is written."""
 
-    def threads(self, cfg: Any) -> int | None:
+    def threads(self, cfg: CaptureSettings) -> int | None:
         """The CPU thread count ``cfg`` sets for this engine (None: not decided)."""
         return cfg.threads
 
@@ -61,12 +89,12 @@ class Engine:
         """Where a capture record keeps this engine's thread count (a dict with ``threads``, or None)."""
         return record
 
-    def with_threads(self, cfg: Any, n: int | None) -> Any:
+    def with_threads(self, cfg: CaptureSettings, n: int | None) -> CaptureSettings:
         """``cfg`` with this engine's thread count set to ``n``."""
         return dataclasses.replace(cfg, threads=n)
 
     @contextmanager
-    def capture_session(self, cfg: Any, target: Target, layout: Layout) -> Iterator[Any]:
+    def capture_session(self, cfg: CaptureSettings, target: Target, layout: Layout) -> Iterator[Any]:
         """What runs a capture's forwards (started once for all splits, stopped at the end); None: in-process."""
         from capture.stages import torch_threads
         import torch
@@ -75,7 +103,7 @@ class Engine:
             yield None
 
     @contextmanager
-    def reply_session(self, cfg: Any, target: Target, device: torch.device) -> Iterator[Any]:
+    def reply_session(self, cfg: RunSettings, target: Target, device: torch.device) -> Iterator[Any]:
         """What decodes a regeneration's replies; None: in-process (``capture.replies.windows``)."""
         yield None
 
@@ -85,7 +113,7 @@ class InProcess(Engine):
     capture_help = "in-process"
     regenerate_help = "in-process, padded batches"
 
-    def check_capture(self, cfg: Any) -> None:
+    def check_capture(self, cfg: CaptureSettings) -> None:
         if cfg.vllm is not None or cfg.vllm_python is not None:
             raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
 
@@ -104,26 +132,26 @@ class VLLM(Engine):
         return VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                           data_parallel_size=data_parallel_size)
 
-    def _default_settings(self, cfg: Any) -> None:
+    def _default_settings(self, cfg: RunSettings) -> None:
         from capture.vllm.config import VLLMConfig
 
         if cfg.vllm is None:
             object.__setattr__(cfg, "vllm", VLLMConfig())
 
-    def check_capture(self, cfg: Any) -> None:
+    def check_capture(self, cfg: CaptureSettings) -> None:
         self._default_settings(cfg)
         if cfg.replies is not None:
             raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
                              "regenerated input instead (tapdraft regenerate --engine vllm, then capture)")
 
-    def check_regenerate(self, cfg: Any) -> None:
+    def check_regenerate(self, cfg: RunSettings) -> None:
         if not cfg.replies.generation.greedy:
             raise ValueError("--engine vllm regenerates greedily only: vLLM's sampler draws other numbers than "
                              "tapdraft's per-reply seeded one, so its sampled replies would not be reproducible; "
                              "drop --temperature, or drop --engine vllm")
         self._default_settings(cfg)
 
-    def preflight(self, cfg: Any) -> None:
+    def preflight(self, cfg: RunSettings) -> None:
         from capture.vllm.engine import check_python
 
         check_python(cfg.vllm_python, cfg.vllm)
@@ -133,18 +161,18 @@ class VLLM(Engine):
 
         check_target(target, audio_embeds=audio_embeds)
 
-    def threads(self, cfg: Any) -> int | None:
+    def threads(self, cfg: CaptureSettings) -> int | None:
         assert cfg.vllm is not None, "check_capture fills in the vLLM settings"
         return cfg.vllm.threads
 
     def recorded_threads(self, record: dict[str, Any]) -> Any:
         return record.get("vllm")
 
-    def with_threads(self, cfg: Any, n: int | None) -> Any:
+    def with_threads(self, cfg: CaptureSettings, n: int | None) -> CaptureSettings:
         return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, threads=n))
 
     @contextmanager
-    def capture_session(self, cfg: Any, target: Target, layout: Layout) -> Iterator[Any]:
+    def capture_session(self, cfg: CaptureSettings, target: Target, layout: Layout) -> Iterator[Any]:
         """The vLLM workers, their head proven against tapdraft's before any sample (the teacher rows are tapdraft's
         head on vLLM's states), on the capture's thread count (the teacher head's reductions too)."""
         import torch
@@ -164,7 +192,7 @@ class VLLM(Engine):
             yield engine
 
     @contextmanager
-    def reply_session(self, cfg: Any, target: Target, device: torch.device) -> Iterator[Any]:
+    def reply_session(self, cfg: RunSettings, target: Target, device: torch.device) -> Iterator[Any]:
         """vLLM workers in generate mode (capture.vllm.regenerate)."""
         import torch
 

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     an.add_argument("--train-encoder", action="store_true", help="train the audio encoder too, at --encoder-lr")
     an.add_argument("--encoder-lr", type=float, default=AnswerConfig.encoder_lr, help="the encoder's learning rate")
     an.add_argument("--distill", action="store_true",
-                    help="learn the LM's distribution given the written request (KL), not only its greedy reply")
+                    help="learn the frozen LM's distribution given the written request (KL from its top-k, computed "
+                         "once), not only its greedy reply")
     an.add_argument("--lm-rank", type=int, default=AnswerConfig.lm_rank,
                     help="rank of a low-rank LM update merged before saving (0: the LM frozen)")
     an.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from demo.real.listen import (VOICES, Example, ListenConfig, audio_inputs, build_listener, encode_audio, fit,
-                              score_transcripts, sentences, speak, transcribe, transcription_examples)
+from demo.real.listen import (VOICES, Example, ListenConfig, TopK, audio_inputs, build_listener, encode_audio, fit,
+                              score_transcripts, sentences, speak, teacher_top_k, transcribe,
+                              transcription_examples)
 
 ANSWER_VERSION = 1
 """Bump when the answerer's output changes (a new cache key)."""
@@ -75,8 +76,11 @@ class AnswerConfig:
     encoder_lr: float = 1e-5
     """The encoder's AdamW learning rate when it trains (a pretrained encoder's fine-tuning rate)."""
     distill: bool = False
-    """Learn the LM's whole distribution at each reply position given the written request (KL), not only its greedy
-    token (CE): one more forward of the LM a request, no grad."""
+    """Learn the LM's distribution at each reply position given the written request (KL from its top ``top_k``), not
+    only its greedy token (CE): the frozen LM's, computed once before training."""
+    top_k: int = 64
+    """With ``distill``: the teacher's log-probabilities kept per position (SmolLM2's whole rows would be 2.5 GB for
+    400 requests)."""
     lm_rank: int = 0
     """Rank of a low-rank update to every linear layer of the LM, merged into its weights before saving (the layout
     unchanged); 0 keeps the LM frozen. It changes the LM's written replies too: the evaluation says by how much."""
@@ -86,8 +90,8 @@ class AnswerConfig:
     """Requests, voices, order."""
 
     def __post_init__(self) -> None:
-        if min(self.n_train, self.n_test, self.reply_tokens, self.eval_tokens, self.steps, self.batch) < 1:
-            raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch must be >= 1")
+        if min(self.n_train, self.n_test, self.reply_tokens, self.eval_tokens, self.steps, self.batch, self.top_k) < 1:
+            raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch, top_k must be >= 1")
         if self.lm_rank < 0:
             raise ValueError("lm_rank must be >= 0 (0: the LM frozen)")
         if not 0 <= self.transcribe_share < 1 or self.lr <= 0 or self.encoder_lr <= 0:
@@ -246,15 +250,20 @@ def merge_low_rank(lm: torch.nn.Module) -> int:
 
 
 def answer_examples(tok, replies: list[list[int]], first_audio: int, reply_tokens: int,
-                    written: list[str] | None = None) -> list[Example]:
-    """The answering task's pairs: the spoken prompt, the written request's reply; with ``written`` (the requests)
-    each carries its written prompt as the teacher."""
-    def ids(text: str) -> torch.Tensor:
-        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+                    teachers: list[TopK] | None = None) -> list[Example]:
+    """The answering task's pairs: the spoken prompt, the written request's reply (its first ``reply_tokens``),
+    with ``teachers`` each its teacher over those tokens."""
+    prompt = torch.tensor(tok(prompt_text(tok, None), add_special_tokens=False)["input_ids"])
+    return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens]), None if teachers is None else teachers[i])
+            for i, r in enumerate(replies)]
 
-    prompt = ids(prompt_text(tok, None))
-    return [Example(first_audio + i, prompt, torch.tensor(r[:reply_tokens]),
-                    None if written is None else ids(prompt_text(tok, written[i]))) for i, r in enumerate(replies)]
+
+def written_teachers(model, tok, requests: list[str], replies: list[list[int]], reply_tokens: int,
+                     k: int) -> list[TopK]:
+    """The frozen LM's top-``k`` over each written request's reply (``listen.teacher_top_k``)."""
+    lm, head = model.model.language_model, model.lm_head
+    return [teacher_top_k(lm, head, torch.tensor(tok(prompt_text(tok, q), add_special_tokens=False)["input_ids"]),
+                          torch.tensor(r[:reply_tokens]), k) for q, r in zip(requests, replies)]
 
 
 def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> dict:
@@ -281,7 +290,9 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     train_waves = waves["train"] + heard_waves["train"]
     audio = (audio_inputs(tower, train_waves, proc.feature_extractor) if cfg.train_encoder
              else encode_audio(model, train_waves, proc.feature_extractor))
-    examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens, asked["train"] if cfg.distill else None)
+    teachers = (written_teachers(model, tok, asked["train"], train_replies, cfg.reply_tokens, cfg.top_k)
+                if cfg.distill else None)  # before any update: the LM's own, as it was
+    examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens, teachers)
                 + transcription_examples(tok, heard["train"][:n_transcribe], first_audio=cfg.n_train))
     params = [{"params": list(model.model.multi_modal_projector.parameters())}]
     if cfg.train_encoder:

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,12 @@ def encode_audio_full(model, waves: list[np.ndarray], fe) -> list[torch.Tensor]:
     return out
 
 
+class TopK(NamedTuple):
+    """A teacher's top-k per reply position: log-probabilities [L, k] (over the whole vocabulary) and their ids."""
+    logp: torch.Tensor
+    ids: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Example:
     """One training pair: a prompt holding one audio placeholder, the audio it stands for, the reply to learn."""
@@ -225,16 +232,16 @@ class Example:
     """Token ids with one ``<|AUDIO|>``, ending with the assistant turn's header."""
     reply: torch.Tensor
     """Reply ids (with ``<|im_end|>`` when the reply is whole)."""
-    teacher: torch.Tensor | None = None
-    """A written prompt's ids (no audio): with one, each reply position learns the LM's whole distribution given that
-    prompt (KL from it), not only the reply's token (CE). Its log-probabilities are recomputed at each draw: kept,
-    SmolLM2's [32, 49,155] rows would be 2.5 GB for 400 requests."""
+    teacher: TopK | None = None
+    """The frozen LM's top-k log-probabilities at each reply position given the written request (``teacher_top_k``):
+    with one, each position learns that distribution (KL from it), not only the reply's token (CE). Computed once,
+    before anything trains: a low-rank update to the LM then never moves its own teacher."""
 
 
 def fit(model, examples: list[Example], audio: list, params: list, steps: int, batch: int, lr: float, seed: int,
         log=print) -> list[float]:
     """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the language model, on the reply
-    positions alone (CE, or KL from the LM given the example's ``teacher`` prompt), their mean; the losses.
+    positions alone (CE, or KL from the example's ``teacher``), their mean; the losses.
     ``params`` are parameters or AdamW groups (``{"params": [...], "lr": ...}``: a group's lr is scaled by the same
     cosine). ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once)
     or an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
@@ -261,7 +268,7 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
         seqs, labels, teachers = [], [], []
         for i in idx:
             ex = examples[i]
-            teachers.append(None if ex.teacher is None else teacher_logprobs(lm, head, ex.teacher, ex.reply))
+            teachers.append(ex.teacher)
             a = audio[ex.audio]
             frames = a if isinstance(a, torch.Tensor) else tower_frames(tower, a)
             at = int((ex.prompt == audio_id).nonzero()[0, 0])
@@ -293,24 +300,31 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
     return losses
 
 
-def teacher_logprobs(lm, head, prompt: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
-    """The LM's log-probabilities [L, V] at the positions that predict ``reply``'s L tokens after the written
-    ``prompt``, no grad: the frozen LM (with a low-rank update in training, the LM as it is at that step)."""
+def teacher_top_k(lm, head, prompt: torch.Tensor, reply: torch.Tensor, k: int) -> TopK:
+    """The LM's top-``k`` log-probabilities at the positions that predict ``reply``'s L tokens after the written
+    ``prompt`` (no grad), normalised over the whole vocabulary."""
     ids = torch.cat([prompt, reply])
     with torch.no_grad():
         h = lm(input_ids=ids[None]).last_hidden_state[0, len(prompt) - 1: len(ids) - 1]
-        return torch.log_softmax(head(h).float(), -1)
+        top = torch.log_softmax(head(h).float(), -1).topk(k, -1)
+    return TopK(top.values, top.indices)
 
 
 def reply_losses(logits_NV: torch.Tensor, y_N: torch.Tensor, lengths: list[int],
-                 teachers: list[torch.Tensor | None]) -> torch.Tensor:
-    """Per reply position [N]: CE on the token, or KL(teacher || student) where the example has a teacher. Rows are
-    the examples' replies in order, ``lengths[i]`` of them each; ``teachers[i]`` is [lengths[i], V] or None."""
+                 teachers: list[TopK | None]) -> torch.Tensor:
+    """Per reply position [N]: CE on the token, or where the example has a teacher the KL from its top-k renormalised
+    (p over its k ids) to the student's log-probabilities at those ids, sum_j p_j (log p_j - log q_j): >= 0, and 0
+    only when the student puts the teacher's renormalised mass on the same ids. Rows are the examples' replies in
+    order, ``lengths[i]`` of them each; ``teachers[i]`` covers those ``lengths[i]`` positions."""
     logp = torch.log_softmax(logits_NV, -1)
     out, at = [], 0
     for n, t in zip(lengths, teachers):
         rows = logp[at:at + n]
-        out.append(-rows.gather(1, y_N[at:at + n, None])[:, 0] if t is None else (t.exp() * (t - rows)).sum(-1))
+        if t is None:
+            out.append(-rows.gather(1, y_N[at:at + n, None])[:, 0])
+        else:
+            p = torch.log_softmax(t.logp, -1)
+            out.append((p.exp() * (p - rows.gather(1, t.ids))).sum(-1))
         at += n
     assert at == logits_NV.shape[0], (at, logits_NV.shape)
     return torch.cat(out)

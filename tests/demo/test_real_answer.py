@@ -166,33 +166,42 @@ def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_name
 
 
 def test_reply_losses_equal_a_float64_reference():
-    from demo.real.listen import reply_losses
+    from demo.real.listen import TopK, reply_losses
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 11, generator=g, dtype=torch.float64)
     y = torch.randint(0, 11, (7,), generator=g)
     teacher = torch.log_softmax(torch.randn(4, 11, generator=g, dtype=torch.float64), -1)
-    got = reply_losses(logits.float(), y, [3, 4], [None, teacher.float()])
-    logp = torch.log_softmax(logits, -1)
+    top = teacher.topk(5, -1)
+    got = reply_losses(logits.float(), y, [3, 4], [None, TopK(top.values.float(), top.indices)])
+    logq = torch.log_softmax(logits, -1)
     ce = torch.nn.functional.cross_entropy(logits[:3], y[:3], reduction="none")
-    kl = torch.nn.functional.kl_div(logp[3:], teacher, log_target=True, reduction="none").sum(-1)
+    p = torch.log_softmax(top.values, -1)  # the top-k renormalised
+    kl = (p.exp() * (p - logq[3:].gather(1, top.indices))).sum(-1)
     assert torch.allclose(got.double(), torch.cat([ce, kl]), atol=1e-5, rtol=0)
+    whole = teacher.topk(11, -1)  # every id kept: the exact KL
+    exact = torch.nn.functional.kl_div(logq[3:], teacher, log_target=True, reduction="none").sum(-1)
+    got = reply_losses(logits.float(), y, [3, 4], [None, TopK(whole.values.float(), whole.indices)])[3:]
+    assert torch.allclose(got.double(), exact, atol=1e-5, rtol=0)
+    same = torch.full((4, 11), -30.0, dtype=torch.float64).scatter(1, top.indices, p)  # the student is the teacher
+    assert reply_losses(same.float(), y[3:], [4], [TopK(top.values.float(), top.indices)]).abs().max() < 1e-5
     with pytest.raises(AssertionError):
         reply_losses(logits.float(), y, [3, 3], [None, None])  # rows left over: the lengths do not cover the batch
 
 
 def test_the_teacher_is_the_lms_own_forward_on_the_written_request(tiny):
-    from demo.real.listen import teacher_logprobs
+    from demo.real.answer import prompt_text, written_teachers
 
     model, proc = tiny
-    prompt, rep = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
-    got = teacher_logprobs(model.model.language_model, model.lm_head, prompt, rep)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(input_ids=torch.cat([prompt, rep])[None]).logits[0, 2:4].double(), -1)
-    assert got.shape == (2, ref.shape[-1]) and torch.allclose(got.double(), ref, atol=1e-5)
     tok = proc.tokenizer
-    ex = answer_examples(tok, [[8, 9, 10]], 0, 2, written=["what did you say"])[0]
-    assert ex.reply.tolist() == [8, 9] and tok.decode(ex.teacher).count("what did you say") == 1
+    teacher = written_teachers(model, tok, ["what did you say"], [[8, 9, 10]], 2, k=4)[0]
+    prompt = tok(prompt_text(tok, "what did you say"), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + [8, 9]])).logits[0, len(prompt) - 1: len(prompt) + 1]
+    ref = torch.log_softmax(logits.double(), -1).topk(4, -1)
+    assert torch.equal(teacher.ids, ref.indices) and torch.allclose(teacher.logp.double(), ref.values, atol=1e-5)
+    ex = answer_examples(tok, [[8, 9, 10]], 0, 2, teachers=[teacher])[0]
+    assert ex.reply.tolist() == [8, 9] and ex.teacher is teacher
     frames = encode_audio(model, waves(1), proc.feature_extractor)
 
     def first_loss(examples):

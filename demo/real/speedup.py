@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -169,6 +170,16 @@ TARGETS = {
     "speech": RealTarget(_listener, _spoken_splits, _spoken_other, train=2400, max_tokens=32),
     "assistant": RealTarget(_answerer, _request_splits, _spoken_other, train=1200, max_tokens=128),
 }
+
+
+DEMO_SIZES = {
+    "full": SpeedupConfig(target="speech"),
+    "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=2, max_tokens=96,
+                           sets=("max_steps=200",)),
+}
+"""``tapdraft demo --real`` (full) and ``--real --quick``: the quick size is the chain on the speech LLM's language
+model alone (SmolLM2, text requests: no listener to train), small enough to finish in under 20 minutes on 2 cores
+the first time, vLLM's venv included."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:
@@ -370,6 +381,9 @@ def format_serve(report: dict[str, Any]) -> str:
                   else f"offline replay {s['offline_tau_replayed']:.3f}")
         lines.append(f"tapdraft speculate on the same requests: tau {s['tau']:.3f} ({replay}); vLLM's rounds equal "
                      f"to it: {report['rounds_equal_to_speculate']}")
+    if "seconds" in report:
+        lines.append(f"this command: {report['seconds'] / 60:.1f} minutes (stages cached in the work directory "
+                     "were not rerun)")
     return "\n".join(lines)
 
 
@@ -380,18 +394,30 @@ def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = N
 
     work = Path(work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    t0 = last = time.time()
+
+    def done(stage: str) -> bool:
+        nonlocal last
+        now = time.time()
+        log(f"[{stage}] {now - last:.0f} s ({now - t0:.0f} s in all)")
+        last = now
+        return stop_after == stage
+
     target = target_dir(cfg, log)
+    done("model")
     stage_prompts(work, cfg, log)
-    if stop_after == "prompts":
+    if done("prompts"):
         return None
     venv = engine_venv("vllm")
     stage_replies(work, cfg, target, venv, log)
-    if stop_after == "replies":
+    if done("replies"):
         return None
     dataset = stage_capture(work, cfg, target, log)
-    if stop_after == "capture":
+    if done("capture"):
         return None
     run, export = stage_train(work, cfg, dataset, log)
-    if stop_after == "train":
+    if done("train"):
         return None
-    return stage_serve(work, cfg, target, venv, dataset, run, export, log)
+    report = stage_serve(work, cfg, target, venv, dataset, run, export, log)
+    done("serve")
+    return {**report, "seconds": round(time.time() - t0)}

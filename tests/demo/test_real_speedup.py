@@ -138,3 +138,16 @@ def test_the_chain_builds_the_models_its_builders_default_to():
     from demo.real.listen import ListenConfig
 
     assert (SpeedupConfig.listen_steps, SpeedupConfig.answer_steps) == (ListenConfig.steps, AnswerConfig.steps)
+
+
+def test_the_demo_sizes_are_the_chain_at_two_sizes():
+    """``tapdraft demo --real`` and ``--real --quick``: the quick size needs no listener trained (the text target),
+    serves fewer requests with fewer drafter steps, and prints how long the command took."""
+    from demo.real.speedup import DEMO_SIZES, TARGETS
+
+    full, quick = DEMO_SIZES["full"], DEMO_SIZES["quick"]
+    assert full.target in TARGETS and quick.target == "text"
+    assert quick.train < full.train and quick.prompts < full.prompts and quick.max_tokens <= full.max_tokens * 3
+    assert any(s.startswith("max_steps=") for s in quick.sets)
+    report = {"alone_tokens_per_s": [10.0], "seconds": 930}
+    assert "this command: 15.5 minutes" in format_serve(report)

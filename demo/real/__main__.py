@@ -13,6 +13,27 @@ from demo.real.build import build_real_targets
 from demo.real.listen import ListenConfig, build_listener
 
 
+def add_answer_args(p: argparse.ArgumentParser) -> None:
+    """The answerer's flags (``AnswerConfig``'s fields a user sets), shared with ``benchmarks.answer``."""
+    p.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
+    p.add_argument("--steps", type=int, default=AnswerConfig.steps, help="updates")
+    p.add_argument("--n-train", type=int, default=AnswerConfig.n_train, help="training requests")
+    p.add_argument("--batch", type=int, default=AnswerConfig.batch, help="requests per update")
+    p.add_argument("--lr", type=float, default=AnswerConfig.lr, help="AdamW learning rate")
+    p.add_argument("--train-encoder", action="store_true", help="train the audio encoder too, at --encoder-lr")
+    p.add_argument("--encoder-lr", type=float, default=AnswerConfig.encoder_lr, help="the encoder's learning rate")
+    p.add_argument("--distill", action="store_true",
+                   help="learn the frozen LM's distribution given the written request (KL from its top-k, computed "
+                        "once), not only its greedy reply")
+    p.add_argument("--lm-rank", type=int, default=AnswerConfig.lm_rank,
+                   help="rank of a low-rank LM update merged before saving (0: the LM frozen)")
+
+
+def answer_config(a: argparse.Namespace) -> AnswerConfig:
+    return AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr, train_encoder=a.train_encoder,
+                        encoder_lr=a.encoder_lr, distill=a.distill, lm_rank=a.lm_rank)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m demo.real", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -23,18 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     li.add_argument("--steps", type=int, default=ListenConfig.steps, help="projector updates")
     li.add_argument("--n-train", type=int, default=ListenConfig.n_train, help="training sentences")
     an = sub.add_parser("answer", help="the speech LLM aligned to answer a spoken request as its LM answers it written")
-    an.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
-    an.add_argument("--steps", type=int, default=AnswerConfig.steps, help="updates")
-    an.add_argument("--n-train", type=int, default=AnswerConfig.n_train, help="training requests")
-    an.add_argument("--batch", type=int, default=AnswerConfig.batch, help="requests per update")
-    an.add_argument("--lr", type=float, default=AnswerConfig.lr, help="AdamW learning rate")
-    an.add_argument("--train-encoder", action="store_true", help="train the audio encoder too, at --encoder-lr")
-    an.add_argument("--encoder-lr", type=float, default=AnswerConfig.encoder_lr, help="the encoder's learning rate")
-    an.add_argument("--distill", action="store_true",
-                    help="learn the frozen LM's distribution given the written request (KL from its top-k, computed "
-                         "once), not only its greedy reply")
-    an.add_argument("--lm-rank", type=int, default=AnswerConfig.lm_rank,
-                    help="rank of a low-rank LM update merged before saving (0: the LM frozen)")
+    add_answer_args(an)
     an.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     if getattr(a, "threads", None):
@@ -45,9 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         t = build_real_targets(a.root)
         print(json.dumps({"smollm2": str(t.smollm2), "speech": str(t.speech), "checks": t.checks}, indent=2))
     elif a.cmd == "answer":
-        d, info = build_answerer(a.root, AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr,
-                                                      train_encoder=a.train_encoder, encoder_lr=a.encoder_lr,
-                                                      distill=a.distill, lm_rank=a.lm_rank))
+        d, info = build_answerer(a.root, answer_config(a))
         print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))
     else:
         d, info = build_listener(a.root, ListenConfig(steps=a.steps, n_train=a.n_train))

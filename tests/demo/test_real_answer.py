@@ -211,3 +211,25 @@ def test_the_teacher_is_the_lms_own_forward_on_the_written_request(tiny):
 
     ce, kl = first_loss(answer_examples(tok, [[8, 9]], 0, 2)), first_loss([ex])
     assert kl[0] >= 0 and kl[0] != ce[0]
+
+
+def test_the_benchmark_records_the_answerers_own_figures(tmp_path, monkeypatch):
+    """``benchmarks.answer`` builds the answerer its flags describe (the same flags as ``python -m demo.real
+    answer``) and writes that model's figures with the machine's facts."""
+    import benchmarks.common
+    import demo.real.answer as answer
+    from benchmarks.answer import main
+
+    asked = []
+
+    def build(root, cfg):
+        asked.append(cfg)
+        return tmp_path / "smollm2-whisper-tiny-answer-abc", {"answers_held_out": {"first_32": 0.75}}
+
+    monkeypatch.setattr(answer, "build_answerer", build)
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    main(["--distill", "--lm-rank", "8", "--steps", "12", "--name", "a.json"])
+    assert asked == [AnswerConfig(distill=True, lm_rank=8, steps=12)]
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["answers_held_out"]["first_32"] == 0.75 and doc["model"] == "smollm2-whisper-tiny-answer-abc"
+    assert "load_avg_before" in doc["machine"] and doc["command"]

@@ -20,6 +20,8 @@ def add_answer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-train", type=int, default=AnswerConfig.n_train, help="training requests")
     p.add_argument("--batch", type=int, default=AnswerConfig.batch, help="requests per update")
     p.add_argument("--lr", type=float, default=AnswerConfig.lr, help="AdamW learning rate")
+    p.add_argument("--keep-projector", action="store_true",
+                   help="keep the listener's projector (what the audio says to the LM); needs --lm-rank")
     p.add_argument("--train-encoder", action="store_true", help="train the audio encoder too, at --encoder-lr")
     p.add_argument("--encoder-lr", type=float, default=AnswerConfig.encoder_lr, help="the encoder's learning rate")
     p.add_argument("--distill", action="store_true",
@@ -30,7 +32,8 @@ def add_answer_args(p: argparse.ArgumentParser) -> None:
 
 
 def answer_config(a: argparse.Namespace) -> AnswerConfig:
-    return AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr, train_encoder=a.train_encoder,
+    return AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr,
+                        train_projector=not a.keep_projector, train_encoder=a.train_encoder,
                         encoder_lr=a.encoder_lr, distill=a.distill, lm_rank=a.lm_rank)
 
 

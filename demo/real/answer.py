@@ -8,11 +8,11 @@ to put into the LM what the written words put there, and the LM itself never cha
                 brave pilot", "write a short story where anna finds a red book"); train and held-out requests
                 disjoint; an out-of-vocabulary set holds words never trained on
     start       the transcribing listener (``listen.build_listener``): its projector already puts words into the LM
-    training    the projector (with ``train_encoder`` the audio encoder too, at its own rate; with ``lm_rank`` a
-                low-rank LM update, merged: the Qwen2-Audio layout is unchanged either way, so vLLM and ``capture``
-                load the result as any checkpoint); CE on the written
-                reply's first ``reply_tokens`` tokens; a share of every pass is transcription, so the first task
-                stays (its WER is measured after)
+    training    the projector (without ``train_projector`` the listener's is kept; with ``train_encoder`` the
+                audio encoder too, at its own rate; with ``lm_rank`` a low-rank LM update, merged: the Qwen2-Audio
+                layout is unchanged either way, so vLLM and ``capture`` load the result as any checkpoint); CE on
+                the written reply's first ``reply_tokens`` tokens, or with ``distill`` KL from the frozen LM's
+                top-k; a share of every pass is transcription, so the first task stays (its WER is measured after)
     evaluation  the saved directory reloaded as ``Qwen2AudioForConditionalGeneration``: on held-out spoken requests,
                 how often the spoken reply's first 32 tokens equal the written reply's, the whole reply (up to
                 ``eval_tokens``), the mean agreeing prefix; transcription WER on ``listen``'s held-out sentences;
@@ -70,6 +70,9 @@ class AnswerConfig:
     """Share of the training pairs that are transcription (``listen``'s sentences), so that task stays."""
     lr: float = 1e-3
     """AdamW learning rate (cosine to 0)."""
+    train_projector: bool = True
+    """Train the projector (off: the listener's kept, and with it what the audio frames say to the LM; then the LM's
+    low-rank update alone learns to take a spoken request as one: ``lm_rank`` must be set)."""
     train_encoder: bool = False
     """Train the audio encoder with the projector, at ``encoder_lr`` (off: the projector alone). At the projector's
     1e-3 the encoder forgot how to hear: transcription WER 169%, no reply right (docs/LOG.md 2026-12-04)."""
@@ -94,6 +97,8 @@ class AnswerConfig:
             raise ValueError("n_train, n_test, reply_tokens, eval_tokens, steps, batch, top_k must be >= 1")
         if self.lm_rank < 0:
             raise ValueError("lm_rank must be >= 0 (0: the LM frozen)")
+        if not (self.train_projector or self.train_encoder or self.lm_rank):
+            raise ValueError("nothing would train: keep train_projector, or set train_encoder or lm_rank")
         if not 0 <= self.transcribe_share < 1 or self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("transcribe_share must be in [0, 1), lr and encoder_lr > 0")
 
@@ -294,7 +299,7 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
                 if cfg.distill else None)  # before any update: the LM's own, as it was
     examples = (answer_examples(tok, train_replies, 0, cfg.reply_tokens, teachers)
                 + transcription_examples(tok, heard["train"][:n_transcribe], first_audio=cfg.n_train))
-    params = [{"params": list(model.model.multi_modal_projector.parameters())}]
+    params = [{"params": list(model.model.multi_modal_projector.parameters())}] if cfg.train_projector else []
     if cfg.train_encoder:
         params.append({"params": list(tower.parameters()), "lr": cfg.encoder_lr})
     torch.manual_seed(cfg.seed)
@@ -319,8 +324,8 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
                                                         transcribe(model, proc, heard_waves["test"])),
             "train_seconds": round(time.time() - t0),
             "written_replies_after_vs_before": answers.get("written_after"),
-            "trained": "multi_modal_projector" + (" + audio_tower" if cfg.train_encoder else "")
-                       + (f" + the LM at rank {cfg.lm_rank}, merged" if cfg.lm_rank else ""),
+            "trained": " + ".join(["multi_modal_projector"] * cfg.train_projector + ["audio_tower"] * cfg.train_encoder
+                                  + [f"the LM at rank {cfg.lm_rank}, merged"] * bool(cfg.lm_rank)),
             "starts_from": listener.name}
     log(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=1))
     return info

@@ -163,6 +163,9 @@ def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_name
         assert torch.allclose(again(input_ids=ids).logits, moved, atol=1e-5)
     with pytest.raises(ValueError, match="lm_rank"):
         AnswerConfig(lm_rank=-1)
+    with pytest.raises(ValueError, match="nothing would train"):
+        AnswerConfig(train_projector=False)
+    assert AnswerConfig(train_projector=False, lm_rank=8).lm_rank == 8
 
 
 def test_reply_losses_equal_a_float64_reference():

@@ -178,8 +178,8 @@ DEMO_SIZES = {
                            sets=("max_steps=200",)),
 }
 """``tapdraft demo --real`` (full) and ``--real --quick``: the quick size is the chain on the speech LLM's language
-model alone (SmolLM2, text requests: no listener to train), small enough to finish in under 20 minutes on 2 cores
-the first time, vLLM's venv included."""
+model alone (SmolLM2, text requests: no listener to train). Its first run took 59 minutes on 2 shared cores, vLLM's
+venv and the model packages included (docs/LOG.md 2026-12-04): the 20 minutes it aims at are not reached yet."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:

@@ -522,7 +522,8 @@ def demo(
                                 "demo_real_quick)."),
     quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean "
                                "nothing). With --real: the real chain's quick size, on the speech LLM's language model "
-                               "alone (SmolLM2, text requests; 59 minutes the first time on 2 shared cores, vLLM's venv included)."),
+                               "alone (SmolLM2, text requests: about 15 minutes the first time on 2 cores, vLLM's venv "
+                               "included)."),
     real: bool = typer.Option(False, "--real", help="A real-parts speech LLM instead of the toy (Whisper tiny.en's "
                               "encoder + SmolLM2-135M-Instruct from PyPI, taught to transcribe): its own replies, "
                               "capture, an EAGLE-3 drafter, then vLLM serving held-out speech with and without it. "

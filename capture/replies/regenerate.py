@@ -358,6 +358,34 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
     return doc
 
 
+def split_output(out: str | Path, parts: dict[str, tuple[list[str], Path]]) -> None:
+    """One complete ``FILE.jsonl`` regeneration -> several, by conversation id: ``parts`` maps a name to its ids (in
+    the order wanted) and its ``FILE.jsonl``. Each part gets its own sidecar (the settings and target of the run that
+    wrote them, its own counts and drops), so that capture reads a part's provenance as it reads a whole output's;
+    so many inputs regenerate with one engine start. A part's sidecar is written last: a killed split reruns."""
+    out = Path(out)
+    doc = json.loads(sidecar_path(out).read_text()) if sidecar_path(out).is_file() else {}
+    if not doc.get("complete") or out.suffix != ".jsonl":
+        raise ValueError(f"{out} is not a complete FILE.jsonl regeneration; run regenerate to it first")
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    dropped = {d["sample_id"]: d for d in doc["dropped"]}
+    for name, (ids, _) in parts.items():  # every part checked before any is written
+        missing = [i for i in ids if i not in records and i not in dropped]
+        if missing:
+            raise ValueError(f"{out} holds no conversation {missing[0]!r} of {name} ({len(missing)} missing): a "
+                             "conversation repeated in another part is regenerated once; give each part its own")
+    for name, (ids, dest) in parts.items():
+        kept = [records[i] for i in ids if i in records]
+        drops = [dropped[i] for i in ids if i in dropped]
+        with staged(dest) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+        part = {**doc, "files": [dest.name], "split_from": out.name, "dropped": drops,
+                "counts": {"conversations": len(ids), "written": len(kept),
+                           "dropped": dict(sorted(Counter(d["status"] for d in drops).items()))}}
+        with staged(sidecar_path(dest)) as tmp:
+            tmp.write_text(json.dumps(part, indent=2, sort_keys=True))
+
+
 def _counted(counts: Counter) -> str:
     return ", ".join(f"{k}: {v}" for k, v in counts.most_common())
 

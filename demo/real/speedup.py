@@ -17,8 +17,8 @@ Stages, each cached in the work directory (rerun to continue where it stopped):
               explaining, no Python; speech: sentences holding words the listener never heard; assistant: those
               sentences to transcribe, the model's other task)
     replies   data/SPLIT.jsonl: the target's greedy replies, ``tapdraft regenerate --engine vllm --on-limit keep``
-              (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at length), threads /
-              engine_threads engines side by side
+              over every split at once (a reply cut at max_tokens is kept, marked truncated: SmolLM2 answers at
+              length), threads / engine_threads engines side by side
     capture   dataset/: ``tapdraft capture`` of the three splits
     train     runs/RUN, exports/RUN: ``tapdraft train --recipe R``, then ``tapdraft export``
     serve     vLLM alone and with the export on the held-out (or other) requests, one request at a time (batch 1, the latency speculative decoding
@@ -174,12 +174,14 @@ TARGETS = {
 
 DEMO_SIZES = {
     "full": SpeedupConfig(target="speech"),
-    "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=2, max_tokens=96,
-                           sets=("max_steps=200",)),
+    "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=1, max_tokens=96,
+                           sets=("max_steps=150",)),
 }
 """``tapdraft demo --real`` (full) and ``--real --quick``: the quick size is the chain on the speech LLM's language
-model alone (SmolLM2, text requests: no listener to train). Its first run took 59 minutes on 2 shared cores, vLLM's
-venv and the model packages included (docs/LOG.md 2026-12-04): the 20 minutes it aims at are not reached yet."""
+model alone (SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to
+quote: the full size's pairs give the spread). Its first run (a fresh HOME, 2 quiet cores) took 14.4 minutes:
+model 41 s, replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s
+(docs/LOG.md 2026-12-04, ninth stop)."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:
@@ -212,14 +214,28 @@ def stage_prompts(work: Path, cfg: SpeedupConfig, log: Log = print) -> None:
 
 
 def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log = print) -> None:
+    """Every split's replies in one ``tapdraft regenerate`` call (vLLM starts once, not once a split): the missing
+    splits' prompts joined into ``replies-SPLITS.prompts.jsonl``, the output split back by id with a sidecar each."""
+    from capture.provenance import sidecar_path
+    from capture.replies.regenerate import split_output
+
     data = work / "data"
-    engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
-    for split in ("other",) * (cfg.requests == "other") + ("held_out", "validation", "train"):
-        if not (data / f"{split}.jsonl").exists():
-            _cli("regenerate", "--target", str(target), "--data", str(data / f"{split}.prompts.jsonl"),
-                 "--out", str(data / f"{split}.jsonl"), "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep",
-                 "--engine", "vllm", "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
-                 "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
+    wanted = ("other",) * (cfg.requests == "other") + SPLITS
+    missing = [s for s in wanted if not sidecar_path(data / f"{s}.jsonl").exists()]
+    if not missing:
+        return
+    prompts = {s: [json.loads(line) for line in (data / f"{s}.prompts.jsonl").read_text().splitlines()]
+               for s in missing}
+    name = "replies-" + "-".join(missing)  # the splits it holds: "other" added later regenerates alone
+    joined, replies = data / f"{name}.prompts.jsonl", data / f"{name}.jsonl"
+    if not sidecar_path(replies).exists():
+        _jsonl(joined, [r for rs in prompts.values() for r in rs])
+        engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
+        _cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
+             "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep", "--engine", "vllm",
+             "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
+             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
+    split_output(replies, {s: ([r["id"] for r in prompts[s]], data / f"{s}.jsonl") for s in missing})
 
 
 def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Log = print) -> Path:

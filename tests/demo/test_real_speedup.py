@@ -5,6 +5,7 @@ chain through vLLM on a real target is tests/engines/test_vllm_real.py's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,6 +60,43 @@ def test_the_prompts_stage_writes_each_split_once(tmp_path, fake_speech):
     assert [len(v) for v in rows.values()] == [6, 2, 3]
     stage_prompts(tmp_path, cfg, log=lambda m: None)
     assert len(fake_speech) == 11
+
+
+def test_the_replies_stage_regenerates_every_split_in_one_call(tmp_path, fake_speech, monkeypatch):
+    """One ``tapdraft regenerate`` for every split (vLLM starts once), each split's file and sidecar written back in
+    its prompts' order; a rerun calls nothing, and ``other`` asked later regenerates alone."""
+    import demo.real.speedup as sp
+    from capture.provenance import read_provenance
+
+    calls = []
+
+    def regenerate(*args, log):  # what the engine writes: the conversations with a reply, then the sidecar
+        calls.append(args)
+        data, out = Path(args[args.index("--data") + 1]), Path(args[args.index("--out") + 1])
+        rows = [{**json.loads(x), "reply": "ok"} for x in data.read_text().splitlines()][::-1]  # order by id only
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        side = {"complete": True, "replies_from_target": True, "files": [out.name], "dropped": [],
+                "counts": {"conversations": len(rows), "written": len(rows), "dropped": {}}}
+        out.with_name(out.name.replace(".jsonl", ".regenerate.json")).write_text(json.dumps(side))
+
+    monkeypatch.setattr(sp, "_cli", regenerate)
+    cfg = SpeedupConfig(target="speech", train=6, validation=2, held_out=3, prompts=3)
+    stage_prompts(tmp_path, cfg, log=lambda m: None)
+    sp.stage_replies(tmp_path, cfg, tmp_path, tmp_path, log=lambda m: None)
+    assert len(calls) == 1
+    data = tmp_path / "data"
+    for split, n in (("train", 6), ("validation", 2), ("held_out", 3)):
+        prompts = [json.loads(x)["id"] for x in (data / f"{split}.prompts.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (data / f"{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in rows] == prompts and len(rows) == n and all(r["reply"] == "ok" for r in rows)
+        assert read_provenance(str(data / f"{split}.jsonl"))["counts"]["written"] == n
+    sp.stage_replies(tmp_path, cfg, tmp_path, tmp_path, log=lambda m: None)
+    assert len(calls) == 1
+    other = SpeedupConfig(target="speech", train=6, validation=2, held_out=3, prompts=3, requests="other")
+    stage_prompts(tmp_path, other, log=lambda m: None)
+    sp.stage_replies(tmp_path, other, tmp_path, tmp_path, log=lambda m: None)
+    assert len(calls) == 2 and calls[1][calls[1].index("--out") + 1].endswith("replies-other.jsonl")
+    assert len((data / "other.jsonl").read_text().splitlines()) == 3
 
 
 def test_spoken_requests_of_another_kind_hold_words_the_listener_never_heard(tmp_path, fake_speech):

@@ -282,3 +282,31 @@ def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
     tgt.use_template(template.read_text(), {})
     without = tgt.prepare_prompt(dataclasses.replace(conv, messages=conv.messages[:1]), 0)
     assert with_kw.length == without.length + 1
+
+
+def test_one_output_split_by_id_equals_each_part_regenerated_alone(lm_dir, tmp_path):
+    """``split_output``: a greedy regeneration of two splits joined, split back, writes each split's records as a
+    regeneration of that split alone would, with a sidecar capture reads as that split's provenance."""
+    from capture.provenance import read_provenance, replies_from_target
+    from capture.replies.regenerate import split_output
+
+    data = _text_manifest(tmp_path / "in.jsonl", n=6)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    parts = {"a": [r["id"] for r in rows[:4]][::-1], "b": [r["id"] for r in rows[4:]]}
+    regenerate(_cfg(lm_dir, data, tmp_path / "all.jsonl"))
+    split_output(tmp_path / "all.jsonl", {n: (ids, tmp_path / f"{n}.jsonl") for n, ids in parts.items()})
+    for name, ids in parts.items():
+        alone = write_manifest(tmp_path / f"{name}.in.jsonl", [next(r for r in rows if r["id"] == i) for i in ids])
+        regenerate(_cfg(lm_dir, alone, tmp_path / f"{name}.alone.jsonl"))
+        split = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in split] == ids  # the order asked for
+        assert split == [json.loads(x) for x in (tmp_path / f"{name}.alone.jsonl").read_text().splitlines()]
+        doc = read_provenance(str(tmp_path / f"{name}.jsonl"))
+        assert doc["counts"] == {"conversations": len(ids), "written": len(ids), "dropped": {}}
+        assert doc["files"] == [f"{name}.jsonl"] and doc["split_from"] == "all.jsonl"
+    assert replies_from_target([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) is True
+    with pytest.raises(ValueError, match=r"holds no conversation 'nope' of c \(1 missing\)"):
+        split_output(tmp_path / "all.jsonl", {"c": (["nope"], tmp_path / "c.jsonl")})
+    assert not (tmp_path / "c.jsonl").exists()
+    with pytest.raises(ValueError, match=r"is not a complete FILE\.jsonl regeneration; run regenerate to it first"):
+        split_output(tmp_path / "a.in.jsonl", {"c": ([], tmp_path / "c.jsonl")})

@@ -177,6 +177,14 @@ def project(x_RH: torch.Tensor, lm_head_VH: torch.Tensor, spec: HeadSpec,
     return scale_logits(z, spec)
 
 
+def add_projection_(z_RV: torch.Tensor, x_RH: torch.Tensor, lm_head_VH: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+    """``z += project(x)`` in place, bitwise: with no scaling or cap the head's logits are added in its dtype (a
+    bf16 head's into float32 ``z`` in one pass, not an upcast copy and then an add); otherwise through ``project``."""
+    if spec.logits_scaling != 1.0 or spec.final_logit_softcap is not None:
+        return z_RV.add_(project(x_RH, lm_head_VH, spec))
+    return z_RV.add_(torch.matmul(x_RH.to(lm_head_VH.dtype), lm_head_VH.T))
+
+
 def project_backward(grad_logits_RV: torch.Tensor, lm_head_VH: torch.Tensor, spec: HeadSpec,
                      jacobian_RV: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient w.r.t. the normalised rows of :func:`project`, given the gradient w.r.t. its logits.

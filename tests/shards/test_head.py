@@ -79,3 +79,17 @@ def test_every_head_kind_matches_its_float64_definition():
         teacher_logits(h, w, W, HeadSpec(lm_head_bias=True))  # a declared bias must be given
     ids = torch.tensor([[3, 0, 39]])
     torch.testing.assert_close(embed(ids, W, HeadSpec(embed_scale=4.0)), W[ids] * 4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spec", [HeadSpec(), HeadSpec(logits_scaling=2.0), HeadSpec(final_logit_softcap=5.0)],
+                         ids=["plain", "scaled", "capped"])
+def test_adding_a_projection_in_place_is_bitwise_z_plus_project(dtype, spec):
+    from shards.head import add_projection_
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 16, generator=g), torch.randn(40, 16, generator=g).to(dtype)
+    z = torch.randn(6, 40, generator=g)
+    want = z + project(x, w, spec)
+    got = add_projection_(z.clone(), x, w, spec)
+    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -52,8 +52,9 @@ def test_fused_losses_and_gradients_equal_autograd_in_float64(k, chunk, predicte
     if not predicted:
         a *= 1.5
     projections = []
-    real_project = fused_loss.project
-    monkeypatch.setattr(fused_loss, "project", lambda *x, **kw: projections.append(1) or real_project(*x, **kw))
+    real_project = fused_loss.add_projection_
+    monkeypatch.setattr(fused_loss, "add_projection_",
+                        lambda *x, **kw: projections.append(1) or real_project(*x, **kw))
     ce_sum, l1_sum, ce, tv, correct = dspark_row_losses(h, emb, w2, lm_head, y, w, u, teacher, head=head,
                                                         chunk_rows=chunk, weights=weights)
     chunks = len(projections)
@@ -89,3 +90,21 @@ def test_a_head_vllm_cannot_serve_is_refused():
     h, emb, w2, lm_head, y, w, u, _, teacher, _ = _case(None)
     with pytest.raises(ValueError, match="no lm_head bias or soft cap"):
         dspark_row_losses(h, emb, w2, lm_head, y, w, u, teacher, head=HeadSpec(final_logit_softcap=30.0))
+
+
+def test_under_bf16_autocast_the_logits_stay_float32():
+    """At the peers' precision (a bf16 head, CPU bf16 autocast over fp32 weights) the corrected logits are the bf16
+    head's and the autocast Markov bias's sum in float32, so the CE and TV are the float32 ones of that sum."""
+    g = torch.Generator().manual_seed(1)
+    h, emb = torch.randn(R, H, generator=g), torch.randn(R, r, generator=g)
+    w2, lm_head = torch.randn(V, r, generator=g), torch.randn(V, H, generator=g).to(torch.bfloat16)
+    y, w, u = torch.randint(0, V, (R,), generator=g), torch.rand(R, generator=g), torch.rand(R, generator=g)
+    lp = torch.log_softmax(2 * torch.randn(R, V, generator=g), -1)
+    teacher = TopKTeacher(lp.argsort(-1, descending=True)[:, :4], lp.sort(-1, descending=True).values[:, :4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, ce, tv, _ = dspark_row_losses(h, emb, w2, lm_head, y, w, u, teacher)
+        bias = emb @ w2.T  # bf16 under autocast
+    z = (h.to(torch.bfloat16) @ lm_head.T).float() + bias.float()
+    assert ce.dtype == torch.float32
+    torch.testing.assert_close(ce, F.cross_entropy(z, y, reduction="none"), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tv, kl_tv_topk(teacher.ids_Rk, teacher.logprobs_Rk, z)[1], rtol=1e-6, atol=1e-6)

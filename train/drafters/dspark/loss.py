@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from shards.head import HeadSpec, project, project_backward, row_spans
+from shards.head import HeadSpec, add_projection_, project_backward, row_spans
 from train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
@@ -64,7 +64,8 @@ def _chunks(h, emb, w2, lm_head, head, labels, w, u, teacher, chunk, mix):
     w2w = w2.to(wd)
     for s, e in row_spans(R, chunk):
         y, ec = labels[s:e], emb[s:e].to(wd)
-        z = project(h[s:e], lm_head, head).to(wd) + torch.matmul(ec, w2w.T)
+        # the Markov bias (bf16 under autocast, as before) in the work dtype, then the head's logits added into it
+        z = add_projection_(torch.matmul(ec, w2w.T).to(wd), h[s:e], lm_head, head)
         correct[s:e] = z.argmax(-1) == y
         lq = torch.log_softmax(z, -1)
         del z

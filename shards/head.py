@@ -171,7 +171,7 @@ def project(x_RH: torch.Tensor, lm_head_VH: torch.Tensor, spec: HeadSpec,
             bias_V: torch.Tensor | None = None) -> torch.Tensor:
     """Normalised rows -> logits through the (frozen) lm_head, in its dtype, then scaled; differentiable in x."""
     _check_bias(spec, bias_V)
-    z = torch.matmul(x_RH.to(lm_head_VH.dtype), lm_head_VH.T)
+    z = _head_matmul(x_RH, lm_head_VH)
     if bias_V is not None:
         z = z + bias_V.to(z.dtype)
     return scale_logits(z, spec)
@@ -182,7 +182,12 @@ def add_projection_(z_RV: torch.Tensor, x_RH: torch.Tensor, lm_head_VH: torch.Te
     bf16 head's into float32 ``z`` in one pass, not an upcast copy and then an add); otherwise through ``project``."""
     if spec.logits_scaling != 1.0 or spec.final_logit_softcap is not None:
         return z_RV.add_(project(x_RH, lm_head_VH, spec))
-    return z_RV.add_(torch.matmul(x_RH.to(lm_head_VH.dtype), lm_head_VH.T))
+    return z_RV.add_(_head_matmul(x_RH, lm_head_VH))
+
+
+def _head_matmul(x_RH: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
+    """The raw lm_head outputs, in the head's dtype."""
+    return torch.matmul(x_RH.to(lm_head_VH.dtype), lm_head_VH.T)
 
 
 def project_backward(grad_logits_RV: torch.Tensor, lm_head_VH: torch.Tensor, spec: HeadSpec,

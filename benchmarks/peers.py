@@ -11,7 +11,7 @@ tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step
 
     python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 7] [--anchors 32] [--samples 2]
                                [--heldout 2] [--tokens 512] [--precision bfloat16|float32] [--workdir DIR]
-    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators
+    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators,eagle3-speculators
     python -m benchmarks.peers --precision bfloat16 --peer-precision float32 --mixed   # a labelled mixed row
 
 Equal terms, enforced per row:
@@ -134,9 +134,17 @@ attention and its ``eager`` losses, and calls it as its Trainer does on the batc
   next sample's unsupervised prompt, those slots masked: it trains the same blocks, a few rows fewer on some
   draws (the table shows both counts). Its loss is sum(w l) / rows, tapdraft's sum(w l) / sum(w): the table gives
   its loss rescaled to tapdraft's rule (rows / sum(w), reported by the runner) with its own figure in brackets.
+  eagle3-speculators   tapdraft ``eagle3`` at the ``eagle3`` row's settings vs its ``Eagle3DraftModel`` (llama
+              layer, its architecture switches set to tapdraft's draft: no norm before the residual, before the fc or
+              on the fed-back output; lm_head frozen, final norm trained on both: 5,089,536 trainable), ``kl_div``
+              against the exact teacher rows, ``ttt_steps`` 3, each step over its own rows times 0.8^j (its
+              ``ttt_step_loss_decay``; its default 1.0), summed: tapdraft's loss, no offset. The same rows: its loader
+              keeps the mask one token early for EAGLE-3, so the converter writes it one position earlier
+              (``to_speculators``). Inits differ (its torch defaults and a final norm of ones against tapdraft's std
+              0.02 and the target's norm).
 
-Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark, EAGLE-3 against speculators; DFlash2, MTP
-against ModelOpt (no counterpart measured).
+Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark against speculators; DFlash2, MTP against
+ModelOpt (no counterpart measured).
 """
 
 from __future__ import annotations
@@ -308,9 +316,9 @@ def write_base(bundle: Any, num_layers: int, base: Path, dtype: str = "bfloat16"
     return config
 
 
-def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limit: int | None = None,
-                   dtype: str = "bfloat16") -> dict[str, Any]:
-    """Convert a tapdraft dataset to speculators' offline DFlash format; returns the job facts.
+def to_speculators(dataset: str | Path, out: Path, *, family: str = "dflash", split: str = "train",
+                   limit: int | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """Convert a tapdraft dataset to speculators' offline format for ``family``'s draft; returns the job facts.
 
     speculators 0.9.0 trains from a data directory (``speculators/train/data.py``, ``ArrowDataset`` with
     ``FileTransfer``): an Arrow dataset saved with ``datasets.save_to_disk`` holding ``input_ids`` [T] and
@@ -319,11 +327,17 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
     sample is refused) and ``hidden_states`` [T, n + 1, H]: the aux layers, ascending, then the verifier's last
     layer (it splits off ``[:, :-1]`` as the context, ``[:, -1]`` as ``verifier_last_hidden_states``, the
     teacher's input before the final norm). Stored in the dataset's bf16, as its vLLM capture writes them; its
-    ``CollateFn`` casts them to the training dtype. The aux layers are DFlash's by tapdraft's rule; speculators
+    ``CollateFn`` casts them to the training dtype. The aux layers are the family's by tapdraft's rule; speculators
     names them by vLLM layer id, tap + 1 (``aux_layer_ids``; ``train.drafters.dflash.export``). Its frozen
     pieces load from the verifier directory ``out/verifier`` (``write_base`` in ``dtype``; its loader copies
     them into its own fp32 parameters either way, and the runner sets their precision). Layout: ``verifier/``, ``data/``
     (written under a temp name and renamed).
+
+    EAGLE-3: its loader shifts each sample (``shift_batch``: row t pairs the aux hidden at t with the token at t + 1
+    and the teacher row t + 1, which predicts the token t + 2) and keeps the mask of the token t + 1, so it would train
+    the row that predicts one past a sample's end and skip the one that predicts its first supervised token. The
+    mask is written one position earlier (``loss_mask[i]`` = the dataset's ``loss_mask[i + 1]``, 0 at the end): its
+    rows are then tapdraft's, the rows whose predicted token is supervised, in training and held out alike.
     """
     import shutil
 
@@ -333,10 +347,10 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
     ds = open_dataset(str(dataset))
     layout, bundle = ds.layout, ds.bundle()
     L = layout.num_layers
-    aux = family_taps("dflash", L)
+    aux = family_taps(family, L)
     missing = [t for t in (*aux, L - 1) if t not in layout.tap_ids]
     if missing:
-        raise ValueError(f"{dataset} stores taps {list(layout.tap_ids)}; speculators' offline DFlash needs {aux} "
+        raise ValueError(f"{dataset} stores taps {list(layout.tap_ids)}; speculators' offline {family} needs {aux} "
                          f"(tapdraft's layer rule) and the last layer {L - 1}: capture with --taps including {missing}")
     col = [list(layout.tap_ids).index(t) for t in (*aux, L - 1)]
     out = Path(out)
@@ -352,7 +366,10 @@ def to_speculators(dataset: str | Path, out: Path, *, split: str = "train", limi
         save_file({"hidden_states": s["taps"][:, col].contiguous(), "token_ids": ids.contiguous()},
                   str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
         rows["input_ids"].append(ids.tolist())
-        rows["loss_mask"].append(s["loss_mask"].long().tolist())
+        mask = s["loss_mask"].long()
+        if family == "eagle3":  # one position earlier: its shift keeps the mask of the token BEFORE the predicted one
+            mask = torch.cat([mask[1:], mask.new_zeros(1)])
+        rows["loss_mask"].append(mask.tolist())
         rows["seq_len"].append(int(ids.numel()))
     Dataset.from_dict(rows).with_format("torch").save_to_disk(str(tmp / "arrow"))
     for f in (tmp / "arrow").iterdir():  # the dataset's own files beside hidden_states/, as its data dir holds them
@@ -393,6 +410,7 @@ ROW_SPECS = {
                                  "ce", "speculators"),
     "dflash-kd-speculators": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs kl_div", "dflash", "kl_div",
                                  "speculators"),
+    "eagle3-speculators": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "kl_div", "speculators"),
     "dspark": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)", "dspark",
                   "dspark"),
 }
@@ -606,13 +624,15 @@ def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: in
     anchors are per packed row, so tapdraft's per-sequence count x samples."""
     d, t = run.drafter, run.train
     lengths = conv["lengths"]
-    return {"verifier": conv["verifier"], "data": conv["data"], "max_len": sum(lengths[:samples]),
-            "train_samples": samples, "heldout_len": sum(lengths[samples:]), "precision": conv["dtype"],
-            "loss": row.mode,
-            "block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
-            "mask_token_id": mask_token_id, "aux_layer_ids": conv["aux_layer_ids"], "draft_layers": d.num_layers,
-            "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0,
-            "threads": 1}
+    job = {"verifier": conv["verifier"], "data": conv["data"], "max_len": sum(lengths[:samples]),
+           "train_samples": samples, "heldout_len": sum(lengths[samples:]), "precision": conv["dtype"],
+           "loss": row.mode, "draft": row.family, "aux_layer_ids": conv["aux_layer_ids"],
+           "draft_layers": getattr(d, "num_layers", 1), "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0,
+           "threads": 1}
+    if row.family == "eagle3":
+        return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay}
+    return {**job, "block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
+            "mask_token_id": mask_token_id}
 
 
 def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -682,7 +702,8 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     data = build_dataset(work / f"dataset-{row.family}-{tag}", samples=args.samples + args.heldout,
                          tokens=args.tokens, family=row.family)
     if row.peer == "speculators":
-        conv = to_speculators(data, work / f"speculators-{tag}-{theirs_p}", dtype=theirs_p)
+        conv = to_speculators(data, work / f"speculators-{row.family}-{tag}-{theirs_p}", family=row.family,
+                              dtype=theirs_p)
     else:
         conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}-{theirs_p}", family=row.family, dtype=theirs_p)
     mask = conv["vocab_size"] - 1  # the samples' ids stop below it
@@ -724,7 +745,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
         spent = {k: sum(r["s"] for r in v) for k, v in runs.items()}  # cannot lead on the loss
         fast, extra = catch_up(spent, {"tapdraft": tap.step, peer_key: peer.step}, cap=4 * args.pairs)
         loss = tap.heldout_loss() if fast == "tapdraft" else peer.ask("heldout")
-        if fast == "speculators":
+        if "weight" in loss:  # speculators' DFlash: its per-row loss as tapdraft's per-weight one
             loss = {**loss, "weighted_loss": loss["loss"] * loss["rows"] / loss["weight"]}
         equal_time = {"side": fast, "extra_steps": extra, "seconds": spent, "heldout": loss}
         print(f"{name}: {PEERS.get(fast, fast)} took {extra} more steps to spend the other side's "
@@ -735,11 +756,12 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
               "trainable_params": peer.ready["trainable_params"], "first_loss": first[peer_key][0]["loss"],
               "dtypes": dtypes[peer_key], "draft_params": peer.ready["dtype"].removeprefix("torch."),
               "heldout": held.get(peer_key)}
-    if row.peer == "speculators":  # its loss is sum(w l) / rows; tapdraft's sum(w l) / sum(w): the latter, for both
+    if row.peer == "speculators":
+        theirs["attention"] = peer.ready["attn"]
+    if "weight" in first[peer_key][0]:  # speculators' DFlash: sum(w l) / rows; tapdraft's sum(w l) / sum(w), for both
         theirs.update(weighted_losses=[r["loss"] * r["rows"] / r["weight"] for r in runs[peer_key]],
                       first_weighted_loss=first[peer_key][0]["loss"] * first[peer_key][0]["rows"]
-                      / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"],
-                      attention=peer.ready["attn"])
+                      / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"])
         if held:
             h = held[peer_key]
             theirs["heldout"] = {**h, "weighted_loss": h["loss"] * h["rows"] / h["weight"]}

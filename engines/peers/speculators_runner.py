@@ -1,5 +1,5 @@
-"""Train vllm-project/speculators' DFlash draft step by step on CPU, INSIDE a venv that has speculators 0.9.0 (the
-vLLM engine venv, engines/venv.sh vllm: engines/vllm.txt pins it).
+"""Train vllm-project/speculators' DFlash or EAGLE-3 draft step by step on CPU, INSIDE a venv that has speculators
+0.9.0 (the vLLM engine venv, engines/venv.sh vllm: engines/vllm.txt pins it).
 
     python speculators_runner.py JOB.json       # then one command a line on stdin, one JSON line back each
 
@@ -9,7 +9,9 @@ JOB: {"verifier": DIR (config.json + model.safetensors: embed_tokens, lm_head, f
       "kl_div", "block_size": 16, "gamma": 7.0, "max_anchors": N (blocks per packed row), "mask_token_id": ID,
       "aux_layer_ids": [...] (vLLM ids: tapdraft's taps + 1), "draft_layers": 1, "attn": "sdpa", "lr", "betas",
       "weight_decay", "seed": 0, "threads": 1, "precision": "bfloat16" | "float32", "train_samples": N (the
-      data's first N rows train; the rest are held out), "heldout_len": T' (their packed row)}
+      data's first N rows train; the rest are held out), "heldout_len": T' (their packed row), "draft": "dflash"
+      (default) | "eagle3"; for eagle3 "ttt_steps", "step_decay" (its ``ttt_step_loss_decay``) and "loss":
+      "kl_div", no block, gamma, anchors or mask token}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "weight": W, "anchors": A} (forward + backward + AdamW
 step over one packed batch of the training samples; L is its own loss, sum(w l) / R; W = sum of the slot weights
 over the R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row; "dtypes":
@@ -51,6 +53,15 @@ Its loss is normalised by the count of trained rows (``loss_function``: sum(w l)
 of their weights: the step reports both. ``ce`` is its hard-label CE against the verifier's argmax on the slot's
 teacher row (not the dataset's token); ``kl_div`` is KL(p || q) against the softmax of the same teacher row.
 
+EAGLE-3 (``draft: eagle3``): ``Eagle3DraftModel.from_training_args`` as its CLI calls it for eagle3 (a llama draft
+layer at the verifier's widths; embedding, lm_head, ``verifier_lm_head`` and ``verifier_norm`` frozen from the verifier
+directory, the final norm trained), on its loader's shifted samples (``shift_batch``: the token after each row's
+aux hidden, the teacher one row on), ``ttt_steps`` training-time-test steps, each step's KL(p || q) over its own
+trained rows times ``step_decay ** j`` (its ``compute_metrics``, eager losses), summed. Its architecture switches are
+set to the draft tapdraft trains and vLLM serves (``norm_before_residual``, ``norm_before_fc``, ``norm_output`` and
+``fc_norm`` off; its CLI's eagle3 defaults turn the first three on), so both sides train one model. ``rows`` counts
+the trained rows over all steps; no ``weight`` (its per-step normalisation is tapdraft's).
+
 It imports only the peer venv's packages (torch, transformers, datasets, speculators): it is not part of tapdraft.
 """
 
@@ -58,6 +69,68 @@ import json
 import sys
 
 from peer_protocol import adamw, channel, dtype_probe, serve
+
+
+def dflash(job, torch, layer_cfg):
+    """Its DFlash draft as its CLI builds one, its trainer kwargs, no per-sample preprocess, and a recorder of the
+    trained rows and their slot weights (patched over ``compute_metrics``, which its forward calls)."""
+    import speculators.models.dflash.core as core
+    from speculators.losses import dflash_loss_decay
+    from speculators.models.dflash import DFlashDraftModel
+
+    block = int(job["block_size"])
+    model = DFlashDraftModel.from_training_args(
+        layer_cfg, draft_vocab_size=layer_cfg.vocab_size, block_size=block, target_layer_ids=list(job["aux_layer_ids"]),
+        mask_token_id=int(job["mask_token_id"]), verifier_name_or_path=job["verifier"],
+        draft_attn_impl=job.get("attn", "sdpa"))
+    kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
+        loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
+        max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
+    seen = {}
+    compute = core.compute_metrics
+
+    def record(logits, targets, loss_mask, block_size=1, gamma=4.0, **kw):
+        """Its own metrics, plus the trained rows and their weights (as ``loss_function`` weighs them)."""
+        pos = (torch.arange(loss_mask.shape[1]) % block_size).unsqueeze(0).float()
+        w = dflash_loss_decay(pos, gamma=gamma) * loss_mask.float()
+        seen.update(rows=int(loss_mask.sum()), weight=float(w.sum()),
+                    anchors=int((loss_mask.reshape(-1, block_size).sum(1) > 0).sum()))
+        return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
+
+    core.compute_metrics = record
+    return model, kwargs, None, seen, [model.verifier_lm_head, model.lm_head]
+
+
+def eagle3(job, torch, layer_cfg):
+    """Its EAGLE-3 draft with tapdraft's architecture (module docstring), its trainer kwargs, its per-sample shift
+    (``shift_batch``, what its CLI's loader applies for eagle3) and a recorder of the trained rows over all steps."""
+    import speculators.models.eagle3.core as core
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+
+    model = Eagle3DraftModel.from_training_args(
+        layer_cfg, draft_vocab_size=layer_cfg.vocab_size, norm_before_residual=False, norm_before_fc=False,
+        fc_norm=False, norm_output=False, embed_requires_grad=False, ttt_steps=int(job["ttt_steps"]),
+        target_layer_ids=list(job["aux_layer_ids"]), verifier_name_or_path=job["verifier"],
+        draft_attn_impl=job.get("attn", "sdpa"))
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn=job["loss"], loss_implementation="eager", ttt_steps=int(job["ttt_steps"]),
+        ttt_step_loss_decay=float(job["step_decay"]))
+    seen = {}
+    compute = core.compute_metrics
+
+    def record(logits, targets, loss_mask, prev_correct, ttt_step, *a, **kw):
+        """Its own metrics, plus the rows each step trains (its ``align_for_step`` keeps ``loss_mask[:, j:]``)."""
+        seen["rows"] = (0 if ttt_step == 0 else seen["rows"]) + int(loss_mask[:, ttt_step:].sum())
+        return compute(logits, targets, loss_mask, prev_correct, ttt_step, *a, **kw)
+
+    core.compute_metrics = record
+    return model, kwargs, shift_batch, seen, [model.verifier_lm_head, model.lm_head]
+
+
+DRAFTS = {"dflash": (dflash, "qwen3"), "eagle3": (eagle3, "llama")}
+"""speculators' draft types this runner trains (its ``speculator_type`` names) -> the builder and the draft layer
+its CLI picks for the type (``TrainConfig``: llama for eagle3, qwen3 otherwise)."""
 
 
 def main(job_path: str) -> None:
@@ -70,29 +143,20 @@ def main(job_path: str) -> None:
     from importlib.metadata import version
 
     import transformers
-    import speculators.models.dflash.core as dflash_core
-    from speculators.losses import dflash_loss_decay
-    from speculators.models.dflash import DFlashDraftModel
     from speculators.train.cli import create_transformer_layer_config
     from speculators.train.data import ArrowDataset, CollateFn
 
-    block = int(job["block_size"])
+    build, arch = DRAFTS[job.get("draft", "dflash")]
+    layers = int(job.get("draft_layers", 1))
     layer_cfg = create_transformer_layer_config(
-        verifier_name_or_path=job["verifier"], num_layers=int(job.get("draft_layers", 1)), draft_arch="qwen3",
-        hidden_act=None, sliding_window=None, full_attention_indices=list(range(int(job.get("draft_layers", 1)))))
-    vocab = layer_cfg.vocab_size
-    model = DFlashDraftModel.from_training_args(
-        layer_cfg, draft_vocab_size=vocab, block_size=block, target_layer_ids=list(job["aux_layer_ids"]),
-        mask_token_id=int(job["mask_token_id"]), verifier_name_or_path=job["verifier"],
-        draft_attn_impl=job.get("attn", "sdpa"))
+        verifier_name_or_path=job["verifier"], num_layers=layers, draft_arch=arch, hidden_act=None,
+        sliding_window=None, full_attention_indices=list(range(layers)))
+    model, train_kwargs, preprocess, seen, heads = build(job, torch, layer_cfg)
     model.float().train()
     bf16 = job.get("precision", "bfloat16") == "bfloat16"
     if bf16:  # the frozen parts as the checkpoint holds them; the trainable ones stay fp32 under autocast
-        for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+        for frozen in (model.embed_tokens, *heads):
             frozen.to(torch.bfloat16)
-    train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
-        loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
-        max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, job)
     data = ArrowDataset(max_len=int(job["max_len"]), datapath=job["data"], on_missing="raise",
@@ -101,25 +165,13 @@ def main(job_path: str) -> None:
     n_train = int(job.get("train_samples", len(data)))
 
     def packed(lo, hi, max_len):
-        c = CollateFn(max_len=max_len, hidden_size=layer_cfg.hidden_size, num_target_layers=n_aux, dtype=torch.float32)
+        c = CollateFn(max_len=max_len, hidden_size=layer_cfg.hidden_size, num_target_layers=n_aux, dtype=torch.float32,
+                      preprocess=preprocess)
         return {k: v for k, v in c([data[i] for i in range(lo, hi)]).items() if isinstance(v, torch.Tensor)}
 
     batch = packed(0, n_train, int(job["max_len"]))
     held = packed(n_train, len(data), int(job["heldout_len"])) if n_train < len(data) else None
-
-    seen = {}
-    compute = dflash_core.compute_metrics
-
-    def record(logits, targets, loss_mask, block_size=1, gamma=4.0, **kw):
-        """Its own metrics, plus the trained rows and their weights (as ``loss_function`` weighs them)."""
-        pos = (torch.arange(loss_mask.shape[1]) % block_size).unsqueeze(0).float()
-        w = dflash_loss_decay(pos, gamma=gamma) * loss_mask.float()
-        seen.update(rows=int(loss_mask.sum()), weight=float(w.sum()),
-                    anchors=int((loss_mask.reshape(-1, block_size).sum(1) > 0).sum()))
-        return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
-
-    dflash_core.compute_metrics = record
-    probe = dtype_probe({"head": [model.verifier_lm_head, model.lm_head], "embedding": [model.embed_tokens],
+    probe = dtype_probe({"head": heads, "embedding": [model.embed_tokens],
                          "draft": [m for m in model.modules() if isinstance(m, torch.nn.Linear)
                                    and m.weight.requires_grad]})
     say({"ready": True, "trainable_params": sum(p.numel() for p in params),
@@ -139,6 +191,7 @@ def main(job_path: str) -> None:
     serve(say, forward, opt, lambda: [{k: data[i][k].float().tolist() if "hidden" in k else data[i][k].tolist()
                                        for k in keys} for i in range(n_train)],
           heldout=None if held is None else lambda: forward(held))
+
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -13,7 +13,7 @@ dataset's (read through ``shards.reader``): DFlash's one tap, EAGLE-3's three (t
 default). For every row, one step on each side: equal trainable parameters, equal loss rows, and first losses that
 agree once ModelOpt's soft cross-entropy is taken as tapdraft's KL + H(teacher) (``peers.teacher_entropy``).
 speculators (the vLLM engine venv, engines/venv.sh vllm): the same through its ``ArrowDataset`` and
-engines/peers/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div``.
+engines/peers/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div`` and its EAGLE-3 row.
 About 2 minutes of CPU after the venvs exist.
 """
 
@@ -241,16 +241,17 @@ def test_modelopt_reads_the_converted_samples_as_the_dataset_holds_them(small: P
 
 
 def _same_samples(got: list[dict], data: Path, aux: list[int], names: tuple[str, str] = (
-        "aux_hidden_states", "base_model_hidden_states")) -> None:
-    """The peer loader's samples equal the dataset's: ids, mask, the ``aux`` taps concatenated and the last layer
-    (``names``: the peer's keys for those two)."""
+        "aux_hidden_states", "base_model_hidden_states"), mask_shift: int = 0) -> None:
+    """The peer loader's samples equal the dataset's: ids, mask (``mask_shift`` positions earlier), the ``aux`` taps
+    concatenated and the last layer (``names``: the peer's keys for those two)."""
     ds = open_dataset(str(data))
     col = {t: j for j, t in enumerate(ds.layout.tap_ids)}
     for i, g in enumerate(got):
         s = ds.sample("train", i)
         taps = s["taps"].float()
         assert torch.equal(torch.tensor(g["input_ids"]), s["input_ids"].long())
-        assert torch.equal(torch.tensor(g["loss_mask"]), s["loss_mask"].long())
+        mask = s["loss_mask"].long()
+        assert torch.equal(torch.tensor(g["loss_mask"]), torch.cat([mask[mask_shift:], mask.new_zeros(mask_shift)]))
         assert torch.equal(torch.tensor(g[names[0]]), torch.cat([taps[:, col[t]] for t in aux], dim=-1))
         assert torch.equal(torch.tensor(g[names[1]]), taps[:, col[ds.layout.num_layers - 1]])
 
@@ -377,3 +378,40 @@ def test_both_dspark_sides_train_the_same_rows_from_the_same_three_term_loss(tmp
     assert 62 <= ours["rows"] <= 64 and 62 <= theirs["rows"] <= 64
     # 0.1 x CE (about ln(49,152) = 10.8) + 0.9 x sum|p - q| (at most 2) + 0.1 x BCE (about ln 2) at random init
     assert 1.0 < ours["loss"] < 3.0 and abs(ours["loss"] - theirs["loss"]) < 0.25
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_speculators_eagle3_trains_the_same_draft_on_the_same_rows(tmp_path: Path, precision: str) -> None:
+    """Its EAGLE-3 draft with tapdraft's architecture: equal trainable parameters (5,089,536: fc, the first layer and
+    the final norm; lm_head frozen on both), EAGLE-3's three taps by tapdraft's rule read back from its loader, the
+    same rows at each of the 3 steps, equal compute dtypes, and first losses that agree (its ``kl_div`` is the KL,
+    each step over its own rows times 0.8^j, as tapdraft's: no offset; the inits differ)."""
+    torch.set_num_threads(1)
+    name = "eagle3-speculators"
+    row = ROW_SPECS[name]
+    data = build_dataset(tmp_path / "dataset", samples=3, tokens=64, seed=3, family="eagle3")
+    conv = to_speculators(data, tmp_path / "speculators", family="eagle3", dtype=precision)
+    assert conv["target_layer_ids"] == eagle3_tap_ids(8) == [1, 3, 5] and conv["aux_layer_ids"] == [2, 4, 6]
+    mask = conv["vocab_size"] - 1
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, precision=precision, heldout=1)
+    job = speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask, row=row)
+    assert (job["draft"], job["loss"], job["ttt_steps"], job["step_decay"]) == ("eagle3", "kl_div", 3, 0.8)
+    peer = ModelOptSide(peer_python("vllm"), job, tmp_path / "run", peer="speculators")
+    try:
+        assert peer.ready["target_layer_ids"] == [2, 4, 6] and peer.ready["attn"] == "sdpa"
+        assert peer.ready["trainable_params"] == tap.trainable == 5_089_536
+        got = peer.ask("load")["samples"]
+        theirs = peer.step()
+        held = peer.ask("heldout")
+    finally:
+        peer.close()
+    ours = tap.step()
+    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)
+    assert ours["dtypes"]["head"] == precision
+    # the mask one position earlier, so that its shifted rows are tapdraft's (to_speculators)
+    _same_samples(got, data, [1, 3, 5], ("hidden_states", "verifier_last_hidden_states"), mask_shift=1)
+    assert ours["rows"] == theirs["rows"] == 3 * 2 * 32  # every supervised row (the second half) at every step
+    assert "weight" not in theirs and held["rows"] == 3 * 32 and 0.0 < held["loss"] < 1.0
+    assert 0.0 < ours["loss"] < 1.0 and abs(ours["loss"] - theirs["loss"]) < 0.25

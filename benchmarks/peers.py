@@ -11,7 +11,7 @@ tapdraft's rule), then times interleaved pairs: one tapdraft step, one peer step
 
     python -m benchmarks.peers [--rows dflash-ce,dflash-kd,eagle3,dspark] [--pairs 7] [--anchors 32] [--samples 2]
                                [--heldout 2] [--tokens 512] [--precision bfloat16|float32] [--workdir DIR]
-    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators,eagle3-speculators
+    python -m benchmarks.peers --rows dflash-ce-speculators,dflash-kd-speculators,eagle3-speculators,dspark-speculators
     python -m benchmarks.peers --precision bfloat16 --peer-precision float32 --mixed   # a labelled mixed row
 
 Equal terms, enforced per row:
@@ -142,9 +142,15 @@ attention and its ``eager`` losses, and calls it as its Trainer does on the batc
               keeps the mask one token early for EAGLE-3, so the converter writes it one position earlier
               (``to_speculators``). Inits differ (its torch defaults and a final norm of ones against tapdraft's std
               0.02 and the target's norm).
+  dspark-speculators   tapdraft ``dspark`` at the ``dspark`` row's settings vs its ``DSparkDraftModel``: DFlash's
+              backbone predicting from the anchor on (its ``sample_from_anchor``, slot k -> anchor + k + 1, weights
+              exp(-k / 7)), the vanilla rank-256 Markov head, the confidence head over [h ; markov_w1[prev]]
+              (29,039,809 trainable on both), loss ``{"ce": 0.1, "tv": 1.8}`` + 0.1 x BCE(c, 1 - TV): its tv is TV,
+              tapdraft's L1 is 2 TV, so this is tapdraft's 0.1 CE + 0.9 L1 + 0.1 BCE; CE on the teacher's argmax =
+              the dataset token, as the DFlash CE row. Anchors and normalisation as the DFlash rows (its loss
+              rescaled by rows / sum(w)). Inits differ (its Markov w1 at std 0.01 and torch's default for w2).
 
-Not compared (say so in docs/performance.md): DFlash2, MTP, DSpark against speculators; DFlash2, MTP against
-ModelOpt (no counterpart measured).
+Not compared (say so in docs/performance.md): DFlash2 and MTP against either peer (no counterpart measured).
 """
 
 from __future__ import annotations
@@ -411,6 +417,8 @@ ROW_SPECS = {
     "dflash-kd-speculators": Row("dflash", "kd", "DFlash KD (exact teacher, CE off) vs kl_div", "dflash", "kl_div",
                                  "speculators"),
     "eagle3-speculators": Row("eagle3", "kl", "EAGLE-3 KL", "eagle3", "kl_div", "speculators"),
+    "dspark-speculators": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)",
+                              "dspark", "ce+tv", "speculators"),
     "dspark": Row("dspark", "ce+l1", "DSpark 0.1 CE + 0.9 L1 + 0.1 confidence BCE (exact teacher)", "dspark",
                   "dspark"),
 }
@@ -627,12 +635,17 @@ def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: in
     job = {"verifier": conv["verifier"], "data": conv["data"], "max_len": sum(lengths[:samples]),
            "train_samples": samples, "heldout_len": sum(lengths[samples:]), "precision": conv["dtype"],
            "loss": row.mode, "draft": row.family, "aux_layer_ids": conv["aux_layer_ids"],
-           "draft_layers": getattr(d, "num_layers", 1), "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay, "seed": 0,
+           "draft_layers": getattr(d, "num_layers", 1), "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2],
+           "weight_decay": t.weight_decay, "seed": 0,
            "threads": 1}
     if row.family == "eagle3":
         return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay}
-    return {**job, "block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
-            "mask_token_id": mask_token_id}
+    job.update({"block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
+                "mask_token_id": mask_token_id})
+    if row.family == "dspark":  # its tv is TV, tapdraft's L1 is 2 TV: the same loss at twice the weight
+        job.update({"loss": json.dumps({"ce": d.ce_weight, "tv": 2 * d.tv_weight}), "markov_rank": d.markov_rank,
+                    "confidence_head": d.confidence_head, "confidence_weight": d.confidence_weight})
+    return job
 
 
 def _side(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -707,7 +720,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     else:
         conv = to_modelopt(data, work / f"modelopt-{row.family}-{tag}-{theirs_p}", family=row.family, dtype=theirs_p)
     mask = conv["vocab_size"] - 1  # the samples' ids stop below it
-    if row.peer == "speculators" and row.loss == "ce":  # its CE's label is the teacher's argmax, tapdraft's the token
+    if row.peer == "speculators" and "ce" in row.loss.split("+"):  # its CE's label: the teacher's argmax; ours: token
         for p in dict.fromkeys((ours_p, theirs_p)):
             if (a := argmax_agreement(data, p)) < 1.0:
                 raise ValueError(f"row {name}: the teacher's argmax ({p}) equals only {a:.1%} of the dataset's "

@@ -71,34 +71,56 @@ import sys
 from peer_protocol import adamw, channel, dtype_probe, serve
 
 
-def dflash(job, torch, layer_cfg):
-    """Its DFlash draft as its CLI builds one, its trainer kwargs, no per-sample preprocess, and a recorder of the
-    trained rows and their slot weights (patched over ``compute_metrics``, which its forward calls)."""
-    import speculators.models.dflash.core as core
+def _blocks(job, torch, layer_cfg, cls, core, build, train, mask_at):
+    """A DFlash-family draft (``cls``: its DFlash or DSpark model) as its CLI builds one, its trainer kwargs, no
+    per-sample preprocess, and a recorder of the trained rows and their slot weights, patched over its ``core``'s
+    ``compute_metrics`` (whose loss mask is argument ``mask_at``, the block size the next)."""
     from speculators.losses import dflash_loss_decay
-    from speculators.models.dflash import DFlashDraftModel
 
     block = int(job["block_size"])
-    model = DFlashDraftModel.from_training_args(
+    model = cls.from_training_args(
         layer_cfg, draft_vocab_size=layer_cfg.vocab_size, block_size=block, target_layer_ids=list(job["aux_layer_ids"]),
         mask_token_id=int(job["mask_token_id"]), verifier_name_or_path=job["verifier"],
-        draft_attn_impl=job.get("attn", "sdpa"))
-    kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
+        draft_attn_impl=job.get("attn", "sdpa"), **build)
+    kwargs, _ = cls.get_trainer_kwargs(
         loss_fn=job["loss"], loss_implementation="eager", dflash_decay_gamma=float(job["gamma"]),
-        max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay")
+        max_anchors=int(job["max_anchors"]), per_position_loss_weight="fixed-exp-decay", **train)
+    from_anchor = bool(model.config.sample_from_anchor)
     seen = {}
     compute = core.compute_metrics
 
-    def record(logits, targets, loss_mask, block_size=1, gamma=4.0, **kw):
+    def record(*args, **kw):
         """Its own metrics, plus the trained rows and their weights (as ``loss_function`` weighs them)."""
+        loss_mask, block_size = args[mask_at], args[mask_at + 1]
         pos = (torch.arange(loss_mask.shape[1]) % block_size).unsqueeze(0).float()
-        w = dflash_loss_decay(pos, gamma=gamma) * loss_mask.float()
+        w = dflash_loss_decay(pos, gamma=kw["gamma"], sample_from_anchor=from_anchor) * loss_mask.float()
         seen.update(rows=int(loss_mask.sum()), weight=float(w.sum()),
                     anchors=int((loss_mask.reshape(-1, block_size).sum(1) > 0).sum()))
-        return compute(logits, targets, loss_mask, block_size, gamma=gamma, **kw)
+        return compute(*args, **kw)
 
     core.compute_metrics = record
     return model, kwargs, None, seen, [model.verifier_lm_head, model.lm_head]
+
+
+def dflash(job, torch, layer_cfg):
+    """Its DFlash draft (slot 0 the anchor, slots 1.. predicted)."""
+    import speculators.models.dflash.core as core
+    from speculators.models.dflash import DFlashDraftModel
+
+    return _blocks(job, torch, layer_cfg, DFlashDraftModel, core, {}, {}, mask_at=2)
+
+
+def dspark(job, torch, layer_cfg):
+    """Its DSpark draft: DFlash's backbone predicting from the anchor on (its default ``sample_from_anchor``), the
+    vanilla Markov head at ``markov_rank`` and the confidence head over [hidden ; markov_w1[prev]], its loss the
+    job's weighted terms plus ``confidence_weight`` x the BCE against 1 - TV."""
+    import speculators.models.dspark.core as core
+    from speculators.models.dspark import DSparkDraftModel
+
+    build = {"markov_rank": int(job["markov_rank"]), "markov_head_type": "vanilla",
+             "enable_confidence_head": bool(job["confidence_head"]), "confidence_head_with_markov": True}
+    return _blocks(job, torch, layer_cfg, DSparkDraftModel, core, build,
+                   {"confidence_head_alpha": float(job["confidence_weight"])}, mask_at=3)
 
 
 def eagle3(job, torch, layer_cfg):
@@ -128,7 +150,7 @@ def eagle3(job, torch, layer_cfg):
     return model, kwargs, shift_batch, seen, [model.verifier_lm_head, model.lm_head]
 
 
-DRAFTS = {"dflash": (dflash, "qwen3"), "eagle3": (eagle3, "llama")}
+DRAFTS = {"dflash": (dflash, "qwen3"), "dspark": (dspark, "qwen3"), "eagle3": (eagle3, "llama")}
 """speculators' draft types this runner trains (its ``speculator_type`` names) -> the builder and the draft layer
 its CLI picks for the type (``TrainConfig``: llama for eagle3, qwen3 otherwise)."""
 

@@ -13,7 +13,7 @@ dataset's (read through ``shards.reader``): DFlash's one tap, EAGLE-3's three (t
 default). For every row, one step on each side: equal trainable parameters, equal loss rows, and first losses that
 agree once ModelOpt's soft cross-entropy is taken as tapdraft's KL + H(teacher) (``peers.teacher_entropy``).
 speculators (the vLLM engine venv, engines/venv.sh vllm): the same through its ``ArrowDataset`` and
-engines/peers/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div`` and its EAGLE-3 row.
+engines/peers/speculators_runner.py, its DFlash rows with ``ce`` and ``kl_div``, its EAGLE-3 and DSpark rows.
 About 2 minutes of CPU after the venvs exist.
 """
 
@@ -415,3 +415,35 @@ def test_speculators_eagle3_trains_the_same_draft_on_the_same_rows(tmp_path: Pat
     assert ours["rows"] == theirs["rows"] == 3 * 2 * 32  # every supervised row (the second half) at every step
     assert "weight" not in theirs and held["rows"] == 3 * 32 and 0.0 < held["loss"] < 1.0
     assert 0.0 < ours["loss"] < 1.0 and abs(ours["loss"] - theirs["loss"]) < 0.25
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_speculators_dspark_trains_the_same_draft_from_the_same_three_term_loss(tmp_path: Path) -> None:
+    """Its DSpark draft: DFlash's backbone, the vanilla rank-256 Markov head and the confidence head (29,039,809
+    trainable on both), slot 0 predicted on both, its ``{"ce": 0.1, "tv": 1.8}`` (its tv is TV, tapdraft's L1 2 TV)
+    plus 0.1 x the confidence BCE: tapdraft's 0.1 CE + 0.9 L1 + 0.1 BCE once its per-row normalisation is taken as
+    tapdraft's per-weight one. First losses within the two inits' and anchor draws' spread (1.634 / 1.656 here)."""
+    torch.set_num_threads(1)
+    name = "dspark-speculators"
+    row = ROW_SPECS[name]
+    data = build_dataset(tmp_path / "dataset", samples=3, tokens=64, seed=3, family="dspark")
+    conv = to_speculators(data, tmp_path / "speculators", family="dspark", dtype="bfloat16")
+    mask = conv["vocab_size"] - 1
+    tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, heldout=1)
+    job = speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask, row=row)
+    assert json.loads(job["loss"]) == {"ce": 0.1, "tv": 1.8} and job["confidence_weight"] == 0.1
+    peer = ModelOptSide(peer_python("vllm"), job, tmp_path / "run", peer="speculators")
+    try:
+        assert peer.ready["trainable_params"] == tap.trainable == 29_039_809
+        theirs = peer.step()
+        held = peer.ask("heldout")
+    finally:
+        peer.close()
+    ours = tap.step()
+    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)
+    # 2 blocks a sequence, 16 slots each from the anchor on; its blocks may run into the next sample's prompt
+    assert ours["rows"] == 2 * 2 * 16 and theirs["anchors"] == 4 and 0 < theirs["rows"] <= ours["rows"]
+    first = theirs["loss"] * theirs["rows"] / theirs["weight"]
+    assert 1.0 < ours["loss"] < 2.5 and abs(ours["loss"] - first) < 0.1
+    assert held["rows"] > 0 and 1.0 < held["loss"] * held["rows"] / held["weight"] < 2.5

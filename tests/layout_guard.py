@@ -218,6 +218,22 @@ def compared(tree: ast.AST, names: Iterable[str]) -> list[int]:
     return lines
 
 
+def branched(tree: ast.AST, names: Iterable[str], subject: str = "") -> list[int]:
+    """Lines where one of ``names`` is compared in the condition of an ``if`` (statement or expression) or a
+    ``while``, or is a ``match`` case: ``compared`` less the comparisons a test asserts. With ``subject``, only
+    comparisons of something so named (``engine == "vllm"``, ``cfg.engine != ...``; "transformers" is also a
+    library a test may compare a module name with)."""
+    names = set(names)
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.If, ast.IfExp, ast.While)):
+            lines += [c.lineno for c in ast.walk(n.test) if isinstance(c, ast.Compare) and compared(c, names)
+                      and (not subject or any(ast.unparse(o).endswith(subject) for o in [c.left, *c.comparators]))]
+        elif isinstance(n, ast.MatchValue) and isinstance(n.value, ast.Constant) and n.value.value in names:
+            lines.append(n.lineno)
+    return sorted(set(lines))
+
+
 def _scan(root: Path, names: set[str], home: Callable[[str, Path], bool],
           check: Callable[[ast.AST, set[str]], list[int]], what: str) -> list[str]:
     """``check`` over every module outside ``home`` (users get ``compared`` whatever ``check`` is)."""
@@ -301,11 +317,16 @@ def format_outside_home(root: Path) -> list[str]:
 
 
 def engine_outside_registry(root: Path) -> list[str]:
-    """A branch on a capture engine's name outside its registry (``ENGINES``) and its own folder (capture/vllm/)."""
+    """A branch on a capture engine's name outside its registry (``ENGINES``) and its own folder (capture/vllm/),
+    tests included (``branched``: a test may assert what a record names, and picks an engine's settings from its
+    entry as the library does)."""
     names = _registry_keys(root / ENGINE_REGISTRY, "ENGINES")
     reg = root / ENGINE_REGISTRY
-    return _scan(root, names, lambda mod, f: f == reg or mod.startswith("capture.vllm"), compared,
-                 "branches on a capture engine")
+    bad = _scan(root, names, lambda mod, f: f == reg or mod.startswith("capture.vllm"), compared,
+                "branches on a capture engine")
+    tests = sorted((root / "tests").rglob("*.py")) if (root / "tests").is_dir() else []
+    return bad + [f"{f.relative_to(root)}:{line} branches on a capture engine" for f in tests
+                  for line in branched(parse(f), names, "engine")]
 
 
 def codec_outside_home(root: Path) -> list[str]:

@@ -123,6 +123,11 @@ def test_names_are_told_from_branches():
                      'match x:\n    case "fp8":\n        pass\n')
     assert sorted(guard.named(tree, {"fp8", "arrow"})) == [2, 3, 4, 6]  # a docstring that mentions one is not a name
     assert sorted(guard.compared(tree, {"fp8"})) == [3, 4, 6]  # a value passed on is not a branch
+    test = ast.parse('assert x == "fp8"\ny = 1 if x == "fp8" else 2\nif x in ("fp8",):\n    pass\n'
+                     'while x != "fp8":\n    pass\n')
+    assert guard.branched(test, {"fp8"}) == [2, 3, 5]  # what a test asserts is not a branch
+    two = ast.parse('if mod in ("fp8",):\n    pass\nif cfg.codec == "fp8":\n    pass\n')
+    assert guard.branched(two, {"fp8"}, "codec") == [3]  # a module name that is also a codec's is not one
 
 
 # ------------------------------------------------------------------------------------------ planted violations
@@ -195,6 +200,9 @@ def test_guard_sees_an_engine_branch_outside_the_registry(tmp_path):
     _plant(root, "cli.py", 'def settings(engine, n):\n    return {"n": n} if engine == "vllm" else None\n')
     _plant(root, "capture/planted.py", 'def load(cfg):\n    return dict(engine="vllm")\n')  # a value: not a branch
     assert guard.engine_outside_registry(root) == ["cli.py:2 branches on a capture engine"]
+    _plant(root, "tests/engines/test_planted.py", 'def cfg(engine):\n    return None if engine == "transformers" else 1\n')
+    assert guard.engine_outside_registry(root) == ["cli.py:2 branches on a capture engine",
+                                                   "tests/engines/test_planted.py:2 branches on a capture engine"]
 
 
 def test_guard_sees_a_codec_branch_outside_its_table(tmp_path):

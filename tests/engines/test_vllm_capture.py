@@ -42,12 +42,14 @@ THREADS = 1  # the vLLM captures' CPU threads (VLLMConfig.threads): the count or
 def _cfg(bpe_target, out, engine, vllm_venv=None):
     """The capture settings; a vLLM capture's thread count among them, so the killed run (a fresh process, torch's
     default count) and the runs in this process (whatever count earlier tests left) compute alike."""
-    from capture.config import CaptureConfig, VLLMConfig
+    from capture.config import CaptureConfig
+    from capture.engines import ENGINES
     from shards.shard_file import ShardConfig
 
+    own = ENGINES[engine].settings()  # the engine's own settings, None for one that has none
     return CaptureConfig(target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),
                          top_k=8, window=16, batch_tokens=512, progress=False, shard=ShardConfig(shard_bytes=100_000),
-                         engine=engine, vllm=VLLMConfig(threads=THREADS) if engine == "vllm" else None,
+                         engine=engine, vllm=None if own is None else dataclasses.replace(own, threads=THREADS),
                          vllm_python=None if vllm_venv is None else str(vllm_venv / "bin" / "python"))
 
 

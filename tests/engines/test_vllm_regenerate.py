@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from capture.engines import ENGINES
 from capture.replies.generate import GenerationConfig
 from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
 from capture.replies.windows import ReplyConfig
@@ -111,9 +112,10 @@ def test_vllm_regenerates_qwen2_audio_as_the_in_process_engine(vllm_venv, tmp_pa
     outs = {}
     for engine in ("transformers", "vllm"):
         out = tmp_path / f"{engine}.jsonl"
+        own = ENGINES[engine].settings()  # None for an engine with no settings of its own, the in-process one
         doc = regenerate(RegenerateConfig(
             target=str(target), data=str(data), out=str(out), window=4, progress=False, engine=engine,
-            vllm_python=None if engine == "transformers" else str(vllm_venv / "bin" / "python"),
+            vllm_python=None if own is None else str(vllm_venv / "bin" / "python"),
             replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=12), keep_truncated=True)))
         assert doc["counts"]["written"] == 8
         outs[engine] = out.read_bytes()

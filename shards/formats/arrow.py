@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +42,13 @@ import pyarrow as pa
 from shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
 from shards.errors import CorruptShardError
 from shards.formats.arrow_ipc import check_arrow_stream
-from shards.formats.base import Format, ShardReader, ShardWriter
+from shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
 from shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
 from shards.schema import check_schema_version, has_checksums
 from shards.shard_index import index_doc, load_index
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 NAME = "arrow"
 META_KEY = b"tapdraft"
@@ -218,8 +221,8 @@ def read_shard_metadata(path: str) -> dict[str, Any]:
 class ArrowShardWriter(ShardWriter):
     """One Arrow IPC stream: samples gathered into record batches, each batch's byte range and hash recorded."""
 
-    def __init__(self, sink: Any, cfg: Any, meta: FieldMeta, fingerprint: str | None, lineage: str | None,
-                 rank: int) -> None:
+    def __init__(self, sink: Sink, cfg: ShardSettings, meta: FieldMeta, fingerprint: str | None,
+                 lineage: str | None, rank: int) -> None:
         super().__init__(sink, cfg, meta, fingerprint, lineage, rank)
         self.schema = arrow_schema(meta, fingerprint, lineage)
         codec = pa.Codec("zstd", compression_level=cfg.zstd_level) if cfg.zstd_level else None
@@ -269,7 +272,7 @@ class ArrowShardReader(ShardReader):
 
     random_access = True
 
-    def __init__(self, ds: Any) -> None:
+    def __init__(self, ds: OpenShards) -> None:
         super().__init__(ds)
         self._schemas: dict[str, pa.Schema] = {}
         self._batch_cache: tuple[Any, pa.RecordBatch] | None = None
@@ -367,8 +370,8 @@ class ArrowShardReader(ShardReader):
             i = j
 
     @classmethod
-    def verify_shard(cls, fs: Any, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any],
-                     problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    def verify_shard(cls, fs: AbstractFileSystem, root: str, path: str, m: dict[str, Any], meta: FieldMeta,
+                     sh: dict[str, Any], problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         """The schema's metadata against the manifest, the index's head, batch and tail hashes, each batch's row
         count and every row's checksum."""
         fp = m["fingerprint"]

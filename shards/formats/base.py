@@ -15,23 +15,80 @@ never names a format. The name is what the manifest records under ``"format"``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
     from shards.codec import FieldMeta
+    from shards.integrity import BlockHasher
+    from shards.shard_index import ShardIndex
+
+
+# What a format is handed, as protocols: the classes that fill them (shards.shard_file, shards.reader) import this
+# registry, so naming them here would close a circle; tests/shards/test_format_handoffs.py checks they fit.
+@runtime_checkable
+class Sink(Protocol):
+    """Where a writer's bytes go (``shards.shard_file``'s hashing sink)."""
+
+    @property
+    def n(self) -> int:
+        """Bytes written so far."""
+
+    @property
+    def blocks(self) -> "BlockHasher":
+        """Cuts the bytes written since the last cut into one hashed block: ``cut()`` -> (start, end, hash)."""
+
+    def write(self, data: Any) -> int: ...
+
+    def head(self, n: int) -> list[Any]:
+        """[n, checksum of bytes [0, n)] for the index."""
+
+
+@runtime_checkable
+class ShardSettings(Protocol):
+    """What a format reads of its shards' settings (``shards.shard_file.ShardConfig``)."""
+
+    @property
+    def shard_bytes(self) -> int: ...
+
+    @property
+    def batch_bytes(self) -> int: ...
+
+    @property
+    def zstd_level(self) -> int: ...
+
+
+@runtime_checkable
+class OpenShards(Protocol):
+    """What a reader asks of the dataset it reads (``shards.reader.Dataset``)."""
+
+    @property
+    def fs(self) -> "AbstractFileSystem": ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def field_meta(self) -> "FieldMeta": ...
+
+    def shard_index(self, shard: dict[str, Any]) -> "ShardIndex": ...
+
+    def shard_path(self, shard: dict[str, Any]) -> str: ...
+
+    def read_range(self, path: str, start: int, end: int, prefix: Any = b"", check: Any = None) -> Any: ...
 
 
 class ShardWriter:
-    """Writes the samples of one shard to ``sink`` (``shards.shard_file._HashingSink``: ``write``, ``n`` bytes so
-    far, ``blocks`` to cut block hashes, ``head(n)`` for the index)."""
+    """Writes the samples of one shard to ``sink``."""
 
-    def __init__(self, sink: Any, cfg: Any, meta: "FieldMeta", fingerprint: str | None, lineage: str | None,
-                 rank: int) -> None:
+    def __init__(self, sink: Sink, cfg: ShardSettings, meta: "FieldMeta", fingerprint: str | None,
+                 lineage: str | None, rank: int) -> None:
         self.sink, self.cfg, self.meta, self.rank = sink, cfg, meta, rank
         self.fingerprint, self.lineage = fingerprint, lineage
 
     @classmethod
-    def check_config(cls, cfg: Any) -> None:
+    def check_config(cls, cfg: ShardSettings) -> None:
         """Raise ValueError when ``cfg`` (a ShardConfig naming this format) asks for something it cannot store."""
 
     @classmethod
@@ -53,13 +110,13 @@ class ShardWriter:
 
 
 class ShardReader:
-    """Reads the shards of one open dataset; ``ds`` is the ``shards.reader.Dataset`` (paths, ranges, indexes)."""
+    """Reads the shards of one open dataset ``ds`` (paths, ranges, indexes)."""
 
     random_access: ClassVar[bool] = False
     """Whether a shard's index lists its record batches, so one sample is read without the rest of its shard:
     streams then permute units of samples, not whole shards (shards.order)."""
 
-    def __init__(self, ds: Any) -> None:
+    def __init__(self, ds: OpenShards) -> None:
         self.ds = ds
 
     def check_head(self, shard: dict[str, Any], head: Any, path: str) -> None:
@@ -79,8 +136,8 @@ class ShardReader:
         raise NotImplementedError
 
     @classmethod
-    def verify_shard(cls, fs: Any, root: str, path: str, m: dict[str, Any], meta: "FieldMeta", sh: dict[str, Any],
-                     problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    def verify_shard(cls, fs: "AbstractFileSystem", root: str, path: str, m: dict[str, Any], meta: "FieldMeta",
+                     sh: dict[str, Any], problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         """Every sample of the shard at ``path`` read whole and checked (``tapdraft verify``): problems that do not
         stop the read go to ``problem``; ones that do raise (ValueError, KeyError, OSError, ArrowException)."""
         raise NotImplementedError

@@ -27,16 +27,19 @@ from __future__ import annotations
 
 import json
 import tarfile
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 import zstandard
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
 from shards.errors import CorruptShardError
-from shards.formats.base import Format, ShardReader, ShardWriter
+from shards.formats.base import Format, ShardReader, ShardSettings, ShardWriter, Sink
 from shards.integrity import check_block, check_sealed, digest, seal_doc
 from shards.limits import decompress_bounded
 from shards.shard_index import index_doc, load_index
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 NAME = "wds"
 
@@ -55,7 +58,7 @@ class TarShardWriter(ShardWriter):
     """Appends samples to the sink as tar members (streaming, no seeks): ``<key>.meta.json``, then one
     ``<key>.<field>.zst`` per stored field."""
 
-    def __init__(self, sink: BinaryIO, cfg: Any, meta: FieldMeta, fingerprint: str | None = None,
+    def __init__(self, sink: Sink, cfg: ShardSettings, meta: FieldMeta, fingerprint: str | None = None,
                  lineage: str | None = None, rank: int = 0) -> None:
         super().__init__(sink, cfg, meta, fingerprint, lineage, rank)
         self._offset = 0
@@ -64,7 +67,7 @@ class TarShardWriter(ShardWriter):
         """Where the first member (the first sample's meta.json) ends: the index hashes [0, head_bytes)."""
 
     @classmethod
-    def check_config(cls, cfg: Any) -> None:
+    def check_config(cls, cfg: ShardSettings) -> None:
         if cfg.zstd_level == 0:
             raise ValueError("ShardConfig.zstd_level 0 (uncompressed) is for Arrow shards: WebDataset members are "
                              "zstd frames; use format 'arrow' or a level in [1, 22]")
@@ -246,8 +249,8 @@ class TarShardReader(ShardReader):
         self.ds.fs.prefetch(self.ds.fs.local_copy, self.ds.shard_path(shard))
 
     @classmethod
-    def verify_shard(cls, fs: Any, root: str, path: str, m: dict[str, Any], meta: FieldMeta, sh: dict[str, Any],
-                     problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    def verify_shard(cls, fs: AbstractFileSystem, root: str, path: str, m: dict[str, Any], meta: FieldMeta,
+                     sh: dict[str, Any], problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         """The head against the index, the tar framing, every member and each sample's fingerprint."""
         fp = m["fingerprint"]
         try:

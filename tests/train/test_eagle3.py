@@ -219,8 +219,8 @@ def test_fused_kl_gradients_equal_dense_autograd_float64(teacher, draft_vocab):
     run = d.run_steps(batch)
     last = last_hidden(batch, d.last_tap) if teacher == "exact" else None
     terms = {}
-    for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
-        rows = (tgt != IGNORE).nonzero(as_tuple=True)
+    for j, (h, lab) in enumerate(zip(run["h"], run["labels"])):
+        rows = (lab != IGNORE).nonzero(as_tuple=True)
         trow = (rows[0], rows[1] + j + 1)
         z = d.norm(h[rows]) @ d.lm_head.weight.T  # dense float64 logits, autograd all the way
         if teacher == "exact":
@@ -249,11 +249,11 @@ def test_loss_row_budget_samples_whole_chains():
     for j in range(3):
         assert float(roomy.terms[f"loss@{j + 1}"][0]) == pytest.approx(float(whole.terms[f"loss@{j + 1}"][0]))
     d = drafter(bundle, lay, max_loss_rows=9)
-    targets = d._loss_positions(d.run_steps(batch)["targets"], torch.Generator().manual_seed(0))
-    all_targets = d.run_steps(batch)["targets"]
-    kept = torch.stack([t != IGNORE for t in targets]).any(0)
-    assert int(kept.sum()) == 3 and sum(int((t != IGNORE).sum()) for t in targets) <= 9
-    for t, a in zip(targets, all_targets):
+    labels = d._loss_positions(d.run_steps(batch)["labels"], torch.Generator().manual_seed(0))
+    all_labels = d.run_steps(batch)["labels"]
+    kept = torch.stack([t != IGNORE for t in labels]).any(0)
+    assert int(kept.sum()) == 3 and sum(int((t != IGNORE).sum()) for t in labels) <= 9
+    for t, a in zip(labels, all_labels):
         assert torch.equal(t[kept], a[kept]) and bool((t[~kept] == IGNORE).all())
     out = d(batch, torch.Generator().manual_seed(0))
     assert sum(int(out.terms[f"loss@{j + 1}"][1]) for j in range(3)) <= 9
@@ -328,9 +328,9 @@ def test_acceptance_chains_steps_and_replays_rounds():
     run = d.run_steps(batch)
     ok = None
     for j in range(3):
-        tgt = run["targets"][j]
-        pred = d.logits(run["h"][j].reshape(-1, H)).argmax(-1).view(tgt.shape)
-        hit = (pred == tgt) & (tgt != IGNORE)
+        lab = run["labels"][j]
+        pred = d.logits(run["h"][j].reshape(-1, H)).argmax(-1).view(lab.shape)
+        hit = (pred == lab) & (lab != IGNORE)
         ok = hit if ok is None else ok & hit
         assert int(acc.accepted[j]) == int(ok.sum())
     assert acc.rounds > 0 and acc.round_tokens >= acc.rounds

@@ -10,7 +10,7 @@ from shards.bundle import TargetBundle
 from shards.schema import Layout, teacher_rows
 from train.data import collate
 from train.drafters.base import combine_terms
-from train.drafters.common.chain import IGNORE, depth_targets, doc_end_from_lengths, next_token_labels
+from train.drafters.common.chain import IGNORE, depth_labels, doc_end_from_lengths, next_token_labels
 from train.drafters.mtp.config import MTPConfig
 from train.drafters.mtp.model import MTPDrafter, load_exported
 from train.export import export_drafter
@@ -65,8 +65,8 @@ def batch_of(layout, bundle, lengths=(9, 6), audio_at=((), ())):
 def test_alignment_fixture_packed():
     labels = torch.tensor([10, 11, 12, 20, 21])
     doc_end = torch.tensor([3, 3, 3, 5, 5])  # two packed sequences of lengths 3 and 2
-    assert depth_targets(labels, doc_end, 1).tolist() == [11, 12, IGNORE, 21, IGNORE]
-    assert depth_targets(labels, doc_end, 2).tolist() == [12, IGNORE, IGNORE, IGNORE, IGNORE]
+    assert depth_labels(labels, doc_end, 1).tolist() == [11, 12, IGNORE, 21, IGNORE]
+    assert depth_labels(labels, doc_end, 2).tolist() == [12, IGNORE, IGNORE, IGNORE, IGNORE]
 
 
 def test_padded_targets_are_token_t_plus_k_plus_1():
@@ -75,8 +75,8 @@ def test_padded_targets_are_token_t_plus_k_plus_1():
     doc_end = doc_end_from_lengths(torch.tensor([5, 3]), 6)
     labels = next_token_labels(ids, mask, doc_end)
     assert labels.tolist() == [[6, 7, IGNORE, 9, IGNORE, IGNORE], [4, 5, IGNORE, IGNORE, IGNORE, IGNORE]]
-    assert depth_targets(labels, doc_end, 1).tolist() == [[7, IGNORE, 9, IGNORE, IGNORE, IGNORE], [5] + [IGNORE] * 5]
-    assert depth_targets(labels, doc_end, 3).tolist() == [[9] + [IGNORE] * 5, [IGNORE] * 6]
+    assert depth_labels(labels, doc_end, 1).tolist() == [[7, IGNORE, 9, IGNORE, IGNORE, IGNORE], [5] + [IGNORE] * 5]
+    assert depth_labels(labels, doc_end, 3).tolist() == [[9] + [IGNORE] * 5, [IGNORE] * 6]
 
 
 @torch.no_grad()
@@ -164,7 +164,7 @@ def test_draft_vocabulary_loss_acceptance_and_export(tmp_path):
     z = d.logits(1, run["h"][0][0])
     assert z.shape[-1] == V and torch.isinf(z[:, [i for i in range(V) if i not in subset.tolist()]]).all()
     acc = d.acceptance(batch)
-    outside = (run["targets"][0] != IGNORE) & ~d.t2d[run["targets"][0].clamp(min=0)]
+    outside = (run["labels"][0] != IGNORE) & ~d.t2d[run["labels"][0].clamp(min=0)]
     assert bool(outside.any()) and int(acc.accepted[0]) <= int(acc.reached[0]) - int(outside.sum())
     one = MTPDrafter.build(MTPConfig(num_depths=1, draft_vocab=10), bundle, layout)  # vLLM's layout: one depth
     one.set_draft_vocab(DraftVocab(subset, V))
@@ -232,9 +232,9 @@ def test_ce_gradients_match_dense_autograd_float64():
     run = d.run_depths(batch)
     terms = {}
     for k in (1, 2):
-        tgt = run["targets"][k - 1]
-        rows = (tgt != IGNORE).nonzero(as_tuple=True)
-        ce = torch.nn.functional.cross_entropy(d.logits(k, run["h"][k - 1][rows]), tgt[rows], reduction="sum")
+        lab = run["labels"][k - 1]
+        rows = (lab != IGNORE).nonzero(as_tuple=True)
+        ce = torch.nn.functional.cross_entropy(d.logits(k, run["h"][k - 1][rows]), lab[rows], reduction="sum")
         terms[k] = (ce, torch.tensor(float(rows[0].numel())), 0.5)
     ref, _ = combine_terms(terms)
     ref.backward()
@@ -260,8 +260,8 @@ def test_lk_loss_matches_float64_reference(lam):
     run = d.run_depths(batch)
     for k in (1, 2):
         rows_kl, rows_tv = [], []
-        tgt = run["targets"][k - 1]
-        for b, t in (tgt != IGNORE).nonzero().tolist():
+        lab = run["labels"][k - 1]
+        for b, t in (lab != IGNORE).nonzero().tolist():
             p = _teacher_p(d, batch, b, t + k)
             q = torch.softmax(d.logits(k, run["h"][k - 1][b, t][None]).double()[0], -1)
             rows_kl.append((p * (p.log() - q.log())).sum().item())
@@ -354,10 +354,10 @@ def test_acceptance_chains_depths():
     for k in range(3):
         ok = torch.ones(2, 12, dtype=torch.bool)
         for j in range(k):
-            ok &= (run["targets"][j] != IGNORE) & (preds[j] == run["targets"][j])
-        v = run["targets"][k] != IGNORE
+            ok &= (run["labels"][j] != IGNORE) & (preds[j] == run["labels"][j])
+        v = run["labels"][k] != IGNORE
         assert int(acc.reached[k]) == int((ok & v).sum())
-        assert int(acc.accepted[k]) == int((ok & v & (preds[k] == run["targets"][k])).sum())
+        assert int(acc.accepted[k]) == int((ok & v & (preds[k] == run["labels"][k])).sum())
     assert (acc.accepted <= acc.reached).all() and acc.blocks == int(acc.valid[0])
 
 

@@ -35,7 +35,7 @@ def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_end:
     return torch.where(ok, nxt, torch.full_like(nxt, IGNORE))
 
 
-def depth_targets(labels: torch.Tensor, doc_end: torch.Tensor, depth: int) -> torch.Tensor:
+def depth_labels(labels: torch.Tensor, doc_end: torch.Tensor, depth: int) -> torch.Tensor:
     """Depth k's target at t: labels[t + k] when t + k is inside t's sequence, else IGNORE. [..., T]."""
     T = labels.shape[-1]
     t = torch.arange(T, device=labels.device)
@@ -51,17 +51,17 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
 
 
-def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> AcceptanceCounts:
+def chain_counts(labels: list[torch.Tensor], hits: list[torch.Tensor]) -> AcceptanceCounts:
     """Acceptance over depths: a row counts at depth k only if depths 1..k are all valid and correct.
 
-    ``targets[k-1]`` [Bs, T] (IGNORE = invalid) and ``hits[k-1]`` bool [Bs, T] (prediction == target).
+    ``labels[k-1]`` [Bs, T] (IGNORE = invalid) and ``hits[k-1]`` bool [Bs, T] (prediction == target).
     ``reached[k-1]``: rows with depths < k all correct and depth k valid; ``accepted[k-1]``: those
     also correct at k. ``blocks``: rows valid at depth 1 (one draft opportunity each).
     """
     ok = None
     accepted, reached, correct, valid = [], [], [], []
-    for tgt, hit in zip(targets, hits):
-        v = tgt != IGNORE
+    for lab, hit in zip(labels, hits):
+        v = lab != IGNORE
         hit = hit & v
         prior = torch.ones_like(v) if ok is None else ok
         reached.append((prior & v).sum())
@@ -78,14 +78,14 @@ def chain_counts(targets: list[torch.Tensor], hits: list[torch.Tensor]) -> Accep
     )
 
 
-def chain_acceptance(targets: list[torch.Tensor], hits: list[torch.Tensor], loss_mask: torch.Tensor) -> AcceptanceCounts:
+def chain_acceptance(labels: list[torch.Tensor], hits: list[torch.Tensor], loss_mask: torch.Tensor) -> AcceptanceCounts:
     """:func:`chain_counts` plus the greedy rounds replayed on the chains (``train.acceptance.replay_rounds``).
 
     A live round anchored at position p (its last emitted token, which the target has not run yet) drafts
     from row p - 1, so the chain of row p - 1 is the block of anchor p.
     """
-    counts = chain_counts(targets, hits)
-    valid = torch.stack([t != IGNORE for t in targets], -1)  # [Bs, T, D] by row
+    counts = chain_counts(labels, hits)
+    valid = torch.stack([t != IGNORE for t in labels], -1)  # [Bs, T, D] by row
     correct = torch.stack(hits, -1) & valid
     pad = torch.zeros_like(valid[:, :1])
     valid_p, correct_p = torch.cat([pad, valid[:, :-1]], 1), torch.cat([pad, correct[:, :-1]], 1)

@@ -49,15 +49,15 @@ class Eagle3Loss(DraftVocabMixin):
     def forward(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> LossOutput:
         cfg = self.config
         run = self.run_steps(batch)
-        supervised = sum(int((t != IGNORE).sum()) for t in run["targets"])
-        targets = self._loss_positions(run["targets"], generator)
+        supervised = sum(int((t != IGNORE).sum()) for t in run["labels"])
+        labels = self._loss_positions(run["labels"], generator)
         last = last_hidden(batch, self.last_tap) if self.teacher_kind == "exact" else None
         terms: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         hits = []
-        for j, (h, tgt) in enumerate(zip(run["h"], targets)):
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)
-            y = tgt[rows]
+        for j, (h, lab) in enumerate(zip(run["h"], labels)):
+            rows = (lab != IGNORE).nonzero(as_tuple=True)
+            y = lab[rows]
             trow = (rows[0], rows[1] + j + 1)
             if cfg.loss_type == "lk":
                 kl, tv, carries, correct = self._lk_rows(h[rows], y, trow, batch, last)
@@ -72,33 +72,33 @@ class Eagle3Loss(DraftVocabMixin):
             if kl is not None:
                 metrics[step_metric("kl", j + 1)] = ((kl.detach() * carries).sum(), n)
                 metrics[step_metric("sampled_acceptance", j + 1)] = (((1.0 - tv.detach()) * carries).sum(), n)
-            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            hit = torch.zeros_like(lab, dtype=torch.bool)
             hit[rows] = correct.detach().bool()
             hits.append(hit)
         # every parameter stays in the graph even when no row carries a loss (DDP waits on all grads)
         first = terms[step_metric("loss", 1)]
         terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
-        metrics.update(acceptance_metrics(chain_counts(targets, hits)))
+        metrics.update(acceptance_metrics(chain_counts(labels, hits)))
         masked = torch.stack(run["audio_masked"]).sum()
         metrics[AUDIO_MASKED] = (masked, masked + supervised)
         return LossOutput(terms=terms, metrics=metrics)
 
-    def _loss_positions(self, targets: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
-        """The steps' targets with IGNORE outside max_loss_rows // num_steps positions sampled uniformly among those
+    def _loss_positions(self, labels: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """The steps' labels with IGNORE outside max_loss_rows // num_steps positions sampled uniformly among those
         supervised at some step (all of them when they fit, or without a budget); the same positions at every step, so
         each chain stays whole and the acceptance metrics count whole chains."""
         cap = self.config.max_loss_rows
         if cap is None:
-            return targets
-        pos = torch.stack([t != IGNORE for t in targets]).any(0).flatten().nonzero()[:, 0]
+            return labels
+        pos = torch.stack([t != IGNORE for t in labels]).any(0).flatten().nonzero()[:, 0]
         m = cap // self.config.num_steps
         if pos.numel() <= m:
-            return targets
+            return labels
         pick = torch.randperm(pos.numel(), generator=generator)[:m].to(pos.device)
-        keep = torch.zeros(targets[0].numel(), dtype=torch.bool, device=pos.device)
+        keep = torch.zeros(labels[0].numel(), dtype=torch.bool, device=pos.device)
         keep[pos[pick]] = True
-        keep = keep.view_as(targets[0])
-        return [torch.where(keep, t, torch.full_like(t, IGNORE)) for t in targets]
+        keep = keep.view_as(labels[0])
+        return [torch.where(keep, t, torch.full_like(t, IGNORE)) for t in labels]
 
     def _rows(self, h_nH: torch.Tensor, y_n: torch.Tensor, trow, batch: dict[str, Any], last: torch.Tensor | None):
         """kl / ce, fused (``common.losses.trained_head_losses``: analytic gradients, no recompute): (the step's

@@ -46,7 +46,7 @@ from shards.schema import Layout
 from shards.taps import TAP_NUMBERING, to_vllm
 from train.acceptance import AcceptanceCounts
 from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
-from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
+from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import tv_full
@@ -180,7 +180,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         return r, grown
 
     def run_steps(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Every step's outputs r^j [Bs, T, H] and targets [Bs, T] (IGNORE = invalid), teacher-forced tokens."""
+        """Every step's outputs r^j [Bs, T, H] and labels [Bs, T] (IGNORE = invalid), teacher-forced tokens."""
         ids = batch["input_ids"]
         Bs, T = ids.shape
         doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
@@ -188,15 +188,15 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         emb, unknown_emb = self.input_embeds(batch)
         rows = torch.arange(T, device=ids.device)
         h, cache = self.feature(batch["taps"]), None
-        outs, targets, audio_masked = [], [], []
+        outs, step_labels, audio_masked = [], [], []
         for j in range(self.config.num_steps):
             h, cache = self.step(j, shift_left(emb, j + 1), h, rows, T, cache)
-            tgt = depth_targets(labels, doc_end, j + 1)
-            unknown = shift_left(unknown_emb, j + 1) & (tgt != IGNORE)
+            lab = depth_labels(labels, doc_end, j + 1)
+            unknown = shift_left(unknown_emb, j + 1) & (lab != IGNORE)
             audio_masked.append(unknown.sum())
-            targets.append(torch.where(unknown, torch.full_like(tgt, IGNORE), tgt))
+            step_labels.append(torch.where(unknown, torch.full_like(lab, IGNORE), lab))
             outs.append(h)
-        return {"h": outs, "targets": targets, "audio_masked": audio_masked}
+        return {"h": outs, "labels": step_labels, "audio_masked": audio_masked}
 
     def draft_logits(self, r_RH: torch.Tensor) -> torch.Tensor:
         """[R, N] logits over the draft vocabulary (draft ids) of step outputs: lm_head(norm(r)), as vLLM computes."""
@@ -246,15 +246,15 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         greedy rounds replayed on them (``train.drafters.common.chain.chain_acceptance``)."""
         run = self.run_steps(batch)
         hits = []
-        for h, tgt in zip(run["h"], run["targets"]):
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)
-            hit = torch.zeros_like(tgt, dtype=torch.bool)
+        for h, lab in zip(run["h"], run["labels"]):
+            rows = (lab != IGNORE).nonzero(as_tuple=True)
+            hit = torch.zeros_like(lab, dtype=torch.bool)
             if rows[0].numel():
                 (pred,) = map_row_chunks(lambda a: (self.draft_to_target(self.draft_logits(a).argmax(-1)),),
                                          [h[rows]], self.config.chunk_rows)
-                hit[rows] = pred == tgt[rows]
+                hit[rows] = pred == lab[rows]
             hits.append(hit)
-        return chain_acceptance(run["targets"], hits, batch["loss_mask"])
+        return chain_acceptance(run["labels"], hits, batch["loss_mask"])
 
     @torch.no_grad()
     def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,8 +265,8 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         run = self.run_steps(batch)
         last = last_hidden(batch, self.last_tap)
         sums, counts = [], []
-        for j, (h, tgt) in enumerate(zip(run["h"], run["targets"])):
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+        for j, (h, lab) in enumerate(zip(run["h"], run["labels"])):
+            rows = (lab != IGNORE).nonzero(as_tuple=True)
 
             def fn(a, b):
                 q = self.logits(a) / temperature

@@ -45,10 +45,10 @@ class MTPLoss(DraftVocabMixin):
         last = self.last_hidden(batch) if self.teacher_kind == "exact" else None
         hits: list[torch.Tensor] = []
         for k in range(1, D + 1):
-            tgt = run["targets"][k - 1]
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)  # (b, t)
+            lab = run["labels"][k - 1]
+            rows = (lab != IGNORE).nonzero(as_tuple=True)  # (b, t)
             hk = run["h"][k - 1][rows]
-            y = tgt[rows]
+            y = lab[rows]
             n = torch.tensor(int(y.numel()), device=y.device)
             if self.config.loss_type == "ce":
                 ce, correct = self._ce_rows(k, hk, y)
@@ -62,17 +62,17 @@ class MTPLoss(DraftVocabMixin):
                 metrics[step_metric("kl", k)] = (res.kl_sum, n)
                 metrics[step_metric("sampled_acceptance", k)] = (n - res.tv_sum, n)
                 metrics[step_metric("lk_lambda", k)] = (torch.tensor(res.lam * float(n > 0)), (n > 0).long())
-            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            hit = torch.zeros_like(lab, dtype=torch.bool)
             hit[rows] = correct.detach().bool()
             hits.append(hit)
         # every parameter stays in the graph even when a depth has no row here (DDP waits on all grads)
         first = terms[step_metric("loss", 1)]
         terms[step_metric("loss", 1)] = (first[0] + 0.0 * sum(p.sum() for p in self.parameters()), first[1], first[2])
         # acc@k / alpha@k / tau in the log: the teacher-forced chain over depths, as ``acceptance`` counts it
-        for name, val in acceptance_metrics(chain_counts(run["targets"], hits)).items():
+        for name, val in acceptance_metrics(chain_counts(run["labels"], hits)).items():
             metrics[name] = val
         masked = torch.stack(run["audio_masked"]).sum()
-        seen = masked + sum(int((t != IGNORE).sum()) for t in run["targets"])
+        seen = masked + sum(int((t != IGNORE).sum()) for t in run["labels"])
         metrics[AUDIO_MASKED] = (masked, seen)
         return LossOutput(terms=terms, metrics=metrics)
 

@@ -57,7 +57,7 @@ from shards.head import embed, final_norm, head_spec, project
 from shards.schema import Layout
 from train.acceptance import AcceptanceCounts
 from train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_batch, pick_tokens
-from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_targets, doc_end_from_lengths,
+from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
                                          next_token_labels, shift_left)
 from train.drafters.common.chunks import map_row_chunks
 from train.drafters.common.divergences import tv_full
@@ -169,7 +169,7 @@ class MTPDrafter(MTPLoss, Drafter):
         return self.to_target_logits(project(self.out_norm(k, h), lm_head, self.head_spec, bias))
 
     def run_depths(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """All depths' block outputs and targets; nothing vocabulary-sized is built here."""
+        """All depths' block outputs and labels; nothing vocabulary-sized is built here."""
         ids = batch["input_ids"]
         Bs, T = ids.shape
         doc_end = doc_end_from_lengths(batch["lengths"].to(ids.device), T)
@@ -180,7 +180,7 @@ class MTPDrafter(MTPLoss, Drafter):
         t = self.target
         nb = None if t.norm_bias is None else t.norm_bias.to(dtype)
         h_in = final_norm(self.last_hidden(batch).to(dtype), t.norm_weight.to(dtype), self.head_spec, nb)  # h^0
-        outs, targets, audio_masked = [], [], []
+        outs, step_labels, audio_masked = [], [], []
         rows, cache = torch.arange(T, device=ids.device), None
         for k in range(1, self.config.num_depths + 1):
             e = shift_left(emb, k).to(dtype)
@@ -191,13 +191,13 @@ class MTPDrafter(MTPLoss, Drafter):
                                   return_kv=True)
                 cache = kv if cache is None else (torch.cat([cache[0], kv[0]], 2), torch.cat([cache[1], kv[1]], 2))
             h_in = h if self.config.recursion == "pre_norm" else self.out_norm(k, h)
-            tgt = depth_targets(labels, doc_end, k)
-            unknown = shift_left(emb_unknown, k) & (tgt != IGNORE)
+            lab = depth_labels(labels, doc_end, k)
+            unknown = shift_left(emb_unknown, k) & (lab != IGNORE)
             audio_masked.append(unknown.sum())
-            tgt = torch.where(unknown, torch.full_like(tgt, IGNORE), tgt)
+            lab = torch.where(unknown, torch.full_like(lab, IGNORE), lab)
             outs.append(h)
-            targets.append(tgt)
-        return {"h": outs, "targets": targets, "audio_masked": audio_masked}
+            step_labels.append(lab)
+        return {"h": outs, "labels": step_labels, "audio_masked": audio_masked}
 
     # -- eval -----------------------------------------------------------------------------
 
@@ -240,15 +240,15 @@ class MTPDrafter(MTPLoss, Drafter):
         run = self.run_depths(batch)
         hits = []
         for k in range(1, self.config.num_depths + 1):
-            tgt = run["targets"][k - 1]
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)
-            hit = torch.zeros_like(tgt, dtype=torch.bool)
+            lab = run["labels"][k - 1]
+            rows = (lab != IGNORE).nonzero(as_tuple=True)
+            hit = torch.zeros_like(lab, dtype=torch.bool)
             if rows[0].numel():
                 (p,) = map_row_chunks(lambda a, k=k: (self.logits(k, a).argmax(-1),), [run["h"][k - 1][rows]],
                                       self.config.chunk_rows)
-                hit[rows] = p == tgt[rows]
+                hit[rows] = p == lab[rows]
             hits.append(hit)
-        return chain_acceptance(run["targets"], hits, batch["loss_mask"])
+        return chain_acceptance(run["labels"], hits, batch["loss_mask"])
 
     @torch.no_grad()
     def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +264,8 @@ class MTPDrafter(MTPLoss, Drafter):
         last = self.last_hidden(batch)
         sums, counts = [], []
         for k in range(1, self.config.num_depths + 1):
-            tgt = run["targets"][k - 1]
-            rows = (tgt != IGNORE).nonzero(as_tuple=True)
+            lab = run["labels"][k - 1]
+            rows = (lab != IGNORE).nonzero(as_tuple=True)
             t_h = last[(rows[0], rows[1] + k)]
 
             def fn(a, b, k=k):

@@ -1,7 +1,7 @@
 """tapdraft's command line: each command builds a typed config, calls one function, prints a summary.
 
 Commands are listed in pipeline order. A user's mistake is one ``error: ...`` line on stderr and the
-exit code its type carries (``shards.errors``: 2 for a mistake, 130 for an interrupt, 1 for verify
+exit code its type carries (``common.errors``: 2 for a mistake, 130 for an interrupt, 1 for verify
 problems or a bug); ``tapdraft --debug COMMAND`` also prints the traceback.
 """
 
@@ -68,7 +68,7 @@ def _kept_on_interrupt(command: str, kept: str) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        from shards.errors import Interrupted
+        from common.errors import Interrupted
 
         raise Interrupted(f"{command} stopped by {_RUN['signal'] or 'SIGINT'}: {kept}") from None
 
@@ -143,7 +143,7 @@ def regenerate(
 
     from capture.replies.regenerate import RegenerateConfig, summary
     from capture.replies.regenerate import regenerate as run_regenerate
-    from shards.template import parse_template_kwargs
+    from common.template import parse_template_kwargs
 
     _threads(threads)
     cfg = RegenerateConfig(
@@ -232,7 +232,7 @@ def capture(
     from capture.config import CaptureConfig
     from capture.pipeline import capture as run_capture
     from capture.pipeline import summary
-    from shards.template import parse_template_kwargs
+    from common.template import parse_template_kwargs
     from shards.shard_file import ShardConfig
 
     _threads(threads)
@@ -426,7 +426,7 @@ def eval_(
 ) -> None:
     """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot, and
     whether tau clears the engine's round cost (--round-cost)."""
-    from shards.template import parse_template_kwargs, read_template_file
+    from common.template import parse_template_kwargs, read_template_file
     from train.evaluate import evaluate, format_result
 
     _threads(threads)
@@ -464,7 +464,7 @@ def speculate(
 ) -> None:
     """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate, and
     the break-even tau at the round cost measured here."""
-    from shards.template import parse_template_kwargs
+    from common.template import parse_template_kwargs
     from speculate.run import SpeculateConfig, format_result, run_speculate
 
     _threads(threads)
@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     a warning of tapdraft's own is one ``warning:`` line. The same holds for such an error in a library's
     thread (TensorBoard writes its event files from one, then raises the error again in the caller): one line,
     not the thread's traceback and then the line."""
-    from shards.errors import EXIT_INTERRUPTED, classify
+    from common.errors import EXIT_INTERRUPTED, classify
 
     _RUN["debug"], _RUN["signal"] = False, ""
     warnings.formatwarning = _format_warning

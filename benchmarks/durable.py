@@ -1,8 +1,8 @@
 """What durable commits cost: a capture, and the writer alone at a real width, with and without the fsyncs.
 
-``shards.atomic`` fsyncs every committed file (a staged directory: every file and directory in it) before its
+``common.atomic`` fsyncs every committed file (a staged directory: every file and directory in it) before its
 rename and the directory after. Both sides below run the same code on the same content; only
-``shards.atomic.DURABLE`` differs:
+``common.atomic.DURABLE`` differs:
 
     A  durable   the default: fsync before and after each commit's rename
     B  plain     DURABLE = False: the same renames, no fsync (a process crash is covered, a power cut is not)
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from benchmarks.common import write_result
-from shards import atomic
+from common import atomic
 
 
 class _FsyncMeter:

@@ -168,7 +168,7 @@ def flips(clean: Path, fmt: str, n: int, work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- finalize
 _DIE_IN_FINALIZE = textwrap.dedent("""
     import os, signal, sys
-    import shards.atomic as atomic
+    import common.atomic as atomic
     from capture import pipeline
     from cli import main
     K = int(os.environ["TAPDRAFT_FAULT_K"])

@@ -15,7 +15,7 @@ absolute paths older records hold portable (a name relative to its root, as reco
 
 The record also holds ``inputs``: each split's input (by its portable name) and the sha256 of its
 content (``capture.inputs.input_digest``). A resume over an input whose content changed is refused
-naming the file (``shards.errors.InputChangedError``): reordering or editing a manifest between a kill and
+naming the file (``common.errors.InputChangedError``): reordering or editing a manifest between a kill and
 the rerun would otherwise give duplicated and missing samples. Records written before inputs were
 hashed have no ``inputs``; their resume is allowed with a warning that the content is not checked.
 """
@@ -33,8 +33,8 @@ from capture.inputs import stored_source
 from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
 from capture.generation import ReplyConfig
 from capture.vllm.config import VLLMConfig
-from shards.errors import InputChangedError
-from shards.template import template_kwargs
+from common.errors import InputChangedError
+from common.template import template_kwargs
 from shards.manifest import check_split
 from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
 from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields

@@ -65,14 +65,14 @@ from capture.stages import dist_env as _dist_env
 from capture.targets.base import Prepared, Target
 from capture.targets.load import load_target
 from capture.vllm.engine import VLLMEngine, vllm_batches
-from shards.atomic import staged
-from shards.errors import CaptureError, Interrupted
+from common.atomic import staged
+from common.errors import CaptureError, Interrupted
 from shards.manifest import (complete_manifest, dataset_fingerprint, discard_dataset,
                              foreign_directory, write_or_check_bundle, writer_lock)
-from shards.progress import Progress
+from common.progress import Progress
 from shards.schema import Layout, NonFiniteError
 from shards.taps import capture_tap_ids
-from shards.template import read_template_file, template_sha
+from common.template import read_template_file, template_sha
 from shards.transfer import StagedUpload, is_remote_url, staging_dir
 from shards.finalize import finalize_dataset
 from shards.writer import DatasetWriter
@@ -477,7 +477,7 @@ def lineage(record: dict[str, Any], split: str) -> str:
 def capture(cfg: CaptureConfig, *, target: Target | None = None, restart: bool = False) -> dict[str, Any]:
     """Run (or resume) a capture; returns the final manifest plus this run's ``run_stats``.
 
-    Ctrl-C is ``shards.errors.Interrupted`` saying what was kept: inside a split's sample loop the open
+    Ctrl-C is ``common.errors.Interrupted`` saying what was kept: inside a split's sample loop the open
     shard is finished and counted; elsewhere (loading, finalizing) finished shards are kept as they are.
     This rank holds its exclusive lock on ``cfg.out`` throughout (a second capture is refused).
 

@@ -39,7 +39,7 @@ generated, so none is supervised). Text replies beside carried ones use prefix r
 piece; generation markers are not consulted. Conversations without carried ids are tokenized as before.
 
 Template text and kwargs (``enable_thinking``, a system prompt...) are fixed per capture and recorded
-in the target bundle; ``shards.template`` holds their canonical form and the drift check.
+in the target bundle; ``common.template`` holds their canonical form and the drift check.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from shards.template import template_kwargs
+from common.template import template_kwargs
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MASK_BY_MARKERS = "generation markers"

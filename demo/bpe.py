@@ -230,7 +230,7 @@ def write_split(target_dir: Path, pairs: Sequence[tuple[str, str]], path: Path, 
     token what the target decodes greedily."""
     from capture.generation import GenerationConfig, ReplyConfig
     from capture.replies.regenerate import RegenerateConfig, regenerate
-    from shards.atomic import staged
+    from common.atomic import staged
 
     src = path.with_name(path.stem + ".corpus.jsonl")
     rows = [{"id": f"{path.stem}-{i:06d}", "conversations": [

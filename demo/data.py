@@ -33,7 +33,7 @@ from capture.targets.salm.model import SALM
 from capture.targets.salm.target import SALMTarget
 from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
 from demo.task import SAMPLE_RATE, sample_example, tone_audio
-from shards.atomic import staged
+from common.atomic import staged
 
 
 @contextmanager

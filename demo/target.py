@@ -22,7 +22,7 @@ import torch
 from capture.targets.base import DEFAULT_PLACEHOLDER
 from capture.targets.salm.model import CHAT_TEMPLATE, SALM, SPECIAL_TOKENS, AudioConfig
 from demo.task import SAMPLE_RATE, TASKS, _tones, frame_labels, vocabulary
-from shards.progress import Progress
+from common.progress import Progress
 
 @dataclass(frozen=True)
 class DemoSize:

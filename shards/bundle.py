@@ -24,7 +24,7 @@ verify``).
 A bundle is bundle.json and the files it lists, nothing else: a reader reads only those (an extra file
 in tokenizer/ is ignored, and reported by ``verify``), ``copy_bundle`` copies only those, and a link
 among them is refused, never followed (``shards.members``). Reading never writes: a ``target.old`` left
-by an interrupted rewrite is recovered by the next writer (``shards.atomic.staged``), not by a reader.
+by an interrupted rewrite is recovered by the next writer (``common.atomic.staged``), not by a reader.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file, save_file
 
-from shards.atomic import OLD_SUFFIX, is_local as _is_local, staged
-from shards.errors import CorruptShardError
+from common.atomic import OLD_SUFFIX, is_local as _is_local, staged
+from common.errors import CorruptShardError
 from shards.head import HeadSpec
 from shards.limits import check_size, regular_file, safe_relpath
 from shards.schema import SCHEMA_VERSION, check_schema_version
-from shards.template import template_kwargs as canonical_kwargs
+from common.template import template_kwargs as canonical_kwargs
 
 BUNDLE_FILE = "bundle.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -108,7 +108,7 @@ class TargetBundle:
     path: Path | None = None
     tokenizer_files: dict[str, bytes] = field(default_factory=dict, repr=False)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Kwargs the chat template was rendered with at capture (``enable_thinking``, ...); shards.template."""
+    """Kwargs the chat template was rendered with at capture (``enable_thinking``, ...); common.template."""
 
     @property
     def template_settings(self) -> tuple[str | None, dict[str, Any]]:
@@ -390,7 +390,7 @@ def bundle_files(fs: Any, tdir: str, doc: dict[str, Any] | None = None) -> list[
 
 
 def _interrupted(path: str) -> str:
-    """Readers never write: recovering an interrupted directory swap is the next writer's (shards.atomic.staged)."""
+    """Readers never write: recovering an interrupted directory swap is the next writer's (common.atomic.staged)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return (f"{path} not found, but {name}{OLD_SUFFIX} is there: a rewrite of the bundle was interrupted; rerun the "
             f"command that wrote it, or rename {name}{OLD_SUFFIX} to {name} (tapdraft does not write while reading)")

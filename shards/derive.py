@@ -34,10 +34,10 @@ from typing import Any
 import fsspec
 
 from shards import manifest as mf
-from shards.atomic import staged
+from common.atomic import staged
 from shards.bundle import copy_bundle
 from shards.finalize import finalize_dataset
-from shards.progress import Progress
+from common.progress import Progress
 from shards.reader import open_dataset
 from shards.schema import Layout
 from shards.shard_file import ShardConfig

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import fsspec
 
 from shards import manifest as mf
-from shards.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
+from common.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
 from shards.codec import shard_metadata
 from shards.formats import FORMATS
 from shards.integrity import INTEGRITY

@@ -1,5 +1,5 @@
 """Checksums that every reader verifies: the one home of what is hashed and how (the error,
-``CorruptShardError``, lives with the project's others in ``shards.errors``).
+``CorruptShardError``, lives with the project's others in ``common.errors``).
 
 Every byte a reader decodes is covered by a checksum written beside it, so a flipped bit on a disk,
 a bad copy or a foreign file is an error naming the shard, never different activations:
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 
 HASH_NAME = "xxh3_64"
 INTEGRITY = {"hash": HASH_NAME, "blocks": True, "rows": True}

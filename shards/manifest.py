@@ -78,10 +78,10 @@ def part_name(split: str, rank: int) -> str:
 
 def writer_lock(url: str, rank: int, what: str = "a capture"):
     """Context manager: the exclusive lock of rank ``rank`` on the dataset directory ``url`` (a local path);
-    a second writer of the same rank is refused with ``shards.lock.LockedError`` naming ``what`` holds it.
+    a second writer of the same rank is refused with ``common.lock.LockedError`` naming ``what`` holds it.
     Taking it creates ``_parts/``, the mark of a dataset being written (``foreign_directory``): every writer takes
     it before writing anything else."""
-    from shards.lock import exclusive_lock
+    from common.lock import exclusive_lock
 
     fs, root = fsspec.core.url_to_fs(str(url))
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):

@@ -41,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from shards import manifest as mf
 from shards.bundle import TargetBundle, open_bundle
 from shards.codec import FieldMeta
-from shards.errors import CorruptShardError, SampleIndexError
+from common.errors import CorruptShardError, SampleIndexError
 from shards.formats import get_format
 from shards.formats.base import ShardReader
 from shards.integrity import check_block

@@ -33,7 +33,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from shards.cache import Cache
-from shards.errors import CorruptShardError, RemoteError
+from common.errors import CorruptShardError, RemoteError
 
 
 def _default_dir() -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import fsspec
 
-from shards.atomic import commit, temp_name
+from common.atomic import commit, temp_name
 from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
 from shards.formats import DEFAULT_FORMAT, FORMATS
 from shards.integrity import BlockHasher, digest

@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 import fsspec
 
-from shards.atomic import write_bytes_atomic
-from shards.errors import CorruptShardError
+from common.atomic import write_bytes_atomic
+from common.errors import CorruptShardError
 from shards.integrity import check_block, digest
 from shards.limits import MAX_INDEX_BYTES, check_size, parse_json
 

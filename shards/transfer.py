@@ -36,11 +36,11 @@ from typing import Any, Callable
 import fsspec
 
 from shards import manifest as mf
-from shards.atomic import replace
-from shards.errors import CorruptShardError
+from common.atomic import replace
+from common.errors import CorruptShardError
 from shards.limits import parse_json, regular_file
 from shards.members import dataset_members
-from shards.progress import Progress
+from common.progress import Progress
 from shards.remote import RemoteConfig, is_local, retry
 from shards.shard_index import INDEX_DIR
 

@@ -23,11 +23,11 @@ import pyarrow as pa
 from shards import manifest as mf
 from shards.bundle import open_bundle
 from shards.codec import FieldMeta
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.formats import get_format
 from shards.limits import check_manifest_shape, parse_json
 from shards.members import strays
-from shards.progress import Progress
+from common.progress import Progress
 from shards.remote import RemoteConfig, open_url
 from shards.schema import Layout, check_schema_version, validate_sample
 

@@ -32,7 +32,7 @@ from typing import Any
 import fsspec
 
 from shards import manifest as mf
-from shards.atomic import write_json_atomic
+from common.atomic import write_json_atomic
 from shards.bundle import stored_fingerprint
 from shards.schema import SCHEMA_VERSION, Layout, validate_sample
 from shards.shard_file import ShardConfig, _Shard

@@ -59,9 +59,9 @@ from capture.provenance import target_fingerprint
 from capture.stages import resolve_device
 from capture.targets.base import Target
 from capture.targets.load import load_target
-from shards.atomic import write_json_atomic
-from shards.progress import Progress
-from shards.template import check_template, read_template_file, template_kwargs
+from common.atomic import write_json_atomic
+from common.progress import Progress
+from common.template import check_template, read_template_file, template_kwargs
 from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
                               target_greedy)
 from train.acceptance import UNREACHED, alpha_text, breakeven, breakeven_text

@@ -18,19 +18,22 @@ import functools
 from pathlib import Path
 from typing import Callable, Iterable
 
-PACKAGES = ("tapdraft", "capture", "shards", "train", "speculate", "engines", "demo", "benchmarks")
+PACKAGES = ("tapdraft", "common", "capture", "shards", "train", "speculate", "engines", "demo", "benchmarks")
 ALLOWED = {  # package -> project packages it may import
     "tapdraft": {"shards"},  # the public entry point: a re-export of shards.reader
-    "shards": set(),
-    "capture": {"shards"},
-    "train": {"shards"},
-    "speculate": {"capture", "shards", "train"},
-    "engines": {"capture", "shards", "train", "speculate"},  # serving runs a target and a draft
-    "demo": {"capture", "shards", "train", "speculate", "engines"},
-    "benchmarks": {"capture", "shards", "train", "speculate", "engines", "demo"},
-    "cli": {"capture", "shards", "train", "speculate", "demo"},
+    "common": set(),  # errors, progress, atomic writes, locks, template settings: below everything
+    "shards": {"common"},
+    "capture": {"common", "shards"},
+    "train": {"common", "shards"},
+    "speculate": {"common", "capture", "shards", "train"},
+    "engines": {"common", "capture", "shards", "train", "speculate"},  # serving runs a target and a draft
+    "demo": {"common", "capture", "shards", "train", "speculate", "engines"},
+    "benchmarks": {"common", "capture", "shards", "train", "speculate", "engines", "demo"},
+    "cli": {"common", "capture", "shards", "train", "speculate", "demo"},
 }
 MODEL_CODE = ("transformers", "torch.nn", "capture", "train")
+BELOW_MODELS = ("common", "shards")
+"""Packages that import no model code (``MODEL_CODE``): what a team reading a dataset installs and runs."""
 USERS = ("cli", "benchmarks", "demo", "engines")
 """Where a name may be passed as a value (a flag's default, a measured configuration, the demo's choice, a peer's or
 a serving engine's own name for a method), never branched on."""
@@ -170,8 +173,8 @@ def upward_imports(root: Path) -> list[str]:
 
 
 def shards_model_code(root: Path) -> list[str]:
-    """shards/ importing a model library or model code."""
-    return [f"{mod} -> {i}" for mod, f in modules(root).items() if mod.split(".")[0] == "shards"
+    """shards/ or common/ (``BELOW_MODELS``) importing a model library or model code."""
+    return [f"{mod} -> {i}" for mod, f in modules(root).items() if mod.split(".")[0] in BELOW_MODELS
             for i in sorted(imports_of(f, set(), mod)) if i.startswith(MODEL_CODE)]
 
 

@@ -199,7 +199,7 @@ def test_a_bug_still_shows_its_traceback(monkeypatch, capsys, tmp_path):
 
 
 def test_classify_maps_errors_to_one_line_and_a_code():
-    from shards.errors import EXIT_INTERRUPTED, EXIT_USER, Interrupted, classify
+    from common.errors import EXIT_INTERRUPTED, EXIT_USER, Interrupted, classify
 
     assert classify(ValueError("cannot finalize ds:\n  a: bad\n  b: worse")) == \
         (EXIT_USER, "cannot finalize ds: a: bad; b: worse")
@@ -284,6 +284,6 @@ def test_sigterm_exits_130_saying_what_was_kept(command, sig, salm_dir, inputs, 
 
 
 def test_an_over_long_capture_out_is_one_line(salm_dir, inputs, tmp_path, capsys):
-    """ENAMETOOLONG was a traceback in capture (derive and pull: tests/shards/test_errors.py)."""
+    """ENAMETOOLONG was a traceback in capture (derive and pull: tests/common/test_errors.py)."""
     code, err = run(capture_args(salm_dir, inputs, tmp_path / ("c" * 300)), capsys)
     assert_one_line(code, err, contains="file name too long")

@@ -10,7 +10,7 @@ from tests.capture.util import conv_record, write_manifest, write_wav
 
 def test_an_interrupt_is_labelled_interrupted_not_error(monkeypatch, tmp_path, capsys):
     import shards.reader
-    from shards.errors import Interrupted
+    from common.errors import Interrupted
 
     def stopped(*a, **k):
         raise Interrupted("training stopped by SIGINT after step 3 of 10; checkpoint saved")

@@ -1,7 +1,7 @@
 """The package layout (tests/layout_guard.py holds the rules): no import circle anywhere, none between the rooms of a
 package, every import along capture -> shards <- train (speculate above capture and train, engines above speculate,
-demo above them, benchmarks and cli on top), shards importing no model code, and each drafter family, storage
-format, capture engine and taps codec named only in its home.
+demo above them, benchmarks and cli on top, common below them all), shards and common importing no model code, and
+each drafter family, storage format, capture engine and taps codec named only in its home.
 
 Each rule runs twice: on the tree, where it must find nothing, and on a copy of the files it reads with one
 violation planted, where it must report exactly that, so no rule can pass by seeing nothing."""
@@ -149,11 +149,14 @@ def test_guard_sees_a_planted_circle_between_rooms(tmp_path):
 
 
 def test_guard_sees_a_planted_upward_import(tmp_path):
-    root = _copy(tmp_path, "shards/__init__.py", "shards/taps.py", "capture/__init__.py", "capture/engines.py")
+    root = _copy(tmp_path, "shards/__init__.py", "shards/taps.py", "capture/__init__.py", "capture/engines.py",
+                 "common/__init__.py", "common/progress.py")
     assert not guard.upward_imports(root) and not guard.shards_model_code(root)
     _plant(root, "shards/taps.py", "\n\ndef _late():\n    from capture.engines import ENGINES\n")
-    assert guard.upward_imports(root) == ["shards.taps -> capture.engines"]
-    assert "shards.taps -> capture.engines" in guard.shards_model_code(root)
+    _plant(root, "common/progress.py", "\n\ndef _late():\n    from shards.taps import default_tap_ids\n"
+                                       "    import torch.nn\n")
+    assert guard.upward_imports(root) == ["common.progress -> shards.taps", "shards.taps -> capture.engines"]
+    assert {"shards.taps -> capture.engines", "common.progress -> torch.nn"} <= set(guard.shards_model_code(root))
 
 
 def test_guard_sees_target_code_outside_capture_targets(tmp_path):

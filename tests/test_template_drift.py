@@ -103,7 +103,7 @@ def test_resume_refuses_a_dataset_with_other_settings(chain):
 
 
 def test_the_export_names_the_template_settings_serving_must_use(chain, tmp_path):
-    from shards.template import template_sha
+    from common.template import template_sha
     from train.drafters.common.export_files import load_export
     from train.export import export_run
 

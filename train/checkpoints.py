@@ -1,6 +1,6 @@
 """The checkpoint store of a run directory: ``checkpoints/step-NNNNNNN/state.pt``.
 
-A checkpoint directory is written under a temp name and swapped in (``shards.atomic.staged``, which fsyncs it
+A checkpoint directory is written under a temp name and swapped in (``common.atomic.staged``, which fsyncs it
 before the swap and its folder after), so a crash or a power cut leaves the old checkpoint or the new one, never
 neither; a full disk or a read-only run directory is one ``error:`` line naming the checkpoint. ``latest_checkpoint``
 reads only finished ``step-N`` directories and repairs a swap a crash interrupted.
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from shards.atomic import recover_dir, staged
-from shards.errors import DivergedError
+from common.atomic import recover_dir, staged
+from common.errors import DivergedError
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
@@ -208,7 +208,7 @@ def check_finite(weights: dict[str, torch.Tensor], where: str, refused: str) -> 
 
 
 def save_checkpoint(out: Path, ckpt: Checkpoint, keep: int) -> Path:
-    """Write ``checkpoints/step-N/state.pt`` atomically (``shards.atomic.staged``), keep the newest ``keep``.
+    """Write ``checkpoints/step-N/state.pt`` atomically (``common.atomic.staged``), keep the newest ``keep``.
     Weights that are not finite are refused (``DivergedError``): the older checkpoints stay, none is pruned."""
     root = out / CKPT_DIR
     final = root / f"step-{ckpt.step:07d}"

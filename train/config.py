@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from shards.template import template_kwargs as canonical_template_kwargs
+from common.template import template_kwargs as canonical_template_kwargs
 from train.drafters import DEFAULT_FAMILY
 from train.drafters.base import DrafterConfig, get_family
 

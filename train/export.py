@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from shards.atomic import staged
-from shards.lock import exclusive_lock
-from shards.template import template_sha
+from common.atomic import staged
+from common.lock import exclusive_lock
+from common.template import template_sha
 from train.checkpoints import check_finite
 from train.drafters.base import Drafter, get_family
 from train.drafters.common.export_files import export_names
@@ -48,8 +48,8 @@ def family_of(cfg: dict[str, Any]) -> type[Drafter]:
 
 def commit_export(out_dir: str | os.PathLike, write: Callable[[Path], Any], *, run: Path | None = None) -> Path:
     """Write an export with ``write(folder)`` into a fresh folder and commit it as ``out_dir`` in one rename
-    (``shards.atomic.staged``: an existing export is swapped out whole), holding ``<out_dir>.lock``
-    (``shards.lock``) throughout, so a kill or a second export at any point leaves the old export or the new one,
+    (``common.atomic.staged``: an existing export is swapped out whole), holding ``<out_dir>.lock``
+    (``common.lock``) throughout, so a kill or a second export at any point leaves the old export or the new one,
     never one's weights under the other's config; a second export meanwhile is refused at once.
 
     ``out_dir`` is new, empty or an earlier export; what an earlier export did not write (a model card, ``.git``)

@@ -13,7 +13,7 @@ so a run is a pure function of its config and data, and resume is exact: a check
 draft, optimizer, scheduler, step and every rank's reader state.
 
 Interrupts: SIGINT/SIGTERM stop the run after the current optimizer step (every rank at the same
-step), write a checkpoint, and raise ``shards.errors.Interrupted`` saying where it was saved (a
+step), write a checkpoint, and raise ``common.errors.Interrupted`` saying where it was saved (a
 second signal aborts at once). A rerun prints "resuming from step N" before anything else and
 drops metrics.jsonl lines past that step (they are recomputed); a finished run returns its summary
 marked ``already_complete`` and rewrites nothing.
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from shards.errors import DivergedError, Interrupted, StopSignals
-from shards.progress import Progress
+from common.errors import DivergedError, Interrupted, StopSignals
+from common.progress import Progress
 from train.drafters.common import draft_vocab
 from train.acceptance import tau_from_alpha
 from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint

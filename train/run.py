@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from shards.atomic import staged
-from shards.lock import exclusive_lock
+from common.atomic import staged
+from common.lock import exclusive_lock
 from shards.reader import open_dataset
-from shards.template import check_template
+from common.template import check_template
 from train.checkpoints import Checkpoint, check_finite, latest_checkpoint, load_latest
 from train.config import RunConfig
 from train.data import derive_seed
@@ -49,7 +49,7 @@ def build_drafter(run: RunConfig, src: DataSource) -> Drafter:
 
 def run_lock(out: str | Path, rank: int):
     """Context manager: rank ``rank``'s exclusive lock on run directory ``out`` (created if missing); a second
-    training on the same directory is refused at once with ``shards.lock.LockedError`` on every rank."""
+    training on the same directory is refused at once with ``common.lock.LockedError`` on every rank."""
     out = Path(out)
     return exclusive_lock(out / f"train-rank{rank:05d}.lock", f"a training (rank {rank})", guards=out)
 

@@ -16,7 +16,7 @@ from typing import Any
 from shards.derive import derived_note
 from shards.manifest import responses_from_target
 from shards.reader import Dataset, open_dataset
-from shards.template import check_template, read_template_file
+from common.template import check_template, read_template_file
 from train.checkpoints import Checkpoint
 from train.config import RunConfig
 from train.drafters.base import get_family

@@ -46,7 +46,7 @@ with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in inp
 output shards (atomically), then the sidecar (:mod:`capture.provenance`; counts by reason and the
 first 1000 dropped conversations with their reasons), then removes the parts.
 
-One regeneration writes an output at a time: each rank holds ``shards.lock.exclusive_lock`` on
+One regeneration writes an output at a time: each rank holds ``common.lock.exclusive_lock`` on
 ``OUT.regenerate-rankNNNNN.lock`` (beside the output, like ``OUT.parts``, so removing the parts never
 removes a held lock) for the whole run; a second one is refused at once, a killed one's lock is stale
 and taken over.
@@ -74,10 +74,10 @@ from capture.replies.stream import stream_windows
 from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
 from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
 from capture.targets.base import Target
-from shards.atomic import staged
-from shards.lock import exclusive_lock
-from shards.progress import Progress
-from shards.template import read_template_file, template_kwargs, template_sha
+from common.atomic import staged
+from common.lock import exclusive_lock
+from common.progress import Progress
+from common.template import read_template_file, template_kwargs, template_sha
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -198,7 +198,7 @@ def _check_settings(work: Path, current: dict[str, Any]) -> None:
 
 
 def lock_path(out: str | Path, rank: int) -> Path:
-    """Rank ``rank``'s lock file for output ``out``: beside it, removed on release (see ``shards.lock``)."""
+    """Rank ``rank``'s lock file for output ``out``: beside it, removed on release (see ``common.lock``)."""
     return Path(str(out).rstrip("/") + f".regenerate-rank{rank:05d}.lock")
 
 

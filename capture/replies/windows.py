@@ -38,8 +38,8 @@ from capture.inputs import AudioRef, BadInput, Conversation
 from capture.replies.generate import generate, row_seed
 from capture.stages import bucket
 from capture.targets.base import Prepared, Target
-from shards.atomic import staged
-from shards.errors import TapdraftError
+from common.atomic import staged
+from common.errors import TapdraftError
 
 
 # ------------------------------------------------------------------------------------------ keys and turns

@@ -59,7 +59,7 @@ from capture.head import UnsupportedHead
 from capture.targets.base import Prepared, Target
 from capture.vllm.config import VLLMConfig
 from capture.vllm.side import wire
-from shards.errors import CaptureError
+from common.errors import CaptureError
 from shards.schema import Layout
 from shards.taps import to_vllm
 

@@ -434,7 +434,7 @@ def _spoken(out: Path, picks: dict[str, list], progress=None, system: str | None
     transcript is scored against). A pick is a sentence (voices cycle as in training) or a (sentence, index into
     ``VOICES``) pair."""
     from demo.real.prompts import PENDING
-    from shards.atomic import staged
+    from common.atomic import staged
 
     (out / "audio").mkdir(parents=True, exist_ok=True)
     voice = itertools.cycle(VOICES)

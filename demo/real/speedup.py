@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from shards.atomic import staged
+from common.atomic import staged
 
 Log = Callable[[str], None]
 

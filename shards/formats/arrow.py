@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.formats.arrow_ipc import check_arrow_stream
 from shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
 from shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum

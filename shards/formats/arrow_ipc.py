@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.limits import MAX_RATIO, RATIO_FLOOR
 
 _RECORD_BATCH = 3

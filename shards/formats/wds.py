@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 import zstandard
 
 from shards.codec import FieldMeta, decode_fields, stored_fields
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.formats.base import Format, ShardReader, ShardSettings, ShardWriter, Sink
 from shards.integrity import check_block, check_sealed, digest, seal_doc
 from shards.limits import decompress_bounded

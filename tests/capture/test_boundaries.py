@@ -9,13 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "capture"
-ALLOWED_SHARDS = {"shards.atomic", "shards.bundle", "shards.errors", "shards.finalize", "shards.head", "shards.lock",
-                  "shards.manifest", "shards.order", "shards.progress", "shards.schema", "shards.shard_file", "shards.taps",
-                  "shards.template", "shards.transfer", "shards.writer"}
+ALLOWED_SHARDS = {"common.atomic", "shards.bundle", "common.errors", "shards.finalize", "shards.head", "common.lock",
+                  "shards.manifest", "shards.order", "common.progress", "shards.schema", "shards.shard_file", "shards.taps",
+                  "common.template", "shards.transfer", "shards.writer"}
 # shards.writer, shards.shard_file (ShardConfig), shards.finalize: the writer's API, each name from its home
 # shards.transfer: a capture into a URL stages locally and uploads through it (StagedUpload)
 # shards.order: the one home of seed derivation (regenerate seeds each reply from it)
-# shards.lock: the one-writer lock, which regenerate holds on its output as capture and training do on theirs
+# common.lock: the one-writer lock, which regenerate holds on its output as capture and training do on theirs
 DATASET_FILE = re.compile(
     r"(^|/)(manifest\.json|bundle\.json|weights\.safetensors|_parts|target/)"  # the directory's own files
     r"|\.arrow$|\.tar$|-of-\d|-rank\d"  # shard names

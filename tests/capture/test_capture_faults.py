@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import shards.atomic as atomic
+import common.atomic as atomic
 from capture import pipeline
 from capture.pipeline import capture
-from shards.errors import InputChangedError, LockedError
+from common.errors import InputChangedError, LockedError
 from shards.manifest import writer_lock
 from tests.capture.test_pipeline import _cfg
 

@@ -14,7 +14,7 @@ from capture.config import CaptureConfig, migrate_capture_record
 from capture.inputs import BadInput, Conversation, read_jsonl
 from capture.pipeline import capture
 from capture.targets.load import load_target
-from shards.errors import Interrupted
+from common.errors import Interrupted
 from shards.manifest import foreign_directory
 from shards.reader import open_dataset
 from shards.verify import verify_dataset

@@ -212,7 +212,7 @@ def test_a_subclass_inherits_neither_the_kind_nor_the_vllm_support():
 def test_vllm_refuses_by_the_adapters_declaration():
     from capture.targets.hf_speech import Qwen2AudioTarget, Qwen3ASRTarget
     from capture.vllm.engine import check_target
-    from shards.errors import CaptureError
+    from common.errors import CaptureError
 
     check_target(object.__new__(CausalLMTarget))
     check_target(object.__new__(Qwen2AudioTarget))

@@ -8,7 +8,7 @@ import pytest
 from capture.targets.salm.model import CHAT_TEMPLATE
 from capture.template import MASK_BY_MARKERS, MASK_BY_PREFIX, ChatTemplate
 from demo.target import build_word_tokenizer
-from shards.template import check_template, parse_template_kwargs
+from common.template import check_template, parse_template_kwargs
 from tests.capture.chat_templates import end_ids, make_tokenizer, supervised_runs
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

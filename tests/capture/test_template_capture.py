@@ -14,7 +14,7 @@ from capture.targets.load import load_target
 from capture.template import ChatTemplate
 from shards.manifest import complete_manifest
 from shards.reader import open_dataset
-from shards.template import template_sha
+from common.template import template_sha
 from shards.shard_file import ShardConfig
 from tests.capture.chat_templates import QWEN3, end_ids, make_tokenizer, save_qwen3
 

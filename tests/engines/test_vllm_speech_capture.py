@@ -81,7 +81,7 @@ def test_vllm_capture_stops_when_vllms_expansion_differs(vllm_venv, speech_case,
 
     from capture.pipeline import capture
     from capture.vllm import engine as vllm_engine
-    from shards.errors import CaptureError
+    from common.errors import CaptureError
 
     real = vllm_engine.request
 

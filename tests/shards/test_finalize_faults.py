@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import shards.atomic as atomic
+import common.atomic as atomic
 from shards.reader import open_dataset
 from shards.finalize import finalize_dataset
 from shards.shard_file import ShardConfig

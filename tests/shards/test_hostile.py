@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cli import app, main
 from shards.derive import DeriveConfig, derive_dataset
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.reader import open_dataset
 from shards.transfer import pull, push
 from shards.verify import verify_dataset
@@ -214,7 +214,7 @@ def test_a_read_only_dataset_reads_and_an_unreadable_file_is_named_as_read(share
 
 
 def test_a_permission_error_on_a_new_file_is_a_write(tmp_path):
-    from shards.errors import classify
+    from common.errors import classify
 
     code, msg = classify(PermissionError(13, "Permission denied", str(tmp_path / "new.json")))
     assert code == 2 and msg.startswith(f"permission denied writing {tmp_path}/new.json; choose a writable location")

@@ -15,7 +15,7 @@ import pytest
 import webdataset
 
 from shards.formats.arrow import META_KEY, decode_row
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.integrity import ROW_COLUMN
 from shards.reader import open_dataset
 from shards.formats.wds import TarShardWriter, decode_wds_sample

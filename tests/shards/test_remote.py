@@ -13,7 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from shards.errors import CorruptShardError, RemoteError
+from common.errors import CorruptShardError, RemoteError
 from shards.reader import open_dataset
 from shards.remote import RemoteConfig, RemoteFS, transient
 from shards.shard_file import ShardConfig

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import torch
 
-from shards.errors import CorruptShardError, RemoteError
+from common.errors import CorruptShardError, RemoteError
 from shards.reader import open_dataset
 from shards.remote import RemoteConfig
 from shards.transfer import pull, push

@@ -9,7 +9,7 @@ import fsspec
 import pytest
 
 from shards.bundle import load_bundle
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.limits import MAX_SHARD_BYTES, decompress_bounded, safe_relpath
 from shards.reader import open_dataset
 from shards.shard_index import index_name, write_index

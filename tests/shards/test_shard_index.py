@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from shards.errors import CorruptShardError
+from common.errors import CorruptShardError
 from shards.reader import open_dataset
 from shards.shard_index import INDEX_DIR, IndexCache, index_name, migrate_inline_index
 from shards.verify import verify_dataset

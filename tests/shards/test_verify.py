@@ -174,7 +174,7 @@ def test_duplicate_sample_ids_fail_verify(tmp_path):
 
 
 def test_sample_any_format_and_out_of_range(good):
-    from shards.errors import SampleIndexError
+    from common.errors import SampleIndexError
 
     root, man = good
     ds = open_dataset(str(root))
@@ -189,7 +189,7 @@ def test_sample_any_format_and_out_of_range(good):
 def test_the_card_is_covered_by_the_manifest_and_older_manifests_still_verify(good, tmp_path):
     """A card edited after finalize passed verify (and pull said "verified"); a manifest written before the card was
     recorded has no record of it and verifies as before."""
-    from shards.errors import CorruptShardError
+    from common.errors import CorruptShardError
     from shards.transfer import pull
 
     root, man = good

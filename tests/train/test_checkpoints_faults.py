@@ -13,7 +13,7 @@ import torch
 
 from cli import main
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
-from shards import atomic
+from common import atomic
 from train import checkpoints
 
 # a budget set by hand: no start line (train.fit), so a fault's stderr is its one line alone
@@ -60,7 +60,7 @@ def test_train_out_of_disk_in_torch_save_is_one_line(ds, tmp_path, capsys, monke
 def test_torch_writers_own_error_is_asked_of_the_filesystem(tmp_path, monkeypatch):
     """torch.save given a path reports a full disk as ``unexpected pos`` with no errno: ``staged`` asks the
     filesystem, and names the destination; the same error on a disk with room stays a traceback (a bug)."""
-    from shards.errors import classify
+    from common.errors import classify
 
     def torch_full(obj, f):  # noqa: ANN001, ANN202
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4416 vs 4310")

@@ -9,7 +9,7 @@ import pytest
 
 from cli import main
 from dflash_fixtures import tiny_dataset
-from shards.lock import exclusive_lock
+from common.lock import exclusive_lock
 from train.config import load_run_config
 from train.drafters.common import export_files
 from train.loop import train
@@ -148,7 +148,7 @@ def test_an_over_long_out_is_one_line_for_export_and_train(runs, tmp_path, capsy
 
 KILLED_EXPORT = """
 import os, signal, sys
-from shards import atomic
+from common import atomic
 from train.drafters.common import export_files
 point, run, out = sys.argv[1:]
 die = lambda *a: os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout, write_synthetic_dataset
-from shards.errors import LockedError
+from common.errors import LockedError
 from shards.schema import Layout
 from train.checkpoints import latest_checkpoint, load_checkpoint
 from train.config import load_run_config

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from dflash_fixtures import tiny_dataset
-from shards.errors import Interrupted
+from common.errors import Interrupted
 from train import loop
 from train.checkpoints import latest_checkpoint
 from train.config import load_run_config
@@ -102,7 +102,7 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
     checkpoint kept; a checkpoint of non-finite weights is never saved, and one written by an older tapdraft is
     never exported."""
     from cli import main
-    from shards.errors import DivergedError
+    from common.errors import DivergedError
     from train.checkpoints import _save, load_checkpoint, nonfinite, save_checkpoint
 
     real, calls = loop.combine_terms, []
@@ -152,7 +152,7 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
 def test_a_finite_but_exploding_loss_stops_the_run_as_diverged(tmp_path, mem, monkeypatch):
     """A loss that stays finite but leaps past train.diverge_ratio x the first step's loss (what a too-large lr
     gives before it overflows) stops training as a NaN does, before the step is applied; the ratio 0 lets it run."""
-    from shards.errors import DivergedError
+    from common.errors import DivergedError
 
     real, calls = loop.combine_terms, []
 

@@ -19,8 +19,8 @@ from capture.replies.generate import GenerationConfig
 from capture.replies.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
 from capture.replies.windows import RegenerateError, ReplyConfig
 from capture.targets.salm.model import SALM
-from shards.errors import LockedError
-from shards.lock import exclusive_lock
+from common.errors import LockedError
+from common.lock import exclusive_lock
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -198,7 +198,7 @@ def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path,
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from capture.replies.regenerate import lock_path
-        from shards.lock import exclusive_lock
+        from common.lock import exclusive_lock
         with exclusive_lock(lock_path({str(other)!r}, 0), "a regeneration (rank 0)"):
             print("held", flush=True)
             time.sleep(60)

@@ -97,7 +97,7 @@ def test_a_python_without_vllm_is_one_line_before_anything_is_written(salm_dir, 
 
 def test_pipeline_parallel_is_refused_only_where_vllm_refuses_it():
     from capture.vllm.engine import check_layout
-    from shards.errors import CaptureError
+    from common.errors import CaptureError
 
     for version in ("0.32.0", "0.31.2", "0.32.1.dev4+g1a2b"):
         with pytest.raises(CaptureError, match="vLLM .* cannot extract hidden states with pipeline parallelism"):

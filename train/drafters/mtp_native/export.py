@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shards.atomic import staged
+from common.atomic import staged
 from train.drafters.common.export_files import weight_files
 
 

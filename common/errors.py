@@ -65,7 +65,7 @@ class CorruptShardError(TapdraftError, ValueError):
 
 
 class LockedError(TapdraftError, ValueError):
-    """Another live process holds an output directory's lock (``shards.lock``): one writer per directory."""
+    """Another live process holds an output directory's lock (``common.lock``): one writer per directory."""
 
 
 class RemoteError(TapdraftError, OSError):
@@ -196,7 +196,7 @@ def disk_errno(exc: BaseException) -> int | None:
     """The disk errno (one of the classified ones) an exception that is not an ``OSError`` hides in its text:
     safetensors' ``SafetensorError: ... IoError(Os { code: 28, ... })``, or a ``shutil.Error``'s ``[Errno 28]``;
     None when it names none. torch's writer names no errno at all (``unexpected pos``, ``file write failed``):
-    :func:`torch_write_failed` recognises it, and ``shards.atomic.staged``, which knows the path, asks the
+    :func:`torch_write_failed` recognises it, and ``common.atomic.staged``, which knows the path, asks the
     filesystem why."""
     for m in _ERRNO_IN_TEXT.finditer(str(exc)):
         code = int(m.group(1) or m.group(3))

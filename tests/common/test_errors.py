@@ -1,4 +1,4 @@
-"""``shards.errors.classify``, the one mapping from an exception to one ``error:`` line and an exit code: a disk
+"""``common.errors.classify``, the one mapping from an exception to one ``error:`` line and an exit code: a disk
 error is recognised however a library reports it, and names the file written (or read) as text."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from cli import main
-from shards.errors import classify
+from common.errors import classify
 from shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 

@@ -3,7 +3,7 @@
 import io
 import re
 
-from shards.progress import Progress
+from common.progress import Progress
 
 
 def test_plain_lines_off_a_terminal():

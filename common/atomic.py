@@ -34,7 +34,7 @@ given up for that removal only.
 A write that fails inside ``staged`` names its destination: an ``OSError`` without a path gets ``dest`` (one inside a
 staged directory the name it would have had there), and a
 library that hides the errno (torch's writer: ``RuntimeError: ... unexpected pos``; safetensors: ``Os { code:
-28``) is raised again as the ``OSError`` it was (``shards.errors.disk_errno``), so ``classify`` prints one line.
+28``) is raised again as the ``OSError`` it was (``common.errors.disk_errno``), so ``classify`` prints one line.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 import fsspec
 
-from shards.errors import disk_errno, torch_write_failed
+from common.errors import disk_errno, torch_write_failed
 
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"

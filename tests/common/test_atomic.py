@@ -8,7 +8,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from shards import atomic
+from common import atomic
 
 
 class Crash(RuntimeError):
@@ -112,7 +112,7 @@ def test_failed_body_leaves_old_and_no_temp(tmp_path):
 OUT_OF_FDS = """
 import errno, os, resource, sys
 from pathlib import Path
-from shards import atomic
+from common import atomic
 dest = Path(sys.argv[1])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
@@ -176,7 +176,7 @@ def test_memory_filesystem_commit():
 def test_staged_file_gets_the_ordinary_mode(tmp_path):
     import os
 
-    from shards.atomic import staged
+    from common.atomic import staged
 
     dest = tmp_path / "w.bin"
     with staged(dest) as tmp:

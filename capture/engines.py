@@ -186,8 +186,8 @@ class VLLM(Engine):
         threads = cfg.vllm.threads or torch.get_num_threads()  # None: a record from before VLLMConfig.threads
         with VLLMEngine(cfg.vllm, python=cfg.vllm_python, target_dir=cfg.target,
                         layer_ids=layer_ids(layout.tap_ids, layout.num_layers),
-                        dtype=str(resolve_dtype(cfg, target.device)).removeprefix("torch."), max_model_len=longest,
-                        threads=threads) as engine, torch_threads(threads):
+                        dtype=str(resolve_dtype(cfg.dtype, target.device)).removeprefix("torch."),
+                        max_model_len=longest, threads=threads) as engine, torch_threads(threads):
             prove_head(engine, target, layout)
             yield engine
 
@@ -205,7 +205,7 @@ class VLLM(Engine):
         assert cfg.vllm is not None
         ctx = context_length(target) or 8192
         with VLLMReplies(cfg.vllm, target, python=cfg.vllm_python, target_dir=cfg.target,
-                         dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."), max_model_len=ctx,
+                         dtype=str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."), max_model_len=ctx,
                          max_new_tokens=cfg.replies.generation.max_new_tokens,
                          threads=cfg.vllm.threads or torch.get_num_threads()) as engine:
             yield engine

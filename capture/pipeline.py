@@ -503,7 +503,7 @@ def _capture_local(cfg: CaptureConfig, target: Target | None, restart: bool) -> 
         raise ValueError(f"--out {out} is a non-empty directory that is not a tapdraft dataset; capture into a new "
                          "or empty directory (nothing in it was changed)")
     check_inputs(cfg)
-    resolve_device(cfg)
+    resolve_device(cfg.device)
     if target is None and not Path(cfg.target).exists():
         raise FileNotFoundError(f"target {Path(cfg.target).absolute()} does not exist; check the --target path")
     created = not out.exists()
@@ -574,10 +574,10 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         return {**done, "run_stats": {"already_complete": True}}
     engine_kind = ENGINES[cfg.engine]
     engine_kind.preflight(cfg)  # before anything is loaded or written
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.device)
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     if target is None:
-        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=str(device),
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
                              head_only=not engine_kind.loads_decoder)  # vLLM's runs elsewhere: only the head here
     elif template is not None or cfg.template_kwargs:

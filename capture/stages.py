@@ -69,22 +69,22 @@ def bucket(lengths: dict[int, int], *, batch_tokens: int, max_batch_size: int) -
     return [sorted(b) for b in batches]
 
 
-def resolve_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """``cfg.dtype``: 'auto' = bfloat16 on GPU, float32 on CPU."""
-    if cfg.dtype == "auto":
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """A config's ``dtype``: 'auto' = bfloat16 on GPU, float32 on CPU."""
+    if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
+    return getattr(torch, dtype)
 
 
-def resolve_device(cfg: Any) -> torch.device:
-    """``cfg.device``: 'auto' = cuda:LOCAL_RANK when CUDA is there, else cpu."""
-    if cfg.device != "auto":
+def resolve_device(device: str) -> torch.device:
+    """A config's ``device``: 'auto' = cuda:LOCAL_RANK when CUDA is there, else cpu."""
+    if device != "auto":
         try:
-            dev = torch.device(cfg.device)
+            dev = torch.device(device)
         except RuntimeError:
-            raise ValueError(f"--device {cfg.device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+            raise ValueError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {cfg.device}: this machine has no CUDA device (or torch {torch.__version__} "
+            raise ValueError(f"--device {device}: this machine has no CUDA device (or torch {torch.__version__} "
                              "was built without CUDA); use --device cpu or auto")
         return dev
     if torch.cuda.is_available():

@@ -128,7 +128,7 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
 
 def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, Any]:
     """Decode up to ``cfg.max_samples`` conversations with the target and the drafter; returns the report."""
-    cfg = replace(cfg, device=str(resolve_device(cfg)))
+    cfg = replace(cfg, device=str(resolve_device(cfg.device)))
     target, loaded = load_pair(cfg)
     decoder = _Decoder(cfg, target, loaded)
     items = read_inputs(cfg.conversations, placeholder=target.input_placeholder)

@@ -226,9 +226,9 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     engine_kind = ENGINES[cfg.engine]
     engine_kind.preflight(cfg)  # before anything is loaded or written
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.device)
     if target is None:
-        target = load_target(cfg.target, dtype=resolve_dtype(cfg, device), device=str(device),
+        target = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=str(device),
                              llm_config=cfg.llm_config, template=template, template_kwargs=dict(cfg.template_kwargs),
                              head_only=not engine_kind.loads_decoder)  # vLLM's runs elsewhere: tokenizer and head here
     elif template is not None or cfg.template_kwargs:

@@ -165,7 +165,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -173,6 +173,9 @@ from benchmarks.common import write_result
 from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
 from shards.reader import open_dataset
 from shards.taps import default_tap_ids, eagle3_tap_ids
+
+if TYPE_CHECKING:
+    from train.drafters.base import LossOutput
 
 SHAPE = "llama-576x8"
 BLOCK = 16
@@ -529,7 +532,7 @@ class TapdraftSide:
         return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters()
                                 if p.requires_grad}))
 
-    def rows(self, lo: Any) -> int:
+    def rows(self, lo: LossOutput) -> int:
         """Loss rows of a step: DFlash's trained slots (its acc@k counts), EAGLE-3's rows over all steps."""
         if self.row.family == "eagle3":
             return int(sum(float(c) for _, c, _ in lo.terms.values()))

@@ -37,12 +37,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.common import write_result
 from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
+
+if TYPE_CHECKING:
+    from train.drafters.base import LossOutput
 
 SHAPE = "qwen3-1024x8"
 
@@ -90,7 +93,7 @@ class Stepper:
         return time.perf_counter() - t0
 
 
-def _rows(lo: Any) -> int:
+def _rows(lo: LossOutput) -> int:
     """Loss rows of a step: the sum over slots of each slot's valid count."""
     return int(sum(float(c) for k, (_, c) in lo.metrics.items() if k.startswith("acc@")))
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from shards.bundle import bundle_fingerprint
+
+if TYPE_CHECKING:
+    from capture.targets.base import Target
 
 SIDECAR_NAME = "regenerate.json"
 """The sidecar's name inside an output directory; a file output's is ``NAME.regenerate.json``."""
 
 
-def target_fingerprint(target: Any) -> str:
+def target_fingerprint(target: Target) -> str:
     """The bundle fingerprint of a live target, computed as capture writes it into a dataset.
 
     One sha256 pass over the embedding and lm_head (17 s for a 151,936 x 1024 pair on a loaded 2-core

@@ -373,7 +373,7 @@ def bundle_names(doc: dict[str, Any], tokenizer_listing: Iterable[str] = ()) -> 
     return [BUNDLE_FILE, WEIGHTS_FILE] + [f"{TOKENIZER_DIR}/{safe_relpath(n, where)}" for n in tok]
 
 
-def _tokenizer_listing(fs: Any, tdir: str) -> list[str]:
+def _tokenizer_listing(fs: fsspec.AbstractFileSystem, tdir: str) -> list[str]:
     tok = f"{str(tdir).rstrip('/')}/{TOKENIZER_DIR}"
     if _is_local(fs):
         local = Path(fs._strip_protocol(tok))

@@ -69,7 +69,7 @@ class RemoteConfig:
             raise ValueError("backoff_s must be > 0 and max_backoff_s >= backoff_s")
 
 
-def is_local(fs: Any) -> bool:
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 

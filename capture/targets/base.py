@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from capture.head import LiveHead, check_head, derive_head
 from capture.inputs import Conversation
@@ -179,7 +180,7 @@ class Target(ABC):
         return len(self.layers)
 
     @property
-    def lm_config(self) -> Any:
+    def lm_config(self) -> PretrainedConfig:
         """The decoder's config (the text config of a composite speech-LLM config)."""
         return self.lm.config.get_text_config()
 

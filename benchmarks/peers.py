@@ -110,12 +110,13 @@ Reported per row and side: median s/step, tokens/s (batch tokens / s), loss rows
 process since the row began, Linux's VmHWM reset per row, imports, data and what earlier rows left allocated
 included: ``--rows`` one row per process for a clean figure; the peer: its runner process, one per row, VmHWM
 since its exec), the dtypes (head / embedding / draft, and the trainable weights'), the loss per row after the
-warm-up + ``--pairs`` steps and the held-out loss after them; and the median over pairs of peer s / tapdraft s with
-its min and max, and the 1-minute load average at every pair. Numbers taken beside other work on
+warm-up + ``--pairs`` steps and the held-out loss before the first step and after them (the start shows what the
+two measures read from the inits alone: rows, anchors and inits differ); and the median over pairs of peer s /
+tapdraft s with its min and max, and the 1-minute load average at every pair. Numbers taken beside other work on
 the machine are noisy: read the ratio (median of interleaved pairs) and the load, not the absolute times.
 
-speculators rows (``engines/peers/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA and
-its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
+speculators rows (``engines/peers/speculators_runner.py`` says how it is driven and why): its Trainer hard-codes CUDA
+and its default FlexAttention refuses gradients on CPU, so the runner builds its ``DFlashDraftModel`` as its training
 CLI does (qwen3 layer at the verifier's widths: 3,873,152 trainable, as tapdraft's; embedding, lm_head, final norm
 frozen from the verifier directory; at bfloat16 under its Trainer's autocast), with its CLI's ``sdpa``
 attention and its ``eager`` losses, and calls it as its Trainer does on the batch its ``ArrowDataset`` +
@@ -739,6 +740,9 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     peer = ModelOptSide(python, job, work / name, peer=row.peer)
     print(f"{name}: trainable parameters tapdraft {tap.trainable:,}  {peer_name} {peer.ready['trainable_params']:,}; "
           f"taps {conv['target_layer_ids']} ({peer_name} {peer.ready['target_layer_ids']})", flush=True)
+    # the held-out loss before any step: what each side's measure reads from the inits alone (rows, anchors and
+    # inits differ), so the columns after training read as this plus what the steps learned
+    start = {"tapdraft": tap.heldout_loss(), peer_key: peer.ask("heldout")} if args.heldout else {}
     first = {"tapdraft": [tap.step() for _ in range(args.warmup)],
              peer_key: [peer.step() for _ in range(args.warmup)]}
     dtypes = {"tapdraft": first["tapdraft"][0]["dtypes"], peer_key: first[peer_key][0]["dtypes"]}
@@ -771,20 +775,20 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
     theirs = {**_side(runs[peer_key], tap.tokens), "peak_rss_bytes": peak_peer,
               "trainable_params": peer.ready["trainable_params"], "first_loss": first[peer_key][0]["loss"],
               "dtypes": dtypes[peer_key], "draft_params": peer.ready["dtype"].removeprefix("torch."),
-              "heldout": held.get(peer_key)}
+              "heldout": held.get(peer_key), "heldout_start": start.get(peer_key)}
     if row.peer == "speculators":
         theirs["attention"] = peer.ready["attn"]
     if "weight" in first[peer_key][0]:  # speculators' DFlash: sum(w l) / rows; tapdraft's sum(w l) / sum(w), for both
         theirs.update(weighted_losses=[r["loss"] * r["rows"] / r["weight"] for r in runs[peer_key]],
                       first_weighted_loss=first[peer_key][0]["loss"] * first[peer_key][0]["rows"]
                       / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"])
-        if held:
-            h = held[peer_key]
-            theirs["heldout"] = {**h, "weighted_loss": h["loss"] * h["rows"] / h["weight"]}
+        for key, h in (("heldout", held.get(peer_key)), ("heldout_start", start.get(peer_key))):
+            if h:
+                theirs[key] = {**h, "weighted_loss": h["loss"] * h["rows"] / h["weight"]}
     sides = {"tapdraft": {**_side(runs["tapdraft"], tap.tokens), "peak_rss_bytes": peak_tap,
                           "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"],
                           "dtypes": dtypes["tapdraft"], "draft_params": tap.draft_params(),
-                          "heldout": held.get("tapdraft")},
+                          "heldout": held.get("tapdraft"), "heldout_start": start.get("tapdraft")},
              peer_key: theirs}
     d = tap.run.drafter
     # the soft-CE offset: ModelOpt's distillation loss = tapdraft's KL + H(p) per step weight (teacher_entropy);
@@ -817,9 +821,10 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _peer_loss(side: dict[str, Any], key: str = "losses") -> str:
-    """The peer's last loss per row as tapdraft normalises it (speculators: its own figure in brackets)."""
-    if key == "heldout":
-        h = side.get("heldout")
+    """The peer's last loss per row (``key`` losses) or held-out loss (heldout, heldout_start) as tapdraft normalises
+    it (speculators: its own figure in brackets)."""
+    if key != "losses":
+        h = side.get(key)
         if not h:
             return "-"
         return f"{h['weighted_loss']:.3f} [own {h['loss']:.3f}]" if "weighted_loss" in h else f"{h['loss']:.3f}"
@@ -892,7 +897,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\n| row | peer | dtypes head/embedding/draft tapdraft ; peer | tapdraft s/step | peer s/step | "
           f"peer / tapdraft: median (min-max, pairs) | tokens/s tapdraft / peer | peak RSS tapdraft / peer | "
           f"loss/row after {n} steps tapdraft (+ H(p) offset) / peer | held-out loss after {n} steps tapdraft / "
-          f"peer | held-out loss after equal seconds tapdraft / peer | trainable params | load |")
+          f"peer | held-out loss after equal seconds tapdraft / peer | held-out loss before the first step tapdraft / "
+          f"peer | trainable params | load |")
     for r in rows:
         t, m = r["tapdraft"], r[r["peer"]]
         h = r["peer_loss_offset"]
@@ -900,6 +906,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hh = r["peer_heldout_offset"]
         hoff = f" (+{hh:.2f} = {t['heldout']['loss'] + hh:.3f})" if hh and t.get("heldout") else ""
         held = f"{t['heldout']['loss']:.3f}{hoff} / {_peer_loss(m, 'heldout')}" if t.get("heldout") else "-"
+        s0 = t.get("heldout_start")
+        held0 = f"{s0['loss'] + hh:.3f} / {_peer_loss(m, 'heldout_start')}" if s0 else "-"
         params = f"{t['trainable_params']:,}" + ("" if r["trainable_equal"] else f" / {m['trainable_params']:,}")
         eq = _equal_time(r)
         sp = r["ratio_spread"]
@@ -909,7 +917,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}, {sp['pairs']}) | "
               f"{t['tokens_per_s']:.0f} / {m['tokens_per_s']:.0f} | "
               f"{t['peak_rss_bytes'] / 2**30:.2f} / {m['peak_rss_bytes'] / 2**30:.2f} GiB | "
-              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {held} | {eq} | {params} | "
+              f"{t['losses'][-1]:.3f}{off} / {_peer_loss(m)} | {held} | {eq} | {held0} | {params} | "
               f"{min(r['load_avg_1m'], default=0):.1f}-{max(r['load_avg_1m'], default=0):.1f} |")
     for r in rows:
         print(f"{r['row']}: anchors {r['anchors']}; trainable weights tapdraft {r['tapdraft']['draft_params']}, "

@@ -380,6 +380,21 @@ def test_both_dspark_sides_train_the_same_rows_from_the_same_three_term_loss(tmp
     assert 1.0 < ours["loss"] < 3.0 and abs(ours["loss"] - theirs["loss"]) < 0.25
 
 
+def _one_step_each(tap: TapdraftSide, job: dict, work: Path, name: str) -> tuple[dict, list, dict, dict, dict]:
+    """speculators' runner on ``job``: its ready document, its loader's samples, one step and a held-out loss; then
+    one tapdraft step, and the two steps' compute dtypes checked equal."""
+    peer = ModelOptSide(peer_python("vllm"), job, work, peer="speculators")
+    try:
+        got = peer.ask("load")["samples"]
+        theirs = peer.step()
+        held = peer.ask("heldout")
+    finally:
+        peer.close()
+    ours = tap.step()
+    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)
+    return peer.ready, got, theirs, held, ours
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
@@ -398,17 +413,9 @@ def test_speculators_eagle3_trains_the_same_draft_on_the_same_rows(tmp_path: Pat
     tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, precision=precision, heldout=1)
     job = speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask, row=row)
     assert (job["draft"], job["loss"], job["ttt_steps"], job["step_decay"]) == ("eagle3", "kl_div", 3, 0.8)
-    peer = ModelOptSide(peer_python("vllm"), job, tmp_path / "run", peer="speculators")
-    try:
-        assert peer.ready["target_layer_ids"] == [2, 4, 6] and peer.ready["attn"] == "sdpa"
-        assert peer.ready["trainable_params"] == tap.trainable == 5_089_536
-        got = peer.ask("load")["samples"]
-        theirs = peer.step()
-        held = peer.ask("heldout")
-    finally:
-        peer.close()
-    ours = tap.step()
-    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)
+    ready, got, theirs, held, ours = _one_step_each(tap, job, tmp_path / "run", name)
+    assert ready["target_layer_ids"] == [2, 4, 6] and ready["attn"] == "sdpa"
+    assert ready["trainable_params"] == tap.trainable == 5_089_536
     assert ours["dtypes"]["head"] == precision
     # the mask one position earlier, so that its shifted rows are tapdraft's (to_speculators)
     _same_samples(got, data, [1, 3, 5], ("hidden_states", "verifier_last_hidden_states"), mask_shift=1)
@@ -433,15 +440,8 @@ def test_speculators_dspark_trains_the_same_draft_from_the_same_three_term_loss(
     tap = TapdraftSide(data, row, anchors=2, samples=2, tokens=64, mask_token_id=mask, heldout=1)
     job = speculators_job(conv, tap.run, anchors=2, samples=2, mask_token_id=mask, row=row)
     assert json.loads(job["loss"]) == {"ce": 0.1, "tv": 1.8} and job["confidence_weight"] == 0.1
-    peer = ModelOptSide(peer_python("vllm"), job, tmp_path / "run", peer="speculators")
-    try:
-        assert peer.ready["trainable_params"] == tap.trainable == 29_039_809
-        theirs = peer.step()
-        held = peer.ask("heldout")
-    finally:
-        peer.close()
-    ours = tap.step()
-    assert not check_dtypes(name, ours["dtypes"], theirs["dtypes"], mixed=False)
+    ready, _, theirs, held, ours = _one_step_each(tap, job, tmp_path / "run", name)
+    assert ready["trainable_params"] == tap.trainable == 29_039_809
     # 2 blocks a sequence, 16 slots each from the anchor on; its blocks may run into the next sample's prompt
     assert ours["rows"] == 2 * 2 * 16 and theirs["anchors"] == 4 and 0 < theirs["rows"] <= ours["rows"]
     first = theirs["loss"] * theirs["rows"] / theirs["weight"]

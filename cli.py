@@ -527,7 +527,8 @@ def demo(
     real: bool = typer.Option(False, "--real", help="A real-parts speech LLM instead of the toy (Whisper tiny.en's "
                               "encoder + SmolLM2-135M-Instruct from PyPI, taught to transcribe): its own replies, "
                               "capture, an EAGLE-3 drafter, then vLLM serving held-out speech with and without it. "
-                              "About 1.5 hours on 2 cores the first time; every stage is cached in --workdir."),
+                              "About 1 h 50 min on 2 cores the first time (measured: 1 h 48 min); every stage is cached in "
+                              "--workdir."),
 ) -> None:
     """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau.
 

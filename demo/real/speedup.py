@@ -181,7 +181,8 @@ DEMO_SIZES = {
 model alone (SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to
 quote: the full size's pairs give the spread). Its first run (a fresh HOME, 2 quiet cores) took 14.4 minutes:
 model 41 s, replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s
-(docs/LOG.md 2026-12-04, ninth stop)."""
+(docs/LOG.md 2026-12-04, ninth stop). The full size's first run took 1 h 48 min (tenth stop: listener 1,343 s,
+prompts 49 s, replies 1,400 s, capture 2,189 s and training 1,244 s, partly beside a test run, serving 232 s)."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:

@@ -1,5 +1,5 @@
-"""Train vllm-project/speculators' DFlash or EAGLE-3 draft step by step on CPU, INSIDE a venv that has speculators
-0.9.0 (the vLLM engine venv, engines/venv.sh vllm: engines/vllm.txt pins it).
+"""Train vllm-project/speculators' DFlash, DSpark or EAGLE-3 draft step by step on CPU, INSIDE a venv that has
+speculators 0.9.0 (the vLLM engine venv, engines/venv.sh vllm: engines/vllm.txt pins it).
 
     python speculators_runner.py JOB.json       # then one command a line on stdin, one JSON line back each
 
@@ -10,8 +10,9 @@ JOB: {"verifier": DIR (config.json + model.safetensors: embed_tokens, lm_head, f
       "aux_layer_ids": [...] (vLLM ids: tapdraft's taps + 1), "draft_layers": 1, "attn": "sdpa", "lr", "betas",
       "weight_decay", "seed": 0, "threads": 1, "precision": "bfloat16" | "float32", "train_samples": N (the
       data's first N rows train; the rest are held out), "heldout_len": T' (their packed row), "draft": "dflash"
-      (default) | "eagle3"; for eagle3 "ttt_steps", "step_decay" (its ``ttt_step_loss_decay``) and "loss":
-      "kl_div", no block, gamma, anchors or mask token}
+      (default) | "dspark" | "eagle3" (``DRAFTS``); for dspark also "markov_rank", "confidence_head",
+      "confidence_weight" and a JSON "loss" of weighted terms; for eagle3 "ttt_steps", "step_decay" (its
+      ``ttt_step_loss_decay``) and "loss": "kl_div", no block, gamma, anchors or mask token}
 Commands: ``step`` -> {"s": SECONDS, "loss": L, "rows": R, "weight": W, "anchors": A} (forward + backward + AdamW
 step over one packed batch of the training samples; L is its own loss, sum(w l) / R; W = sum of the slot weights
 over the R rows, so L * R / W is the weighted mean tapdraft reports; A = blocks with a trained row; "dtypes":

@@ -631,17 +631,16 @@ def modelopt_job(conv: dict[str, Any], run: Any, *, anchors: int, tokens: int, m
 
 def speculators_job(conv: dict[str, Any], run: Any, *, anchors: int, samples: int, mask_token_id: int,
                     row: Row = ROW_SPECS["dflash-ce-speculators"]) -> dict[str, Any]:
-    """engines/peers/speculators_runner.py's job: the converted data (its first ``samples`` rows train, packed in one row,
-    the rest are held out), ``row``'s loss, tapdraft's drafter and optimizer settings, the converted precision; its
-    anchors are per packed row, so tapdraft's per-sequence count x samples."""
+    """engines/peers/speculators_runner.py's job: the converted data (its first ``samples`` rows train, packed in one
+    row, the rest are held out), ``row``'s draft type and loss, tapdraft's drafter and optimizer settings, the converted
+    precision; its anchors are per packed row, so tapdraft's per-sequence count x samples."""
     d, t = run.drafter, run.train
     lengths = conv["lengths"]
     job = {"verifier": conv["verifier"], "data": conv["data"], "max_len": sum(lengths[:samples]),
            "train_samples": samples, "heldout_len": sum(lengths[samples:]), "precision": conv["dtype"],
            "loss": row.mode, "draft": row.family, "aux_layer_ids": conv["aux_layer_ids"],
            "draft_layers": getattr(d, "num_layers", 1), "attn": "sdpa", "lr": t.lr, "betas": [t.beta1, t.beta2],
-           "weight_decay": t.weight_decay, "seed": 0,
-           "threads": 1}
+           "weight_decay": t.weight_decay, "seed": 0, "threads": 1}
     if row.family == "eagle3":
         return {**job, "ttt_steps": d.num_steps, "step_decay": d.step_decay}
     job.update({"block_size": d.block_size, "gamma": d.gamma, "max_anchors": anchors * samples,
@@ -697,6 +696,15 @@ def catch_up(spent: dict[str, float], steps: dict[str, Callable[[], dict[str, An
         spent[fast] += steps[fast]()["s"]
         extra += 1
     return fast, extra
+
+
+def per_weight(doc: dict[str, Any]) -> dict[str, Any]:
+    """A peer's step or held-out document with ``weighted_loss`` added where it reports ``weight``: speculators'
+    DFlash-family loss is sum(w l) / rows, tapdraft's sum(w l) / sum(w), so its loss x rows / weight is tapdraft's
+    rule. A document without ``weight`` (a loss already normalised as tapdraft's) is returned as it is."""
+    if "weight" not in doc:
+        return doc
+    return {**doc, "weighted_loss": doc["loss"] * doc["rows"] / doc["weight"]}
 
 
 def spread(ratios: list[float]) -> dict[str, float]:
@@ -765,8 +773,7 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
         spent = {k: sum(r["s"] for r in v) for k, v in runs.items()}  # cannot lead on the loss
         fast, extra = catch_up(spent, {"tapdraft": tap.step, peer_key: peer.step}, cap=4 * args.pairs)
         loss = tap.heldout_loss() if fast == "tapdraft" else peer.ask("heldout")
-        if "weight" in loss:  # speculators' DFlash: its per-row loss as tapdraft's per-weight one
-            loss = {**loss, "weighted_loss": loss["loss"] * loss["rows"] / loss["weight"]}
+        loss = per_weight(loss)
         equal_time = {"side": fast, "extra_steps": extra, "seconds": spent, "heldout": loss}
         print(f"{name}: {PEERS.get(fast, fast)} took {extra} more steps to spend the other side's "
               f"{spent[fast]:.1f} s", flush=True)
@@ -778,13 +785,13 @@ def run_row(name: str, args: argparse.Namespace, work: Path, python: Path) -> tu
               "heldout": held.get(peer_key), "heldout_start": start.get(peer_key)}
     if row.peer == "speculators":
         theirs["attention"] = peer.ready["attn"]
-    if "weight" in first[peer_key][0]:  # speculators' DFlash: sum(w l) / rows; tapdraft's sum(w l) / sum(w), for both
-        theirs.update(weighted_losses=[r["loss"] * r["rows"] / r["weight"] for r in runs[peer_key]],
-                      first_weighted_loss=first[peer_key][0]["loss"] * first[peer_key][0]["rows"]
-                      / first[peer_key][0]["weight"], anchors=runs[peer_key][-1]["anchors"])
+    if "weight" in first[peer_key][0]:  # a per-row loss (speculators' DFlash and DSpark): also at tapdraft's rule
+        theirs.update(weighted_losses=[per_weight(r)["weighted_loss"] for r in runs[peer_key]],
+                      first_weighted_loss=per_weight(first[peer_key][0])["weighted_loss"],
+                      anchors=runs[peer_key][-1]["anchors"])
         for key, h in (("heldout", held.get(peer_key)), ("heldout_start", start.get(peer_key))):
             if h:
-                theirs[key] = {**h, "weighted_loss": h["loss"] * h["rows"] / h["weight"]}
+                theirs[key] = per_weight(h)
     sides = {"tapdraft": {**_side(runs["tapdraft"], tap.tokens), "peak_rss_bytes": peak_tap,
                           "trainable_params": tap.trainable, "first_loss": first["tapdraft"][0]["loss"],
                           "dtypes": dtypes["tapdraft"], "draft_params": tap.draft_params(),

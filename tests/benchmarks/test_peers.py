@@ -173,6 +173,13 @@ def test_the_dataset_token_is_the_teachers_argmax_so_both_ce_rows_train_one_labe
         run_row("dflash-ce-speculators", args, work, Path("/nonexistent/python"))
 
 
+def test_a_per_row_loss_is_rescaled_to_the_weight_sum_and_a_weighted_one_left_alone() -> None:
+    from benchmarks.peers import per_weight
+
+    assert per_weight({"loss": 2.0, "rows": 10, "weight": 4.0})["weighted_loss"] == 5.0
+    assert per_weight({"loss": 2.0, "rows": 10}) == {"loss": 2.0, "rows": 10}
+
+
 def test_spread_is_the_median_min_and_max_of_the_pairs() -> None:
     assert spread([1.5, 1.1, 2.0, 1.3, 1.4]) == {"median": 1.4, "min": 1.1, "max": 2.0, "pairs": 5}
     with pytest.raises(ValueError):

@@ -177,6 +177,9 @@ def to_host(samples: list[Any]) -> tuple[list[Any], Any]:
                 continue
             h = {}
             for k, t in s.items():
+                if t.device.type == "cpu":  # a row already on the host (ids, masks) is kept as it is
+                    h[k] = t
+                    continue
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)
                 t.record_stream(stream)

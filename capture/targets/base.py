@@ -65,17 +65,18 @@ def expand_placeholders(
             "put exactly one placeholder per audio in the conversation"
         )
     text_emb = embed(token_ids)
+    dev = token_ids.device  # the new rows are made beside the ids: torch.cat refuses a CPU row among CUDA ones
     ids, aud, mask, embs = [], [], [], []
     start = 0
     for pos, a in zip(where, audio_embeds):
         n = int(a.shape[0])
-        ids += [token_ids[start:pos], torch.full((n,), audio_token_id, dtype=torch.long)]
-        aud += [torch.zeros(pos - start, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]
-        mask += [assistant_mask[start:pos].bool(), torch.zeros(n, dtype=torch.bool)]
+        ids += [token_ids[start:pos], torch.full((n,), audio_token_id, dtype=torch.long, device=dev)]
+        aud += [torch.zeros(pos - start, dtype=torch.bool, device=dev), torch.ones(n, dtype=torch.bool, device=dev)]
+        mask += [assistant_mask[start:pos].bool(), torch.zeros(n, dtype=torch.bool, device=dev)]
         embs += [text_emb[start:pos], a.to(text_emb.dtype)]
         start = pos + 1
     ids.append(token_ids[start:])
-    aud.append(torch.zeros(len(token_ids) - start, dtype=torch.bool))
+    aud.append(torch.zeros(len(token_ids) - start, dtype=torch.bool, device=dev))
     mask.append(assistant_mask[start:].bool())
     embs.append(text_emb[start:])
     return Expanded(torch.cat(ids), torch.cat(aud), torch.cat(mask), torch.cat(embs))

@@ -196,19 +196,28 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
     runs = {"i": 0}
 
-    def full() -> None:
-        runs["i"] += 1
-        out = scratch / f"cap{runs['i']}"
-        capture(dataclasses.replace(cfg, out=str(out)), target=target)
-        shutil.rmtree(out)
+    def full(lanes: int) -> Callable[[], None]:
+        def run() -> None:
+            runs["i"] += 1
+            out = scratch / f"cap{runs['i']}"
+            capture(dataclasses.replace(cfg, out=str(out), shard=dataclasses.replace(cfg.shard, writers=lanes)),
+                    target=target)
+            shutil.rmtree(out)
+        return run
 
-    res = interleaved({"capture": full, "minimal": minimal}, args.pairs, device)
-    ratios = [a / b for a, b in zip(res["capture"]["seconds"], res["minimal"]["seconds"])]
+    lanes = [int(w) for w in str(args.capture_writers).split(",")]
+    res = interleaved({"minimal": minimal, **{f"capture_w{w}": full(w) for w in lanes}}, args.pairs, device)
+    first = res[f"capture_w{lanes[0]}"]
+    ratios = [a / b for a, b in zip(first["seconds"], res["minimal"]["seconds"])]
     return {"shape": shape, **shape_facts(shape), "dtype": str(dtype).replace("torch.", ""), "samples": n,
             "tokens": tokens, "batches": len(plans), "overhead_ratio_median": round(statistics.median(ratios), 4),
-            "ratios": [round(r, 4) for r in ratios], **res,
-            "capture_tokens_per_s": round(tokens / res["capture"]["seconds_median"]),
-            "config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "target", "data")}}
+            "ratios": [round(r, 4) for r in ratios], "capture": first, "minimal": res["minimal"],
+            "capture_tokens_per_s": round(tokens / first["seconds_median"]),
+            "writers": {w: {"seconds_median": res[f"capture_w{w}"]["seconds_median"],
+                            "tokens_per_s": round(tokens / res[f"capture_w{w}"]["seconds_median"])} for w in lanes},
+            "config": {k: v for k, v in dataclasses.replace(cfg, shard=dataclasses.replace(cfg.shard, writers=lanes[0]))
+                       .to_dict().items()
+                       if k not in ("out", "target", "data")}}
 
 
 def _bundle(root: Path, name: str) -> Any:
@@ -362,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     ap.add_argument("--pairs", type=int, default=5, help="interleaved pairs per timing")
     ap.add_argument("--capture-samples", type=int, default=96, help="conversations in the capture-overhead part")
+    ap.add_argument("--capture-writers", default="1",
+                    help="writer lanes the capture part times, comma-separated (the first gives the overhead ratio)")
     ap.add_argument("--ce-rows", type=int, default=16384, help="loss rows in the fused-CE part")
     ap.add_argument("--name", default="gpu.json", help="results file (under benchmarks/results unless absolute)")
     args = ap.parse_args(argv)

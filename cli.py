@@ -73,6 +73,15 @@ def _kept_on_interrupt(command: str, kept: str) -> Iterator[None]:
         raise Interrupted(f"{command} stopped by {_RUN['signal'] or 'SIGINT'}: {kept}") from None
 
 
+def _writers(value: str) -> int | None:
+    """``--writers``: a lane count, or ``auto`` (None: the capture decides at its start, capture.config.pin_writers)."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"--writers must be auto or a count from 1 to 64, got {value!r}")
+    return int(value)
+
+
 def _threads(n: int) -> int:
     """Apply ``--threads`` (0 = auto) to torch and return the count used; the one home of the default (on 2
     shared cores one thread ran speculate in 10.6 s where torch's default took 1m45s)."""
@@ -81,8 +90,9 @@ def _threads(n: int) -> int:
     if n < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {n}")
     if n == 0:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = max(1, min(8, cpus // 2))
+        from common.host import usable_cores
+
+        n = max(1, min(8, usable_cores() // 2))
     torch.set_num_threads(n)
     return n
 
@@ -188,8 +198,9 @@ def capture(
     shard_bytes: int = typer.Option(1 << 30, "--shard-bytes", help="Roll shards at this size in bytes (1 GiB)."),
     zstd_level: int = typer.Option(1, "--zstd-level", help="Shard compression level; 0 = uncompressed Arrow: the "
                                    "fastest read (with --bf16-layout raw), ~1.45x the default's bytes on disk."),
-    writers: int = typer.Option(1, "--writers", help="Writer threads per rank, each compressing its own shards: "
-                                "what keeps up with a fast GPU (docs/performance.md)."),
+    writers: str = typer.Option("auto", "--writers", help="Writer threads per rank, each compressing its own "
+                                "shards: what keeps up with a fast GPU. auto: 1 on a CPU, 4 on a GPU (fewer with "
+                                "under 8 host cores a rank), a resume's recorded count (docs/performance.md)."),
     bf16_layout: str = typer.Option("planes", "--bf16-layout", help="planes (compresses better) | raw (uint16 words: "
                                     "with --zstd-level 0, taps are read without a decode pass) | split (only the taps' "
                                     "exponent bytes compressed, by the codec: with --zstd-level 0 the writer needs "
@@ -245,7 +256,7 @@ def capture(
         target=str(Path(target).resolve()), out=out, stage=stage, data=tuple(pairs), max_samples=max_samples,
         max_length=max_length,
         shard=ShardConfig(format=format, shard_bytes=shard_bytes, zstd_level=zstd_level, bf16_layout=bf16_layout,
-                          writers=writers),
+                          writers=_writers(writers)),
         top_k=top_k, taps=None if taps is None else tuple(int(t) for t in taps.split(",") if t.strip()),
         draft_layers=draft_layers, dtype=dtype, codec=codec, on_error=on_error, final_hidden=final_hidden,
         allow_outside_paths=allow_outside_paths, audio_embeds=audio_embeds, batch_tokens=batch_tokens, device=device,

@@ -267,6 +267,42 @@ def migrate_capture_record(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+AUTO_WRITERS = 4
+"""Writer lanes ``pin_writers`` gives a rank on a GPU with at least twice as many host cores: four lanes took an
+H200's capture from 13.9k to 30.9k tokens/s at Qwen3's widths where one lane left it waiting (docs/performance.md,
+``gpu_capture_writers.json``)."""
+
+
+def auto_writers(device_type: str, cores: int) -> int:
+    """Writer lanes for a rank with ``cores`` host cores of its own: on a CPU one (the forward needs the cores, and
+    one lane keeps up with it), on a GPU ``AUTO_WRITERS`` where the cores allow, else half of them."""
+    if device_type == "cpu":
+        return 1
+    return max(1, min(AUTO_WRITERS, cores // 2))
+
+
+def rank_cores() -> int:
+    """Host cores this process may run on, shared among the ranks of its node (``LOCAL_WORLD_SIZE``)."""
+    import os
+
+    from common.host import usable_cores
+
+    return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def pin_writers(cfg: CaptureConfig, record: Path, device_type: str, cores: int) -> CaptureConfig:
+    """``cfg`` with its writer lanes decided: as given; else, resuming, the count recorded when the capture began
+    (the lanes decide the shards' names, so a resume keeps them, on whatever machine); else
+    :func:`auto_writers` for this device and ``cores``."""
+    if cfg.shard.writers is not None:
+        return cfg
+    n = None
+    if record.is_file():
+        n = migrate_capture_record(json.loads(record.read_text())).get("writers")
+    n = n or auto_writers(device_type, cores)
+    return dataclasses.replace(cfg, shard=dataclasses.replace(cfg.shard, writers=n))
+
+
 def pin_threads(cfg: CaptureConfig, record: Path, current: int) -> CaptureConfig:
     """``cfg`` with its engine's thread count decided (``vllm.threads`` or, in-process, ``threads``): as given;
     else, resuming, the count recorded in ``record`` when the capture began (with a warning when ``current``

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
-                            portable_path)
+                            pin_writers, portable_path, rank_cores)
 from capture.engines import ENGINES
 from capture.forward import SampleSpec, run_batch
 from capture.inputs import BadInput, check_input, header_seconds, input_digest, read_inputs, stored_source
@@ -568,6 +568,7 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         derived = cfg.replies.from_target if cfg.replies is not None else replies_from_target(specs)
         cfg = dataclasses.replace(cfg, responses_from_target=derived)
     cfg = pin_threads(cfg, out / CONFIG_FILE, torch.get_num_threads())  # recorded below: a resume computes alike
+    cfg = pin_writers(cfg, out / CONFIG_FILE, resolve_device(cfg.device).type, rank_cores())  # likewise
     inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
     record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE

@@ -55,10 +55,12 @@ class ShardConfig:
     fp8_layout: str = "packed"
     """fp8 taps only: 'packed' (sign+exponent plane + 3-bit mantissas, 0.83x the bytes of 'bytes' after
     zstd on a trained decoder) or 'bytes' (one e4m3 byte per value); recorded in the shards' metadata."""
-    writers: int = 1
+    writers: int | None = 1
     """Writer lanes per rank, each on its own thread with its own shards (input i goes to lane i % writers).
     Encoding, zstd and hashing are a writer's CPU; lanes share nothing, so the rate scales with the cores given
-    (benchmarks/write.py: what one lane does a core at a real width, and two lanes). A resume keeps the count."""
+    (benchmarks/write.py: what one lane does a core at a real width, and two lanes). A resume keeps the count.
+    None: the capture decides when it starts, from its device and cores (``capture.config.pin_writers``); a
+    writer needs a count."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -75,7 +77,7 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.batch_bytes must be positive, got {self.batch_bytes}")
         if self.fp8_layout not in FP8_LAYOUTS:
             raise ValueError(f"ShardConfig.fp8_layout must be one of {FP8_LAYOUTS}, got {self.fp8_layout!r}")
-        if not 1 <= self.writers <= 64:
+        if self.writers is not None and not 1 <= self.writers <= 64:
             raise ValueError(f"ShardConfig.writers must be in [1, 64] (writer threads per rank), got {self.writers}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -90,6 +90,9 @@ class DatasetWriter:
         self._pending_idx: set[int] = set()  # indices in open shards or unrecorded skips, over all lanes
         self._lock = threading.Lock()  # lanes' threads finish shards while the caller asks is_done
         n = config.writers
+        if n is None:
+            raise ValueError("ShardConfig.writers is None (decided at the capture's start): give the writer a lane "
+                             "count, or pass the config through capture.config.pin_writers first")
         seqs = [_seq(e["name"]) for e in self._shards]
         self._lanes = [_Lane(j, sum(1 for q in seqs if q % n == j)) for j in range(n)]
         self._closed = False

@@ -2,6 +2,7 @@
 as ONE ``error:`` line with exit code 2 (``--debug`` adds the traceback)."""
 
 import errno
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,13 @@ def test_an_over_long_capture_out_is_one_line(salm_dir, inputs, tmp_path, capsys
     """ENAMETOOLONG was a traceback in capture (derive and pull: tests/common/test_errors.py)."""
     code, err = run(capture_args(salm_dir, inputs, tmp_path / ("c" * 300)), capsys)
     assert_one_line(code, err, contains="file name too long")
+
+
+def test_capture_decides_its_writer_lanes_and_refuses_a_bad_count(salm_dir, inputs, tmp_path, capsys):
+    """``--writers`` is auto by default: one lane on this CPU, recorded; a count that is not one is one line."""
+    code, err = run(capture_args(salm_dir, inputs, tmp_path / "bad", "--writers", "four"), capsys)
+    assert_one_line(code, err, contains="--writers must be auto or a count from 1 to 64, got 'four'")
+    assert not (tmp_path / "bad").exists()
+    code, err = run(capture_args(salm_dir, inputs, tmp_path / "ds", "--device", "cpu"), capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "ds" / "capture_config.json").read_text())["writers"] == 1

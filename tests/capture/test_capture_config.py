@@ -96,3 +96,26 @@ def test_an_in_process_capture_pins_its_thread_count_and_resumes_with_it(tmp_pat
     old = pin_threads(_cfg(), record, 1)
     assert old.threads is None  # the current count, as it ran
     check_resume(record, old.to_dict())
+
+
+def test_auto_writers_follow_the_device_and_a_resume_keeps_the_recorded_count(tmp_path, monkeypatch):
+    from capture.config import AUTO_WRITERS, auto_writers, pin_writers, rank_cores
+
+    assert auto_writers("cpu", 64) == 1  # the forward needs the cores; one lane keeps up with it
+    assert auto_writers("cuda", 16) == AUTO_WRITERS == 4  # a GPU waits on one lane (docs/performance.md)
+    assert (auto_writers("cuda", 4), auto_writers("cuda", 1)) == (2, 1)  # half the cores a rank has, at least one
+    record = tmp_path / "capture_config.json"
+    auto = _cfg(shard=ShardConfig(writers=None))
+    fresh = pin_writers(auto, record, "cuda", 16)
+    assert fresh.shard.writers == 4 and fresh.to_dict()["writers"] == 4  # a new capture: decided, and recorded so
+    assert pin_writers(_cfg(shard=ShardConfig(writers=3)), record, "cuda", 16).shard.writers == 3  # given: kept
+    record.write_text(json.dumps({**fresh.to_dict(), "inputs": {}}))
+    resumed = pin_writers(auto, record, "cpu", 2)  # resumed on a machine that would decide otherwise
+    assert resumed.shard.writers == 4
+    check_resume(record, resumed.to_dict())
+    with pytest.raises(ValueError, match="writers=1"):  # a count given that is not the recorded one: refused
+        check_resume(record, pin_writers(_cfg(shard=ShardConfig(writers=1)), record, "cpu", 2).to_dict())
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert rank_cores() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight ranks on a node share its cores
+    assert rank_cores() == 2 and auto_writers("cuda", rank_cores()) == 1

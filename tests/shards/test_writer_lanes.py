@@ -119,3 +119,9 @@ def test_a_lane_that_fails_surfaces_its_error_and_leaves_no_temp_shard(tmp_path,
 def test_writers_out_of_range_is_refused():
     with pytest.raises(ValueError, match="writers must be in"):
         ShardConfig(writers=0)
+
+
+def test_a_writer_is_not_handed_an_undecided_lane_count(tmp_path):
+    """``writers=None`` is the capture's to decide (capture.config.pin_writers); a writer refuses it."""
+    with pytest.raises(ValueError, match="writers is None"):
+        DatasetWriter(str(tmp_path), ShardConfig(writers=None), tiny_layout())

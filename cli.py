@@ -7,7 +7,6 @@ problems or a bug); ``tapdraft --debug COMMAND`` also prints the traceback.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading

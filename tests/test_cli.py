@@ -293,7 +293,10 @@ def test_an_over_long_capture_out_is_one_line(salm_dir, inputs, tmp_path, capsys
 def test_capture_decides_its_writer_lanes_and_refuses_a_bad_count(salm_dir, inputs, tmp_path, capsys):
     """``--writers`` is auto by default: one lane on this CPU, recorded; a count that is not one is one line."""
     code, err = run(capture_args(salm_dir, inputs, tmp_path / "bad", "--writers", "four"), capsys)
-    assert_one_line(code, err, contains="--writers must be auto or a count from 1 to 64, got 'four'")
+    assert_one_line(code, err, contains="--writers must be auto or a whole number of lanes, got 'four'")
+    assert not (tmp_path / "bad").exists()
+    code, err = run(capture_args(salm_dir, inputs, tmp_path / "bad", "--writers", "0"), capsys)
+    assert_one_line(code, err, contains="writers must be in [1, 64]")
     assert not (tmp_path / "bad").exists()
     code, err = run(capture_args(salm_dir, inputs, tmp_path / "ds", "--device", "cpu"), capsys)
     assert code == 0, err

@@ -173,7 +173,8 @@ TARGETS = {
 
 
 DEMO_SIZES = {
-    "full": SpeedupConfig(target="speech"),
+    "full": SpeedupConfig(target="assistant", train=800, validation=32, held_out=32, prompts=16,
+                          sets=("max_steps=400",)),
     "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=1, max_tokens=96,
                            sets=("max_steps=150",)),
 }

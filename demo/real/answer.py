@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -143,6 +144,12 @@ def spoken_requests(out: Path, train: int, validation: int, held_out: int, seed:
 def requests(cfg: AnswerConfig) -> dict[str, list[str]]:
     """The train, held-out (``test``) and out-of-vocabulary (``oov``) requests: disjoint, a function of the seed."""
     return sentences(cfg.n_train, cfg.n_test, cfg.n_oov, cfg.seed, REQUESTS)
+
+
+def speak_all(texts: dict[str, list[str]], voice: Iterator[tuple[str, int]]) -> dict[str, list[np.ndarray]]:
+    """Every split's texts spoken in order, each in the next of ``voice``'s voices: a benchmark that speaks
+    ``requests(cfg)`` from a fresh ``itertools.cycle(VOICES)`` hears the held-out audio the answerer was judged on."""
+    return {k: [speak(s, *next(voice)) for s in v] for k, v in texts.items()}
 
 
 def prompt_text(tok, request: str | None) -> str:
@@ -280,7 +287,7 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     heard = sentences(ListenConfig.n_train, ListenConfig.n_test, ListenConfig.n_oov, ListenConfig.seed)
     n_transcribe = round(cfg.transcribe_share / (1 - cfg.transcribe_share) * cfg.n_train)
     voice = itertools.cycle(VOICES)
-    waves = {k: [speak(s, *next(voice)) for s in v] for k, v in asked.items()}
+    waves = speak_all(asked, voice)
     heard_waves = {k: [speak(s, *next(voice)) for s in heard[k][:n]]
                    for k, n in (("train", n_transcribe), ("test", len(heard["test"])))}
     log(f"synthesised {sum(map(len, waves.values())) + sum(map(len, heard_waves.values()))} utterances in "

@@ -2,7 +2,8 @@
 same parts (the model transcribes the request, its other task; the transcript, case and punctuation off as the
 requests are written, goes to the same frozen LM as a written request) against the written request's reply, beside
 the spoken reply itself. Two ears are tried: the answerer's own transcription and the listener it started from (the
-better transcriber).
+better transcriber). A cascade with the same ears is what behaviour-aligned speech LLMs are held against (BLSP,
+arXiv:2309.00916).
 
     python -m benchmarks.answer_cascade [--first 32] [--max-new-tokens 64] [--threads 2] [--name answer_cascade.json]
 

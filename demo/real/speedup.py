@@ -178,12 +178,14 @@ DEMO_SIZES = {
     "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=1, max_tokens=96,
                            sets=("max_steps=150",)),
 }
-"""``tapdraft demo --real`` (full) and ``--real --quick``: the quick size is the chain on the speech LLM's language
-model alone (SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to
-quote: the full size's pairs give the spread). Its first run (a fresh HOME, 2 quiet cores) took 14.4 minutes:
-model 41 s, replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s
-(docs/LOG.md 2026-12-04, ninth stop). The full size's first run took 1 h 48 min (tenth stop: listener 1,343 s,
-prompts 49 s, replies 1,400 s, capture 2,189 s and training 1,244 s, partly beside a test run, serving 232 s)."""
+"""``tapdraft demo --real`` (full) and ``--real --quick``: the full size is the speech LLM that answers (the sizes
+``benchmarks.real_speedup --target assistant`` measured); the quick size is the chain on its language model alone
+(SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to quote: the full
+size's pairs give the spread). The quick size's first run (a fresh HOME, 2 quiet cores) took 14.4 minutes: model 41 s,
+replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s (docs/LOG.md
+2026-12-04, ninth stop). The full size's took 100 minutes: model 3,139 s (listener and answerer trained), prompts 19 s,
+replies 750 s, capture 660 s, training 641 s, serving 794 s; 1.89x over whole requests (docs/LOG.md 2026-12-04,
+twelfth stop)."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:

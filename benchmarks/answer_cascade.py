@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     load_before, t0 = os.getloadavg(), time.time()
-    cfg = AnswerConfig()
-    if cfg.lm_rank:
-        raise SystemExit("the cascade needs the answerer's LM frozen (lm_rank 0): its written replies are the LM's")
+    cfg = AnswerConfig()  # the default answerer: its LM frozen, so its written replies are the LM's
 
     def load(d):
         return (Qwen2AudioForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval(),

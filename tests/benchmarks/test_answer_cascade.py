@@ -18,4 +18,4 @@ def test_an_exact_transcript_gives_the_written_reply_and_a_misheard_one_does_not
     written = [[ord(c) for c in r] + [0] * 32 for r in refs]
     res = cascade((None, None), (None, None), written, [0, 1], first=32, max_new_tokens=64, refs=refs)
     assert res["transcripts"]["exact"] == 1 and res["transcripts"]["n"] == 2
-    assert res["first_32"] == 0.5 and res["mean_prefix_tokens"] == (len(written[0]) + len("describe a "))/ 2
+    assert res["first_32"] == 0.5 and res["mean_prefix_tokens"] == (len(written[0]) + len("describe a ")) / 2

@@ -179,12 +179,13 @@ def test_the_chain_builds_the_models_its_builders_default_to():
 
 
 def test_the_demo_sizes_are_the_chain_at_two_sizes():
-    """``tapdraft demo --real`` and ``--real --quick``: the full size is the speech LLM that answers; the quick size needs no listener trained (the text target),
-    serves fewer requests with fewer drafter steps, and prints how long the command took."""
+    """``tapdraft demo --real`` and ``--real --quick``: the full size is the speech LLM that answers; the quick size
+    needs no listener trained (the text target), serves fewer requests with fewer drafter steps, and prints how long
+    the command took."""
     from demo.real.speedup import DEMO_SIZES
 
     full, quick = DEMO_SIZES["full"], DEMO_SIZES["quick"]
-    assert full.target == "assistant" and quick.target == "text"  # the speech LLM that answers; its LM alone
+    assert full.target == "assistant" and quick.target == "text"
     assert quick.train < full.train and quick.prompts < full.prompts and quick.max_tokens <= full.max_tokens * 3
     assert any(s.startswith("max_steps=") for s in quick.sets)
     report = {"alone_tokens_per_s": [10.0], "seconds": 930}

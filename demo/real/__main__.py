@@ -27,6 +27,8 @@ def add_answer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill", action="store_true",
                    help="learn the frozen LM's distribution given the written request (KL from its top-k, computed "
                         "once), not only its greedy reply")
+    p.add_argument("--transcribe-share", type=float, default=AnswerConfig.transcribe_share,
+                   help="share of the training pairs that are transcription, the model's other task")
     p.add_argument("--lm-rank", type=int, default=AnswerConfig.lm_rank,
                    help="rank of a low-rank LM update merged before saving (0: the LM frozen)")
 
@@ -34,7 +36,8 @@ def add_answer_args(p: argparse.ArgumentParser) -> None:
 def answer_config(a: argparse.Namespace) -> AnswerConfig:
     return AnswerConfig(steps=a.steps, n_train=a.n_train, batch=a.batch, lr=a.lr,
                         train_projector=not a.keep_projector, train_encoder=a.train_encoder,
-                        encoder_lr=a.encoder_lr, distill=a.distill, lm_rank=a.lm_rank)
+                        encoder_lr=a.encoder_lr, distill=a.distill, lm_rank=a.lm_rank,
+                        transcribe_share=a.transcribe_share)
 
 
 def main(argv: list[str] | None = None) -> None:

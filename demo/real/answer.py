@@ -102,6 +102,14 @@ class AnswerConfig:
             raise ValueError("nothing would train: keep train_projector, or set train_encoder or lm_rank")
         if not 0 <= self.transcribe_share < 1 or self.lr <= 0 or self.encoder_lr <= 0:
             raise ValueError("transcribe_share must be in [0, 1), lr and encoder_lr > 0")
+        if self.n_transcribe > ListenConfig.n_train:
+            raise ValueError(f"transcribe_share {self.transcribe_share} asks for {self.n_transcribe} transcription "
+                             f"sentences, the listener has {ListenConfig.n_train}: lower it or n_train")
+
+    @property
+    def n_transcribe(self) -> int:
+        """Transcription pairs beside the ``n_train`` requests, so that they are ``transcribe_share`` of all."""
+        return round(self.transcribe_share / (1 - self.transcribe_share) * self.n_train)
 
 
 def every_request() -> list[str]:
@@ -285,7 +293,7 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
     t0 = time.time()
     asked = requests(cfg)
     heard = sentences(ListenConfig.n_train, ListenConfig.n_test, ListenConfig.n_oov, ListenConfig.seed)
-    n_transcribe = round(cfg.transcribe_share / (1 - cfg.transcribe_share) * cfg.n_train)
+    n_transcribe = cfg.n_transcribe
     voice = itertools.cycle(VOICES)
     waves = speak_all(asked, voice)
     heard_waves = {k: [speak(s, *next(voice)) for s in heard[k][:n]]

@@ -38,7 +38,7 @@ def test_requests_are_disjoint_and_hold_out_words():
     assert requests(AnswerConfig()) == r
     with pytest.raises(ValueError, match="transcribe_share"):
         AnswerConfig(transcribe_share=1.0)
-    assert AnswerConfig().n_transcribe == 133 and AnswerConfig(transcribe_share=0.5).n_transcribe == 400
+    assert AnswerConfig().n_transcribe == 400 and AnswerConfig(transcribe_share=0.25).n_transcribe == 133
     with pytest.raises(ValueError, match="the listener has 490"):  # more than the listener's sentences
         AnswerConfig(transcribe_share=0.6)
 

@@ -537,8 +537,8 @@ def demo(
     real: bool = typer.Option(False, "--real", help="A real-parts speech LLM instead of the toy (Whisper tiny.en's "
                               "encoder + SmolLM2-135M-Instruct from PyPI, aligned to answer spoken requests): its own "
                               "replies of up to 128 tokens, capture, an EAGLE-3 drafter, then vLLM serving held-out "
-                              "spoken requests with and without it. About 1 h 40 min on 2 cores the first time "
-                              "(measured: 100 minutes, 1.89x); every stage is cached in "
+                              "spoken requests with and without it. About 1 h 45 min on 2 cores the first time, "
+                              "47 minutes with the speech LLM cached (measured: 2.02x); every stage is cached in "
                               "--workdir."),
 ) -> None:
     """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau.

@@ -183,9 +183,11 @@ DEMO_SIZES = {
 (SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to quote: the full
 size's pairs give the spread). The quick size's first run (a fresh HOME, 2 quiet cores) took 14.4 minutes: model 41 s,
 replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s (docs/LOG.md
-2026-12-04, ninth stop). The full size's took 100 minutes: model 3,139 s (listener and answerer trained), prompts 19 s,
-replies 750 s, capture 660 s, training 641 s, serving 794 s; 1.89x over whole requests (docs/LOG.md 2026-12-04,
-twelfth stop)."""
+2026-12-04, ninth stop). The full size's took 100 minutes with the answerer of the time (a quarter of its pairs
+transcription): model 3,139 s (listener and answerer trained), prompts 19 s, replies 750 s, capture 660 s, training
+641 s, serving 794 s; 1.89x over whole requests (twelfth stop). On today's answerer (half, its WER 9.2%; built alone
+in 39 minutes) it ran in 47 minutes with the model cached: replies 688 s, capture 727 s, training 647 s, serving 731 s;
+2.02x over whole requests, 2.33x over the decode (docs/LOG.md 2026-12-04, thirteenth stop)."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:

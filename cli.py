@@ -102,14 +102,14 @@ ON_LIMIT_HELP = ("A reply that hits --max-new-tokens: drop (default: a target th
 
 
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
-                  on_limit: str):
+                  on_limit: str, max_conversation_tokens: int | None = None):
     from capture.generation import GenerationConfig, ReplyConfig
 
     if on_limit not in ("keep", "drop"):
         raise ValueError(f"--on-limit {on_limit!r}: give keep or drop")
     return ReplyConfig(
         generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
-        last_turn_only=last_turn_only, keep_truncated=on_limit == "keep")
+        last_turn_only=last_turn_only, keep_truncated=on_limit == "keep", max_conversation_tokens=max_conversation_tokens)
 
 
 @app.command()
@@ -125,6 +125,10 @@ def regenerate(
     seed: int = typer.Option(0, "--seed", help="Base seed; each reply's seed derives from it and the sample id."),
     last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Replace only the last assistant turn."),
     on_limit: str = typer.Option("drop", "--on-limit", help=ON_LIMIT_HELP),
+    max_conversation_tokens: int = typer.Option(
+        None, "--max-conversation-tokens", help="Token budget of one conversation (prompt + replies): it ends at the "
+        "last reply that fits (counted as cut), or is dropped when its first turn does not fit. Default: the target's "
+        "context."),
     chat_template: str = typer.Option(None, "--chat-template", help=TEMPLATE_HELP),
     template_kwarg: list[str] = typer.Option([], "--template-kwarg", help=TEMPLATE_KWARG_HELP),
     max_samples: int = typer.Option(None, "--max-samples", help="Only the first N conversations."),
@@ -157,7 +161,8 @@ def regenerate(
     _threads(threads)
     cfg = RegenerateConfig(
         target=target, data=data, out=out,
-        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit),
+        replies=_reply_config(max_new_tokens, temperature, top_p, seed, last_turn_only, on_limit,
+                              max_conversation_tokens),
         chat_template=None if chat_template is None else str(Path(chat_template).resolve()),
         template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, window=window, dtype=dtype,

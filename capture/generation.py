@@ -81,10 +81,24 @@ class ReplyConfig:
     """``--on-limit keep``: keep replies that hit max_new_tokens, marked ``"truncated": true`` (their ids are
     supervised, no end of turn), instead of dropping them (the default: a target that never ends its turns, from
     a wrong template or end-of-turn id, then shows as drops rather than as a dataset of cut replies)."""
+    max_conversation_tokens: int | None = None
+    """``--max-conversation-tokens``: positions a conversation may reach (prompt + reply). The turn whose prompt plus
+    ``max_new_tokens`` would pass it is not regenerated: the conversation ends at the reply before it (``cut``,
+    counted with the turns it lost), or is dropped as ``over_budget`` when that is its first turn. None: only the
+    target's context bounds a conversation. Long multi-turn data (ShareGPT) is kept to what a drafter trains on."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation, GenerationConfig):
             raise ValueError("ReplyConfig.generation must be a GenerationConfig")
+        b = self.max_conversation_tokens
+        if b is not None and b <= self.generation.max_new_tokens:
+            raise ValueError(f"--max-conversation-tokens ({b}) must be above --max-new-tokens "
+                             f"({self.generation.max_new_tokens}): no turn would fit")
+
+    def over_budget(self, prompt_length: int) -> bool:
+        """A turn whose prompt has ``prompt_length`` positions could pass the conversation's budget."""
+        b = self.max_conversation_tokens
+        return b is not None and prompt_length + self.generation.max_new_tokens > b
 
     @property
     def from_target(self) -> bool:
@@ -92,8 +106,9 @@ class ReplyConfig:
         return self.generation.greedy and not self.last_turn_only
 
     def to_dict(self) -> dict[str, Any]:
+        budget = {} if self.max_conversation_tokens is None else {"max_conversation_tokens": self.max_conversation_tokens}
         return {"generation": self.generation.to_dict(), "last_turn_only": self.last_turn_only,
-                "keep_truncated": self.keep_truncated}
+                "keep_truncated": self.keep_truncated, **budget}
 
 
 def context_length(target: Target) -> int | None:

@@ -40,6 +40,9 @@ the reply verbatim after its prompt, or ends the turn with another id than the t
 the ids have no place in a capture, and the reply's text renders to other ids too; when the text does
 render to the generated ids the reply is kept as text alone), ``placeholder`` (the reply holds the
 audio placeholder, which would read back as an audio),
+``over_budget`` (the first turn's prompt + max_new_tokens passes ``--max-conversation-tokens``; a later
+turn that would pass it ends the conversation at the reply before it instead: kept, and counted as
+``cut`` with the turns it lost),
 ``generation_error`` (NaN/Inf logits); bad input (``no_user_turn``, ``bad_input`` such as
 audio that fails to decode, ``too_long`` for the context) is skipped and counted, or stops the run
 with one line under ``on_error='fail'``. Rank 0 merges every rank's parts in input order, writes the
@@ -306,7 +309,7 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
           template_text: str | None = None) -> dict[str, Any]:
     """Every rank's parts -> the output in input order (shards, then the sidecar last); removes the parts."""
     parts = _done_keys(work)
-    records, counts, drops, seen = [], Counter(), [], set()
+    records, counts, drops, seen, cut = [], Counter(), [], set(), Counter()
     for gi, item, key in _keyed(numbered(_inputs(cfg, placeholder), cfg.max_samples),
                                 cfg.replies.last_turn_only):
         if key in seen:
@@ -318,6 +321,9 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
             raise AssertionError(f"input {gi} (key {key[:12]}) has no result in {work}: a rank did not finish")
         if e["status"] == "ok":
             records.append(e["record"])
+            if e.get("cut_turns"):
+                cut["conversations"] += 1
+                cut["turns"] += e["cut_turns"]
         else:
             counts[e["status"]] += 1
             drops.append({k: e[k] for k in ("sample_id", "status", "message")})
@@ -349,7 +355,8 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
         "chat_template": {"sha256": template_sha(template_text), "kwargs": dict(cfg.template_kwargs)},
         "replies_from_target": cfg.replies.from_target,
         "files": [p.name for p in files],
-        "counts": {"conversations": total, "written": len(records), "dropped": dict(sorted(counts.items()))},
+        "counts": {"conversations": total, "written": len(records), "dropped": dict(sorted(counts.items())),
+                   **({"cut": dict(cut)} if cut else {})},
         "dropped": drops[:1000],
     }
     with staged(sidecar_path(out)) as tmp:
@@ -402,6 +409,7 @@ _ADVICE = {
     "bad_input": "Fix the inputs (first: {first}).",
     "no_user_turn": "The conversations have no user turn before the assistant's: check the input's roles.",
     "too_long": "The prompts do not fit the target's context: shorten them or lower --max-new-tokens.",
+    "over_budget": "The first turns do not fit --max-conversation-tokens {budget}: raise it or lower --max-new-tokens.",
     "duplicate": "The input repeats the same conversations.",
 }
 
@@ -411,7 +419,8 @@ def drop_advice(counts: Counter, cfg: RegenerateConfig, drops: list[dict[str, An
     top = counts.most_common(1)[0][0]
     first = next((f"{d['sample_id']!r}: {d['message']}" for d in drops if d["status"] == top), "")
     return _ADVICE.get(top, "See the sidecar's list of dropped conversations.").format(
-        max_new_tokens=cfg.replies.generation.max_new_tokens, first=first)
+        max_new_tokens=cfg.replies.generation.max_new_tokens, first=first,
+        budget=cfg.replies.max_conversation_tokens)
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -421,7 +430,9 @@ def summary(doc: dict[str, Any]) -> str:
     where = out.parent if out.suffix == ".jsonl" else out
     lines = [f"{c['written']} of {c['conversations']} conversations written to "
              f"{', '.join(str(where / f) for f in doc['files'])}; "
-             f"dropped {c['dropped'] or 0}"]
+             f"dropped {c['dropped'] or 0}"
+             + (f"; {c['cut']['conversations']} cut at --max-conversation-tokens ({c['cut']['turns']} turns not "
+                "regenerated)" if c.get("cut") else "")]
     if rs.get("already_complete"):
         lines.append("already complete; nothing to do")
     elif rs.get("seconds"):

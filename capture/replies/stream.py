@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from capture.generation import Generation, ReplyConfig, context_length
 from capture.inputs import BadInput
-from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, RunStats, _check, _drop,
+from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, RunStats, _budget_entry, _check, _drop,
                                      _Live, _prompt, output_record, regenerated_turns)
 from capture.targets.base import Prepared, Target
 
@@ -88,6 +88,10 @@ def stream_windows(engine: ReplyEngine, target: Target, replies: ReplyConfig,
             stats.turns_settled += len(lv.turns) - r - 1
             return bad(lv.li, lv.gi, lv.key, c.sample_id, "too_long", f"too long: prompt of {p.length} positions + "
                        f"max_new_tokens {max_new} > the target's context of {ctx}", c.line, c.source)
+        if replies.over_budget(p.length):
+            stats.turns_settled += len(lv.turns) - r
+            stats.dropped.update(["over_budget"] * (r == 0))
+            return settle(lv.li, _budget_entry(lv, r, out_dir, fingerprint, False))
         live[lv.li] = (lv, r)
         pending.append((lv.li, p))
 

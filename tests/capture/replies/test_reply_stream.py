@@ -5,6 +5,7 @@ count per reply, and an interrupted run resumed to the same bytes. vLLM itself: 
 
 from __future__ import annotations
 
+import json
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from capture.replies.generate import GenerationConfig, generate
 from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
 from capture.replies.windows import ReplyConfig
 from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
+from tests.capture.util import write_manifest
 
 
 class Shuffled:
@@ -129,3 +131,42 @@ def test_the_cli_refuses_in_one_line(tmp_path, capsys, args, says):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def _budget_manifest(path: Path) -> Path:
+    """Two-turn conversations whose second request is long, and one whose first request alone passes the budget."""
+    long = " ".join(["repeat the digits and add them ."] * 6)
+    recs = [{"id": f"b{i}", "conversations": [
+        {"from": "User", "value": "what did i say ?"}, {"from": "Assistant", "value": "you said one ."},
+        {"from": "User", "value": long}, {"from": "Assistant", "value": "the sum is two ."}]} for i in range(3)]
+    recs.append({"id": "first-too-long", "conversations": [{"from": "User", "value": long},
+                                                            {"from": "Assistant", "value": "the sum is two ."}]})
+    return write_manifest(path, recs)
+
+
+def test_the_conversation_budget_cuts_at_the_last_reply_that_fits(lm_dir, tmp_path, monkeypatch):  # noqa: F811
+    from capture.targets.load import load_target
+
+    data = _budget_manifest(tmp_path / "in.jsonl")
+    rep = ReplyConfig(generation=GenerationConfig(max_new_tokens=6), keep_truncated=True, max_conversation_tokens=30)
+    doc = regenerate(RegenerateConfig(target=str(lm_dir), data=str(data), out=str(tmp_path / "ref.jsonl"),
+                                      replies=rep, progress=False, on_error="skip"))
+    assert doc["counts"]["dropped"] == {"over_budget": 1}
+    assert doc["counts"]["cut"] == {"conversations": 3, "turns": 3}
+    assert doc["settings"]["max_conversation_tokens"] == 30
+    target = load_target(str(lm_dir), device="cpu")
+    for rec in map(json.loads, (tmp_path / "ref.jsonl").read_text().splitlines()):
+        assert [t["from"] for t in rec["conversations"]] == ["user", "assistant"]  # ends at the reply that fit
+        msgs = [{"role": t["from"], "content": t["value"]} for t in rec["conversations"]]
+        assert len(target.tokenizer.apply_chat_template(msgs, tokenize=True)) <= 30
+    # the streaming driver cuts the same conversations at the same turns
+    _with(monkeypatch, lambda t, g: Shuffled(t, g, seed=1))
+    streamed = regenerate(RegenerateConfig(target=str(lm_dir), data=str(data), out=str(tmp_path / "out.jsonl"),
+                                           replies=rep, progress=False, on_error="skip", max_batch_size=2))
+    assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    assert streamed["counts"] == doc["counts"]
+
+
+def test_a_budget_no_turn_fits_is_refused():
+    with pytest.raises(ValueError, match=r"--max-conversation-tokens \(6\) must be above --max-new-tokens \(6\)"):
+        ReplyConfig(generation=GenerationConfig(max_new_tokens=6), max_conversation_tokens=6)

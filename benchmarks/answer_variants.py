@@ -32,7 +32,7 @@ VARIANTS = {
 def variant_agreement(answer, requests: list[str], first: int) -> dict[str, dict]:
     """``answer(request) -> reply ids`` over every request and each of its ``VARIANTS``; the variants' replies scored
     against the written request's (``demo.real.answer.score_replies``, without its audio-swap count)."""
-    from demo.real.answer import score_replies
+    from tapdraft.demo.real.answer import score_replies
 
     written = [answer(r) for r in requests]
     out = {}
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from demo.real.answer import AnswerConfig, reply, requests
-    from demo.real.build import build_real_targets
+    from tapdraft.demo.real.answer import AnswerConfig, reply, requests
+    from tapdraft.demo.real.build import build_real_targets
 
     if a.threads:
         torch.set_num_threads(a.threads)

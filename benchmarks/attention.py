@@ -21,8 +21,8 @@ import warnings
 import torch
 
 from benchmarks.common import write_result
-from train.drafters.common.layers import Attention, RotaryEmbedding
-from train.drafters.common.mask import dense_mask, flex_block_mask
+from tapdraft.train.drafters.common.layers import Attention, RotaryEmbedding
+from tapdraft.train.drafters.common.mask import dense_mask, flex_block_mask
 
 
 def setup(T: int, N: int, B: int = 16, H: int = 256, seed: int = 0):

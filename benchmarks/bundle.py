@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from capture.targets.load import load_target
-from shards.bundle import load_bundle, write_bundle
+from tapdraft.capture.targets.load import load_target
+from tapdraft.shards.bundle import load_bundle, write_bundle
 
 
 def _dir_bytes(root: Path) -> int:
@@ -38,7 +38,7 @@ def _timed(fn) -> float:
 def measure(tmp: Path, *, tied: bool, layers: int, hidden: int, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from demo.target import build_word_tokenizer
+    from tapdraft.demo.target import build_word_tokenizer
 
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                       num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), head_dim=128,

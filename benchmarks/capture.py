@@ -46,7 +46,7 @@ from benchmarks.common import write_result
 
 def _minimal(target, plans) -> float:
     """Decoder forward + lm_head on the supervised rows, per batch of the capture's own plan."""
-    from shards.schema import teacher_rows
+    from tapdraft.shards.schema import teacher_rows
 
     head = target.lm.get_output_embeddings()
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def _resolve_target(args) -> tuple[Path, Path, dict]:
         if not args.data:
             raise SystemExit("--target needs --data FILE.jsonl")
         return Path(args.target), Path(args.data), {"shape": "user target"}
-    from demo.data import prepare_demo
+    from tapdraft.demo.data import prepare_demo
 
     paths = prepare_demo(args.workdir or str(Path(tempfile.gettempdir()) / "tapdraft-demo"), progress=False)
     return paths.target, paths.train_manifest, {"shape": "demo target"}
@@ -104,11 +104,11 @@ def main() -> None:
     if args.engine:
         return engines(args)
 
-    from capture.config import CaptureConfig
-    from capture.forward import SampleSpec, run_batch
-    from capture.pipeline import capture, make_layout, plan_window, prepare_window, rank_items, windows
-    from capture.targets.load import load_target
-    from shards.writer import DatasetWriter
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.forward import SampleSpec, run_batch
+    from tapdraft.capture.pipeline import capture, make_layout, plan_window, prepare_window, rank_items, windows
+    from tapdraft.capture.targets.load import load_target
+    from tapdraft.shards.writer import DatasetWriter
 
     target_dir, data, shape = _resolve_target(args)
     target = load_target(target_dir)
@@ -146,7 +146,7 @@ def main() -> None:
             w.write({"sample_id": p.sample_id, "source": p.source, "audio_seconds": p.audio_seconds, **s}, p.index)
     w.close()
     write_s = time.perf_counter() - t0
-    from shards.manifest import write_or_check_bundle
+    from tapdraft.shards.manifest import write_or_check_bundle
 
     t0 = time.perf_counter()
     write_or_check_bundle(str(scratch / "bundle"), **target.bundle_parts())
@@ -187,9 +187,9 @@ def main() -> None:
 
 def engines(args) -> None:
     """In-process capture (A) vs ``--engine vllm`` (V): same target, data, settings and threads, interleaved."""
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from capture.targets.load import load_target
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.targets.load import load_target
 
     target_dir, data, shape = _resolve_target(args)
     target = load_target(target_dir)

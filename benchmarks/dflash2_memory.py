@@ -26,11 +26,11 @@ import time
 import torch
 
 from benchmarks.common import peak_memory_growth, write_result
-from shards.bundle import TargetBundle
-from shards.schema import Layout
-from train.drafters.base import combine_terms
-from train.drafters.dflash2.config import DFlash2Config
-from train.drafters.dflash2.model import DFlash2Drafter
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
+from tapdraft.train.drafters.base import combine_terms
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
 
 V = 151_936
 

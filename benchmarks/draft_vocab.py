@@ -33,12 +33,12 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.quality import prepare
-from shards.reader import open_dataset
-from train.config import load_run_config
-from train.drafters.common.draft_vocab import DraftVocab, token_counts
-from train.evaluate import evaluate
-from train.loop import train
-from train.run import load_run
+from tapdraft.shards.reader import open_dataset
+from tapdraft.train.config import load_run_config
+from tapdraft.train.drafters.common.draft_vocab import DraftVocab, token_counts
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.loop import train
+from tapdraft.train.run import load_run
 
 
 def one(recipe: str, size: int | None, args: argparse.Namespace, dataset: Path, runs: Path) -> dict[str, Any]:

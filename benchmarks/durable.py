@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from benchmarks.common import write_result
-from common import atomic
+from tapdraft.common import atomic
 
 
 class _FsyncMeter:
@@ -89,9 +89,9 @@ def _pairs(name: str, fn: Callable[[Path], None], scratch: Path, pairs: int, met
 def _capture_workload(shape: str, conversations: int, workdir: Path) -> tuple[Callable[[Path], None], dict]:
     from benchmarks.shapes import conversations as make_conversations
     from benchmarks.shapes import shape_facts, synthetic_target
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from capture.targets.load import load_target
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.targets.load import load_target
 
     root = workdir / f"durable-{shape}"
     root.mkdir(parents=True, exist_ok=True)
@@ -108,8 +108,8 @@ def _capture_workload(shape: str, conversations: int, workdir: Path) -> tuple[Ca
 
 def _writer_workload(samples: int, tokens: int) -> tuple[Callable[[Path], None], dict]:
     from benchmarks.write import TAPS, make_samples, write_tapdraft
-    from shards.schema import Layout
-    from shards.shard_file import ShardConfig
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.shard_file import ShardConfig
 
     layout = Layout(hidden_size=4096, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)
     content = make_samples(samples, tokens, 4096)

@@ -47,7 +47,7 @@ CAPTURE_ARGS = ["--top-k", "4", "--batch-tokens", "120", "--shard-bytes", "12000
 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tapdraft.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -58,8 +58,8 @@ def _capture_args(target: Path, manifest: Path, out: Path, fmt: str = "arrow") -
 
 def _inputs(work: Path, n: int) -> tuple[Path, Path]:
     """The demo SALM (random init) saved to disk and a JSONL of ``n`` tone-digit conversations."""
-    from demo.target import QUICK, build_demo_salm
-    from demo.task import tone_audio
+    from tapdraft.demo.target import QUICK, build_demo_salm
+    from tapdraft.demo.task import tone_audio
 
     torch.manual_seed(0)
     target = work / "salm"
@@ -101,7 +101,7 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 # ---------------------------------------------------------------------------------------------- flips
 def _read_tapdraft(root: Path) -> list[dict[str, Any]]:
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     return list(open_dataset(str(root)).stream("train", seed=0, shuffle=False))
 
@@ -109,7 +109,7 @@ def _read_tapdraft(root: Path) -> list[dict[str, Any]]:
 def _stock_arrow(root: Path, files: list[str], cache: Path) -> list[dict[str, Any]]:
     import datasets
 
-    from shards.formats.arrow import decode_row
+    from tapdraft.shards.formats.arrow import decode_row
 
     meta = json.loads((root / "manifest.json").read_text())["field_meta"]
     datasets.disable_progress_bars()
@@ -120,7 +120,7 @@ def _stock_arrow(root: Path, files: list[str], cache: Path) -> list[dict[str, An
 def _stock_wds(root: Path, files: list[str], cache: Path) -> list[dict[str, Any]]:
     import webdataset
 
-    from shards.formats.wds import decode_wds_sample
+    from tapdraft.shards.formats.wds import decode_wds_sample
 
     return list(webdataset.WebDataset(files, shardshuffle=False).map(decode_wds_sample))
 
@@ -168,9 +168,9 @@ def flips(clean: Path, fmt: str, n: int, work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- finalize
 _DIE_IN_FINALIZE = textwrap.dedent("""
     import os, signal, sys
-    import common.atomic as atomic
-    from capture import pipeline
-    from cli import main
+    import tapdraft.common.atomic as atomic
+    from tapdraft.capture import pipeline
+    from tapdraft.cli import main
     K = int(os.environ["TAPDRAFT_FAULT_K"])
     real_fin, real_rename = pipeline.finalize_dataset, atomic._rename
     def finalize(*a, **k):
@@ -221,7 +221,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 300) -> bool:
 
 def changed_input(target: Path, manifest: Path, n: int, work: Path) -> dict[str, Any]:
     out = work / "changed"
-    a = subprocess.Popen([sys.executable, "-m", "cli", *_capture_args(target, manifest, out)], cwd=ROOT, env=ENV,
+    a = subprocess.Popen([sys.executable, "-m", "tapdraft.cli", *_capture_args(target, manifest, out)], cwd=ROOT, env=ENV,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = _wait_for(out / "_parts" / "train-rank00000.json", a)
     a.send_signal(signal.SIGKILL)
@@ -231,7 +231,7 @@ def changed_input(target: Path, manifest: Path, n: int, work: Path) -> dict[str,
     refused = _cli(*_capture_args(target, manifest, out))
     manifest.write_text(original)
     resumed = _cli(*_capture_args(target, manifest, out))
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     ids = [s["sample_id"] for s in open_dataset(str(out)).stream("train", seed=0, shuffle=False)]
     verify = _cli("verify", str(out))
@@ -247,8 +247,8 @@ def changed_input(target: Path, manifest: Path, n: int, work: Path) -> dict[str,
 
 _SLOW_CAPTURE = textwrap.dedent("""
     import sys, time
-    from capture import pipeline
-    from cli import main
+    from tapdraft.capture import pipeline
+    from tapdraft.cli import main
     real = pipeline.run_batch
     def slow(*a, **k):  # the first capture stays busy while the second one starts
         time.sleep(2.0)

@@ -32,14 +32,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from shards.taps import TAPS_CODECS
+from tapdraft.shards.taps import TAPS_CODECS
 
 
 def _train_eval(run_name: str, data: Path, evals: dict[str, Path], root: Path, seed: int,
                 steps: int | None) -> dict[str, Any]:
-    from train.config import load_run_config
-    from train.evaluate import evaluate
-    from train.loop import train
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.evaluate import evaluate
+    from tapdraft.train.loop import train
 
     overrides = [f"seed={seed}", "progress=false"] + ([f"max_steps={steps}"] if steps else [])
     run = load_run_config("dflash_demo", overrides=overrides)
@@ -60,9 +60,9 @@ def _train_eval(run_name: str, data: Path, evals: dict[str, Path], root: Path, s
 
 def _batch_ids(data: Path, seed: int, steps: int | None) -> list[list[str]]:
     """The sample ids of every training batch the recipe draws from ``data`` (the loop's own batch stream)."""
-    from train.config import load_run_config
-    from train.loop import _batch_stream
-    from train.source import open_source
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import _batch_stream
+    from tapdraft.train.source import open_source
 
     tc = load_run_config("dflash_demo", overrides=[f"seed={seed}"]).train
     stream = _batch_stream(open_source(str(data), tc.split), tc, 0, 1, None)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (one bf16/fp8 pair each)")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's max_steps")
     args = ap.parse_args(argv)
-    from demo.data import prepare_demo
+    from tapdraft.demo.data import prepare_demo
 
     torch.set_num_threads(1)
     root = Path(args.demo_dir)

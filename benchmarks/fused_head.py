@@ -25,13 +25,13 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import write_result
-from shards.head import HeadSpec
-from train.drafters.common.chunks import map_row_chunks
-from shards.head import project
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
-from train.drafters.common.losses import row_losses, trained_head_losses
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher
-from train.drafters.dspark.loss import dspark_row_losses
+from tapdraft.shards.head import HeadSpec
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.shards.head import project
+from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+from tapdraft.train.drafters.common.losses import row_losses, trained_head_losses
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from tapdraft.train.drafters.dspark.loss import dspark_row_losses
 
 V, H = 49_152, 576
 

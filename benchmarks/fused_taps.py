@@ -32,13 +32,13 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tapdraft-demo"))
     args = ap.parse_args()
 
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from capture.generation import GenerationConfig, ReplyConfig
-    from demo.data import prepare_demo
-    from demo.target import FULL
-    from shards.reader import open_dataset
-    from train.evaluate import evaluate
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.generation import GenerationConfig, ReplyConfig
+    from tapdraft.demo.data import prepare_demo
+    from tapdraft.demo.target import FULL
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.train.evaluate import evaluate
 
     root = Path(args.workdir)
     paths = prepare_demo(root, progress=False)

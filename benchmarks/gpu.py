@@ -97,8 +97,8 @@ def build(name: str, root: Path, *, conversations: int, tokens: tuple[int, int],
 
 
 def run_capture(target: Path, data: Path, out: Path, *, device: str, dtype: str, **kw: Any) -> dict[str, Any]:
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = CaptureConfig(target=str(target), out=str(out), data=(("train", str(data)),), device=device, dtype=dtype,
@@ -109,7 +109,7 @@ def run_capture(target: Path, data: Path, out: Path, *, device: str, dtype: str,
 # ------------------------------------------------------------------------------------------ parts
 def compare_datasets(ref: Path, other: Path) -> dict[str, Any]:
     """Taps and top-k of two captures of the same conversations, matched by sample id."""
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     a, b = open_dataset(str(ref)), open_dataset(str(other))
     bs = {b.sample("train", i)["sample_id"]: i for i in range(b.num_samples("train"))}
@@ -161,10 +161,10 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
     import dataclasses
 
     from benchmarks.shapes import shape_facts
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
-    from capture.targets.load import load_target
-    from shards.schema import teacher_rows
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture, plan_window, prepare_window, rank_items, windows
+    from tapdraft.capture.targets.load import load_target
+    from tapdraft.shards.schema import teacher_rows
 
     shape = TINY if args.tiny else QWEN
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -222,7 +222,7 @@ def part_capture(args: argparse.Namespace, device: torch.device, scratch: Path) 
 
 def _bundle(root: Path, name: str) -> Any:
     from benchmarks.shapes import SHAPES
-    from shards.bundle import load_bundle, write_bundle
+    from tapdraft.shards.bundle import load_bundle, write_bundle
 
     shape = SHAPES[name]
     g = torch.Generator().manual_seed(0)
@@ -240,11 +240,11 @@ def _bundle(root: Path, name: str) -> Any:
 
 def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
     from benchmarks.shapes import SHAPES, shape_facts
-    from shards.schema import Layout
-    from shards.taps import capture_tap_ids
-    from train.drafters.dflash.config import DFlashConfig
-    from train.drafters.dflash.model import DFlashDrafter
-    from train.drafters.base import combine_terms
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.taps import capture_tap_ids
+    from tapdraft.train.drafters.dflash.config import DFlashConfig
+    from tapdraft.train.drafters.dflash.model import DFlashDrafter
+    from tapdraft.train.drafters.base import combine_terms
 
     name = TINY if args.tiny else QWEN
     shape = SHAPES[name]
@@ -298,7 +298,7 @@ def part_attention(args: argparse.Namespace, device: torch.device, scratch: Path
 
 def part_fused_ce(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict[str, Any]:
     from benchmarks.shapes import SHAPES
-    from train.drafters.common.losses import row_losses
+    from tapdraft.train.drafters.common.losses import row_losses
 
     shape = SHAPES[TINY if args.tiny else QWEN]
     V, H, R = shape.vocab, shape.hidden, 512 if args.tiny else args.ce_rows
@@ -339,8 +339,8 @@ def part_writer(args: argparse.Namespace, device: torch.device, scratch: Path) -
     """The GPU host's writer: tokens/s of 1, 2, 4 writer lanes at hidden 4096 with six taps (benchmarks/write.py's
     content), compressed (zstd 1) and uncompressed (zstd 0, raw), against the prefill rate a GPU asks of it."""
     from benchmarks.write import TAPS, make_samples, write_tapdraft
-    from shards.schema import Layout
-    from shards.shard_file import ShardConfig
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.shard_file import ShardConfig
 
     hidden, n, T = (256, 8, 128) if args.tiny else (4096, 16, 1024)
     layout = Layout(hidden_size=hidden, num_layers=36, tap_ids=TAPS, top_k=64, audio_token_id=0)

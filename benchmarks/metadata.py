@@ -54,7 +54,7 @@ import json, os, resource, sys, time
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-import shards.reader as reader
+import tapdraft.shards.reader as reader
 base = rss()
 c = time.process_time(); t = time.perf_counter(); ds = reader.open_dataset(sys.argv[1])
 t_open, c_open = time.perf_counter() - t, time.process_time() - c
@@ -73,10 +73,10 @@ print(json.dumps({"open_s": t_open, "sample_s": t_sample, "stream_first_s": t_st
 
 def _prototype(work: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
     """A real shard of SAMPLES one-sample batches, padded sparsely to 1 GiB, and its index (bytes fixed up)."""
-    from shards.schema import Layout
-    from shards.shard_index import index_name, write_index
-    from shards.shard_file import ShardConfig
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.shard_index import index_name, write_index
+    from tapdraft.shards.shard_file import ShardConfig
+    from tapdraft.shards.writer import DatasetWriter
 
     import fsspec
     import torch
@@ -107,8 +107,8 @@ def _prototype(work: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
 
 def _build_parts(root: Path, n_shards: int, shard: Path, index: Path, part0: dict[str, Any], entry: dict[str, Any]):
     """RANKS closed partial indexes holding n_shards shards round robin, each shard and index file a hard link."""
-    from shards.manifest import part_name, rank_shard_name
-    from shards.shard_index import index_name
+    from tapdraft.shards.manifest import part_name, rank_shard_name
+    from tapdraft.shards.shard_index import index_name
 
     for d in ("data", "index", "_parts"):
         (root / d).mkdir(parents=True)
@@ -126,7 +126,7 @@ def _build_parts(root: Path, n_shards: int, shard: Path, index: Path, part0: dic
 
 
 def _finalize(root: Path, proto: dict[str, Any]) -> float:
-    from shards.finalize import finalize_dataset
+    from tapdraft.shards.finalize import finalize_dataset
 
     c, t = time.process_time(), time.perf_counter()
     finalize_dataset(str(root), layout=proto["layout"], fingerprint=proto["fp"], capture_config={"benchmark": True})

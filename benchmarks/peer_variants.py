@@ -23,11 +23,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-import shards.head as head_math
+import tapdraft.shards.head as head_math
 from benchmarks.common import write_result
 from benchmarks.peers import PRECISIONS, ROW_SPECS, SHAPE, TapdraftSide, build_dataset
 from benchmarks.shapes import SHAPES
-from train.loop import make_optimizer
+from tapdraft.train.loop import make_optimizer
 
 
 @contextlib.contextmanager

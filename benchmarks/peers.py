@@ -172,11 +172,11 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
-from shards.reader import open_dataset
-from shards.taps import default_tap_ids, eagle3_tap_ids
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.taps import default_tap_ids, eagle3_tap_ids
 
 if TYPE_CHECKING:
-    from train.drafters.base import LossOutput
+    from tapdraft.train.drafters.base import LossOutput
 
 SHAPE = "llama-576x8"
 BLOCK = 16
@@ -224,7 +224,7 @@ def argmax_agreement(dataset: str | Path, dtype: str = "bfloat16", split: str = 
     """The share of supervised tokens (after the first) that equal the teacher's argmax on the previous position
     (last layer -> final norm -> lm_head, the head in ``dtype``): 1.0 when a CE on the dataset token and a CE on
     the teacher's argmax train the same labels."""
-    from shards.head import head_spec, teacher_logits
+    from tapdraft.shards.head import head_spec, teacher_logits
 
     ds = open_dataset(str(dataset))
     bundle, L = ds.bundle(), ds.layout.num_layers
@@ -458,7 +458,7 @@ def teacher_entropy(dataset: str | Path, split: str = "train", indices: range | 
     norm -> lm_head, ``shards.head.teacher_logits``, fp32): ModelOpt's distillation losses are the soft
     cross-entropy -sum p log q = KL(p || q) + H(p), tapdraft's the KL, so the peer's loss per row sits H(p) above
     (same gradient). ``indices``: the samples to average over (default all)."""
-    from shards.head import head_spec, teacher_logits
+    from tapdraft.shards.head import head_spec, teacher_logits
 
     ds = open_dataset(str(dataset))
     bundle, L = ds.bundle(), ds.layout.num_layers
@@ -486,12 +486,12 @@ class TapdraftSide:
 
     def __init__(self, data: Path, row: Row, *, anchors: int, samples: int, tokens: int, mask_token_id: int,
                  precision: str = "bfloat16", heldout: int = 0, seed: int = 0) -> None:
-        from train.config import load_run_config
-        from train.data import collate
-        from train.drafters.base import combine_terms
-        from train.loop import make_optimizer
-        from train.run import build_drafter
-        from train.source import open_source
+        from tapdraft.train.config import load_run_config
+        from tapdraft.train.data import collate
+        from tapdraft.train.drafters.base import combine_terms
+        from tapdraft.train.loop import make_optimizer
+        from tapdraft.train.run import build_drafter
+        from tapdraft.train.source import open_source
 
         self.row, self.precision = row, precision
         self.run = load_run_config(row.recipe, overrides=tapdraft_overrides(

@@ -57,9 +57,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from train.config import load_run_config
-from train.evaluate import evaluate
-from train.loop import train
+from tapdraft.train.config import load_run_config
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.loop import train
 
 FAMILY_RECIPES = ("dflash_demo", "dflash2_demo", "dspark_demo", "lilicorr_demo", "lilicorr_conv_demo",
                   "eagle3_demo", "mtp_demo")
@@ -102,7 +102,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset:
         return {"dataset": Path(args.dataset), "target": None, "conversations": None, "info": {}}
     if args.target == "smollm2":  # the real text target: the stages benchmarks.real_speedup caches in --workdir
-        from demo.real.speedup import SpeedupConfig, run_speedup, target_dir
+        from tapdraft.demo.real.speedup import SpeedupConfig, run_speedup, target_dir
 
         cfg = SpeedupConfig(target="text", train=args.train)
         run_speedup(args.workdir, cfg, stop_after="capture")
@@ -110,11 +110,11 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         return {"dataset": work / "dataset", "target": target_dir(cfg), "conversations": work / "data" /
                 "validation.jsonl", "info": {"train_conversations": cfg.train, "max_tokens": cfg.max_tokens}}
     if args.target == "bpe":
-        from demo.bpe import prepare_bpe
+        from tapdraft.demo.bpe import prepare_bpe
 
         p = prepare_bpe(args.workdir, quick=args.quick, progress=False)
     else:
-        from demo.data import prepare_demo
+        from tapdraft.demo.data import prepare_demo
 
         p = prepare_demo(args.workdir, quick=args.quick, progress=False)
     return {"dataset": p.dataset, "target": p.target, "conversations": p.val_manifest, "info": p.info}
@@ -123,7 +123,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
 def live(target: Path, run_dir: Path, dataset: Path, conversations: Path, *, temperature: float, samples: int,
          max_new_tokens: int) -> dict[str, Any]:
     """Real speculative decoding with the live target (``tapdraft speculate``'s function)."""
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     t0 = time.perf_counter()
     r = run_speculate(SpeculateConfig(target=str(target), draft=str(run_dir), data=str(dataset),
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> Path:
     seed_rows = over_seeds(rows) if args.seeds else None
     if seed_rows:
         print(format_over_seeds(seed_rows))
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     cfg = open_dataset(str(prep["dataset"])).bundle().config
     name = args.name or ("quality_quick.json" if args.quick else "quality.json")

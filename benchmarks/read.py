@@ -47,8 +47,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from benchmarks.common import write_result
 from benchmarks.baseline_pt import PtDataset, write_pt_dataset
 from benchmarks.storage import gaussian_samples, layout, minilm_samples, write_tapdraft
-from shards.reader import open_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_file import ShardConfig
 
 
 class TapdraftIterable(IterableDataset):
@@ -115,10 +115,9 @@ def tiled(samples: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def checks_off():
     """Replace the readers' checksum checks with no-ops (a benchmark baseline, never the product)."""
-    import shards.formats.arrow as ar
-    import shards.formats.wds as wd
-    import shards.reader as rd
-
+    import tapdraft.shards.formats.arrow as ar
+    import tapdraft.shards.formats.wds as wd
+    import tapdraft.shards.reader as rd
     saved = (rd.check_block, ar.check_block, wd.check_block, wd.check_sealed)
     rd.check_block = ar.check_block = wd.check_block = wd.check_sealed = lambda *a, **k: None
     try:
@@ -185,9 +184,9 @@ def inprocess_at_shape(shape: str, tmp: Path, pairs: int, min_seconds: float, cf
 
     from benchmarks.shapes import shape_facts
     from benchmarks.write import TAPS, make_samples
-    from shards.schema import Layout
-    from shards.finalize import finalize_dataset
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.finalize import finalize_dataset
+    from tapdraft.shards.writer import DatasetWriter
 
     H = shape_facts(shape)["hidden_size"]
     samples = make_samples(16, 1024, H) + make_samples(64, 64, H, seed=1)  # the small ones: random access

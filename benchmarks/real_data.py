@@ -47,7 +47,7 @@ def text_records(n: int) -> list[dict]:
 def speech_records(n: int, audio: Path) -> list[dict]:
     import soundfile as sf
 
-    from demo.real.listen import PROMPT, VOICES, sentences, speak
+    from tapdraft.demo.real.listen import PROMPT, VOICES, sentences, speak
 
     texts = sentences(1, n, 1, seed=1)["test"]
     audio.mkdir(parents=True, exist_ok=True)
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--text", type=int, default=48, help="SmolLM2 text conversations")
     ap.add_argument("--speech", type=int, default=48, help="speech conversations")
     args = ap.parse_args(argv)
-    from demo.real.build import build_real_targets
-    from demo.real.listen import ListenConfig, build_listener
+    from tapdraft.demo.real.build import build_real_targets
+    from tapdraft.demo.real.listen import ListenConfig, build_listener
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,8 @@ drafter, on a real target (demo.real.speedup holds the stages and ``TARGETS``; e
 ``--workdir``).
 
     python -m benchmarks.real_speedup --target text --workdir real_work      # SmolLM2, eagle3_small, 3 drafts
+    python -m benchmarks.real_speedup --target general --workdir general/n2000 --pool general/pool \
+        --train 2000 --recipe dflash_small                                  # SmolLM2 on its replies to ShareGPT
     python -m benchmarks.real_speedup --target speech --workdir speech_work  # the listener on held-out speech
     python -m benchmarks.real_speedup --target assistant --workdir assistant_work \
         --recipe dflash_small                                               # spoken requests answered at length
@@ -12,7 +14,7 @@ drafter, on a real target (demo.real.speedup holds the stages and ``TARGETS``; e
         --name real_speedup_smollm2_other.json                              # the same drafter, another kind of request
 
 Writes benchmarks/results/NAME (default real_speedup_smollm2.json / _speech.json / _assistant.json). Needs the vLLM
-engine venv (``engines/venv.sh vllm``, built on first use) and the real targets (``python -m demo.real build``).
+engine venv (``engines/venv.sh vllm``, built on first use) and the real targets (``python -m tapdraft.demo.real build``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import json
 import sys
 
 from benchmarks.common import RESULTS
-from demo.real.speedup import TARGETS, SpeedupConfig, format_serve, run_speedup
+from tapdraft.demo.real.speedup import TARGETS, SpeedupConfig, format_serve, run_speedup
 
 NAMES = {"text": ("SmolLM2-135M-Instruct", "real_speedup_smollm2.json"),
+         "general": ("SmolLM2-135M-Instruct, trained on its own replies to ShareGPT", "real_speedup_general.json"),
          "speech": ("Whisper tiny.en + SmolLM2-135M-Instruct, taught to transcribe", "real_speedup_speech.json"),
          "assistant": ("Whisper tiny.en + SmolLM2-135M-Instruct, aligned to answer spoken requests",
                        "real_speedup_assistant.json")}
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="held_out: the training prompts' kind on unseen topics or sentences; other: another kind "
                          "(text: everyday writing and explaining; speech: words the listener never heard; assistant: "
                          "those sentences to transcribe)")
+    ap.add_argument("--pool", default=None, help="general: the ShareGPT pool's directory, shared by training sizes "
+                    "(default WORKDIR/pool)")
     ap.add_argument("--listen-steps", type=int, default=d.listen_steps, help="the speech target's projector updates")
     ap.add_argument("--answer-steps", type=int, default=d.answer_steps, help="the assistant target's updates")
     ap.add_argument("--stop-after", choices=["prompts", "replies", "capture", "train"], default=None)
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SpeedupConfig(target=a.target, train=a.train, validation=a.validation, held_out=a.held_out,
                         max_tokens=a.max_tokens, threads=a.threads, engine_threads=a.engine_threads, recipe=a.recipe,
                         run=a.run, sets=tuple(a.set), k=tuple(int(x) for x in a.k.split(",")), pairs=a.pairs,
-                        prompts=a.prompts, requests=a.requests, listen_steps=a.listen_steps, answer_steps=a.answer_steps,
+                        prompts=a.prompts, requests=a.requests, pool=a.pool, listen_steps=a.listen_steps, answer_steps=a.answer_steps,
                         method=a.method,
                         layout=a.layout)
     serve = run_speedup(a.workdir, cfg, a.stop_after, log=lambda m: print(m, flush=True))
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
               "engine_threads": cfg.engine_threads,
               "command": "python -m benchmarks.real_speedup " + " ".join(argv if argv is not None else sys.argv[1:]),
               "serve": serve}
-    if a.target != "text":
+    if a.target in ("speech", "assistant"):
         report["listen_steps"] = cfg.listen_steps
     if a.target == "assistant":
         report["answer_steps"] = cfg.answer_steps

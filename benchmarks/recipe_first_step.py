@@ -5,7 +5,7 @@ Each run is ``tapdraft train --recipe R --set max_steps=1`` in a fresh run direc
 figure is the step's ``elapsed_s`` in metrics.jsonl (the first batch read, forward, backward and optimizer step;
 not the process start), with the process's wall time beside it. Pairs are interleaved A B A B per recipe and the
 1-minute load average is recorded before every run: the machine is shared, so only a ratio within one run means
-much. The dataset is a capture of the real 49,152-token SmolLM2-135M-Instruct (``python -m demo.real build``)
+much. The dataset is a capture of the real 49,152-token SmolLM2-135M-Instruct (``python -m tapdraft.demo.real build``)
 over a few dozen text conversations; B's start line (the fitted budget, ``train.fit``) is recorded.
 
     python -m benchmarks.recipe_first_step --data DS --before /path/to/baseline/checkout [--pairs 2]
@@ -37,7 +37,7 @@ def first_step(tree: Path, recipe: str, data: str, threads: int) -> dict[str, An
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-m", "cli", "train", "--recipe", recipe, "--data", data, "--out", str(out / "run"),
+        [sys.executable, "-m", "tapdraft.cli", "train", "--recipe", recipe, "--data", data, "--out", str(out / "run"),
          "--threads", str(threads), "--set", "max_steps=1", "--set", "progress=false"],
         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0

@@ -16,7 +16,7 @@ Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute s
                figure: decoding tokens/s of A over B (each run's own ``run_stats``: vLLM's start, a fixed
                cost per run, is reported beside, not in the rate); whether the two output files are equal
 
-Targets: ``smollm2`` (the real SmolLM2-135M-Instruct that ``python -m demo.real build`` caches under
+Targets: ``smollm2`` (the real SmolLM2-135M-Instruct that ``python -m tapdraft.demo.real build`` caches under
 ~/.cache/tapdraft/models/, vocab 49,152; prompts from the Python documentation's topics, as demo.bpe's
 corpus), ``demo`` (the trained demo SALM in --workdir, built by the demo if missing; its own
 tone-digit conversations) and ``real`` (a random-init Qwen3 of real width: hidden 1024, 8 layers,
@@ -68,7 +68,7 @@ def _plain_generate(target, convs, batch: int, max_new_tokens: int) -> int:
 
 
 def _demo_inputs(workdir: Path, samples: int, tmp: Path):
-    from demo.data import prepare_demo
+    from tapdraft.demo.data import prepare_demo
 
     paths = prepare_demo(workdir, progress=False)
     src = paths.data / "train.templated.jsonl"
@@ -87,8 +87,8 @@ def _demo_inputs(workdir: Path, samples: int, tmp: Path):
 def _real_inputs(tmp: Path, samples: int, prompt_tokens: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from demo.target import build_word_tokenizer
-    from demo.task import vocabulary
+    from tapdraft.demo.target import build_word_tokenizer
+    from tapdraft.demo.task import vocabulary
 
     V = 151936
     words = vocabulary()
@@ -118,13 +118,13 @@ def _real_inputs(tmp: Path, samples: int, prompt_tokens: int):
 
 
 def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
-    """The cached real SmolLM2 (``python -m demo.real build`` builds it) and ``samples`` one-turn prompts."""
-    from demo.bpe import corpus_text
+    """The cached real SmolLM2 (``python -m tapdraft.demo.real build`` builds it) and ``samples`` one-turn prompts."""
+    from tapdraft.demo.bpe import corpus_text
 
     if target_dir is None:
         found = sorted((Path.home() / ".cache" / "tapdraft" / "models").glob("smollm2-135m-instruct-*/config.json"))
         if not found:
-            raise FileNotFoundError("no SmolLM2 under ~/.cache/tapdraft/models: run `python -m demo.real build` first, "
+            raise FileNotFoundError("no SmolLM2 under ~/.cache/tapdraft/models: run `python -m tapdraft.demo.real build` first, "
                                     "or give --target-dir")
         target_dir = str(found[-1].parent)
     words = " ".join(corpus_text()).split()
@@ -143,8 +143,8 @@ def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
 def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save) -> dict[str, Any]:
     """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads; ``save(doc)`` after
     each pair (a slow machine keeps the pairs it finished)."""
-    from capture.engines import ENGINES
-    from capture.replies.regenerate import RegenerateConfig, regenerate
+    from tapdraft.capture.engines import ENGINES
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
 
     pairs: list[dict[str, Any]] = []
     for k in range(args.pairs):
@@ -190,12 +190,12 @@ def main() -> None:
     ap.add_argument("--skip-fused", action="store_true")
     args = ap.parse_args()
 
-    from capture.config import CaptureConfig
-    from capture.inputs import Conversation, read_jsonl
-    from capture.pipeline import capture
-    from capture.generation import GenerationConfig, ReplyConfig
-    from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.targets.load import load_target
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.inputs import Conversation, read_jsonl
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.generation import GenerationConfig, ReplyConfig
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+    from tapdraft.capture.targets.load import load_target
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))
@@ -235,7 +235,7 @@ def main() -> None:
         n = _plain_generate(target, prompts, args.batch, args.max_new_tokens)
         return time.perf_counter() - t0, n
 
-    from capture.provenance import target_fingerprint
+    from tapdraft.capture.provenance import target_fingerprint
 
     t0 = time.perf_counter()
     target_fingerprint(target)  # once per loaded target (kept on it): reported, not in the pairs

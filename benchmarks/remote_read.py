@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
-from shards.reader import open_dataset
-from shards.remote import RemoteConfig
-from shards.transfer import push
-from shards.shard_file import ShardConfig
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.remote import RemoteConfig
+from tapdraft.shards.transfer import push
+from tapdraft.shards.shard_file import ShardConfig
 from tests.s3server import SeaweedS3
 from tests.shards.synthetic import tiny_layout, write_dataset
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from statistics import median
 
 from benchmarks.common import write_result
-from demo.run import run_demo
-from demo.data import one_thread
-from speculate.run import SpeculateConfig, run_speculate
+from tapdraft.demo.run import run_demo
+from tapdraft.demo.data import one_thread
+from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
 
 def measure(workdir: Path, *, quick: bool, samples: int, repeats: int, max_new_tokens: int) -> dict:

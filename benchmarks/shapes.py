@@ -62,7 +62,7 @@ def synthetic_target(name: str, out: str | Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from demo.target import build_word_tokenizer
+    from tapdraft.demo.target import build_word_tokenizer
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
@@ -122,12 +122,12 @@ def synthetic_dataset(root: Path, name: str, *, samples: int, tokens: tuple[int,
     no bf16 rounding flips), so a CE on the dataset token and one on the teacher's argmax train the same labels."""
     import torch
 
-    from shards.bundle import write_bundle
-    from shards.finalize import finalize_dataset
-    from shards.schema import Layout
-    from shards.shard_file import ShardConfig
-    from shards.taps import default_tap_ids
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.bundle import write_bundle
+    from tapdraft.shards.finalize import finalize_dataset
+    from tapdraft.shards.schema import Layout
+    from tapdraft.shards.shard_file import ShardConfig
+    from tapdraft.shards.taps import default_tap_ids
+    from tapdraft.shards.writer import DatasetWriter
 
     if (root / "manifest.json").is_file():
         return root

@@ -53,11 +53,11 @@ import zstandard
 
 from benchmarks.common import write_result
 from benchmarks.baseline_pt import to_peer_dict, write_pt_dataset
-from shards.codec import encode_fields
-from shards.schema import Layout
-from shards.finalize import finalize_dataset
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+from tapdraft.shards.codec import encode_fields
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 
 TAPS = (1, 2, 4, 5)
 
@@ -129,8 +129,8 @@ def gaussian_samples(like: list[int], seed: int = 0) -> list[dict[str, Any]]:
 def demo_samples(tokens: int, demo_dir: str) -> tuple[list[dict[str, Any]], Layout]:
     """The demo target's captured train split (built and cached in ``demo_dir`` on first use; a finished
     capture there is read as it is, whatever the settings it was written with)."""
-    from demo.data import prepare_demo
-    from shards.manifest import complete_manifest
+    from tapdraft.demo.data import prepare_demo
+    from tapdraft.shards.manifest import complete_manifest
 
     done = Path(demo_dir) / "dataset"
     return dataset_samples(tokens, done if complete_manifest(str(done)) else prepare_demo(demo_dir,
@@ -139,7 +139,7 @@ def demo_samples(tokens: int, demo_dir: str) -> tuple[list[dict[str, Any]], Layo
 
 def dataset_samples(tokens: int, root: str | Path) -> tuple[list[dict[str, Any]], Layout]:
     """A captured dataset's train split in order, up to ``tokens`` tokens, and its layout."""
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     ds = open_dataset(str(root))
     out: list[dict[str, Any]] = []
@@ -206,7 +206,7 @@ class _PyZstd:
 
 def _split_report(taps: torch.Tensor, batch_bytes: int, per_cpu_s: Any) -> dict[str, Any]:
     """The split layout's field over record-batch-sized pieces of ``taps``: ratio, encode and decode speed."""
-    from shards.codec import bf16_to_bytes, bytes_to_bf16
+    from tapdraft.shards.codec import bf16_to_bytes, bytes_to_bf16
 
     flat = taps.contiguous().reshape(-1)
     pieces = list(flat.split(batch_bytes // 2))
@@ -252,7 +252,7 @@ def plane_report(taps: torch.Tensor, batch_bytes: int = ShardConfig().batch_byte
                 out[name][spec] = _split_report(taps, batch_bytes, per_cpu_s)
                 continue
             if kind == "split":
-                from shards.codec import SPLIT_PARAMS
+                from tapdraft.shards.codec import SPLIT_PARAMS
 
                 codec = _PyZstd(compression_params=zstandard.ZstdCompressionParameters(**SPLIT_PARAMS))
             elif kind == "pyzstd":

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import peak_memory_growth, write_result
-from shards.head import HeadSpec, rms_norm
-from train.drafters.common.losses import row_losses
-from train.drafters.common.teacher import ExactTeacher
+from tapdraft.shards.head import HeadSpec, rms_norm
+from tapdraft.train.drafters.common.losses import row_losses
+from tapdraft.train.drafters.common.teacher import ExactTeacher
 
 
 def make_inputs(T: int, V: int, H: int, R: int, seed: int = 0) -> dict:

@@ -18,8 +18,8 @@ import statistics
 import time
 
 from benchmarks.common import write_result
-from capture.targets.salm.model import CHAT_TEMPLATE
-from capture.template import ChatTemplate
+from tapdraft.capture.targets.salm.model import CHAT_TEMPLATE
+from tapdraft.capture.template import ChatTemplate
 
 USER = "What did the speaker say about the weather in the second half of the recording? "
 REPLY = "The speaker said it would rain in the afternoon and clear up by the evening, with light wind. "

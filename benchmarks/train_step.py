@@ -45,7 +45,7 @@ from benchmarks.common import write_result
 from benchmarks.shapes import SHAPES, shape_facts, synthetic_dataset
 
 if TYPE_CHECKING:
-    from train.drafters.base import LossOutput
+    from tapdraft.train.drafters.base import LossOutput
 
 SHAPE = "qwen3-1024x8"
 
@@ -59,14 +59,14 @@ class Stepper:
     """One drafter + optimizer on one fixed micro-batch, for a given loss-row budget and head dtype."""
 
     def __init__(self, data: Path, rows: int, head: str, draft_vocab: int | None = None) -> None:
-        from train.drafters.common import draft_vocab as dv
-        from train.config import load_run_config
-        from train.data import BatchStream
-        from train.drafters.base import combine_terms
-        from train.fit import head_dtype
-        from train.loop import make_optimizer
-        from train.run import build_drafter
-        from train.source import open_source
+        from tapdraft.train.drafters.common import draft_vocab as dv
+        from tapdraft.train.config import load_run_config
+        from tapdraft.train.data import BatchStream
+        from tapdraft.train.drafters.base import combine_terms
+        from tapdraft.train.fit import head_dtype
+        from tapdraft.train.loop import make_optimizer
+        from tapdraft.train.run import build_drafter
+        from tapdraft.train.source import open_source
 
         run = load_run_config("dflash", overrides=[f"max_loss_rows={rows}", f"head_dtype={head}",
                                                    f"draft_vocab={'null' if draft_vocab is None else draft_vocab}"])

@@ -38,9 +38,9 @@ import torch
 
 from benchmarks.baseline_pt import write_pt_dataset
 from benchmarks.common import write_result
-from shards.schema import Layout, teacher_rows
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+from tapdraft.shards.schema import Layout, teacher_rows
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 
 TAPS = (1, 9, 17, 25, 33, 35)
 
@@ -105,7 +105,7 @@ def main() -> None:
     samples = make_samples(args.samples, args.tokens, args.hidden)
     goal_bytes_per_token = _bytes(samples) / (args.samples * args.tokens)  # the goal's shape, synthetic or not
     if args.dataset:
-        from shards.reader import open_dataset
+        from tapdraft.shards.reader import open_dataset
 
         ds = open_dataset(args.dataset)
         layout = ds.layout

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capture.inputs import stored_source
-from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
-from capture.generation import ReplyConfig
-from capture.vllm.config import VLLMConfig
-from common.errors import InputChangedError
-from common.template import template_kwargs
-from shards.manifest import check_split
-from shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
-from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields
+from tapdraft.capture.inputs import stored_source
+from tapdraft.capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
+from tapdraft.capture.generation import ReplyConfig
+from tapdraft.capture.vllm.config import VLLMConfig
+from tapdraft.common.errors import InputChangedError
+from tapdraft.common.template import template_kwargs
+from tapdraft.shards.manifest import check_split
+from tapdraft.shards.shard_file import LEGACY_SHARD_FIELDS, ShardConfig
+from tapdraft.shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, foreign_layout_fields
 
 _LEGACY_SHARD_DEFAULTS = {"batch_bytes": 4 << 20, "replies": None, "fused": True, **LEGACY_SHARD_FIELDS}
 """What captures recorded before ShardConfig (and regeneration, and the fp8 layout) was embedded used for the keys
@@ -285,7 +285,7 @@ def rank_cores() -> int:
     """Host cores this process may run on, shared among the ranks of its node (``LOCAL_WORLD_SIZE``)."""
     import os
 
-    from common.host import usable_cores
+    from tapdraft.common.host import usable_cores
 
     return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 

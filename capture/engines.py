@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from capture.generation import ReplyConfig
-    from capture.targets.base import Target
-    from capture.vllm.config import VLLMConfig
-    from shards.schema import Layout
+    from tapdraft.capture.generation import ReplyConfig
+    from tapdraft.capture.targets.base import Target
+    from tapdraft.capture.vllm.config import VLLMConfig
+    from tapdraft.shards.schema import Layout
 
 
 class RunSettings(Protocol):
@@ -96,7 +96,7 @@ class Engine:
     @contextmanager
     def capture_session(self, cfg: CaptureSettings, target: Target, layout: Layout) -> Iterator[Any]:
         """What runs a capture's forwards (started once for all splits, stopped at the end); None: in-process."""
-        from capture.stages import torch_threads
+        from tapdraft.capture.stages import torch_threads
         import torch
 
         with torch_threads(cfg.threads or torch.get_num_threads()):  # None: a record from before the field
@@ -127,13 +127,13 @@ class VLLM(Engine):
 
     def settings(self, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1) -> VLLMConfig:
-        from capture.vllm.config import VLLMConfig
+        from tapdraft.capture.vllm.config import VLLMConfig
 
         return VLLMConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                           data_parallel_size=data_parallel_size)
 
     def _default_settings(self, cfg: RunSettings) -> None:
-        from capture.vllm.config import VLLMConfig
+        from tapdraft.capture.vllm.config import VLLMConfig
 
         if cfg.vllm is None:
             object.__setattr__(cfg, "vllm", VLLMConfig())
@@ -152,12 +152,12 @@ class VLLM(Engine):
         self._default_settings(cfg)
 
     def preflight(self, cfg: RunSettings) -> None:
-        from capture.vllm.engine import check_python
+        from tapdraft.capture.vllm.engine import check_python
 
         check_python(cfg.vllm_python, cfg.vllm)
 
     def check_target(self, target: Target, *, audio_embeds: bool = False) -> None:
-        from capture.vllm.engine import check_target
+        from tapdraft.capture.vllm.engine import check_target
 
         check_target(target, audio_embeds=audio_embeds)
 
@@ -177,8 +177,8 @@ class VLLM(Engine):
         head on vLLM's states), on the capture's thread count (the teacher head's reductions too)."""
         import torch
 
-        from capture.stages import resolve_dtype, torch_threads
-        from capture.vllm.engine import VLLMEngine, layer_ids, prove_head
+        from tapdraft.capture.stages import resolve_dtype, torch_threads
+        from tapdraft.capture.vllm.engine import VLLMEngine, layer_ids, prove_head
 
         assert cfg.vllm is not None
         longest = min(x for x in (cfg.max_length, target.max_positions) if x is not None) \
@@ -196,10 +196,10 @@ class VLLM(Engine):
         """vLLM workers in generate mode (capture.vllm.regenerate)."""
         import torch
 
-        from capture.generation import context_length
-        from capture.stages import resolve_dtype
-        from capture.vllm.engine import check_target
-        from capture.vllm.regenerate import VLLMReplies
+        from tapdraft.capture.generation import context_length
+        from tapdraft.capture.stages import resolve_dtype
+        from tapdraft.capture.vllm.engine import check_target
+        from tapdraft.capture.vllm.regenerate import VLLMReplies
 
         check_target(target)
         assert cfg.vllm is not None

@@ -20,11 +20,11 @@ from typing import Sequence
 
 import torch
 
-from capture.head import LiveHead
-from capture.hooks import LayerTaps
-from capture.targets.base import Expanded, Prepared, Target
-from shards.head import row_spans
-from shards.schema import Layout, teacher_rows
+from tapdraft.capture.head import LiveHead
+from tapdraft.capture.hooks import LayerTaps
+from tapdraft.capture.targets.base import Expanded, Prepared, Target
+from tapdraft.shards.head import row_spans
+from tapdraft.shards.schema import Layout, teacher_rows
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from capture.targets.base import Expanded, Target
+from tapdraft.capture.targets.base import Expanded, Target
 
 
 @dataclass(frozen=True)

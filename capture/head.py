@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from capture.hooks import LayerTaps
-from shards.head import NORM_KINDS, HeadSpec, embed, final_norm, teacher_logits
+from tapdraft.capture.hooks import LayerTaps
+from tapdraft.shards.head import NORM_KINDS, HeadSpec, embed, final_norm, teacher_logits
 
 
 class UnsupportedHead(ValueError):

@@ -58,7 +58,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from common.errors import InputError
+from tapdraft.common.errors import InputError
 
 DURATION_SLACK_S = 0.01
 """An audio span may end this far past the end of its file (manifests round durations); more is an error."""

@@ -50,32 +50,32 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
+from tapdraft.capture.config import (INPUTS_KEY, PLACEMENT_FIELDS, RUNTIME_FIELDS, CaptureConfig, check_resume, pin_threads,
                             pin_writers, portable_path, rank_cores)
-from capture.engines import ENGINES
-from capture.forward import SampleSpec, run_batch
-from capture.inputs import BadInput, check_input, header_seconds, input_digest, read_inputs, stored_source
-from capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
-from capture.replies.fused import fused_window
-from capture.replies.regenerate import RegenerateConfig, regenerate
-from capture.replies.windows import REPLY_DROP_REASONS
-from capture.stages import barrier as _barrier
-from capture.stages import Skip, bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
-from capture.stages import dist_env as _dist_env
-from capture.targets.base import Prepared, Target
-from capture.targets.load import load_target
-from capture.vllm.engine import VLLMEngine, vllm_batches
-from common.atomic import staged
-from common.errors import CaptureError, Interrupted
-from shards.manifest import (complete_manifest, dataset_fingerprint, discard_dataset,
+from tapdraft.capture.engines import ENGINES
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.inputs import BadInput, check_input, header_seconds, input_digest, read_inputs, stored_source
+from tapdraft.capture.provenance import check_target, read_provenance, replies_from_target, sidecar_path, target_fingerprint
+from tapdraft.capture.replies.fused import fused_window
+from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+from tapdraft.capture.replies.windows import REPLY_DROP_REASONS
+from tapdraft.capture.stages import barrier as _barrier
+from tapdraft.capture.stages import Skip, bucket, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from tapdraft.capture.stages import dist_env as _dist_env
+from tapdraft.capture.targets.base import Prepared, Target
+from tapdraft.capture.targets.load import load_target
+from tapdraft.capture.vllm.engine import VLLMEngine, vllm_batches
+from tapdraft.common.atomic import staged
+from tapdraft.common.errors import CaptureError, Interrupted
+from tapdraft.shards.manifest import (complete_manifest, dataset_fingerprint, discard_dataset,
                              foreign_directory, write_or_check_bundle, writer_lock)
-from common.progress import Progress
-from shards.schema import Layout, NonFiniteError
-from shards.taps import capture_tap_ids
-from common.template import read_template_file, template_sha
-from shards.transfer import StagedUpload, is_remote_url, staging_dir
-from shards.finalize import finalize_dataset
-from shards.writer import DatasetWriter
+from tapdraft.common.progress import Progress
+from tapdraft.shards.schema import Layout, NonFiniteError
+from tapdraft.shards.taps import capture_tap_ids
+from tapdraft.common.template import read_template_file, template_sha
+from tapdraft.shards.transfer import StagedUpload, is_remote_url, staging_dir
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.shards.writer import DatasetWriter
 
 CONFIG_FILE = "capture_config.json"
 

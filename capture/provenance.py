@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from shards.bundle import bundle_fingerprint
+from tapdraft.shards.bundle import bundle_fingerprint
 
 if TYPE_CHECKING:
-    from capture.targets.base import Target
+    from tapdraft.capture.targets.base import Target
 
 SIDECAR_NAME = "regenerate.json"
 """The sidecar's name inside an output directory; a file output's is ``NAME.regenerate.json``."""

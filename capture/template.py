@@ -50,7 +50,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from common.template import template_kwargs
+from tapdraft.common.template import template_kwargs
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MASK_BY_MARKERS = "generation markers"

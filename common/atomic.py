@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 import fsspec
 
-from common.errors import disk_errno, torch_write_failed
+from tapdraft.common.errors import disk_errno, torch_write_failed
 
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from capture.targets.salm.model import CHAT_TEMPLATE
+from tapdraft.capture.targets.salm.model import CHAT_TEMPLATE
 
 SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
 PROMPT = "Continue this passage from the Python documentation:\n"
@@ -228,9 +228,9 @@ def write_split(target_dir: Path, pairs: Sequence[tuple[str, str]], path: Path, 
     and replies that do not re-tokenize to the same ids (BPE can emit a non-canonical split) are dropped
     and counted; replies cut at ``max_new_tokens`` are kept (marked), so every kept reply is token for
     token what the target decodes greedily."""
-    from capture.generation import GenerationConfig, ReplyConfig
-    from capture.replies.regenerate import RegenerateConfig, regenerate
-    from common.atomic import staged
+    from tapdraft.capture.generation import GenerationConfig, ReplyConfig
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+    from tapdraft.common.atomic import staged
 
     src = path.with_name(path.stem + ".corpus.jsonl")
     rows = [{"id": f"{path.stem}-{i:06d}", "conversations": [
@@ -263,9 +263,9 @@ def prepare_bpe(workdir: str | Path, *, quick: bool = False, seed: int = 0, prog
                 size: BPESize | None = None) -> BPEPaths:
     """Build (or reuse) DIR/target, DIR/data and DIR/dataset on one torch thread; ``size`` replaces the
     FULL / QUICK size (a workdir is reused only for the size it was built with)."""
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from demo.data import one_thread, open_workdir
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.demo.data import one_thread, open_workdir
 
     size = size or (QUICK if quick else FULL)
     root, info_path, info = open_workdir(workdir, "bpe.json", quick=quick, seed=seed, what="BPE target")

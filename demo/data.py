@@ -24,16 +24,16 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from capture.config import CaptureConfig
-from capture.generation import GenerationConfig, ReplyConfig
-from capture.replies.regenerate import RegenerateConfig
-from capture.replies.regenerate import regenerate as run_regenerate
-from capture.targets.load import quiet_loading
-from capture.targets.salm.model import SALM
-from capture.targets.salm.target import SALMTarget
-from demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
-from demo.task import SAMPLE_RATE, sample_example, tone_audio
-from common.atomic import staged
+from tapdraft.capture.config import CaptureConfig
+from tapdraft.capture.generation import GenerationConfig, ReplyConfig
+from tapdraft.capture.replies.regenerate import RegenerateConfig
+from tapdraft.capture.replies.regenerate import regenerate as run_regenerate
+from tapdraft.capture.targets.load import quiet_loading
+from tapdraft.capture.targets.salm.model import SALM
+from tapdraft.capture.targets.salm.target import SALMTarget
+from tapdraft.demo.target import FULL, QUICK, DemoSize, build_demo_salm, train_demo_salm
+from tapdraft.demo.task import SAMPLE_RATE, sample_example, tone_audio
+from tapdraft.common.atomic import staged
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def prepare_demo(
 
 def _prepare(root: Path, size: DemoSize, quick: bool, regenerate: bool, seed: int, progress: bool,
              capture_overrides: dict[str, Any] | None, info: dict[str, Any], info_path: Path) -> DemoPaths:
-    from capture.pipeline import capture
+    from tapdraft.capture.pipeline import capture
 
     tdir, ddir, dsdir = root / "target", root / "data", root / "dataset"
     if (tdir / "salm_config.json").is_file():

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.data import DemoPaths, one_thread, prepare_demo
-from speculate.run import SpeculateConfig, run_speculate
-from train.config import RunConfig, load_run_config
-from train.evaluate import evaluate
-from train.export import export_run
-from train.loop import train
+from tapdraft.demo.data import DemoPaths, one_thread, prepare_demo
+from tapdraft.speculate.run import SpeculateConfig, run_speculate
+from tapdraft.train.config import RunConfig, load_run_config
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.export import export_run
+from tapdraft.train.loop import train
 
 RECIPE = "dflash_demo"
 QUICK_OVERRIDES = ("max_steps=30", "log_every=10", "ckpt_every=30")

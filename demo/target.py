@@ -19,10 +19,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from capture.targets.base import DEFAULT_PLACEHOLDER
-from capture.targets.salm.model import CHAT_TEMPLATE, SALM, SPECIAL_TOKENS, AudioConfig
-from demo.task import SAMPLE_RATE, TASKS, _tones, frame_labels, vocabulary
-from common.progress import Progress
+from tapdraft.capture.targets.base import DEFAULT_PLACEHOLDER
+from tapdraft.capture.targets.salm.model import CHAT_TEMPLATE, SALM, SPECIAL_TOKENS, AudioConfig
+from tapdraft.demo.task import SAMPLE_RATE, TASKS, _tones, frame_labels, vocabulary
+from tapdraft.common.progress import Progress
 
 @dataclass(frozen=True)
 class DemoSize:

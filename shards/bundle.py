@@ -44,12 +44,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file, save_file
 
-from common.atomic import OLD_SUFFIX, is_local as _is_local, staged
-from common.errors import CorruptShardError
-from shards.head import HeadSpec
-from shards.limits import check_size, regular_file, safe_relpath
-from shards.schema import SCHEMA_VERSION, check_schema_version
-from common.template import template_kwargs as canonical_kwargs
+from tapdraft.common.atomic import OLD_SUFFIX, is_local as _is_local, staged
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.head import HeadSpec
+from tapdraft.shards.limits import check_size, regular_file, safe_relpath
+from tapdraft.shards.schema import SCHEMA_VERSION, check_schema_version
+from tapdraft.common.template import template_kwargs as canonical_kwargs
 
 BUNDLE_FILE = "bundle.json"
 WEIGHTS_FILE = "weights.safetensors"

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 import zstandard
 
-from shards.schema import SCALAR_FIELDS, SCHEMA_VERSION, Layout, field_specs
+from tapdraft.shards.schema import SCALAR_FIELDS, SCHEMA_VERSION, Layout, field_specs
 
 assert sys.byteorder == "little", "tapdraft's byte layout assumes a little-endian host"
 

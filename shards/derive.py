@@ -33,16 +33,16 @@ from typing import Any
 
 import fsspec
 
-from shards import manifest as mf
-from common.atomic import staged
-from shards.bundle import copy_bundle
-from shards.finalize import finalize_dataset
-from common.progress import Progress
-from shards.reader import open_dataset
-from shards.schema import Layout
-from shards.shard_file import ShardConfig
-from shards.taps import TAPS_CODECS
-from shards.writer import DatasetWriter
+from tapdraft.shards import manifest as mf
+from tapdraft.common.atomic import staged
+from tapdraft.shards.bundle import copy_bundle
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.common.progress import Progress
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.taps import TAPS_CODECS
+from tapdraft.shards.writer import DatasetWriter
 
 DERIVED_KEY = "derived_from"
 """``extra[DERIVED_KEY]``: the lineage of a derived dataset (absent on captured ones)."""

@@ -17,17 +17,17 @@ from typing import Any, Callable
 
 import fsspec
 
-from shards import manifest as mf
-from common.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
-from shards.codec import shard_metadata
-from shards.formats import FORMATS
-from shards.integrity import INTEGRITY
-from shards.limits import safe_relpath
-from shards.schema import SCHEMA_VERSION, Layout, check_schema_version
-from shards.shard_file import ShardConfig
-from shards.shard_index import index_name
-from shards.taps import TAPS_CODECS
-from shards.writer import check_part_version
+from tapdraft.shards import manifest as mf
+from tapdraft.common.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
+from tapdraft.shards.codec import shard_metadata
+from tapdraft.shards.formats import FORMATS
+from tapdraft.shards.integrity import INTEGRITY
+from tapdraft.shards.limits import safe_relpath
+from tapdraft.shards.schema import SCHEMA_VERSION, Layout, check_schema_version
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.shard_index import index_name
+from tapdraft.shards.taps import TAPS_CODECS
+from tapdraft.shards.writer import check_part_version
 
 
 def _load_parts(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, dict[str, Any]]]:

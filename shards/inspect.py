@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from shards.manifest import fmt_bytes
-from shards.reader import Dataset
-from shards.taps import TAPS_CODECS
+from tapdraft.shards.manifest import fmt_bytes
+from tapdraft.shards.reader import Dataset
+from tapdraft.shards.taps import TAPS_CODECS
 
 
 def summary(ds: Dataset) -> dict[str, Any]:

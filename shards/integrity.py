@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from common.errors import CorruptShardError
+from tapdraft.common.errors import CorruptShardError
 
 HASH_NAME = "xxh3_64"
 INTEGRITY = {"hash": HASH_NAME, "blocks": True, "rows": True}

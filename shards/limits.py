@@ -31,7 +31,7 @@ from typing import Any
 
 import zstandard
 
-from common.errors import CorruptShardError
+from tapdraft.common.errors import CorruptShardError
 
 MAX_SHARD_BYTES = 64 << 30
 MAX_INDEX_BYTES = 64 << 20

@@ -27,14 +27,14 @@ from typing import Any, Callable
 
 import fsspec
 
-from shards.bundle import BUNDLE_FILE, bundle_fingerprint, stored_fingerprint, write_bundle
-from shards.formats import FORMATS, get_format
-from shards.integrity import NO_INTEGRITY
-from shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
+from tapdraft.shards.bundle import BUNDLE_FILE, bundle_fingerprint, stored_fingerprint, write_bundle
+from tapdraft.shards.formats import FORMATS, get_format
+from tapdraft.shards.integrity import NO_INTEGRITY
+from tapdraft.shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
                            safe_relpath)
-from shards.schema import check_schema_version
-from shards.taps import TAP_NUMBERING, TAPS_CODECS
-from shards.shard_index import INDEX_DIR, migrate_inline_index
+from tapdraft.shards.schema import check_schema_version
+from tapdraft.shards.taps import TAP_NUMBERING, TAPS_CODECS
+from tapdraft.shards.shard_index import INDEX_DIR, migrate_inline_index
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
@@ -81,7 +81,7 @@ def writer_lock(url: str, rank: int, what: str = "a capture"):
     a second writer of the same rank is refused with ``common.lock.LockedError`` naming ``what`` holds it.
     Taking it creates ``_parts/``, the mark of a dataset being written (``foreign_directory``): every writer takes
     it before writing anything else."""
-    from common.lock import exclusive_lock
+    from tapdraft.common.lock import exclusive_lock
 
     fs, root = fsspec.core.url_to_fs(str(url))
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):

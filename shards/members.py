@@ -25,11 +25,11 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable
 
-from shards import manifest as mf
-from shards.bundle import bundle_files
-from shards.limits import file_kind, refused_link, regular_file
-from shards.remote import is_local
-from shards.shard_index import index_name
+from tapdraft.shards import manifest as mf
+from tapdraft.shards.bundle import bundle_files
+from tapdraft.shards.limits import file_kind, refused_link, regular_file
+from tapdraft.shards.remote import is_local
+from tapdraft.shards.shard_index import index_name
 
 CAPTURE_RECORD = "capture_config.json"
 """The capture's resume record beside its dataset (``capture.pipeline`` writes it): working state, not data."""

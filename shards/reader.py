@@ -38,18 +38,18 @@ from typing import Any, Iterator
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from shards import manifest as mf
-from shards.bundle import TargetBundle, open_bundle
-from shards.codec import FieldMeta
-from common.errors import CorruptShardError, SampleIndexError
-from shards.formats import get_format
-from shards.formats.base import ShardReader
-from shards.integrity import check_block
-from shards.members import refuse_links
-from shards.remote import RemoteConfig, is_local, open_url
-from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
-from shards.schema import Layout
-from shards.shard_index import IndexCache, ShardIndex, load_index
+from tapdraft.shards import manifest as mf
+from tapdraft.shards.bundle import TargetBundle, open_bundle
+from tapdraft.shards.codec import FieldMeta
+from tapdraft.common.errors import CorruptShardError, SampleIndexError
+from tapdraft.shards.formats import get_format
+from tapdraft.shards.formats.base import ShardReader
+from tapdraft.shards.integrity import check_block
+from tapdraft.shards.members import refuse_links
+from tapdraft.shards.remote import RemoteConfig, is_local, open_url
+from tapdraft.shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.shard_index import IndexCache, ShardIndex, load_index
 
 STATE_VERSION = 2
 """2: Arrow order units are ``order_unit`` samples, no longer record batches (a version-1 position names

@@ -32,8 +32,8 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from shards.cache import Cache
-from common.errors import CorruptShardError, RemoteError
+from tapdraft.shards.cache import Cache
+from tapdraft.common.errors import CorruptShardError, RemoteError
 
 
 def _default_dir() -> str:

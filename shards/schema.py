@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, to_vllm
+from tapdraft.shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, to_vllm
 
 SCHEMA_VERSION = "2.0"
 """major.minor: readers refuse a major version they do not know; minor additions stay readable.

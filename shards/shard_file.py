@@ -18,13 +18,13 @@ from typing import Any
 
 import fsspec
 
-from common.atomic import commit, temp_name
-from shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
-from shards.formats import DEFAULT_FORMAT, FORMATS
-from shards.integrity import BlockHasher, digest
-from shards.limits import MAX_SHARD_BYTES
-from shards.schema import Layout
-from shards.shard_index import index_name, write_index
+from tapdraft.common.atomic import commit, temp_name
+from tapdraft.shards.codec import BF16_LAYOUTS, FP8_LAYOUTS, LEGACY_FP8_LAYOUT, FieldMeta, encode_fields
+from tapdraft.shards.formats import DEFAULT_FORMAT, FORMATS
+from tapdraft.shards.integrity import BlockHasher, digest
+from tapdraft.shards.limits import MAX_SHARD_BYTES
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.shard_index import index_name, write_index
 
 LEGACY_SHARD_FIELDS = {"fp8_layout": LEGACY_FP8_LAYOUT, "writers": 1}
 """What a shard config recorded before a field existed used for it (fp8 taps were one byte a value, one writer)."""

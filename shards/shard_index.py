@@ -39,10 +39,10 @@ from typing import Any, Callable
 
 import fsspec
 
-from common.atomic import write_bytes_atomic
-from common.errors import CorruptShardError
-from shards.integrity import check_block, digest
-from shards.limits import MAX_INDEX_BYTES, check_size, parse_json
+from tapdraft.common.atomic import write_bytes_atomic
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.integrity import check_block, digest
+from tapdraft.shards.limits import MAX_INDEX_BYTES, check_size, parse_json
 
 INDEX_DIR = "index"
 INDEX_VERSION = 1

@@ -35,14 +35,14 @@ from typing import Any, Callable
 
 import fsspec
 
-from shards import manifest as mf
-from common.atomic import replace
-from common.errors import CorruptShardError
-from shards.limits import parse_json, regular_file
-from shards.members import dataset_members
-from common.progress import Progress
-from shards.remote import RemoteConfig, is_local, retry
-from shards.shard_index import INDEX_DIR
+from tapdraft.shards import manifest as mf
+from tapdraft.common.atomic import replace
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.limits import parse_json, regular_file
+from tapdraft.shards.members import dataset_members
+from tapdraft.common.progress import Progress
+from tapdraft.shards.remote import RemoteConfig, is_local, retry
+from tapdraft.shards.shard_index import INDEX_DIR
 
 PART_BYTES = 64 << 20
 """Multipart part size (S3 allows 5 MiB..5 GiB and 10,000 parts: objects up to 625 GiB at this size)."""
@@ -247,7 +247,7 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
 def _pull_locked(fs: Any, R: Callable[..., Any], url: str, root: str, raw: bytes, files: dict[str, int],
                  remote: dict[str, Any], out: Path, part_bytes: int, progress: bool) -> dict[str, Any]:
     """``pull``'s copy into ``out``, whose writer lock the caller holds."""
-    from shards.verify import verify_dataset
+    from tapdraft.shards.verify import verify_dataset
 
     dest = str(out)
     (out / mf.MANIFEST).unlink(missing_ok=True)  # damaged since: not a dataset until the copy is whole again

@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 import fsspec
 import pyarrow as pa
 
-from shards import manifest as mf
-from shards.bundle import open_bundle
-from shards.codec import FieldMeta
-from common.errors import CorruptShardError
-from shards.formats import get_format
-from shards.limits import check_manifest_shape, parse_json
-from shards.members import strays
-from common.progress import Progress
-from shards.remote import RemoteConfig, open_url
-from shards.schema import Layout, check_schema_version, validate_sample
+from tapdraft.shards import manifest as mf
+from tapdraft.shards.bundle import open_bundle
+from tapdraft.shards.codec import FieldMeta
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.formats import get_format
+from tapdraft.shards.limits import check_manifest_shape, parse_json
+from tapdraft.shards.members import strays
+from tapdraft.common.progress import Progress
+from tapdraft.shards.remote import RemoteConfig, open_url
+from tapdraft.shards.schema import Layout, check_schema_version, validate_sample
 
 REQUIRED_KEYS = ("schema_version", "format", "complete", "fingerprint", "layout", "field_meta", "splits", "taps",
                  "top_k", "dtypes", "codec", "capture_config", "code_version")

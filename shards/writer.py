@@ -31,13 +31,13 @@ from typing import Any
 
 import fsspec
 
-from shards import manifest as mf
-from common.atomic import write_json_atomic
-from shards.bundle import stored_fingerprint
-from shards.schema import SCHEMA_VERSION, Layout, validate_sample
-from shards.shard_file import ShardConfig, _Shard
-from shards.shard_index import INDEX_DIR, index_name
-from shards.taps import foreign_layout_fields
+from tapdraft.shards import manifest as mf
+from tapdraft.common.atomic import write_json_atomic
+from tapdraft.shards.bundle import stored_fingerprint
+from tapdraft.shards.schema import SCHEMA_VERSION, Layout, validate_sample
+from tapdraft.shards.shard_file import ShardConfig, _Shard
+from tapdraft.shards.shard_index import INDEX_DIR, index_name
+from tapdraft.shards.taps import foreign_layout_fields
 
 PART_VERSION = 2
 """2: a shard entry records its index file (``index``) instead of its record batches (version 1, written

@@ -31,8 +31,8 @@ import time
 import torch
 from torch import nn
 
-from capture.head import LiveHead, derive_head
-from capture.hooks import LayerTaps
+from tapdraft.capture.head import LiveHead, derive_head
+from tapdraft.capture.hooks import LayerTaps
 
 Proposer = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """proposer(ids [P+1], taps [P, n, H], temperature, generator) -> (tokens [K], draft probs [K, V] or None)."""

@@ -54,19 +54,19 @@ from typing import Any
 import fsspec
 import torch
 
-from capture.inputs import BadInput, read_inputs
-from capture.provenance import target_fingerprint
-from capture.stages import resolve_device
-from capture.targets.base import Target
-from capture.targets.load import load_target
-from common.atomic import write_json_atomic
-from common.progress import Progress
-from common.template import check_template, read_template_file, template_kwargs
-from speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
+from tapdraft.capture.inputs import BadInput, read_inputs
+from tapdraft.capture.provenance import target_fingerprint
+from tapdraft.capture.stages import resolve_device
+from tapdraft.capture.targets.base import Target
+from tapdraft.capture.targets.load import load_target
+from tapdraft.common.atomic import write_json_atomic
+from tapdraft.common.progress import Progress
+from tapdraft.common.template import check_template, read_template_file, template_kwargs
+from tapdraft.speculate.decode import (DecodeResult, TargetSession, acceptance_by_position, speculative_generate,
                               target_greedy)
-from train.acceptance import UNREACHED, alpha_text, breakeven, breakeven_text
-from train.evaluate import acceptance_of
-from train.run import Trained, load_trained
+from tapdraft.train.acceptance import UNREACHED, alpha_text, breakeven, breakeven_text
+from tapdraft.train.evaluate import acceptance_of
+from tapdraft.train.run import Trained, load_trained
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,14 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
     while start > 0 and bool(loss_mask[start - 1]):
         start -= 1
     return start
+
+
+def last_reply(sample: dict[str, Any]) -> dict[str, Any]:
+    """The sample with its earlier replies as context only: supervised on its last reply, the one ``speculate``
+    decodes (an MT-bench second turn is decoded after the target's first reply, which it does not decode)."""
+    mask = sample["loss_mask"].clone()
+    mask[:prompt_length(mask)] = False
+    return {**sample, "loss_mask": mask}
 
 
 def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -321,11 +329,11 @@ def past_capture(samples: list[dict[str, Any]], decoded: list[dict[str, Any]]) -
 
 def offline_estimates(loaded: Trained, sample_ids: list[str], cfg: SpeculateConfig,
                       decoded: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Offline tau (uniform anchors, and replayed) over the decoded conversations' own dataset samples, and how
-    far live decoding ran past what they cover; without any of them in the dataset, the run's first eval.json,
+    """Offline tau (uniform anchors, and replayed) over the decoded conversations' own dataset samples, their last
+    replies only (what was decoded), and how far live decoding ran past what they cover; without any of them in the dataset, the run's first eval.json,
     labelled with what it covers."""
     samples = dataset_samples(loaded, sample_ids)
-    res = acceptance_of(loaded, samples, device=cfg.device)
+    res = acceptance_of(loaded, [last_reply(x) for x in samples], device=cfg.device)
     if res is not None:
         return {"offline_tau": res["tau"], "offline_tau_replayed": res["tau_replayed"],
                 "offline_over": f"the same {res['samples']} conversations", "offline_same": True,

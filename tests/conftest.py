@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def salm_dir(tmp_path_factory) -> Path:
     """A random-init quick-size demo SALM saved in its directory layout (built once per session)."""
-    from demo.target import QUICK, build_demo_salm
+    from tapdraft.demo.target import QUICK, build_demo_salm
 
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("salm")

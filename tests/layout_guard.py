@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 PACKAGES = ("tapdraft", "common", "capture", "shards", "train", "speculate", "engines", "demo", "benchmarks")
+INSTALLED = ("common", "capture", "shards", "train", "speculate", "engines", "demo", "cli")
+"""The folders (and cli.py) installed as ``tapdraft.NAME``: tapdraft/ holds a link to each, and code imports them by that
+name alone (``bare_imports``). The graph below names a module by its folder (``capture.inputs``)."""
 ALLOWED = {  # package -> project packages it may import
-    "tapdraft": {"shards"},  # the public entry point: a re-export of shards.reader
+    "tapdraft": {"shards", "cli"},  # the public entry point (a re-export of shards.reader) and ``python -m tapdraft``
     "common": set(),  # errors, progress, atomic writes, locks, template settings: below everything
     "shards": {"common"},
     "capture": {"common", "shards"},
@@ -29,7 +32,7 @@ ALLOWED = {  # package -> project packages it may import
     "engines": {"common", "capture", "shards", "train", "speculate"},  # serving runs a target and a draft
     "demo": {"common", "capture", "shards", "train", "speculate", "engines"},
     "benchmarks": {"common", "capture", "shards", "train", "speculate", "engines", "demo"},
-    "cli": {"common", "capture", "shards", "train", "speculate", "demo"},
+    "cli": {"tapdraft", "common", "capture", "shards", "train", "speculate", "engines", "demo"},
 }
 MODEL_CODE = ("transformers", "torch.nn", "capture", "train")
 BELOW_MODELS = ("common", "shards")
@@ -61,32 +64,58 @@ def parse(path: Path) -> ast.Module:
 
 
 def modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for cli.py and every package present under ``root``."""
+    """Dotted module name -> file, for cli.py and every package present under ``root`` (tapdraft/'s links to the other
+    folders are not walked: those files are counted where they live)."""
     mods = {"cli": root / "cli.py"} if (root / "cli.py").is_file() else {}
     for pkg in PACKAGES:
         for f in sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else []:
+            if any(p.is_symlink() for p in [f, *f.relative_to(root).parents][:-1] if (root / p).is_symlink()):
+                continue
             parts = f.relative_to(root).with_suffix("").parts
             mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return mods
 
 
+def local_name(name: str) -> str:
+    """``tapdraft.capture.inputs`` -> ``capture.inputs``, ``tapdraft.cli`` -> ``cli``: the graph's name of a module
+    imported by its installed name; any other name as it is."""
+    head, _, rest = name.partition(".")
+    return rest if head == "tapdraft" and rest.split(".")[0] in INSTALLED else name
+
+
 def imports_of(path: Path, known: set[str], module: str = "") -> set[str]:
     """Every module (project or not) that ``path`` (the module ``module``) imports anywhere in its body, lazy
-    imports included; a relative import is resolved against ``module``'s package."""
+    imports included, named as the graph names them (``local_name``); a relative import is resolved against
+    ``module``'s package."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
+            out |= {local_name(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            out.add(name)
-            out |= {f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in known}
+            out.add(local_name(name))
+            out |= {local_name(f"{name}.{a.name}") for a in node.names if local_name(f"{name}.{a.name}") in known}
     return out
+
+
+def bare_imports(root: Path) -> list[str]:
+    """An absolute import of an installed folder by its own name (``import capture``, ``from shards.x import y``) in
+    the project's code or tests: installed, only ``tapdraft.capture`` exists, and in a checkout the bare name would
+    load a second copy of the same module. (capture/vllm/side/ runs in vLLM's interpreter under a private name and
+    imports itself relatively.)"""
+    tests = sorted((root / "tests").rglob("*.py")) if (root / "tests").is_dir() else []
+    bad = []
+    for f in [*modules(root).values(), *tests]:
+        for node in ast.walk(parse(f)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{f.relative_to(root)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in INSTALLED]
+    return bad
 
 
 def graph(root: Path) -> dict[str, set[str]]:
@@ -281,7 +310,7 @@ def family_folders(root: Path) -> list[str]:
     bad = [f"train/drafters/{f}/ is no FAMILIES entry" for f in sorted(folders - set(fams))]
     bad += [f"FAMILIES[{f!r}] has no folder" for f in sorted(set(fams) - folders)]
     bad += [f"FAMILIES[{n!r}] = {m} is not its folder's model.py" for n, m in fams.items()
-            if m != f"train.drafters.{n}.model"]
+            if m != f"tapdraft.train.drafters.{n}.model"]
     for f in sorted(folders & set(fams)):
         bad += [f"train/drafters/{f}/ has no {name}" for name in FAMILY_FILES if not (drafters / f / name).is_file()]
         bad += [f"train/drafters/{f}/{name} holds a role under another name (config, model, loss, export)"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli import app, main
-from shards.reader import open_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.cli import app, main
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_file import ShardConfig
 from tests.capture.util import conv_record, write_manifest, write_wav
 from tests.shards.synthetic import tiny_layout, write_dataset
 
@@ -41,13 +41,12 @@ def test_choices_in_help_come_from_their_registries(monkeypatch):
     """capture --help lists every storage format, taps codec and engine its registry holds, a new entry included."""
     import dataclasses
 
-    from capture.engines import ENGINES
-    from shards.formats import FORMATS
-    from shards.taps import TAPS_CODECS
+    from tapdraft.capture.engines import ENGINES
+    from tapdraft.shards.formats import FORMATS
+    from tapdraft.shards.taps import TAPS_CODECS
 
     monkeypatch.setitem(FORMATS, "parquet", dataclasses.replace(FORMATS["arrow"], name="parquet", help="columns"))
-    import cli
-
+    from tapdraft import cli
     flat = " ".join(cli.format_help().split())
     assert all(f"{name} (" in flat for name in FORMATS) and "parquet (columns)" in flat
     assert all(f"{name} (" in cli.codec_help() for name in TAPS_CODECS)
@@ -63,9 +62,8 @@ def test_help_names_the_program_however_it_was_started(capsys):
 def test_own_warnings_are_one_line_library_ones_keep_their_format():
     import warnings
 
-    import cli
-    import train.drafters.dflash.config as ours
-
+    from tapdraft import cli
+    import tapdraft.train.drafters.dflash.config as ours
     warnings.formatwarning = cli._format_warning
     try:
         assert cli._format_warning(UserWarning("mask id 1"), UserWarning, ours.__file__, 7) == "warning: mask id 1\n"
@@ -127,7 +125,7 @@ def test_bad_input_is_one_line(salm_dir, tmp_path, capsys):
 
 
 def test_full_disk_is_one_line_and_leaves_no_temp_files(salm_dir, inputs, tmp_path, capsys, monkeypatch):
-    from shards import shard_file
+    from tapdraft.shards import shard_file
 
     def full(self, data):
         raise OSError(errno.ENOSPC, "No space left on device", "data/x.arrow.tmp")
@@ -189,18 +187,18 @@ def test_missing_and_foreign_paths_are_one_line(tmp_path, capsys):
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch, capsys, tmp_path):
-    import shards.reader
+    import tapdraft.shards.reader as reader
 
     def boom(*a, **k):
         raise RuntimeError("an internal bug")
 
-    monkeypatch.setattr(shards.reader, "open_dataset", boom)
+    monkeypatch.setattr(reader, "open_dataset", boom)
     with pytest.raises(RuntimeError, match="an internal bug"):
         main(["inspect", str(tmp_path)])
 
 
 def test_classify_maps_errors_to_one_line_and_a_code():
-    from common.errors import EXIT_INTERRUPTED, EXIT_USER, Interrupted, classify
+    from tapdraft.common.errors import EXIT_INTERRUPTED, EXIT_USER, Interrupted, classify
 
     assert classify(ValueError("cannot finalize ds:\n  a: bad\n  b: worse")) == \
         (EXIT_USER, "cannot finalize ds: a: bad; b: worse")
@@ -214,9 +212,9 @@ def test_readme_path_default_taps_train_the_dflash_recipe_without_a_tap_warning(
     """README: `capture` with its defaults, then `train --recipe dflash`: the recipe's tap rule is stored."""
     import warnings
 
-    from demo.bpe import BPESize, build_bpe_lm, build_bpe_tokenizer, corpus_text
-    from shards.taps import capture_tap_ids, default_tap_ids
-    from train.config import RECIPES_DIR, load_run_config
+    from tapdraft.demo.bpe import BPESize, build_bpe_lm, build_bpe_tokenizer, corpus_text
+    from tapdraft.shards.taps import capture_tap_ids, default_tap_ids
+    from tapdraft.train.config import RECIPES_DIR, load_run_config
 
     size = BPESize(vocab_size=512, hidden=32, layers=6, heads=2, kv_heads=1, intermediate=64)
     tok = build_bpe_tokenizer(corpus_text()[:200], size.vocab_size)
@@ -259,8 +257,8 @@ def test_sigterm_exits_130_saying_what_was_kept(command, sig, salm_dir, inputs, 
     signal.raise_signal)."""
     import signal
 
-    from capture import pipeline
-    from shards import derive, transfer
+    from tapdraft.capture import pipeline
+    from tapdraft.shards import derive, transfer
 
     def term(real):
         def hit(*a, **kw):

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from cli import main
+from tapdraft.cli import main
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 
 def test_an_interrupt_is_labelled_interrupted_not_error(monkeypatch, tmp_path, capsys):
-    import shards.reader
-    from common.errors import Interrupted
+    import tapdraft.shards.reader as reader
+    from tapdraft.common.errors import Interrupted
 
     def stopped(*a, **k):
         raise Interrupted("training stopped by SIGINT after step 3 of 10; checkpoint saved")
 
-    monkeypatch.setattr(shards.reader, "open_dataset", stopped)
+    monkeypatch.setattr(reader, "open_dataset", stopped)
     with pytest.raises(SystemExit) as e:
         main(["inspect", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -63,7 +63,7 @@ def test_help_tags_values_plainly_and_flags_not_at_all(capsys, monkeypatch):
 def test_train_lists_and_shows_recipes(capsys):
     import yaml
 
-    from train.config import load_run_config
+    from tapdraft.train.config import load_run_config
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--list-recipes"])
@@ -81,7 +81,7 @@ def test_train_lists_and_shows_recipes(capsys):
 
 def test_the_public_entry_point_opens_a_dataset(tmp_path):
     import tapdraft
-    from shards.shard_file import ShardConfig
+    from tapdraft.shards.shard_file import ShardConfig
     from tests.shards.synthetic import tiny_layout, write_dataset
 
     root = tmp_path / "ds"

@@ -57,6 +57,31 @@ def test_every_package_is_in_the_graph():
     assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} <= set(guard.PACKAGES)
 
 
+def test_every_import_uses_the_installed_name():
+    assert not guard.bare_imports(ROOT)
+
+
+def test_the_tapdraft_package_links_every_installed_folder():
+    """tapdraft/NAME is a relative link to the top-level NAME, for each installed name and nothing else: the one
+    namespace a checkout, a worktree and a wheel import alike."""
+    pkg = ROOT / "tapdraft"
+    links = {p.name.removesuffix(".py") for p in pkg.iterdir() if p.is_symlink()}
+    assert links == set(guard.INSTALLED)
+    for name in guard.INSTALLED:
+        link = pkg / (name + ".py" if name == "cli" else name)
+        assert not Path(link.readlink()).is_absolute() and link.resolve() == (ROOT / link.name).resolve()
+
+
+def test_guard_sees_a_planted_bare_import(tmp_path):
+    root = _copy(tmp_path, "shards/__init__.py", "shards/taps.py", "tests/conftest.py")
+    assert not guard.bare_imports(root)
+    _plant(root, "shards/taps.py", "\n\ndef _late():\n    import common.progress\n")
+    _plant(root, "tests/conftest.py", "\nfrom capture.inputs import read_inputs\n")
+    found = guard.bare_imports(root)
+    assert len(found) == 2 and found[0].startswith("shards/taps.py:") and found[0].endswith("imports common.progress")
+    assert found[1].startswith("tests/conftest.py:") and found[1].endswith("imports capture.inputs")
+
+
 def test_shards_imports_no_model_code():
     assert not guard.shards_model_code(ROOT)
 
@@ -143,7 +168,7 @@ def test_guard_sees_a_planted_circle_between_rooms(tmp_path):
     root = _copy(tmp_path, "capture/__init__.py", "capture/config.py", "capture/replies/__init__.py",
                  "capture/replies/regenerate.py", "capture/replies/windows.py")
     assert not guard.room_cycles(root)
-    _plant(root, "capture/config.py", "\nfrom capture.replies.windows import RunStats\n")
+    _plant(root, "capture/config.py", "\nfrom tapdraft.capture.replies.windows import RunStats\n")
     assert not guard.import_cycles(root)
     assert "capture.config -> capture.replies.windows" in guard.room_cycles(root)
 
@@ -152,8 +177,8 @@ def test_guard_sees_a_planted_upward_import(tmp_path):
     root = _copy(tmp_path, "shards/__init__.py", "shards/taps.py", "capture/__init__.py", "capture/engines.py",
                  "common/__init__.py", "common/progress.py")
     assert not guard.upward_imports(root) and not guard.shards_model_code(root)
-    _plant(root, "shards/taps.py", "\n\ndef _late():\n    from capture.engines import ENGINES\n")
-    _plant(root, "common/progress.py", "\n\ndef _late():\n    from shards.taps import default_tap_ids\n"
+    _plant(root, "shards/taps.py", "\n\ndef _late():\n    from tapdraft.capture.engines import ENGINES\n")
+    _plant(root, "common/progress.py", "\n\ndef _late():\n    from tapdraft.shards.taps import default_tap_ids\n"
                                        "    import torch.nn\n")
     assert guard.upward_imports(root) == ["common.progress -> shards.taps", "shards.taps -> capture.engines"]
     assert {"shards.taps -> capture.engines", "common.progress -> torch.nn"} <= set(guard.shards_model_code(root))
@@ -162,7 +187,7 @@ def test_guard_sees_a_planted_upward_import(tmp_path):
 def test_guard_sees_target_code_outside_capture_targets(tmp_path):
     root = _copy(tmp_path, "capture/__init__.py", "capture/targets/*.py")
     assert not guard.target_code_outside_targets(root)
-    _plant(root, "capture/planted.py", "from capture.targets.causal_lm import CausalLMTarget\n\n\n"
+    _plant(root, "capture/planted.py", "from tapdraft.capture.targets.causal_lm import CausalLMTarget\n\n\n"
                                        "class MyTarget(CausalLMTarget):\n    pass\n")
     assert sorted(guard.target_code_outside_targets(root)) == [
         "capture.planted -> capture.targets.causal_lm", "capture.planted: class MyTarget(CausalLMTarget)"]

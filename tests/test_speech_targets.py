@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from capture.inputs import read_jsonl
-from capture.targets.load import load_target
-from cli import app, main
-from speculate.decode import target_greedy
-from speculate.run import prompt_length
+from tapdraft.capture.inputs import read_jsonl
+from tapdraft.capture.targets.load import load_target
+from tapdraft.cli import app, main
+from tapdraft.speculate.decode import target_greedy
+from tapdraft.speculate.run import prompt_length
 from tests.capture.speech_models import (own_inputs, save_granite_speech, save_qwen2_audio, save_qwen3_asr,
                                          save_voxtral)
 from tests.capture.util import conv_record, write_manifest, write_wav

@@ -9,10 +9,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli import app, main
-from train.config import load_run_config
-from train.evaluate import evaluate
-from train.loop import train
+from tapdraft.cli import app, main
+from tapdraft.train.config import load_run_config
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.loop import train
 from tests.capture.chat_templates import QWEN3, save_qwen3
 
 pytestmark = pytest.mark.slow  # two captures and a short training run, shared by the module (~15 s)
@@ -103,9 +103,9 @@ def test_resume_refuses_a_dataset_with_other_settings(chain):
 
 
 def test_the_export_names_the_template_settings_serving_must_use(chain, tmp_path):
-    from common.template import template_sha
-    from train.drafters.common.export_files import load_export
-    from train.export import export_run
+    from tapdraft.common.template import template_sha
+    from tapdraft.train.drafters.common.export_files import load_export
+    from tapdraft.train.export import export_run
 
     _, _, _, _, run = chain
     export_run(run, tmp_path / "export")

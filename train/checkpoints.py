@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from common.atomic import recover_dir, staged
-from common.errors import DivergedError
+from tapdraft.common.atomic import recover_dir, staged
+from tapdraft.common.errors import DivergedError
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "state.pt"

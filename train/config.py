@@ -42,9 +42,9 @@ from typing import Any
 
 import yaml
 
-from common.template import template_kwargs as canonical_template_kwargs
-from train.drafters import DEFAULT_FAMILY
-from train.drafters.base import DrafterConfig, get_family
+from tapdraft.common.template import template_kwargs as canonical_template_kwargs
+from tapdraft.train.drafters import DEFAULT_FAMILY
+from tapdraft.train.drafters.base import DrafterConfig, get_family
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 

@@ -22,11 +22,11 @@ from typing import Any, Iterable
 
 import torch
 
-from train.acceptance import AcceptanceCounts, tau_from_alpha
-from train.config import TrainConfig
-from train.data import BatchStream, to_device
-from train.drafters.base import Drafter
-from train.source import DataSource
+from tapdraft.train.acceptance import AcceptanceCounts, tau_from_alpha
+from tapdraft.train.config import TrainConfig
+from tapdraft.train.data import BatchStream, to_device
+from tapdraft.train.drafters.base import Drafter
+from tapdraft.train.source import DataSource
 
 TB_DIR = "tensorboard"
 PNG = "curves.png"

@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 
-from train.acceptance import (ROUND_COSTS, UNREACHED, AcceptanceCounts, alpha_text, breakeven, breakeven_text,
+from tapdraft.train.acceptance import (ROUND_COSTS, UNREACHED, AcceptanceCounts, alpha_text, breakeven, breakeven_text,
                               tau_from_alpha)
-from train.data import BatchStream, collate, first_samples, has_targets, to_device, truncate
-from train.drafters.common.teacher import last_hidden_source
-from train.run import Trained, load_trained
-from train.source import DataRef
+from tapdraft.train.data import BatchStream, collate, first_samples, has_targets, to_device, truncate
+from tapdraft.train.drafters.common.teacher import last_hidden_source
+from tapdraft.train.run import Trained, load_trained
+from tapdraft.train.source import DataRef
 
 SAMPLED_ROWS = 2048
 """Rows at draft position 1 the sampled-acceptance pass measures by default, then it stops reading batches: each

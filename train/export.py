@@ -30,12 +30,12 @@ from typing import Any, Callable
 
 import torch
 
-from common.atomic import staged
-from common.lock import exclusive_lock
-from common.template import template_sha
-from train.checkpoints import check_finite
-from train.drafters.base import Drafter, get_family
-from train.drafters.common.export_files import export_names
+from tapdraft.common.atomic import staged
+from tapdraft.common.lock import exclusive_lock
+from tapdraft.common.template import template_sha
+from tapdraft.train.checkpoints import check_finite
+from tapdraft.train.drafters.base import Drafter, get_family
+from tapdraft.train.drafters.common.export_files import export_names
 
 
 def family_of(cfg: dict[str, Any]) -> type[Drafter]:
@@ -116,7 +116,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     ``layout``: one of the family's layouts (``Drafter.export_layout``; None: its default; ``speculators`` names the
     target: ``verifier``). ``data``: a dataset of the run's target, read only when the export must carry frozen target
     rows itself (``Drafter.head_rows``: a DFlash draft vocabulary's lm_head rows)."""
-    from train.checkpoints import STATE_FILE, load_checkpoint, load_latest
+    from tapdraft.train.checkpoints import STATE_FILE, load_checkpoint, load_latest
 
     run = Path(run_dir)
     if checkpoint and not (Path(checkpoint) / STATE_FILE).is_file():
@@ -152,7 +152,7 @@ def target_lm_head(data: str | os.PathLike | None, native: dict[str, Any], run: 
     if data is None:
         raise ValueError(f"the draft in {run} drafts from a subset of the target's lm_head rows, which the export must "
                          "carry for vLLM: pass --data DATASET, a dataset of the target it was trained for")
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     bundle = open_dataset(str(data)).bundle()
     want = native.get("tapdraft", {}).get("target_fingerprint")

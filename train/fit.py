@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from shards.bundle import TargetBundle
-from train.config import RunConfig
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.train.config import RunConfig
 
 LOSS_GFLOP = {"cpu": 120.0, "cuda": 5100.0}
 """Head-matmul GFLOP per micro-batch that a null ``max_loss_rows`` is fitted to, per device type."""

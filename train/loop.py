@@ -42,20 +42,20 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.errors import DivergedError, Interrupted, StopSignals
-from common.progress import Progress
-from train.drafters.common import draft_vocab
-from train.acceptance import tau_from_alpha
-from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.config import RESUME_MUTABLE, RunConfig, TrainConfig, migrate_run_config
-from train.curves import PNG as CURVES_PNG
-from train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
-from train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
-from train.drafters.base import Drafter, combine_terms, reduce_metrics
-from train.fit import fit_to_device, head_dtype
-from train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
+from tapdraft.common.errors import DivergedError, Interrupted, StopSignals
+from tapdraft.common.progress import Progress
+from tapdraft.train.drafters.common import draft_vocab
+from tapdraft.train.acceptance import tau_from_alpha
+from tapdraft.train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from tapdraft.train.config import RESUME_MUTABLE, RunConfig, TrainConfig, migrate_run_config
+from tapdraft.train.curves import PNG as CURVES_PNG
+from tapdraft.train.curves import TB_DIR, CurveLog, eval_batches, held_out_acceptance, plot_curves
+from tapdraft.train.data import BatchStream, WorkerBatchStream, derive_seed, to_device
+from tapdraft.train.drafters.base import Drafter, combine_terms, reduce_metrics
+from tapdraft.train.fit import fit_to_device, head_dtype
+from tapdraft.train.run import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, build_drafter, finished_summary, pick_split, run_lock,
                        trim_metrics)
-from train.source import DataRef, DataSource, check_data, check_trained_template, open_source, template_state
+from tapdraft.train.source import DataRef, DataSource, check_data, check_trained_template, open_source, template_state
 
 
 def lr_lambda(tc: TrainConfig):

@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from common.atomic import staged
-from common.lock import exclusive_lock
-from shards.reader import open_dataset
-from common.template import check_template
-from train.checkpoints import Checkpoint, check_finite, latest_checkpoint, load_latest
-from train.config import RunConfig
-from train.data import derive_seed
-from train.drafters.base import Drafter, get_family
-from train.source import DataRef, DataSource, check_trained_template, open_source
+from tapdraft.common.atomic import staged
+from tapdraft.common.lock import exclusive_lock
+from tapdraft.shards.reader import open_dataset
+from tapdraft.common.template import check_template
+from tapdraft.train.checkpoints import Checkpoint, check_finite, latest_checkpoint, load_latest
+from tapdraft.train.config import RunConfig
+from tapdraft.train.data import derive_seed
+from tapdraft.train.drafters.base import Drafter, get_family
+from tapdraft.train.source import DataRef, DataSource, check_trained_template, open_source
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

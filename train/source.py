@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shards.derive import derived_note
-from shards.manifest import responses_from_target
-from shards.reader import Dataset, open_dataset
-from common.template import check_template, read_template_file
-from train.checkpoints import Checkpoint
-from train.config import RunConfig
-from train.drafters.base import get_family
+from tapdraft.shards.derive import derived_note
+from tapdraft.shards.manifest import responses_from_target
+from tapdraft.shards.reader import Dataset, open_dataset
+from tapdraft.common.template import check_template, read_template_file
+from tapdraft.train.checkpoints import Checkpoint
+from tapdraft.train.config import RunConfig
+from tapdraft.train.drafters.base import get_family
 
 
 DataRef = str | os.PathLike | Dataset

@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import torch
 
-from capture.forward import SampleSpec, sample_fields
-from capture.generation import ReplyConfig
-from capture.replies.windows import BAD_INPUT_REASONS, RunStats, process_window
-from capture.stages import Skip
-from capture.targets.base import Expanded, Prepared, Target
+from tapdraft.capture.forward import SampleSpec, sample_fields
+from tapdraft.capture.generation import ReplyConfig
+from tapdraft.capture.replies.windows import BAD_INPUT_REASONS, RunStats, process_window
+from tapdraft.capture.stages import Skip
+from tapdraft.capture.targets.base import Expanded, Prepared, Target
 
 def reply_expanded(target: Target, prompt: Expanded, reply_ids: list[int]) -> Expanded:
     """The prompt followed by the generated ids, which are supervised (the template's generation block)."""

@@ -28,10 +28,10 @@ from typing import Sequence
 
 import torch
 
-from capture.generation import Generation, GenerationConfig
-from capture.hooks import LayerTaps
-from capture.targets.base import Prepared, Target
-from shards.order import epoch_rng
+from tapdraft.capture.generation import Generation, GenerationConfig
+from tapdraft.capture.hooks import LayerTaps
+from tapdraft.capture.targets.base import Prepared, Target
+from tapdraft.shards.order import epoch_rng
 
 
 def row_seed(seed: int, sample_id: str, turn: int) -> int:

@@ -69,18 +69,18 @@ from typing import Any, Iterator
 
 import torch
 
-from capture.config import VLLMConfig
-from capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
-from capture.inputs import BadInput, read_inputs
-from capture.provenance import sidecar_path, target_fingerprint
-from capture.replies.stream import stream_windows
-from capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
-from capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
-from capture.targets.base import Target
-from common.atomic import staged
-from common.lock import exclusive_lock
-from common.progress import Progress
-from common.template import read_template_file, template_kwargs, template_sha
+from tapdraft.capture.config import VLLMConfig
+from tapdraft.capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
+from tapdraft.capture.inputs import BadInput, read_inputs
+from tapdraft.capture.provenance import sidecar_path, target_fingerprint
+from tapdraft.capture.replies.stream import stream_windows
+from tapdraft.capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
+from tapdraft.capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
+from tapdraft.capture.targets.base import Target
+from tapdraft.common.atomic import staged
+from tapdraft.common.lock import exclusive_lock
+from tapdraft.common.progress import Progress
+from tapdraft.common.template import read_template_file, template_kwargs, template_sha
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -215,7 +215,7 @@ def regenerate(cfg: RegenerateConfig, *, target: Target | None = None) -> dict[s
 
 
 def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, world: int) -> dict[str, Any]:
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
 
     out, work = Path(cfg.out), work_dir(cfg.out)
     side = sidecar_path(out)
@@ -391,6 +391,50 @@ def split_output(out: str | Path, parts: dict[str, tuple[list[str], Path]]) -> N
                            "dropped": dict(sorted(Counter(d["status"] for d in drops).items()))}}
         with staged(sidecar_path(dest)) as tmp:
             tmp.write_text(json.dumps(part, indent=2, sort_keys=True))
+
+
+def join_outputs(parts: list[str | Path], out: str | Path) -> dict[str, Any]:
+    """Several complete ``FILE.jsonl`` regenerations -> one ``out`` (records in the parts' order), the inverse of
+    :func:`split_output`: a pool regenerated in chunks (each its own resumable run) is used as one input, whose
+    sidecar capture reads as a whole output's. The parts must come from the same target with the same reply
+    settings (only their inputs differ); counts and drops are summed. The sidecar is written last."""
+    docs = []
+    for part in map(Path, parts):
+        doc = json.loads(sidecar_path(part).read_text()) if sidecar_path(part).is_file() else {}
+        if not doc.get("complete") or part.suffix != ".jsonl":
+            raise ValueError(f"{part} is not a complete FILE.jsonl regeneration; run regenerate to it first")
+        docs.append(doc)
+    if not docs:
+        raise ValueError("join_outputs needs at least one part")
+
+    def same(d: dict[str, Any]) -> tuple:
+        settings = {k: v for k, v in d["settings"].items() if k not in ("data", "max_samples")}
+        return (d["target_fingerprint"], json.dumps(settings, sort_keys=True), d["generation"], d["chat_template"],
+                d["replies_from_target"])
+
+    for part, doc in zip(parts[1:], docs[1:]):
+        if same(doc) != same(docs[0]):
+            raise ValueError(f"{part} was regenerated with another target or other settings than {parts[0]}: "
+                             "only parts of one regeneration setup join")
+    out = Path(out)
+    with staged(out) as tmp:
+        with open(tmp, "w") as f:
+            for part in map(Path, parts):
+                f.write(part.read_text())
+    counts: Counter = Counter()
+    cut: Counter = Counter()
+    for d in docs:
+        counts.update(d["counts"]["dropped"])
+        cut.update(d["counts"].get("cut", {}))
+    doc = {**docs[0], "files": [out.name], "joined_from": [Path(p).name for p in parts],
+           "settings": {**docs[0]["settings"], "data": [d["settings"]["data"] for d in docs]},
+           "dropped": [x for d in docs for x in d["dropped"]][:1000],
+           "counts": {"conversations": sum(d["counts"]["conversations"] for d in docs),
+                      "written": sum(d["counts"]["written"] for d in docs), "dropped": dict(sorted(counts.items())),
+                      **({"cut": dict(cut)} if cut else {})}}
+    with staged(sidecar_path(out)) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return doc
 
 
 def _counted(counts: Counter) -> str:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from capture.generation import Generation, ReplyConfig, context_length
-from capture.inputs import BadInput
-from capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, RunStats, _budget_entry, _check, _drop,
+from tapdraft.capture.generation import Generation, ReplyConfig, context_length
+from tapdraft.capture.inputs import BadInput
+from tapdraft.capture.replies.windows import (BAD_INPUT_REASONS, RegenerateError, RunStats, _budget_entry, _check, _drop,
                                      _Live, _prompt, output_record, regenerated_turns)
-from capture.targets.base import Prepared, Target
+from tapdraft.capture.targets.base import Prepared, Target
 
 
 class ReplyEngine(Protocol):

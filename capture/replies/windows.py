@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.generation import Generation, ReplyConfig, context_length
-from capture.inputs import AudioRef, BadInput, Conversation
-from capture.replies.generate import generate, row_seed
-from capture.stages import bucket
-from capture.targets.base import Prepared, Target
-from common.atomic import staged
-from common.errors import TapdraftError
+from tapdraft.capture.generation import Generation, ReplyConfig, context_length
+from tapdraft.capture.inputs import AudioRef, BadInput, Conversation
+from tapdraft.capture.replies.generate import generate, row_seed
+from tapdraft.capture.stages import bucket
+from tapdraft.capture.targets.base import Prepared, Target
+from tapdraft.common.atomic import staged
+from tapdraft.common.errors import TapdraftError
 
 
 # ------------------------------------------------------------------------------------------ keys and turns

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from capture.head import LiveHead, check_head, derive_head
-from capture.inputs import Conversation
-from capture.template import ChatTemplate, Tokenized
+from tapdraft.capture.head import LiveHead, check_head, derive_head
+from tapdraft.capture.inputs import Conversation
+from tapdraft.capture.template import ChatTemplate, Tokenized
 
 DEFAULT_PLACEHOLDER = "<|audioplaceholder|>"
 """The audio marker of input conversations unless a target names its own."""

@@ -7,8 +7,8 @@ from typing import Sequence
 
 from torch import nn
 
-from capture.inputs import Conversation
-from capture.targets.base import Expanded, Prepared, Target, expand_placeholders
+from tapdraft.capture.inputs import Conversation
+from tapdraft.capture.targets.base import Expanded, Prepared, Target, expand_placeholders
 
 
 class CausalLMTarget(Target):

@@ -39,7 +39,7 @@ from transformers import BatchFeature
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
 from transformers.models.granite_speech.feature_extraction_granite_speech import GraniteSpeechFeatureExtractor
 
-from capture.targets.hf_speech import HFSpeechTarget
+from tapdraft.capture.targets.hf_speech import HFSpeechTarget
 
 SETTINGS = ("sampling_rate", "n_fft", "win_length", "hop_length", "n_mels", "projector_window_size",
             "projector_downsample_rate", "padding_value")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from capture.head import final_norm_module
+from tapdraft.capture.head import final_norm_module
 
 INDEX = "model.safetensors.index.json"
 

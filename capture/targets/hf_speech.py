@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from capture.inputs import Conversation, load_audio
-from capture.targets.base import Expanded, Prepared, Target
-from capture.template import carries_ids
+from tapdraft.capture.inputs import Conversation, load_audio
+from tapdraft.capture.targets.base import Expanded, Prepared, Target
+from tapdraft.capture.template import carries_ids
 
 MIN_SAMPLE_RATE = 8000
 """Inputs sampled below this are refused (as for the SALM)."""

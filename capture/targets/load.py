@@ -14,15 +14,15 @@ from typing import Any, Iterator
 
 import torch
 
-from capture.targets.base import Target
-from capture.targets.causal_lm import CausalLMTarget
-from capture.targets.granite_speech import load_granite_speech
-from capture.targets.head_only import load_head_only
-from capture.targets.hf_speech import load_qwen2_audio, load_qwen3_asr
-from capture.targets.nemo.salm import is_nemo_salm, load_nemo_target
-from capture.targets.salm.model import SALM
-from capture.targets.salm.target import SALMTarget
-from capture.targets.voxtral import load_voxtral
+from tapdraft.capture.targets.base import Target
+from tapdraft.capture.targets.causal_lm import CausalLMTarget
+from tapdraft.capture.targets.granite_speech import load_granite_speech
+from tapdraft.capture.targets.head_only import load_head_only
+from tapdraft.capture.targets.hf_speech import load_qwen2_audio, load_qwen3_asr
+from tapdraft.capture.targets.nemo.salm import is_nemo_salm, load_nemo_target
+from tapdraft.capture.targets.salm.model import SALM
+from tapdraft.capture.targets.salm.target import SALMTarget
+from tapdraft.capture.targets.voxtral import load_voxtral
 
 NATIVE_LOADERS = {
     "qwen2_audio": load_qwen2_audio,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from capture.targets.hf_speech import HFSpeechTarget
+from tapdraft.capture.targets.hf_speech import HFSpeechTarget
 
 BEGIN_AUDIO = "[BEGIN_AUDIO]"
 

@@ -54,14 +54,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from capture.forward import SampleSpec, sample_fields
-from capture.head import UnsupportedHead
-from capture.targets.base import Prepared, Target
-from capture.vllm.config import VLLMConfig
-from capture.vllm.side import wire
-from common.errors import CaptureError
-from shards.schema import Layout
-from shards.taps import to_vllm
+from tapdraft.capture.forward import SampleSpec, sample_fields
+from tapdraft.capture.head import UnsupportedHead
+from tapdraft.capture.targets.base import Prepared, Target
+from tapdraft.capture.vllm.config import VLLMConfig
+from tapdraft.capture.vllm.side import wire
+from tapdraft.common.errors import CaptureError
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import to_vllm
 
 SIDE_NAME = "tapdraft_vllm_side"
 """The top-level name ``capture/vllm/side`` is imported under inside vLLM's interpreter."""
@@ -82,11 +82,11 @@ def check_python(python: str | None, layout: VLLMConfig | None = None) -> str:
     exe = python or sys.executable
     if python is not None and not Path(python).is_file():
         raise CaptureError(f"--vllm-python {python} does not exist; give the python of an environment with vllm "
-                           "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
+                           "installed (`tapdraft venv vllm` builds one and prints its path)")
     res = subprocess.run([exe, "-c", _PROBE], capture_output=True, text=True, env=_engine_env({}, None), timeout=120)
     if res.returncode != 0:
         raise CaptureError(f"{exe} has no vllm installed; give --vllm-python the python of an environment with vllm "
-                           "installed (in a tapdraft checkout, `engines/venv.sh vllm` builds one and prints its path)")
+                           "installed (`tapdraft venv vllm` builds one and prints its path)")
     if layout is not None:
         check_layout(layout, res.stdout.strip())
     return exe

@@ -20,11 +20,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from capture.generation import Generation
-from capture.targets.base import Prepared, Target
-from capture.vllm.config import VLLMConfig
-from capture.vllm.engine import VLLMEngine, request
-from capture.vllm.side import wire
+from tapdraft.capture.generation import Generation
+from tapdraft.capture.targets.base import Prepared, Target
+from tapdraft.capture.vllm.config import VLLMConfig
+from tapdraft.capture.vllm.engine import VLLMEngine, request
+from tapdraft.capture.vllm.side import wire
 
 
 class VLLMReplies:

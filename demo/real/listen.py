@@ -31,7 +31,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from demo.real.build import DEFAULT_ROOT, build_key, build_real_targets, cached_dir, log_mel
+from tapdraft.demo.real.build import DEFAULT_ROOT, build_key, build_real_targets, cached_dir, log_mel
 
 LISTEN_VERSION = 1
 PROMPT = "Transcribe the audio."
@@ -433,8 +433,8 @@ def _spoken(out: Path, picks: dict[str, list], progress=None, system: str | None
     ``out/audio/SPLIT-NNNNN.wav`` (kept across reruns), the sentence under ``label`` (``reference``: what a
     transcript is scored against). A pick is a sentence (voices cycle as in training) or a (sentence, index into
     ``VOICES``) pair."""
-    from demo.real.prompts import PENDING
-    from common.atomic import staged
+    from tapdraft.demo.real.prompts import PENDING
+    from tapdraft.common.atomic import staged
 
     (out / "audio").mkdir(parents=True, exist_ok=True)
     voice = itertools.cycle(VOICES)

@@ -5,7 +5,7 @@ dataset to download, the interpreter ships thousands of documented functions: ea
 requests (what it does, an example, its docstring explained). Held-out prompts come from MODULES the
 training prompts never mention, so a drafter is judged on topics it did not see, not on paraphrases.
 
-    from demo.real.prompts import prompt_splits
+    from tapdraft.demo.real.prompts import prompt_splits
     splits = prompt_splits(train=2000, validation=64, held_out=64)   # {"train": [...], ...}: conversations
 """
 

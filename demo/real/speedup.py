@@ -1,10 +1,13 @@
 """A drafter worth serving on a real model, end to end: the target's own replies, a capture, a trained drafter,
 then vLLM on this machine serving held-out requests alone and with the drafter, timed in alternated pairs.
 
-Three real targets (``python -m demo.real build``), in ``TARGETS``:
+Three real targets (``python -m tapdraft.demo.real build``), in ``TARGETS``:
 
     text       SmolLM2-135M-Instruct; requests about the Python standard library (demo.real.prompts), held
                out by module
+    general    SmolLM2-135M-Instruct on broad data (demo.real.broad): ShareGPT V3's conversations, every turn
+               rewritten by the target under a token budget, from a pool regenerated in chunks that several
+               training sizes share (``pool``); held out: first requests of ShareGPT conversations never trained on
     speech     the real-parts speech LLM taught to transcribe (demo.real.listen); spoken sentences of its task,
                the held-out ones never heard by the listener or the drafter
     assistant  the same speech LLM aligned to answer spoken requests (demo.real.answer); spoken requests, the
@@ -41,11 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from common.atomic import staged
+from tapdraft.common.atomic import staged
 
 Log = Callable[[str], None]
 
-ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "validation", "held_out")
 REQUESTS = ("held_out", "other")
 """What the serve stage serves: held-out requests of the training prompts' kind, or requests of another kind."""
@@ -77,6 +79,9 @@ class SpeedupConfig:
     requests: str = "held_out"
     """``held_out`` (the training prompts' kind, on topics or sentences never trained on) or ``other`` (another
     kind: a drafter that pays only on its own distribution is fragile)."""
+    pool: str | None = None
+    """The general target: where its ShareGPT pool's regenerated chunks live (None: the work directory's ``pool/``);
+    share one across work directories of several training sizes (a data-scaling curve) and each chunk is made once."""
     listen_steps: int = 300  # demo.real.listen.ListenConfig's default
     """The listener's projector updates (its cached directory is keyed by them)."""
     answer_steps: int = 400  # demo.real.answer.AnswerConfig's default
@@ -103,49 +108,74 @@ class SpeedupConfig:
 
 
 def _smollm2(cfg: SpeedupConfig, log: Log) -> Path:
-    from demo.real.build import build_real_targets
+    from tapdraft.demo.real.build import build_real_targets
 
     return build_real_targets().smollm2
 
 
 def _listener(cfg: SpeedupConfig, log: Log) -> Path:
-    from demo.real.listen import ListenConfig, build_listener
+    from tapdraft.demo.real.listen import ListenConfig, build_listener
 
     return build_listener(None, ListenConfig(steps=cfg.listen_steps), log)[0]
 
 
 def _answerer(cfg: SpeedupConfig, log: Log) -> Path:
-    from demo.real.answer import AnswerConfig, build_answerer
+    from tapdraft.demo.real.answer import AnswerConfig, build_answerer
 
     return build_answerer(None, AnswerConfig(steps=cfg.answer_steps, listen_steps=cfg.listen_steps), log)[0]
 
 
 def _text_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
-    from demo.real.prompts import prompt_splits
+    from tapdraft.demo.real.prompts import prompt_splits
 
     return prompt_splits(cfg.train, cfg.validation, cfg.held_out)
 
 
 def _text_other(data: Path, cfg: SpeedupConfig, log: Log) -> list[dict]:
-    from demo.real.prompts import other_prompts
+    from tapdraft.demo.real.prompts import other_prompts
 
     return other_prompts(cfg.prompts)
 
 
 def _spoken_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
-    from demo.real.listen import speech_splits
+    from tapdraft.demo.real.listen import speech_splits
 
     return speech_splits(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
 
 
 def _spoken_other(data: Path, cfg: SpeedupConfig, log: Log) -> list[dict]:
-    from demo.real.listen import speech_other
+    from tapdraft.demo.real.listen import speech_other
 
     return speech_other(data, cfg.prompts, progress=log)
 
 
+def _broad_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
+    from tapdraft.demo.real.broad import sharegpt_splits
+
+    splits, counts = sharegpt_splits(cfg.validation, cfg.held_out)
+    log(f"ShareGPT: {counts['records']} complete records (the file is cut off: {counts['cut_off']}), "
+        f"{counts['kept']} kept, dropped {counts['dropped']}")
+    return {"validation": splits["validation"], "held_out": splits["held_out"]}
+
+
+def _broad_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log) -> None:
+    """data/train.jsonl: the pool's first ``train`` conversations, regenerated in shared chunks and joined."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.capture.replies.regenerate import join_outputs
+    from tapdraft.demo.real.broad import regenerate_pool, sharegpt_splits
+
+    out = work / "data" / "train.jsonl"
+    if sidecar_path(out).exists():
+        return
+    pool = sharegpt_splits(cfg.validation)[0]["pool"]
+    engines = max(1, cfg.threads // cfg.engine_threads)
+    chunks = regenerate_pool(Path(cfg.pool) if cfg.pool else work / "pool", pool, cfg.train, target=target,
+                             venv=venv, engines=engines, log=log)
+    join_outputs(chunks, out)
+
+
 def _request_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
-    from demo.real.answer import spoken_requests
+    from tapdraft.demo.real.answer import spoken_requests
 
     return spoken_requests(data, cfg.train, cfg.validation, cfg.held_out, progress=log)
 
@@ -163,10 +193,14 @@ class RealTarget:
     """Default training conversations."""
     max_tokens: int
     """Default reply cap."""
+    train_replies: Callable[[Path, SpeedupConfig, Path, Path, Log], None] | None = None
+    """Writes ``data/train.jsonl`` (replies and sidecar) itself, when its training conversations are not a split of
+    ``splits`` regenerated with the others: the general target's come from a pool regenerated in shared chunks."""
 
 
 TARGETS = {
     "text": RealTarget(_smollm2, _text_splits, _text_other, train=1800, max_tokens=192),
+    "general": RealTarget(_smollm2, _broad_splits, _text_other, train=2000, max_tokens=192, train_replies=_broad_train),
     "speech": RealTarget(_listener, _spoken_splits, _spoken_other, train=2400, max_tokens=32),
     "assistant": RealTarget(_answerer, _request_splits, _spoken_other, train=1200, max_tokens=128),
 }
@@ -202,7 +236,7 @@ def _jsonl(path: Path, records: list[dict]) -> None:
 
 def _cli(*args: str, log: Log = print) -> None:
     log("+ tapdraft " + " ".join(args[:12]))
-    subprocess.run([sys.executable, "-m", "cli", *args], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "tapdraft.cli", *args], check=True)
 
 
 def stage_prompts(work: Path, cfg: SpeedupConfig, log: Log = print) -> None:
@@ -216,16 +250,20 @@ def stage_prompts(work: Path, cfg: SpeedupConfig, log: Log = print) -> None:
     data.mkdir(parents=True, exist_ok=True)
     splits = target.splits(data, cfg, log)
     for split in SPLITS:  # held_out last: its file marks the stage done
-        _jsonl(data / f"{split}.prompts.jsonl", splits[split])
+        if split in splits:  # a target whose training replies come otherwise (train_replies) has no train prompts
+            _jsonl(data / f"{split}.prompts.jsonl", splits[split])
 
 
 def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log = print) -> None:
     """Every split's replies in one ``tapdraft regenerate`` call (vLLM starts once, not once a split): the missing
     splits' prompts joined into ``replies-SPLITS.prompts.jsonl``, the output split back by id with a sidecar each."""
-    from capture.provenance import sidecar_path
-    from capture.replies.regenerate import split_output
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.capture.replies.regenerate import split_output
 
     data = work / "data"
+    own = TARGETS[cfg.target].train_replies
+    if own is not None:
+        own(work, cfg, target, venv, log)
     wanted = ("other",) * (cfg.requests == "other") + SPLITS
     missing = [s for s in wanted if not sidecar_path(data / f"{s}.jsonl").exists()]
     if not missing:
@@ -268,7 +306,7 @@ def speculate_served(work: Path, target: Path, run: Path, dataset: Path, request
                      max_tokens: int) -> dict[str, Any]:
     """``tapdraft speculate`` (in-process decoding) of the same served conversations: per-round counts to hold
     vLLM's against, and the offline replay on those conversations."""
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset),
                           conversations=str(work / "data" / f"{requests}.jsonl"), max_samples=n,
@@ -284,7 +322,7 @@ def served_method(tapdraft_cfg: dict[str, Any], default: str) -> str:
 
 def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
                 log: Log = print) -> dict[str, Any]:
-    from engines.serving import check_served, serve_vllm, vllm_requests
+    from tapdraft.engines.serving import check_served, serve_vllm, vllm_requests
 
     audio = work / "vllm" / ("audio" if cfg.requests == "held_out" else f"audio-{cfg.requests}")
     requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / f"{cfg.requests}.jsonl", cfg.prompts,
@@ -370,7 +408,7 @@ def served_transcripts(target: Path, prompts: Path, sample_ids: list[str], outpu
         return None
     from transformers import AutoTokenizer
 
-    from demo.real.listen import score_transcripts
+    from tapdraft.demo.real.listen import score_transcripts
 
     tok = AutoTokenizer.from_pretrained(str(target))
     hyps = [tok.decode(ids, skip_special_tokens=True).strip() for ids in outputs]
@@ -412,7 +450,7 @@ def format_serve(report: dict[str, Any]) -> str:
 def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = None,
                 log: Log = print) -> dict[str, Any] | None:
     """Every stage up to ``stop_after`` (None: through serving); the serve report, or None when stopped early."""
-    from engines.serving import engine_venv
+    from tapdraft.engines.serving import engine_venv
 
     work = Path(work).resolve()
     work.mkdir(parents=True, exist_ok=True)

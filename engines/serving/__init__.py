@@ -15,13 +15,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+VENV_SCRIPT = Path(__file__).resolve().parents[1] / "venv.sh"
+"""The engine venv builder, beside the pins it reads (``engines/NAME.txt``): package data in an installed wheel."""
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
 def engine_venv(name: str) -> Path:
     """The engine's venv (built on first use: minutes), with the project's plugin for it installed."""
-    res = subprocess.run(["bash", str(ROOT / "engines" / "venv.sh"), name], capture_output=True, text=True,
+    res = subprocess.run(["bash", str(VENV_SCRIPT), name], capture_output=True, text=True,
                          timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"engines/venv.sh {name} failed:\n{res.stderr[-4000:]}")
@@ -68,9 +69,9 @@ def vllm_requests(target_dir: str | Path, conversations: str | Path, n: int, aud
     included) plus the audio at the encoder's rate in ``audio_dir`` (.npy), which vLLM's own processor expands."""
     import numpy as np
 
-    from capture.inputs import BadInput, load_audio, read_inputs
-    from capture.targets.load import load_target
-    from speculate.run import prompt_length
+    from tapdraft.capture.inputs import BadInput, load_audio, read_inputs
+    from tapdraft.capture.targets.load import load_target
+    from tapdraft.speculate.run import prompt_length
 
     target = load_target(str(target_dir))
     requests, sample_ids, prompts = [], [], []

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from shards.formats.arrow import FORMAT as ARROW
-from shards.formats.base import Format
-from shards.formats.wds import FORMAT as WDS
+from tapdraft.shards.formats.arrow import FORMAT as ARROW
+from tapdraft.shards.formats.base import Format
+from tapdraft.shards.formats.wds import FORMAT as WDS
 
 FORMATS: dict[str, Format] = {f.name: f for f in (ARROW, WDS)}
 DEFAULT_FORMAT = ARROW.name

@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
-from common.errors import CorruptShardError
-from shards.formats.arrow_ipc import check_arrow_stream
-from shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
-from shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
-from shards.schema import check_schema_version, has_checksums
-from shards.shard_index import index_doc, load_index
+from tapdraft.shards.codec import FieldMeta, decode_fields, shard_metadata, stored_fields
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.formats.arrow_ipc import check_arrow_stream
+from tapdraft.shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
+from tapdraft.shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
+from tapdraft.shards.schema import check_schema_version, has_checksums
+from tapdraft.shards.shard_index import index_doc, load_index
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -415,7 +415,7 @@ class ArrowShardReader(ShardReader):
     def stock_snippet(cls, first: str) -> str:
         return f"""```python
 import datasets, json
-from shards.formats.arrow import decode_row
+from tapdraft.shards.formats.arrow import decode_row
 DATASET = "path/to/this/directory"
 manifest = json.load(open(f"{{DATASET}}/manifest.json"))
 ds = datasets.load_dataset(DATASET)["{first}"]   # every split, named by the front matter above

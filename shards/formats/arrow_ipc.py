@@ -9,8 +9,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from common.errors import CorruptShardError
-from shards.limits import MAX_RATIO, RATIO_FLOOR
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.limits import MAX_RATIO, RATIO_FLOOR
 
 _RECORD_BATCH = 3
 """``MessageHeader.RecordBatch`` (Message.fbs)."""

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol, r
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-    from shards.codec import FieldMeta
-    from shards.integrity import BlockHasher
-    from shards.shard_index import ShardIndex
+    from tapdraft.shards.codec import FieldMeta
+    from tapdraft.shards.integrity import BlockHasher
+    from tapdraft.shards.shard_index import ShardIndex
 
 
 # What a format is handed, as protocols: the classes that fill them (shards.shard_file, shards.reader) import this

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 import zstandard
 
-from shards.codec import FieldMeta, decode_fields, stored_fields
-from common.errors import CorruptShardError
-from shards.formats.base import Format, ShardReader, ShardSettings, ShardWriter, Sink
-from shards.integrity import check_block, check_sealed, digest, seal_doc
-from shards.limits import decompress_bounded
-from shards.shard_index import index_doc, load_index
+from tapdraft.shards.codec import FieldMeta, decode_fields, stored_fields
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.formats.base import Format, ShardReader, ShardSettings, ShardWriter, Sink
+from tapdraft.shards.integrity import check_block, check_sealed, digest, seal_doc
+from tapdraft.shards.limits import decompress_bounded
+from tapdraft.shards.shard_index import index_doc, load_index
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -271,7 +271,7 @@ class TarShardReader(ShardReader):
     def stock_snippet(cls, first: str) -> str:
         return f"""```python
 import glob, webdataset as wds
-from shards.formats.wds import decode_wds_sample
+from tapdraft.shards.formats.wds import decode_wds_sample
 DATASET = "path/to/this/directory"
 ds = wds.WebDataset(sorted(glob.glob(f"{{DATASET}}/data/{first}-*.tar")), shardshuffle=False).map(decode_wds_sample)
 sample = next(iter(ds))   # each sample's meta.json carries what the decoder needs

@@ -3,8 +3,8 @@ and its reply is scored against the written request's."""
 
 from __future__ import annotations
 
-import demo.real.answer as answer
-import demo.real.listen as listen
+import tapdraft.demo.real.answer as answer
+import tapdraft.demo.real.listen as listen
 from benchmarks.answer_cascade import cascade
 
 

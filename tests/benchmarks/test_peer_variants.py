@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-import shards.head as head_math
+import tapdraft.shards.head as head_math
 from benchmarks.peer_variants import logits_dtype_loss, pass_seconds
-from shards.head import HeadSpec
+from tapdraft.shards.head import HeadSpec
 
 
 def test_the_logits_keep_their_dtype_only_inside_the_block():

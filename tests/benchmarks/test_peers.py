@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import train.drafters.dflash.loss as dflash_loss
+import tapdraft.train.drafters.dflash.loss as dflash_loss
 from benchmarks.peers import (DTYPE_PARTS, ROW_SPECS, ROWS, ModelOptSide, TapdraftSide, argmax_agreement,
                               build_dataset, catch_up, check_dtypes, modelopt_job, peer_python, run_row, speculators_job, spread,
                               teacher_entropy, to_modelopt, to_speculators, write_base)
-from shards.reader import open_dataset
-from shards.taps import default_tap_ids, eagle3_tap_ids
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.taps import default_tap_ids, eagle3_tap_ids
 
 MASK = 49_151  # the synthetic vocabulary's last id, which its samples never use
 

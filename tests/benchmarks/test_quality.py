@@ -12,7 +12,7 @@ import pytest
 import benchmarks.common as common
 from benchmarks.quality import (FAMILY_RECIPES, SMALL_FAMILY_RECIPES, main, one_budget, over_seeds, recipe_config,
                                 run_label)
-from train.drafters.base import FAMILIES
+from tapdraft.train.drafters.base import FAMILIES
 
 
 def _runs(names: list[str], *overrides: str) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.targets.salm.model import SALM
+from tapdraft.capture.targets.salm.model import SALM
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 

@@ -30,7 +30,7 @@ TEMPLATE = (
 
 
 def tokenizer():
-    from demo.target import build_word_tokenizer
+    from tapdraft.demo.target import build_word_tokenizer
 
     tok = build_word_tokenizer(WORDS)
     tok.chat_template = TEMPLATE

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from demo.target import build_word_tokenizer
+from tapdraft.demo.target import build_word_tokenizer
 
 TAG = "<|audioplaceholder|>"
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "four", "."]

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from capture.inputs import AudioRef, Conversation
-from demo.target import build_word_tokenizer
+from tapdraft.capture.inputs import AudioRef, Conversation
+from tapdraft.demo.target import build_word_tokenizer
 
 WORDS = ["what", "did", "i", "say", "?", "you", "said", "one", "two", "three", "four", "five", "."]
 

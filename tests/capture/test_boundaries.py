@@ -7,6 +7,8 @@ import ast
 import re
 from pathlib import Path
 
+from tests.layout_guard import local_name
+
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "capture"
 ALLOWED_SHARDS = {"common.atomic", "shards.bundle", "common.errors", "shards.finalize", "shards.head", "common.lock",
@@ -26,9 +28,9 @@ def _imports(path: Path) -> set[str]:
     mods = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            mods |= {a.name for a in node.names}
+            mods |= {local_name(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            mods.add(node.module)
+            mods.add(local_name(node.module))
     return mods
 
 

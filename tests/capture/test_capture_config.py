@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from capture.config import CaptureConfig, check_resume, migrate_capture_record
-from shards.shard_file import ShardConfig
+from tapdraft.capture.config import CaptureConfig, check_resume, migrate_capture_record
+from tapdraft.shards.shard_file import ShardConfig
 
 
 def _cfg(**kw):
@@ -51,7 +51,7 @@ def test_a_record_from_before_the_fp8_layout_resumes_with_what_it_wrote(tmp_path
 
 
 def test_a_vllm_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
-    from capture.config import VLLMConfig, pin_threads
+    from tapdraft.capture.config import VLLMConfig, pin_threads
 
     record = tmp_path / "capture_config.json"
     fresh = pin_threads(_cfg(engine="vllm"), record, 2)
@@ -76,7 +76,7 @@ def test_a_vllm_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
 
 
 def test_an_in_process_capture_pins_its_thread_count_and_resumes_with_it(tmp_path):
-    from capture.config import pin_threads
+    from tapdraft.capture.config import pin_threads
 
     record = tmp_path / "capture_config.json"
     fresh = pin_threads(_cfg(), record, 2)
@@ -99,7 +99,7 @@ def test_an_in_process_capture_pins_its_thread_count_and_resumes_with_it(tmp_pat
 
 
 def test_auto_writers_follow_the_device_and_a_resume_keeps_the_recorded_count(tmp_path, monkeypatch):
-    from capture.config import AUTO_WRITERS, auto_writers, pin_writers, rank_cores
+    from tapdraft.capture.config import AUTO_WRITERS, auto_writers, pin_writers, rank_cores
 
     assert auto_writers("cpu", 64) == 1  # the forward needs the cores; one lane keeps up with it
     assert auto_writers("cuda", 16) == AUTO_WRITERS == 4  # a GPU waits on one lane (docs/performance.md)

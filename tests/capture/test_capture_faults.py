@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import common.atomic as atomic
-from capture import pipeline
-from capture.pipeline import capture
-from common.errors import InputChangedError, LockedError
-from shards.manifest import writer_lock
+import tapdraft.common.atomic as atomic
+from tapdraft.capture import pipeline
+from tapdraft.capture.pipeline import capture
+from tapdraft.common.errors import InputChangedError, LockedError
+from tapdraft.shards.manifest import writer_lock
 from tests.capture.test_pipeline import _cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_a_second_capture_on_the_same_output_is_refused(salm_dir, tone_manifest,
     # another process holds it; once that process is killed (-9), its lock is stale and taken over
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from shards.manifest import writer_lock
+        from tapdraft.shards.manifest import writer_lock
         with writer_lock({str(out)!r}, 0):
             print("held", flush=True)
             time.sleep(60)

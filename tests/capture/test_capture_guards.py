@@ -9,16 +9,16 @@ import json
 
 import pytest
 
-from capture import pipeline
-from capture.config import CaptureConfig, migrate_capture_record
-from capture.inputs import BadInput, Conversation, read_jsonl
-from capture.pipeline import capture
-from capture.targets.load import load_target
-from common.errors import Interrupted
-from shards.manifest import foreign_directory
-from shards.reader import open_dataset
-from shards.verify import verify_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.capture import pipeline
+from tapdraft.capture.config import CaptureConfig, migrate_capture_record
+from tapdraft.capture.inputs import BadInput, Conversation, read_jsonl
+from tapdraft.capture.pipeline import capture
+from tapdraft.capture.targets.load import load_target
+from tapdraft.common.errors import Interrupted
+from tapdraft.shards.manifest import foreign_directory
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.verify import verify_dataset
+from tapdraft.shards.shard_file import ShardConfig
 from tests.capture.util import conv_record, write_manifest
 
 
@@ -114,7 +114,7 @@ def test_old_absolute_records_resume_as_portable(salm_dir, tone_manifest, tmp_pa
 
 
 def test_full_disk_leaves_no_temp_files_and_resumes(salm_dir, tone_manifest, tmp_path, monkeypatch):
-    from shards import shard_file
+    from tapdraft.shards import shard_file
 
     real = shard_file._HashingSink.write
     budget = {"bytes": 9000}  # the first shard fits, the second hits the "full disk"
@@ -183,7 +183,7 @@ def test_audio_far_too_long_is_skipped_from_its_header_without_decoding(salm_dir
     import numpy as np
     import soundfile as sf
 
-    from capture.targets.salm import target as salm_target
+    from tapdraft.capture.targets.salm import target as salm_target
     from tests.capture.util import write_wav
 
     frame_s = load_target(salm_dir).audio_bundle()["frame_seconds"]

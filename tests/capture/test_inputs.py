@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from capture.inputs import BadInput, Conversation, read_hf_dataset, read_inputs, read_jsonl, resample
-from capture.targets.salm.target import SALMTarget
+from tapdraft.capture.inputs import BadInput, Conversation, read_hf_dataset, read_inputs, read_jsonl, resample
+from tapdraft.capture.targets.salm.target import SALMTarget
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 PH = "<|audioplaceholder|>"
@@ -223,11 +223,11 @@ def test_a_truncated_wav_is_refused_not_shortened(tmp_path, salm):
 def test_a_repeated_id_never_makes_a_dataset_verify_rejects(salm_dir, tone_manifest, tmp_path, capsys):
     """Issue 28: the same id on two lines was captured twice (exit 0, skipped 0) into a dataset its own verify
     rejected. Now: one line naming both lines and exit 2, or under --on-error skip a counted skip."""
-    from cli import main
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from shards.verify import verify_dataset
-    from shards.writer import ShardConfig
+    from tapdraft.cli import main
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.shards.verify import verify_dataset
+    from tapdraft.shards.writer import ShardConfig
 
     lines = tone_manifest.read_text().splitlines()
     tone_manifest.write_text("\n".join(lines[:4] + [lines[1]] + lines[4:6]) + "\n")  # line 5 repeats line 2
@@ -246,8 +246,8 @@ def test_a_repeated_id_never_makes_a_dataset_verify_rejects(salm_dir, tone_manif
 
 
 def test_capture_confines_audio_unless_allowed(salm_dir, tmp_path):
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
 
     write_wav(tmp_path / "audio" / "a.wav", [1, 2])
     write_wav(tmp_path / "lists" / "x.wav", [3])

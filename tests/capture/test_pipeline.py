@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture import pipeline
-from capture.config import CaptureConfig
-from capture.forward import SampleSpec, run_batch
-from capture.pipeline import CaptureError, bucket, capture, rank_slice
-from capture.targets.load import load_target
-from shards.manifest import write_or_check_bundle, writer_lock
-from shards.reader import open_dataset
-from shards.shard_file import ShardConfig
-from shards.verify import verify_dataset
+from tapdraft.capture import pipeline
+from tapdraft.capture.config import CaptureConfig
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.pipeline import CaptureError, bucket, capture, rank_slice
+from tapdraft.capture.targets.load import load_target
+from tapdraft.shards.manifest import write_or_check_bundle, writer_lock
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.verify import verify_dataset
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_capture_writes_what_the_target_computes(salm_dir, tone_manifest, tmp_pa
     got = {s["sample_id"]: s for s in _samples(tmp_path / "ds")}
     assert sorted(got) == sorted(f"u{i}" for i in range(10))
     target = load_target(salm_dir)
-    from capture.inputs import read_jsonl
+    from tapdraft.capture.inputs import read_jsonl
 
     conv = [c for c in read_jsonl(tone_manifest, placeholder=target.placeholder)][3]
     ref = run_batch(target, [target.prepare(conv, 0)], SampleSpec(tap_ids=m["layout"]["tap_ids"], top_k=4))[0]
@@ -81,8 +81,8 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
     script = textwrap.dedent("""
         import os, signal, time, torch
         torch.set_num_threads(1)
-        from capture import pipeline
-        from capture.config import CaptureConfig
+        from tapdraft.capture import pipeline
+        from tapdraft.capture.config import CaptureConfig
         real, calls = pipeline.run_batch, [0]
         def dying(*a, **k):
             calls[0] += 1
@@ -95,7 +95,7 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
         pipeline.run_batch = dying
-        from shards.shard_file import ShardConfig
+        from tapdraft.shards.shard_file import ShardConfig
         cfg = CFG
         pipeline.capture(CaptureConfig(**{**cfg, "shard": ShardConfig(**cfg["shard"])}))
     """).replace("CFG", repr(dataclasses.asdict(_cfg(salm_dir, tone_manifest, cut_dir, **kw)))).replace(
@@ -105,7 +105,7 @@ def test_kill9_and_resume_equals_uninterrupted(salm_dir, tone_manifest, tmp_path
     assert not (cut_dir / "manifest.json").exists()
     part = json.loads((cut_dir / "_parts" / "train-rank00000.json").read_text())
     assert len(part["shards"]) >= 1  # some shards were final before the kill, some work was lost
-    from capture.stages import torch_threads
+    from tapdraft.capture.stages import torch_threads
 
     # resumed where torch has another count: it computes on the count the capture began with
     with torch_threads(2), pytest.warns(UserWarning, match="with the 1 CPU threads it began with"):
@@ -241,9 +241,9 @@ def test_cuda_capture_matches_cpu(salm_dir, tone_manifest, tmp_path):
 
 
 def test_the_two_pass_regenerate_gets_every_setting_the_configs_share(tmp_path):
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.regenerate import RegenerateConfig
-    from capture.replies.windows import ReplyConfig
+    from tapdraft.capture.replies.generate import GenerationConfig
+    from tapdraft.capture.replies.regenerate import RegenerateConfig
+    from tapdraft.capture.replies.windows import ReplyConfig
 
     replies = ReplyConfig(GenerationConfig(max_new_tokens=7), last_turn_only=True)
     cfg = CaptureConfig(target="t", out=str(tmp_path / "ds"), data=(("train", "in.jsonl"),), replies=replies,

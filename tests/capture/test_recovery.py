@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import main
-from shards.reader import open_dataset
+from tapdraft.cli import main
+from tapdraft.shards.reader import open_dataset
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 

@@ -8,15 +8,15 @@ import pkgutil
 import pytest
 import torch
 
-import capture.targets
+import tapdraft.capture.targets as targets_pkg
 
-from capture.forward import SampleSpec, run_batch, topk_teacher
-from capture.inputs import Conversation
-from capture.targets.base import NOT_PROVEN_ON_VLLM, Target
-from capture.targets.causal_lm import CausalLMTarget
-from capture.targets.load import LEGACY_TARGET_KINDS, manifest_target_kind
-from capture.targets.salm.target import SALMTarget
-from shards.schema import teacher_rows
+from tapdraft.capture.forward import SampleSpec, run_batch, topk_teacher
+from tapdraft.capture.inputs import Conversation
+from tapdraft.capture.targets.base import NOT_PROVEN_ON_VLLM, Target
+from tapdraft.capture.targets.causal_lm import CausalLMTarget
+from tapdraft.capture.targets.load import LEGACY_TARGET_KINDS, manifest_target_kind
+from tapdraft.capture.targets.salm.target import SALMTarget
+from tapdraft.shards.schema import teacher_rows
 from tests.capture.speech_models import audio_conv
 
 
@@ -98,7 +98,7 @@ def test_topk_chunking_is_invisible(target):
 
 
 def test_a_head_config_the_forward_ignores_is_refused(target):
-    from capture.head import UnsupportedHead
+    from tapdraft.capture.head import UnsupportedHead
 
     target.lm.config.logits_scaling = 2.5  # Qwen3's forward never reads it: the derived head would be wrong
     try:
@@ -121,7 +121,7 @@ def test_causal_lm_target_text_only(salm):
 
 
 def test_nonfinite_outputs_are_refused_by_the_writer_check(target):
-    from shards.schema import all_finite
+    from tapdraft.shards.schema import all_finite
 
     p = target.prepare(_conv("a", 16000, 0), 0)
     w = target.lm.get_input_embeddings().weight
@@ -150,7 +150,7 @@ def test_features_from_prepare_equal_batched_featurization(target):
 def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, model_type):
     import json
 
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(ValueError) as e:
@@ -162,7 +162,7 @@ def test_unsupported_model_type_is_one_line_naming_what_is_supported(tmp_path, m
 
 
 def test_a_final_norm_of_no_known_kind_is_refused_in_one_line():
-    from capture.head import UnsupportedHead, describe_norm
+    from tapdraft.capture.head import UnsupportedHead, describe_norm
 
     class ScaleNorm(torch.nn.Module):  # normalises by the L2 norm, not the RMS: no HeadSpec kind
         def __init__(self):
@@ -180,13 +180,13 @@ def test_a_final_norm_of_no_known_kind_is_refused_in_one_line():
 
 def _adapters() -> list[type[Target]]:
     """Every concrete target adapter under capture/targets/ (each module imported, then Target's subclasses)."""
-    for m in pkgutil.walk_packages(capture.targets.__path__, "capture.targets."):
+    for m in pkgutil.walk_packages(targets_pkg.__path__, "tapdraft.capture.targets."):
         importlib.import_module(m.name)
     out, todo = [], [Target]
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()
-        if cls.__module__.startswith("capture.targets.") and not getattr(cls, "__abstractmethods__", None):
+        if cls.__module__.startswith("tapdraft.capture.targets.") and not getattr(cls, "__abstractmethods__", None):
             out.append(cls)
     return out
 
@@ -210,9 +210,9 @@ def test_a_subclass_inherits_neither_the_kind_nor_the_vllm_support():
 
 
 def test_vllm_refuses_by_the_adapters_declaration():
-    from capture.targets.hf_speech import Qwen2AudioTarget, Qwen3ASRTarget
-    from capture.vllm.engine import check_target
-    from common.errors import CaptureError
+    from tapdraft.capture.targets.hf_speech import Qwen2AudioTarget, Qwen3ASRTarget
+    from tapdraft.capture.vllm.engine import check_target
+    from tapdraft.common.errors import CaptureError
 
     check_target(object.__new__(CausalLMTarget))
     check_target(object.__new__(Qwen2AudioTarget))
@@ -230,8 +230,8 @@ def test_old_manifests_name_the_target_kind_by_class():
 
 
 def test_a_capture_refuses_a_target_without_a_kind_before_writing(salm, tmp_path):
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
     from tests.capture.util import conv_record, write_manifest
 
     class Unnamed(SALMTarget):

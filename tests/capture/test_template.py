@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from capture.targets.salm.model import CHAT_TEMPLATE
-from capture.template import MASK_BY_MARKERS, MASK_BY_PREFIX, ChatTemplate
-from demo.target import build_word_tokenizer
-from common.template import check_template, parse_template_kwargs
+from tapdraft.capture.targets.salm.model import CHAT_TEMPLATE
+from tapdraft.capture.template import MASK_BY_MARKERS, MASK_BY_PREFIX, ChatTemplate
+from tapdraft.demo.target import build_word_tokenizer
+from tapdraft.common.template import check_template, parse_template_kwargs
 from tests.capture.chat_templates import end_ids, make_tokenizer, supervised_runs
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -204,7 +204,7 @@ from tests.capture.chat_templates import GEMMA as GEMMA_TEMPLATE  # noqa: E402
 @pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma", "metaspace", "words"])
 def test_prefix_tokens_from_the_conversation_equal_encoding_the_prefix_whole(family):
     """The shortcut capture.template takes (re-encode only after the last special token) at every cut."""
-    from capture.template import _Encoded
+    from tapdraft.capture.template import _Encoded
 
     if family == "metaspace":
         tok = _metaspace_tokenizer()

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from capture.config import CaptureConfig
-from capture.pipeline import capture, summary
-from capture.targets.load import load_target
-from capture.template import ChatTemplate
-from shards.manifest import complete_manifest
-from shards.reader import open_dataset
-from common.template import template_sha
-from shards.shard_file import ShardConfig
+from tapdraft.capture.config import CaptureConfig
+from tapdraft.capture.pipeline import capture, summary
+from tapdraft.capture.targets.load import load_target
+from tapdraft.capture.template import ChatTemplate
+from tapdraft.shards.manifest import complete_manifest
+from tapdraft.shards.reader import open_dataset
+from tapdraft.common.template import template_sha
+from tapdraft.shards.shard_file import ShardConfig
 from tests.capture.chat_templates import QWEN3, end_ids, make_tokenizer, save_qwen3
 
 CONVS = [
@@ -104,7 +104,7 @@ def test_a_split_whose_every_sample_is_refused_fails_and_leaves_no_dataset(qwen3
 def test_cli_options_reach_the_dataset_and_inspect_shows_them(qwen3_dir, inputs, tmp_path):
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     data, tpl = inputs
     out = tmp_path / "ds"

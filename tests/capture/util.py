@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from demo.task import tone_audio
+from tapdraft.demo.task import tone_audio
 
 
 def write_wav(path: Path, digits: list[int], seed: int = 0, sr: int = 16000) -> Path:
     wave = tone_audio(digits, np.random.default_rng(seed))
     if sr != 16000:
-        from capture.inputs import resample
+        from tapdraft.capture.inputs import resample
 
         wave = resample(wave, 16000, sr)
     path.parent.mkdir(parents=True, exist_ok=True)

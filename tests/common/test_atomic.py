@@ -8,7 +8,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from common import atomic
+from tapdraft.common import atomic
 
 
 class Crash(RuntimeError):
@@ -112,7 +112,7 @@ def test_failed_body_leaves_old_and_no_temp(tmp_path):
 OUT_OF_FDS = """
 import errno, os, resource, sys
 from pathlib import Path
-from common import atomic
+from tapdraft.common import atomic
 dest = Path(sys.argv[1])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
@@ -176,7 +176,7 @@ def test_memory_filesystem_commit():
 def test_staged_file_gets_the_ordinary_mode(tmp_path):
     import os
 
-    from common.atomic import staged
+    from tapdraft.common.atomic import staged
 
     dest = tmp_path / "w.bin"
     with staged(dest) as tmp:
@@ -270,8 +270,8 @@ def test_durable_off_syncs_nothing(tmp_path, monkeypatch):
 def test_a_pulled_dataset_syncs_each_file_before_its_rename_and_the_manifest_last(tmp_path, monkeypatch):
     """pull renames each finished ``.part`` onto its name, then the manifest: every one synced before its rename,
     its directory after, so a power cut never leaves a manifest over shards that did not reach the disk."""
-    from shards.shard_file import ShardConfig
-    from shards.transfer import pull
+    from tapdraft.shards.shard_file import ShardConfig
+    from tapdraft.shards.transfer import pull
     from tests.shards.synthetic import tiny_layout, write_dataset
 
     store = tmp_path / "store"

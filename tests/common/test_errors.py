@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from cli import main
-from common.errors import classify
-from shards.shard_file import ShardConfig
+from tapdraft.cli import main
+from tapdraft.common.errors import classify
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 FULL = "no space left on the device writing "

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import common.lock as lk
-from common.errors import LockedError
-from common.lock import exclusive_lock
+import tapdraft.common.lock as lk
+from tapdraft.common.errors import LockedError
+from tapdraft.common.lock import exclusive_lock
 
 
 def test_second_holder_is_refused_and_release_frees_it(tmp_path):
@@ -63,7 +63,7 @@ def test_the_lock_file_is_removed_on_release_and_a_killed_holders_file_is_taken_
             raise ValueError("boom")
     assert not path.exists()
     held = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.');"
-                             "from common.lock import exclusive_lock\n"
+                             "from tapdraft.common.lock import exclusive_lock\n"
                              f"with exclusive_lock({str(path)!r}, 'a capture'):\n"
                              "    print('held', flush=True); time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True, cwd=lk.Path(lk.__file__).parents[1])

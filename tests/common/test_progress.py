@@ -3,7 +3,7 @@
 import io
 import re
 
-from common.progress import Progress
+from tapdraft.common.progress import Progress
 
 
 def test_plain_lines_off_a_terminal():

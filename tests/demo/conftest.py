@@ -15,5 +15,5 @@ def fake_speech(monkeypatch):
         spoken.append((text, voice, speed))
         return (0.1 * np.sin(np.arange(800 * len(text.split())) / 7)).astype(np.float32)
 
-    monkeypatch.setattr("demo.real.listen.speak", speak)
+    monkeypatch.setattr("tapdraft.demo.real.listen.speak", speak)
     return spoken

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from demo.bpe import FULL, QUICK, BPESize, corpus, prepare_bpe, windows
+from tapdraft.demo.bpe import FULL, QUICK, BPESize, corpus, prepare_bpe, windows
 
 
 def test_windows_split_each_text_by_offset():
@@ -40,12 +40,12 @@ def test_full_corpus_is_real_text_within_budget():
 def test_quick_bpe_target_captures_with_cli_defaults_and_decodes_live(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import cli
-    from capture.inputs import read_jsonl
-    from shards.reader import open_dataset
-    from speculate.run import SpeculateConfig, run_speculate
-    from train.config import load_run_config
-    from train.loop import train
+    from tapdraft import cli
+    from tapdraft.capture.inputs import read_jsonl
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import train
 
     p = prepare_bpe(tmp_path, quick=True, progress=False)
     ds = open_dataset(str(p.dataset))

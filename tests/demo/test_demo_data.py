@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from capture.inputs import read_jsonl
-from capture.replies.generate import GenerationConfig, generate
-from capture.targets.salm.model import SALM
-from capture.targets.salm.target import SALMTarget
-from demo.data import one_thread, open_workdir, prepare_demo
-from shards.reader import open_dataset
+from tapdraft.capture.inputs import read_jsonl
+from tapdraft.capture.replies.generate import GenerationConfig, generate
+from tapdraft.capture.targets.salm.model import SALM
+from tapdraft.capture.targets.salm.target import SALMTarget
+from tapdraft.demo.data import one_thread, open_workdir, prepare_demo
+from tapdraft.shards.reader import open_dataset
 
 
 @pytest.mark.slow

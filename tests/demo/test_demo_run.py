@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from demo.run import format_demo, run_demo
+from tapdraft.demo.run import format_demo, run_demo
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert text_again.splitlines()[1:] == text.splitlines()[1:]  # all but the timings line
     # speculate's offline figures cover exactly the conversations it decoded (here 5 training ones, not the
     # validation split eval.json holds), so the replay matches live decoding on them too
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     d = tmp_path / "demo"
     other = run_speculate(SpeculateConfig(target=str(d / "target"), draft=str(d / "runs" / "dflash"),

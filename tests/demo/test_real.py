@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from demo.real.build import (AUDIO_TOKENS, GGUF_FILE, build_real_targets, cached_dir, check_wave,
+from tapdraft.demo.real.build import (AUDIO_TOKENS, GGUF_FILE, build_real_targets, cached_dir, check_wave,
                              encoder_before_pooling, fetch_wheels, log_mel, DEFAULT_ROOT, _extract)
-from demo.real.ct2 import read_model_bin
+from tapdraft.demo.real.ct2 import read_model_bin
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_cache_reuses_a_complete_dir_and_rebuilds_a_killed_one(tmp_path):
 def test_two_processes_asking_at_once_build_the_directory_once(tmp_path):
     """Test processes side by side (and a benchmark beside them) share ~/.cache/tapdraft/models: the second waits
     for the first's build and reuses it, where it used to delete the half-built copy under the first's feet."""
-    code = ("import sys, time; from pathlib import Path; from demo.real.build import cached_dir\n"
+    code = ("import sys, time; from pathlib import Path; from tapdraft.demo.real.build import cached_dir\n"
             "root = Path(sys.argv[1])\n"
             "def build(d):\n"
             "    with open(root / 'builds.txt', 'a') as f: f.write('x\\n')\n"
@@ -151,7 +151,7 @@ def test_the_project_captures_the_speech_llm(real, tmp_path):
     import soundfile as sf
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
     from tests.capture.util import conv_record, write_manifest
 
     recs = []
@@ -167,8 +167,7 @@ def test_the_project_captures_the_speech_llm(real, tmp_path):
 
 
 def test_a_missing_build_tool_is_one_line_naming_the_extra(monkeypatch):
-    import demo.real.build as build
-
+    import tapdraft.demo.real.build as build
     monkeypatch.setattr(build, "TOOLS", build.TOOLS + ("tapdraft-no-such-package",))
     with pytest.raises(ValueError, match=r"need tapdraft-no-such-package \(the `real` extra\): pip install -e '\.\[real\]'"):
         build.build_key()

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from demo.real.answer import (AnswerConfig, answer_examples, common_prefix, reply, requests, score_replies,
+from tapdraft.demo.real.answer import (AnswerConfig, answer_examples, common_prefix, reply, requests, score_replies,
                               written_replies)
-from demo.real.listen import VOCAB_OOV, audio_inputs, encode_audio, encode_audio_full, fit, tower_frames
+from tapdraft.demo.real.listen import VOCAB_OOV, audio_inputs, encode_audio, encode_audio_full, fit, tower_frames
 from tests.capture.speech_models import save_qwen2_audio
 
 
@@ -118,9 +118,9 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
 
 
 def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_path, fake_speech):
-    from capture.inputs import BadInput, read_inputs
-    from demo.real.answer import every_request, spoken_requests
-    from demo.real.listen import VOICES
+    from tapdraft.capture.inputs import BadInput, read_inputs
+    from tapdraft.demo.real.answer import every_request, spoken_requests
+    from tapdraft.demo.real.listen import VOICES
 
     assert len(every_request()) == len(set(every_request())) == 516
     convs = spoken_requests(tmp_path, 600, 20, 30)
@@ -142,7 +142,7 @@ def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_pa
 def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_names(tiny, tmp_path):
     from transformers import Qwen2AudioForConditionalGeneration
 
-    from demo.real.answer import add_low_rank, merge_low_rank
+    from tapdraft.demo.real.answer import add_low_rank, merge_low_rank
 
     base, proc = tiny
     model = copy.deepcopy(base)
@@ -172,7 +172,7 @@ def test_a_low_rank_lm_update_starts_at_zero_and_merges_into_the_checkpoint_name
 
 
 def test_reply_losses_equal_a_float64_reference():
-    from demo.real.listen import TopK, reply_losses
+    from tapdraft.demo.real.listen import TopK, reply_losses
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 11, generator=g, dtype=torch.float64)
@@ -196,7 +196,7 @@ def test_reply_losses_equal_a_float64_reference():
 
 
 def test_the_teacher_is_the_lms_own_forward_on_the_written_request(tiny):
-    from demo.real.answer import prompt_text, written_teachers
+    from tapdraft.demo.real.answer import prompt_text, written_teachers
 
     model, proc = tiny
     tok = proc.tokenizer
@@ -220,10 +220,10 @@ def test_the_teacher_is_the_lms_own_forward_on_the_written_request(tiny):
 
 
 def test_the_benchmark_records_the_answerers_own_figures(tmp_path, monkeypatch):
-    """``benchmarks.answer`` builds the answerer its flags describe (the same flags as ``python -m demo.real
+    """``benchmarks.answer`` builds the answerer its flags describe (the same flags as ``python -m tapdraft.demo.real
     answer``) and writes that model's figures with the machine's facts."""
     import benchmarks.common
-    import demo.real.answer as answer
+    import tapdraft.demo.real.answer as answer
     from benchmarks.answer import main
 
     asked = []

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from demo.real.build import build_real_targets, check_wave
-from demo.real.listen import VOCAB_OOV, encode_audio, encode_audio_full, resample, sentences, wer
+from tapdraft.demo.real.build import build_real_targets, check_wave
+from tapdraft.demo.real.listen import VOCAB_OOV, encode_audio, encode_audio_full, resample, sentences, wer
 
 
 def test_splits_are_disjoint_and_oov_holds_unseen_words(monkeypatch):
@@ -19,7 +19,7 @@ def test_splits_are_disjoint_and_oov_holds_unseen_words(monkeypatch):
     assert all(VOCAB_OOV & set(s.split()) or any(w.rstrip("s") in VOCAB_OOV for w in s.split()) for s in d["oov"])
     assert not VOCAB_OOV & seen
     assert sentences(490, 30, 20) == d  # a pure function of the seed
-    monkeypatch.setattr("demo.real.listen.TEMPLATES", ["turn {dir}"])  # 2 sentences in all
+    monkeypatch.setattr("tapdraft.demo.real.listen.TEMPLATES", ["turn {dir}"])  # 2 sentences in all
     with pytest.raises(ValueError, match="fewer than 5 distinct train"):
         sentences(5, 1, 1)
 

@@ -1,6 +1,6 @@
 """The real text target's prompts: disjoint splits, held out by module, the same on every run."""
 
-from demo.real.prompts import PENDING, TEMPLATES, prompt_splits
+from tapdraft.demo.real.prompts import PENDING, TEMPLATES, prompt_splits
 
 
 def _module(record):
@@ -28,7 +28,7 @@ def test_asking_for_more_than_the_library_documents_is_one_clear_error():
 
 
 def test_requests_of_another_kind_share_nothing_with_the_library_requests():
-    from demo.real.prompts import other_prompts
+    from tapdraft.demo.real.prompts import other_prompts
 
     other = other_prompts(30)
     texts = [r["conversations"][0]["value"] for r in other]

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capture.inputs import BadInput, read_inputs
-from demo.real.listen import VOCAB_OOV, ListenConfig, sentences, speech_other, speech_splits
-from demo.real.speedup import (SpeedupConfig, decode_rate, format_serve, served_method, served_transcripts,
+from tapdraft.capture.inputs import BadInput, read_inputs
+from tapdraft.demo.real.listen import VOCAB_OOV, ListenConfig, sentences, speech_other, speech_splits
+from tapdraft.demo.real.speedup import (SpeedupConfig, decode_rate, format_serve, served_method, served_transcripts,
                                stage_prompts)
 
 
@@ -65,8 +65,8 @@ def test_the_prompts_stage_writes_each_split_once(tmp_path, fake_speech):
 def test_the_replies_stage_regenerates_every_split_in_one_call(tmp_path, fake_speech, monkeypatch):
     """One ``tapdraft regenerate`` for every split (vLLM starts once), each split's file and sidecar written back in
     its prompts' order; a rerun calls nothing, and ``other`` asked later regenerates alone."""
-    import demo.real.speedup as sp
-    from capture.provenance import read_provenance
+    import tapdraft.demo.real.speedup as sp
+    from tapdraft.capture.provenance import read_provenance
 
     calls = []
 
@@ -172,8 +172,8 @@ def test_an_export_is_served_with_the_method_it_states():
 
 
 def test_the_chain_builds_the_models_its_builders_default_to():
-    from demo.real.answer import AnswerConfig
-    from demo.real.listen import ListenConfig
+    from tapdraft.demo.real.answer import AnswerConfig
+    from tapdraft.demo.real.listen import ListenConfig
 
     assert (SpeedupConfig.listen_steps, SpeedupConfig.answer_steps) == (ListenConfig.steps, AnswerConfig.steps)
 
@@ -182,7 +182,7 @@ def test_the_demo_sizes_are_the_chain_at_two_sizes():
     """``tapdraft demo --real`` and ``--real --quick``: the full size is the speech LLM that answers; the quick size
     needs no listener trained (the text target), serves fewer requests with fewer drafter steps, and prints how long
     the command took."""
-    from demo.real.speedup import DEMO_SIZES
+    from tapdraft.demo.real.speedup import DEMO_SIZES
 
     full, quick = DEMO_SIZES["full"], DEMO_SIZES["quick"]
     assert full.target == "assistant" and quick.target == "text"

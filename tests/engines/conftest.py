@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.serving import engine_venv
+from tapdraft.engines.serving import engine_venv
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def vllm_venv() -> Path:
 def engine_bpe_size():
     """The quick BPE target (head dim 32, which vLLM's CPU attention serves) with enough conversations for
     the serving checks: 48 to train the drafter on, 32 held out."""
-    from demo.bpe import QUICK
+    from tapdraft.demo.bpe import QUICK
 
     return replace(QUICK, train_samples=64, val_samples=32, max_new_tokens=24)
 
@@ -28,7 +28,7 @@ def engine_bpe_size():
 @pytest.fixture(scope="session")
 def bpe_target(tmp_path_factory):
     """A small trained text target with the dataset captured from its own greedy replies."""
-    from demo.bpe import prepare_bpe
+    from tapdraft.demo.bpe import prepare_bpe
 
     return prepare_bpe(tmp_path_factory.mktemp("bpe"), quick=True, progress=False, size=engine_bpe_size())
 
@@ -37,7 +37,7 @@ def train_and_export(data: Path, out: Path, recipe: str, *overrides: str) -> tup
     """`tapdraft train` then `tapdraft export`, through the CLI; returns (run dir, export dir)."""
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     run, export = out / "run", out / "export"
     args = ["train", "--data", str(data), "--recipe", recipe, "--out", str(run), "--threads", "1"]
@@ -80,11 +80,11 @@ applies to it all the same (its config has no ``image_token_index``)."""
 def speech_case(request, tmp_path_factory):
     """A tiny speech LLM (real on-disk layout, a text model vLLM serves), 24 audio conversations with the
     target's own greedy replies, the dataset captured from them, and a DFlash drafter trained on it."""
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.replies.windows import ReplyConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.replies.generate import GenerationConfig
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+    from tapdraft.capture.replies.windows import ReplyConfig
     from tests.capture import speech_models
     from tests.capture.util import conv_record, write_manifest, write_wav
 

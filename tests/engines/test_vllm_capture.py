@@ -28,7 +28,7 @@ import textwrap
 import pytest
 import torch
 
-from engines.serving import ROOT
+from tapdraft.engines.serving import ROOT
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -42,9 +42,9 @@ THREADS = 1  # the vLLM captures' CPU threads (VLLMConfig.threads): the count or
 def _cfg(bpe_target, out, engine, vllm_venv=None):
     """The capture settings; a vLLM capture's thread count among them, so the killed run (a fresh process, torch's
     default count) and the runs in this process (whatever count earlier tests left) compute alike."""
-    from capture.config import CaptureConfig
-    from capture.engines import ENGINES
-    from shards.shard_file import ShardConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.engines import ENGINES
+    from tapdraft.shards.shard_file import ShardConfig
 
     own = ENGINES[engine].settings()  # the engine's own settings, None for one that has none
     return CaptureConfig(target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),
@@ -54,7 +54,7 @@ def _cfg(bpe_target, out, engine, vllm_venv=None):
 
 
 def samples(path, split="train"):
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     ds = open_dataset(str(path))
     return [ds.sample(split, i) for i in range(ds.num_samples(split))]
@@ -99,8 +99,8 @@ def compare(a: list[dict], b: list[dict], split: str = "train") -> dict[str, flo
 
 
 def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_target, tmp_path):
-    from capture.pipeline import capture
-    from shards.verify import verify_dataset
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.shards.verify import verify_dataset
 
     ours, theirs, cut = tmp_path / "in-process", tmp_path / "vllm", tmp_path / "vllm-cut"
     capture(_cfg(bpe_target, ours, "transformers"))
@@ -117,9 +117,9 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
     part = cut / "_parts" / "train-rank00000.json"
     script = textwrap.dedent("""
         import os, signal, time
-        from capture import pipeline
-        from capture.config import CaptureConfig, VLLMConfig
-        from shards.shard_file import ShardConfig
+        from tapdraft.capture import pipeline
+        from tapdraft.capture.config import CaptureConfig, VLLMConfig
+        from tapdraft.shards.shard_file import ShardConfig
         real, calls = pipeline.vllm_batches, [0]
         def dying(*a, **k):
             calls[0] += 1
@@ -149,7 +149,7 @@ def test_vllm_capture_equals_in_process_and_resumes_after_kill9(vllm_venv, bpe_t
 
     # a drafter trained on either engine's dataset reaches the same replayed tau, within seed noise
     from tests.engines.conftest import train_and_export
-    from train.evaluate import evaluate
+    from tapdraft.train.evaluate import evaluate
 
     taus = {}
     for name, data, seed in (("in-process", ours, 0), ("vllm", cut, 0), ("in-process seed 1", ours, 1)):

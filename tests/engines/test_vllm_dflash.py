@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.serving import EngineFailed, check_served, serve_vllm, vllm_requests
+from tapdraft.engines.serving import EngineFailed, check_served, serve_vllm, vllm_requests
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -21,8 +21,8 @@ MAX_TOKENS = 24  # the regenerated replies' cap: decoding stays inside what the 
 
 def prompts(bpe_target, split="validation"):
     """The dataset's own prompt ids per conversation (everything before the last reply), with the sample ids."""
-    from shards.reader import open_dataset
-    from speculate.run import prompt_length
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.speculate.run import prompt_length
 
     ds = open_dataset(str(bpe_target.dataset))
     out = []
@@ -33,7 +33,7 @@ def prompts(bpe_target, split="validation"):
 
 
 def speculate(bpe_target, run, split_file, n, max_new_tokens):
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(bpe_target.target), draft=str(run), data=str(bpe_target.dataset),
                           conversations=str(split_file), max_samples=n, max_new_tokens=max_new_tokens)
@@ -84,7 +84,7 @@ def test_vllm_serves_dflash_beside_a_speech_target(vllm_venv, speech_case, tmp_p
                                                           "num_speculative_tokens": K}}, tmp_path)
     assert "image_token_index" in spec["plugins"]
     assert [o["prompt_token_ids"] for o in alone["outputs"]] == ids  # vLLM expands the audio as tapdraft does
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     ours = run_speculate(SpeculateConfig(target=str(speech_case["target"]), draft=str(speech_case["run"]),
                                          data=str(speech_case["dataset"]),
@@ -109,7 +109,7 @@ def test_decoding_past_the_captured_reply_is_reported(bpe_target, bpe_dflash):
     """The regenerated replies stop at 24 tokens (most of them cut there): decoding 40 tokens runs past what the
     dataset holds, where the replay sees nothing and the drafter never trained; speculate says so and how much.
     (Measured on this target: accepted drafts per round fall from 0.13 before token 24 to 0.05 after it.)"""
-    from speculate.run import format_result
+    from tapdraft.speculate.run import format_result
 
     run, _ = bpe_dflash
     inside = speculate(bpe_target, run, bpe_target.val_manifest, 32, MAX_TOKENS)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.conftest import train_and_export
-from engines.serving import EngineFailed, serve_vllm
+from tapdraft.engines.serving import EngineFailed, serve_vllm
 from tests.engines.test_vllm_dflash import prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -32,7 +32,7 @@ MAX_TOKENS = 24  # the regenerated replies' cap: decoding stays inside what the 
 @pytest.fixture(scope="module")
 def dspark(bpe_target, tmp_path_factory):
     """(run, native export, qwen3_omni export) of a DSpark drafter (block 8: 8 drafts a round) trained briefly."""
-    from cli import app
+    from tapdraft.cli import app
 
     out = tmp_path_factory.mktemp("dspark")
     run, export = train_and_export(bpe_target.dataset, out, "dspark_demo", "drafter.num_layers=1", "max_steps=200")
@@ -46,9 +46,9 @@ def dspark(bpe_target, tmp_path_factory):
 def walks(bpe_target, run, n: int = 6) -> tuple[list[dict], list[dict]]:
     """Live blocks at the start of ``n`` validation replies: vLLM's inputs (base logits, anchor, the slots' hidden
     rows) and tapdraft's drafts and confidences there."""
-    from shards.reader import open_dataset
-    from speculate.run import prompt_length
-    from train.run import load_trained
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.speculate.run import prompt_length
+    from tapdraft.train.run import load_trained
 
     model = load_trained(run, bpe_target.dataset).model.eval()
     jobs, want = [], []
@@ -112,7 +112,7 @@ def test_qwen3_omni_export_passes_vllms_standalone_validator(vllm_venv, bpe_targ
 def test_vllm_takes_the_export_as_dspark_up_to_its_runner(vllm_venv, bpe_target, dspark, tmp_path):
     """vLLM parses the export's config as a DSpark draft (its speculative config, block size and registry entry
     accepted) and then, on a CPU, refuses its V1 runner for DSpark by name: serving needs the V2 runner (GPU)."""
-    from engines.serving import EngineFailed, serve_vllm
+    from tapdraft.engines.serving import EngineFailed, serve_vllm
     from tests.engines.test_vllm_dflash import prompts
 
     _, export, _ = dspark
@@ -132,7 +132,7 @@ def test_live_tau_agrees_with_the_replayed_tau(bpe_target, dspark):
     within ``speculate.run.AGREE_REL`` (live taps are the target's float32 states, the stored ones bf16, so a
     near-tie can flip a draft: measured 2.235 live, 2.226 replayed over 32 conversations; DFlash on the same target
     shows the same kind of gap, 1.147 live against 1.143 replayed)."""
-    from speculate.run import AGREE_REL, agreement
+    from tapdraft.speculate.run import AGREE_REL, agreement
 
     run, _, _ = dspark
     r = speculate(bpe_target, run, bpe_target.val_manifest, 32, MAX_TOKENS)
@@ -145,7 +145,7 @@ def test_vllms_v2_runner_serves_dspark_with_tapdrafts_acceptance(bpe_target, dsp
     """On a GPU (``benchmarks/gpu.sh``): vLLM's CUDA build (``engines/vllm_gpu.txt``) serves the export with
     ``method: dspark`` (its V2 runner's sequential Markov sampling): greedy output identical to the target alone,
     and per conversation and round the accepted drafts equal ``tapdraft speculate``'s."""
-    from engines.serving import engine_venv
+    from tapdraft.engines.serving import engine_venv
     from tests.engines.test_vllm_dflash import serve_and_check
 
     run, export, _ = dspark

@@ -12,12 +12,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def test_the_head_only_target_is_proven_by_vllm_and_a_wrong_head_is_refused(vllm_venv, bpe_target):
-    from capture.config import VLLMConfig
-    from capture.head import UnsupportedHead
-    from capture.targets.head_only import resident_bytes
-    from capture.targets.load import load_target
-    from capture.vllm.engine import VLLMEngine, layer_ids, prove_head
-    from shards.schema import Layout
+    from tapdraft.capture.config import VLLMConfig
+    from tapdraft.capture.head import UnsupportedHead
+    from tapdraft.capture.targets.head_only import resident_bytes
+    from tapdraft.capture.targets.load import load_target
+    from tapdraft.capture.vllm.engine import VLLMEngine, layer_ids, prove_head
+    from tapdraft.shards.schema import Layout
 
     target = load_target(bpe_target.target, head_only=True)
     assert target.decoder_elsewhere

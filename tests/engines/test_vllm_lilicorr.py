@@ -35,9 +35,9 @@ def lilicorr(bpe_target, tmp_path_factory):
 
 def walks(bpe_target, run, n: int = 6) -> tuple[list[dict], list[list[int]]]:
     """Live blocks at the start of ``n`` validation replies: vLLM's inputs and tapdraft's drafts there."""
-    from shards.reader import open_dataset
-    from speculate.run import prompt_length
-    from train.run import load_trained
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.speculate.run import prompt_length
+    from tapdraft.train.run import load_trained
 
     model = load_trained(run, bpe_target.dataset).model.eval()
     jobs, want = [], []
@@ -84,7 +84,7 @@ def test_vllms_lilicorr_head_takes_every_tensor_and_walks_as_tapdraft_drafts(vll
 def test_vllm_takes_the_export_as_lilicorr_up_to_its_runner(vllm_venv, bpe_target, lilicorr, tmp_path):
     """vLLM parses the export as a DFlash draft with LiLiCorr's architecture and then, on a CPU, refuses its V1
     runner for candidate-head drafts: serving needs the V2 runner (GPU)."""
-    from engines.serving import EngineFailed, serve_vllm
+    from tapdraft.engines.serving import EngineFailed, serve_vllm
     from tests.engines.test_vllm_dflash import prompts
 
     _, export = lilicorr
@@ -103,7 +103,7 @@ def test_vllm_takes_the_export_as_lilicorr_up_to_its_runner(vllm_venv, bpe_targe
 def test_live_tau_agrees_with_the_replayed_tau(bpe_target, lilicorr):
     """``tapdraft speculate`` walks the lattice live; the replay counts teacher-forced slots, whose predecessor is
     the reply's token, the walk's own while it follows the reply: the two agree within ``speculate.run.AGREE_REL``."""
-    from speculate.run import AGREE_REL, agreement
+    from tapdraft.speculate.run import AGREE_REL, agreement
 
     run, _ = lilicorr
     r = speculate(bpe_target, run, bpe_target.val_manifest, 32, MAX_TOKENS)
@@ -116,7 +116,7 @@ def test_vllms_v2_runner_serves_lilicorr_with_tapdrafts_acceptance(bpe_target, l
     """On a GPU (``benchmarks/gpu.sh``): vLLM's CUDA build serves the export with ``method: dflash`` (its V2
     runner's lattice walk): greedy output identical to the target alone, and per conversation and round the
     accepted drafts equal ``tapdraft speculate``'s."""
-    from engines.serving import engine_venv
+    from tapdraft.engines.serving import engine_venv
     from tests.engines.test_vllm_dflash import serve_and_check
 
     run, export = lilicorr

@@ -22,7 +22,7 @@ import subprocess
 import pytest
 
 from tests.engines.conftest import train_and_export
-from engines.serving import EngineFailed, serve_vllm
+from tapdraft.engines.serving import EngineFailed, serve_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -37,11 +37,11 @@ def _conversations(n: int, offset: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def qwen3_5_case(tmp_path_factory):
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from capture.replies.generate import GenerationConfig
-    from capture.replies.regenerate import RegenerateConfig, regenerate
-    from capture.replies.windows import ReplyConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.replies.generate import GenerationConfig
+    from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+    from tapdraft.capture.replies.windows import ReplyConfig
     from tests.capture.util import write_manifest
     from tests.engines.qwen3_5_target import save_qwen3_5
 
@@ -88,8 +88,8 @@ def test_export_drafts_in_vllms_module_what_tapdraft_speculate_drafted(qwen3_5_c
     import torch
     import transformers as tf
 
-    from shards.reader import open_dataset
-    from speculate.run import SpeculateConfig, prompt_length, run_speculate
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.speculate.run import SpeculateConfig, prompt_length, run_speculate
     from tests.engines import vllm_qwen3_5_mtp as ref
 
     export = qwen3_5_case["export"]
@@ -131,9 +131,9 @@ def test_head_starts_from_the_checkpoints_mtp_and_lk_trains_only_it(qwen3_5_case
     import torch
     from safetensors.torch import load_file
 
-    from shards.reader import open_dataset
-    from train.drafters.mtp_native.config import MTPNativeConfig
-    from train.drafters.mtp_native.model import MTPNativeDrafter, read_checkpoint
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.train.drafters.mtp_native.config import MTPNativeConfig
+    from tapdraft.train.drafters.mtp_native.model import MTPNativeDrafter, read_checkpoint
 
     ds = open_dataset(str(qwen3_5_case["dataset"]))
     _, own = read_checkpoint(qwen3_5_case["target"])

@@ -20,7 +20,7 @@ import json
 import pytest
 
 from tests.engines.conftest import train_and_export
-from engines.serving import serve_vllm
+from tapdraft.engines.serving import serve_vllm
 from tests.engines.test_vllm_dflash import MAX_TOKENS, prompts, serve_and_check
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -32,7 +32,7 @@ def bpe_mtp(bpe_target, tmp_path_factory):
     target's dataset."""
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     root = tmp_path_factory.mktemp("mtp_head")
     run, _ = train_and_export(bpe_target.dataset, root, "mtp_demo", "max_steps=200", "drafter.draft_vocab=256",
@@ -58,7 +58,7 @@ def test_vllm_serves_a_bolt_on_mtp_head_with_tapdrafts_acceptance(vllm_venv, bpe
 def test_stock_vllm_has_no_class_for_a_bolt_on_mtp_head(vllm_venv, bpe_target, bpe_mtp, tmp_path):
     """Without the plugin vLLM 0.32 refuses the export before decoding: its MTP path knows only model types named
     by a target's own MTP module."""
-    from engines.serving import EngineFailed
+    from tapdraft.engines.serving import EngineFailed
 
     _, export = bpe_mtp
     (_, ids), *_ = prompts(bpe_target)
@@ -77,11 +77,11 @@ def test_vllm_serves_an_mtp_head_beside_a_speech_target(vllm_venv, speech_case, 
     identical and acceptance equal to ``tapdraft speculate`` round by round."""
     from typer.testing import CliRunner
 
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
-    from cli import app
-    from speculate.run import SpeculateConfig, run_speculate
-    from engines.serving import check_served
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.cli import app
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.engines.serving import check_served
     from tests.engines.test_vllm_dflash import speech_requests
 
     dataset = speech_case["dataset"]

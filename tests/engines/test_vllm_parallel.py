@@ -32,9 +32,9 @@ N = 8
 
 
 def _capture(bpe_target, vllm_venv, out, **layout):
-    from capture.config import CaptureConfig, VLLMConfig
-    from capture.pipeline import capture
-    from shards.shard_file import ShardConfig
+    from tapdraft.capture.config import CaptureConfig, VLLMConfig
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.shards.shard_file import ShardConfig
 
     return capture(CaptureConfig(
         target=str(bpe_target.target), out=str(out), data=(("train", str(bpe_target.train_manifest)),),
@@ -79,7 +79,7 @@ def test_pipeline_parallel_is_one_line_before_anything_is_written(bpe_target, vl
 
 def test_this_vllm_still_refuses_pipeline_parallel_extraction(bpe_target, vllm_venv):
     """The fact check_layout rests on: vLLM's own config check, without starting an engine (~15 s of imports)."""
-    from capture.vllm.engine import PP_REFUSED_THROUGH, _engine_env, _release
+    from tapdraft.capture.vllm.engine import PP_REFUSED_THROUGH, _engine_env, _release
 
     script = textwrap.dedent(f"""
         import json, vllm

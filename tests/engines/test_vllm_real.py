@@ -28,7 +28,7 @@ def test_the_real_speedup_chain_at_a_miniature_size(vllm_venv, tmp_path):
     """Every stage of demo.real.speedup on the text target (4 held-out requests, one pair): the report says that
     vLLM expanded the prompts as capture did, the drafter left the greedy output unchanged, and vLLM's rounds equal
     tapdraft speculate's; a rerun finds every stage done."""
-    from demo.real.speedup import SpeedupConfig, format_serve, run_speedup
+    from tapdraft.demo.real.speedup import SpeedupConfig, format_serve, run_speedup
 
     cfg = SpeedupConfig(target="text", train=8, validation=2, held_out=4, prompts=4, pairs=1, max_tokens=N_NEW,
                         recipe="eagle3_demo", k=(K,), threads=2,

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from capture.engines import ENGINES
-from capture.replies.generate import GenerationConfig
-from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
-from capture.replies.windows import ReplyConfig
+from tapdraft.capture.engines import ENGINES
+from tapdraft.capture.replies.generate import GenerationConfig
+from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
+from tapdraft.capture.replies.windows import ReplyConfig
 from tests.engines.conftest import read_jsonl
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -69,10 +69,10 @@ def test_vllm_regenerate_equals_in_process_and_resumes_after_kill9(vllm_venv, bp
         import os, signal
         from contextlib import contextmanager
         from pathlib import Path
-        import capture.replies.regenerate as rg
-        from capture.config import VLLMConfig
-        from capture.replies.generate import GenerationConfig
-        from capture.replies.windows import ReplyConfig
+        import tapdraft.capture.replies.regenerate as rg
+        from tapdraft.capture.config import VLLMConfig
+        from tapdraft.capture.replies.generate import GenerationConfig
+        from tapdraft.capture.replies.windows import ReplyConfig
         real, parts = rg.staged, [0]
         @contextmanager
         def dying(path):

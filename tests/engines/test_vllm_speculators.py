@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.conftest import engine_bpe_size, train_and_export
-from engines.serving import ROOT, serve_vllm
+from tapdraft.engines.serving import ROOT, serve_vllm
 from tests.engines.test_vllm_dflash import K, MAX_TOKENS, prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -34,7 +34,7 @@ def load_with_speculators(venv: Path, export: Path, work: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def deep_bpe(tmp_path_factory):
-    from demo.bpe import prepare_bpe
+    from tapdraft.demo.bpe import prepare_bpe
 
     size = replace(engine_bpe_size(), layers=4)
     return prepare_bpe(tmp_path_factory.mktemp("bpe4"), quick=True, progress=False, size=size)
@@ -44,7 +44,7 @@ def deep_bpe(tmp_path_factory):
 def exports(deep_bpe, tmp_path_factory):
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     root = tmp_path_factory.mktemp("dflash4")
     run, native = train_and_export(deep_bpe.dataset, root, "dflash_demo", "drafter.num_layers=1", "max_steps=200")
@@ -67,7 +67,7 @@ def test_speculators_classes_load_the_export_as_written(vllm_venv, exports, tmp_
 
 
 def test_vllm_serves_the_speculators_export_like_the_native_one(vllm_venv, deep_bpe, exports, tmp_path):
-    from speculate.run import SpeculateConfig, run_speculate
+    from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     run, native, spec = exports
     convs = prompts(deep_bpe)
@@ -95,7 +95,7 @@ def test_speculators_classes_load_a_dflash2_export(vllm_venv, deep_bpe, tmp_path
     (Serving DFlash2 needs vLLM's V2 runner, GPU only: benchmarks/gpu.sh.)"""
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     run, _ = train_and_export(deep_bpe.dataset, tmp_path_factory.mktemp("dflash2_4"), "dflash2_demo",
                               "drafter.num_layers=1", "max_steps=5")

@@ -45,8 +45,8 @@ def _data(case):
 
 
 def _cfg(case, out, engine, vllm_venv=None):
-    from capture.config import CaptureConfig
-    from shards.shard_file import ShardConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.shards.shard_file import ShardConfig
 
     return CaptureConfig(target=str(case["target"]), out=str(out), data=_data(case), top_k=8, window=8,
                          batch_tokens=512, progress=False, shard=ShardConfig(shard_bytes=100_000), engine=engine,
@@ -54,8 +54,8 @@ def _cfg(case, out, engine, vllm_venv=None):
 
 
 def test_vllm_captures_qwen2_audio_as_the_in_process_engine(vllm_venv, speech_case, tmp_path):
-    from capture.pipeline import capture
-    from shards.verify import verify_dataset
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.shards.verify import verify_dataset
 
     ours, theirs = tmp_path / "in-process", tmp_path / "vllm"
     ref = capture(_cfg(speech_case, ours, "transformers"))
@@ -79,9 +79,9 @@ def test_vllm_captures_qwen2_audio_as_the_in_process_engine(vllm_venv, speech_ca
 def test_vllm_capture_stops_when_vllms_expansion_differs(vllm_venv, speech_case, tmp_path, monkeypatch):
     import dataclasses
 
-    from capture.pipeline import capture
-    from capture.vllm import engine as vllm_engine
-    from common.errors import CaptureError
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.capture.vllm import engine as vllm_engine
+    from tapdraft.common.errors import CaptureError
 
     real = vllm_engine.request
 

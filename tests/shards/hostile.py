@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shards.writer import ShardConfig
+from tapdraft.shards.writer import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 SECRET = b"AWS_SECRET_ACCESS_KEY=hostile-fixture-not-a-real-key\n"
@@ -180,7 +180,7 @@ def inflate_arrow_buffer(root: Path, declared: int) -> str:
     import hashlib
     import struct
 
-    from shards.integrity import digest
+    from tapdraft.shards.integrity import digest
 
     man = json.loads((root / "manifest.json").read_text())
     sh = man["splits"]["train"]["shards"][0]
@@ -202,7 +202,7 @@ def inflate_arrow_buffer(root: Path, declared: int) -> str:
 
 def replace_index(root: Path, raw: bytes) -> str:
     """The first shard's index file replaced by ``raw``, its manifest record (size, hash) made to match."""
-    from shards.integrity import digest
+    from tapdraft.shards.integrity import digest
 
     man = json.loads((root / "manifest.json").read_text())
     sh = man["splits"]["train"]["shards"][0]

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from shards.bundle import write_bundle
-from shards.schema import Layout, teacher_rows
+from tapdraft.shards.bundle import write_bundle
+from tapdraft.shards.schema import Layout, teacher_rows
 
 AUDIO_TOKEN_ID = 7
 
@@ -78,8 +78,8 @@ def tiny_bundle(out_dir: str, layout: Layout, vocab: int = 64, seed: int = 0, to
 def write_dataset(out_dir: str, layout: Layout, config: Any, lengths: list[int], *, split: str = "train",
                   ranks: int = 1, seed: int = 0, tokenizer_dir: str | None = None) -> dict[str, Any]:
     """A finished dataset of random samples (lengths round-robin over ranks); returns the manifest."""
-    from shards.finalize import finalize_dataset
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.finalize import finalize_dataset
+    from tapdraft.shards.writer import DatasetWriter
 
     import tempfile
 

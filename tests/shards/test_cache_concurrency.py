@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shards.cache import Cache
-from shards.reader import open_dataset
-from shards.remote import RemoteConfig, RemoteFS, open_url
-from shards.shard_file import ShardConfig
-from shards.transfer import push
+from tapdraft.shards.cache import Cache
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.remote import RemoteConfig, RemoteFS, open_url
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.transfer import push
 from tests.s3server import SeaweedS3, weed_binary
 from tests.shards.synthetic import tiny_layout, write_dataset
 

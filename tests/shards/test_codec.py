@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, bytes_to_fp8, fp8_decode, fp8_encode, fp8_to_bytes
+from tapdraft.shards.codec import FP8_MAX, bf16_to_bytes, bytes_to_bf16, bytes_to_fp8, fp8_decode, fp8_encode, fp8_to_bytes
 
 
 @pytest.mark.parametrize("layout", ["planes", "raw", "split"])

@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shards.bundle import (CONFIG_KEYS, bundle_fingerprint, compute_fingerprint, load_bundle, migrate_bundle_doc,
+from tapdraft.shards.bundle import (CONFIG_KEYS, bundle_fingerprint, compute_fingerprint, load_bundle, migrate_bundle_doc,
                            write_bundle)
-from shards.head import HeadSpec
-from shards.schema import Layout, teacher_rows, validate_sample
-from shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
+from tapdraft.shards.head import HeadSpec
+from tapdraft.shards.schema import Layout, teacher_rows, validate_sample
+from tapdraft.shards.taps import capture_tap_ids, default_tap_ids, from_vllm, to_vllm
 
 
 def test_default_taps_follow_the_dflash_rule():
@@ -238,7 +238,7 @@ def test_bundle_rejects_inconsistent_weights(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_all_finite_reads_exponent_bits_like_isfinite(dtype):
-    from shards.schema import all_finite
+    from tapdraft.shards.schema import all_finite
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4096, generator=g) * 1e3).to(dtype)

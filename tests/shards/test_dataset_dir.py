@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from shards.bundle import load_bundle
-from shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
+from tapdraft.shards.bundle import load_bundle
+from tapdraft.shards.manifest import complete_manifest, dataset_fingerprint, write_or_check_bundle
 from tests.shards.synthetic import tiny_layout, write_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.shards.shard_file import ShardConfig
 
 
 def _parts(H: int, seed: int) -> dict:

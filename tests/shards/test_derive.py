@@ -8,13 +8,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli import app, main
-from shards.formats.arrow import decode_row
-from shards.codec import fp8_decode, fp8_encode
-from shards.derive import DeriveConfig, derive_dataset, derived_note
-from shards.reader import open_dataset
-from shards.verify import verify_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.cli import app, main
+from tapdraft.shards.formats.arrow import decode_row
+from tapdraft.shards.codec import fp8_decode, fp8_encode
+from tapdraft.shards.derive import DeriveConfig, derive_dataset, derived_note
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.verify import verify_dataset
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 
@@ -125,7 +125,7 @@ def test_derive_recompresses_with_writer_lanes_and_keeps_old_keys(src, tmp_path)
             for w in want:
                 assert_same(got[w["sample_id"]], w)
     assert open_dataset(str(packed)).manifest["shard_config"]["zstd_level"] == 1
-    from shards.derive import _key_settings
+    from tapdraft.shards.derive import _key_settings
 
     # a derive without the shard settings keeps the key it had before they existed (a finished one stays finished)
     assert set(_key_settings(DeriveConfig(src="a", out="b"))) == {"src", "out", "taps", "codec", "splits",

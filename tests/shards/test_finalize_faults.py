@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-import common.atomic as atomic
-from shards.reader import open_dataset
-from shards.finalize import finalize_dataset
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+import tapdraft.common.atomic as atomic
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shards.formats.base import OpenShards, ShardSettings, Sink
-from shards.reader import open_dataset
-from shards.shard_file import ShardConfig, _HashingSink
+from tapdraft.shards.formats.base import OpenShards, ShardSettings, Sink
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_file import ShardConfig, _HashingSink
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shards.head import HeadSpec, final_norm, project, teacher_logits
+from tapdraft.shards.head import HeadSpec, final_norm, project, teacher_logits
 
 
 def test_teacher_logits_match_float64_definition():
@@ -55,7 +55,7 @@ def test_head_spec_from_legacy_config_round_trip_and_refusals():
 
 
 def test_every_head_kind_matches_its_float64_definition():
-    from shards.head import embed
+    from tapdraft.shards.head import embed
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(9, 16, generator=g, dtype=torch.float64) * 3
@@ -85,7 +85,7 @@ def test_every_head_kind_matches_its_float64_definition():
 @pytest.mark.parametrize("spec", [HeadSpec(), HeadSpec(logits_scaling=2.0), HeadSpec(final_logit_softcap=5.0)],
                          ids=["plain", "scaled", "capped"])
 def test_adding_a_projection_in_place_is_bitwise_z_plus_project(dtype, spec):
-    from shards.head import add_projection_
+    from tapdraft.shards.head import add_projection_
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 16, generator=g), torch.randn(40, 16, generator=g).to(dtype)

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli import app, main
-from shards.derive import DeriveConfig, derive_dataset
-from common.errors import CorruptShardError
-from shards.reader import open_dataset
-from shards.transfer import pull, push
-from shards.verify import verify_dataset
+from tapdraft.cli import app, main
+from tapdraft.shards.derive import DeriveConfig, derive_dataset
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.transfer import pull, push
+from tapdraft.shards.verify import verify_dataset
 from tests.shards.hostile import (CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset,
                                   inflate_arrow_buffer, leaked, replace_index)
 
@@ -196,7 +196,7 @@ def shared(good):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": tempfile.gettempdir()}
-    return subprocess.run(_as_reader([sys.executable, "-m", "cli", *args]), capture_output=True, text=True,
+    return subprocess.run(_as_reader([sys.executable, "-m", "tapdraft.cli", *args]), capture_output=True, text=True,
                           env=env, cwd=tempfile.gettempdir(), timeout=300)
 
 
@@ -214,7 +214,7 @@ def test_a_read_only_dataset_reads_and_an_unreadable_file_is_named_as_read(share
 
 
 def test_a_permission_error_on_a_new_file_is_a_write(tmp_path):
-    from common.errors import classify
+    from tapdraft.common.errors import classify
 
     code, msg = classify(PermissionError(13, "Permission denied", str(tmp_path / "new.json")))
     assert code == 2 and msg.startswith(f"permission denied writing {tmp_path}/new.json; choose a writable location")

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pytest
 import webdataset
 
-from shards.formats.arrow import META_KEY, decode_row
-from common.errors import CorruptShardError
-from shards.integrity import ROW_COLUMN
-from shards.reader import open_dataset
-from shards.formats.wds import TarShardWriter, decode_wds_sample
-from shards.shard_file import ShardConfig
+from tapdraft.shards.formats.arrow import META_KEY, decode_row
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.integrity import ROW_COLUMN
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.formats.wds import TarShardWriter, decode_wds_sample
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 
@@ -95,7 +95,7 @@ def test_a_foreign_shard_is_refused_before_any_of_its_samples(clean, tmp_path):
 
 def test_tar_writer_emits_the_bytes_tarfile_writes(tmp_path):
     layout = tiny_layout()
-    from shards.codec import FieldMeta, encode_fields
+    from tapdraft.shards.codec import FieldMeta, encode_fields
 
     meta = FieldMeta(layout, "planes")
     ours = io.BytesIO()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from shards.manifest import migrate_manifest, responses_from_target
-from shards.schema import check_schema_version
+from tapdraft.shards.manifest import migrate_manifest, responses_from_target
+from tapdraft.shards.schema import check_schema_version
 
 
 @pytest.mark.parametrize("doc, want", [

@@ -13,10 +13,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from common.errors import CorruptShardError, RemoteError
-from shards.reader import open_dataset
-from shards.remote import RemoteConfig, RemoteFS, transient
-from shards.shard_file import ShardConfig
+from tapdraft.common.errors import CorruptShardError, RemoteError
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.remote import RemoteConfig, RemoteFS, transient
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 

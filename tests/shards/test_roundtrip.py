@@ -8,10 +8,10 @@ import pyarrow as pa
 import torch
 import pytest
 
-from shards.formats.arrow import decode_batch
-from shards.reader import open_dataset
+from tapdraft.shards.formats.arrow import decode_batch
+from tapdraft.shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.shards.shard_file import ShardConfig
 
 
 def assert_same(a, b):
@@ -90,8 +90,8 @@ LEGACY = Path(__file__).with_name("data")
 
 @pytest.mark.parametrize("fmt", ["arrow", "wds"])
 def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
-    from shards.codec import fp8_decode, fp8_encode
-    from shards.verify import verify_dataset
+    from tapdraft.shards.codec import fp8_decode, fp8_encode
+    from tapdraft.shards.verify import verify_dataset
 
     old = tmp_path / "old"
     shutil.copytree(LEGACY / f"fp8_before_layouts_{fmt}", old)
@@ -115,7 +115,7 @@ def test_fp8_datasets_without_a_recorded_layout_still_read(tmp_path, fmt):
 
 
 def test_a_reader_that_predates_packed_fp8_stops_instead_of_misreading(tmp_path):
-    from shards.formats.arrow import decode_row
+    from tapdraft.shards.formats.arrow import decode_row
 
     layout = tiny_layout(taps_codec="fp8")
     man = write_dataset(str(tmp_path), layout, ShardConfig(), [5, 9])
@@ -129,7 +129,7 @@ def test_a_reader_that_predates_packed_fp8_stops_instead_of_misreading(tmp_path)
 
 
 def test_a_legacy_fp8_capture_resumes_only_with_its_own_layout(tmp_path):
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.writer import DatasetWriter
 
     layout = tiny_layout(taps_codec="fp8")
     root = tmp_path / "part"

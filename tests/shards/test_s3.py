@@ -13,11 +13,11 @@ import fsspec
 import pytest
 import torch
 
-from common.errors import CorruptShardError, RemoteError
-from shards.reader import open_dataset
-from shards.remote import RemoteConfig
-from shards.transfer import pull, push
-from shards.shard_file import ShardConfig
+from tapdraft.common.errors import CorruptShardError, RemoteError
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.remote import RemoteConfig
+from tapdraft.shards.transfer import pull, push
+from tapdraft.shards.shard_file import ShardConfig
 from tests.s3server import SeaweedS3, weed_binary
 from tests.shards.synthetic import tiny_layout, write_dataset
 
@@ -192,7 +192,7 @@ def test_train_cli_from_s3(s3, tmp_path):
     data = tiny_dataset(tmp_path / "ds", n=8)
     env = {**os.environ, **s3.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     url = s3.url("train")
-    cmd = [sys.executable, "-m", "cli"]
+    cmd = [sys.executable, "-m", "tapdraft.cli"]
     r = subprocess.run(cmd + ["push", data.path, url], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(cmd + ["train", "--data", url, "--recipe", "dflash_b8", "--out", str(tmp_path / "run"),
@@ -207,7 +207,7 @@ def test_train_cli_from_s3(s3, tmp_path):
     # verify, inspect and eval read the same URL (in-process: the store reached through the same variables)
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     with pytest.MonkeyPatch.context() as mp_:
         for k, v in env.items():
@@ -227,8 +227,8 @@ def test_capture_into_s3(s3, salm_dir, tmp_path, monkeypatch):
     the remote dataset equals the stage, with no rank-named leftovers and the manifest written."""
     import numpy as np
 
-    from capture.config import CaptureConfig
-    from capture.pipeline import capture
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.pipeline import capture
     from tests.capture.util import conv_record, write_manifest, write_wav
 
     rng = np.random.default_rng(1)
@@ -241,9 +241,9 @@ def test_capture_into_s3(s3, salm_dir, tmp_path, monkeypatch):
     url, stage = s3.url("captured"), tmp_path / "stage"
     cfg = CaptureConfig(target=str(salm_dir), out=url, stage=str(stage), data=(("train", str(inputs)),), top_k=4,
                         window=2, batch_tokens=120, progress=False, shard=ShardConfig(shard_bytes=3000))
-    from shards.transfer import StagedUpload
+    from tapdraft.shards.transfer import StagedUpload
 
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.writer import DatasetWriter
 
     monkeypatch.setattr(StagedUpload, "EVERY_S", 0.05)  # this capture takes a second, not hours
     finish = DatasetWriter._finish_shard
@@ -278,7 +278,7 @@ def test_stock_datasets_library_reads_the_pushed_shards(s3, small, tmp_path):
 
     import datasets
 
-    from shards.formats.arrow import decode_row
+    from tapdraft.shards.formats.arrow import decode_row
 
     url = s3.url("stock")
     push(small, url, config=remote(s3, tmp_path), progress=False)

@@ -8,14 +8,14 @@ import struct
 import fsspec
 import pytest
 
-from shards.bundle import load_bundle
-from common.errors import CorruptShardError
-from shards.limits import MAX_SHARD_BYTES, decompress_bounded, safe_relpath
-from shards.reader import open_dataset
-from shards.shard_index import index_name, write_index
-from shards.verify import verify_dataset
-from shards.formats.wds import decode_wds_sample
-from shards.shard_file import ShardConfig
+from tapdraft.shards.bundle import load_bundle
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.limits import MAX_SHARD_BYTES, decompress_bounded, safe_relpath
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_index import index_name, write_index
+from tapdraft.shards.verify import verify_dataset
+from tapdraft.shards.formats.wds import decode_wds_sample
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.synthetic import tiny_layout, write_dataset
 
 LENGTHS = [5, 7, 4, 6]
@@ -109,7 +109,7 @@ def test_a_wds_member_declaring_a_huge_size_is_refused(tmp_path):
 
     import webdataset
 
-    from shards.integrity import digest, seal_doc
+    from tapdraft.shards.integrity import digest, seal_doc
 
     root = tmp_path / "w"
     write_dataset(str(root), tiny_layout(), ShardConfig(format="wds", shard_bytes=3000), LENGTHS)

@@ -5,13 +5,13 @@ import shutil
 
 import pytest
 
-from common.errors import CorruptShardError
-from shards.reader import open_dataset
-from shards.shard_index import INDEX_DIR, IndexCache, index_name, migrate_inline_index
-from shards.verify import verify_dataset
-from shards.finalize import finalize_dataset
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+from tapdraft.common.errors import CorruptShardError
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_index import INDEX_DIR, IndexCache, index_name, migrate_inline_index
+from tapdraft.shards.verify import verify_dataset
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout, write_dataset
 from tests.shards.test_roundtrip import assert_same
 
@@ -48,8 +48,7 @@ def test_manifest_lists_shards_not_record_batches(made):
 
 def test_opening_reads_no_index_and_reading_reads_only_the_shards_it_touches(made, monkeypatch):
     root, man = made
-    import shards.reader as reader
-
+    import tapdraft.shards.reader as reader
     loaded = []
     real = reader.load_index
     def counting(fs, r, sh, *fmt):

@@ -7,11 +7,11 @@ import pytest
 import torch
 import webdataset
 
-from shards.formats.arrow import decode_row, read_shard_metadata
-from shards.reader import open_dataset
+from tapdraft.shards.formats.arrow import decode_row, read_shard_metadata
+from tapdraft.shards.reader import open_dataset
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
-from shards.formats.wds import decode_wds_sample
-from shards.shard_file import ShardConfig
+from tapdraft.shards.formats.wds import decode_wds_sample
+from tapdraft.shards.shard_file import ShardConfig
 from tests.shards.test_roundtrip import assert_same
 
 LENGTHS = [6, 3, 9, 4, 8]

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
-from shards.reader import open_dataset
+from tapdraft.shards.order import block_order, epoch_rng, order_unit, shuffle_order, worker_range
+from tapdraft.shards.reader import open_dataset
 from tests.shards.synthetic import tiny_layout, write_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.shards.shard_file import ShardConfig
 
 N = 37
 

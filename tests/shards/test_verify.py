@@ -7,13 +7,13 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
-from shards.reader import open_dataset
-from shards.shard_index import index_name
+from tapdraft.cli import app
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_index import index_name
 from tests.shards.synthetic import random_sample, tiny_layout, write_dataset
-from shards.verify import verify_dataset
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+from tapdraft.shards.verify import verify_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)
 LENGTHS = [5, 8, 3, 9, 6, 4, 7]
@@ -159,7 +159,7 @@ def test_wrong_shape_between_manifest_and_shards_is_reported(tmp_path):
 
 
 def test_duplicate_sample_ids_fail_verify(tmp_path):
-    from shards.finalize import finalize_dataset
+    from tapdraft.shards.finalize import finalize_dataset
     from tests.shards.synthetic import tiny_bundle
 
     layout = tiny_layout()
@@ -174,7 +174,7 @@ def test_duplicate_sample_ids_fail_verify(tmp_path):
 
 
 def test_sample_any_format_and_out_of_range(good):
-    from common.errors import SampleIndexError
+    from tapdraft.common.errors import SampleIndexError
 
     root, man = good
     ds = open_dataset(str(root))
@@ -189,8 +189,8 @@ def test_sample_any_format_and_out_of_range(good):
 def test_the_card_is_covered_by_the_manifest_and_older_manifests_still_verify(good, tmp_path):
     """A card edited after finalize passed verify (and pull said "verified"); a manifest written before the card was
     recorded has no record of it and verifies as before."""
-    from common.errors import CorruptShardError
-    from shards.transfer import pull
+    from tapdraft.common.errors import CorruptShardError
+    from tapdraft.shards.transfer import pull
 
     root, man = good
     card = root / "README.md"

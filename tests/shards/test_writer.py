@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from shards.codec import encode_fields
-from shards.reader import open_dataset
-from shards.verify import verify_dataset
+from tapdraft.shards.codec import encode_fields
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.verify import verify_dataset
 from tests.shards.synthetic import random_sample, tiny_bundle, tiny_layout
-from shards.finalize import finalize_dataset
-from shards.shard_file import ShardConfig
-from shards.writer import DatasetWriter
+from tapdraft.shards.finalize import finalize_dataset
+from tapdraft.shards.shard_file import ShardConfig
+from tapdraft.shards.writer import DatasetWriter
 
 CFG = ShardConfig(shard_bytes=2500, batch_bytes=800)
 
@@ -187,8 +187,8 @@ def test_uncompressed_shards_are_arrow_only():
 @pytest.mark.parametrize("after", ["shard renamed", "index written"])
 def test_a_kill_between_a_shards_rename_its_index_and_the_part_loses_nothing(tmp_path, monkeypatch, after):
     """The rank's part is the truth: a shard (and its index file) finished but not yet in the part is redone."""
-    import shards.shard_file as shard_file
-    from shards.shard_index import index_name
+    import tapdraft.shards.shard_file as shard_file
+    from tapdraft.shards.shard_index import index_name
 
     class Kill(BaseException):
         pass

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from speculate.run import cost_line
-from train.acceptance import ROUND_COSTS, breakeven, breakeven_text
-from train.evaluate import breakeven_of, format_result as format_eval
+from tapdraft.speculate.run import cost_line
+from tapdraft.train.acceptance import ROUND_COSTS, breakeven, breakeven_text
+from tapdraft.train.evaluate import breakeven_of, format_result as format_eval
 
 
 def test_a_tau_below_the_round_cost_falls_short_and_one_above_clears_it():
@@ -61,7 +61,7 @@ def test_speculate_prints_the_measured_break_even_or_why_there_is_none():
 
 
 def test_eval_refuses_a_round_cost_that_is_not_positive_before_loading_anything(tmp_path):
-    from train.evaluate import evaluate
+    from tapdraft.train.evaluate import evaluate
 
     with pytest.raises(ValueError, match="--round-cost is a round's time over a plain decode step's"):
         evaluate(tmp_path / "no-run", str(tmp_path / "no-data"), round_cost=0.0)

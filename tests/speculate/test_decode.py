@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from speculate.decode import (
+from tapdraft.speculate.decode import (
     DecodeResult,
     TargetSession,
     acceptance_by_position,
@@ -135,7 +135,7 @@ def test_acceptance_by_position_leaves_out_unjudged_drafts():
 def test_live_probabilities_are_the_models_own(family, tmp_path):
     """Live logits go through the target's head once: Granite's division (its forward already divides)
     is not applied twice, Gemma2's soft cap and Phi's biases are applied; sampling sees the model's law."""
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
     from tests.capture.lm_families import save_family
 
     torch.manual_seed(0)

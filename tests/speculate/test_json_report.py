@@ -9,10 +9,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
-from speculate.run import REPORT_FORMAT, REPORT_VERSION, SpeculateConfig, run_speculate
-from train.config import load_run_config
-from train.loop import train
+from tapdraft.cli import app
+from tapdraft.speculate.run import REPORT_FORMAT, REPORT_VERSION, SpeculateConfig, run_speculate
+from tapdraft.train.config import load_run_config
+from tapdraft.train.loop import train
 from tests.capture.chat_templates import save_qwen3
 
 pytestmark = pytest.mark.slow  # a capture and a two-step training run, shared by the module (~10 s)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from speculate.run import AGREE_REL, agreement, format_result
-from train.acceptance import UNREACHED, alpha_text
-from train.evaluate import format_result as format_eval
+from tapdraft.speculate.run import AGREE_REL, agreement, format_result
+from tapdraft.train.acceptance import UNREACHED, alpha_text
+from tapdraft.train.evaluate import format_result as format_eval
 
 
 def _live(tau: float, replayed: float | None, *, temperature: float = 0.0, same: bool = True) -> dict:
@@ -47,3 +47,17 @@ def test_eval_leads_with_the_replayed_tau_and_labels_the_teacher_forced_one():
 def test_unreached_positions_print_the_same_way_whatever_their_value():
     assert alpha_text([0.5, math.nan, None]) == f"0.500 {UNREACHED} {UNREACHED}"
     assert alpha_text([0.5, 0.0], reached=[3, 0], digits=2) == f"0.50 {UNREACHED}"
+
+
+def test_the_replay_covers_the_last_reply_alone_as_speculate_decodes_it():
+    """A two-turn conversation is decoded on its last reply; its first reply is context, not replayed."""
+    import torch
+
+    from tapdraft.speculate.run import last_reply, prompt_length
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 0], dtype=torch.bool)
+    sample = {"loss_mask": mask, "sample_id": "mt-81-2"}
+    got = last_reply(sample)
+    assert got["loss_mask"].tolist() == [False] * 7 + [True, True, False]
+    assert prompt_length(got["loss_mask"]) == prompt_length(mask) == 7
+    assert sample["loss_mask"].tolist() == mask.tolist()  # the dataset's sample is left as it was

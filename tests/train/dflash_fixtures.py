@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from shards.bundle import load_bundle, write_bundle
-from shards.head import HeadSpec
-from shards.schema import Layout, teacher_rows, validate_sample
+from tapdraft.shards.bundle import load_bundle, write_bundle
+from tapdraft.shards.head import HeadSpec
+from tapdraft.shards.schema import Layout, teacher_rows, validate_sample
 
 
 def tiny_bundle(root: Path, *, hidden: int = 32, vocab: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
@@ -115,9 +115,9 @@ def synthetic_samples(bundle, layout: Layout, n: int, *, min_len: int = 24, max_
 def write_synthetic_dataset(root: Path, bundle, layout: Layout, splits: dict[str, list[dict]], *,
                             fmt: str = "arrow", regenerated: bool | None = None) -> str:
     """A finished dataset at ``root`` (whose ``target/`` already holds ``bundle``) from samples per split."""
-    from shards.finalize import finalize_dataset
-    from shards.shard_file import ShardConfig
-    from shards.writer import DatasetWriter
+    from tapdraft.shards.finalize import finalize_dataset
+    from tapdraft.shards.shard_file import ShardConfig
+    from tapdraft.shards.writer import DatasetWriter
 
     cfg = ShardConfig(format=fmt, shard_bytes=64 << 10, batch_bytes=16 << 10)
     for split, samples in splits.items():

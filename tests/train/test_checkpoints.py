@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from cli import main
-from train.checkpoints import CKPT_VERSION, STATE_FILE, load_checkpoint, migrate_v1, trust_checkpoint
-from train.config import load_run_config
-from train.run import load_run
+from tapdraft.cli import main
+from tapdraft.train.checkpoints import CKPT_VERSION, STATE_FILE, load_checkpoint, migrate_v1, trust_checkpoint
+from tapdraft.train.config import load_run_config
+from tapdraft.train.run import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_a_trusted_old_checkpoint_is_converted_once(tmp_path):
                               "data_states": [{"rng": np.arange(3), "pos": np.int64(5)}]})
     with pytest.raises(ValueError, match="python -m train.checkpoints trust"):
         load_checkpoint(ck)  # numpy values need a full unpickle
-    proc = subprocess.run([sys.executable, "-m", "train.checkpoints", "trust", str(ck)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tapdraft.train.checkpoints", "trust", str(ck)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "now loads without running code" in proc.stdout, proc.stderr
     got = load_checkpoint(ck)
@@ -93,7 +93,7 @@ def test_the_checkpoint_payload_keeps_its_keys_and_order(tmp_path):
     """``Checkpoint`` owns the keys of ``state.pt``: the same keys, in the order the loop always wrote them (so
     the file's bytes are unchanged; version 3 appends ``dataset``), and a round trip through the file gives the same
     checkpoint back."""
-    from train.checkpoints import Checkpoint, save_checkpoint
+    from tapdraft.train.checkpoints import Checkpoint, save_checkpoint
 
     ck = Checkpoint(step=5, draft={"w": torch.arange(3.0)}, config={"family": "dflash"}, fingerprint="ab" * 8,
                     template={"text": "t", "kwargs": {}}, optimizer={"state": {}}, scheduler={"last_epoch": 5},

@@ -11,10 +11,10 @@ import io
 import pytest
 import torch
 
-from cli import main
+from tapdraft.cli import main
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
-from common import atomic
-from train import checkpoints
+from tapdraft.common import atomic
+from tapdraft.train import checkpoints
 
 # a budget set by hand: no start line (train.fit), so a fault's stderr is its one line alone
 TRAIN = ["--recipe", "dflash_b8", "--set", "max_steps=2", "--set", "max_tokens=160", "--set", "progress=false",
@@ -60,7 +60,7 @@ def test_train_out_of_disk_in_torch_save_is_one_line(ds, tmp_path, capsys, monke
 def test_torch_writers_own_error_is_asked_of_the_filesystem(tmp_path, monkeypatch):
     """torch.save given a path reports a full disk as ``unexpected pos`` with no errno: ``staged`` asks the
     filesystem, and names the destination; the same error on a disk with room stays a traceback (a bug)."""
-    from common.errors import classify
+    from tapdraft.common.errors import classify
 
     def torch_full(obj, f):  # noqa: ANN001, ANN202
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4416 vs 4310")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from shards.head import row_spans
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full
+from tapdraft.shards.head import row_spans
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import kl_tv_full
 
 
 def test_row_spans_cover_every_row_once():

@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cli import app
+from tapdraft.cli import app
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
 
 

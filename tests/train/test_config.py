@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from train.config import RECIPES_DIR, RunConfig, load_run_config, migrate_run_config
+from tapdraft.train.config import RECIPES_DIR, RunConfig, load_run_config, migrate_run_config
 
 
 def test_recipes_load_with_their_defaults():
@@ -110,8 +110,8 @@ def test_shared_blocks_are_not_listed_as_recipes():
 
 
 def test_every_family_config_has_what_the_drafter_protocol_reads():
-    from train.drafters import FAMILIES
-    from train.drafters.base import CONFIG_MEMBERS, get_family
+    from tapdraft.train.drafters import FAMILIES
+    from tapdraft.train.drafters.base import CONFIG_MEMBERS, get_family
 
     assert {"num_heads", "draft_vocab", "chunk_rows"} <= set(CONFIG_MEMBERS)
     for family in FAMILIES:
@@ -121,8 +121,8 @@ def test_every_family_config_has_what_the_drafter_protocol_reads():
 def test_a_family_config_without_a_protocol_field_is_refused():
     import dataclasses
 
-    from train.drafters.base import check_config_class
-    from train.drafters.eagle3.config import Eagle3Config
+    from tapdraft.train.drafters.base import check_config_class
+    from tapdraft.train.drafters.eagle3.config import Eagle3Config
 
     check_config_class("eagle3", Eagle3Config)
     fields = [(f.name, f.type, f) for f in dataclasses.fields(Eagle3Config) if f.name != "chunk_rows"]

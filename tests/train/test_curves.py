@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dflash_fixtures import tiny_dataset
-from train.config import load_run_config
-from train.curves import eval_batches, held_out_acceptance
-from train.evaluate import evaluate
-from train.loop import train
-from train.run import format_summary, load_trained
+from tapdraft.train.config import load_run_config
+from tapdraft.train.curves import eval_batches, held_out_acceptance
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.loop import train
+from tapdraft.train.run import format_summary, load_trained
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
-from train.data import BatchStream, batch_by_tokens, collate, has_targets, truncate
+from tapdraft.train.data import BatchStream, batch_by_tokens, collate, has_targets, truncate
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def _stream(source, state=None, world=1, rank=0):
 
 
 def _ds_source(path):
-    from shards.reader import open_dataset
+    from tapdraft.shards.reader import open_dataset
 
     ds = open_dataset(path)
     return lambda rank, world: (lambda epoch, st: ds.stream("train", seed=5, epoch=epoch, rank=rank,
@@ -99,8 +99,8 @@ def test_bad_state_version_refused(dataset):
 
 
 def test_worker_stream_resume_is_exact(dataset):
-    from shards.reader import open_dataset
-    from train.data import WorkerBatchStream
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.train.data import WorkerBatchStream
 
     ds = open_dataset(dataset)
     open_w = lambda wid, nw, epoch, st: ds.stream("train", seed=5, epoch=epoch, worker_id=wid, num_workers=nw,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cli import main
+from tapdraft.cli import main
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout, write_synthetic_dataset
-from shards.derive import DeriveConfig, derive_dataset
+from tapdraft.shards.derive import DeriveConfig, derive_dataset
 
 FAST = ["--set", "max_steps=1", "--set", "max_tokens=160", "--set", "progress=false"]
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dflash_fixtures import supervised_slots, synthetic_samples, tiny_bundle, tiny_layout
-from train.acceptance import acceptance_counts
-from train.data import collate
-from train.drafters.dflash.anchors import allocate_anchor_counts, sample_anchors
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.export import export_drafter
+from tapdraft.train.acceptance import acceptance_counts
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.dflash.anchors import allocate_anchor_counts, sample_anchors
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.export import export_drafter
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +171,9 @@ def test_a_sliding_window_hides_the_context_behind_each_slot(setup):
 
 
 def test_a_window_is_dflashs_and_holds_a_whole_block():
-    from train.drafters.dflash2.config import DFlash2Config
-    from train.drafters.dspark.config import DSparkConfig
-    from train.drafters.lilicorr.config import LiLiCorrConfig
+    from tapdraft.train.drafters.dflash2.config import DFlash2Config
+    from tapdraft.train.drafters.dspark.config import DSparkConfig
+    from tapdraft.train.drafters.lilicorr.config import LiLiCorrConfig
 
     assert DFlashConfig(block_size=4, sliding_window=4).sliding_window == 4
     with pytest.raises(ValueError, match="sliding_window must be >= block_size"):
@@ -290,7 +290,7 @@ def test_config_validation_and_resolve(setup):
 
 
 def test_replay_rounds_walks_a_reply_like_a_live_decoder():
-    from train.acceptance import replay_rounds
+    from tapdraft.train.acceptance import replay_rounds
 
     # one reply at positions 2..9 (8 tokens); K = 3 drafts per round; anchors at every reply position
     lm = torch.zeros(1, 12, dtype=torch.bool)
@@ -325,7 +325,7 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
     import dataclasses as dc
     import json as js
 
-    from train.drafters.dflash.config import default_mask_id
+    from tapdraft.train.drafters.dflash.config import default_mask_id
 
     bundle, layout, _ = setup
     V = bundle.vocab_size
@@ -354,8 +354,8 @@ def test_mask_slots_use_a_dedicated_id_recorded_in_the_export(setup, tmp_path):
 def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
     """Offline acceptance walks every eligible anchor of every sequence (not the training cap), and chunking the
     anchors to bound memory changes nothing."""
-    from train.drafters.dflash2.config import DFlash2Config
-    from train.drafters.dflash2.model import DFlash2Drafter
+    from tapdraft.train.drafters.dflash2.config import DFlash2Config
+    from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
 
     bundle, layout, samples = setup
     batch = collate(samples)
@@ -383,7 +383,7 @@ def test_eval_measures_every_eligible_anchor_in_bounded_chunks(setup, family):
 def test_sampled_acceptance_is_the_overlap_of_the_live_proposal_with_the_exact_target_row(tmp_path, temperature):
     """Offline sampled acceptance at slot k = sum_v min(p, q): q what ``propose`` samples from at that anchor,
     p the target's exact row a + k - 1 at the same temperature; a float64 loop over every anchor gives the same sums."""
-    from shards.head import teacher_logits
+    from tapdraft.shards.head import teacher_logits
 
     bundle = tiny_bundle(tmp_path, scaling=1.3)
     layout = tiny_layout(bundle, tap_ids=(1, 3))  # the last layer (3) tapped: the exact teacher exists
@@ -419,7 +419,7 @@ def test_mask_never_falls_back_to_an_all_zero_embedding_row(setup):
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from train.drafters.dflash.config import default_mask_id
+    from tapdraft.train.drafters.dflash.config import default_mask_id
 
     hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0))
@@ -455,7 +455,7 @@ def test_a_full_vocabulary_uses_its_unk_token_silently_when_pad_is_a_zero_row(se
     import dataclasses as dc
     import json as js
 
-    from train.drafters.dflash.config import default_mask_id
+    from tapdraft.train.drafters.dflash.config import default_mask_id
 
     bundle, layout, _ = setup
     V = bundle.vocab_size
@@ -473,7 +473,7 @@ def test_a_full_vocabulary_uses_its_unk_token_silently_when_pad_is_a_zero_row(se
 
 def test_the_tap_rule_fallback_warns_once_however_often_the_config_is_resolved(tmp_path):
     """Training resolves the config in several places (build, the dataset check); the fallback is said once."""
-    from shards.taps import default_tap_ids
+    from tapdraft.shards.taps import default_tap_ids
 
     bundle = tiny_bundle(tmp_path, layers=4)
     layout = tiny_layout(bundle, tap_ids=(0, 1))
@@ -491,7 +491,7 @@ def test_the_tap_rule_fallback_warns_once_however_often_the_config_is_resolved(t
 def test_context_taps_spread_the_tap_rule_independently_of_the_draft_depth(tmp_path):
     """A one-layer draft reads the middle layer by the references' rule; ``context_taps: 3`` spreads three over the
     target (SmolLM2's 30 layers: EAGLE-3's 1 / 14 / 27); explicit ids win; fewer than one tap is refused."""
-    from shards.taps import default_tap_ids
+    from tapdraft.shards.taps import default_tap_ids
 
     bundle = tiny_bundle(tmp_path, layers=30)
     layout = tiny_layout(bundle, tap_ids=tuple(sorted({*default_tap_ids(30, 5), 15, 29})))

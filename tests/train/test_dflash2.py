@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import synthetic_samples, tiny_bundle, tiny_layout
-from train.config import load_run_config
-from train.data import collate
-from train.drafters.base import combine_terms
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.config import DFlash2Config
-from train.drafters.dflash2.model import DFlash2Drafter, SublayerConv
+from tapdraft.train.config import load_run_config
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.base import combine_terms
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.drafters.dflash2.model import DFlash2Drafter, SublayerConv
 
 
 @pytest.fixture(scope="module")

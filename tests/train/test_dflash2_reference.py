@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
-from train.drafters.common.export_files import load_export
-from train.drafters.dflash2.config import DFlash2Config
-from train.drafters.dflash2.model import DFlash2Drafter
-from train.export import export_drafter
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
+from tapdraft.train.export import export_drafter
 
 B, LAYERS = 4, 2
 

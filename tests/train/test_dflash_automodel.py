@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModel, DynamicCache
 
 from tests.train.dflash_fixtures import away_from_init, synthetic_samples, tiny_bundle, tiny_layout
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.export import export_drafter
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.export import export_drafter
 
 B = 4
 
@@ -93,7 +93,7 @@ def test_serving_facts_come_from_the_target(exported, tmp_path):
     export repeats them; a RoPE scaling the drafter does not implement is refused, not silently dropped."""
     import dataclasses
 
-    from shards.bundle import load_bundle, write_bundle
+    from tapdraft.shards.bundle import load_bundle, write_bundle
     from tests.train.dflash_fixtures import tiny_layout
 
     model, bundle, export, _ = exported

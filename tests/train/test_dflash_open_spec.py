@@ -11,11 +11,11 @@ import json
 import pytest
 
 from dflash_fixtures import tiny_bundle, tiny_layout
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.config import DFlash2Config
-from train.drafters.dflash2.model import DFlash2Drafter
-from train.export import export_drafter
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
+from tapdraft.train.export import export_drafter
 
 INT, NUM, STR, BOOL, ARR, OBJ, NULL = int, (int, float), str, bool, list, dict, type(None)
 TOP = {"open_spec_config_version": STR, "architectures": ARR, "auto_map": OBJ, "speculative_config": OBJ,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.drafters.base import combine_terms
+from tapdraft.train.drafters.base import combine_terms
 
 
 def _free_port():
@@ -60,8 +60,8 @@ def _train_worker(rank, world, port, root, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from train.config import load_run_config
-    from train.loop import train
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import train
 
     run = load_run_config("dflash_b8", overrides=["max_steps=3", "max_tokens=160", "max_batch_size=4",
                                                   "progress=false", "log_every=1", "device=cpu"])
@@ -79,7 +79,7 @@ def test_loop_under_two_gloo_ranks(tmp_path):
     mp.spawn(_train_worker, args=(2, _free_port(), path, str(tmp_path / "run")), nprocs=2, join=True)
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in lines] == [1, 2, 3]
-    from train.checkpoints import latest_checkpoint, load_checkpoint
+    from tapdraft.train.checkpoints import latest_checkpoint, load_checkpoint
 
     ck = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert len(ck.data_states) == 2 and ck.data_states[0] != ck.data_states[1]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.drafters.common.divergences import (
+from tapdraft.train.drafters.common.divergences import (
     acceptance,
     kl_tv_full,
     kl_tv_topk,
@@ -158,7 +158,7 @@ def test_lk_lambda_parsing():
 
 def test_a_zero_teacher_probability_contributes_nothing():
     """Masked vocabulary (teacher logit or stored log-prob -inf): KL and its gradient stay finite and exact."""
-    from train.drafters.common.divergences import kl_grad_full, kl_grad_topk
+    from tapdraft.train.drafters.common.divergences import kl_grad_full, kl_grad_topk
 
     p_logits, q_logits = _random(N=5, V=40, seed=7)
     p_logits[:, ::3] = float("-inf")  # a third of the vocabulary is impossible for the teacher

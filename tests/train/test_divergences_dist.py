@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.drafters.common.divergences import kl_tv_full, lk_loss
+from tapdraft.train.drafters.common.divergences import kl_tv_full, lk_loss
 
 
 def _inputs(rank):

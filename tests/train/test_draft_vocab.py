@@ -11,18 +11,18 @@ from transformers import AutoModel
 
 from dflash_fixtures import (away_from_init, supervised_slots, synthetic_samples, tiny_bundle, tiny_dataset,
                              tiny_layout)
-from shards.head import final_norm
-from shards.reader import open_dataset
-from train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
-from train.config import load_run_config
-from train.data import collate
-from train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
-from train.drafters.common.export_files import load_export
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.config import DFlash2Config
-from train.export import export_run
-from train.loop import train
+from tapdraft.shards.head import final_norm
+from tapdraft.shards.reader import open_dataset
+from tapdraft.train.checkpoints import CKPT_DIR, STATE_FILE, latest_checkpoint
+from tapdraft.train.config import load_run_config
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.common.draft_vocab import DraftVocab, choose, draft_index, required_ids, token_counts
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.export import export_run
+from tapdraft.train.loop import train
 
 
 def test_subset_rule_counts_ties_forced_and_fill():
@@ -174,7 +174,7 @@ def test_run_fits_checkpoints_checks_on_resume_evaluates_and_exports(tmp_path):
     # the real resume continues on the same subset to the end
     summary = train(_run(20, 4), mem.path, tmp_path / "run")
     assert summary["resumed_from_step"] == 2 and summary["draft_vocab"]["size"] == 20
-    from train.evaluate import evaluate
+    from tapdraft.train.evaluate import evaluate
 
     res = evaluate(tmp_path / "run", mem.path, plot=False)
     assert 1.0 <= res["tau"] <= 4
@@ -194,7 +194,7 @@ def test_run_fits_checkpoints_checks_on_resume_evaluates_and_exports(tmp_path):
     assert torch.equal(auto.d2t, want.d2t) and torch.equal(auto.t2d, want.t2d)
     bundle = mem.bundle
     h = torch.randn(6, 32)
-    from train.run import load_trained
+    from tapdraft.train.run import load_trained
 
     model = load_trained(tmp_path / "run", mem.path, split="train").model
     engine = auto.compute_logits(h, bundle.lm_head.float())
@@ -208,10 +208,10 @@ def test_run_fits_checkpoints_checks_on_resume_evaluates_and_exports(tmp_path):
 def test_live_decoding_equals_replay_with_a_draft_vocabulary(tmp_path, monkeypatch):
     """The demo chain with a draft vocabulary that leaves out tokens the replies use: live speculative greedy still
     equals the target's greedy output, and the offline replay of decoding rounds predicts live tau."""
-    from demo.data import prepare_demo
-    import speculate.run
-    from speculate.run import SpeculateConfig, format_result, run_speculate
-    from train.evaluate import evaluate
+    from tapdraft.demo.data import prepare_demo
+    import tapdraft.speculate.run as speculate_run
+    from tapdraft.speculate.run import SpeculateConfig, format_result, run_speculate
+    from tapdraft.train.evaluate import evaluate
 
     torch.set_num_threads(1)
     p = prepare_demo(tmp_path / "demo", quick=True, progress=False)
@@ -228,8 +228,8 @@ def test_live_decoding_equals_replay_with_a_draft_vocabulary(tmp_path, monkeypat
     three = Path(p.train_manifest).with_name("three.jsonl")  # fewer than --max-samples: the progress total is 3
     three.write_text("".join(Path(p.train_manifest).read_text().splitlines(keepends=True)[:3]))
     totals = []
-    real = speculate.run.Progress
-    monkeypatch.setattr(speculate.run, "Progress", lambda name, total, **kw: totals.append(total) or real(name, total,
+    real = speculate_run.Progress
+    monkeypatch.setattr(speculate_run, "Progress", lambda name, total, **kw: totals.append(total) or real(name, total,
                                                                                                       **kw))
     short = run_speculate(SpeculateConfig(target=str(p.target), draft=str(tmp_path / "run"), data=str(p.dataset),
                                           conversations=str(three), max_samples=32, max_new_tokens=16), progress=False)

@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from cli import app
-from shards.head import teacher_logits
+from tapdraft.cli import app
+from tapdraft.shards.head import teacher_logits
 from tests.train.dflash_fixtures import (away_from_init, synthetic_samples, tiny_bundle, tiny_layout,
                                          write_synthetic_dataset)
-from train.data import collate
-from train.drafters.base import combine_terms, get_family
-from train.drafters.common.export_files import load_export
-from train.drafters.dspark.config import DSparkConfig
-from train.drafters.dspark.model import DSparkDrafter
-from train.export import export_drafter
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.base import combine_terms, get_family
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.dspark.config import DSparkConfig
+from tapdraft.train.drafters.dspark.model import DSparkDrafter
+from tapdraft.train.export import export_drafter
 
 B, RANK = 4, 8
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shards.head import HeadSpec
-from train.drafters.common.divergences import kl_tv_topk, tv_full
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher
-from train.drafters.dspark.loss import dspark_row_losses
+from tapdraft.shards.head import HeadSpec
+from tapdraft.train.drafters.common.divergences import kl_tv_topk, tv_full
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from tapdraft.train.drafters.dspark.loss import dspark_row_losses
 
 R, H, r, V = 7, 6, 3, 11
 
@@ -44,8 +44,7 @@ def _case(k: int | None, seed: int = 0):
 def test_fused_losses_and_gradients_equal_autograd_in_float64(k, chunk, predicted, monkeypatch):
     """The loss mixes the sums as combine_terms does (weight over row count): the gradient saved in the forward is
     scaled, and no chunk is projected again. Another mix (ranks whose counts differ in proportion) recomputes."""
-    import train.drafters.dspark.loss as fused_loss
-
+    import tapdraft.train.drafters.dspark.loss as fused_loss
     h, emb, w2, lm_head, y, w, u, head, teacher, ref_tv = _case(k)
     weights = (0.1, 0.9)
     a, b = 3.0 * weights[0] / float(w.sum()), 3.0 * weights[1] / float(u.sum())  # 3: the world size's factor

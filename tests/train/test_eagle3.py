@@ -11,16 +11,16 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.train.test_mtp import V, H, L, batch_of, tiny_bundle, tiny_layout
-from train.drafters.base import combine_terms
-from train.drafters.common.chain import IGNORE
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
-from train.drafters.common.draft_vocab import DraftVocab
-from train.drafters.common.export_files import load_export
-from train.drafters.common.mask import eagle3_dense_mask
-from train.drafters.common.teacher import last_hidden
-from train.drafters.eagle3.config import Eagle3Config
-from train.drafters.eagle3.model import Eagle3Drafter
-from train.export import export_drafter
+from tapdraft.train.drafters.base import combine_terms
+from tapdraft.train.drafters.common.chain import IGNORE
+from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+from tapdraft.train.drafters.common.draft_vocab import DraftVocab
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.common.mask import eagle3_dense_mask
+from tapdraft.train.drafters.common.teacher import last_hidden
+from tapdraft.train.drafters.eagle3.config import Eagle3Config
+from tapdraft.train.drafters.eagle3.model import Eagle3Drafter
+from tapdraft.train.export import export_drafter
 
 TAPS = (0, 1, 2, L - 1)
 
@@ -393,8 +393,8 @@ def _losses(run_dir):
 
 
 def test_resume_continues_exactly(tmp_path, mem):
-    from train.config import load_run_config
-    from train.loop import train
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import train
 
     run = load_run_config("eagle3_demo", overrides=FAST + ["max_steps=5", "draft_vocab=24"])
     train(run, mem.path, tmp_path / "full")
@@ -413,8 +413,8 @@ def _ddp_worker(rank, world, port, root, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from train.config import load_run_config
-    from train.loop import train
+    from tapdraft.train.config import load_run_config
+    from tapdraft.train.loop import train
 
     train(load_run_config("eagle3_demo", overrides=FAST + ["max_steps=3", "device=cpu", "loss_type=lk",
                                                            "lk_lambda=adaptive"]), root, out)
@@ -422,7 +422,7 @@ def _ddp_worker(rank, world, port, root, out):
 
 @pytest.mark.slow
 def test_loop_under_two_gloo_ranks(tmp_path, mem):
-    from train.checkpoints import latest_checkpoint, load_checkpoint
+    from tapdraft.train.checkpoints import latest_checkpoint, load_checkpoint
 
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(mem.path), str(tmp_path / "run")), nprocs=2, join=True)
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]

@@ -7,12 +7,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from cli import main
+from tapdraft.cli import main
 from dflash_fixtures import tiny_dataset
-from common.lock import exclusive_lock
-from train.config import load_run_config
-from train.drafters.common import export_files
-from train.loop import train
+from tapdraft.common.lock import exclusive_lock
+from tapdraft.train.config import load_run_config
+from tapdraft.train.drafters.common import export_files
+from tapdraft.train.loop import train
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]", "max_steps=2"]
@@ -87,7 +87,7 @@ def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(sig, runs, tm
                                                                   terminal_signals):
     import signal
 
-    from train import export
+    from tapdraft.train import export
 
     out = tmp_path / "exp"
     assert _export(capsys, "--draft", runs / "dflash_b8", "--out", out)[0] == 0
@@ -109,8 +109,8 @@ def test_sigterm_during_an_export_exits_130_and_leaves_the_old_one(sig, runs, tm
 def test_a_checkpoint_pruned_while_it_is_opened_is_followed_by_the_newer_one(runs, tmp_path, monkeypatch, capsys):
     """eval and export read the latest checkpoint while a training may prune it: a raw ``[Errno 2] ... state.pt``
     before; now the newer checkpoint that replaced it is read."""
-    from train import checkpoints
-    from train.run import load_run
+    from tapdraft.train import checkpoints
+    from tapdraft.train.run import load_run
 
     run = tmp_path / "run"
     shutil.copytree(runs / "dflash_b8", run)
@@ -148,8 +148,8 @@ def test_an_over_long_out_is_one_line_for_export_and_train(runs, tmp_path, capsy
 
 KILLED_EXPORT = """
 import os, signal, sys
-from common import atomic
-from train.drafters.common import export_files
+from tapdraft.common import atomic
+from tapdraft.train.drafters.common import export_files
 point, run, out = sys.argv[1:]
 die = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
 if point == "between_files":  # the new weights written, their config not yet
@@ -160,7 +160,7 @@ elif point == "before_swap":  # the new export whole in its temp folder
 else:  # swapped in; the old one not yet removed from the temp name
     real_exchange = atomic._exchange
     atomic._exchange = lambda a, b: (real_exchange(a, b), die())
-from cli import main
+from tapdraft.cli import main
 main(["export", "--draft", run, "--out", out])
 """
 

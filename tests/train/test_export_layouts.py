@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from train.drafters import FAMILIES, export_layouts
-from train.drafters.base import get_family
+from tapdraft.train.drafters import FAMILIES, export_layouts
+from tapdraft.train.drafters.base import get_family
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -21,7 +21,7 @@ def test_a_family_declares_its_layouts_and_refuses_others(family):
 
 
 def test_layout_help_names_every_declared_layout():
-    from cli import _layout_help
+    from tapdraft.cli import _layout_help
 
     text = _layout_help()
     for family, (names, _) in export_layouts().items():

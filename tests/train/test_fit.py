@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.train.test_mtp import tiny_bundle
-from train.config import load_run_config
-from train.drafters.dflash.config import UNFITTED_LOSS_ROWS, DFlashConfig
-from train.fit import DEFAULT_TOKENS, DRAFT_GFLOP, LOSS_GFLOP, MIN_LOSS_ROWS, MIN_TOKENS, fit_to_device
+from tapdraft.train.config import load_run_config
+from tapdraft.train.drafters.dflash.config import UNFITTED_LOSS_ROWS, DFlashConfig
+from tapdraft.train.fit import DEFAULT_TOKENS, DRAFT_GFLOP, LOSS_GFLOP, MIN_LOSS_ROWS, MIN_TOKENS, fit_to_device
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -71,8 +71,7 @@ def test_an_unfitted_dflash_config_keeps_the_former_budget():
 
 
 def test_auto_head_dtype_is_bf16_where_it_pays(monkeypatch):
-    import train.fit as fit
-
+    import tapdraft.train.fit as fit
     big, small = fit.BF16_HEAD_MIN_WEIGHTS, fit.BF16_HEAD_MIN_WEIGHTS - 1
     monkeypatch.setattr(fit, "cpu_has_bf16", lambda: True)
     assert fit.head_dtype(CPU, "auto", big) == torch.bfloat16
@@ -85,7 +84,7 @@ def test_auto_head_dtype_is_bf16_where_it_pays(monkeypatch):
 
 
 def test_bf16_instructions_are_read_from_the_cpu_flags():
-    from train.fit import cpuinfo_has_bf16
+    from tapdraft.train.fit import cpuinfo_has_bf16
 
     x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {}\nbugs\t\t: spectre_v1\n"
     assert cpuinfo_has_bf16(x86.format("avx512_bf16"))

@@ -10,17 +10,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli import app
-from shards.head import teacher_logits
+from tapdraft.cli import app
+from tapdraft.shards.head import teacher_logits
 from tests.train.dflash_fixtures import (away_from_init, synthetic_samples, tiny_bundle, tiny_layout,
                                          write_synthetic_dataset)
 from tests.train.lilicorr_reference import vllm_greedy_walk, vllm_scores
-from train.data import collate
-from train.drafters.base import combine_terms, get_family
-from train.drafters.common.export_files import load_export
-from train.drafters.lilicorr.config import LiLiCorrConfig
-from train.drafters.lilicorr.model import LiLiCorrDrafter, topk_bound
-from train.export import export_drafter
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.base import combine_terms, get_family
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.lilicorr.config import LiLiCorrConfig
+from tapdraft.train.drafters.lilicorr.model import LiLiCorrDrafter, topk_bound
+from tapdraft.train.export import export_drafter
 
 B, K = 5, 16
 
@@ -288,8 +288,8 @@ def test_export_is_vllms_lilicorr_layout(setup, tmp_path):
 def test_conv_variant_is_dflash2s_backbone_under_the_lattice(setup, tmp_path):
     """lilicorr_conv starts as the identity of LiLiCorr (the same loss from the same weights) and exports DFlash2's
     convolution tensors, names and shapes those of a DFlash2 export, with the geometry vLLM's LiLiCorr reads."""
-    from train.drafters.dflash2.config import DFlash2Config
-    from train.drafters.dflash2.model import DFlash2Drafter
+    from tapdraft.train.drafters.dflash2.config import DFlash2Config
+    from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
 
     bundle, layout, batch = setup
     plain, conv = drafter(bundle, layout), drafter(bundle, layout, **CONV)

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from dflash_fixtures import synthetic_samples, tiny_bundle, tiny_dataset, tiny_layout, write_synthetic_dataset
-from common.errors import LockedError
-from shards.schema import Layout
-from train.checkpoints import latest_checkpoint, load_checkpoint
-from train.config import load_run_config
-from train.drafters.common.export_files import load_export
-from train.drafters.dflash.model import DFlashDrafter
-from train.evaluate import evaluate
-from train.export import export_run
-from train.loop import train
-from train.run import run_lock
+from tapdraft.common.errors import LockedError
+from tapdraft.shards.schema import Layout
+from tapdraft.train.checkpoints import latest_checkpoint, load_checkpoint
+from tapdraft.train.config import load_run_config
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.export import export_run
+from tapdraft.train.loop import train
+from tapdraft.train.run import run_lock
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24"]
@@ -63,7 +63,7 @@ def test_resume_on_other_bytes_of_the_same_target_is_refused(tmp_path, mem):
     checkpoint written before the identity was recorded (version 2) still resumes on its own data."""
     import shutil
 
-    from train.checkpoints import STATE_FILE
+    from tapdraft.train.checkpoints import STATE_FILE
 
     run = load_run_config("dflash_b8", overrides=FAST + ["max_steps=4", "ckpt_every=100"])
     data = tmp_path / "data"
@@ -197,7 +197,7 @@ def test_eval_and_export_round_trip(tmp_path, mem):
     model.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path / "run")).draft)
     s = mem.samples[0]
     anchor = int(torch.nonzero(s["loss_mask"])[0]) + 2
-    from train.data import collate
+    from tapdraft.train.data import collate
 
     batch = collate([s])
     with torch.no_grad():
@@ -243,7 +243,7 @@ def test_loss_falls_and_acceptance_rises(tmp_path):
 
 
 def test_head_dtype_sets_the_vocabulary_matmuls(tmp_path, mem):
-    from train.loop import head_dtype
+    from tapdraft.train.loop import head_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (head_dtype(cpu, "auto"), head_dtype(cuda, "auto")) == (torch.float32, torch.bfloat16)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from shards.head import HeadSpec
-from train.acceptance import tau_from_alpha
-from train.drafters.base import combine_terms
-from train.drafters.common.losses import dpace_weights, row_losses, slot_weights, weighted_terms
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from tapdraft.shards.head import HeadSpec
+from tapdraft.train.acceptance import tau_from_alpha
+from tapdraft.train.drafters.base import combine_terms
+from tapdraft.train.drafters.common.losses import dpace_weights, row_losses, slot_weights, weighted_terms
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
 def reference_loss_f64(
@@ -149,8 +149,8 @@ def test_ce_grad_off_gives_the_kd_gradient_alone():
 def test_trained_head_fused_matches_float64_autograd(kind):
     """The trained-head fused loss (EAGLE-3's kl / ce) vs float64 autograd through dense logits: the weighted sum,
     per-row values, TV, argmax, and the gradients w.r.t. the rows AND the head, across chunkings."""
-    from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
-    from train.drafters.common.losses import trained_head_losses
+    from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+    from tapdraft.train.drafters.common.losses import trained_head_losses
 
     h, W, y, w = _rand(R=23, seed=8)
     w = (w > 0.3).double()  # 0/1 like EAGLE-3's carries (a CE label outside the draft vocabulary weighs 0)
@@ -193,7 +193,7 @@ def test_trained_head_fused_matches_float64_autograd(kind):
 
 def test_trained_head_frozen_head_and_no_grad():
     """A frozen head gets no gradient (and none is computed); under no_grad nothing is."""
-    from train.drafters.common.losses import trained_head_losses
+    from tapdraft.train.drafters.common.losses import trained_head_losses
 
     h, W, y, w = _rand(R=9, seed=10)
     x = h.clone().requires_grad_(True)
@@ -266,7 +266,7 @@ def test_fused_gradients_match_float64_autograd_reference():
 
 
 def test_topk_kd_agrees_with_divergences_module():
-    from train.drafters.common.divergences import kl_tv_topk
+    from tapdraft.train.drafters.common.divergences import kl_tv_topk
 
     h, W, y, w = _rand(R=9, seed=11)
     top = torch.log_softmax(torch.randn(9, W.shape[0], dtype=torch.float64), -1).topk(3, -1)

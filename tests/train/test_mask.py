@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from train.drafters.common.layers import Attention, RotaryEmbedding
-from train.drafters.common.mask import dense_mask, draft_mask_mod, flex_block_mask, flex_tile
+from tapdraft.train.drafters.common.layers import Attention, RotaryEmbedding
+from tapdraft.train.drafters.common.mask import dense_mask, draft_mask_mod, flex_block_mask, flex_tile
 
 
 def reference_mask(anchors, valid, T, B, window=None):

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout, teacher_rows
-from train.data import collate
-from train.drafters.base import combine_terms
-from train.drafters.common.chain import IGNORE, depth_labels, doc_end_from_lengths, next_token_labels
-from train.drafters.mtp.config import MTPConfig
-from train.drafters.mtp.model import MTPDrafter, load_exported
-from train.export import export_drafter
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout, teacher_rows
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.base import combine_terms
+from tapdraft.train.drafters.common.chain import IGNORE, depth_labels, doc_end_from_lengths, next_token_labels
+from tapdraft.train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.model import MTPDrafter, load_exported
+from tapdraft.train.export import export_drafter
 
 V, H, L = 40, 16, 4
 
@@ -142,8 +142,8 @@ def test_draft_vocabulary_loss_acceptance_and_export(tmp_path):
     """With ``draft_vocab`` the head scores only the subset's frozen rows: CE over them (a label outside carries no
     loss) equals the float64 reference, drafts are subset tokens (-inf elsewhere), a label outside is a miss, and the
     export carries the subset's rows and ``d2t`` for the tapdraft-vllm layout (other loaders are refused)."""
-    from train.drafters.common.draft_vocab import DraftVocab
-    from train.drafters.mtp.export import convert
+    from tapdraft.train.drafters.common.draft_vocab import DraftVocab
+    from tapdraft.train.drafters.mtp.export import convert
 
     torch.manual_seed(8)
     bundle, layout = tiny_bundle(scaling=2.0), tiny_layout(top_k=0)

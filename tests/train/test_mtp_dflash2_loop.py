@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import tiny_dataset
-from train.config import load_run_config
-from train.drafters.common.export_files import load_export
-from train.evaluate import evaluate
-from train.export import export_run
-from train.loop import train
+from tapdraft.train.config import load_run_config
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.evaluate import evaluate
+from tapdraft.train.export import export_run
+from tapdraft.train.loop import train
 
 
 @pytest.fixture(scope="module")

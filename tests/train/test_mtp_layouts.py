@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from tests.train.dflash_fixtures import away_from_init
 from tests.train.test_mtp import L, batch_of, tiny_bundle, tiny_layout
-from train.drafters.mtp.config import MTPConfig
-from train.drafters.mtp.model import MTPDrafter
-from train.export import export_drafter
+from tapdraft.train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.model import MTPDrafter
+from tapdraft.train.export import export_drafter
 
 BLOCK = ["input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
          "post_attention_layernorm.weight", "self_attn.k_norm.weight", "self_attn.k_proj.weight",
@@ -113,7 +113,7 @@ def test_vllm_qwen3_next_layout_loads_with_exact_keys_and_logits(tmp_path, scali
     with torch.no_grad():
         h = d.run_depths(batch)["h"]
         ours = [d.logits(k + 1, h[k][0]).double() for k in range(cfg.num_depths)]
-        from shards.head import final_norm
+        from tapdraft.shards.head import final_norm
 
         h0 = final_norm(d.last_hidden(batch)[0].float(), d.target.norm_weight.float(), d.head_spec)
     ref = _vllm_qwen3_next_logits(w, conf, bundle, batch["input_ids"][0].long(), h0, cfg.num_depths)

@@ -10,8 +10,8 @@ import torch
 
 from tests.engines import vllm_qwen3_5_mtp as ref
 from tests.engines.qwen3_5_target import save_qwen3_5
-from train.drafters.mtp_native.config import MTPNativeConfig
-from train.drafters.mtp_native.model import Qwen3_5MTP, read_checkpoint, text_config
+from tapdraft.train.drafters.mtp_native.config import MTPNativeConfig
+from tapdraft.train.drafters.mtp_native.model import Qwen3_5MTP, read_checkpoint, text_config
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_refusals(target, tmp_path):
 def test_export_is_the_target_with_its_mtp_replaced(target, tmp_path):
     from safetensors.torch import load_file
 
-    from train.drafters.mtp_native.export import export_native
+    from tapdraft.train.drafters.mtp_native.export import export_native
 
     _, mtp = read_checkpoint(target)
     new = {k: v + 1.0 for k, v in mtp.items()}

@@ -8,17 +8,17 @@ or after the anchor; online, the later positions do not exist yet. Both must giv
 import pytest
 import torch
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
 from tests.train.dflash_fixtures import away_from_init
-from train.data import collate
-from train.drafters.base import Drafter
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.config import DFlash2Config
-from train.drafters.dflash2.model import DFlash2Drafter
-from train.drafters.mtp.config import MTPConfig
-from train.drafters.mtp.model import MTPDrafter
+from tapdraft.train.data import collate
+from tapdraft.train.drafters.base import Drafter
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
+from tapdraft.train.drafters.dflash2.model import DFlash2Drafter
+from tapdraft.train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.model import MTPDrafter
 
 V, H, L, T = 48, 16, 4, 20
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from tapdraft.train.checkpoints import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def _payload(step, w=None):

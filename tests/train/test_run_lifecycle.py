@@ -9,12 +9,12 @@ import signal
 import pytest
 
 from dflash_fixtures import tiny_dataset
-from common.errors import Interrupted
-from train import loop
-from train.checkpoints import latest_checkpoint
-from train.config import load_run_config
-from train.loop import train
-from train.run import format_summary
+from tapdraft.common.errors import Interrupted
+from tapdraft.train import loop
+from tapdraft.train.checkpoints import latest_checkpoint
+from tapdraft.train.config import load_run_config
+from tapdraft.train.loop import train
+from tapdraft.train.run import format_summary
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]"]
@@ -101,9 +101,9 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
     """A step whose loss and gradients go NaN is not applied: train exits 2 with one line naming the step and the
     checkpoint kept; a checkpoint of non-finite weights is never saved, and one written by an older tapdraft is
     never exported."""
-    from cli import main
-    from common.errors import DivergedError
-    from train.checkpoints import _save, load_checkpoint, nonfinite, save_checkpoint
+    from tapdraft.cli import main
+    from tapdraft.common.errors import DivergedError
+    from tapdraft.train.checkpoints import _save, load_checkpoint, nonfinite, save_checkpoint
 
     real, calls = loop.combine_terms, []
 
@@ -152,7 +152,7 @@ def test_a_diverged_run_stops_in_one_line_keeping_its_last_good_checkpoint_and_e
 def test_a_finite_but_exploding_loss_stops_the_run_as_diverged(tmp_path, mem, monkeypatch):
     """A loss that stays finite but leaps past train.diverge_ratio x the first step's loss (what a too-large lr
     gives before it overflows) stops training as a NaN does, before the step is applied; the ratio 0 lets it run."""
-    from common.errors import DivergedError
+    from tapdraft.common.errors import DivergedError
 
     real, calls = loop.combine_terms, []
 

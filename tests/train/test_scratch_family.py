@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from cli import _layout_help, main
+from tapdraft.cli import _layout_help, main
 from dflash_fixtures import tiny_dataset
-from train import drafters
+from tapdraft.train import drafters
 
 FAST = ["max_tokens=160", "max_batch_size=4", "warmup_steps=2", "progress=false", "log_every=1", "lr=3e-3",
         "num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]"]
@@ -25,7 +25,7 @@ def scratch(tmp_path, monkeypatch):
     (pkg / "model.py").write_text(textwrap.dedent('''
         from dataclasses import dataclass
 
-        from train.drafters.dflash.model import DFlashConfig, DFlashDrafter
+        from tapdraft.train.drafters.dflash.model import DFlashConfig, DFlashDrafter
 
 
         @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def test_a_family_is_one_folder_one_registry_line_and_one_recipe(scratch, tmp_pa
 
 
 def test_without_its_registry_line_the_family_is_unknown(scratch, monkeypatch):
-    from train.config import load_run_config
+    from tapdraft.train.config import load_run_config
 
     monkeypatch.delitem(drafters.FAMILIES, "scratch")
     with pytest.raises(ValueError, match=r"unknown drafter family 'scratch'"):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.drafters.dflash2.selector import PathSelector, greedy_walk, selector_loss
+from tapdraft.train.drafters.dflash2.selector import PathSelector, greedy_walk, selector_loss
 
 
 def _selector(V=30, H=8, r=5, K=4, seed=0, trained=True):

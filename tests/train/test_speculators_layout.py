@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash.export import to_speculators
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash.export import to_speculators
 
 
 def _draft(tmp_path, taps):

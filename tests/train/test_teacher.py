@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from tests.train.dflash_fixtures import tiny_bundle, tiny_layout
-from train.drafters.common.teacher import exact_last_tap, last_hidden_source
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.mtp.config import MTPConfig
-from train.drafters.mtp.model import MTPDrafter
+from tapdraft.train.drafters.common.teacher import exact_last_tap, last_hidden_source
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.model import MTPDrafter
 
 
 @pytest.fixture(scope="module")

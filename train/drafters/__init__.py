@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib
 
 FAMILIES: dict[str, str] = {
-    "dflash": "train.drafters.dflash.model",
-    "dflash2": "train.drafters.dflash2.model",
-    "mtp": "train.drafters.mtp.model",
-    "eagle3": "train.drafters.eagle3.model",
-    "mtp_native": "train.drafters.mtp_native.model",
-    "dspark": "train.drafters.dspark.model",
-    "lilicorr": "train.drafters.lilicorr.model",
+    "dflash": "tapdraft.train.drafters.dflash.model",
+    "dflash2": "tapdraft.train.drafters.dflash2.model",
+    "mtp": "tapdraft.train.drafters.mtp.model",
+    "eagle3": "tapdraft.train.drafters.eagle3.model",
+    "mtp_native": "tapdraft.train.drafters.mtp_native.model",
+    "dspark": "tapdraft.train.drafters.dspark.model",
+    "lilicorr": "tapdraft.train.drafters.lilicorr.model",
 }
 """Family name -> module defining ``CONFIG`` and ``DRAFTER``."""
 DEFAULT_FAMILY = "dflash"

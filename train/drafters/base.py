@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.head import head_spec, teacher_logits
-from shards.schema import Layout
-from train.drafters import FAMILIES
-from train.drafters.common import export_files
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import head_spec, teacher_logits
+from tapdraft.shards.schema import Layout
+from tapdraft.train.drafters import FAMILIES
+from tapdraft.train.drafters.common import export_files
 
 
 

@@ -58,12 +58,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from capture.inputs import Conversation
-from capture.targets.nemo.audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
+from tapdraft.capture.inputs import Conversation
+from tapdraft.capture.targets.nemo.audio import (MelSettings, NeMoAdapter, NeMoMelFrontEnd, build_conformer, load_exactly,
                                 no_init)
-from capture.targets.base import Prepared
-from capture.targets.salm.model import SALM, AdapterConfig, AudioConfig, SALMConfig
-from capture.targets.salm.target import SALMTarget
+from tapdraft.capture.targets.base import Prepared
+from tapdraft.capture.targets.salm.model import SALM, AdapterConfig, AudioConfig, SALMConfig
+from tapdraft.capture.targets.salm.target import SALMTarget
 
 WEIGHTS_FILE = "model.safetensors"
 LLM_BACKBONE_DIR = "llm_backbone"

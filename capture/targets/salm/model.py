@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from capture.targets.base import DEFAULT_PLACEHOLDER, Expanded, expand_placeholders
+from tapdraft.capture.targets.base import DEFAULT_PLACEHOLDER, Expanded, expand_placeholders
 
 SALM_CONFIG_FILE = "salm_config.json"
 ADAPTER_FILE = "adapter.safetensors"

@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 import torch
 
-from capture.inputs import Conversation, load_audio
-from capture.targets.base import Expanded, Prepared, Target
-from capture.targets.salm.model import SALM
+from tapdraft.capture.inputs import Conversation, load_audio
+from tapdraft.capture.targets.base import Expanded, Prepared, Target
+from tapdraft.capture.targets.salm.model import SALM
 
 
 class SALMTarget(Target):

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from capture.config import CaptureConfig
-from capture.pipeline import capture
-from capture.replies.generate import GenerationConfig
-from capture.replies.regenerate import RegenerateConfig, regenerate
-from capture.replies.windows import ReplyConfig
-from shards.manifest import responses_from_target
-from shards.reader import open_dataset
+from tapdraft.capture.config import CaptureConfig
+from tapdraft.capture.pipeline import capture
+from tapdraft.capture.replies.generate import GenerationConfig
+from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+from tapdraft.capture.replies.windows import ReplyConfig
+from tapdraft.shards.manifest import responses_from_target
+from tapdraft.shards.reader import open_dataset
 from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
 
 TAP_ATOL = 0.02

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from capture.inputs import AudioRef, Conversation
-from capture.replies.generate import GenerationConfig, generate, row_seed
-from capture.targets.causal_lm import CausalLMTarget
-from capture.targets.salm.target import SALMTarget
+from tapdraft.capture.inputs import AudioRef, Conversation
+from tapdraft.capture.replies.generate import GenerationConfig, generate, row_seed
+from tapdraft.capture.targets.causal_lm import CausalLMTarget
+from tapdraft.capture.targets.salm.target import SALMTarget
 from tests.capture.targets.test_hf_speech import qwen2_audio_dir  # noqa: F401  (fixture)
 
 
@@ -84,7 +84,7 @@ def test_generation_states_match_a_full_forward(salm):
 def test_hf_native_speech_llm_generation_equals_its_own_generate(qwen2_audio_dir):  # noqa: F811
     """Qwen2-Audio: our batched decode over the adapter's merged embeddings = the model's own generate
     from the processor's inputs (audio features, expanded audio tokens)."""
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
 
     target = load_target(qwen2_audio_dir)
     convs = [Conversation(sid, "mem", [{"role": "user", "content": "<|AUDIO|> what did i say ?"}],

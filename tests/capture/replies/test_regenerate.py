@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.inputs import read_inputs, read_jsonl
-from capture.replies.generate import GenerationConfig
-from capture.replies.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
-from capture.replies.windows import RegenerateError, ReplyConfig
-from capture.targets.salm.model import SALM
-from common.errors import LockedError
-from common.lock import exclusive_lock
+from tapdraft.capture.inputs import read_inputs, read_jsonl
+from tapdraft.capture.replies.generate import GenerationConfig
+from tapdraft.capture.replies.regenerate import RegenerateConfig, lock_path, regenerate, work_dir
+from tapdraft.capture.replies.windows import RegenerateError, ReplyConfig
+from tapdraft.capture.targets.salm.model import SALM
+from tapdraft.common.errors import LockedError
+from tapdraft.common.lock import exclusive_lock
 from tests.capture.util import conv_record, write_manifest, write_wav
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -84,7 +84,7 @@ def test_sampled_runs_with_one_seed_write_the_same_file(lm_dir, tmp_path):
 _KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import capture.replies.regenerate as rg
+import tapdraft.capture.replies.regenerate as rg
 calls = [0]
 orig = rg.process_window
 def dying(*a, **k):
@@ -93,8 +93,8 @@ def dying(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     return orig(*a, **k)
 rg.process_window = dying
-from capture.replies.generate import GenerationConfig
-from capture.replies.windows import RegenerateError, ReplyConfig
+from tapdraft.capture.replies.generate import GenerationConfig
+from tapdraft.capture.replies.windows import RegenerateError, ReplyConfig
 rg.regenerate(rg.RegenerateConfig(target={target!r}, data={data!r}, out={out!r}, window=3, max_batch_size=2,
               replies=ReplyConfig(generation=GenerationConfig(max_new_tokens=6, temperature=1.0, seed=1),
                                   keep_truncated=True), progress=False))
@@ -133,7 +133,7 @@ def test_truncated_and_empty_replies_are_counted_and_dropped(lm_dir, tmp_path):
     # a target whose every first token is the end of turn: every reply is empty
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from capture.targets.causal_lm import CausalLMTarget
+    from tapdraft.capture.targets.causal_lm import CausalLMTarget
 
     lm = AutoModelForCausalLM.from_pretrained(lm_dir)
     eos = lm.config.eos_token_id
@@ -176,8 +176,7 @@ def test_too_long_for_the_context_is_skipped(lm_dir, tmp_path):
 
 
 def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path, monkeypatch):
-    import capture.replies.regenerate as rg
-
+    import tapdraft.capture.replies.regenerate as rg
     data, out = _text_manifest(tmp_path / "in.jsonl", n=2), tmp_path / "out.jsonl"
     refused = []
     orig = rg.process_window
@@ -197,8 +196,8 @@ def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path,
     other = tmp_path / "other.jsonl"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from capture.replies.regenerate import lock_path
-        from common.lock import exclusive_lock
+        from tapdraft.capture.replies.regenerate import lock_path
+        from tapdraft.common.lock import exclusive_lock
         with exclusive_lock(lock_path({str(other)!r}, 0), "a regeneration (rank 0)"):
             print("held", flush=True)
             time.sleep(60)
@@ -218,8 +217,7 @@ def test_a_second_regeneration_into_the_same_output_is_refused(lm_dir, tmp_path,
 
 
 def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, monkeypatch):
-    import capture.replies.regenerate as rg
-
+    import tapdraft.capture.replies.regenerate as rg
     data = _text_manifest(tmp_path / "in.jsonl", n=7)
     monkeypatch.setattr(rg, "barrier", lambda world: None)
     out = tmp_path / "shards"
@@ -242,8 +240,8 @@ def test_ranks_take_slices_and_rank0_merges_in_input_order(lm_dir, tmp_path, mon
 
 
 def test_audio_given_as_bytes_is_written_beside_the_output_and_reads_back(tmp_path):
-    from capture.inputs import AudioRef, Conversation
-    from capture.replies.windows import output_record
+    from tapdraft.capture.inputs import AudioRef, Conversation
+    from tapdraft.capture.replies.windows import output_record
 
     write_wav(tmp_path / "src.wav", [3, 4], seed=2)
     data = (tmp_path / "src.wav").read_bytes()
@@ -263,7 +261,7 @@ def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
     """A template variable changes the rendered prompt (so the replies) and is recorded per file."""
     import dataclasses
 
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
 
     tgt = load_target(lm_dir)
     template = tmp_path / "t.jinja"
@@ -287,8 +285,8 @@ def test_template_kwargs_reach_the_prompt_and_the_sidecar(lm_dir, tmp_path):
 def test_one_output_split_by_id_equals_each_part_regenerated_alone(lm_dir, tmp_path):
     """``split_output``: a greedy regeneration of two splits joined, split back, writes each split's records as a
     regeneration of that split alone would, with a sidecar capture reads as that split's provenance."""
-    from capture.provenance import read_provenance, replies_from_target
-    from capture.replies.regenerate import split_output
+    from tapdraft.capture.provenance import read_provenance, replies_from_target
+    from tapdraft.capture.replies.regenerate import split_output
 
     data = _text_manifest(tmp_path / "in.jsonl", n=6)
     rows = [json.loads(x) for x in data.read_text().splitlines()]
@@ -310,3 +308,27 @@ def test_one_output_split_by_id_equals_each_part_regenerated_alone(lm_dir, tmp_p
     assert not (tmp_path / "c.jsonl").exists()
     with pytest.raises(ValueError, match=r"is not a complete FILE\.jsonl regeneration; run regenerate to it first"):
         split_output(tmp_path / "a.in.jsonl", {"c": ([], tmp_path / "c.jsonl")})
+
+
+def test_chunks_joined_equal_one_regeneration_of_the_whole(lm_dir, tmp_path):
+    """A pool regenerated in chunks (each its own run) joins into what one run over the whole input writes, with a
+    sidecar capture reads as a whole output's; parts of another setup are refused."""
+    from tapdraft.capture.provenance import read_provenance, replies_from_target
+    from tapdraft.capture.replies.regenerate import join_outputs
+
+    data = _text_manifest(tmp_path / "in.jsonl", n=7)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    whole = regenerate(_cfg(lm_dir, data, tmp_path / "whole.jsonl"))
+    parts = []
+    for i, chunk in enumerate((rows[:3], rows[3:])):
+        regenerate(_cfg(lm_dir, write_manifest(tmp_path / f"c{i}.in.jsonl", chunk), tmp_path / f"c{i}.jsonl"))
+        parts.append(tmp_path / f"c{i}.jsonl")
+    doc = join_outputs(parts, tmp_path / "joined.jsonl")
+    assert (tmp_path / "joined.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    assert doc["counts"] == whole["counts"] and doc["joined_from"] == ["c0.jsonl", "c1.jsonl"]
+    assert read_provenance(str(tmp_path / "joined.jsonl"))["target_fingerprint"] == whole["target_fingerprint"]
+    assert replies_from_target([str(tmp_path / "joined.jsonl")]) is True
+    regenerate(_cfg(lm_dir, write_manifest(tmp_path / "o.in.jsonl", rows[:2]), tmp_path / "other.jsonl", max_new=5))
+    with pytest.raises(ValueError, match=r"other\.jsonl was regenerated with another target or other settings"):
+        join_outputs([parts[0], tmp_path / "other.jsonl"], tmp_path / "bad.jsonl")
+    assert not (tmp_path / "bad.jsonl").exists()

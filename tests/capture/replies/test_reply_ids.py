@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.config import CaptureConfig
-from capture.inputs import read_jsonl
-from capture.pipeline import capture
-from capture.replies.generate import GenerationConfig
-from capture.replies.regenerate import RegenerateConfig, regenerate
-from capture.replies.windows import ReplyConfig
-from capture.targets.load import load_target
-from shards.reader import open_dataset
-from shards.shard_file import ShardConfig
+from tapdraft.capture.config import CaptureConfig
+from tapdraft.capture.inputs import read_jsonl
+from tapdraft.capture.pipeline import capture
+from tapdraft.capture.replies.generate import GenerationConfig
+from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
+from tapdraft.capture.replies.windows import ReplyConfig
+from tapdraft.capture.targets.load import load_target
+from tapdraft.shards.reader import open_dataset
+from tapdraft.shards.shard_file import ShardConfig
 from tests.capture.util import write_manifest
 
 PROMPTS = ["Continue this passage about the function", "Say something about the class", "What does the module do"]
@@ -29,7 +29,7 @@ PROMPTS = ["Continue this passage about the function", "Say something about the 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory) -> Path:
     """A random Qwen3 LM over a 1,024-token byte-level BPE vocabulary with a ChatML template."""
-    from demo.bpe import QUICK, build_bpe_lm, build_bpe_tokenizer, corpus_text
+    from tapdraft.demo.bpe import QUICK, build_bpe_lm, build_bpe_tokenizer, corpus_text
 
     d = tmp_path_factory.mktemp("bpe")
     tok = build_bpe_tokenizer(corpus_text()[:400], QUICK.vocab_size)
@@ -165,7 +165,7 @@ def test_regenerate_keeps_the_target_ids_and_capture_stores_them(bpe_dir, tmp_pa
 def test_a_template_that_rewrites_the_reply_gives_its_ids_no_place(bpe_dir):
     from transformers import AutoTokenizer
 
-    from capture.template import ChatTemplate
+    from tapdraft.capture.template import ChatTemplate
 
     tok = AutoTokenizer.from_pretrained(bpe_dir)
     ids = _split_word(tok, " the")
@@ -188,7 +188,7 @@ def test_a_template_that_rewrites_the_reply_gives_its_ids_no_place(bpe_dir):
       {"from": "Assistant", "value": "again"}], "joined"),
 ])
 def test_malformed_carried_ids_are_a_bad_input(turns, match):
-    from capture.inputs import parse_record
+    from tapdraft.capture.inputs import parse_record
 
     with pytest.raises(ValueError, match=match):
         parse_record({"id": "x", "conversations": turns}, base=Path("."), placeholder="<a>", default_id="x")

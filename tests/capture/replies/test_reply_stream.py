@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import capture.replies.regenerate as rg
-from capture.engines import DEFAULT_ENGINE, ENGINES
-from capture.replies.generate import GenerationConfig, generate
-from capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
-from capture.replies.windows import ReplyConfig
+import tapdraft.capture.replies.regenerate as rg
+from tapdraft.capture.engines import DEFAULT_ENGINE, ENGINES
+from tapdraft.capture.replies.generate import GenerationConfig, generate
+from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
+from tapdraft.capture.replies.windows import ReplyConfig
 from tests.capture.replies.test_regenerate import _text_manifest, lm_dir  # noqa: F401  (fixture)
 from tests.capture.util import write_manifest
 
@@ -123,7 +123,7 @@ def test_an_interrupted_stream_resumes_to_the_same_bytes(lm_dir, tmp_path, monke
     (["--window", "0"], "RegenerateConfig.window must be >= 1"),
 ])
 def test_the_cli_refuses_in_one_line(tmp_path, capsys, args, says):
-    from cli import main
+    from tapdraft.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["regenerate", "--target", str(tmp_path), "--data", str(tmp_path / "in.jsonl"), "--out",
@@ -145,7 +145,7 @@ def _budget_manifest(path: Path) -> Path:
 
 
 def test_the_conversation_budget_cuts_at_the_last_reply_that_fits(lm_dir, tmp_path, monkeypatch):  # noqa: F811
-    from capture.targets.load import load_target
+    from tapdraft.capture.targets.load import load_target
 
     data = _budget_manifest(tmp_path / "in.jsonl")
     rep = ReplyConfig(generation=GenerationConfig(max_new_tokens=6), keep_truncated=True, max_conversation_tokens=30)

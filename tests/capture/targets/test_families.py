@@ -16,12 +16,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from capture.forward import SampleSpec, run_batch
-from capture.inputs import Conversation
-from capture.targets.load import TESTED_LM_FAMILIES, load_target
-from cli import app
-from shards.bundle import TOKENIZER_DIR, WEIGHTS_FILE, load_bundle, write_bundle
-from shards.head import HeadSpec, teacher_logits
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.inputs import Conversation
+from tapdraft.capture.targets.load import TESTED_LM_FAMILIES, load_target
+from tapdraft.cli import app
+from tapdraft.shards.bundle import TOKENIZER_DIR, WEIGHTS_FILE, load_bundle, write_bundle
+from tapdraft.shards.head import HeadSpec, teacher_logits
 from tests.capture.lm_families import EXPECTED_HEAD, FAMILIES, WORDS, save_family
 
 
@@ -38,7 +38,7 @@ def _conv(i: int, n_prompt: int, n_reply: int) -> Conversation:
 
 def _own(target, ids: torch.Tensor):
     """The model's own forward on one unpadded sequence: logits, HF hidden_states, last layer's output (float32)."""
-    from capture.hooks import LayerTaps
+    from tapdraft.capture.hooks import LayerTaps
 
     L = target.num_layers
     with torch.no_grad(), LayerTaps(target.layers, [L - 1]) as taps:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from capture.forward import SampleSpec, run_batch
-from capture.targets.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_filterbank
-from capture.targets.load import load_target
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.targets.granite_speech import GraniteLogMel, GraniteSpeechTarget, htk_mel_filterbank
+from tapdraft.capture.targets.load import load_target
 from tests.capture.speech_models import (GRANITE_PREPROCESSOR, audio_conv, decoder_inputs_embeds,
                                          layers_and_logits, save_granite_speech)
 

@@ -6,9 +6,9 @@ import warnings
 import pytest
 import torch
 
-from capture.provenance import target_fingerprint
-from capture.targets.head_only import resident_bytes
-from capture.targets.load import load_target
+from tapdraft.capture.provenance import target_fingerprint
+from tapdraft.capture.targets.head_only import resident_bytes
+from tapdraft.capture.targets.load import load_target
 from tests.capture.lm_families import FAMILIES, save_family
 
 BUFFERED = {"gemma", "gemma2", "gemma3_text"}

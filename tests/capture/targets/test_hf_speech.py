@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.forward import SampleSpec, run_batch
-from capture.targets.hf_speech import HFSpeechTarget
-from capture.targets.load import load_target
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.targets.hf_speech import HFSpeechTarget
+from tapdraft.capture.targets.load import load_target
 from tests.capture.speech_models import audio_conv, decoder_inputs_embeds, layers_and_logits, save_qwen2_audio
 
 
@@ -107,12 +107,12 @@ def test_audio_count_mismatch_is_an_input_error(target):
 
 
 def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest, tmp_path):
-    from capture.config import CaptureConfig
-    from capture.inputs import read_jsonl
-    from capture.pipeline import capture
-    from shards.reader import open_dataset
-    from shards.verify import verify_dataset
-    from shards.shard_file import ShardConfig
+    from tapdraft.capture.config import CaptureConfig
+    from tapdraft.capture.inputs import read_jsonl
+    from tapdraft.capture.pipeline import capture
+    from tapdraft.shards.reader import open_dataset
+    from tapdraft.shards.verify import verify_dataset
+    from tapdraft.shards.shard_file import ShardConfig
 
     cfg = CaptureConfig(target=str(qwen2_audio_dir), out=str(tmp_path / "ds"), data=(("train", str(tone_manifest)),),
                         top_k=4, window=4, batch_tokens=400, shard=ShardConfig(shard_bytes=20000), progress=False)
@@ -132,7 +132,7 @@ def test_capture_pipeline_on_the_saved_directory(qwen2_audio_dir, tone_manifest,
 
 def test_qwen3_asr_taps_merge_and_teacher_equal_the_models_own_forward(tmp_path):
     """Qwen3-ASR rides the same mechanism: its processor's expansion, its model's packed encoder and merge."""
-    from capture.targets.hf_speech import Qwen3ASRTarget
+    from tapdraft.capture.targets.hf_speech import Qwen3ASRTarget
     from tests.capture.speech_models import own_inputs, save_qwen3_asr
 
     save_qwen3_asr(tmp_path)

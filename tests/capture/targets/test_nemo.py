@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from capture.inputs import AudioRef, Conversation
-from capture.targets.load import load_target
-from capture.targets.nemo.audio import build_conformer
-from capture.targets.nemo.salm import NeMoSALMTarget, is_nemo_salm
+from tapdraft.capture.inputs import AudioRef, Conversation
+from tapdraft.capture.targets.load import load_target
+from tapdraft.capture.targets.nemo.audio import build_conformer
+from tapdraft.capture.targets.nemo.salm import NeMoSALMTarget, is_nemo_salm
 from tests.capture.nemo_ckpt import ADAPTER, AUTOMODEL_LORA, ENCODER, LORA, TAG, write_nemo_salm
 
 
@@ -261,7 +261,7 @@ def test_capture_verify_train_eval_speculate(kind, nemo_dirs, tone_manifest, tmp
     save_pretrained checkpoint in the qwen3 format whose pretrained_llm is a local directory, without it."""
     from typer.testing import CliRunner
 
-    from cli import app
+    from tapdraft.cli import app
 
     if kind == "tied-head":
         ckpt, llm = nemo_dirs

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from capture.targets.base import expand_placeholders
-from capture.targets.salm.model import SALM
+from tapdraft.capture.targets.base import expand_placeholders
+from tapdraft.capture.targets.salm.model import SALM
 
 A = 99  # placeholder id in the hand-made fixture
 SENT = 98  # sentinel id audio rows carry

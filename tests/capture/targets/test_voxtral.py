@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.forward import SampleSpec, run_batch
-from capture.targets.load import load_target
-from capture.targets.voxtral import VoxtralTarget
+from tapdraft.capture.forward import SampleSpec, run_batch
+from tapdraft.capture.targets.load import load_target
+from tapdraft.capture.targets.voxtral import VoxtralTarget
 from tests.capture.speech_models import (audio_conv, decoder_inputs_embeds, layers_and_logits, own_inputs,
                                          save_voxtral)
 

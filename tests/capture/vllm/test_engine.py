@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.config import CaptureConfig, VLLMConfig, check_resume, migrate_capture_record
-from capture.vllm.engine import layer_ids
-from capture.vllm.side import wire
+from tapdraft.capture.config import CaptureConfig, VLLMConfig, check_resume, migrate_capture_record
+from tapdraft.capture.vllm.engine import layer_ids
+from tapdraft.capture.vllm.side import wire
 from tests.capture.util import conv_record, write_manifest
 from tests.test_cli import assert_one_line, run
 
@@ -96,8 +96,8 @@ def test_a_python_without_vllm_is_one_line_before_anything_is_written(salm_dir, 
 
 
 def test_pipeline_parallel_is_refused_only_where_vllm_refuses_it():
-    from capture.vllm.engine import check_layout
-    from common.errors import CaptureError
+    from tapdraft.capture.vllm.engine import check_layout
+    from tapdraft.common.errors import CaptureError
 
     for version in ("0.32.0", "0.31.2", "0.32.1.dev4+g1a2b"):
         with pytest.raises(CaptureError, match="vLLM .* cannot extract hidden states with pipeline parallelism"):

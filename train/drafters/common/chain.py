@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from train.acceptance import AcceptanceCounts, replay_rounds
+from tapdraft.train.acceptance import AcceptanceCounts, replay_rounds
 
 IGNORE = -100
 

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from shards.head import row_spans
+from tapdraft.shards.head import row_spans
 
 
 def map_row_chunks(

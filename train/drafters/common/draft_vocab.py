@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:  # the annotation only: drafters import no reader
-    from shards.reader import Dataset
+    from tapdraft.shards.reader import Dataset
 
 
 @dataclass(frozen=True)

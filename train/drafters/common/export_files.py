@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from common.atomic import staged
+from tapdraft.common.atomic import staged
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.head import rms_norm
+from tapdraft.shards.head import rms_norm
 
 try:  # FlexAttention ships with torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -171,7 +171,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockM
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    from train.drafters.common.mask import flex_tile
+    from tapdraft.train.drafters.common.mask import flex_tile
 
     bs = block_mask.BLOCK_SIZE
     tile = flex_tile(min(bs) if isinstance(bs, tuple) else bs)

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from shards.head import HeadSpec, project, project_backward, row_spans, softcap_jacobian
-from train.drafters.common.divergences import kl_grad_full, kl_grad_topk
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from tapdraft.shards.head import HeadSpec, project, project_backward, row_spans, softcap_jacobian
+from tapdraft.train.drafters.common.divergences import kl_grad_full, kl_grad_topk
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from shards.head import HeadSpec, teacher_logits
-from shards.schema import Layout
-from shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS
+from tapdraft.shards.head import HeadSpec, teacher_logits
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS
 
 
 @dataclass

@@ -14,10 +14,10 @@ import json
 import warnings
 from dataclasses import dataclass
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout
-from shards.taps import default_tap_ids
-from train.drafters.base import layer_shape
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import default_tap_ids
+from tapdraft.train.drafters.base import layer_shape
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")

@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from train.acceptance import acceptance_counts, acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
-from train.drafters.common.losses import dpace_weights, reach_weights, row_losses, weighted_terms
-from train.drafters.common.teacher import gather_exact, gather_topk
-from train.drafters.dflash.anchors import sample_anchors
+from tapdraft.train.acceptance import acceptance_counts, acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
+from tapdraft.train.drafters.common.losses import dpace_weights, reach_weights, row_losses, weighted_terms
+from tapdraft.train.drafters.common.teacher import gather_exact, gather_topk
+from tapdraft.train.drafters.dflash.anchors import sample_anchors
 
 
 class DFlashLoss(DraftVocabMixin):

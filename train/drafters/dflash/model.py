@@ -29,24 +29,24 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.head import embed, head_spec, project
-from shards.manifest import code_version
-from shards.schema import Layout
-from shards.taps import TAP_NUMBERING, to_vllm
-from train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
-from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import tv_full
-from train.drafters.common.draft_vocab import subset_head_rows
-from train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from train.drafters.common.losses import slot_weights
-from train.drafters.common.mask import dense_mask, flex_block_mask
-from train.drafters.common.teacher import exact_last_tap, last_hidden, require_last_hidden
-from train.drafters.dflash.anchors import sample_anchors
-from train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
-from train.drafters.dflash.loss import DFlashLoss
-from train.drafters.dflash.export import open_spec_block, to_speculators
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import embed, head_spec, project
+from tapdraft.shards.manifest import code_version
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import TAP_NUMBERING, to_vllm
+from tapdraft.train.acceptance import AcceptanceCounts, acceptance_counts, with_rounds
+from tapdraft.train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import tv_full
+from tapdraft.train.drafters.common.draft_vocab import subset_head_rows
+from tapdraft.train.drafters.common.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from tapdraft.train.drafters.common.losses import slot_weights
+from tapdraft.train.drafters.common.mask import dense_mask, flex_block_mask
+from tapdraft.train.drafters.common.teacher import exact_last_tap, last_hidden, require_last_hidden
+from tapdraft.train.drafters.dflash.anchors import sample_anchors
+from tapdraft.train.drafters.dflash.config import MASK_TOKEN, DFlashConfig, tokenizer_ids
+from tapdraft.train.drafters.dflash.loss import DFlashLoss
+from tapdraft.train.drafters.dflash.export import open_spec_block, to_speculators
 
 
 class DFlashDrafter(DFlashLoss, Drafter):

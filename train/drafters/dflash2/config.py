@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dflash2.selector import GOLD_MISS_POLICIES
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash2.selector import GOLD_MISS_POLICIES
 
 
 @dataclass(frozen=True)

@@ -48,17 +48,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout
-from train.acceptance import acceptance_counts, acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk
-from train.drafters.common.layers import DecoderLayer
-from train.drafters.common.losses import weighted_terms
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.selector import PathSelector, greedy_walk, selector_loss, walk
-from train.drafters.dflash2.config import DFlash2Config
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
+from tapdraft.train.acceptance import acceptance_counts, acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk
+from tapdraft.train.drafters.common.layers import DecoderLayer
+from tapdraft.train.drafters.common.losses import weighted_terms
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.selector import PathSelector, greedy_walk, selector_loss, walk
+from tapdraft.train.drafters.dflash2.config import DFlash2Config
 
 
 class SublayerConv(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from train.drafters.dflash.config import DFlashConfig
-from train.drafters.dspark.markov import HEAD_TYPES
+from tapdraft.train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dspark.markov import HEAD_TYPES
 
 
 @dataclass(frozen=True)

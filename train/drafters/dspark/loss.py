@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from shards.head import HeadSpec, add_projection_, project_backward, row_spans
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher
+from tapdraft.shards.head import HeadSpec, add_projection_, project_backward, row_spans
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher
 
 
 def _l1_and_grad(q: torch.Tensor, teacher: ExactTeacher | TopKTeacher, s: int, e: int

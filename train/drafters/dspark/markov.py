@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.drafters.base import pick_tokens
+from tapdraft.train.drafters.base import pick_tokens
 
 HEAD_TYPES = ("vanilla",)
 """Markov head variants a DSpark draft may use (the ones vLLM 0.32 loads; see the module docstring)."""

@@ -37,20 +37,20 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from shards.bundle import TargetBundle
-from shards.head import head_spec
-from shards.schema import Layout
-from train.acceptance import acceptance_counts, acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import tv_full
-from train.drafters.common.losses import slot_weights
-from train.drafters.common.teacher import last_hidden
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dspark import LAYOUTS
-from train.drafters.dspark.markov import ConfidenceHead, MarkovHead, walk
-from train.drafters.dspark.config import DSparkConfig
-from train.drafters.dspark.loss import dspark_row_losses
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import head_spec
+from tapdraft.shards.schema import Layout
+from tapdraft.train.acceptance import acceptance_counts, acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import tv_full
+from tapdraft.train.drafters.common.losses import slot_weights
+from tapdraft.train.drafters.common.teacher import last_hidden
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dspark import LAYOUTS
+from tapdraft.train.drafters.dspark.markov import ConfidenceHead, MarkovHead, walk
+from tapdraft.train.drafters.dspark.config import DSparkConfig
+from tapdraft.train.drafters.dspark.loss import dspark_row_losses
 
 
 class DSparkDrafter(DFlashDrafter):

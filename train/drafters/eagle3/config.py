@@ -7,11 +7,11 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout
-from shards.taps import eagle3_tap_ids
-from train.drafters.base import layer_shape
-from train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import eagle3_tap_ids
+from tapdraft.train.drafters.base import layer_shape
+from tapdraft.train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
 
 LOSS_TYPES = ("kl", "ce", "lk")
 TEACHERS = ("auto", "exact", "topk")

@@ -32,14 +32,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.acceptance import acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
-from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
-from train.drafters.common.losses import trained_head_losses
-from train.drafters.common.teacher import ExactTeacher, TopKTeacher, last_hidden
+from tapdraft.train.acceptance import acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from tapdraft.train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
+from tapdraft.train.drafters.common.losses import trained_head_losses
+from tapdraft.train.drafters.common.teacher import ExactTeacher, TopKTeacher, last_hidden
 
 
 class Eagle3Loss(DraftVocabMixin):

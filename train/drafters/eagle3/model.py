@@ -40,22 +40,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.head import head_spec
-from shards.schema import Layout
-from shards.taps import TAP_NUMBERING, to_vllm
-from train.acceptance import AcceptanceCounts
-from train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
-from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import head_spec
+from tapdraft.shards.schema import Layout
+from tapdraft.shards.taps import TAP_NUMBERING, to_vllm
+from tapdraft.train.acceptance import AcceptanceCounts
+from tapdraft.train.drafters.base import Drafter, FrozenHead, one_sequence_batch, pick_tokens
+from tapdraft.train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
                                          next_token_labels, shift_left)
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import tv_full
-from train.drafters.common.draft_vocab import DraftVocab
-from train.drafters.common.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
-from train.drafters.common.mask import eagle3_block_mask, eagle3_dense_mask
-from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
-from train.drafters.eagle3.config import Eagle3Config
-from train.drafters.eagle3.loss import Eagle3Loss
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import tv_full
+from tapdraft.train.drafters.common.draft_vocab import DraftVocab
+from tapdraft.train.drafters.common.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from tapdraft.train.drafters.common.mask import eagle3_block_mask, eagle3_dense_mask
+from tapdraft.train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from tapdraft.train.drafters.eagle3.config import Eagle3Config
+from tapdraft.train.drafters.eagle3.loss import Eagle3Loss
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer (vLLM's ``midlayer`` / ``layers.0``): its names are the checkpoint's."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.drafters.dflash.config import DFlashConfig
+from tapdraft.train.drafters.dflash.config import DFlashConfig
 
 
 PENALTIES = ("exact", "topk_bound")

@@ -47,17 +47,17 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.head import head_spec
-from shards.schema import Layout
-from train.acceptance import acceptance_counts, acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.losses import row_losses, weighted_terms
-from train.drafters.common.teacher import last_hidden, require_last_hidden
-from train.drafters.dflash.model import DFlashDrafter
-from train.drafters.dflash2.model import ConvDecoderLayer
-from train.drafters.lilicorr.lattice import LiLiCorrHead, walk
-from train.drafters.lilicorr.config import LiLiCorrConfig
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import head_spec
+from tapdraft.shards.schema import Layout
+from tapdraft.train.acceptance import acceptance_counts, acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.losses import row_losses, weighted_terms
+from tapdraft.train.drafters.common.teacher import last_hidden, require_last_hidden
+from tapdraft.train.drafters.dflash.model import DFlashDrafter
+from tapdraft.train.drafters.dflash2.model import ConvDecoderLayer
+from tapdraft.train.drafters.lilicorr.lattice import LiLiCorrHead, walk
+from tapdraft.train.drafters.lilicorr.config import LiLiCorrConfig
 
 
 class LiLiCorrDrafter(DFlashDrafter):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
+from tapdraft.train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
 
 
 LOSS_TYPES = ("ce", "lk")

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from train.drafters.mtp import LAYOUTS
+from tapdraft.train.drafters.mtp import LAYOUTS
 
 BLOCK_PARAMS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",

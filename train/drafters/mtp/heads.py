@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.drafters.common.layers import DecoderLayer, RMSNorm
+from tapdraft.train.drafters.common.layers import DecoderLayer, RMSNorm
 
 
 class SharedHead(nn.Module):

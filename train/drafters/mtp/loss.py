@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from train.acceptance import acceptance_metrics
-from train.drafters.base import LossOutput
-from train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
-from train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
-from train.drafters.common.losses import row_losses
+from tapdraft.train.acceptance import acceptance_metrics
+from tapdraft.train.drafters.base import LossOutput
+from tapdraft.train.drafters.common.chain import AUDIO_MASKED, IGNORE, chain_counts, step_metric
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import kl_tv_full, kl_tv_topk, lk_loss
+from tapdraft.train.drafters.common.draft_vocab import DraftVocabMixin, draft_index
+from tapdraft.train.drafters.common.losses import row_losses
 
 
 class MTPLoss(DraftVocabMixin):

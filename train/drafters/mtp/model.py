@@ -52,25 +52,25 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.head import embed, final_norm, head_spec, project
-from shards.schema import Layout
-from train.acceptance import AcceptanceCounts
-from train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_batch, pick_tokens
-from train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.head import embed, final_norm, head_spec, project
+from tapdraft.shards.schema import Layout
+from tapdraft.train.acceptance import AcceptanceCounts
+from tapdraft.train.drafters.base import Drafter, FrozenHead, layer_shape, one_sequence_batch, pick_tokens
+from tapdraft.train.drafters.common.chain import (IGNORE, chain_acceptance, depth_labels, doc_end_from_lengths,
                                          next_token_labels, shift_left)
-from train.drafters.common.chunks import map_row_chunks
-from train.drafters.common.divergences import tv_full
-from train.drafters.common.draft_vocab import subset_head_rows
-from train.drafters.common.export_files import load_export
-from train.drafters.common.layers import RotaryEmbedding
-from train.drafters.common.mask import eagle3_dense_mask
-from train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
-from train.drafters.mtp import DEFAULT_LAYOUT
-from train.drafters.mtp.config import MTPConfig
-from train.drafters.mtp.heads import MTPHead, _Model
-from train.drafters.mtp.export import convert
-from train.drafters.mtp.loss import MTPLoss
+from tapdraft.train.drafters.common.chunks import map_row_chunks
+from tapdraft.train.drafters.common.divergences import tv_full
+from tapdraft.train.drafters.common.draft_vocab import subset_head_rows
+from tapdraft.train.drafters.common.export_files import load_export
+from tapdraft.train.drafters.common.layers import RotaryEmbedding
+from tapdraft.train.drafters.common.mask import eagle3_dense_mask
+from tapdraft.train.drafters.common.teacher import exact_last_tap, last_hidden, last_hidden_source, require_last_hidden
+from tapdraft.train.drafters.mtp import DEFAULT_LAYOUT
+from tapdraft.train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.heads import MTPHead, _Model
+from tapdraft.train.drafters.mtp.export import convert
+from tapdraft.train.drafters.mtp.loss import MTPLoss
 
 
 class MTPDrafter(MTPLoss, Drafter):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.drafters.mtp.config import MTPConfig
+from tapdraft.train.drafters.mtp.config import MTPConfig
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from common.atomic import staged
-from train.drafters.common.export_files import weight_files
+from tapdraft.common.atomic import staged
+from tapdraft.train.drafters.common.export_files import weight_files
 
 
 def export_native(weights: dict[str, torch.Tensor], cfg: dict[str, Any], out_dir: str | Path,

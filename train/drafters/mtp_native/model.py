@@ -42,13 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shards.bundle import TargetBundle
-from shards.schema import Layout
-from train.drafters.base import Drafter
-from train.drafters.common.export_files import weight_files
-from train.drafters.mtp.model import MTPDrafter
-from train.drafters.mtp_native.export import export_native
-from train.drafters.mtp_native.config import MTPNativeConfig
+from tapdraft.shards.bundle import TargetBundle
+from tapdraft.shards.schema import Layout
+from tapdraft.train.drafters.base import Drafter
+from tapdraft.train.drafters.common.export_files import weight_files
+from tapdraft.train.drafters.mtp.model import MTPDrafter
+from tapdraft.train.drafters.mtp_native.export import export_native
+from tapdraft.train.drafters.mtp_native.config import MTPNativeConfig
 
 MODEL_TYPES = ("qwen3_5_text",)
 """Target ``model_type`` values whose own MTP module this family builds."""

@@ -62,7 +62,8 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an error, pri
                                           help="Print tapdraft's version and exit.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
-    Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export.
+    Pipeline: requests (no data of your own) -> regenerate -> capture -> verify / inspect -> train -> eval ->
+    speculate / export.
 
     derive writes a lighter dataset; push / pull share one through an object store. `tapdraft demo` runs the
     whole chain on a built-in task.
@@ -182,6 +183,37 @@ def regenerate(
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_regenerate(cfg)))
+
+
+@app.command()
+def requests(
+    target: str = typer.Option(..., "--target", help=TARGET_HELP),
+    out: str = typer.Option(..., "--out", help="FILE.jsonl: one conversation a line, the request and a pending reply "
+                            "(its NAME.requests.json sidecar says how they were made)."),
+    count: int = typer.Option(1000, "--count", help="Requests to keep."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens a request may take; longer ones are "
+                                       "dropped."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (> 0)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass."),
+    seed: int = typer.Option(0, "--seed", help="Base seed; each draw's seed derives from it and its index."),
+    min_words: int = typer.Option(3, "--min-words", help="Requests of fewer words are dropped."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Requests sampled at once."),
+    max_draws: int = typer.Option(None, "--max-draws", help="Draws at most (default 4 x --count)."),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+) -> None:
+    """Have the target write requests itself, for training without data of your own (the Magpie method): sampled from
+    its chat template's opening of a user turn, deduplicated and filtered; then `tapdraft regenerate` them."""
+    from tapdraft.capture.generation import GenerationConfig
+    from tapdraft.capture.replies.requests import RequestsConfig, summary, write_requests
+
+    _threads(threads)
+    cfg = RequestsConfig(target=target, out=out, count=count, min_words=min_words, batch_size=batch_size,
+                         max_draws=max_draws, dtype=dtype, device=device,
+                         generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                     top_p=top_p, seed=seed))
+    typer.echo(summary(write_requests(cfg)))
 
 
 @app.command()

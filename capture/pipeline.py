@@ -535,6 +535,13 @@ def _capture_to_store(cfg: CaptureConfig, target: Target | None, restart: bool) 
     return manifest
 
 
+def _requests_of(spec: str) -> dict[str, Any]:
+    """``{"requests": ...}`` when the input's requests were the target's own (``tapdraft requests``, carried by
+    regenerate's sidecar): the dataset records how its data was made."""
+    doc = read_provenance(spec)
+    return {"requests": doc["requests"]} if doc is not None and "requests" in doc else {}
+
+
 def check_inputs(cfg: CaptureConfig) -> None:
     """Refuse a missing or empty input before anything is written; an empty regenerate output is named with
     the counts of its sidecar (why its conversations were dropped)."""
@@ -569,7 +576,8 @@ def _capture_locked(cfg: CaptureConfig, target: Target | None, out: Path, rank: 
         cfg = dataclasses.replace(cfg, responses_from_target=derived)
     cfg = pin_threads(cfg, out / CONFIG_FILE, torch.get_num_threads())  # recorded below: a resume computes alike
     cfg = pin_writers(cfg, out / CONFIG_FILE, resolve_device(cfg.device).type, rank_cores())  # likewise
-    inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec)} for split, spec in cfg.data}
+    inputs = {split: {"input": portable_path(spec), "sha256": input_digest(spec),
+                      **_requests_of(spec)} for split, spec in cfg.data}
     record = {**cfg.to_dict(), "world_size": world, INPUTS_KEY: inputs}
     cfg_path = out / CONFIG_FILE
     check_resume(cfg_path, record, given=dict(cfg.data))

@@ -73,6 +73,7 @@ from tapdraft.capture.config import VLLMConfig
 from tapdraft.capture.engines import DEFAULT_ENGINE, ENGINES, get_engine
 from tapdraft.capture.inputs import BadInput, read_inputs
 from tapdraft.capture.provenance import sidecar_path, target_fingerprint
+from tapdraft.capture.replies.requests import read_requests_provenance
 from tapdraft.capture.replies.stream import stream_windows
 from tapdraft.capture.replies.windows import ReplyConfig, RunStats, prefix_key, process_window, regenerated_turns
 from tapdraft.capture.stages import barrier, dist_env, numbered, rank_slice, resolve_device, resolve_dtype, windows
@@ -359,6 +360,9 @@ def merge(cfg: RegenerateConfig, work: Path, out: Path, placeholder: str, finger
                    **({"cut": dict(cut)} if cut else {})},
         "dropped": drops[:1000],
     }
+    requests = read_requests_provenance(cfg.data)
+    if requests is not None:  # the target wrote the requests too (tapdraft requests): say so downstream
+        doc["requests"] = requests
     with staged(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
     shutil.rmtree(work, ignore_errors=True)

@@ -152,7 +152,7 @@ def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, targe
     a last partial chunk ``chunk-NNNNN-COUNT.jsonl``), each a resumable ``tapdraft regenerate``: a rerun continues
     where a kill stopped it, and a larger ``n`` reuses every whole chunk. Returns the chunk files, in order."""
     from tapdraft.capture.provenance import sidecar_path
-    from tapdraft.demo.real.speedup import _cli, _jsonl
+    from tapdraft.demo.real.commands import run_cli, write_jsonl
 
     if n > len(pool):
         raise ValueError(f"the pool holds {len(pool)} conversations; asked for {n}")
@@ -166,9 +166,9 @@ def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, targe
         if sidecar_path(out).exists():
             continue
         if not prompts.exists():
-            _jsonl(prompts, part)
+            write_jsonl(prompts, part)
         log(f"regenerating pool chunk {c}: {len(part)} conversations")
-        _cli("regenerate", "--data", str(prompts), "--out", str(out), *regenerate_args(target, venv, engines), log=log)
+        run_cli("regenerate", "--data", str(prompts), "--out", str(out), *regenerate_args(target, venv, engines), log=log)
     return outs
 
 
@@ -177,7 +177,7 @@ def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, eng
     """``python -m tapdraft.demo.real broad``: the target's replies to the ShareGPT validation split
     (``work/data/validation.jsonl``) and to the pool's first ``train`` conversations (``work/pool/``), resumable."""
     from tapdraft.capture.provenance import sidecar_path
-    from tapdraft.demo.real.speedup import _cli, _jsonl
+    from tapdraft.demo.real.commands import run_cli, write_jsonl
 
     if target is None:
         from tapdraft.demo.real.build import build_real_targets
@@ -186,8 +186,8 @@ def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, eng
     splits, counts = sharegpt_splits(validation)
     val = work / "data" / "validation.jsonl"
     if not sidecar_path(val).exists():
-        _jsonl(val.with_suffix(".prompts.jsonl"), splits["validation"])
-        _cli("regenerate", "--data", str(val.with_suffix(".prompts.jsonl")), "--out", str(val),
+        write_jsonl(val.with_suffix(".prompts.jsonl"), splits["validation"])
+        run_cli("regenerate", "--data", str(val.with_suffix(".prompts.jsonl")), "--out", str(val),
              *regenerate_args(target, venv, engines), log=log)
     chunks = regenerate_pool(work / "pool", splits["pool"], train, target=target, venv=venv, engines=engines, log=log)
     return {"sharegpt": counts, "files": [str(val), *map(str, chunks)]}

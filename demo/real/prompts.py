@@ -19,6 +19,8 @@ import re
 import sys
 import warnings
 
+from tapdraft.capture.replies.requests import PENDING
+
 TEMPLATES = (
     "What does `{qual}` do in Python?",
     "Write a short Python example that uses `{qual}`.",
@@ -73,8 +75,6 @@ def _held_out(module: str) -> bool:
     return hashlib.sha256(module.encode()).digest()[0] % 8 == 0
 
 
-PENDING = "(the target's reply)"
-"""The assistant turn's text until ``tapdraft regenerate`` replaces it (it refuses an empty turn)."""
 
 
 def conversation(sample_id: str, prompt: str) -> dict:

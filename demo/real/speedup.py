@@ -37,14 +37,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tapdraft.common.atomic import staged
+from tapdraft.demo.real import commands
 
 Log = Callable[[str], None]
 
@@ -229,29 +227,19 @@ def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:
     return TARGETS[cfg.target].model(cfg, log)
 
 
-def _jsonl(path: Path, records: list[dict]) -> None:
-    with staged(path) as tmp:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def _cli(*args: str, log: Log = print) -> None:
-    log("+ tapdraft " + " ".join(args[:12]))
-    subprocess.run([sys.executable, "-m", "tapdraft.cli", *args], check=True)
-
-
 def stage_prompts(work: Path, cfg: SpeedupConfig, log: Log = print) -> None:
     data = work / "data"
     target = TARGETS[cfg.target]
     if cfg.requests == "other" and not (data / "other.prompts.jsonl").exists():
         data.mkdir(parents=True, exist_ok=True)
-        _jsonl(data / "other.prompts.jsonl", target.other(data, cfg, log))
+        commands.write_jsonl(data / "other.prompts.jsonl", target.other(data, cfg, log))
     if (data / "held_out.prompts.jsonl").exists():
         return
     data.mkdir(parents=True, exist_ok=True)
     splits = target.splits(data, cfg, log)
     for split in SPLITS:  # held_out last: its file marks the stage done
         if split in splits:  # a target whose training replies come otherwise (train_replies) has no train prompts
-            _jsonl(data / f"{split}.prompts.jsonl", splits[split])
+            commands.write_jsonl(data / f"{split}.prompts.jsonl", splits[split])
 
 
 def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log = print) -> None:
@@ -273,9 +261,9 @@ def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log:
     name = "replies-" + "-".join(missing)  # the splits it holds: "other" added later regenerates alone
     joined, replies = data / f"{name}.prompts.jsonl", data / f"{name}.jsonl"
     if not sidecar_path(replies).exists():
-        _jsonl(joined, [r for rs in prompts.values() for r in rs])
+        commands.write_jsonl(joined, [r for rs in prompts.values() for r in rs])
         engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
-        _cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
+        commands.run_cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
              "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep", "--engine", "vllm",
              "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
              "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
@@ -285,7 +273,7 @@ def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log:
 def stage_capture(work: Path, cfg: SpeedupConfig, target: Path, log: Log = print) -> Path:
     ds, data = work / "dataset", work / "data"
     if not (ds / "manifest.json").exists():
-        _cli("capture", "--target", str(target), "--data", str(data / "train.jsonl"),
+        commands.run_cli("capture", "--target", str(target), "--data", str(data / "train.jsonl"),
              "--data", f"validation={data / 'validation.jsonl'}", "--data", f"held_out={data / 'held_out.jsonl'}",
              "--out", str(ds), "--threads", str(cfg.threads), log=log)
     return ds
@@ -295,22 +283,21 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Log = print)
     run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
     if not (export / "config.json").exists():
         sets = [x for s in cfg.sets for x in ("--set", s)]
-        _cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
+        commands.run_cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
              str(cfg.threads), *sets, log=log)
         layout = ("--layout", cfg.layout) if cfg.layout else ()
-        _cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), *layout, log=log)
+        commands.run_cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), *layout, log=log)
     return run, export
 
 
-def speculate_served(work: Path, target: Path, run: Path, dataset: Path, requests: str, n: int,
+def speculate_served(conversations: Path, target: Path, run: Path, dataset: Path, n: int,
                      max_tokens: int) -> dict[str, Any]:
     """``tapdraft speculate`` (in-process decoding) of the same served conversations: per-round counts to hold
     vLLM's against, and the offline replay on those conversations."""
     from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
-    cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset),
-                          conversations=str(work / "data" / f"{requests}.jsonl"), max_samples=n,
-                          max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
+    cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset), conversations=str(conversations),
+                          max_samples=n, max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
     return run_speculate(cfg, progress=False)
 
 
@@ -320,17 +307,15 @@ def served_method(tapdraft_cfg: dict[str, Any], default: str) -> str:
     return tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("method") or tapdraft_cfg.get("method", default)
 
 
-def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
-                log: Log = print) -> dict[str, Any]:
-    from tapdraft.engines.serving import check_served, serve_vllm, vllm_requests
+def serve_pairs(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, export: Path, requests: list[dict],
+                log: Log = print, max_model_len: int = 1024) -> dict[str, list[dict[str, Any]]]:
+    """vLLM alone and with the export (``k=K`` for each of ``cfg.k``) on ``requests``, one at a time, ``cfg.pairs``
+    times alternated: per run its wall time, tokens, load, and per request the outputs, drafts and engine timings."""
+    from tapdraft.engines.serving import serve_vllm
 
-    audio = work / "vllm" / ("audio" if cfg.requests == "held_out" else f"audio-{cfg.requests}")
-    requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / f"{cfg.requests}.jsonl", cfg.prompts,
-                                                     audio)
-    job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": 1024,
+    job = {"target": str(target), "requests": requests, "max_tokens": cfg.max_tokens, "max_model_len": max_model_len,
            "warmup": 1, "repeats": 1}
-    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
-    method = served_method(tapdraft_cfg, cfg.method)
+    method = served_method(json.loads((export / "config.json").read_text()).get("tapdraft", {}), cfg.method)
     runs: dict[str, list[dict]] = {"alone": [], **{f"k={k}": [] for k in cfg.k}}
     for p in range(cfg.pairs):
         for name in (list(runs) if p % 2 == 0 else list(runs)[::-1]):
@@ -343,34 +328,33 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
                                "outputs": [o["token_ids"] for o in res["outputs"]],
                                "prompt_ids": [o["prompt_token_ids"] for o in res["outputs"]],
                                "spec": [o["spec"] for o in res["outputs"]],
+                               "timing": [o.get("timing") for o in res["outputs"]],
                                "decode": decode_rate(res["outputs"])})
             log(f"pair {p + 1}/{cfg.pairs} {name}: {tokens / res['seconds'][0]:.1f} tokens/s "
                 f"(load {os.getloadavg()[0]:.1f})")
+    return runs
+
+
+def _subset(run: dict[str, Any], idx: list[int]) -> dict[str, Any]:
+    """One run restricted to the requests ``idx``, timed by the engine per request (scheduled to last token)."""
+    timing = [run["timing"][i] for i in idx]
+    outs = [{"token_ids": run["outputs"][i], "timing": t} for i, t in zip(idx, timing)]
+    seconds = sum(t["last_token_ts"] - t["scheduled_ts"] for t in timing) if all(timing) else None
+    return {**run, "outputs": [run["outputs"][i] for i in idx], "spec": [run["spec"][i] for i in idx],
+            "tokens": sum(len(run["outputs"][i]) for i in idx), "seconds": seconds, "decode": decode_rate(outs)}
+
+
+def pair_figures(runs: dict[str, list[dict[str, Any]]], idx: list[int] | None = None) -> dict[str, Any]:
+    """Speeds and ratios of ``serve_pairs``' runs, over every request (timed by the wall clock of each run) or over
+    the requests ``idx`` (a kind of request: timed by the engine, request by request): per ``k=K`` the pairs'
+    speedups and their median, over whole requests and over the decode alone, greedy identity and vLLM's tau."""
+    if idx is not None:
+        runs = {name: [_subset(r, idx) for r in rs] for name, rs in runs.items()}
     alone = runs["alone"]
     greedy = alone[0]["outputs"]
-    report: dict[str, Any] = {"requests": cfg.requests, "alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone],
-                              "prompt_ids_equal_to_capture": alone[0]["prompt_ids"] == prompt_ids}
+    report: dict[str, Any] = {"alone_tokens_per_s": [r["tokens"] / r["seconds"] for r in alone]}
     if all(r["decode"] is not None for rs in runs.values() for r in rs):
         report["alone_decode_tokens_per_s"] = [r["decode"] for r in alone]
-    transcripts = served_transcripts(target, work / "data" / f"{cfg.requests}.prompts.jsonl", sample_ids, greedy)
-    if transcripts is not None:
-        report["transcripts"] = transcripts
-    k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
-    if f"k={k_trained}" in runs:  # vLLM's rounds against tapdraft's at the drafts it was trained for
-        ours = speculate_served(work, target, run, dataset, cfg.requests, len(sample_ids), cfg.max_tokens)
-        first = runs[f"k={k_trained}"][0]
-        served = {"vllm": "", "outputs": [{"token_ids": t, "spec": s} for t, s in zip(first["outputs"], first["spec"])]}
-        try:
-            check_served({"outputs": [{"token_ids": t} for t in greedy]}, served, ours, sample_ids)
-            report["rounds_equal_to_speculate"] = True
-        except (AssertionError, KeyError):  # reported, not hidden: the table says whether they agree
-            report["rounds_equal_to_speculate"] = False
-        # requests of another kind are not in the dataset: speculate then has no replay over them (None, not a figure
-        # from other conversations)
-        same = ours.get("offline_same", False)
-        report["speculate"] = {"k": k_trained, "tau": ours["tau"],
-                               "offline_tau_replayed": ours.get("offline_tau_replayed") if same else None,
-                               "offline_over": ours.get("offline_over") if same else None}
     for name, rs in runs.items():
         if name == "alone":
             continue
@@ -386,6 +370,52 @@ def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, datase
             pairs = [r["decode"] / a["decode"] for a, r in zip(alone, rs)]
             report[name].update(decode_tokens_per_s=[r["decode"] for r in rs], decode_speedup_pairs=pairs,
                                 decode_speedup_median=statistics.median(pairs))
+    return report
+
+
+def speculate_check(conversations: Path, target: Path, run: Path, dataset: Path, sample_ids: list[str],
+                    greedy: list[list[int]], served: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """``tapdraft speculate`` on the served requests against vLLM's rounds (``served``: the first run at the drafts
+    the export was trained for): whether they are equal, speculate's tau and the offline replay on the same
+    conversations (None where they are not in ``dataset``)."""
+    from tapdraft.engines.serving import check_served
+
+    ours = speculate_served(conversations, target, run, dataset, len(sample_ids), max_tokens)
+    vllm = {"vllm": "", "outputs": [{"token_ids": t, "spec": s} for t, s in zip(served["outputs"], served["spec"])]}
+    try:
+        check_served({"outputs": [{"token_ids": t} for t in greedy]}, vllm, ours, sample_ids)
+        equal = True
+    except (AssertionError, KeyError):  # reported, not hidden: the table says whether they agree
+        equal = False
+    same = ours.get("offline_same", False)
+    return {"rounds_equal_to_speculate": equal,
+            "speculate": {"tau": ours["tau"], "offline_tau_replayed": ours.get("offline_tau_replayed") if same else None,
+                          "offline_over": ours.get("offline_over") if same else None}}
+
+
+def stage_serve(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, dataset: Path, run: Path, export: Path,
+                log: Log = print) -> dict[str, Any]:
+    from tapdraft.engines.serving import vllm_requests
+
+    audio = work / "vllm" / ("audio" if cfg.requests == "held_out" else f"audio-{cfg.requests}")
+    requests, sample_ids, prompt_ids = vllm_requests(target, work / "data" / f"{cfg.requests}.jsonl", cfg.prompts,
+                                                     audio)
+    runs = serve_pairs(work, cfg, target, venv, export, requests, log)
+    greedy = runs["alone"][0]["outputs"]
+    report: dict[str, Any] = {"requests": cfg.requests, **pair_figures(runs),
+                              "prompt_ids_equal_to_capture": runs["alone"][0]["prompt_ids"] == prompt_ids}
+    transcripts = served_transcripts(target, work / "data" / f"{cfg.requests}.prompts.jsonl", sample_ids, greedy)
+    if transcripts is not None:
+        report["transcripts"] = transcripts
+    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
+    k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
+    if f"k={k_trained}" in runs:  # vLLM's rounds against tapdraft's at the drafts it was trained for
+        # requests of another kind are not in the dataset: speculate then has no replay over them (None, not a figure
+        # from other conversations)
+        check = speculate_check(work / "data" / f"{cfg.requests}.jsonl", target, run, dataset, sample_ids, greedy,
+                                runs[f"k={k_trained}"][0], cfg.max_tokens)
+        report.update(check)
+        report["speculate"]["k"] = k_trained
     return report
 
 

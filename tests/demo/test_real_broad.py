@@ -63,7 +63,7 @@ def test_held_out_requests_never_move_the_pool(monkeypatch):
 
 
 def test_the_pool_grows_by_whole_chunks(monkeypatch, tmp_path):
-    import tapdraft.demo.real.speedup as sp
+    from tapdraft.demo.real import commands
 
     calls = []
 
@@ -72,7 +72,7 @@ def test_the_pool_grows_by_whole_chunks(monkeypatch, tmp_path):
         calls.append(out)
         sidecar_path(out).write_text("{}")
 
-    monkeypatch.setattr(sp, "_cli", fake_cli)
+    monkeypatch.setattr(commands, "run_cli", fake_cli)
     monkeypatch.setattr(broad, "POOL_CHUNK", 4)
     pool = [_rec(i, ("human", "q"), ("gpt", PENDING)) for i in range(20)]
     kw = dict(target=tmp_path / "t", venv=tmp_path / "v", log=lambda m: None)

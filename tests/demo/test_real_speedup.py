@@ -66,6 +66,7 @@ def test_the_replies_stage_regenerates_every_split_in_one_call(tmp_path, fake_sp
     """One ``tapdraft regenerate`` for every split (vLLM starts once), each split's file and sidecar written back in
     its prompts' order; a rerun calls nothing, and ``other`` asked later regenerates alone."""
     import tapdraft.demo.real.speedup as sp
+    from tapdraft.demo.real import commands
     from tapdraft.capture.provenance import read_provenance
 
     calls = []
@@ -79,7 +80,7 @@ def test_the_replies_stage_regenerates_every_split_in_one_call(tmp_path, fake_sp
                 "counts": {"conversations": len(rows), "written": len(rows), "dropped": {}}}
         out.with_name(out.name.replace(".jsonl", ".regenerate.json")).write_text(json.dumps(side))
 
-    monkeypatch.setattr(sp, "_cli", regenerate)
+    monkeypatch.setattr(commands, "run_cli", regenerate)
     cfg = SpeedupConfig(target="speech", train=6, validation=2, held_out=3, prompts=3)
     stage_prompts(tmp_path, cfg, log=lambda m: None)
     sp.stage_replies(tmp_path, cfg, tmp_path, tmp_path, log=lambda m: None)

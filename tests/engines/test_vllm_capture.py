@@ -24,14 +24,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from tapdraft.engines.serving import ROOT
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
+ROOT = Path(__file__).resolve().parents[2]
 TAP_ATOL = 1e-6  # near zero, fp32 states 3e-8 apart are several bf16 steps apart (measured at |x| ~ 1e-6)
 LP_TOL = 1e-4  # fp32 log-probs of the same id from the two engines' last layer (measured: 6e-6)
 TAU_STEPS = 60  # DFlash steps each drafter trains for the replayed-tau comparison

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.engines.conftest import engine_bpe_size, train_and_export
-from tapdraft.engines.serving import ROOT, serve_vllm
+from tapdraft.engines.serving import serve_vllm
 from tests.engines.test_vllm_dflash import K, MAX_TOKENS, prompts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

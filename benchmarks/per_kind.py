@@ -1,0 +1,245 @@
+"""The served speedup per kind of request, as the papers report acceptance: a drafter users deploy meets every kind.
+
+    python -m benchmarks.per_kind --target general --workdir general/n2000 --run dflash_small \\
+        --prompts ../shared/eval --per-kind 8 --name per_kind_general_dflash.json
+
+A drafter trained by ``benchmarks.real_speedup`` (its work directory: ``runs/RUN``, ``exports/RUN``) is served on
+each kind of request, by vLLM on this CPU, alone and with the drafter, one request at a time, ``--pairs`` alternated
+runs of all kinds' requests together (one engine start a run; each request timed by the engine, from its scheduling
+to its last token, and over the decode alone). The kinds:
+
+    mt_bench, alpaca, gsm8k, qa, sum   the question sets EAGLE reports on (MT-bench, Alpaca, GSM8K, Natural Questions,
+                                       CNN/DailyMail), read from ``--prompts`` (never copied into the project: EAGLE's
+                                       repository publishes them as ``eagle/data/*/question.jsonl``). MT-bench is two
+                                       turns: its second request is served after the target's own first reply, and
+                                       each turn counts as a request.
+    stdlib                             questions about Python modules no training prompt of the text target mentions
+    other                              stories, tips, emails, explanations for a child (demo.real.prompts)
+
+Stages, cached in WORKDIR/kinds/ (a rerun continues): the requests, the target's greedy replies (``tapdraft
+regenerate --engine vllm``, one call, split back by kind), a capture of them (one split a kind, so that the offline
+replay covers exactly the served conversations), then the serving. Per kind: the speedup over whole requests and
+over the decode (median of the pairs), vLLM's tau, ``tapdraft speculate``'s tau and the offline replay on the same
+conversations, whether vLLM's accepted drafts equal speculate's round by round, greedy identity, and the round cost
+R = tau / decode speedup. The headline is the median kind and the worst kind, never the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS
+from tapdraft.common.atomic import staged
+from tapdraft.demo.real.commands import run_cli, write_jsonl
+from tapdraft.demo.real.speedup import SpeedupConfig, pair_figures, serve_pairs, speculate_check, target_dir
+
+EVAL_SETS = {"mt_bench": "mt_bench.jsonl", "alpaca": "alpaca.jsonl", "gsm8k": "gsm8k.jsonl", "qa": "qa.jsonl",
+             "sum": "sum.jsonl"}
+"""The per-kind question sets (EAGLE's ``question.jsonl`` files, under these names in ``--prompts``)."""
+KINDS = (*EVAL_SETS, "stdlib", "other")
+MAX_MODEL_LEN = 4096
+"""Serving context: a CNN/DailyMail article and its summary fit (SmolLM2's own context is 8,192)."""
+
+
+def spread(items: list[Any], n: int) -> list[Any]:
+    """``n`` items evenly spread over ``items`` (MT-bench's categories come in runs of ten)."""
+    if n >= len(items):
+        return list(items)
+    return [items[round(i * len(items) / n)] for i in range(n)]
+
+
+def eval_conversations(prompts: Path, kind: str, n: int) -> list[dict[str, Any]]:
+    """A question set's first-turn requests (MT-bench: ``ceil(n / 2)`` questions with both turns, each turn a request
+    once :func:`turn_records` splits them), replies pending."""
+    from tapdraft.demo.real.prompts import PENDING
+
+    path = prompts / EVAL_SETS[kind]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: --prompts names a folder with {', '.join(EVAL_SETS.values())} "
+                                "(EAGLE's eagle/data/*/question.jsonl)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = spread(rows, -(-n // 2) if kind == "mt_bench" else n)
+    out = []
+    for r in rows:
+        turns = r["turns"] if kind == "mt_bench" else r["turns"][:1]
+        conv = [t for text in turns for t in ({"from": "User", "value": text}, {"from": "Assistant", "value": PENDING})]
+        out.append({"id": f"{kind}-{r['question_id']}", "conversations": conv})
+    return out
+
+
+def kind_conversations(prompts: Path, n: int) -> dict[str, list[dict[str, Any]]]:
+    """Every kind's requests: the question sets from ``prompts``, the held-out library questions and the other ones."""
+    from tapdraft.demo.real.prompts import other_prompts, prompt_splits
+
+    kinds = {k: eval_conversations(prompts, k, n) for k in EVAL_SETS}
+    kinds["stdlib"] = [{**c, "id": f"stdlib-{c['id']}"} for c in prompt_splits(1, 1, n)["held_out"]]
+    kinds["other"] = other_prompts(n)
+    return kinds
+
+
+def turn_records(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A regenerated multi-turn conversation -> one record per reply, each up to that reply (the earlier replies the
+    target's own, token for token): ``ID-1``, ``ID-2``..."""
+    turns = record["conversations"]
+    ends = [i for i, t in enumerate(turns) if t["from"] == "assistant"]
+    return [{**record, "id": f"{record['id']}-{j + 1}", "conversations": turns[:e + 1]} for j, e in enumerate(ends)]
+
+
+def stage_replies(work: Path, kinds: dict[str, list[dict]], target: Path, venv: Path, cfg: SpeedupConfig,
+                  log=print) -> None:
+    """WORK/KIND.jsonl (+ sidecar) for every kind: one regeneration, split back; MT-bench split into its turns."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.capture.replies.regenerate import split_output
+
+    if all(sidecar_path(work / f"{k}.jsonl").exists() for k in kinds):
+        return
+    joined, replies = work / "requests.jsonl", work / "replies.jsonl"
+    if not sidecar_path(replies).exists():
+        write_jsonl(joined, [r for rs in kinds.values() for r in rs])
+        engines = max(1, cfg.threads // cfg.engine_threads)
+        run_cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
+             "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep", "--engine", "vllm",
+             "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
+             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
+    split_output(replies, {k: ([r["id"] for r in rs], work / f"{k}.jsonl") for k, rs in kinds.items()})
+    for k in kinds:  # a request per turn: each record up to one reply, the earlier ones the target's own
+        path = work / f"{k}.jsonl"
+        records = [t for r in map(json.loads, path.read_text().splitlines()) for t in turn_records(r)]
+        with staged(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def stage_capture(work: Path, kinds: list[str], target: Path, cfg: SpeedupConfig, log=print) -> Path:
+    ds = work / "dataset"
+    if not (ds / "manifest.json").exists():
+        data = [x for k in kinds for x in ("--data", f"{k}={work / f'{k}.jsonl'}")]
+        run_cli("capture", "--target", str(target), *data, "--out", str(ds), "--threads", str(cfg.threads), log=log)
+    return ds
+
+
+def kind_rows(runs: dict[str, list[dict]], spans: dict[str, list[int]], k: str) -> dict[str, dict[str, Any]]:
+    """Per kind, ``pair_figures`` over its requests at ``k`` drafts a round, and the round cost it implies."""
+    rows = {}
+    for kind, idx in spans.items():
+        fig = pair_figures(runs, idx)
+        row = {"requests": len(idx), "alone_tokens_per_s": statistics.median(fig["alone_tokens_per_s"]),
+               **{key: fig[k][key] for key in ("speedup_median", "speedup_pairs", "greedy_identical", "vllm_tau",
+                                               "rounds", "accepted")}}
+        if "decode_speedup_median" in fig[k]:
+            row.update(decode_speedup_median=fig[k]["decode_speedup_median"],
+                       decode_speedup_pairs=fig[k]["decode_speedup_pairs"],
+                       round_cost=fig[k]["vllm_tau"] / fig[k]["decode_speedup_median"])
+        rows[kind] = row
+    return rows
+
+
+def headline(rows: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """The median kind's and the worst kind's figure of ``key`` (never the best)."""
+    values = {kind: r[key] for kind, r in rows.items() if r.get(key) is not None}
+    worst = min(values, key=values.get)
+    return {"median": statistics.median(values.values()), "worst": values[worst], "worst_kind": worst}
+
+
+def format_rows(rows: dict[str, dict[str, Any]]) -> str:
+    head = (f"{'kind':<10} {'reqs':>4} {'whole':>6} {'decode':>6} {'tau vLLM':>8} {'speculate':>9} {'replay':>7} "
+            f"{'R':>5}  equal greedy")
+    lines = [head]
+    for kind, r in rows.items():
+        s = r.get("speculate", {})
+        replay = s.get("offline_tau_replayed")
+        lines.append(f"{kind:<10} {r['requests']:>4} {r['speedup_median']:>5.2f}x {r.get('decode_speedup_median', 0):>5.2f}x"
+                     f" {r['vllm_tau']:>8.3f} {s.get('tau', float('nan')):>9.3f} "
+                     f"{replay if replay is None else round(replay, 3)!s:>7} {r.get('round_cost', 0):>5.2f}  "
+                     f"{str(r.get('rounds_equal_to_speculate')):<5} {r['greedy_identical']}")
+    for key, what in (("speedup_median", "whole requests"), ("decode_speedup_median", "the decode")):
+        if all(key in r for r in rows.values()):
+            h = headline(rows, key)
+            lines.append(f"over {what}: median kind {h['median']:.2f}x, worst kind {h['worst']:.2f}x ({h['worst_kind']})")
+    return "\n".join(lines)
+
+
+def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, log=print) -> dict[str, Any]:
+    from tapdraft.engines.serving import engine_venv, vllm_requests
+
+    target = target_dir(cfg, log)
+    run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
+    if not (export / "config.json").is_file():
+        raise FileNotFoundError(f"{export} holds no export: train RUN first (python -m benchmarks.real_speedup "
+                                f"--workdir {work} --recipe ... --stop-after train)")
+    kinds_dir = work / "kinds"
+    kinds_dir.mkdir(parents=True, exist_ok=True)
+    venv = engine_venv("vllm")
+    kinds = kind_conversations(prompts, per_kind)
+    stage_replies(kinds_dir, kinds, target, venv, cfg, log)
+    dataset = stage_capture(kinds_dir, list(kinds), target, cfg, log)
+    requests, spans, ids = [], {}, {}
+    for kind in kinds:
+        reqs, sample_ids, _ = vllm_requests(target, kinds_dir / f"{kind}.jsonl", per_kind, kinds_dir / "audio")
+        spans[kind] = list(range(len(requests), len(requests) + len(reqs)))
+        ids[kind] = sample_ids
+        requests += reqs
+    runs = serve_pairs(kinds_dir, cfg, target, venv, export, requests, log, max_model_len=MAX_MODEL_LEN)
+    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
+    k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
+    k = f"k={k_trained}" if f"k={k_trained}" in runs else f"k={cfg.k[0]}"
+    rows = kind_rows(runs, spans, k)
+    if k == f"k={k_trained}":
+        first = runs[k][0]
+        for kind, idx in spans.items():
+            served = {"outputs": [first["outputs"][i] for i in idx], "spec": [first["spec"][i] for i in idx]}
+            greedy = [runs["alone"][0]["outputs"][i] for i in idx]
+            rows[kind].update(speculate_check(kinds_dir / f"{kind}.jsonl", target, run, dataset, ids[kind], greedy,
+                                              served, cfg.max_tokens))
+            log(f"{kind}: speculate tau {rows[kind]['speculate']['tau']:.3f}, rounds equal to vLLM's: "
+                f"{rows[kind]['rounds_equal_to_speculate']}")
+    return {"k": int(k[2:]), "kinds": rows,
+            "whole_requests": headline(rows, "speedup_median"),
+            **({"decode": headline(rows, "decode_speedup_median")}
+               if all("decode_speedup_median" in r for r in rows.values()) else {})}
+
+
+def training_data(work: Path) -> dict[str, Any] | None:
+    """What the drafter was trained on: the work directory's dataset, its training split's conversations and tokens."""
+    manifest = work / "dataset" / "manifest.json"
+    if not manifest.is_file():
+        return None
+    split = json.loads(manifest.read_text())["splits"].get("train", {})
+    return {k: split.get(k) for k in ("samples", "tokens", "supervised_tokens")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = SpeedupConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=["text", "general"], default="general")
+    ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory with runs/RUN")
+    ap.add_argument("--run", required=True, help="the run (and export) name in the work directory")
+    ap.add_argument("--prompts", required=True, type=Path,
+                    help="the folder of the question sets (mt_bench.jsonl, alpaca.jsonl, gsm8k.jsonl, qa.jsonl, sum.jsonl)")
+    ap.add_argument("--per-kind", type=int, default=8, help="requests served per kind")
+    ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
+    ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")
+    ap.add_argument("--pairs", type=int, default=d.pairs)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--engine-threads", type=int, default=d.engine_threads)
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args(argv)
+    cfg = SpeedupConfig(target=a.target, run=a.run, max_tokens=a.max_tokens, k=tuple(int(x) for x in a.k.split(",")),
+                        pairs=a.pairs, threads=a.threads, engine_threads=a.engine_threads)
+    work = Path(a.workdir).resolve()
+    report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True))
+    print(format_rows(report["kinds"]))
+    out = RESULTS / (a.name or f"per_kind_{a.target}_{a.run}.json")
+    doc = {"target": a.target, "run": a.run, "per_kind": a.per_kind, "pairs": a.pairs, "max_tokens": cfg.max_tokens,
+           "command": "python -m benchmarks.per_kind " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "training_data": training_data(work), **report}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

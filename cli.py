@@ -62,8 +62,9 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an error, pri
                                           help="Print tapdraft's version and exit.")) -> None:
     """Capture a speech LLM's hidden states into shareable shards and train speculative-decoding drafters.
 
-    Pipeline: requests (no data of your own) -> regenerate -> capture -> verify / inspect -> train -> eval ->
-    speculate / export.
+    Pipeline: (requests ->) regenerate -> capture -> verify / inspect -> train -> eval -> speculate / export.
+
+    requests writes requests when you have no data of your own; regenerate is optional when replies are the target's.
 
     derive writes a lighter dataset; push / pull share one through an object store. `tapdraft demo` runs the
     whole chain on a built-in task.

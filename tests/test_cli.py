@@ -30,7 +30,7 @@ def test_every_command_has_help_in_pipeline_order():
     listed = [r for r in rows if r in COMMANDS]
     assert tuple(listed) == COMMANDS, listed
     flat = " ".join(top.output.split())
-    assert "regenerate (optional) -> capture -> verify / inspect -> train -> eval" in flat
+    assert "(requests ->) regenerate -> capture -> verify / inspect -> train -> eval" in flat
     assert "derive writes a lighter dataset; push / pull share one through an object store" in flat
     for name in COMMANDS:
         res = runner.invoke(app, [name, "--help"])

@@ -48,7 +48,7 @@ def _help(args: list[str], capsys, monkeypatch) -> str:
 
 def test_help_tags_values_plainly_and_flags_not_at_all(capsys, monkeypatch):
     top = _help([], capsys, monkeypatch)
-    assert "Pipeline: regenerate (optional) -> capture -> verify / inspect -> train -> eval -> speculate / export." \
+    assert "Pipeline: (requests ->) regenerate -> capture -> verify / inspect -> train -> eval -> speculate / export." \
         in top  # one line, not broken in two
     for name in COMMANDS:
         text = _help([name], capsys, monkeypatch)

@@ -147,10 +147,11 @@ def regenerate_args(target: Path, venv: Path, engines: int, max_new_tokens: int 
 
 
 def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, target: Path, venv: Path,
-                    engines: int = 1, log=print) -> list[Path]:
+                    engines: int = 1, max_new_tokens: int = REPLY_TOKENS, log=print) -> list[Path]:
     """The target's replies to the pool's first ``n`` conversations, in chunks of ``POOL_CHUNK`` (``chunk-NNNNN.jsonl``;
     a last partial chunk ``chunk-NNNNN-COUNT.jsonl``), each a resumable ``tapdraft regenerate``: a rerun continues
-    where a kill stopped it, and a larger ``n`` reuses every whole chunk. Returns the chunk files, in order."""
+    where a kill stopped it, and a larger ``n`` reuses every whole chunk (made with the same settings: regenerate
+    refuses to resume a chunk with others). Returns the chunk files, in order."""
     from tapdraft.capture.provenance import sidecar_path
     from tapdraft.demo.real.commands import run_cli, write_jsonl
 
@@ -168,7 +169,8 @@ def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, targe
         if not prompts.exists():
             write_jsonl(prompts, part)
         log(f"regenerating pool chunk {c}: {len(part)} conversations")
-        run_cli("regenerate", "--data", str(prompts), "--out", str(out), *regenerate_args(target, venv, engines), log=log)
+        run_cli("regenerate", "--data", str(prompts), "--out", str(out),
+                *regenerate_args(target, venv, engines, max_new_tokens), log=log)
     return outs
 
 

@@ -168,7 +168,7 @@ def _broad_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: 
     pool = sharegpt_splits(cfg.validation)[0]["pool"]
     engines = max(1, cfg.threads // cfg.engine_threads)
     chunks = regenerate_pool(Path(cfg.pool) if cfg.pool else work / "pool", pool, cfg.train, target=target,
-                             venv=venv, engines=engines, log=log)
+                             venv=venv, engines=engines, max_new_tokens=cfg.max_tokens, log=log)
     join_outputs(chunks, out)
 
 

@@ -174,12 +174,23 @@ def regenerate_pool(pool_dir: Path, pool: list[dict[str, Any]], n: int, *, targe
     return outs
 
 
+def regenerate_split(out: Path, *, target: Path, venv: Path, engines: int = 1, max_new_tokens: int = REPLY_TOKENS,
+                     log=print) -> None:
+    """``out`` (``NAME.jsonl``) regenerated from ``NAME.prompts.jsonl`` with the pool's settings, unless done: a
+    validation split of multi-turn conversations needs the same budget as the pool it checks."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.demo.real.commands import run_cli
+
+    if not sidecar_path(out).exists():
+        run_cli("regenerate", "--data", str(out.with_suffix(".prompts.jsonl")), "--out", str(out),
+                *regenerate_args(target, venv, engines, max_new_tokens), log=log)
+
+
 def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, engines: int = 1,
                      target: Path | None = None, log=print) -> dict[str, Any]:
     """``python -m tapdraft.demo.real broad``: the target's replies to the ShareGPT validation split
     (``work/data/validation.jsonl``) and to the pool's first ``train`` conversations (``work/pool/``), resumable."""
-    from tapdraft.capture.provenance import sidecar_path
-    from tapdraft.demo.real.commands import run_cli, write_jsonl
+    from tapdraft.demo.real.commands import write_jsonl
 
     if target is None:
         from tapdraft.demo.real.build import build_real_targets
@@ -187,9 +198,8 @@ def regenerate_broad(work: Path, train: int, validation: int, *, venv: Path, eng
         target = build_real_targets().smollm2
     splits, counts = sharegpt_splits(validation)
     val = work / "data" / "validation.jsonl"
-    if not sidecar_path(val).exists():
+    if not val.with_suffix(".prompts.jsonl").exists():
         write_jsonl(val.with_suffix(".prompts.jsonl"), splits["validation"])
-        run_cli("regenerate", "--data", str(val.with_suffix(".prompts.jsonl")), "--out", str(val),
-             *regenerate_args(target, venv, engines), log=log)
+    regenerate_split(val, target=target, venv=venv, engines=engines, log=log)
     chunks = regenerate_pool(work / "pool", splits["pool"], train, target=target, venv=venv, engines=engines, log=log)
     return {"sharegpt": counts, "files": [str(val), *map(str, chunks)]}

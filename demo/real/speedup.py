@@ -157,16 +157,19 @@ def _broad_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[di
 
 
 def _broad_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log) -> None:
-    """data/train.jsonl: the pool's first ``train`` conversations, regenerated in shared chunks and joined."""
+    """data/train.jsonl: the pool's first ``train`` conversations, regenerated in shared chunks and joined; and
+    data/validation.jsonl under the pool's conversation budget (multi-turn, as the pool is)."""
     from tapdraft.capture.provenance import sidecar_path
     from tapdraft.capture.replies.regenerate import join_outputs
-    from tapdraft.demo.real.broad import regenerate_pool, sharegpt_splits
+    from tapdraft.demo.real.broad import regenerate_pool, regenerate_split, sharegpt_splits
 
+    engines = max(1, cfg.threads // cfg.engine_threads)
+    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=engines,
+                     max_new_tokens=cfg.max_tokens, log=log)
     out = work / "data" / "train.jsonl"
     if sidecar_path(out).exists():
         return
     pool = sharegpt_splits(cfg.validation)[0]["pool"]
-    engines = max(1, cfg.threads // cfg.engine_threads)
     chunks = regenerate_pool(Path(cfg.pool) if cfg.pool else work / "pool", pool, cfg.train, target=target,
                              venv=venv, engines=engines, max_new_tokens=cfg.max_tokens, log=log)
     join_outputs(chunks, out)

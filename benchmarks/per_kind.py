@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, environment
 from tapdraft.common.atomic import staged
 from tapdraft.demo.real.commands import run_cli, write_jsonl
 from tapdraft.demo.real.speedup import SpeedupConfig, pair_figures, serve_pairs, speculate_check, target_dir
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     out = RESULTS / (a.name or f"per_kind_{a.target}_{a.run}.json")
     doc = {"target": a.target, "run": a.run, "per_kind": a.per_kind, "pairs": a.pairs, "max_tokens": cfg.max_tokens,
            "command": "python -m benchmarks.per_kind " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "training_data": training_data(work), **report}
+           "training_data": training_data(work), **environment(threads=a.threads, engine_threads=a.engine_threads),
+           **report}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -1,0 +1,119 @@
+"""How much broad data buys how much acceptance: a general drafter's tau per kind of request at several training sizes.
+
+    python -m benchmarks.data_scaling --workdir general/n1500 --recipe dflash_small --sizes 375,750,1500 \\
+        --name data_scaling_general_dflash_small.json
+
+The sizes are the first N conversations of the work directory's training split (``tapdraft derive --max-samples N``:
+the pool's prefixes, so each size holds the smaller ones), each trained with the same recipe and step budget; the
+largest size is the work directory's own run when it is the whole split. Every size is scored on the requests of
+``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their capture) by
+``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds equal to
+vLLM's, and the offline replay of the same conversations. Per size: tau per kind, the median and the worst kind, and
+the training split's conversations and tokens. Stages are cached under ``WORKDIR/scaling/nN/`` (a rerun continues).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS, environment, invocation
+from benchmarks.per_kind import KINDS
+from tapdraft.demo.real.commands import run_cli
+from tapdraft.demo.real.speedup import SpeedupConfig, speculate_served, target_dir
+
+
+def split_counts(dataset: Path, split: str = "train") -> dict[str, Any]:
+    """A dataset's split as the manifest counts it: samples, tokens, supervised tokens."""
+    meta = json.loads((dataset / "manifest.json").read_text())["splits"][split]
+    return {k: meta.get(k) for k in ("samples", "tokens", "supervised_tokens")}
+
+
+def size_run(work: Path, size: int, recipe: str, threads: int, sets: tuple[str, ...] = (), log=print) -> Path:
+    """The run trained on the first ``size`` training conversations: the work directory's own when ``size`` is its
+    whole split (and trained with ``recipe``), else derived and trained under ``WORKDIR/scaling/nSIZE/``."""
+    full = split_counts(work / "dataset")["samples"]
+    if size > full:
+        raise ValueError(f"{work / 'dataset'} trains on {full} conversations; asked for a size of {size}")
+    if size == full and not sets and (work / "runs" / recipe / "summary.json").is_file():
+        return work / "runs" / recipe
+    here = work / "scaling" / f"n{size}"
+    dataset, run = here / "dataset", here / "runs" / recipe
+    if not (dataset / "manifest.json").is_file():
+        run_cli("derive", str(work / "dataset"), "--out", str(dataset), "--splits", "train,validation",
+                "--max-samples", str(size), log=log)
+    if not (run / "summary.json").is_file():  # train resumes from its last checkpoint
+        run_cli("train", "--data", str(dataset), "--recipe", recipe, "--out", str(run), "--threads", str(threads),
+                *[x for s in sets for x in ("--set", s)], log=log)
+    return run
+
+
+def kind_taus(work: Path, run: Path, target: Path, per_kind_max: int, max_tokens: int) -> dict[str, dict[str, Any]]:
+    """``tapdraft speculate``'s tau (and the offline replay's) on every kind's requests of ``benchmarks.per_kind``."""
+    kinds = work / "kinds"
+    if not (kinds / "dataset" / "manifest.json").is_file():
+        raise FileNotFoundError(f"{kinds / 'dataset'} is missing: run python -m benchmarks.per_kind --workdir {work} "
+                                "first (it writes the kinds' requests, replies and capture)")
+    rows = {}
+    for kind in KINDS:
+        n = sum(1 for line in (kinds / f"{kind}.jsonl").read_text().splitlines() if line.strip())
+        ours = speculate_served(kinds / f"{kind}.jsonl", target, run, kinds / "dataset", min(n, per_kind_max),
+                                max_tokens)
+        rows[kind] = {"requests": min(n, per_kind_max), "tau": ours["tau"],
+                      "offline_tau_replayed": ours.get("offline_tau_replayed") if ours.get("offline_same") else None}
+    return rows
+
+
+def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The median kind's tau and the worst kind's (never the best)."""
+    taus = {k: r["tau"] for k, r in rows.items()}
+    worst = min(taus, key=taus.get)
+    return {"median": statistics.median(taus.values()), "worst": taus[worst], "worst_kind": worst}
+
+
+def format_curve(sizes: dict[int, dict[str, Any]]) -> str:
+    kinds = list(next(iter(sizes.values()))["kinds"])
+    lines = [f"{'size':>6} {'tokens':>9} " + " ".join(f"{k:>8}" for k in kinds) + f" {'median':>7} {'worst':>6}"]
+    for size, s in sizes.items():
+        lines.append(f"{size:>6} {s['train']['tokens'] or 0:>9} " + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds)
+                     + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = SpeedupConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=["general"], default="general")
+    ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory, per_kind run on it")
+    ap.add_argument("--recipe", default="dflash_small")
+    ap.add_argument("--sizes", required=True, help="training conversations, comma-separated (the pool's prefixes)")
+    ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
+    ap.add_argument("--per-kind", type=int, default=16, help="at most this many requests a kind")
+    ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args(argv)
+    cfg = SpeedupConfig(target=a.target, max_tokens=a.max_tokens)
+    work, log = Path(a.workdir).resolve(), (lambda m: print(m, flush=True))
+    target = target_dir(cfg, log)
+    sizes = {}
+    for size in sorted({int(s) for s in a.sizes.split(",")}):
+        run = size_run(work, size, a.recipe, a.threads, tuple(a.set), log)
+        rows = kind_taus(work, run, target, a.per_kind, cfg.max_tokens)
+        data = work / "dataset" if run.parent.parent == work else run.parent.parent / "dataset"
+        sizes[size] = {"run": str(run), "train": split_counts(data), "kinds": rows, **summary(rows)}
+        log(f"size {size}: median kind tau {sizes[size]['median']:.3f}, worst {sizes[size]['worst']:.3f} "
+            f"({sizes[size]['worst_kind']})")
+    print(format_curve(sizes))
+    out = RESULTS / (a.name or f"data_scaling_{a.target}_{a.recipe}.json")
+    doc = {"target": a.target, "recipe": a.recipe, "sets": a.set, "max_tokens": cfg.max_tokens,
+           "command": invocation(), **environment(threads=a.threads), "sizes": sizes}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks.data_scaling's parts that need no target: a size's run (the work directory's own at its whole split, a
+size beyond it refused), the split's counts from the manifest, and the median and worst kind of a curve's row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.data_scaling import format_curve, size_run, split_counts, summary
+
+
+def _work(tmp_path, samples=40):
+    ds = tmp_path / "dataset"
+    ds.mkdir()
+    (ds / "manifest.json").write_text(json.dumps({"splits": {"train": {"samples": samples, "tokens": 900}}}))
+    return tmp_path
+
+
+def test_the_whole_split_is_the_work_directorys_own_run_and_a_larger_size_is_refused(tmp_path):
+    work = _work(tmp_path)
+    run = work / "runs" / "dflash_small"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    assert size_run(work, 40, "dflash_small", 2) == run
+    with pytest.raises(ValueError, match="trains on 40 conversations; asked for a size of 41"):
+        size_run(work, 41, "dflash_small", 2)
+    assert split_counts(work / "dataset") == {"samples": 40, "tokens": 900, "supervised_tokens": None}
+
+
+def test_a_smaller_size_derives_its_prefix_then_trains(tmp_path, monkeypatch):
+    work = _work(tmp_path)
+    calls = []
+    monkeypatch.setattr("benchmarks.data_scaling.run_cli", lambda *a, log=print: calls.append(a))
+    run = size_run(work, 10, "dflash_small", 2, ("max_steps=5",))
+    assert run == work / "scaling" / "n10" / "runs" / "dflash_small"
+    derive, train = calls
+    assert derive[:2] == ("derive", str(work / "dataset")) and derive[-2:] == ("--max-samples", "10")
+    assert train[0] == "train" and train[-2:] == ("--set", "max_steps=5")
+
+
+def test_the_curve_states_the_median_and_the_worst_kind_never_the_best():
+    rows = {"a": {"tau": 2.0}, "b": {"tau": 1.2}, "c": {"tau": 3.0}}
+    assert summary(rows) == {"median": 2.0, "worst": 1.2, "worst_kind": "b"}
+    table = format_curve({10: {"train": {"tokens": 99}, "kinds": rows, **summary(rows)}})
+    assert "median" in table and "1.200" in table.splitlines()[1]

@@ -79,7 +79,8 @@ def build_key() -> str:
     try:
         tools = {t: version(t) for t in TOOLS}
     except PackageNotFoundError as e:
-        raise ValueError(f"the real targets need {e.name} (the `real` extra): pip install -e '.[real]'") from None
+        raise ValueError(f"the real targets need {e.name} (the `real` extra): pip install 'tapdraft[real]' "
+                         "(in a checkout: pip install -e '.[real]')") from None
     blob = json.dumps({"packages": PACKAGES, "tools": tools, "build": BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

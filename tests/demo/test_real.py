@@ -169,5 +169,5 @@ def test_the_project_captures_the_speech_llm(real, tmp_path):
 def test_a_missing_build_tool_is_one_line_naming_the_extra(monkeypatch):
     import tapdraft.demo.real.build as build
     monkeypatch.setattr(build, "TOOLS", build.TOOLS + ("tapdraft-no-such-package",))
-    with pytest.raises(ValueError, match=r"need tapdraft-no-such-package \(the `real` extra\): pip install -e '\.\[real\]'"):
+    with pytest.raises(ValueError, match=r"need tapdraft-no-such-package \(the `real` extra\): pip install 'tapdraft\[real\]' \(in a checkout: pip install -e '\.\[real\]'\)"):
         build.build_key()

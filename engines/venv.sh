@@ -54,6 +54,9 @@ if [ -d "$plugin" ]; then
   if [ "$(cat "$venv/.plugin" 2>/dev/null)" != "$stamp" ]; then
     echo "installing $(basename "$plugin") into the $name venv" >&2
     tmp="$(mktemp -d)"; cp -r "$plugin/." "$tmp/"
+    # a stale setuptools build/ (left by an earlier `pip install engines/..._plugin`) would be installed instead
+    # of the sources: cp gives both the same mtime, and build_py copies a source only when it is newer
+    rm -rf "$tmp/build" "$tmp"/*.egg-info
     "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation "$tmp" >&2
     rm -rf "$tmp"
     echo "$stamp" > "$venv/.plugin"

@@ -1,9 +1,12 @@
 """DFlash2 exports against vLLM 0.32's own DFlash2 code on a CPU: it takes every tensor, drafts what tapdraft drafts
 on live blocks, and stops agreeing when the export is planted with an error; vLLM routes the export to its DFlash2
-(candidate-head) path.
+(candidate-head) path; with the project's plugin vLLM serves it on this CPU, round by round as ``tapdraft speculate``.
 
-vLLM serves DFlash2 only through its V2 model runner (Triton, GPU only); ``benchmarks/gpu.sh`` serves it on a GPU
-machine. Here, in the engine venv (``tests/engines/in_venv/vllm_dflash2_modules.py``, whose docstring says which
+Stock vLLM drafts DFlash2 only in its V2 model runner (Triton, GPU only; ``benchmarks/gpu.sh`` serves it there) and
+refuses it in V1, the runner it runs on a CPU. The plugin (``engines/vllm_plugin/tapdraft_vllm/dflash2.py``) gives
+V1's DFlash proposer DFlash2's sampling step (vLLM's candidates and selector, the selector's greedy walk), so
+:func:`test_vllm_serves_dflash2_with_tapdrafts_acceptance` serves the export end to end: vLLM's model (its
+convolutions included), attention backend, context K/V and rejection sampler, float32. Below that, in the engine venv (``tests/engines/in_venv/vllm_dflash2_modules.py``, whose docstring says which
 vLLM functions run and the two DFlash pieces it restates, the attention kernel and the context K/V, plus the
 Triton walk): vLLM's ``DFlash2Qwen3ForCausalLM``, built and loaded from the export by vLLM's own registry and
 loader in float64, runs the live blocks at the start of validation replies (the anchor at the prompt's end, the
@@ -219,7 +222,8 @@ def test_planted_errors_make_vllm_disagree(drafted):
 
 def test_vllm_routes_the_export_to_its_dflash2_path(vllm_venv, bpe_target, dflash2, tmp_path):
     """``architectures: [DFlash2DraftModel]`` is what vLLM keys DFlash2 on; under another name it would serve the
-    export as DFlash with the selector ignored. On a CPU vLLM then refuses the V1 runner for it, by that name."""
+    export as DFlash with the selector ignored. On a CPU stock vLLM (no plugin) then refuses the V1 runner for it, by
+    that name."""
     _, export = dflash2
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
@@ -230,5 +234,37 @@ def test_vllm_routes_the_export_to_its_dflash2_path(vllm_venv, bpe_target, dflas
            "max_model_len": 256, "speculative": {"method": "dflash", "model": str(export),
                                                   "num_speculative_tokens": k}}
     with pytest.raises(EngineFailed) as failed:
-        serve_vllm(vllm_venv, job, tmp_path)
+        serve_vllm(vllm_venv, job, tmp_path, plugins=False)
     assert "DFlash candidate-head drafts" in failed.value.log
+
+
+def test_vllm_serves_dflash2_with_tapdrafts_acceptance(vllm_venv, bpe_target, dflash2, tmp_path):
+    """With the plugin, vLLM's V1 runner serves the export on this CPU (``method: dflash``, K = block - 1): over the
+    32 validation conversations the target's greedy output is unchanged and the drafts vLLM accepts equal
+    ``tapdraft speculate``'s, round by round; also with up to 8 requests batched (each request's anchor and block
+    found in a shared batch). The selector decides drafts: the same export with its codebooks swapped (the backbone's
+    candidates unchanged, ``test_planted_errors_make_vllm_disagree``) is served with other rounds."""
+    from tapdraft.engines.serving import check_served
+    from tests.engines.test_vllm_dflash import MAX_TOKENS, speculate
+
+    run, export = dflash2
+    k = json.loads((export / "config.json").read_text())["tapdraft"]["serve_with"]["vllm"]["num_speculative_tokens"]
+    convs = prompts(bpe_target)
+    job = {"target": str(bpe_target.target), "requests": [{"prompt_token_ids": ids} for _, ids in convs],
+           "max_tokens": MAX_TOKENS, "max_model_len": 256}
+    draft = {"method": "dflash", "model": str(export), "num_speculative_tokens": k}
+    alone = serve_vllm(vllm_venv, job, tmp_path)
+    served = serve_vllm(vllm_venv, {**job, "speculative": draft}, tmp_path)
+    assert "dflash2:v1" in served["plugins"]
+    ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
+    rounds, accepted = check_served(alone, served, ours, [i for i, _ in convs])
+    assert 0 < accepted < k * rounds, "both the accept and the reject path should be exercised"
+
+    batched = serve_vllm(vllm_venv, {**job, "speculative": draft, "max_num_seqs": 8}, tmp_path)
+    check_served(alone, batched, ours, [i for i, _ in convs])
+
+    swapped = planted(export, tmp_path / "codebooks_swapped", _swap_codebooks)
+    other = serve_vllm(vllm_venv, {**job, "speculative": {**draft, "model": str(swapped)}}, tmp_path)
+    assert [o["token_ids"] for o in other["outputs"]] == [o["token_ids"] for o in alone["outputs"]]
+    agreed = {c["sample_id"]: c["agreed"] for c in ours["conversations"]}
+    assert [o["spec"]["per_step_accepted"] for o in other["outputs"]] != [agreed[i] for i, _ in convs]

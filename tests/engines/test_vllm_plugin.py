@@ -44,3 +44,22 @@ def test_mtp_exports_are_routed_to_the_plugins_class_and_others_to_vllms_overrid
     assert (ours.model_type, ours.n_predict) == ("mtp", 1)
     other = _Config(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next")
     assert tapdraft_vllm.mtp_config_override(other) is other and seen == [other] and other.model_type == "qwen3_next"
+
+
+def test_dflash2_walk_follows_the_index_chosen_before_it():
+    """The selector's greedy walk (vLLM's ``_selector_walk_kernel`` at T = 0): slot 0 reads predecessor row 0, each
+    later slot the row of the candidate index chosen before it, so it drafts a path that per-slot argmaxes miss;
+    equal maxima go to the first index."""
+    import torch
+
+    from tapdraft_vllm.dflash2 import walk
+
+    cand = torch.tensor([[[10, 11], [20, 21], [30, 31]], [[40, 41], [50, 51], [60, 61]]])  # [R=2, K=3, k=2]
+    s = torch.zeros(2, 3, 2, 2)  # [R, K, predecessor, candidate]
+    s[0, 0] = torch.tensor([[0.0, 1.0], [9.0, 0.0]])  # row 1 never read at slot 0
+    s[0, 1] = torch.tensor([[0.0, 7.0], [2.0, 0.0]])  # after index 1: index 0
+    s[0, 2] = torch.tensor([[0.0, 5.0], [3.0, 0.0]])  # after index 0: index 1
+    s[1, :, :, :] = 4.0  # all equal: the first index each slot
+    assert walk(cand, s).tolist() == [[11, 20, 31], [40, 50, 60]]
+    greedy_rows = s[0].amax(dim=1).argmax(dim=-1)  # the best candidate of each slot over any predecessor
+    assert cand[0].gather(1, greedy_rows[:, None]).flatten().tolist() != [11, 20, 31]

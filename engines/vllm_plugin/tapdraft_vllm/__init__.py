@@ -1,7 +1,7 @@
-"""vLLM plugin: what stock vLLM lacks to serve tapdraft's drafters (beside speech-LLM targets, and MTP heads).
+"""vLLM plugin: what stock vLLM lacks to serve tapdraft's drafters (beside speech-LLM targets, MTP heads, DFlash2).
 
 Install it into the vLLM venv (``pip install engines/vllm_plugin``); vLLM loads it in every process
-through the ``vllm.general_plugins`` entry point, before any model is built. Three fixes, each for an
+through the ``vllm.general_plugins`` entry point, before any model is built. Four fixes, each for an
 upstream gap in vLLM 0.32 (read from its source):
 
 1. ``llm_base_proposer.SpecDecodeBaseProposer.load_model`` copies the target's ``image_token_index``
@@ -19,6 +19,9 @@ upstream gap in vLLM 0.32 (read from its source):
    head over a dense target (tapdraft's ``mtp`` family) has no class. The plugin registers one
    (``TapdraftMTPForCausalLM``, ``tapdraft_vllm.mtp``) and routes an export that names it
    (``--layout tapdraft-vllm``) to vLLM's MTP path (``SpeculativeConfig.hf_config_override``).
+4. DFlash2 is drafted only by vLLM's V2 runner (Triton: not on a CPU); V1 refuses it ("DFlash candidate-head
+   drafts"). The plugin gives V1's ``DFlashProposer`` DFlash2's sampling step (the model's candidates and
+   selector, then the selector's greedy walk; ``tapdraft_vllm.dflash2``) and lifts that refusal for DFlash2 only.
 
 Each fix is applied only where stock vLLM still lacks it, so a vLLM that has fixed one upstream is left
 alone. ``SUPPORTED`` is the vLLM range this was proven on; outside it, loading refuses in one line.
@@ -145,6 +148,13 @@ def _serve_mtp_heads() -> None:
         _APPLIED.append(f"mtp:{MTP_ARCHITECTURE}")
 
 
+def _serve_dflash2_in_v1() -> None:
+    from tapdraft_vllm import dflash2
+
+    if dflash2.install() and "dflash2:v1" not in _APPLIED:
+        _APPLIED.append("dflash2:v1")
+
+
 def register() -> None:
     """vLLM's plugin hook (may run several times in one process: each fix applies once)."""
     import vllm
@@ -153,6 +163,7 @@ def register() -> None:
     _fix_image_token_index()
     _fix_eagle3_interface()
     _serve_mtp_heads()
+    _serve_dflash2_in_v1()
 
 
 def applied() -> list[str]:

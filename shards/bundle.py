@@ -12,14 +12,20 @@ The head spec (``shards.head.HeadSpec``) says how those weights turn hidden rows
 into input embeddings. Bundles written before it was declared (schema 1.0: no ``head`` key, lm_head
 always stored) are read through :func:`migrate_bundle_doc`.
 
-Fingerprint = sha256 over canonical JSON of (config, head spec, audio, chat template, template kwargs
-when any, sha256 of every tokenizer file, sha256 of every stored weight tensor's bytes). It is a pure
-function of the content: two captures of the same target agree, any change to weights, tokenizer,
-template or its kwargs, or head changes it (bundles without kwargs hash as they did before kwargs were
-recorded). Content is hashed once, when the bundle is written, and bundle.json records every file's and
-tensor's sha256; opening a bundle recomputes the fingerprint from those records (canonical JSON, no
-weight read) and checks each file's size; ``load_bundle(verify=True)`` re-hashes every file (``tapdraft
-verify``).
+Fingerprint = sha256 over canonical JSON of (config's CONFIG_KEYS, head spec, audio, chat template, template
+kwargs when any, sha256 of every tokenizer file, sha256 of every stored weight tensor's bytes). It is a pure
+function of the target: two captures of the same target agree, any change to weights, tokenizer, template or its
+kwargs, or head changes it (bundles without kwargs hash as they did before kwargs were recorded). Content is
+hashed once, when the bundle is written, and bundle.json records every file's and tensor's sha256; opening a
+bundle recomputes the fingerprint from those records (canonical JSON, no weight read) and checks each file's size;
+``load_bundle(verify=True)`` re-hashes every file (``tapdraft verify``).
+
+The fingerprint is the target's identity, not a checksum of bundle.json: the serving keys (SERVING_KEYS) and the
+file records are outside it. A dataset's manifest records bundle.json's own bytes (``shards.manifest.BUNDLE_KEY``,
+as it records the card's), and every reader of a dataset passes that record as ``expect``, so an edit of any byte
+of bundle.json (a serving key, a file record) is refused before a value of it is used; manifests written before
+the record have none, and their bundles are checked as before. The values themselves are checked against the
+target config schema (``shards.target_config``) when a bundle is written and when it is loaded.
 
 A bundle is bundle.json and the files it lists, nothing else: a reader reads only those (an extra file
 in tokenizer/ is ignored, and reported by ``verify``), ``copy_bundle`` copies only those, and a link
@@ -47,8 +53,10 @@ from safetensors.torch import load_file, save_file
 from tapdraft.common.atomic import OLD_SUFFIX, is_local as _is_local, staged
 from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.head import HeadSpec
+from tapdraft.shards.integrity import matches_record
 from tapdraft.shards.limits import check_size, regular_file, safe_relpath
 from tapdraft.shards.schema import SCHEMA_VERSION, check_schema_version
+from tapdraft.shards.target_config import check_target_config
 from tapdraft.common.template import template_kwargs as canonical_kwargs
 
 BUNDLE_FILE = "bundle.json"
@@ -86,7 +94,10 @@ MAX_BUNDLE_DOC_BYTES = 64 << 20
 SERVING_KEYS = ("max_position_embeddings", "rope_parameters", "layer_types")
 """Target facts a draft's serving config repeats (context length, RoPE type and scaling, attention kind per
 layer). Recorded when the target has them, outside the fingerprint: no tensor a drafter trains on depends
-on them, and bundles written before they were recorded keep their fingerprint."""
+on them, and bundles written before they were recorded keep their fingerprint. The manifest's record of
+bundle.json covers them (``expect``), and ``shards.target_config`` bounds them."""
+STALE_BUNDLE = "re-capture the dataset with this tapdraft, or re-copy target/ from the original dataset"
+"""What to do about a bundle whose config breaks the schema."""
 
 
 
@@ -287,6 +298,10 @@ def write_bundle(
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"bundle config is missing {missing}")
+    recorded = {**{k: config.get(k) for k in CONFIG_KEYS},
+                **{k: config[k] for k in SERVING_KEYS if config.get(k) is not None}}
+    check_target_config(recorded, f"the target config for {Path(out_dir) / BUNDLE_FILE}",
+                        "fix the target's config (tapdraft records only values a target can have)")
     weights = _bundle_weights(config, head, embed_tokens, norm_weight, lm_head, norm_bias, lm_head_bias, dtype)
     tok = _read_tokenizer_files(tokenizer_dir)
     kwargs = canonical_kwargs(template_kwargs)
@@ -304,8 +319,7 @@ def write_bundle(
         sizes = {WEIGHTS_FILE: weights_path.stat().st_size} | {n: len(d) for n, d in tok_files.items()}
         doc = {
             "schema_version": SCHEMA_VERSION,
-            "config": {**{k: config.get(k) for k in CONFIG_KEYS},
-                       **{k: config[k] for k in SERVING_KEYS if config.get(k) is not None}},
+            "config": recorded,
             "head": head.to_dict(),
             "audio": audio,
             "chat_template": chat_template,
@@ -346,14 +360,31 @@ def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) 
             )
 
 
-def read_bundle_doc(fs: Any, tdir: str) -> dict[str, Any]:
-    """target/bundle.json as a dict (bounded, a regular file); FileNotFoundError when there is none."""
+def bundle_doc_bytes(fs: Any, tdir: str) -> bytes:
+    """target/bundle.json's bytes (bounded, a regular file); FileNotFoundError when there is none."""
     path = f"{str(tdir).rstrip('/')}/{BUNDLE_FILE}"
     if _is_local(fs):
         regular_file(fs._strip_protocol(tdir), BUNDLE_FILE)
     with fs.open(path, "rb") as f:
         raw = f.read(MAX_BUNDLE_DOC_BYTES + 1)
     check_size(len(raw), MAX_BUNDLE_DOC_BYTES, path)
+    return raw
+
+
+def check_doc_record(raw: bytes, expect: dict[str, Any] | None, path: str) -> None:
+    """Refuse bundle.json bytes that are not the ones the dataset's manifest records (``expect``; None: a manifest
+    written before the record, nothing to check)."""
+    if expect is not None and not matches_record(raw, expect):
+        raise CorruptShardError(f"{path} is not the bundle.json the dataset's manifest records (edited or damaged "
+                                "since the dataset was finalized); re-copy target/ from the original dataset")
+
+
+def read_bundle_doc(fs: Any, tdir: str, expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    """target/bundle.json as a dict (bounded, a regular file, its bytes the manifest's record ``expect`` when given);
+    FileNotFoundError when there is none."""
+    path = f"{str(tdir).rstrip('/')}/{BUNDLE_FILE}"
+    raw = bundle_doc_bytes(fs, tdir)
+    check_doc_record(raw, expect, path)
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -401,9 +432,11 @@ def _read_regular(root: Path, rel: str) -> bytes:
     return (root / rel).read_bytes()
 
 
-def copy_bundle(fs: fsspec.AbstractFileSystem, path: str, dest: str | os.PathLike) -> None:
+def copy_bundle(fs: fsspec.AbstractFileSystem, path: str, dest: str | os.PathLike,
+                expect: dict[str, Any] | None = None) -> None:
     """Copy the bundle at ``path`` (any filesystem) into the new local directory ``dest``: bundle.json and the files
-    it lists, nothing else; a local link among them is refused, never followed (``shards.members``)."""
+    it lists, nothing else; a local link among them is refused, never followed (``shards.members``). ``expect``: the
+    manifest's record of bundle.json, which the copy must match (an edited bundle.json is not carried on)."""
     names = bundle_files(fs, path)
     local = _is_local(fs)
     for rel in names:
@@ -415,20 +448,24 @@ def copy_bundle(fs: fsspec.AbstractFileSystem, path: str, dest: str | os.PathLik
             shutil.copyfile(fs._strip_protocol(src), out, follow_symlinks=False)
         else:
             fs.get_file(src, str(out))
+    check_doc_record((Path(dest) / BUNDLE_FILE).read_bytes(), expect, f"{path.rstrip('/')}/{BUNDLE_FILE}")
 
 
-def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundle:
-    """Read a bundle directory without hashing its weights: every file's size is checked and the recorded
-    fingerprint is recomputed from bundle.json's fields and recorded hashes (any edit of bundle.json shows);
-    with ``verify`` every file is also re-hashed against what bundle.json records. Only listed files are read,
-    each a regular file (CorruptShardError for a link); nothing is written."""
+def load_bundle(path: str | os.PathLike, *, verify: bool = False, expect: dict[str, Any] | None = None
+                ) -> TargetBundle:
+    """Read a bundle directory without hashing its weights: every file's size is checked, the recorded
+    fingerprint is recomputed from bundle.json's fingerprinted fields and recorded hashes, and the config is
+    checked against the schema (``shards.target_config``); ``expect``, the dataset manifest's record of
+    bundle.json, covers every other byte of it (serving keys, file records): any edit shows. With ``verify``
+    every file is also re-hashed against what bundle.json records. Only listed files are read, each a regular
+    file (CorruptShardError for a link); nothing is written."""
     root = Path(path)
     meta_path = root / BUNDLE_FILE
     if not meta_path.exists() and not meta_path.is_symlink():
         if Path(str(root) + OLD_SUFFIX).is_dir():
             raise FileNotFoundError(_interrupted(str(root)))
         raise FileNotFoundError(f"{meta_path} not found: {root} is not a tapdraft target bundle")
-    doc = read_bundle_doc(LocalFileSystem(), str(root))
+    doc = read_bundle_doc(LocalFileSystem(), str(root), expect)
     check_schema_version(doc.get("schema_version", "1.0"), str(meta_path))
     legacy = "head" not in doc
     # only what bundle.json lists; a schema-1.0 bundle lists nothing: its allow-listed regular files
@@ -444,6 +481,7 @@ def load_bundle(path: str | os.PathLike, *, verify: bool = False) -> TargetBundl
         if fp != doc["fingerprint"]:
             raise ValueError(f"target bundle {root} is corrupted or was edited: bundle.json's fields hash to "
                              f"{fp[:12]}, it says {doc['fingerprint'][:12]}; re-copy the dataset's target/ directory")
+    check_target_config(doc["config"], str(meta_path), STALE_BUNDLE)
     regular_file(root, WEIGHTS_FILE)
     open(root / WEIGHTS_FILE, "rb").close()  # unreadable: PermissionError naming it (safetensors says "No such file")
     weights = load_file(str(root / WEIGHTS_FILE))
@@ -486,15 +524,17 @@ def stored_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     return read_bundle_doc(fs, path).get("fingerprint")
 
 
-def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = False) -> TargetBundle:
+def open_bundle(fs: fsspec.AbstractFileSystem, path: str, *, verify: bool = False,
+                expect: dict[str, Any] | None = None) -> TargetBundle:
     """``load_bundle`` on any fsspec filesystem: a remote bundle is first copied to a local temp directory
-    (kept, because ``TargetBundle.tokenizer_dir`` points into it)."""
+    (kept, because ``TargetBundle.tokenizer_dir`` points into it). ``expect``: the manifest's record of
+    bundle.json (``load_bundle``)."""
     if not fs.exists(path):
         if fs.exists(path.rstrip("/") + OLD_SUFFIX):
             raise FileNotFoundError(_interrupted(path))
         raise FileNotFoundError(f"{path} not found: the dataset lacks its target bundle; re-run capture")
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        return load_bundle(path, verify=verify)
+        return load_bundle(path, verify=verify, expect=expect)
     local = tempfile.mkdtemp(prefix="tapdraft-bundle-") + "/target"
     copy_bundle(fs, path, local)
-    return load_bundle(local, verify=verify)
+    return load_bundle(local, verify=verify, expect=expect)

@@ -173,14 +173,15 @@ def derived_note(manifest: dict[str, Any]) -> str | None:
             f"dropping {lost}: derive again from the source keeping what the recipe needs, or train on the source")
 
 
-def _copy_bundle(src_fs: fsspec.AbstractFileSystem, src_root: str, out: Path, fingerprint: str) -> None:
+def _copy_bundle(src_fs: fsspec.AbstractFileSystem, src_root: str, out: Path, fingerprint: str,
+                 expect: dict[str, Any] | None) -> None:
     dest = out / mf.TARGET_DIR
     if dest.is_dir():
         if mf.dataset_fingerprint(str(out)) != fingerprint:
             raise ValueError(f"{out} holds the bundle of another target; derive into a new --out directory")
         return
     with staged(dest) as t:  # bundle.json and what it lists: nothing else of the source, no link followed
-        copy_bundle(src_fs, mf.join(src_root, mf.TARGET_DIR), t)
+        copy_bundle(src_fs, mf.join(src_root, mf.TARGET_DIR), t, expect)
 
 
 def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
@@ -209,7 +210,7 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
-        _copy_bundle(ds.fs, ds.root, out, ds.fingerprint)
+        _copy_bundle(ds.fs, ds.root, out, ds.fingerprint, man.get(mf.BUNDLE_KEY))  # never an edited bundle.json
         for split in splits:
             n = ds.num_samples(split) if cfg.max_samples is None else min(cfg.max_samples, ds.num_samples(split))
             counts[split] = n

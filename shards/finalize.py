@@ -21,7 +21,8 @@ from tapdraft.shards import manifest as mf
 from tapdraft.common.atomic import is_local, commit, write_bytes_atomic, write_json_atomic
 from tapdraft.shards.codec import shard_metadata
 from tapdraft.shards.formats import FORMATS
-from tapdraft.shards.integrity import INTEGRITY
+from tapdraft.shards.bundle import BUNDLE_FILE, bundle_doc_bytes
+from tapdraft.shards.integrity import INTEGRITY, file_record
 from tapdraft.shards.limits import safe_relpath
 from tapdraft.shards.schema import SCHEMA_VERSION, Layout, check_schema_version
 from tapdraft.shards.shard_file import ShardConfig
@@ -208,7 +209,10 @@ def finalize_dataset(out_dir: str, *, layout: Layout, fingerprint: str, capture_
 
     manifest = _build_manifest(config, layout, fingerprint, capture_config, extra, splits, skipped)
     card = mf.render_card(manifest).encode()
-    manifest[mf.CARD_KEY] = mf.card_record(card)  # verify and pull check the card too (rendered without this key)
+    manifest[mf.CARD_KEY] = file_record(card)  # verify and pull check the card too (rendered without this key)
+    tdir = mf.join(root, mf.TARGET_DIR)
+    if fs.exists(mf.join(tdir, BUNDLE_FILE)):  # readers and verify refuse any other bundle.json bytes
+        manifest[mf.BUNDLE_KEY] = file_record(bundle_doc_bytes(fs, tdir))
     write_bytes_atomic(fs, mf.join(root, mf.CARD), card)
     write_json_atomic(fs, man_path, manifest, indent=None)  # O(shards), ~10 MB at 30k shards: compact
     return manifest

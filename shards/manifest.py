@@ -2,7 +2,7 @@
 
     manifest.json                      complete: true only once every shard is final
     README.md                          dataset card generated from the manifest (its sha256 in the manifest's card)
-    target/                            target bundle (shards.bundle)
+    target/                            target bundle (shards.bundle; bundle.json's sha256 in the manifest's bundle)
     data/train-00000-of-00012.arrow    final shard names (.tar for WebDataset)
     index/train-00000-of-00012.arrow.json   each shard's record batches and checksums (shards.shard_index)
     _parts/train-rank00000.json        a writer rank's partial index (resume + finalize input)
@@ -321,15 +321,13 @@ UPLOAD_IGNORE = ["manifest.json", "_parts/**", "**/*.tmp", "**/*.lock", ".*"]
 
 
 CARD_KEY = "card"
-"""Manifest key ``{bytes, sha256}`` of README.md as finalize wrote it (absent from manifests written before it was
-recorded: their card is not checked)."""
-
-
-def card_record(data: bytes) -> dict[str, Any]:
-    """The manifest's record of the card's bytes (``CARD_KEY``)."""
-    import hashlib
-
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+"""Manifest key ``{bytes, sha256}`` (``integrity.file_record``) of README.md as finalize wrote it (absent from
+manifests written before it was recorded: their card is not checked)."""
+BUNDLE_KEY = "bundle"
+"""Manifest key ``{bytes, sha256}`` of target/bundle.json as finalize found it: readers and ``verify`` refuse a
+bundle.json of other bytes, so every key of it is covered (its serving keys are outside the target fingerprint).
+Absent from manifests written before it was recorded: their bundle is checked by its fingerprint and file records
+alone, as before."""
 
 
 def render_card(m: dict[str, Any]) -> str:

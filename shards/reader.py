@@ -142,7 +142,7 @@ class Dataset:
         """The target bundle in ``target/`` (copied to a local temp dir first for remote URLs)."""
         if self._bundle is None:
             tdir = mf.join(self.root, mf.TARGET_DIR)
-            b = open_bundle(self.fs, tdir)
+            b = open_bundle(self.fs, tdir, expect=self.manifest.get(mf.BUNDLE_KEY))  # bundle.json as finalized
             if b.fingerprint != self.fingerprint:
                 raise ValueError(f"{tdir} has fingerprint {b.fingerprint[:12]} but the manifest says "
                                  f"{self.fingerprint[:12]}: the bundle does not belong to these shards")

@@ -1,11 +1,12 @@
 """Check a dataset end to end and report EVERY problem, not just the first.
 
 Checks: manifest present, valid, complete, known schema major, required keys; target bundle
-fingerprint; the card (README.md) against the manifest's record of it, where it has one; per shard: present, size, sha256, its index file (size and hash against the manifest,
-ranges inside the shard), readable to the end, schema metadata (version, fingerprint, dtypes), row
-counts and record-batch byte ranges, every block and row checksum
-(shards.integrity), every sample re-validated against the layout (dtype, shape, finite values) and
-the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
+fingerprint, its bundle.json against the manifest's record of it (where it has one) and its config against the
+schema (``shards.target_config``); the card (README.md) against the manifest's record of it, where it has one;
+per shard: present, size, sha256, its index file (size and hash against the manifest, ranges inside the shard),
+readable to the end, schema metadata (version, fingerprint, dtypes), row counts and record-batch byte ranges, every
+block and row checksum (shards.integrity), every sample re-validated against the layout (dtype, shape, finite
+values) and the manifest's token/supervised/audio counts; sample ids unique within a split (a duplicate means an
 input listed twice or shards merged twice); split totals; no empty split; every file of the dataset a
 member (``shards.members``: listed by the manifest or the bundle, or a fixed name) and a regular file:
 a stray (a leftover temp file, a foreign file) or a link anywhere in it is a problem. ``ok`` only when
@@ -98,7 +99,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     except ValueError as e:
         rep.problems.append(str(e))
         return rep
-    _check_bundle(fs, root, fp, rep)
+    _check_bundle(fs, root, fp, rep, m.get(mf.BUNDLE_KEY))
     _check_card(fs, root, m, rep)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
@@ -142,13 +143,15 @@ def _check_card(fs: fsspec.AbstractFileSystem, root: str, m: dict, rep: VerifyRe
                             "it from the original dataset (re-copy README.md)")
 
 
-def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport) -> None:
+def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport, expect: dict | None) -> None:
+    """The bundle whole: bundle.json's bytes against the manifest's record (``expect``; None for manifests written
+    before it), its fingerprinted fields, its config's values, every file it lists re-hashed."""
     tdir = mf.join(root, mf.TARGET_DIR)
     if not fs.exists(tdir):
         rep.problems.append(f"{tdir}: missing target bundle; re-copy target/ or re-run capture")
         return
     try:
-        b = open_bundle(fs, tdir, verify=True)  # verify re-hashes every bundle file; readers only check sizes
+        b = open_bundle(fs, tdir, verify=True, expect=expect)  # verify re-hashes every file; readers check sizes
     except (OSError, ValueError, KeyError) as e:
         rep.problems.append(f"{tdir}: {e}")
         return

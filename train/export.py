@@ -14,7 +14,10 @@ reference release's layout
 and a ``tapdraft`` section (family, target fingerprint, source checkpoint, and the chat-template
 settings the draft was trained under: template sha256 and kwargs, which serving must use too).
 
-The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``.
+The export needs no dataset and no trainer: the checkpoint keeps the drafter's ``export_config``. What that config
+repeats of the target (sizes, heads, context length, RoPE, layer kinds) is checked against the target config schema
+(``shards.target_config.check_export_config``) before anything is written: a serving engine trusts config.json, and
+a checkpoint trained from a bundle an older tapdraft did not check may carry any value.
 
 An export is one unit (``commit_export``): written whole into a fresh folder and committed in one rename under
 ``<out>.lock``, so a kill -9 or a second export at any point leaves the old export or the new one. Non-finite
@@ -33,9 +36,14 @@ import torch
 from tapdraft.common.atomic import staged
 from tapdraft.common.lock import exclusive_lock
 from tapdraft.common.template import template_sha
+from tapdraft.shards.target_config import check_export_config
 from tapdraft.train.checkpoints import check_finite
 from tapdraft.train.drafters.base import Drafter, get_family
 from tapdraft.train.drafters.common.export_files import export_names
+
+
+RETRAIN = ("nothing was exported: the draft was built from a target bundle holding it; retrain from a dataset that "
+           "`tapdraft verify` passes")
 
 
 def family_of(cfg: dict[str, Any]) -> type[Drafter]:
@@ -104,6 +112,7 @@ def export_drafter(model: Drafter, out_dir: str | os.PathLike, meta: dict[str, A
     native, config = model.trainable_state_dict(), model.export_config()
     native = {**native, **type(model).head_rows(native, config, lambda: model.target.lm_head)}
     weights, cfg = type(model).export_layout(native, config, layout)
+    check_export_config(cfg, "the drafter's export config", RETRAIN)
     check_finite(weights, "the drafter", "exported")
     return commit_export(out_dir, lambda tmp: type(model).write_export(tmp, weights, cfg, meta))
 
@@ -137,6 +146,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     family = family_of(native)
     rows = family.head_rows(state.draft, native, lambda: target_lm_head(data, native, run))
     weights, cfg = family.export_layout({**state.draft, **rows}, native, layout, verifier=verifier)
+    check_export_config(cfg, f"{ck} (its export config)", RETRAIN)
     check_finite(weights, str(ck), "exported")
     out = commit_export(out_dir, lambda tmp: family.write_export(tmp, weights, cfg, meta), run=run)
     n = sum(v.numel() for v in weights.values() if v.is_floating_point())  # not the d2t / t2d id tables

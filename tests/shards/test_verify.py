@@ -207,3 +207,66 @@ def test_the_card_is_covered_by_the_manifest_and_older_manifests_still_verify(go
     _patch_manifest(root, lambda m: m.pop("card"))  # as a dataset finalized before the card was recorded
     card.write_text("edited")
     assert verify_dataset(str(root), progress=False).ok
+
+
+def _edit_bundle(root, **config):
+    meta = root / "target" / "bundle.json"
+    doc = json.loads(meta.read_text())
+    doc["config"].update(config)
+    meta.write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
+@pytest.mark.parametrize("edit", [{"max_position_embeddings": 7}, {"layer_types": ["full_attention"] * 4},
+                                  {"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},
+                                  {"model_type": "other"}])
+def test_every_key_of_bundle_json_is_covered_by_the_manifest_and_older_manifests_still_read(good, tmp_path, edit):
+    """The serving keys are outside the target fingerprint, so an edit of one passed verify and flowed into exports;
+    the manifest records bundle.json's bytes, and verify, readers, derive and pull refuse any other bytes, naming the
+    file. A manifest written before the record has none: the fingerprinted keys are checked as before, and a serving
+    key within the schema reads as before."""
+    from tapdraft.common.errors import CorruptShardError
+    from tapdraft.shards.transfer import pull
+
+    root, man = good
+    meta = root / "target" / "bundle.json"
+    assert man["bundle"] == {"bytes": meta.stat().st_size, "sha256": hashlib.sha256(meta.read_bytes()).hexdigest()}
+    _edit_bundle(root, **edit)
+    rep = verify_dataset(str(root), progress=False)
+    assert len(rep.problems) == 1 and f"{meta} is not the bundle.json the dataset's manifest records" in \
+        rep.problems[0], rep.problems
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and "is not the bundle.json the dataset's manifest records" in r.output
+    with pytest.raises(CorruptShardError, match="re-copy target/ from the original dataset") as e:
+        open_dataset(str(root)).bundle()
+    assert str(e.value).startswith(str(meta)) and "\n" not in str(e.value)
+    with pytest.raises(CorruptShardError, match="bundle.json is not the bundle.json the dataset's manifest records"):
+        pull(str(root), str(tmp_path / "copy"), progress=False)
+    from tapdraft.shards.derive import DeriveConfig, derive_dataset
+
+    with pytest.raises(CorruptShardError, match="bundle.json is not the bundle.json the dataset's manifest records"):
+        derive_dataset(DeriveConfig(src=str(root), out=str(tmp_path / "derived"), progress=False))
+    _patch_manifest(root, lambda m: m.pop("bundle"))  # as a dataset finalized before bundle.json was recorded
+    key = next(iter(edit))
+    fingerprinted = key == "model_type"
+    rep = verify_dataset(str(root), progress=False)
+    assert rep.ok != fingerprinted, rep.problems
+    if fingerprinted:
+        assert "corrupted or was edited" in rep.problems[0]
+    else:
+        assert open_dataset(str(root)).bundle().config[key] == edit[key]
+
+
+def test_a_bundle_value_outside_the_schema_fails_verify_even_under_an_older_manifest(good):
+    """Without the manifest's record (older datasets) a serving key is checked by the schema: `<script>` as layer
+    kinds, a zero context length."""
+    root, _ = good
+    _patch_manifest(root, lambda m: m.pop("bundle"))
+    for key, value in (("layer_types", "<script>"), ("max_position_embeddings", 0)):
+        _edit_bundle(root, **{key: value})
+        rep = verify_dataset(str(root), progress=False)
+        assert len(rep.problems) == 1 and f"bundle.json: {key} = {json.dumps(value)} is not " in rep.problems[0], \
+            rep.problems
+        with pytest.raises(ValueError, match=f"{key} = .* is not "):
+            open_dataset(str(root)).bundle()
+        _edit_bundle(root, **{key: None})
+    assert verify_dataset(str(root), progress=False).ok

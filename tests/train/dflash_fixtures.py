@@ -18,13 +18,14 @@ from tapdraft.shards.schema import Layout, teacher_rows, validate_sample
 
 
 def tiny_bundle(root: Path, *, hidden: int = 32, vocab: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                seed: int = 0, scaling: float = 1.0):
+                seed: int = 0, scaling: float = 1.0, config: dict | None = None):
+    """``config``: keys replacing (or adding to) the tiny target's config."""
     g = torch.Generator().manual_seed(seed)
     config = {
         "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
         "intermediate_size": 2 * hidden, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "logits_scaling": scaling,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **(config or {}),
     }
     write_bundle(
         root / "target", config=config,
@@ -143,9 +144,11 @@ class InMemoryData:
 
 
 def tiny_dataset(root: Path, samples: list[dict] | None = None, *, layout: Layout | None = None, n: int = 16,
-                 seed: int = 0, min_len: int = 16, max_len: int = 32, **layout_kw) -> InMemoryData:
-    """A finished one-split ("train") dataset at ``root`` read through the real reader."""
-    bundle = tiny_bundle(root)
+                 seed: int = 0, min_len: int = 16, max_len: int = 32, bundle_config: dict | None = None,
+                 **layout_kw) -> InMemoryData:
+    """A finished one-split ("train") dataset at ``root`` read through the real reader (``bundle_config``: keys of
+    the target's config to replace)."""
+    bundle = tiny_bundle(root, config=bundle_config)
     layout = layout or tiny_layout(bundle, **layout_kw)
     if samples is None:
         samples = synthetic_samples(bundle, layout, n, min_len=min_len, max_len=max_len, seed=seed)

@@ -184,3 +184,62 @@ def test_a_kill_9_anywhere_in_an_export_leaves_the_old_or_the_new_one_whole(poin
     assert _tree(out) == (new if point == "after_swap" else old)
     assert _export(capsys, "--draft", runs / "dflash", "--out", out)[0] == 0
     assert _tree(out) == new and sorted(p.name for p in out.parent.iterdir()) == ["exp"]
+
+
+def _cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main([*map(str, args)])
+    return e.value.code, capsys.readouterr().err.strip()
+
+
+def _older_tapdraft(monkeypatch):
+    """No schema checks anywhere, as before they existed: a bundle or a run of then."""
+    import tapdraft.shards.bundle as bundle_mod
+    import tapdraft.train.drafters.base as drafters_base
+
+    monkeypatch.setattr(bundle_mod, "check_target_config", lambda *a, **k: None)
+    monkeypatch.setattr(drafters_base, "check_fields", lambda *a, **k: None)
+
+
+ONE_STEP = ["max_tokens=160", "max_batch_size=4", "warmup_steps=1", "progress=false", "max_steps=1"]
+RECIPES = {"dflash_b8": ONE_STEP + ["num_anchors=8", "max_total_anchors=24", "target_layer_ids=[1]"], "mtp": ONE_STEP}
+
+
+@pytest.mark.parametrize("key,value,recipe,exported", [
+    ("layer_types", ["<script>"] * 4, "dflash_b8", "tapdraft.target_layer_types"),
+    ("num_attention_heads", 0, "mtp", "num_attention_heads"),
+])
+def test_a_bundle_value_outside_the_schema_is_refused_before_training_and_never_exported(key, value, recipe, exported,
+                                                                                         tmp_path, capsys, monkeypatch):
+    """A dataset an older tapdraft wrote (its fingerprint consistent with the value, so no checksum can tell) holds
+    layer kinds `<script>`, or zero attention heads (which trained an MTP draft of zero heads, exported as servable):
+    `train` refuses it in one line naming bundle.json, the field, the value and the bound, before any step; a run an
+    older tapdraft trained from it carries the value in its checkpoint, and `export` refuses it, writing nothing."""
+    _older_tapdraft(monkeypatch)
+    mem = tiny_dataset(tmp_path / "ds", n=8, min_len=16, max_len=24, bundle_config={key: value})
+    monkeypatch.undo()
+    run, out = tmp_path / "run", tmp_path / "exp"
+    sets = [a for s in RECIPES[recipe] for a in ("--set", s)]
+    code, err = _cli(capsys, "train", "--data", mem.path, "--recipe", recipe, "--out", run, *sets)
+    bundle_json = tmp_path / "ds" / "target" / "bundle.json"
+    assert code == 2 and err.startswith(f"error: {bundle_json}: {key} = {json.dumps(value)[:20]}"), err
+    assert "is not " in err and "\n" not in err and not (run / "checkpoints").exists()
+    _older_tapdraft(monkeypatch)
+    train(load_run_config(recipe, overrides=RECIPES[recipe]), mem.path, run)
+    monkeypatch.undo()
+    capsys.readouterr()  # the training's own lines
+    code, err = _cli(capsys, "export", "--draft", run, "--out", out)
+    assert code == 2 and f"(its export config): {exported} = {json.dumps(value)[:20]}" in err, err
+    assert "nothing was exported" in err and "\n" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("recipe", ["mtp", "dflash_b8"])
+def test_a_string_hidden_size_is_one_line_not_a_traceback(recipe, tmp_path, capsys, monkeypatch):
+    """`"hidden_size": "32"` in a bundle an older tapdraft wrote ended MTP's training in a TypeError traceback."""
+    _older_tapdraft(monkeypatch)
+    mem = tiny_dataset(tmp_path / "ds", n=4, min_len=16, max_len=24, bundle_config={"hidden_size": "32"})
+    monkeypatch.undo()
+    sets = [a for s in RECIPES[recipe] for a in ("--set", s)]
+    code, err = _cli(capsys, "train", "--data", mem.path, "--recipe", recipe, "--out", tmp_path / "run", *sets)
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert 'hidden_size = "32" is not an integer in [1, 131072]' in err

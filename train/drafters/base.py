@@ -37,6 +37,7 @@ from torch import nn
 from tapdraft.shards.bundle import TargetBundle
 from tapdraft.shards.head import head_spec, teacher_logits
 from tapdraft.shards.schema import Layout
+from tapdraft.shards.target_config import check_fields
 from tapdraft.train.drafters import FAMILIES
 from tapdraft.train.drafters.common import export_files
 
@@ -254,14 +255,22 @@ def pick_tokens(logits_KV: torch.Tensor, temperature: float,
 
 def layer_shape(bundle: TargetBundle, config: DrafterConfig) -> tuple[int, int, int, int, int]:
     """(hidden, heads, kv heads, head dim, intermediate) of a draft layer: the config's ``num_heads``,
-    ``num_kv_heads``, ``head_dim`` and ``intermediate_size`` where set, else the target's (from the bundle)."""
+    ``num_kv_heads``, ``head_dim`` and ``intermediate_size`` where set, else the target's (from the bundle); checked
+    against the target config schema (``shards.target_config``: positive sizes, kv heads dividing heads, heads
+    dividing the hidden size when head_dim is derived from it) before any layer is built."""
     tc = bundle.config
-    H = int(tc["hidden_size"])
-    heads = config.num_heads or int(tc["num_attention_heads"])
-    kv = config.num_kv_heads or int(tc.get("num_key_value_heads") or heads)
-    head_dim = config.head_dim or int(tc.get("head_dim") or H // heads)
-    inter = config.intermediate_size or int(tc.get("intermediate_size") or 4 * H)
-    return H, heads, kv, head_dim, inter
+    H = tc["hidden_size"]
+    heads = config.num_heads or tc.get("num_attention_heads")
+    if heads is None:
+        raise ValueError("the target bundle records no num_attention_heads: set drafter.num_heads")
+    kv = config.num_kv_heads or tc.get("num_key_value_heads") or heads
+    head_dim = config.head_dim or tc.get("head_dim")
+    inter = config.intermediate_size or tc.get("intermediate_size")
+    check_fields({"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+                  "intermediate_size": inter}, "the draft layer's shape (the drafter config over the target bundle)",
+                 "set drafter.num_heads, num_kv_heads, head_dim or intermediate_size, or use a bundle that "
+                 "`tapdraft verify` passes")
+    return H, heads, kv, head_dim or H // heads, inter or 4 * H
 
 
 def get_family(name: str) -> tuple[type[DrafterConfig], type[Drafter]]:

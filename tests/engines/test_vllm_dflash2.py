@@ -3,16 +3,17 @@ on live blocks, and stops agreeing when the export is planted with an error; vLL
 (candidate-head) path; with the project's plugin vLLM serves it on this CPU, round by round as ``tapdraft speculate``.
 
 Stock vLLM drafts DFlash2 only in its V2 model runner (Triton, GPU only; ``benchmarks/gpu.sh`` serves it there) and
-refuses it in V1, the runner it runs on a CPU. The plugin (``engines/vllm_plugin/tapdraft_vllm/dflash2.py``) gives
-V1's DFlash proposer DFlash2's sampling step (vLLM's candidates and selector, the selector's greedy walk), so
+refuses it in V1, the runner it runs on a CPU. The plugin (``engines/vllm_plugin/tapdraft_vllm/candidate_heads.py``)
+gives V1's DFlash proposer DFlash2's sampling step (vLLM's candidates and selector, the selector's greedy walk), so
 :func:`test_vllm_serves_dflash2_with_tapdrafts_acceptance` serves the export end to end: vLLM's model (its
-convolutions included), attention backend, context K/V and rejection sampler, float32. Below that, in the engine venv (``tests/engines/in_venv/vllm_dflash2_modules.py``, whose docstring says which
-vLLM functions run and the two DFlash pieces it restates, the attention kernel and the context K/V, plus the
-Triton walk): vLLM's ``DFlash2Qwen3ForCausalLM``, built and loaded from the export by vLLM's own registry and
-loader in float64, runs the live blocks at the start of validation replies (the anchor at the prompt's end, the
-prompt's taps as context) as one batch: its grouped convolutions, decoder layers, candidates, selector scores and
-walk give the draft logits and tokens that tapdraft's DFlash2 model gives (float64, its selector's greedy
-``walk``) and that ``propose`` (``tapdraft speculate``'s proposer, float32) drafts.
+convolutions included), attention backend, context K/V and rejection sampler, float32. Below that, in the engine
+venv (``tests/engines/in_venv/vllm_dflash2_modules.py``, whose docstring says which vLLM functions run and the two
+DFlash pieces it restates, the attention kernel and the context K/V, plus the Triton walk): vLLM's
+``DFlash2Qwen3ForCausalLM``, built and loaded from the export by vLLM's own registry and loader in float64, runs the
+live blocks at the start of validation replies (the anchor at the prompt's end, the prompt's taps as context) as one
+batch: its grouped convolutions, decoder layers, candidates, selector scores and walk give the draft logits and
+tokens that tapdraft's DFlash2 model gives (float64, its selector's greedy ``walk``) and that ``propose``
+(``tapdraft speculate``'s proposer, float32) drafts.
 
 Tolerances: vLLM's float64 model keeps float32 values where its code puts them: RoPE tables computed in float32
 (``RotaryEmbeddingBase._compute_cos_sin_cache``), RMSNorm and the fused residual add computed in float32
@@ -255,7 +256,7 @@ def test_vllm_serves_dflash2_with_tapdrafts_acceptance(vllm_venv, bpe_target, df
     draft = {"method": "dflash", "model": str(export), "num_speculative_tokens": k}
     alone = serve_vllm(vllm_venv, job, tmp_path)
     served = serve_vllm(vllm_venv, {**job, "speculative": draft}, tmp_path)
-    assert "dflash2:v1" in served["plugins"]
+    assert "candidate_heads:v1" in served["plugins"]
     ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
     rounds, accepted = check_served(alone, served, ours, [i for i, _ in convs])
     assert 0 < accepted < k * rounds, "both the accept and the reject path should be exercised"

@@ -1,11 +1,14 @@
-"""LiLiCorr exports against vLLM 0.32's own code on a CPU, and tapdraft's live tau against its replay.
+"""LiLiCorr exports against vLLM 0.32's own code on a CPU, served by vLLM on a CPU, and tapdraft's live tau against
+its replay.
 
-vLLM serves LiLiCorr only through its V2 model runner (Triton, GPU only); ``benchmarks/gpu.sh`` serves it on a GPU
-machine. Here, in the engine venv (``tests/engines/in_venv/vllm_lilicorr_modules.py``): vLLM's ``LiLiCorrHead``, built from the
-export's config as ``LiLiCorr`` builds it, takes every ``lilicorr.`` tensor of the export with its shape; its
-scores, in float64 on tapdraft's candidates (ids, embeddings, log-probs, the slots' hidden rows, the anchor's
-context row), walked as vLLM's selector kernel walks, draft what ``propose`` (``tapdraft speculate``'s proposer)
-drafts; and vLLM takes the export as a LiLiCorr draft up to its runner (its V1 runner refuses candidate-head drafts)."""
+Stock vLLM serves LiLiCorr only through its V2 model runner (Triton, GPU only; ``benchmarks/gpu.sh`` serves it on a
+GPU machine). With the project's plugin (``engines/vllm_plugin/tapdraft_vllm/candidate_heads.py``) its V1 runner
+serves it on this CPU, round by round as ``tapdraft speculate``. Below that, in the engine venv
+(``tests/engines/in_venv/vllm_lilicorr_modules.py``): vLLM's ``LiLiCorrHead``, built from the export's config as
+``LiLiCorr`` builds it, takes every ``lilicorr.`` tensor of the export with its shape; its scores, in float64 on
+tapdraft's candidates (ids, embeddings, log-probs, the slots' hidden rows, the anchor's context row), walked as
+vLLM's selector kernel walks, draft what ``propose`` (``tapdraft speculate``'s proposer) drafts; and stock vLLM
+takes the export as a LiLiCorr draft up to its runner (its V1 runner refuses candidate-head drafts)."""
 
 from __future__ import annotations
 
@@ -82,8 +85,8 @@ def test_vllms_lilicorr_head_takes_every_tensor_and_walks_as_tapdraft_drafts(vll
 
 
 def test_vllm_takes_the_export_as_lilicorr_up_to_its_runner(vllm_venv, bpe_target, lilicorr, tmp_path):
-    """vLLM parses the export as a DFlash draft with LiLiCorr's architecture and then, on a CPU, refuses its V1
-    runner for candidate-head drafts: serving needs the V2 runner (GPU)."""
+    """Stock vLLM (no plugin) parses the export as a DFlash draft with LiLiCorr's architecture and then, on a CPU,
+    refuses its V1 runner for candidate-head drafts: it serves them in the V2 runner (GPU) only."""
     from tapdraft.engines.serving import EngineFailed, serve_vllm
     from tests.engines.test_vllm_dflash import prompts
 
@@ -96,8 +99,21 @@ def test_vllm_takes_the_export_as_lilicorr_up_to_its_runner(vllm_venv, bpe_targe
            "max_model_len": 256, "speculative": {"method": "dflash", "model": str(export),
                                                   "num_speculative_tokens": k}}
     with pytest.raises(EngineFailed) as failed:
-        serve_vllm(vllm_venv, job, tmp_path)
+        serve_vllm(vllm_venv, job, tmp_path, plugins=False)
     assert "DFlash candidate-head drafts" in failed.value.log
+
+
+def test_vllm_serves_lilicorr_with_tapdrafts_acceptance(vllm_venv, bpe_target, lilicorr, tmp_path):
+    """With the plugin, vLLM's V1 runner serves the export on this CPU (``method: dflash``, K = block - 1; its LiLiCorr
+    head scores the candidates with the target's embeddings and the anchor's context state): over the 32 validation
+    conversations the target's greedy output is unchanged and the drafts vLLM accepts equal ``tapdraft speculate``'s,
+    round by round."""
+    from tests.engines.test_vllm_dflash import serve_and_check
+
+    run, export = lilicorr
+    k = json.loads((export / "config.json").read_text())["tapdraft"]["serve_with"]["vllm"]["num_speculative_tokens"]
+    rounds, accepted = serve_and_check(vllm_venv, bpe_target, (run, export), "dflash", k, tmp_path)
+    assert 0 < accepted < k * rounds, "both the accept and the reject path should be exercised"
 
 
 def test_live_tau_agrees_with_the_replayed_tau(bpe_target, lilicorr):

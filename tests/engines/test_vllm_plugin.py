@@ -52,7 +52,7 @@ def test_dflash2_walk_follows_the_index_chosen_before_it():
     equal maxima go to the first index."""
     import torch
 
-    from tapdraft_vllm.dflash2 import walk
+    from tapdraft_vllm.candidate_heads import walk
 
     cand = torch.tensor([[[10, 11], [20, 21], [30, 31]], [[40, 41], [50, 51], [60, 61]]])  # [R=2, K=3, k=2]
     s = torch.zeros(2, 3, 2, 2)  # [R, K, predecessor, candidate]

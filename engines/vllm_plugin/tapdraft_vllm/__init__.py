@@ -1,4 +1,5 @@
-"""vLLM plugin: what stock vLLM lacks to serve tapdraft's drafters (beside speech-LLM targets, MTP heads, DFlash2).
+"""vLLM plugin: what stock vLLM lacks to serve tapdraft's drafters (beside speech-LLM targets, MTP heads, candidate
+heads on a CPU).
 
 Install it into the vLLM venv (``pip install engines/vllm_plugin``); vLLM loads it in every process
 through the ``vllm.general_plugins`` entry point, before any model is built. Four fixes, each for an
@@ -19,9 +20,10 @@ upstream gap in vLLM 0.32 (read from its source):
    head over a dense target (tapdraft's ``mtp`` family) has no class. The plugin registers one
    (``TapdraftMTPForCausalLM``, ``tapdraft_vllm.mtp``) and routes an export that names it
    (``--layout tapdraft-vllm``) to vLLM's MTP path (``SpeculativeConfig.hf_config_override``).
-4. DFlash2 is drafted only by vLLM's V2 runner (Triton: not on a CPU); V1 refuses it ("DFlash candidate-head
-   drafts"). The plugin gives V1's ``DFlashProposer`` DFlash2's sampling step (the model's candidates and
-   selector, then the selector's greedy walk; ``tapdraft_vllm.dflash2``) and lifts that refusal for DFlash2 only.
+4. DFlash2 and LiLiCorr are drafted only by vLLM's V2 runner (Triton: not on a CPU); V1 refuses them ("DFlash
+   candidate-head drafts"). The plugin gives V1's ``DFlashProposer`` their sampling step (the model's candidates
+   and its selector or LiLiCorr head, then the greedy walk; ``tapdraft_vllm.candidate_heads``) and lifts that
+   refusal for those two architectures.
 
 Each fix is applied only where stock vLLM still lacks it, so a vLLM that has fixed one upstream is left
 alone. ``SUPPORTED`` is the vLLM range this was proven on; outside it, loading refuses in one line.
@@ -148,11 +150,11 @@ def _serve_mtp_heads() -> None:
         _APPLIED.append(f"mtp:{MTP_ARCHITECTURE}")
 
 
-def _serve_dflash2_in_v1() -> None:
-    from tapdraft_vllm import dflash2
+def _serve_candidate_heads_in_v1() -> None:
+    from tapdraft_vllm import candidate_heads
 
-    if dflash2.install() and "dflash2:v1" not in _APPLIED:
-        _APPLIED.append("dflash2:v1")
+    if candidate_heads.install() and "candidate_heads:v1" not in _APPLIED:
+        _APPLIED.append("candidate_heads:v1")
 
 
 def register() -> None:
@@ -163,7 +165,7 @@ def register() -> None:
     _fix_image_token_index()
     _fix_eagle3_interface()
     _serve_mtp_heads()
-    _serve_dflash2_in_v1()
+    _serve_candidate_heads_in_v1()
 
 
 def applied() -> list[str]:

@@ -184,6 +184,15 @@ def _copy_bundle(src_fs: fsspec.AbstractFileSystem, src_root: str, out: Path, fi
         copy_bundle(src_fs, mf.join(src_root, mf.TARGET_DIR), t, expect)
 
 
+def _finished(out: Path, lineage: str) -> dict[str, Any] | None:
+    """The manifest of ``out`` when this derive already finished it; None when none is finished there; ValueError
+    when another dataset is."""
+    done = mf.complete_manifest(str(out))
+    if done is not None and (done.get("extra") or {}).get("derive_key") != lineage:
+        raise ValueError(f"{out} is already a finished dataset made otherwise; derive into a new --out directory")
+    return done
+
+
 def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     """Write the derived dataset; returns its manifest (see the module docstring)."""
     ds = open_dataset(cfg.src)
@@ -198,11 +207,9 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     if Path(str(ds.root)).resolve() == out.resolve():
         raise ValueError(f"--out {cfg.out} is the source dataset; derive into a new directory")
-    done = mf.complete_manifest(str(out))
     lineage = hashlib.sha256(json.dumps([man_sha, _key_settings(cfg)], sort_keys=True).encode()).hexdigest()
+    done = _finished(out, lineage)
     if done is not None:
-        if (done.get("extra") or {}).get("derive_key") != lineage:
-            raise ValueError(f"{out} is already a finished dataset made otherwise; derive into a new --out directory")
         return done
     if mf.foreign_directory(str(out)):
         raise ValueError(f"{out} is a non-empty directory that is not a tapdraft dataset; choose a new --out")
@@ -210,6 +217,9 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
+        done = _finished(out, lineage)  # again under the lock: a derive that finished meanwhile is seen
+        if done is not None:
+            return done
         _copy_bundle(ds.fs, ds.root, out, ds.fingerprint, man.get(mf.BUNDLE_KEY))  # never an edited bundle.json
         for split in splits:
             n = ds.num_samples(split) if cfg.max_samples is None else min(cfg.max_samples, ds.num_samples(split))

@@ -76,6 +76,11 @@ def part_name(split: str, rank: int) -> str:
     return f"{PARTS_DIR}/{split}-rank{rank:05d}.json"
 
 
+def lock_name(rank: int) -> str:
+    """The writer lock of rank ``rank``, relative to the dataset (a local file, or an object in a store: ``push``)."""
+    return f"{PARTS_DIR}/rank{rank:05d}.lock"
+
+
 def writer_lock(url: str, rank: int, what: str = "a capture"):
     """Context manager: the exclusive lock of rank ``rank`` on the dataset directory ``url`` (a local path);
     a second writer of the same rank is refused with ``common.lock.LockedError`` naming ``what`` holds it.
@@ -86,7 +91,7 @@ def writer_lock(url: str, rank: int, what: str = "a capture"):
     fs, root = fsspec.core.url_to_fs(str(url))
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         raise ValueError(f"{url}: capture writes to a local directory (copy the dataset to its final place after)")
-    return exclusive_lock(join(root, f"{PARTS_DIR}/rank{rank:05d}.lock"), f"{what} (rank {rank})", guards=root)
+    return exclusive_lock(join(root, lock_name(rank)), f"{what} (rank {rank})", guards=root)
 
 
 def shard_names(doc: dict[str, Any]) -> list[str]:

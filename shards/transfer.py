@@ -17,6 +17,15 @@ same while downloading. A pull then runs ``tapdraft verify --quick``'s checks (e
 the bundle's hashes) on the copy before writing its manifest; a file that fails is deleted, so a
 rerun fetches it again. Stores without ETags are checked by size (and the pull's verify).
 
+One writer per destination: ``push`` holds the destination's writer lock (``_parts/rank00000.lock``, the name
+capture, derive and pull lock a local directory by) from its first look at the destination to its manifest: a local
+destination by ``mf.writer_lock``'s kernel lock, an object store by the same record kept in the store
+(``common.lock.store_lock``: a conditional create on S3, a best-effort marker with a heartbeat elsewhere), confirmed
+still held just before the manifest is written. A second push (or pull, derive, capture) to the same place is
+refused at once naming the first; two pushes left one's manifest over the other's shards, each deleting the other's
+files as leftovers. ``pull`` holds its destination's lock the same way, and both check the destination again once
+they hold it (a writer that finished meanwhile is seen).
+
 Resumable: a multipart upload's finished parts stay on the server; a rerun finds the upload
 (``list_multipart_uploads``), keeps the parts whose MD5 matches and sends the rest. A download
 continues its ``<file>.part`` from the last byte. A file already complete at the destination (same
@@ -30,14 +39,16 @@ import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import fsspec
 
 from tapdraft.shards import manifest as mf
 from tapdraft.common.atomic import replace
 from tapdraft.common.errors import CorruptShardError
+from tapdraft.common.lock import store_lock
 from tapdraft.shards.limits import parse_json, regular_file
 from tapdraft.shards.members import dataset_members
 from tapdraft.common.progress import Progress
@@ -69,12 +80,30 @@ def _etag(fs: Any, info: dict[str, Any]) -> str | None:
 
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
-    """relative path -> info of every file under ``root`` (one recursive listing)."""
+    """relative path -> info of every file under ``root`` (one recursive listing) but the writers' ``_parts/``."""
     if not fs.exists(root):
         return {}
     found = fs.find(root, detail=True)
     base = fs._strip_protocol(root).rstrip("/")
-    return {name[len(base):].lstrip("/"): info for name, info in found.items() if info.get("type") != "directory"}
+    rels = {name[len(base):].lstrip("/"): info for name, info in found.items() if info.get("type") != "directory"}
+    return {rel: info for rel, info in rels.items() if rel.split("/")[0] != mf.PARTS_DIR}
+
+
+@contextmanager
+def destination_lock(fs: Any, root: str, url: str, what: str) -> Iterator[Callable[[], None]]:
+    """The writer lock of the destination ``root`` (module docstring); yields ``confirm``, called just before the
+    commit (LockedError unless the lock is still held: only a store's lock can be lost). A local destination's
+    ``_parts/`` is removed after, when empty."""
+    if is_local(fs):
+        with mf.writer_lock(root, 0, what):
+            yield lambda: None
+        try:
+            Path(root, mf.PARTS_DIR).rmdir()
+        except OSError:
+            pass
+    else:
+        with store_lock(fs, mf.join(root, mf.lock_name(0)), f"{what} (rank 0)", guards=url) as confirm:
+            yield confirm
 
 
 def _open(url: str, config: RemoteConfig) -> tuple[Any, str, Callable[..., Any]]:
@@ -104,7 +133,15 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
     raw, doc = _read_manifest_bytes(src_root)
     files = dataset_members(fsspec.filesystem("file"), str(src_root), doc)  # links refused before anything is sent
     fs, root, R = _open(url, config)
-    remote = _listing(fs, root)
+    _check_destination(fs, R, url, root, raw, _listing(fs, root))  # before the lock: none is left in a foreign place
+    with destination_lock(fs, root, url, "a push") as confirm:
+        fs.invalidate_cache()
+        return _push_locked(fs, R, url, root, src_root, raw, files, _listing(fs, root), confirm, part_bytes, progress)
+
+
+def _check_destination(fs: Any, R: Callable[..., Any], url: str, root: str, raw: bytes,
+                       remote: dict[str, Any]) -> None:
+    """Refuse a destination that holds another dataset or files of something else."""
     man_url = mf.join(root, mf.MANIFEST)
     if mf.MANIFEST in remote:
         there = R(fs.cat_file, "read")(man_url)
@@ -116,6 +153,14 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
     elif remote and not ({r.split("/")[0] for r in remote} & {mf.DATA_DIR, mf.TARGET_DIR, mf.CARD}):
         raise ValueError(f"{url} holds {len(remote)} files that are not a tapdraft dataset; push to a new or empty "
                          "URL (nothing was changed)")
+
+
+def _push_locked(fs: Any, R: Callable[..., Any], url: str, root: str, src_root: Path, raw: bytes,
+                 files: dict[str, int], remote: dict[str, Any], confirm: Callable[[], None], part_bytes: int,
+                 progress: bool) -> dict[str, Any]:
+    """``push``'s copy to ``root``, whose writer lock the caller holds (``remote``: its listing, taken under it)."""
+    _check_destination(fs, R, url, root, raw, remote)  # again: a push that finished meanwhile is seen
+    man_url = mf.join(root, mf.MANIFEST)
     stats = {"files": len(files), "uploaded": 0, "copied": 0, "skipped": 0, "bytes_sent": 0}
     if mf.MANIFEST in remote and all(int(remote.get(rel, {}).get("size", -1)) == n for rel, n in files.items()):
         return {**stats, "skipped": len(files), "up_to_date": True}  # committed, every file there: one listing
@@ -140,10 +185,14 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
                 continue
             bar.advance(size)
             _check_uploaded(fs, R, rpath, size, accept)
-        for rel in sorted(set(remote) - set(files) - {mf.MANIFEST}):
-            if rel.split("/")[0] in (mf.DATA_DIR, INDEX_DIR, mf.TARGET_DIR):  # a leftover of an interrupted push or
-                R(fs.rm_file, "delete")(mf.join(root, rel))                   # capture, or what an older push sent
+        leftovers = [rel for rel in sorted(set(remote) - set(files) - {mf.MANIFEST})  # of an interrupted push or
+                     if rel.split("/")[0] in (mf.DATA_DIR, INDEX_DIR, mf.TARGET_DIR)]  # capture, or an older push
+        if leftovers:
+            confirm()  # still this push's destination: never another writer's files deleted as leftovers
+        for rel in leftovers:
+            R(fs.rm_file, "delete")(mf.join(root, rel))
         if mf.MANIFEST not in remote:
+            confirm()  # still this push's destination: never one push's manifest over another's shards
             R(fs.pipe_file, "write")(man_url, raw)  # last: the commit point
             _check_uploaded(fs, R, man_url, len(raw), {hashlib.md5(raw).hexdigest()})
     stats["up_to_date"] = stats["uploaded"] == stats["copied"] == 0 and mf.MANIFEST in remote
@@ -225,23 +274,30 @@ def pull(url: str, dest: str, *, config: RemoteConfig | None = None, progress: b
     remote = _listing(fs, root)
     files = dataset_members(fs, root, doc, sizes={rel: int(i.get("size", 0)) for rel, i in remote.items()})
     out = Path(dest)
-    if (out / mf.MANIFEST).is_file():
-        if (out / mf.MANIFEST).read_bytes() != raw:
-            raise ValueError(f"{dest} already holds another dataset (a different manifest.json); pull into a new "
-                             "directory")
-        if all((out / rel).is_file() and (out / rel).stat().st_size == n for rel, n in files.items()):
-            return {"files": len(files), "downloaded": 0, "skipped": len(files), "bytes_received": 0,
-                    "up_to_date": True}
-    elif mf.foreign_directory(str(out)):
+    done = _pulled(out, raw, files)
+    if done is not None:
+        return done
+    if not (out / mf.MANIFEST).is_file() and mf.foreign_directory(str(out)):
         raise ValueError(f"{dest} is a non-empty directory that is not a tapdraft dataset; pull into a new or empty "
                          "directory (nothing in it was changed)")
-    with mf.writer_lock(str(out), 0, "a pull"):  # its _parts/ marks a copy under way as a dataset
-        stats = _pull_locked(fs, R, url, root, raw, files, remote, out, part_bytes, progress)
-    try:
-        (out / mf.PARTS_DIR).rmdir()  # the manifest marks the finished copy
-    except OSError:
-        pass
-    return stats
+    local = fsspec.filesystem("file")
+    with destination_lock(local, str(out.absolute()), dest, "a pull"):  # its _parts/ marks a copy under way
+        done = _pulled(out, raw, files)  # again under the lock: a pull that finished meanwhile is seen
+        return done if done is not None else _pull_locked(fs, R, url, root, raw, files, remote, out, part_bytes,
+                                                          progress)
+
+
+def _pulled(out: Path, raw: bytes, files: dict[str, int]) -> dict[str, Any] | None:
+    """A pull's counts when ``out`` already holds this whole dataset; None when it is to be copied; ValueError
+    when it holds another dataset."""
+    if not (out / mf.MANIFEST).is_file():
+        return None
+    if (out / mf.MANIFEST).read_bytes() != raw:
+        raise ValueError(f"{out} already holds another dataset (a different manifest.json); pull into a new "
+                         "directory")
+    if all((out / rel).is_file() and (out / rel).stat().st_size == n for rel, n in files.items()):
+        return {"files": len(files), "downloaded": 0, "skipped": len(files), "bytes_received": 0, "up_to_date": True}
+    return None
 
 
 def _pull_locked(fs: Any, R: Callable[..., Any], url: str, root: str, raw: bytes, files: dict[str, int],

@@ -318,3 +318,80 @@ def test_a_pushed_dataset_carries_nothing_from_outside_it(s3, tmp_path, monkeypa
         pulled = tmp_path / f"pulled-{name}"
         pull(url, str(pulled), config=cfg, progress=False)
         assert open_dataset(str(pulled)).bundle().tokenizer_files.keys() == {"tokenizer.json"}
+
+
+def test_two_pushes_to_one_url_at_once_the_second_is_refused_naming_the_first(s3, small, tmp_path, monkeypatch):
+    """Two pushes of different datasets to one URL, the first paused mid-copy, both exited 0 and left one's manifest
+    over mixed shards. The first holds the destination's lock, an object created in the store with S3's conditional
+    create; the second is refused at once naming it, and the store ends as the first dataset, whole."""
+    from tests.shards.test_destination_lock import assert_refused_naming_the_first, two_at_once
+
+    cfg, url = remote(s3, tmp_path), s3.url("twice")
+    first, second = two_at_once(monkeypatch, lambda: push(small, url, config=cfg, progress=False),
+                                lambda: push(_other(tmp_path), url, config=cfg, progress=False))
+    assert not isinstance(first, BaseException), first
+    assert_refused_naming_the_first(second, "a push")
+    assert "(pid " in str(second) and url in str(second)
+    fs = s3fs_of(s3)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{s3.bucket}/twice/_parts/rank00000.lock")  # released with its push
+    out = tmp_path / "pulled"
+    pull(url, str(out), config=cfg, progress=False)  # verified: no shard of the other dataset
+    assert (out / "manifest.json").read_bytes() == open(os.path.join(small, "manifest.json"), "rb").read()
+
+
+def test_the_store_lock_on_s3_one_conditional_create_wins_and_a_takeover_is_seen(s3, monkeypatch):
+    """On S3 the lock is a conditional create: of many writers at once exactly one holds it, without the settle
+    wait; a lock taken over (its ETag changed) stops its old holder at the next heartbeat or at ``confirm``, and
+    the old holder's release leaves the new lock; a store that ignores the condition falls back to the
+    best-effort marker."""
+    import json
+
+    from tapdraft.common import lock as lk
+    from tapdraft.common.errors import LockedError
+
+    monkeypatch.setattr(lk, "SETTLE_S", 30.0)  # the conditional path never waits for it
+    fs = s3fs_of(s3)
+    path = f"{s3.bucket}/locks/race/_parts/rank00000.lock"
+    barrier, got = threading.Barrier(4), []
+
+    def take():
+        barrier.wait()
+        try:
+            with lk.store_lock(fs, path, "a push", guards="s3://x") as confirm:
+                time.sleep(1.0)
+                confirm()
+                got.append("held")
+        except LockedError as e:
+            got.append(str(e))
+
+    ts = [threading.Thread(target=take) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert sorted(g == "held" for g in got) == [False, False, False, True], got
+    assert time.monotonic() - t0 < 20 and not fs.exists(path)
+
+    monkeypatch.setattr(lk, "HEARTBEAT_S", 0.2)
+    with pytest.raises(LockedError, match="its lock was taken over while it ran"):
+        with lk.store_lock(fs, path, "a push", guards="s3://x") as confirm:
+            rec = json.loads(fs.cat_file(path))
+            fs.pipe_file(path, json.dumps({**rec, "owner": "successor"}).encode())  # a takeover
+            time.sleep(1.0)
+            confirm()
+    assert json.loads(fs.cat_file(path))["owner"] == "successor"  # never removed by the old holder
+    fs.rm_file(path)
+
+    monkeypatch.setattr(lk, "SETTLE_S", 0.05)
+    real = fs.call_s3
+    monkeypatch.setattr(fs, "call_s3", lambda method, **kw: real(method, **{k: v for k, v in kw.items()
+                                                                           if k not in ("IfNoneMatch", "IfMatch")}))
+    lock = lk._StoreLock(fs, path, "a push", "s3://x")
+    lock.acquire()
+    try:
+        assert not lock.conditional  # the probe saw the condition ignored
+    finally:
+        lock.release()
+    assert not fs.exists(path)

@@ -20,6 +20,8 @@ JSONL conversation manifest, one conversation per line (NeMo's multimodal conver
   inputs): a manifest someone shared cannot make a capture read, and store the states of, any file of
   this machine. ``allow_outside_paths`` (``--allow-outside-paths``) lifts that for a manifest you wrote.
   Links are the local user's own and are not resolved.
+- An audio path must lead to a regular file: a FIFO, a device or a directory is a bad input that says what it is,
+  refused before it is opened (``check_audio_path``; opening a FIFO waits for a writer, and a capture hung there).
   An audio turn becomes one ``<|audioplaceholder|>`` at its place in the text.
 - Alternatively a text turn may contain placeholders itself and list its audios in ``audio``
   (a path, a dict ``{"path", "offset", "duration"}``, or a list of these), one per placeholder.
@@ -51,6 +53,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -59,6 +62,7 @@ import numpy as np
 import torch
 
 from tapdraft.common.errors import InputError
+from tapdraft.shards.limits import file_kind
 
 DURATION_SLACK_S = 0.01
 """An audio span may end this far past the end of its file (manifests round durations); more is an error."""
@@ -247,6 +251,9 @@ def read_jsonl(path: str | Path, *, placeholder: str, allow_outside_paths: bool 
     valid UTF-8 or JSON is that line's BadInput. ``allow_outside_paths``: audio may lie outside the file's directory."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():
+            raise ValueError(f"manifest {path} is {file_kind(path.stat().st_mode)}: give a JSONL file (write a stream "
+                             "to a file first)")
         raise FileNotFoundError(f"manifest {path} does not exist")
     base = path.parent
     with path.open("rb") as f:
@@ -484,14 +491,36 @@ def _check_header(info: str, name: str, sr: int, frame_bytes: int) -> None:
                          "truncated; re-copy it")
 
 
+def check_audio_path(path: str | None) -> None:
+    """Refuse an audio path that is not a regular file before anything opens it: ValueError naming the path, what it
+    is, and what to give instead. Opening a FIFO waits for a writer (a capture hung there for minutes, past Ctrl-C), a
+    device is read without end, a directory holds no audio. A link is followed: it is the user's own. Every audio
+    file is opened through this check (``header_seconds``, ``load_audio``), so capture and regenerate refuse alike."""
+    if path is None:
+        raise ValueError("an audio has neither a path nor bytes; give each audio turn a file path")
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"audio file {path} does not exist; check the path in the manifest") from None
+    except OSError as e:
+        raise ValueError(f"audio file {path} cannot be looked at ({e.strerror}); check its path and permissions") \
+            from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"audio path {path} is {file_kind(mode)}: give the path of an audio file (wav, flac, ...); "
+                         "write a stream or a device's audio to a file first")
+
+
 def header_seconds(ref: AudioRef) -> float | None:
     """Seconds ``ref`` will decode to, read from the file's header alone (no sample decoded: a 1-hour WAV is 3.4 GB
-    once decoded); None when the header cannot tell (``load_audio`` then decodes and names the problem)."""
+    once decoded); None when the header cannot tell (``load_audio`` then decodes and names the problem), a path that
+    is not a regular file included (never opened: see ``check_audio_path``)."""
     import soundfile as sf
 
     if ref.array is not None:
         return len(ref.array) / ref.sample_rate if ref.sample_rate else None
     try:
+        if ref.data is None:
+            check_audio_path(ref.path)
         with sf.SoundFile(io.BytesIO(ref.data) if ref.data is not None else ref.path) as f:
             sr, total = int(f.samplerate), f.frames
         start, count = _span(ref, sr, total)
@@ -508,8 +537,8 @@ def load_audio(ref: AudioRef, *, target_sr: int, min_sr: int) -> tuple[np.ndarra
         wave, sr = np.asarray(ref.array, dtype=np.float32), int(ref.sample_rate or 0)
     else:
         src: Any = io.BytesIO(ref.data) if ref.data is not None else ref.path
-        if ref.data is None and (ref.path is None or not Path(ref.path).is_file()):
-            raise ValueError(f"audio file {ref.path} does not exist")
+        if ref.data is None:
+            check_audio_path(ref.path)
         try:
             with sf.SoundFile(src) as f:
                 sr, total = int(f.samplerate), f.frames

@@ -40,6 +40,14 @@ piece; generation markers are not consulted. Conversations without carried ids a
 
 Template text and kwargs (``enable_thinking``, a system prompt...) are fixed per capture and recorded
 in the target bundle; ``common.template`` holds their canonical form and the drift check.
+
+Text is bounded before it is tokenized (:meth:`ChatTemplate.check_text_size`): a 50 MB text turn made the Rust
+tokenizer abort the whole process (SIGABRT, exit 134) failing to allocate (it needs ~110 bytes a character: 440 MB
+for 4 M characters). A conversation whose text is longer than the target's positions can hold at its tokenizer's
+longest token (81 characters for SmolLM2's BPE: a text past it has more tokens than positions whatever it
+says) is a bad input, never tokenized; so is any text past ``MAX_TEXT_CHARS``, the bound of a target whose
+positions are unknown. (A word-level vocabulary can map a longer unknown word to one token: there the bound is a
+size limit, not a proof.)
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from tapdraft.common.template import template_kwargs
+
+MAX_TEXT_CHARS = 1 << 24
+"""Characters of text a conversation may have at most, whatever the target (16 Mi: ~1.8 GB inside the tokenizer;
+4 M tokens at 4 characters a token, past any speech target's context). Lower for a target whose positions at its
+tokenizer's longest token hold less (:meth:`ChatTemplate.text_bound`)."""
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MASK_BY_MARKERS = "generation markers"
@@ -82,6 +95,35 @@ class ChatTemplate:
         self.kwargs: dict[str, Any] = template_kwargs(kwargs)
         self.end_ids = frozenset(int(i) for i in end_ids)
         self.has_markers = GENERATION_MARKER.search(text) is not None
+        self._longest: int | None = None
+
+    def longest_token(self) -> int | None:
+        """Characters of the tokenizer's longest token (added tokens included; a byte-level BPE token's string has a
+        character per byte, so never fewer than the text it stands for); None when the tokenizer lists no vocabulary."""
+        if self._longest is None:
+            vocab = getattr(self.tokenizer, "get_vocab", lambda: {})()
+            self._longest = max((len(t) for t in vocab), default=0)
+        return self._longest or None
+
+    def text_bound(self, max_positions: int | None) -> tuple[int, str]:
+        """(most characters of text a conversation may have, why): ``max_positions`` at the longest token, at most
+        ``MAX_TEXT_CHARS``."""
+        longest = self.longest_token()
+        if max_positions is None or longest is None or max_positions * longest >= MAX_TEXT_CHARS:
+            return MAX_TEXT_CHARS, "tapdraft tokenizes at most"
+        return max_positions * longest, (f"the target's {max_positions} positions hold at {longest} characters a "
+                                         "token (its tokenizer's longest)")
+
+    def check_text_size(self, messages: Sequence[Mapping[str, Any]], max_positions: int | None) -> None:
+        """ValueError, before anything is rendered or tokenized, when the text of ``messages`` is longer than
+        :meth:`text_bound` (module docstring): it names the longest turn and what to do."""
+        sizes = [len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages]
+        bound, why = self.text_bound(max_positions)
+        if sum(sizes) > bound:
+            j = max(range(len(sizes)), key=sizes.__getitem__)
+            raise ValueError(f"too long to tokenize: its text is {sum(sizes):,} characters (turn {j + 1}, "
+                             f"{messages[j].get('role')}: {sizes[j]:,}), more than the {bound:,} {why}; it was not "
+                             "tokenized: shorten or split the conversation")
 
     @property
     def mask_source(self) -> str:

@@ -97,12 +97,14 @@ def refused_link(path: str, what: str) -> CorruptShardError:
 
 
 def file_kind(mode: int) -> str:
-    """What an ``lstat`` mode is, in words (for a path that should have been a regular file)."""
+    """What an ``lstat`` (or ``stat``) mode is, in words (for a path that should have been a regular file)."""
     if stat.S_ISLNK(mode):
         return "a symlink"
     if stat.S_ISDIR(mode):
         return "a directory"
-    return "not a regular file (a FIFO, socket or device)"
+    special = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
+               stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+    return next((f"{name}, not a regular file" for test, name in special.items() if test(mode)), "not a regular file")
 
 
 def regular_file(root: str | os.PathLike, rel: str) -> int:

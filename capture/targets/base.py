@@ -269,6 +269,7 @@ class Target(ABC):
         return ids[start:end]
 
     def _tokenize(self, conv: Conversation) -> Tokenized:
+        self.template.check_text_size(conv.messages, self.max_positions)  # before the tokenizer sees it
         if not conv.generation_prompt:
             return self.template.tokenize(conv.messages)
         ids = self.template.encode_prompt(conv.messages)

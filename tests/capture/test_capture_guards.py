@@ -199,3 +199,114 @@ def test_audio_far_too_long_is_skipped_from_its_header_without_decoding(salm_dir
     (skip,) = m["skipped"]["train"]
     assert skip["sample_id"] == "long" and skip["reason"].startswith("too long: ") and "not decoded" in skip["reason"]
     assert m["splits"]["train"]["samples"] == 1
+
+
+def within(seconds: float, fn, fifos=()):
+    """``fn()``'s result, or a test failure when it has not returned after ``seconds`` (a thread stuck opening a FIFO
+    is then released by opening each of ``fifos`` for writing, so the suite goes on)."""
+    import os
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for f in fifos:
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(30)
+        pytest.fail(f"still running after {seconds}s (stuck opening a FIFO?)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def special_audio(tmp_path):
+    """A manifest over a FIFO, a directory and a character device (a link to /dev/zero, inside the manifest's
+    directory) given as audio, and one real file; returns (manifest, FIFO path)."""
+    import os
+
+    from tests.capture.util import write_wav
+
+    os.mkfifo(tmp_path / "pipe.wav")
+    (tmp_path / "folder.wav").mkdir()
+    (tmp_path / "zero.wav").symlink_to("/dev/zero")
+    write_wav(tmp_path / "ok.wav", [1, 2])
+    man = write_manifest(tmp_path / "m.jsonl", [conv_record(n, f"{n}.wav") for n in ("pipe", "folder", "zero", "ok")])
+    return man, tmp_path / "pipe.wav"
+
+
+SPECIAL_AUDIO = {"pipe": "is a FIFO (named pipe), not a regular file", "folder": "is a directory",
+                 "zero": "is a character device, not a regular file"}
+
+
+def test_an_audio_path_that_is_no_regular_file_is_refused_before_it_is_opened(salm_dir, tmp_path):
+    """A FIFO given as audio hung capture for minutes, past Ctrl-C (opening it waits for a writer, inside
+    libsndfile), and a directory or a device was called "does not exist". Each is refused as what it is, naming the
+    path and what to give instead, without being opened: skipped and counted, or under the default on_error the
+    capture stops on the first in one line."""
+    from tapdraft.common.errors import CaptureError
+
+    man, fifo = special_audio(tmp_path)
+    m = within(60, lambda: capture(_cfg(salm_dir, man, tmp_path / "ds", on_error="skip")), fifos=[fifo])
+    reasons = {s["sample_id"]: s["reason"] for s in m["skipped"]["train"]}
+    assert reasons.keys() == SPECIAL_AUDIO.keys()
+    for sid, what in SPECIAL_AUDIO.items():
+        assert f"audio path {tmp_path / (sid + '.wav')} {what}" in reasons[sid] and "give the path of an audio file" \
+            in reasons[sid], reasons[sid]
+    assert m["splits"]["train"]["samples"] == 1
+    with pytest.raises(CaptureError, match=r"'pipe'.*line 1.*is a FIFO \(named pipe\)") as e:
+        within(60, lambda: capture(_cfg(salm_dir, man, tmp_path / "fail")), fifos=[fifo])
+    assert "\n" not in str(e.value)
+
+
+def huge_turn(target) -> str:
+    """A text turn of 2 MB: past the demo target's text bound (1024 positions x 20 characters), small enough for a
+    test's memory (the 50 MB turn of the report needs no more than this to show the bound comes first)."""
+    bound, _ = target.template.text_bound(target.max_positions)
+    text = "what did i say ? " * (2_000_000 // 17)
+    assert len(text) > bound
+    return text
+
+
+def tokenized_lengths(monkeypatch) -> list[int]:
+    """The length of every text the chat template renders or tokenizes from now on."""
+    from tapdraft.capture.template import ChatTemplate
+
+    seen: list[int] = []
+    render, encode = ChatTemplate.render, ChatTemplate.encode
+    monkeypatch.setattr(ChatTemplate, "render", lambda self, m, **kw: (seen.append(sum(len(x["content"]) for x in m)),
+                                                                        render(self, m, **kw))[1])
+    monkeypatch.setattr(ChatTemplate, "encode", lambda self, text: (seen.append(len(text)), encode(self, text))[1])
+    return seen
+
+
+def test_a_huge_text_turn_is_refused_before_the_tokenizer_sees_it(salm_dir, tmp_path, monkeypatch):
+    """A 50 MB text turn aborted capture (SIGABRT, exit 134: the Rust tokenizer failed to allocate). Text past what
+    the target's positions can hold at its tokenizer's longest token is a bad input, never rendered or tokenized:
+    skipped and counted, or under the default on_error one line naming the sample and line."""
+    from tapdraft.common.errors import CaptureError
+    from tests.capture.util import write_wav
+
+    write_wav(tmp_path / "ok.wav", [1, 2])
+    big = conv_record("big", "ok.wav", prompt=huge_turn(load_target(salm_dir)))
+    man = write_manifest(tmp_path / "m.jsonl", [big, conv_record("ok", "ok.wav")])
+    seen = tokenized_lengths(monkeypatch)
+    m = capture(_cfg(salm_dir, man, tmp_path / "ds", on_error="skip"))
+    (skip,) = m["skipped"]["train"]
+    assert skip["sample_id"] == "big" and skip["reason"].startswith("too long to tokenize: its text is 2,0")
+    assert "turn 1, user: 2,0" in skip["reason"] and "1024 positions" in skip["reason"]
+    assert m["splits"]["train"]["samples"] == 1 and seen and max(seen) < 1000
+    with pytest.raises(CaptureError, match=r"'big'.*line 1.*too long to tokenize") as e:
+        capture(_cfg(salm_dir, man, tmp_path / "fail"))
+    assert "\n" not in str(e.value) and max(seen) < 1000

@@ -220,3 +220,47 @@ def test_prefix_tokens_from_the_conversation_equal_encoding_the_prefix_whole(fam
     assert enc.ids == ct.encode(text) and (family == "words" or len(enc.anchors) >= 5)
     for c in range(len(text) + 1):
         assert enc.prefix_ids(text[:c]) == ct.encode(text[:c]), (c, text[:c][-20:])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma"])
+def test_no_token_stands_for_more_characters_than_the_text_bound_assumes(family):
+    """The text bound (``ChatTemplate.text_bound``) refuses a conversation its positions cannot hold at the tokenizer's
+    longest token: sound only if no token of any text covers more characters than that. Checked on byte-level BPE
+    over trained words, the longest token repeated, special tokens inline, multi-byte and random text."""
+    import random
+
+    tok = make_tokenizer(family)
+    ct = ChatTemplate(tok, end_ids=end_ids(tok, family))
+    longest = ct.longest_token()
+    top = max(tok.get_vocab(), key=len)
+    rng = random.Random(0)
+    texts = ["What is the capital of France? Paris is the capital of France.", tok.convert_tokens_to_string([top]) * 50,
+             " ".join(tok.all_special_tokens) * 20, "é中文😀 " * 40, "x" * 1000, " " * 1000,
+             "".join(chr(rng.randrange(32, 0x3000)) for _ in range(2000))]
+    for text in texts:
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        assert n * longest >= len(text), (text[:40], n, longest)
+
+
+def test_the_text_bound_refuses_one_character_past_it_before_rendering(monkeypatch):
+    """``check_text_size`` passes a conversation at its bound and refuses one a character longer, naming the longest
+    turn, without rendering or tokenizing; a target whose positions are unknown gets ``MAX_TEXT_CHARS``."""
+    from tapdraft.capture import template as tm
+
+    tok = make_tokenizer("qwen3")
+    ct = ChatTemplate(tok, end_ids=end_ids(tok, "qwen3"))
+    monkeypatch.setattr(ChatTemplate, "render", lambda *a, **k: pytest.fail("rendered"))
+    monkeypatch.setattr(ChatTemplate, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    bound, why = ct.text_bound(100)
+    assert bound == 100 * ct.longest_token() and "100 positions" in why
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * (bound - 2)}]
+    ct.check_text_size(msgs, 100)
+    msgs[1]["content"] += "x"
+    with pytest.raises(ValueError, match=rf"too long to tokenize: its text is {bound + 1:,} characters \(turn 2, "
+                                         rf"assistant: {bound - 1:,}\).*was not tokenized: shorten or split") as e:
+        ct.check_text_size(msgs, 100)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(tm, "MAX_TEXT_CHARS", 50)
+    assert ct.text_bound(None) == (50, "tapdraft tokenizes at most") == ct.text_bound(10 ** 9)
+    with pytest.raises(ValueError, match="more than the 50 tapdraft tokenizes at most"):
+        ct.check_text_size([{"role": "user", "content": "y" * 51}], None)

@@ -332,3 +332,42 @@ def test_chunks_joined_equal_one_regeneration_of_the_whole(lm_dir, tmp_path):
     with pytest.raises(ValueError, match=r"other\.jsonl was regenerated with another target or other settings"):
         join_outputs([parts[0], tmp_path / "other.jsonl"], tmp_path / "bad.jsonl")
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_an_audio_path_that_is_no_regular_file_is_refused_as_what_it_is(salm_dir, tmp_path):
+    """regenerate refuses a FIFO, a directory or a device given as audio through the same check as capture
+    (``inputs.check_audio_path``), saying what it is: a directory or a device was "does not exist"."""
+    from tests.capture.test_capture_guards import SPECIAL_AUDIO, special_audio, within
+
+    man, fifo = special_audio(tmp_path)
+    with pytest.warns(UserWarning, match=r"kept only 1 of 4 conversations \(dropped bad_input: 3\)"):
+        doc = within(60, lambda: regenerate(_cfg(salm_dir, man, tmp_path / "out.jsonl", on_error="skip")),
+                     fifos=[fifo])
+    reasons = {d["sample_id"]: d["message"] for d in doc["dropped"]}
+    assert reasons.keys() == SPECIAL_AUDIO.keys()
+    for sid, what in SPECIAL_AUDIO.items():
+        assert f"audio path {tmp_path / (sid + '.wav')} {what}" in reasons[sid], reasons[sid]
+    with pytest.raises(RegenerateError, match=r"bad input 'pipe'.*is a FIFO \(named pipe\)"):
+        within(60, lambda: regenerate(_cfg(salm_dir, man, tmp_path / "fail.jsonl")), fifos=[fifo])
+
+
+def test_a_huge_text_turn_is_refused_before_the_tokenizer_sees_it(lm_dir, tmp_path, monkeypatch):
+    """A 50 MB text turn aborted regenerate (SIGABRT from the tokenizer) as it did capture: the same bound
+    (``ChatTemplate.check_text_size``) makes it a bad input, counted or one line, never tokenized."""
+    from tapdraft.capture.targets.load import load_target
+    from tests.capture.test_capture_guards import huge_turn, tokenized_lengths
+
+    text = huge_turn(load_target(lm_dir))
+    recs = [{"id": "big", "conversations": [{"from": "User", "value": text}, {"from": "Assistant", "value": "x ."}]},
+            {"id": "ok", "conversations": [{"from": "User", "value": "what did i say ?"},
+                                           {"from": "Assistant", "value": "you said one ."}]}]
+    data = write_manifest(tmp_path / "in.jsonl", recs)
+    seen = tokenized_lengths(monkeypatch)
+    doc = regenerate(_cfg(lm_dir, data, tmp_path / "out.jsonl", on_error="skip"))
+    assert doc["counts"]["written"] == 1 and doc["counts"]["dropped"] == {"bad_input": 1}
+    (drop,) = doc["dropped"]
+    assert drop["sample_id"] == "big"
+    assert drop["message"].startswith("too long to tokenize: its text is 1,999,999 characters (turn 1, user")
+    with pytest.raises(RegenerateError, match=r"bad input 'big'.*line 1.*too long to tokenize") as e:
+        regenerate(_cfg(lm_dir, data, tmp_path / "fail.jsonl"))
+    assert "\n" not in str(e.value) and seen and max(seen) < 1000

@@ -41,9 +41,9 @@ USERS = ("cli", "benchmarks", "demo", "engines")
 """Where a name may be passed as a value (a flag's default, a measured configuration, the demo's choice, a peer's or
 a serving engine's own name for a method), never branched on."""
 
-PEER_CODE = ("benchmarks/peers.py", "engines/peers/modelopt_runner.py")
-"""Code that pairs a drafter family with a peer trainer's method of the same name (ModelOpt's ``dflash`` / ``dspark``
-/ ``eagle`` modes; the compared rows of benchmarks/peers.py): it names both by design, so the family rule leaves it
+PEER_CODE = ("benchmarks/peers.py", "engines/peers/modelopt_runner.py", "engines/vllm_plugin/tapdraft_vllm/candidate_heads.py")
+"""Code that pairs a drafter family with a peer's of the same name (ModelOpt's ``dflash`` / ``dspark`` / ``eagle``
+modes; the compared rows of benchmarks/peers.py; vLLM's DFlash2 and LiLiCorr heads the plugin steps): it names both by design, so the family rule leaves it
 out (tests/test_layout.py checks that each still does, so the list cannot go stale)."""
 
 FAMILY_REGISTRY = "train/drafters/__init__.py"

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from tapdraft.common.errors import InputError
-from tapdraft.shards.limits import file_kind
+from tapdraft.common.files import file_kind
 
 DURATION_SLACK_S = 0.01
 """An audio span may end this far past the end of its file (manifests round durations); more is an error."""

@@ -32,6 +32,7 @@ from typing import Any
 import zstandard
 
 from tapdraft.common.errors import CorruptShardError
+from tapdraft.common.files import file_kind
 
 MAX_SHARD_BYTES = 64 << 30
 MAX_INDEX_BYTES = 64 << 20
@@ -90,21 +91,10 @@ def decompress_bounded(blob: bytes, where: str) -> bytes:
 
 
 def refused_link(path: str, what: str) -> CorruptShardError:
-    """The one refusal of a link or special file inside a dataset (``what``: :func:`file_kind`)."""
+    """The one refusal of a link or special file inside a dataset (``what``: :func:`tapdraft.common.files.file_kind`)."""
     return CorruptShardError(f"{path} is {what}: a dataset holds regular files only and tapdraft never follows a "
                              "link out of one (it could lead to any file of this machine); replace it with the "
                              "file itself (cp -L) if you trust its source, or re-copy the dataset")
-
-
-def file_kind(mode: int) -> str:
-    """What an ``lstat`` (or ``stat``) mode is, in words (for a path that should have been a regular file)."""
-    if stat.S_ISLNK(mode):
-        return "a symlink"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    special = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
-               stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
-    return next((f"{name}, not a regular file" for test, name in special.items() if test(mode)), "not a regular file")
 
 
 def regular_file(root: str | os.PathLike, rel: str) -> int:
@@ -143,7 +133,7 @@ _SPLIT_SHAPE = {"samples": int, "tokens": int, "supervised_tokens": int, "audio_
                 "shards": list}
 _MANIFEST_SHAPE = {"schema_version": str, "format": str, "complete": bool, "fingerprint": str, "layout": dict,
                    "field_meta": dict, "splits": dict, "skipped": dict, "extra": (dict, type(None)),
-                   "integrity": dict, "shard_config": dict, "card": dict}
+                   "integrity": dict, "shard_config": dict, "card": dict, "bundle": dict}
 
 
 def _kind_name(t: Any) -> str:

@@ -27,7 +27,8 @@ from typing import Any, Iterable
 
 from tapdraft.shards import manifest as mf
 from tapdraft.shards.bundle import bundle_files
-from tapdraft.shards.limits import file_kind, refused_link, regular_file
+from tapdraft.common.files import file_kind
+from tapdraft.shards.limits import refused_link, regular_file
 from tapdraft.shards.remote import is_local
 from tapdraft.shards.shard_index import index_name
 

@@ -137,6 +137,7 @@ NUMBER_CASES: dict[str, Callable[[Path], str]] = {
     "split_is_a_list": lambda r: _edit_manifest(r, lambda m: m["splits"].update(train=[])),
     "shard_is_a_number": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"].__setitem__(0, 5)),
     "bytes_is_a_string": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"][0].update(bytes="9")),
+    "bundle_record_is_a_string": lambda r: _edit_manifest(r, lambda m: m.update(bundle="0" * 64)),
     "samples_2_35": lambda r: _edit_manifest(r, lambda m: _claim_samples(m, 2**35)),
     "nested_100k_deep": lambda r: _edit_raw(r, lambda raw: "[" * 100_000 + "]" * 100_000),
     "truncated": lambda r: _edit_raw(r, lambda raw: raw[:100]),

@@ -165,7 +165,7 @@ def load_pair(cfg: SpeculateConfig) -> tuple[Target, Trained]:
     template = None if cfg.chat_template is None else read_template_file(cfg.chat_template)
     target = load_target(cfg.target, device=cfg.device, llm_config=cfg.llm_config, template=template,
                          template_kwargs=dict(cfg.template_kwargs))
-    loaded = load_trained(cfg.draft, cfg.data, device=cfg.device)
+    loaded = load_trained(cfg.draft, cfg.data, device=cfg.device, any_split=True)  # samples are found by id, any split
     check_template(loaded.src.bundle.template_settings, template=target.template.text, kwargs=target.template.kwargs,
                    where=str(cfg.data), given_by="speculate's target (its own template or --chat-template, and "
                    "--template-kwarg)")

@@ -131,12 +131,14 @@ class Trained:
     split: str
 
 
-def pick_split(src_splits: list[str], train_split: str) -> str:
-    """The evaluation split: validation, test or eval when the dataset has one, else the training split."""
+def pick_split(src_splits: list[str], train_split: str, *, any_split: bool = False) -> str:
+    """The evaluation split: validation, test or eval when the dataset has one, else the training split. With
+    ``any_split`` (a caller that only needs the dataset's bundle and layout and finds its samples by id in every
+    split: ``speculate``), a dataset that has neither gives its first split rather than a refusal."""
     for s in EVAL_SPLITS:
         if s in src_splits:
             return s
-    return train_split
+    return src_splits[0] if any_split and train_split not in src_splits and src_splits else train_split
 
 
 def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
@@ -153,17 +155,18 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, Checkpoint]:
 
 
 def load_trained(run_dir: str | Path, data: DataRef, *, split: str | None = None, device: str = "cpu",
-                 template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> Trained:
+                 template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 any_split: bool = False) -> Trained:
     """Load the latest checkpoint of ``run_dir`` for ``data`` (an evaluation split by default).
 
     Refuses a directory that is not a run, a run with no checkpoint, a dataset of another target or with
     other chat-template settings than the draft was trained with, and one that differs from the given
-    ``template`` text / ``template_kwargs`` (None: no expectation).
+    ``template`` text / ``template_kwargs`` (None: no expectation). ``any_split``: see :func:`pick_split`.
     """
     run, ck, state = load_run(run_dir)
     check_finite(state.draft, str(ck), "evaluated")
     ds = open_dataset(str(data)) if isinstance(data, (str, os.PathLike)) else data
-    src = open_source(ds, split or pick_split(list(ds.splits), run.train.split))
+    src = open_source(ds, split or pick_split(list(ds.splits), run.train.split, any_split=any_split))
     check_trained_template(state, src, run_dir)
     check_template(src.bundle.template_settings, template=template, kwargs=template_kwargs,
                    where=f"dataset {src.where}", given_by="the settings given (--chat-template/--template-kwarg)")

@@ -99,3 +99,17 @@ def test_the_commands_print_the_break_even_line(chain, tmp_path):
         assert verdict in res.output
         saved = json.loads((tmp_path / "e" / "eval.json").read_text())["breakeven"]
         assert saved["round_cost"] == cost and saved["clears"] == (verdict == "clears it")
+
+
+def test_speculate_reads_a_dataset_whose_splits_are_kinds_of_request(chain, tmp_path):
+    """A per-kind dataset (one split a kind: no train or evaluation split) serves speculate as the training data
+    does: its samples are found by id, so which split names the bundle does not matter."""
+    model, convs, data, run = chain
+    kinds = str(tmp_path / "kinds")
+    res = CliRunner().invoke(app, ["capture", "--target", str(model), "--data", f"alpaca={convs}",
+                                   "--data", f"gsm8k={convs}", "--out", kinds, "--top-k", "4"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    cfg = dict(target=str(model), draft=run, conversations=str(convs), max_samples=3, max_new_tokens=12)
+    got = run_speculate(SpeculateConfig(data=kinds, **cfg), progress=False)
+    want = run_speculate(SpeculateConfig(data=data, **cfg), progress=False)
+    assert got["totals"] == want["totals"] and got["offline_tau"] == want["offline_tau"]

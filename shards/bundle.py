@@ -54,7 +54,8 @@ from tapdraft.common.atomic import OLD_SUFFIX, is_local as _is_local, staged
 from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.head import HeadSpec
 from tapdraft.shards.integrity import matches_record
-from tapdraft.shards.limits import check_size, regular_file, safe_relpath
+from tapdraft.shards.limits import (MAX_BUNDLE_DOC_BYTES, MAX_BUNDLE_FILE_BYTES, check_file_size, check_size,
+                                    regular_file, safe_relpath)
 from tapdraft.shards.schema import SCHEMA_VERSION, check_schema_version
 from tapdraft.shards.target_config import check_target_config
 from tapdraft.common.template import template_kwargs as canonical_kwargs
@@ -89,8 +90,6 @@ CONFIG_KEYS = (
     "pad_token_id",
 )
 """What a drafter reads of the target. ``logits_scaling``: the teacher divides logits by it (Granite)."""
-MAX_BUNDLE_DOC_BYTES = 64 << 20
-"""bundle.json: config, head, audio, chat template and a few dozen file records (a few KB to ~1 MB)."""
 SERVING_KEYS = ("max_position_embeddings", "rope_parameters", "layer_types")
 """Target facts a draft's serving config repeats (context length, RoPE type and scaling, attention kind per
 layer). Recorded when the target has them, outside the fingerprint: no tensor a drafter trains on depends
@@ -215,8 +214,11 @@ def _read_tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> dict[str, 
     root = Path(tokenizer_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())
-            if p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in TOKENIZER_FILES)}
+    files = [p for p in sorted(root.iterdir())
+             if p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in TOKENIZER_FILES)]
+    for p in files:  # a file no reader could take is refused when the bundle is written, not after a capture
+        check_member_size(f"{TOKENIZER_DIR}/{p.name}", p.stat().st_size, None, str(p))
+    return {p.name: p.read_bytes() for p in files}
 
 
 def _bundle_weights(
@@ -345,6 +347,17 @@ def migrate_bundle_doc(doc: dict[str, Any]) -> dict[str, Any]:
             "head": HeadSpec.from_config(doc.get("config", {})).to_dict(), "files": doc.get("files", {})}
 
 
+def check_member_size(rel: str, size: int | None, rec: dict[str, Any] | None, path: str) -> None:
+    """A bundle file's size (by stat, before it is read or copied): what bundle.json records (``rec``; None for
+    schema 1.0) and, but for the weights (sized by their tensors), at most MAX_BUNDLE_FILE_BYTES (shards.limits:
+    a 1.2 GB tokenizer.json was read whole by train and inspect and copied whole by derive)."""
+    if rel not in (BUNDLE_FILE, WEIGHTS_FILE) and size is not None:
+        check_file_size(size, MAX_BUNDLE_FILE_BYTES, path, "MAX_BUNDLE_FILE_BYTES")
+    if rec is not None and size != rec["bytes"]:
+        raise ValueError(f"target bundle {path.rsplit('/', 1)[0]} is corrupted or was edited: {rel} does not match "
+                         "what bundle.json records; re-copy the dataset's target/ directory")
+
+
 def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) -> None:
     for name, rec in files.items():
         p = root / safe_relpath(name, f"{root / BUNDLE_FILE}")
@@ -352,6 +365,8 @@ def _check_files(root: Path, files: dict[str, dict[str, Any]], *, rehash: bool) 
             size = regular_file(root, name)  # a link is refused, never followed (shards.members)
         except FileNotFoundError:
             size = None
+        if size is not None:
+            check_member_size(name, size, None, str(p))  # the bound first: nothing past it is hashed or read
         bad = size != rec["bytes"] or (rehash and _file_sha(p) != rec["sha256"])
         if bad:
             raise ValueError(
@@ -391,6 +406,11 @@ def read_bundle_doc(fs: Any, tdir: str, expect: dict[str, Any] | None = None) ->
         raise CorruptShardError(f"{path} is not valid JSON ({e}); re-copy the dataset's target/ directory") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("files", {}), dict):
         raise CorruptShardError(f"{path} is not a bundle document; re-copy the dataset's target/ directory")
+    for name, rec in doc.get("files", {}).items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and isinstance(rec.get("bytes"), int)
+                and not isinstance(rec["bytes"], bool) and rec["bytes"] >= 0):
+            raise CorruptShardError(f"{path}: files.{name} is {json.dumps(rec)[:60]}, not a record of bytes and "
+                                    "sha256; re-copy the dataset's target/ directory")
     return doc
 
 
@@ -428,7 +448,7 @@ def _interrupted(path: str) -> str:
 
 
 def _read_regular(root: Path, rel: str) -> bytes:
-    regular_file(root, rel)
+    check_member_size(rel, regular_file(root, rel), None, str(root / rel))
     return (root / rel).read_bytes()
 
 
@@ -437,8 +457,13 @@ def copy_bundle(fs: fsspec.AbstractFileSystem, path: str, dest: str | os.PathLik
     """Copy the bundle at ``path`` (any filesystem) into the new local directory ``dest``: bundle.json and the files
     it lists, nothing else; a local link among them is refused, never followed (``shards.members``). ``expect``: the
     manifest's record of bundle.json, which the copy must match (an edited bundle.json is not carried on)."""
-    names = bundle_files(fs, path)
+    doc = read_bundle_doc(fs, path, expect)  # bundle.json as the manifest records it, before anything is copied
+    names = bundle_names(doc, () if "head" in doc else _tokenizer_listing(fs, path))
     local = _is_local(fs)
+    for rel in names:  # each file's size (stat) checked against its record and the bound before it is copied
+        src = f"{path.rstrip('/')}/{rel}"
+        size = regular_file(fs._strip_protocol(path), rel) if local else fs.size(src)
+        check_member_size(rel, size, doc.get("files", {}).get(rel), src)
     for rel in names:
         out = Path(dest) / rel
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,18 +3,46 @@
 A manifest, a shard index, a bundle.json and a WebDataset member are all written by whoever made the
 dataset; their checksums prove the bytes were not damaged, not that the writer meant well. So every
 path read from them is checked to stay inside the dataset (``safe_relpath``: relative, no ``..``, no
-drive, scheme or backslash), and every size read from them is checked against a bound before
-anything of that size is allocated:
+drive, scheme or backslash), and every size or count read from them is checked against ONE table of
+bounds (this one; docs/reliability.md repeats it) before anything of that size is read or allocated:
 
-    MAX_SHARD_BYTES     64 GiB   a shard (the writer rolls at ``ShardConfig.shard_bytes``, 1 GiB by default)
-    MAX_INDEX_BYTES     64 MiB   a shard's index file (~60 bytes a record batch: 1M batches)
-    MAX_MANIFEST_BYTES   1 GiB   manifest.json (~250 bytes a shard; 30k shards are ~8 MB)
-    zstd members        a frame's declared (or actual) decompressed size is at most
-                        max(MAX_RATIO x its compressed size, RATIO_FLOOR): real fields compress
-                        1.3-3x (taps) and up to a few hundred x (masks of long samples, under 64 MiB)
+    claim                          bound                    why (real sizes)
+    manifest.json                  MAX_MANIFEST_BYTES 128 MiB  ~250 bytes a shard (30k shards, 30 TB at 1 GiB
+                                   by stat, before a byte    shards: ~8 MB) and ~250 a skipped input (500k of
+                                   is read                   them fit); json parses it at ~3.5x its size, so
+                                                             ~0.5 GB at the bound (1 GiB reached 3.5 GB)
+    target/bundle.json             MAX_BUNDLE_DOC_BYTES 64 MiB  config, chat template, file records: a few KB-1 MB
+    any other bundle file but the  MAX_BUNDLE_FILE_BYTES 64 MiB  the largest known tokenizer.json (Gemma 3's) is
+    weights (tokenizer/, processor  recorded size and file    33 MB; Qwen3's 11 MB, Llama 3's 9 MB; checked
+    configs)                       size, before read or copy before train/inspect read it, derive/pull copy it
+    weights.safetensors            its recorded size         its tensors are [vocab, hidden]: bounded below
+    a shard                        MAX_SHARD_BYTES 64 GiB    the writer rolls at ShardConfig.shard_bytes (1 GiB)
+    a shard's index file           MAX_INDEX_BYTES 64 MiB    ~60 bytes a record batch: 1M batches
+    a shard's samples              <= its bytes              a sample stores at least one byte
+    a shard's (supervised) tokens  <= its bytes x MAX_RATIO  a token stores at least one byte of taps, and no
+                                   (supervised <= tokens)    stored byte decompresses past MAX_RATIO
+    a shard's audio_seconds        finite, >= 0
+    a split's samples, tokens,     the sum of its shards'    what readers index by (``inspect --sample``,
+    supervised tokens, bytes,      (audio within 1e-6)       derive's counts, the order's units)
+    audio_seconds
+    zstd member / Arrow buffer     max(MAX_RATIO x its compressed size, RATIO_FLOOR): real fields compress
+                                   1.3-3x (taps) and up to a few hundred x (masks of long samples, under 64 MiB)
+    hidden_size                    MAX_HIDDEN 131072         the largest real targets: 16384-18432 (Llama 3.1
+                                                             405B, Nemotron-4 340B)
+    num_hidden_layers              MAX_LAYERS 4096           real: up to 126
+    num_attention_heads, kv heads  MAX_HEADS 4096            real: up to 128
+    head_dim                       MAX_HEAD_DIM 8192         real: 64-256
+    intermediate_size              MAX_FFN_RATIO x hidden    real ratios 2.5-8 (Gemma: 8); the one width no
+                                   (16x), at most 2**20      weight backs, so the drafter's MLP is bounded by
+                                                             the hidden size the weights prove
+    vocab_size, token ids          MAX_VOCAB 2**24           real: up to 262144 (Gemma 3)
+    max_position_embeddings        MAX_POSITIONS 2**30       real: up to 10M (Llama 4 Scout)
+    a layout's top_k               MAX_TOP_K 4096            capture stores 8-64
 
-A claim past a bound is a ``CorruptShardError`` naming the file, not an allocation that ends in an
-OOM kill; so is a shard claiming more samples than it has bytes, and a document of the wrong shape
+The widths are the target config schema's bounds (``shards.target_config`` applies them with the rules across
+fields); the layout in a manifest is held to the same ones (``shards.schema.Layout``). A claim past a bound is a
+``CorruptShardError`` (or the schema's ``ValueError``) naming the file, the field and the bound, one line the CLI
+prints as ``error: ...`` (exit 2), not an allocation that ends in an OOM kill; so is a document of the wrong shape
 (``check_manifest_shape``: a fixed walk of the parts readers use, never a TypeError or a recursion).
 And every file read from a local dataset is a regular file reached through real directories
 (``regular_file``): a link is refused, never followed (``shards.members`` says which files those are).
@@ -36,9 +64,20 @@ from tapdraft.common.files import file_kind
 
 MAX_SHARD_BYTES = 64 << 30
 MAX_INDEX_BYTES = 64 << 20
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 128 << 20
+MAX_BUNDLE_DOC_BYTES = 64 << 20
+MAX_BUNDLE_FILE_BYTES = 64 << 20
 MAX_RATIO = 1024
 RATIO_FLOOR = 64 << 20
+MAX_HIDDEN = 1 << 17
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 8192
+MAX_FFN_RATIO = 16
+MAX_INTERMEDIATE = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 30
+MAX_TOP_K = 4096
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*")
 """Names every part of which starts with a letter, digit or underscore (never ``.``, ``..``, ``~``, a drive)."""
@@ -68,6 +107,30 @@ def check_size(n: Any, limit: int, where: str, what: str = "bytes") -> int:
         raise CorruptShardError(f"{where} claims {n!r} {what}, outside 0..{limit}: refusing it (the manifest or "
                                 "index was damaged or crafted); re-copy the dataset from its source")
     return n
+
+
+def check_file_size(n: int, limit: int, path: str, name: str) -> int:
+    """``n``, the size of the file at ``path`` (from a stat or a record), when at most ``limit``; otherwise
+    CorruptShardError naming the file and the bound ``name`` (a constant of this module's table)."""
+    if n > limit:
+        raise CorruptShardError(f"{path} is {n} bytes, more than the bound {limit} ({name}, shards.limits): refusing "
+                                "to read or copy it (no real dataset's is that large: damaged or crafted); re-copy "
+                                "the dataset from its source")
+    return n
+
+
+def check_count(n: Any, limit: int | float, where: str, what: str) -> None:
+    """A count (``what``) claimed at ``where``: an int in 0..limit, or for ``audio_seconds`` a finite number
+    >= 0; otherwise CorruptShardError naming it and the bound."""
+    if what == "audio_seconds":
+        ok = isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < float("inf")
+        bound = "a finite number >= 0"
+    else:
+        ok = isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= limit
+        bound = f"0..{limit}"
+    if not ok:
+        raise CorruptShardError(f"{where} claims {what} = {json.dumps(n)[:40]}, outside {bound}: refusing it (the "
+                                "manifest was damaged or crafted); re-copy the dataset from its source")
 
 
 def decompress_bounded(blob: bytes, where: str) -> bytes:

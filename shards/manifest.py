@@ -20,6 +20,7 @@ size, sha256, counts and ``index`` [bytes, xxh3] of its index file, nothing per 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -27,12 +28,15 @@ from typing import Any, Callable
 
 import fsspec
 
+from tapdraft.common.atomic import is_local
+from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.bundle import BUNDLE_FILE, bundle_fingerprint, stored_fingerprint, write_bundle
 from tapdraft.shards.formats import FORMATS, get_format
-from tapdraft.shards.integrity import NO_INTEGRITY
-from tapdraft.shards.limits import (MAX_MANIFEST_BYTES, MAX_SHARD_BYTES, check_manifest_shape, check_size, parse_json,
-                           safe_relpath)
-from tapdraft.shards.schema import check_schema_version
+from tapdraft.shards.integrity import INTEGRITY, NO_INTEGRITY
+from tapdraft.shards.limits import (MAX_MANIFEST_BYTES, MAX_RATIO, MAX_SHARD_BYTES, check_count, check_file_size,
+                                    check_manifest_shape, check_size, parse_json, regular_file, safe_relpath)
+from tapdraft.shards.codec import FieldMeta
+from tapdraft.shards.schema import Layout, check_schema_version
 from tapdraft.shards.taps import TAP_NUMBERING, TAPS_CODECS
 from tapdraft.shards.shard_index import INDEX_DIR, migrate_inline_index
 
@@ -132,9 +136,58 @@ def check_manifest(doc: dict[str, Any], where: str) -> dict[str, Any]:
         )
     check_schema_version(doc.get("schema_version"), where)
     get_format(doc.get("format"), where)
+    missing = [k for k in READER_KEYS if k not in doc]
+    if missing:
+        raise CorruptShardError(f"{where} lacks {', '.join(missing)}, which every reader needs: not a finished "
+                                "tapdraft manifest (damaged or crafted); re-copy the dataset (or re-run finalize)")
     doc = migrate_manifest(doc)
+    check_integrity(doc, where)
     check_shard_entries(doc, where)
+    problems = split_total_problems(doc, where)
+    if problems:
+        raise CorruptShardError(problems[0])
+    check_layout(doc, where)
     return doc
+
+
+READER_KEYS = ("fingerprint", "layout", "field_meta", "splits")
+"""What every reader of a manifest uses (``verify`` asks for more: ``shards.verify.REQUIRED_KEYS``)."""
+COUNT_KEYS = ("samples", "tokens", "supervised_tokens", "audio_seconds", "bytes")
+"""A split's totals, each the sum of its shards'."""
+
+
+def check_integrity(doc: dict[str, Any], where: str) -> None:
+    """A migrated manifest's ``integrity``: one of the two entries tapdraft writes (``{}`` was a KeyError)."""
+    if doc["integrity"] not in (INTEGRITY, NO_INTEGRITY):
+        raise CorruptShardError(f"{where}: integrity is {json.dumps(doc['integrity'])[:60]}, neither of the two this "
+                                f"tapdraft writes ({json.dumps(INTEGRITY)}, or none for schema 1.0): damaged or "
+                                "crafted; re-copy the dataset")
+
+
+def check_layout(doc: dict[str, Any], where: str) -> None:
+    """The manifest's layout and field_meta as the schema builds them (widths within the bounds of
+    ``shards.limits``, typed): a ValueError naming the manifest and the field, never a TypeError."""
+    try:
+        Layout.from_dict(doc["layout"])
+        FieldMeta.from_dict(doc["field_meta"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptShardError(f"{where}: layout or field_meta is invalid ({e}): damaged or crafted; re-copy the "
+                                "dataset (or re-run finalize)") from None
+
+
+def split_total_problems(doc: dict[str, Any], where: str) -> list[str]:
+    """Each split total (COUNT_KEYS) that is not the sum of its shards' (audio seconds within 1e-6): readers index
+    a split by its shards (a split claiming more samples than they hold was an IndexError in ``inspect --sample``
+    and a derive that kept fewer samples than its lineage says), so readers refuse one and ``verify`` lists all."""
+    out = []
+    for split, d in doc["splits"].items():
+        for k in COUNT_KEYS:
+            got = sum(sh.get(k, 0) for sh in d.get("shards", []))
+            claimed = d.get(k, 0)
+            if abs(got - claimed) > 1e-6 * max(1.0, abs(got)):
+                out.append(f"{where}: split {split} says {k}={claimed}, its shards add up to {got}: damaged or "
+                           "crafted; re-copy the dataset (or re-run finalize)")
+    return out
 
 
 def check_shard_entries(doc: dict[str, Any], where: str) -> None:
@@ -150,6 +203,10 @@ def check_shard_entries(doc: dict[str, Any], where: str) -> None:
             safe_relpath(sh.get("name"), at, DATA_DIR)
             check_size(sh.get("bytes"), MAX_SHARD_BYTES, f"{at} ({sh['name']})")
             check_size(sh.get("samples"), max(sh["bytes"], 1), f"{at} ({sh['name']}, {sh['bytes']} bytes)", "samples")
+            tokens = sh.get("tokens", 0)
+            for k, bound in (("tokens", sh["bytes"] * MAX_RATIO), ("supervised_tokens", tokens), ("audio_seconds", 0)):
+                if k in sh:  # tokens first: supervised_tokens is bounded by it
+                    check_count(sh[k], bound, f"{at} ({sh['name']}, {sh['bytes']} bytes)", k)
 
 
 RESPONSES_KEY = "responses_from_target"
@@ -203,9 +260,12 @@ def read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
             f"{path} not found: {root} is not a finished tapdraft dataset. If a capture is writing it, "
             "let it finish (or resume it) and finalize; manifest.json is written last."
         )
+    # its size first, by stat: a 1 GB manifest was read and parsed (3.5 GB) before it was refused
+    size = regular_file(fs._strip_protocol(root), MANIFEST) if is_local(fs) else fs.size(path)
+    check_file_size(size, MAX_MANIFEST_BYTES, path, "MAX_MANIFEST_BYTES")
     with fs.open(path, "rb") as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
-    check_size(len(raw), MAX_MANIFEST_BYTES, path)
+    check_file_size(len(raw), MAX_MANIFEST_BYTES, path, "MAX_MANIFEST_BYTES")  # it grew since the stat
     return check_manifest(parse_json(raw, path), path)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tapdraft.shards import manifest as mf
-from tapdraft.shards.bundle import bundle_files
+from tapdraft.shards.bundle import bundle_files, check_member_size
 from tapdraft.common.files import file_kind
 from tapdraft.shards.limits import refused_link, regular_file
 from tapdraft.shards.remote import is_local
@@ -60,7 +60,7 @@ def dataset_members(fs: Any, root: str, doc: dict[str, Any], *, sizes: dict[str,
     """relative path -> size of every member of the finished dataset ``doc`` at ``root`` but manifest.json, which
     a copy writes last. Local members are checked to be regular files (CorruptShardError for a link); remote
     sizes come from ``sizes`` (one listing: relative path -> size). FileNotFoundError for a missing shard,
-    index file or bundle file."""
+    index file or bundle file; CorruptShardError for a bundle file past its bound (``shards.limits``)."""
     out: dict[str, int] = {}
     for rel in member_names(fs, root, doc):
         try:
@@ -73,6 +73,8 @@ def dataset_members(fs: Any, root: str, doc: dict[str, Any], *, sizes: dict[str,
                 continue
             raise FileNotFoundError(f"{mf.join(root, rel)} is part of the dataset (its manifest or bundle lists it) "
                                     "but missing; re-copy the dataset or re-capture it") from None
+        if rel.startswith(mf.TARGET_DIR + "/"):  # a bundle file past the bound is neither sent nor fetched
+            check_member_size(rel.split("/", 1)[1], out[rel], None, mf.join(root, rel))
     return out
 
 

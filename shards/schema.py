@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tapdraft.shards.limits import MAX_HIDDEN, MAX_LAYERS, MAX_TOP_K, MAX_VOCAB
 from tapdraft.shards.taps import DEFAULT_TAPS_CODEC, TAPS_CODECS, to_vllm
 
 SCHEMA_VERSION = "2.0"
@@ -87,14 +88,18 @@ class Layout:
     """How taps are stored: a name in ``shards.taps.TAPS_CODECS``."""
 
     def __post_init__(self) -> None:
-        if self.hidden_size <= 0 or self.num_layers <= 0:
-            raise ValueError(f"hidden_size and num_layers must be positive, got {self.hidden_size}, {self.num_layers}")
+        for name, hi in (("hidden_size", MAX_HIDDEN), ("num_layers", MAX_LAYERS), ("top_k", MAX_TOP_K),
+                         ("audio_token_id", MAX_VOCAB)):
+            v, lo = getattr(self, name), 0 if name in ("top_k", "audio_token_id") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:  # the bounds of shards.limits
+                raise ValueError(f"layout {name} must be an integer in [{lo}, {hi}], got {v!r}")
+        if not isinstance(self.tap_ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.tap_ids):
+            raise ValueError(f"tap_ids must be a list of integers, got {self.tap_ids!r}")
         ids = tuple(int(i) for i in self.tap_ids)
         object.__setattr__(self, "tap_ids", ids)
         if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_layers:
             raise ValueError(f"tap_ids must be distinct, ascending, within [0, {self.num_layers}); got {ids}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.taps_codec not in TAPS_CODECS:
             raise ValueError(f"taps_codec must be one of {tuple(TAPS_CODECS)}, got {self.taps_codec!r}")
 

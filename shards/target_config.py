@@ -9,7 +9,8 @@ checksums (``shards.bundle``, the manifest's record of bundle.json) say the byte
 the values are ones a target can have.
 
     field                    rule (JSON types: an integer is never true/false, never 4096.0); null allowed but
-                             for the three REQUIRED fields, which every reader of a bundle uses
+                             for the three REQUIRED fields, which every reader of a bundle uses. The numbers are
+                             the widths of the one table of dataset bounds (``shards.limits``, with real sizes)
     model_type               a name: letters, digits, ``_ . -``, 1-64 characters
     hidden_size              integer in [1, 131072]                 required
     num_hidden_layers        integer in [1, 4096]                   required
@@ -18,7 +19,8 @@ the values are ones a target can have.
     num_key_value_heads      integer in [1, 4096]; divides num_attention_heads
     head_dim                 integer in [1, 8192]; when null, num_attention_heads divides hidden_size (a drafter
                              then takes head_dim = hidden_size / heads: ``train.drafters.base.layer_shape``)
-    intermediate_size        integer in [1, 1048576]
+    intermediate_size        integer in [1, 1048576] and at most 16 x hidden_size (no weight backs this width: a
+                             bundle claiming 2,000,000 over hidden 64 allocated 3.2 GB of draft MLP)
     rope_theta               finite number > 0
     rms_norm_eps             finite number in (0, 1)
     logits_scaling           finite number > 0
@@ -47,6 +49,9 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
+from tapdraft.shards.limits import (MAX_FFN_RATIO, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS,
+                                    MAX_POSITIONS, MAX_VOCAB)
+
 LAYER_TYPES = (
     "full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
     "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse", "conv", "moe", "hybrid",
@@ -62,7 +67,7 @@ them); a drafter that needs more asks for it where it reads it (``layer_shape``:
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-MAX_ID = 1 << 24
+MAX_ID = MAX_VOCAB
 MAX_DEPTH = 8
 """How deep ``check_export_config`` walks (an export's config nests two levels)."""
 
@@ -97,7 +102,7 @@ def _token_id(v: Any) -> bool:
 
 
 def _layer_types(v: Any) -> bool:
-    return v is None or (isinstance(v, list) and 0 < len(v) <= 4096 and all(x in LAYER_TYPES for x in v))
+    return v is None or (isinstance(v, list) and 0 < len(v) <= MAX_LAYERS and all(x in LAYER_TYPES for x in v))
 
 
 def _rope_object(v: Any) -> bool:
@@ -128,13 +133,13 @@ def _rope(v: Any) -> bool:
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model_type": (lambda v: v is None or (isinstance(v, str) and bool(_NAME.match(v))),
                    "a name of letters, digits, '_', '.' or '-' (1-64 characters) or null"),
-    "hidden_size": _int_in(1, 1 << 17),
-    "num_hidden_layers": _int_in(1, 4096),
-    "vocab_size": _int_in(1, MAX_ID),
-    "num_attention_heads": _int_in(1, 4096, nullable=True),
-    "num_key_value_heads": _int_in(1, 4096, nullable=True),
-    "head_dim": _int_in(1, 8192, nullable=True),
-    "intermediate_size": _int_in(1, 1 << 20, nullable=True),
+    "hidden_size": _int_in(1, MAX_HIDDEN),
+    "num_hidden_layers": _int_in(1, MAX_LAYERS),
+    "vocab_size": _int_in(1, MAX_VOCAB),
+    "num_attention_heads": _int_in(1, MAX_HEADS, nullable=True),
+    "num_key_value_heads": _int_in(1, MAX_HEADS, nullable=True),
+    "head_dim": _int_in(1, MAX_HEAD_DIM, nullable=True),
+    "intermediate_size": _int_in(1, MAX_INTERMEDIATE, nullable=True),
     "rope_theta": _positive(),
     "rms_norm_eps": (lambda v: v is None or (_is_number(v) and 0 < v < 1), "a finite number in (0, 1) or null"),
     "logits_scaling": _positive(),
@@ -143,7 +148,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eos_token_id": (lambda v: _token_id(v) or (isinstance(v, list) and 0 < len(v) <= 64
                                                 and all(x is not None and _token_id(x) for x in v)),
                      f"an integer in [-1, {MAX_ID}], a non-empty list of them, or null"),
-    "max_position_embeddings": _int_in(1, 1 << 30, nullable=True),
+    "max_position_embeddings": _int_in(1, MAX_POSITIONS, nullable=True),
     "layer_types": (_layer_types, f"null or a list of known layer kinds (one of {', '.join(LAYER_TYPES[:4])}, ...: "
                                   "shards.target_config.LAYER_TYPES)"),
     "rope_parameters": (_rope, f"null or a RoPE object (rope_type one of {'/'.join(ROPE_TYPES)}, rope_theta > 0, "
@@ -171,6 +176,10 @@ def check_fields(doc: Mapping[str, Any], where: str, todo: str, prefix: str = ""
     if _is_int(heads) and _is_int(hidden) and doc.get("head_dim") is None and hidden % heads:
         raise _refuse(where, prefix + "hidden_size", hidden, f"a multiple of num_attention_heads ({heads}), as "
                       "head_dim is not given (head_dim = hidden_size / heads)", todo)
+    inter = doc.get("intermediate_size")
+    if _is_int(inter) and _is_int(hidden) and inter > MAX_FFN_RATIO * hidden:
+        raise _refuse(where, prefix + "intermediate_size", inter, f"at most {MAX_FFN_RATIO} x hidden_size ({hidden}): "
+                      "real targets use 2.5-8x", todo)
     types, layers = doc.get("layer_types"), doc.get("num_hidden_layers")
     if isinstance(types, list) and _is_int(layers) and len(types) != layers:
         raise _refuse(where, prefix + "layer_types", types, f"one entry per layer (num_hidden_layers = {layers}, it "

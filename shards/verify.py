@@ -83,6 +83,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
         return rep
     m = mf.migrate_manifest(m)
     try:
+        mf.check_integrity(m, man_path)
         mf.check_shard_entries(m, man_path)
     except ValueError as e:
         rep.problems.append(str(e))
@@ -117,11 +118,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
             why = f"; first skip reason: {skipped[0]['sample_id']!r}: {skipped[0]['reason']}" if skipped else ""
             rep.problems.append(f"{man_path}: split {split} has no samples ({len(skipped)} skipped){why}; "
                                 "re-capture it with inputs the target can use")
-        for k in COUNT_KEYS + ("bytes",):
-            got = sum(sh.get(k, 0) for sh in d["shards"])
-            if abs(got - d.get(k, 0)) > 1e-6 * max(1.0, abs(got)):
-                rep.problems.append(f"{man_path}: split {split} says {k}={d.get(k)}, its shards add up to {got}; "
-                                    "re-run finalize")
+    rep.problems += mf.split_total_problems(m, man_path)
     return rep
 
 

@@ -39,11 +39,11 @@ class Hostile:
     """The path, relative to ``root``, that verify must name."""
 
 
-def good_dataset(root: Path) -> Path:
-    """A small finished dataset (arrow, 3 shards) whose bundle lists ``tokenizer/tokenizer.json``."""
+def good_dataset(root: Path, tokenizer: bytes = TOKENIZER) -> Path:
+    """A small finished dataset (arrow, 3 shards) whose bundle lists ``tokenizer/tokenizer.json`` (``tokenizer``)."""
     tok = root.parent / (root.name + "-tokenizer")
     tok.mkdir(parents=True)
-    (tok / "tokenizer.json").write_bytes(TOKENIZER)
+    (tok / "tokenizer.json").write_bytes(tokenizer)
     write_dataset(str(root), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=800), [5, 8, 3, 6],
                   tokenizer_dir=str(tok))
     return root
@@ -132,6 +132,10 @@ def _claim_samples(m: dict, n: int) -> None:
     m["splits"]["train"]["samples"] += n
 
 
+def _shard0(m: dict, **claims: object) -> None:
+    m["splits"]["train"]["shards"][0].update(claims)
+
+
 NUMBER_CASES: dict[str, Callable[[Path], str]] = {
     "manifest_is_a_list": lambda r: _edit_manifest(r, lambda m: []),
     "split_is_a_list": lambda r: _edit_manifest(r, lambda m: m["splits"].update(train=[])),
@@ -139,6 +143,15 @@ NUMBER_CASES: dict[str, Callable[[Path], str]] = {
     "bytes_is_a_string": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"]["shards"][0].update(bytes="9")),
     "bundle_record_is_a_string": lambda r: _edit_manifest(r, lambda m: m.update(bundle="0" * 64)),
     "samples_2_35": lambda r: _edit_manifest(r, lambda m: _claim_samples(m, 2**35)),
+    "tokens_10_30": lambda r: _edit_manifest(r, lambda m: _shard0(m, tokens=10**30)),
+    "tokens_negative": lambda r: _edit_manifest(r, lambda m: _shard0(m, tokens=-5)),
+    "supervised_past_tokens": lambda r: _edit_manifest(r, lambda m: _shard0(m, supervised_tokens=10**6)),
+    "audio_seconds_infinite": lambda r: _edit_manifest(r, lambda m: _shard0(m, audio_seconds=float("inf"))),
+    "split_claims_more_samples": lambda r: _edit_manifest(r, lambda m: m["splits"]["train"].update(samples=9)),
+    "no_layout": lambda r: _edit_manifest(r, lambda m: m.pop("layout") and None),
+    "no_field_meta": lambda r: _edit_manifest(r, lambda m: m.pop("field_meta") and None),
+    "integrity_empty": lambda r: _edit_manifest(r, lambda m: m.update(integrity={})),
+    "hidden_size_a_string": lambda r: _edit_manifest(r, lambda m: m["layout"].update(hidden_size="16")),
     "nested_100k_deep": lambda r: _edit_raw(r, lambda raw: "[" * 100_000 + "]" * 100_000),
     "truncated": lambda r: _edit_raw(r, lambda raw: raw[:100]),
 }

@@ -226,14 +226,62 @@ def test_a_manifest_claiming_the_impossible_is_one_line_never_a_traceback(good, 
     man = str(case.root / "manifest.json")
     with pytest.raises(ValueError, match=re.escape(man)):  # CorruptShardError or the schema's own ValueError
         open_dataset(str(case.root))
-    for cmd in (["inspect", str(case.root)], ["derive", str(case.root), "--out", str(tmp_path / "light")],
+    for cmd in (["inspect", str(case.root)], ["inspect", str(case.root), "--sample", "8"],
+                ["derive", str(case.root), "--out", str(tmp_path / "light")],
                 ["push", str(case.root), str(tmp_path / "bucket")]):
         with pytest.raises(SystemExit) as e:
             main(cmd)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and man in err[0], (cmd, err)
+    assert not (tmp_path / "light" / "target").exists(), "derive copied before it checked"
     rep = verify_dataset(str(case.root), progress=False)
     assert rep.problems and rep.problems[0].startswith(man), rep.problems
+
+
+def test_a_manifest_past_its_bound_is_refused_by_its_size_before_a_byte_is_read(good, tmp_path, capsys):
+    """Issue 57: a 1 GB manifest.json made inspect reach 3.5 GB before failing (read whole, then parsed). Its size is
+    now checked by stat against MAX_MANIFEST_BYTES (128 MiB, shards.limits) first: a sparse file one byte past it is
+    refused in one line naming the file and the bound, with nothing read (peak memory stays small)."""
+    import tracemalloc
+
+    from tapdraft.shards.limits import MAX_MANIFEST_BYTES
+
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    with open(root / "manifest.json", "r+b") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["inspect", str(root)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert str(root / "manifest.json") in err[0] and "MAX_MANIFEST_BYTES" in err[0] and str(MAX_MANIFEST_BYTES) in err[0]
+    assert peak < 16 << 20, f"{peak} bytes allocated refusing it"
+
+
+def test_a_bundle_file_past_its_bound_is_neither_read_nor_copied(tmp_path, monkeypatch, capsys):
+    """Issue 57: a 1.2 GB tokenizer.json was read whole by train and inspect and copied whole by derive. Every bundle
+    file but the weights is bounded (MAX_BUNDLE_FILE_BYTES, shards.limits) by its size before it is read, hashed,
+    copied, pushed or pulled; here the bound is lowered so that a small, fully consistent dataset passes it."""
+    from tapdraft.shards import bundle
+
+    root = good_dataset(tmp_path / "ds", tokenizer=TOKENIZER + b" " * 4096)
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_FILE_BYTES", 1024)
+    tok = str(root / "target" / "tokenizer" / "tokenizer.json")
+    for cmd in (["inspect", str(root), "--sample", "0"], ["derive", str(root), "--out", str(tmp_path / "light")],
+                ["push", str(root), str(tmp_path / "bucket")], ["pull", str(root), str(tmp_path / "copy")]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and tok in err[0] and "MAX_BUNDLE_FILE_BYTES" in err[0], (cmd, err)
+    for out in ("light", "bucket", "copy"):
+        assert not list((tmp_path / out).rglob("tokenizer.json")), f"{out} holds a copy of the refused file"
+    rep = verify_dataset(str(root), progress=False)
+    assert any(tok in p and "MAX_BUNDLE_FILE_BYTES" in p for p in rep.problems), rep.problems
 
 
 @pytest.mark.parametrize("declared", [2**40, 2**62])

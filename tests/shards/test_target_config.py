@@ -49,6 +49,8 @@ FAILING = [  # (replaced keys, field named, words of the bound)
     ({"num_key_value_heads": 3}, "num_key_value_heads", "a divisor of num_attention_heads (16)"),
     ({"head_dim": None, "hidden_size": 1000}, "hidden_size", "a multiple of num_attention_heads (16)"),
     ({"head_dim": 0}, "head_dim", "an integer in [1, 8192]"),
+    ({"intermediate_size": 2_000_000}, "intermediate_size", "an integer in [1, 1048576]"),
+    ({"intermediate_size": 16 * 1024 + 1}, "intermediate_size", "at most 16 x hidden_size (1024)"),  # issue 57
     ({"rope_theta": float("nan")}, "rope_theta", "a finite number > 0"),
     ({"rope_theta": -1.0}, "rope_theta", "a finite number > 0"),
     ({"rms_norm_eps": 2.0}, "rms_norm_eps", "a finite number in (0, 1)"),

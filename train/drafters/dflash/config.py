@@ -10,13 +10,13 @@ is explained in ``train.drafters.dflash.loss``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass
 
 from tapdraft.shards.bundle import TargetBundle
 from tapdraft.shards.schema import Layout
 from tapdraft.shards.taps import default_tap_ids
+from tapdraft.shards.tokenizer_doc import tokenizer_config, tokenizer_vocab
 from tapdraft.train.drafters.base import layer_shape
 
 KD_MODES = ("none", "topk", "exact")
@@ -211,14 +211,8 @@ MASK_TOKEN = "<|MASK|>"
 
 def tokenizer_ids(bundle: TargetBundle) -> set[int] | None:
     """Every id the bundle's tokenizer can produce (``tokenizer.json``: its vocab and added tokens), or None."""
-    raw = getattr(bundle, "tokenizer_files", {}).get("tokenizer.json")
-    if raw is None:
-        return None
-    doc = json.loads(raw)
-    vocab = (doc.get("model") or {}).get("vocab") or {}
-    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))  # WordPiece/BPE dict, Unigram list
-    ids |= {int(t["id"]) for t in doc.get("added_tokens") or []}
-    return ids
+    vocab = tokenizer_vocab(bundle)  # checked by shape: a mistyped or deeply nested file is one line naming it
+    return None if vocab is None else vocab[0]
 
 
 def warn_zero_mask(mask_id: int) -> None:
@@ -273,12 +267,8 @@ def default_mask_id(bundle: TargetBundle, layout: Layout) -> int:
 def reserved_ids(bundle: TargetBundle) -> list[int]:
     """Ids of the pad, unk and bos tokens (the bundle config's ids, then the tokenizer config's token names looked
     up in tokenizer.json): tokens a conversation's replies never hold, so a mask that shares one costs nothing."""
-    files = getattr(bundle, "tokenizer_files", {})
-    names = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
-    tok = json.loads(files["tokenizer.json"]) if "tokenizer.json" in files else {}
-    vocab = (tok.get("model") or {}).get("vocab")
-    by_name = dict(vocab) if isinstance(vocab, dict) else {}
-    by_name.update({t["content"]: int(t["id"]) for t in tok.get("added_tokens") or []})
+    names = tokenizer_config(bundle)
+    by_name = (tokenizer_vocab(bundle) or (set(), {}))[1]
     out: list[int] = []
     for kind in ("pad", "unk", "bos"):
         cid = bundle.config.get(f"{kind}_token_id")

@@ -64,6 +64,16 @@ INPUTS_KEY = "inputs"
 """Record key: {split: {"input": portable name, "sha256": content hash or None}}."""
 
 
+NO_OPTION = ("row_chunk", "queue_size")
+"""CaptureConfig fields the CLI has no option for (set from Python only)."""
+
+
+def option(name: str) -> str:
+    """How a user typed the setting ``name``: its CLI option (``--draft-layers``), so a refusal uses the user's own
+    words; the field itself for the few without one."""
+    return f"CaptureConfig.{name}" if name in NO_OPTION else "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """One capture run: target, inputs, what to store, how to batch and write it."""
@@ -150,40 +160,40 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"CaptureConfig.threads must be >= 1 or None, got {self.threads}")
+            raise ValueError(f"--threads must be >= 1 or None, got {self.threads}")
         if not self.data:
-            raise ValueError("CaptureConfig.data is empty: give at least one (split, input) pair")
+            raise ValueError("--data is empty: give at least one (split, input) pair")
         object.__setattr__(self, "data", tuple((str(s), str(p)) for s, p in self.data))
         splits = [check_split(s) for s, _ in self.data]  # before any work: a bad name after a captured split was
         if len(set(splits)) != len(splits):             # refused only then, and its fix refused as a changed setting
-            raise ValueError(f"CaptureConfig.data names a split twice: {splits}")
+            raise ValueError(f"--data names a split twice: {splits}")
         if self.taps is not None:
             object.__setattr__(self, "taps", tuple(sorted({int(t) for t in self.taps})))
         for name in ("max_samples", "max_length"):
             v = getattr(self, name)
             if v is not None and v < 1:
-                raise ValueError(f"CaptureConfig.{name} must be >= 1 or None, got {v}")
+                raise ValueError(f"{option(name)} must be >= 1 or None, got {v}")
         if self.top_k < 0:
-            raise ValueError(f"CaptureConfig.top_k must be >= 0, got {self.top_k}")
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
         if self.draft_layers < 1:
-            raise ValueError(f"CaptureConfig.draft_layers must be >= 1, got {self.draft_layers}")
+            raise ValueError(f"--draft-layers must be >= 1, got {self.draft_layers}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"CaptureConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.codec not in TAPS_CODECS:
-            raise ValueError(f"CaptureConfig.codec must be one of {tuple(TAPS_CODECS)}, got {self.codec!r}")
+            raise ValueError(f"--codec must be one of {tuple(TAPS_CODECS)}, got {self.codec!r}")
         for name in ("batch_tokens", "max_batch_size", "window", "row_chunk", "queue_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"CaptureConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{option(name)} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.shard, ShardConfig):
             raise ValueError(f"CaptureConfig.shard must be a ShardConfig, got {type(self.shard).__name__}")
         object.__setattr__(self, "template_kwargs", tuple(template_kwargs(self.template_kwargs).items()))
         if self.chat_template is not None and not str(self.chat_template).strip():
-            raise ValueError("CaptureConfig.chat_template must be a file path or None")
+            raise ValueError("--chat-template must be a file path or None")
         if self.replies is not None and not isinstance(self.replies, ReplyConfig):
             raise ValueError(f"CaptureConfig.replies must be a ReplyConfig or None, got {type(self.replies).__name__}")
         get_engine(self.engine, "CaptureConfig.engine").check_capture(self)
         if self.on_error not in ("fail", "skip"):
-            raise ValueError(f"CaptureConfig.on_error must be 'fail' or 'skip', got {self.on_error!r}")
+            raise ValueError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record: every field, with ``shard``'s fields flattened to the top level and paths

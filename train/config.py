@@ -151,6 +151,8 @@ class TrainConfig:
                              f"{self.eval_every} and {self.eval_samples}")
         if self.num_workers < 0:
             raise ValueError(f"train.num_workers must be >= 0, got {self.num_workers}")
+        if not 0 <= self.seed < 1 << 32:  # every RNG seeded from it takes this range (numpy's legacy one: no more)
+            raise ValueError(f"train.seed must be in [0, 2**32), got {self.seed}")
         if self.warmup_steps < 0 or not 0 < self.lr <= MAX_LR or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"need warmup_steps >= 0, 0 < lr <= {MAX_LR} and 0 <= min_lr_ratio <= 1, got "
                              f"{self.warmup_steps}, {self.lr} and {self.min_lr_ratio}")
@@ -304,7 +306,10 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe file with its ``base:`` chain resolved (each base merged first, this file on top)."""
     if path.resolve() in seen:
         raise ValueError(f"recipe {path} is its own base (via {[p.name for p in seen]}); break the cycle")
-    doc = yaml.safe_load(path.read_text()) or {}
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe {path} is not plain YAML ({str(e).splitlines()[0]}); fix that line") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path} must hold a mapping with keys base, family, drafter, train")
     doc = migrate_run_config(doc)
@@ -322,7 +327,12 @@ def parse_override(item: str, raw: dict[str, Any]) -> tuple[str, str, Any]:
         raise ValueError(f"override {item!r} must look like key=value (for example max_steps=100)")
     key, text = item.split("=", 1)
     key = key.strip()
-    value = yaml.safe_load(text) if text.strip() else None
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:  # a !!python tag (never constructed: safe_load), an unclosed bracket
+        why = str(e).splitlines()[0]
+        raise ValueError(f"--set {item!r}: the value is not plain YAML ({why}); give a number, a string, a list or "
+                         "a mapping, e.g. --set max_steps=100") from None
     key, value = _renamed_override(key, value)
     cfg_cls, _ = get_family(raw.get("family", DEFAULT_FAMILY))
     fields = {"drafter": {f.name for f in dataclasses.fields(cfg_cls)},

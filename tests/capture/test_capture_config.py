@@ -88,7 +88,7 @@ def test_an_in_process_capture_pins_its_thread_count_and_resumes_with_it(tmp_pat
     check_resume(record, resumed.to_dict())
     with pytest.raises(ValueError, match="threads"):  # a count given that is not the recorded one: another dataset
         check_resume(record, pin_threads(_cfg(threads=1), record, 2).to_dict())
-    with pytest.raises(ValueError, match="CaptureConfig.threads"):
+    with pytest.raises(ValueError, match="^--threads must be >= 1"):
         _cfg(threads=0)
 
     legacy = {k: v for k, v in fresh.to_dict().items() if k != "threads"}  # recorded before the field
@@ -119,3 +119,17 @@ def test_auto_writers_follow_the_device_and_a_resume_keeps_the_recorded_count(tm
     assert rank_cores() == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight ranks on a node share its cores
     assert rank_cores() == 2 and auto_writers("cuda", rank_cores()) == 1
+
+
+@pytest.mark.parametrize("option,value", [("--draft-layers", "0"), ("--top-k", "-1"), ("--max-length", "0")])
+def test_a_bad_option_is_named_as_the_user_typed_it(tmp_path, capsys, option, value):
+    """Issue 57: the refusal named the internal field (``CaptureConfig.draft_layers must be >= 1``), not the option."""
+    from tapdraft.cli import main
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--target", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "ds"), option, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {option} must be"), err
+    assert "CaptureConfig" not in err[0] and not (tmp_path / "ds").exists()

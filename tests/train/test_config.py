@@ -44,6 +44,9 @@ def test_overrides_and_round_trip(tmp_path):
     ("lr=1e30", r"0 < lr <= 1.0"),
     ("beta2=1", "beta2 < 1"),
     ("grad_clip=1e400", "train.grad_clip: inf is not a finite number"),
+    ("seed=-1", r"train.seed must be in \[0, 2\*\*32\)"),  # issue 57: it failed only once training started
+    ("seed=!!python/object/apply:os.system [echo hi]", r"^--set 'seed=!!python.*is not plain YAML"),  # a traceback
+    ("drafter.target_layer_ids=[]", "target_layer_ids must name at least one target layer"),  # max() of nothing
 ])
 def test_bad_overrides_are_clear_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):

@@ -141,6 +141,9 @@ class DFlashConfig:
                              "lies inside the draft vocabulary, so the restricted teacher is unknown")
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+            if not self.target_layer_ids:  # was max() of an empty sequence once the bundle was read
+                raise ValueError("drafter.target_layer_ids must name at least one target layer, or be left unset "
+                                 "(the tap rule then picks them), got []")
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             v = getattr(self, name)
             if v is not None and v < 1:

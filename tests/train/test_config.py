@@ -1,6 +1,7 @@
 """Recipes, --set overrides and their errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,35 @@ def test_overrides_and_round_trip(tmp_path):
 def test_bad_overrides_are_clear_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):
         load_run_config("dflash", overrides=[bad])
+
+
+@pytest.mark.parametrize("recipe,bad", [
+    ("eagle3", "drafter.num_steps=1000000"),  # issue 57: 2.5-3.6 GB unrolled, then the generic out-of-memory line
+    ("mtp", "drafter.num_depths=1000000"),
+    ("dflash", "drafter.block_size=1000000"),
+    ("dflash2", "drafter.num_layers=1000000"),
+    ("lilicorr", "drafter.lattice_layers=1000000"),
+])
+def test_an_unrolled_count_past_its_bound_is_refused_when_the_config_is_read(recipe, bad):
+    """Every step, depth, slot or layer is a module or an activation of its own: past MAX_DRAFT_TOKENS /
+    MAX_DRAFT_LAYERS (train.drafters.common.settings) the refusal names the --set key and the bound, before any
+    target or dataset is read."""
+    from tapdraft.train.drafters.common.settings import MAX_DRAFT_LAYERS, MAX_DRAFT_TOKENS
+
+    key = bad.split("=")[0]
+    bound = MAX_DRAFT_LAYERS if "layers" in key else MAX_DRAFT_TOKENS
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be an integer in \[\d, {bound}\] .*got 1000000$"):
+        load_run_config(recipe, overrides=[bad])
+    load_run_config(recipe, overrides=[f"{key}={bound}"])  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("recipe", ["dflash", "dflash2", "dspark", "lilicorr", "eagle3"])
+def test_an_empty_target_layer_ids_is_one_rule_for_every_family_fusing_taps(recipe):
+    """One home (train.drafters.common.settings.check_target_layer_ids): eagle3 said something else than the DFlash
+    families, each from its own copy of the check."""
+    with pytest.raises(ValueError, match=r"^drafter.target_layer_ids must name at least one target layer, or be left "
+                                         r"unset .*got \[\]$"):
+        load_run_config(recipe, overrides=["drafter.target_layer_ids=[]"])
 
 
 def test_unknown_recipe():

@@ -18,6 +18,8 @@ from tapdraft.shards.schema import Layout
 from tapdraft.shards.taps import default_tap_ids
 from tapdraft.shards.tokenizer_doc import tokenizer_config, tokenizer_vocab
 from tapdraft.train.drafters.base import layer_shape
+from tapdraft.train.drafters.common.settings import (MAX_DRAFT_LAYERS, MAX_DRAFT_TOKENS, check_count,
+                                                     check_target_layer_ids)
 
 KD_MODES = ("none", "topk", "exact")
 ATTENTION = ("dense", "flex")
@@ -101,12 +103,10 @@ class DFlashConfig:
     """Whether the family's export tells engines a sliding window (DFlash's does, checked against vLLM)."""
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        check_count("num_layers", self.num_layers, 1, MAX_DRAFT_LAYERS, "draft decoder layers")
         if self.context_taps is not None and self.context_taps < 1:
             raise ValueError(f"context_taps must be >= 1 or null (one per draft layer), got {self.context_taps}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
+        check_count("block_size", self.block_size, 2, MAX_DRAFT_TOKENS, "slot 0 is the anchor; drafts a round")
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.slot_weighting not in self.slot_weightings:
@@ -123,7 +123,7 @@ class DFlashConfig:
             raise ValueError(f"sliding_window must be >= block_size ({self.block_size}) so a slot sees its whole block, "
                              f"got {self.sliding_window}; or null for full attention")
         if self.sliding_window is not None and not self.serves_window:
-            raise ValueError(f"sliding_window is DFlash's only: this family's export does not tell an engine the "
+            raise ValueError("sliding_window is DFlash's only: this family's export does not tell an engine the "
                              "window (vLLM serves it in its V2 runner, whose model was not checked for one); use "
                              "family dflash or drop it")
         if self.attention not in ATTENTION:
@@ -139,11 +139,7 @@ class DFlashConfig:
         if self.draft_vocab is not None and self.kd == "topk":
             raise ValueError("draft_vocab needs kd 'none' or 'exact': the stored top-k cannot say how much of its tail "
                              "lies inside the draft vocabulary, so the restricted teacher is unknown")
-        if self.target_layer_ids is not None:
-            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-            if not self.target_layer_ids:  # was max() of an empty sequence once the bundle was read
-                raise ValueError("drafter.target_layer_ids must name at least one target layer, or be left unset "
-                                 "(the tap rule then picks them), got []")
+        object.__setattr__(self, "target_layer_ids", check_target_layer_ids(self.target_layer_ids))
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             v = getattr(self, name)
             if v is not None and v < 1:

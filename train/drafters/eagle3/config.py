@@ -11,6 +11,7 @@ from tapdraft.shards.bundle import TargetBundle
 from tapdraft.shards.schema import Layout
 from tapdraft.shards.taps import eagle3_tap_ids
 from tapdraft.train.drafters.base import layer_shape
+from tapdraft.train.drafters.common.settings import MAX_DRAFT_TOKENS, check_count, check_target_layer_ids
 from tapdraft.train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
 
 LOSS_TYPES = ("kl", "ce", "lk")
@@ -64,8 +65,7 @@ class Eagle3Config:
     """Std of the normal init of fc and the layer's linear maps."""
 
     def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        check_count("num_steps", self.num_steps, 1, MAX_DRAFT_TOKENS, "steps of the training-time test, drafts a round")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.attention not in ATTENTION:
@@ -79,11 +79,9 @@ class Eagle3Config:
             raise ValueError(f"max_loss_rows must hold one position's {self.num_steps} steps, got {self.max_loss_rows}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1 or null, got {self.draft_vocab}")
-        if self.target_layer_ids is not None:
-            ids = sorted({int(i) for i in self.target_layer_ids})
-            if not ids:
-                raise ValueError("target_layer_ids must name at least one tap (or be null for the default)")
-            object.__setattr__(self, "target_layer_ids", tuple(ids))  # fc reads them ascending, as vLLM does
+        ids = check_target_layer_ids(self.target_layer_ids)
+        if ids is not None:  # fc reads them ascending, as vLLM does
+            object.__setattr__(self, "target_layer_ids", tuple(sorted(set(ids))))
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapdraft.train.drafters.common.divergences import DEFAULT_ETA, parse_lk_lambda
+from tapdraft.train.drafters.common.settings import MAX_DRAFT_TOKENS, check_count
 
 
 LOSS_TYPES = ("ce", "lk")
@@ -56,8 +57,7 @@ class MTPConfig:
     """Std of the normal init of the heads' linear layers."""
 
     def __post_init__(self) -> None:
-        if self.num_depths < 1:
-            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
+        check_count("num_depths", self.num_depths, 1, MAX_DRAFT_TOKENS, "tokens drafted past the target's own")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.recursion not in RECURSIONS:

@@ -8,7 +8,7 @@ a TypeError / AttributeError traceback in ``train``. Here every part a drafter r
 ``CorruptShardError`` names the file and the field in one line.
 
     tokenizer.json          model: object; model.vocab: {token: id} (WordPiece, BPE) or a list (Unigram);
-                            added_tokens: [{id: integer, content: string}, ...]
+                            added_tokens: [{id: integer, content: string}, ...]; at least one id in all
     tokenizer_config.json   an object (its ``*_token`` names are read where they are strings)
 """
 
@@ -78,6 +78,9 @@ def tokenizer_vocab(bundle: Any) -> tuple[set[int], dict[str, int]] | None:
             raise _refuse(where, f"added_tokens[{i}]", t, f"an object of an id in [0, {MAX_VOCAB}) and a content string")
         ids.add(t["id"])
         by_name[t["content"]] = t["id"]
+    if not ids:  # `{}` passed every check above; a drafter then took max() of no ids
+        raise CorruptShardError(f"{where}: model.vocab and added_tokens hold no token id, so it is not a tokenizer "
+                                f"(an empty or stripped file); {TODO}")
     return ids, by_name
 
 

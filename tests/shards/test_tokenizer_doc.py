@@ -19,6 +19,8 @@ BAD = [  # (tokenizer.json, the field named)
     (b'{"added_tokens": [{"id": "x", "content": "<s>"}]}', "added_tokens[0] is"),
     (b'{"added_tokens": {"id": 1}}', "added_tokens is"),
     (b'["a list"]', "the document is"),
+    (b"{}", "model.vocab and added_tokens hold no token id"),  # issue 57: `max() arg is an empty sequence` in train
+    (b'{"model": {"vocab": []}, "added_tokens": []}', "hold no token id"),
 ]
 
 
@@ -52,3 +54,13 @@ def test_train_on_a_mistyped_tokenizer_json_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert str(root / "target" / "tokenizer" / "tokenizer.json") in err[0] and "model is" in err[0], err
+
+
+def test_train_on_an_empty_tokenizer_json_is_one_line(tmp_path, capsys):
+    """Issue 57: a bundle whose tokenizer.json is `{}` made train print `error: max() arg is an empty sequence`."""
+    root = good_dataset(tmp_path / "ds", tokenizer=b"{}")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert str(root / "target" / "tokenizer" / "tokenizer.json") in err[0] and "no token id" in err[0], err

@@ -65,6 +65,15 @@ def check_schema_version(version: Any, where: str) -> None:
         )
 
 
+def newer_minor(version: Any) -> bool:
+    """Whether ``version`` is a later minor of this code's major (its additions, a column or a key this code does not
+    know, are ignored: minor additions stay readable); False for this version, an older one, or one unparseable."""
+    try:
+        have = tuple(int(x) for x in str(version).split(".")[:2])
+    except ValueError:
+        return False
+    ours = tuple(int(x) for x in SCHEMA_VERSION.split("."))
+    return len(have) == 2 and have[0] == ours[0] and have > ours
 
 @dataclass(frozen=True)
 class Layout:

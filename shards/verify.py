@@ -200,7 +200,8 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
             counts["supervised_tokens"] += int(sample["loss_mask"].sum())
             counts["audio_seconds"] += float(sample["audio_seconds"])
     except (ValueError, KeyError, OSError, pa.ArrowException, EOFError) as e:
-        rep.problems.append(f"{path}: unreadable after {counts['samples']} samples ({e}); re-copy or re-capture it")
+        why = str(e).removeprefix(f"{path}: ")  # a reader's message names the shard already
+        rep.problems.append(f"{path}: unreadable after {counts['samples']} samples ({why}); re-copy or re-capture it")
         return
     for k in COUNT_KEYS:
         if abs(counts[k] - sh[k]) > 1e-6 * max(1.0, abs(sh[k])):

@@ -44,7 +44,7 @@ from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.formats.arrow_ipc import check_arrow_stream
 from tapdraft.shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
 from tapdraft.shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
-from tapdraft.shards.schema import check_schema_version, has_checksums
+from tapdraft.shards.schema import check_schema_version, has_checksums, newer_minor
 from tapdraft.shards.shard_index import index_doc, load_index
 
 if TYPE_CHECKING:
@@ -62,6 +62,35 @@ def arrow_schema(meta: FieldMeta, fingerprint: str | None, lineage: str | None =
     fields.append(pa.field(ROW_COLUMN, pa.uint64(), nullable=False))
     meta_json = json.dumps(shard_metadata(meta, fingerprint, lineage), sort_keys=True)
     return pa.schema(fields, metadata={META_KEY: meta_json})
+
+
+def column_problems(schema: pa.Schema, meta: FieldMeta, path: str) -> tuple[list[str], list[str]]:
+    """Problems (one line each, naming the shard and the column) of a shard whose columns are not the ones its layout
+    declares (``arrow_schema``), as (broken, extra): a declared column missing or of another type (its rows cannot
+    be decoded), and a column the declaration lacks. Readers refuse the first of either (a missing ``topk_ids`` was a
+    KeyError traceback); ``verify`` reports them all. An extra column is refused, not ignored: its bytes are outside
+    every row checksum, and ``datasets.load_dataset`` (the card's way to load the dataset) would hand it to a user
+    as the dataset's own. Only a shard of a later minor of this schema may carry columns this code does not know, and
+    they are ignored (minor additions stay readable: ``shards.schema.newer_minor``). A shard written before
+    checksums (schema 1.0) has no checksum column."""
+    version = schema_meta(schema, path).get("schema_version")
+    want = arrow_schema(meta, None)
+    have = {f.name: f.type for f in schema}
+    out, extra = [], []
+    for f in want:
+        if f.name not in have:
+            if f.name != ROW_COLUMN or has_checksums(version):
+                out.append(f"{path}: has no column {f.name!r}, which its layout declares (schema {version}): the "
+                           "shard is damaged or not this dataset's; re-copy it (or re-capture it)")
+        elif have[f.name] != f.type:
+            out.append(f"{path}: column {f.name!r} is {have[f.name]}, its layout declares {f.type}: the shard is "
+                       "damaged or not this dataset's; re-copy it (or re-capture it)")
+    unknown = [n for n in have if n not in want.names]
+    if unknown and not newer_minor(version):
+        extra.append(f"{path}: has column(s) {unknown} that schema {version} does not declare for its layout (no "
+                     "checksum covers them, and stock loaders would return them as the dataset's): it was edited or "
+                     "written by another tool; re-copy the shard (or re-capture it)")
+    return out, extra
 
 
 def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any]]],
@@ -295,6 +324,9 @@ class ArrowShardReader(ShardReader):
         if fp is not None and fp != self.ds.fingerprint:
             raise ValueError(f"{path} holds target fingerprint {fp[:12]}, the manifest "
                              f"{self.ds.fingerprint[:12]}: shards of different targets were mixed; re-capture it")
+        broken, extra = column_problems(schema, self.ds.field_meta, path)
+        if broken or extra:
+            raise CorruptShardError((broken + extra)[0])
         return schema
 
     def batch_bytes(self, shard: dict[str, Any], b: int, prefix: Any = b"") -> Any:
@@ -388,6 +420,9 @@ class ArrowShardReader(ShardReader):
                     "shards of different targets were mixed, re-capture this one")
         if smeta.get("dtypes") != m["field_meta"].get("dtypes") or smeta.get("layout") != m["field_meta"]["layout"]:
             problem(f"{path}: schema dtypes/layout differ from the manifest's; re-capture the shard")
+        broken, extra = column_problems(reader.schema, meta, path)
+        for p in extra:
+            problem(p)
         try:
             idx = load_index(fs, root, sh, NAME, batches=True)
         except (CorruptShardError, FileNotFoundError) as e:
@@ -407,6 +442,8 @@ class ArrowShardReader(ShardReader):
         for b, batch in enumerate(iter_batches(pa.py_buffer(data))):
             if b < len(batches) and batches[b][2] != batch.num_rows:
                 problem(f"{path}: record batch {b} has {batch.num_rows} rows, manifest says {batches[b][2]}")
+            if broken:  # its rows cannot be decoded: the shard is unreadable, naming the column
+                raise CorruptShardError(broken[0])
             yield from decode_batch(batch, meta, check_rows=path)
         if batches and batches[-1][1] > len(data):
             problem(f"{path}: record batch ranges end at {batches[-1][1]}, the file at {len(data)}")

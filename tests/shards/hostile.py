@@ -6,6 +6,7 @@
     leaked(tree)                                     # what of a copy came from outside a dataset
     build_numbers("samples_2_35", src, tmp / "w2")   # a manifest claiming the impossible (NUMBER_CASES)
     inflate_arrow_buffer(root, 2**40)                # an Arrow buffer declaring 1 TiB, every checksum consistent
+    rewrite_columns(root, drop="topk_ids")           # a shard without a declared column (or add=: one extra)
 
 Each case is one class of the dataset boundary (``shards.members``): a link to a file outside (unlisted, or in
 place of a listed file with the very bytes the bundle records, so that hashes alone pass), a link in place of a
@@ -225,3 +226,50 @@ def replace_index(root: Path, raw: bytes) -> str:
     sh["index"] = [len(raw), digest(raw)]
     (root / "manifest.json").write_text(json.dumps(man))
     return rel
+
+
+def rewrite_columns(root: Path, drop: str | None = None, add: str | None = None) -> str:
+    """The first shard rewritten with the column ``drop`` removed or a binary column ``add`` appended, its schema
+    metadata kept and every record the dataset keeps of it (batch ranges and hashes, head, tail, index record, shard
+    size and sha256, split bytes) recomputed to match, as a crafter would: only a check of the columns against the
+    declared schema can refuse it. Returns the shard's relative name."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from tapdraft.shards.integrity import digest
+
+    man = json.loads((root / "manifest.json").read_text())
+    sh = man["splits"]["train"]["shards"][0]
+    shard, index = root / sh["name"], root / "index" / (sh["name"].split("/")[-1] + ".json")
+    batches = list(pa.ipc.open_stream(shard.read_bytes()))
+    schema = batches[0].schema
+    if drop is not None:
+        schema = schema.remove(schema.get_field_index(drop))
+    if add is not None:
+        schema = schema.append(pa.field(add, pa.binary(), nullable=False))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as w:  # uncompressed: a crafter needs no codec
+        for b in batches:
+            cols = [b.column(n) if n != add else pa.array([SECRET] * b.num_rows, pa.binary()) for n in schema.names]
+            w.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
+    data = sink.getvalue().to_pybytes()
+    head = len(schema.serialize())
+    ends = [head] + [head + sum(len(pa.RecordBatch.from_arrays(
+        [b.column(n) if n != add else pa.array([SECRET] * b.num_rows, pa.binary()) for n in schema.names],
+        schema=schema).serialize()) for b in batches[:i + 1]) for i in range(len(batches))]
+    eos = len(data) - 8
+    assert ends[-1] == eos, (ends, len(data))
+    doc = json.loads(index.read_text())
+    starts = [0] + ends[1:-1]  # the first batch's range holds the schema message
+    doc["batches"] = [[starts[i], ends[i + 1], b.num_rows, digest(data[starts[i]:ends[i + 1]])]
+                      for i, b in enumerate(batches)]
+    doc.update(head=[head, digest(data[:head])], tail=[eos, len(data), digest(data[eos:])], bytes=len(data))
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    index.write_bytes(raw)
+    shard.write_bytes(data)
+    man["splits"]["train"]["bytes"] += len(data) - sh["bytes"]
+    sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (root / "manifest.json").write_text(json.dumps(man))
+    return sh["name"]
+

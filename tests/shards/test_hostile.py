@@ -23,7 +23,7 @@ from tapdraft.shards.reader import open_dataset
 from tapdraft.shards.transfer import pull, push
 from tapdraft.shards.verify import verify_dataset
 from tests.shards.hostile import (CASES, NUMBER_CASES, SECRET, TOKENIZER, build, build_numbers, good_dataset,
-                                  inflate_arrow_buffer, leaked, replace_index)
+                                  inflate_arrow_buffer, leaked, replace_index, rewrite_columns)
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
@@ -310,3 +310,49 @@ def test_an_index_of_the_wrong_shape_is_corrupt_naming_it(good, tmp_path, raw, c
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and index in err[0], err
     assert any(p.startswith(index) for p in verify_dataset(str(root), progress=False).problems)
+
+
+@pytest.mark.parametrize("edit,named", [({"drop": "topk_ids"}, "has no column 'topk_ids'"),
+                                        ({"add": "notes"}, "has column(s) ['notes'] that schema 2.0 does not declare")])
+def test_a_shard_whose_columns_are_not_its_declared_schema_is_refused_naming_the_column(tmp_path, edit, named, capsys):
+    """Issue 57: a shard without its topk_ids column (every checksum recomputed) was a KeyError traceback in inspect
+    and train, and one with an extra column was read everywhere and passed verify. Readers check a shard's columns
+    against its layout's when they open it (``arrow.column_problems``) and refuse in one line naming the shard and the
+    column; verify reports it. An extra column is refused, not ignored: no checksum covers it and stock loaders would
+    return it as the dataset's (only a later minor of the schema may add columns)."""
+    root = good_dataset(tmp_path / "ds", tokenizer=b'{"model": {"vocab": {"a": 0, "b": 1}}}')  # one train reads
+    shard = str(root / rewrite_columns(root, **edit))
+    for cmd in (["inspect", str(root), "--sample", "0"],
+                ["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run"),
+                 "--set", "max_steps=1"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {shard}: {named}"), (cmd, err)
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(shard) and named in p], rep.problems
+
+
+
+def test_only_a_later_minor_of_the_schema_may_carry_a_column_this_code_does_not_know(good):
+    """Minor additions stay readable (shards.schema.SCHEMA_VERSION): a later minor's unknown column is ignored, the
+    same column in a shard of this version is undeclared, and a missing declared column is never fine."""
+    import pyarrow as pa
+
+    from tapdraft.shards.codec import FieldMeta
+    from tapdraft.shards.formats.arrow import META_KEY, arrow_schema, column_problems
+
+    meta = FieldMeta.from_dict(json.loads((good / "manifest.json").read_text())["field_meta"])
+    declared = arrow_schema(meta, None)
+    doc = json.loads(declared.metadata[META_KEY])
+    assert column_problems(declared, meta, "s") == ([], [])
+    extra = declared.append(pa.field("notes", pa.binary()))
+    assert column_problems(extra, meta, "s")[1] and not column_problems(extra, meta, "s")[0]
+    major = doc["schema_version"].split(".")[0]
+    later = extra.with_metadata({META_KEY: json.dumps({**doc, "schema_version": f"{major}.9"})})
+    assert column_problems(later, meta, "s") == ([], [])
+    missing = later.remove(later.get_field_index("topk_ids"))
+    assert column_problems(missing, meta, "s")[0] == [
+        f"s: has no column 'topk_ids', which its layout declares (schema {major}.9): the shard is damaged or not this "
+        "dataset's; re-copy it (or re-capture it)"]
+

@@ -165,11 +165,14 @@ def _zero(data: bytes) -> bool:
     return not data.strip(b"\0")
 
 
-def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>") -> Iterator[dict[str, Any]]:
+def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>",
+                     odd: Callable[[str], None] | None = None) -> Iterator[dict[str, Any]]:
     """Group a tar stream's members by key into raw webdataset-style dicts (no webdataset needed).
 
     Strict: every header's tar checksum, zero padding after each member, and an end of two or more
     zero blocks with only zeros after them; anything else raises CorruptShardError naming ``where``.
+    A member that is not a regular file (a symlink, a hard link, a directory, a device) is never followed and
+    is skipped; ``odd`` (verify's problem list) is told of each, naming it: a tapdraft tar holds none.
     """
     def damaged(what: str) -> CorruptShardError:
         return CorruptShardError(f"{where}: {what}; the shard is truncated or damaged: re-copy or re-capture it "
@@ -198,6 +201,12 @@ def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>") -> Iterator[dict[s
             raise damaged(f"padding after member {info.name} is not zero")
         offset += _BLOCK + info.size + pad
         if not info.isfile():
+            if odd is not None:
+                kind = "a symlink" if info.issym() else "a hard link" if info.islnk() else \
+                    "a directory" if info.isdir() else "a special file"
+                to = f" to {info.linkname!r}" if info.issym() or info.islnk() else ""
+                odd(f"{where}: member {info.name!r} is {kind}{to}, which a tapdraft tar never holds (readers skip it, "
+                    "never follow it): the shard was edited or written by another tool; re-copy it (or re-capture it)")
             continue
         key, _, ext = info.name.partition(".")
         if current is not None and current["__key__"] != key:
@@ -251,7 +260,8 @@ class TarShardReader(ShardReader):
     @classmethod
     def verify_shard(cls, fs: AbstractFileSystem, root: str, path: str, m: dict[str, Any], meta: FieldMeta,
                      sh: dict[str, Any], problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
-        """The head against the index, the tar framing, every member and each sample's fingerprint."""
+        """The head against the index, the tar framing (a member that is no regular file is a problem), every member
+        and each sample's fingerprint."""
         fp = m["fingerprint"]
         try:
             head = load_index(fs, root, sh, NAME, batches=False).head
@@ -260,7 +270,7 @@ class TarShardReader(ShardReader):
         except (CorruptShardError, FileNotFoundError) as e:
             problem(str(e))
         with fs.open(path, "rb") as f:
-            for raw in iter_tar_samples(f, path):
+            for raw in iter_tar_samples(f, path, problem):
                 doc = json.loads(raw.get("meta.json", b"{}"))
                 if doc.get("fingerprint") not in (None, fp):
                     problem(f"{path}: sample {raw['__key__']} has fingerprint {doc['fingerprint'][:12]}, the manifest "

@@ -273,3 +273,44 @@ def rewrite_columns(root: Path, drop: str | None = None, add: str | None = None)
     (root / "manifest.json").write_text(json.dumps(man))
     return sh["name"]
 
+
+def wds_dataset(root: Path) -> Path:
+    """A small finished WebDataset dataset (3 tar shards)."""
+    write_dataset(str(root), tiny_layout(), ShardConfig(format="wds", shard_bytes=6000), [5, 8, 3, 6])
+    return root
+
+
+def add_tar_links(root: Path) -> str:
+    """The first tar shard with a symlink member (to a file outside) and a hard link member appended before its end
+    blocks, its size, sha256 and index record (and the split's bytes) made to match: readers skip such members, so
+    only a look at every member's type can see them. Returns the shard's relative name."""
+    import hashlib
+    import io
+    import tarfile
+
+    from tapdraft.shards.integrity import digest
+
+    man = json.loads((root / "manifest.json").read_text())
+    sh = man["splits"]["train"]["shards"][0]
+    shard, index = root / sh["name"], root / "index" / (sh["name"].split("/")[-1] + ".json")
+    data = shard.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        last = tf.getmembers()[-1]
+        end = last.offset_data + -(-last.size // 512) * 512
+    key = last.name.partition(".")[0]
+    links = b""
+    for name, kind, to in ((f"{key}.secret", tarfile.SYMTYPE, "/etc/passwd"), (f"{key}.copy", tarfile.LNKTYPE,
+                                                                                last.name)):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = kind, to
+        links += info.tobuf(tarfile.USTAR_FORMAT)
+    data = data[:end] + links + b"\0" * 1024
+    shard.write_bytes(data)
+    doc = json.loads(index.read_text())
+    doc["bytes"] = len(data)
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    index.write_bytes(raw)
+    man["splits"]["train"]["bytes"] += len(data) - sh["bytes"]
+    sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (root / "manifest.json").write_text(json.dumps(man))
+    return sh["name"]

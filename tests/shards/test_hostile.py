@@ -356,3 +356,21 @@ def test_only_a_later_minor_of_the_schema_may_carry_a_column_this_code_does_not_
         f"s: has no column 'topk_ids', which its layout declares (schema {major}.9): the shard is damaged or not this "
         "dataset's; re-copy it (or re-capture it)"]
 
+
+def test_verify_reports_link_members_inside_a_tar_shard(tmp_path):
+    """Issue 57: a WebDataset tar holding a symlink member (to /etc/passwd) and a hard link member passed verify,
+    since every reader skips such members; verify now names each as a problem (exit 1), and readers still skip them
+    (never followed)."""
+    from tests.shards.hostile import add_tar_links, wds_dataset
+
+    root = wds_dataset(tmp_path / "ds")
+    assert verify_dataset(str(root), progress=False).ok
+    shard = str(root / add_tar_links(root))
+    rep = verify_dataset(str(root), progress=False)
+    assert len(rep.problems) == 2, rep.problems
+    assert rep.problems[0].startswith(f"{shard}: member ") and "is a symlink to '/etc/passwd'" in rep.problems[0]
+    assert rep.problems[1].startswith(f"{shard}: member ") and "is a hard link to" in rep.problems[1]
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and "is a symlink" in r.output, r.output
+    ds = open_dataset(str(root))
+    assert len(list(ds.stream("train", seed=0, shuffle=False))) == ds.num_samples("train") == 4

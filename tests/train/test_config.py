@@ -74,6 +74,25 @@ def test_an_unrolled_count_past_its_bound_is_refused_when_the_config_is_read(rec
     load_run_config(recipe, overrides=[f"{key}={bound}"])  # the bound itself is allowed
 
 
+@pytest.mark.parametrize("recipe,key,bound", [
+    ("dspark", "drafter.markov_rank", "MAX_DRAFT_RANK"),  # issue 57: two [V, r] tables, 10^11 weights at 10^6
+    ("dflash2", "drafter.selector_rank", "MAX_DRAFT_RANK"),
+    ("lilicorr", "drafter.factor_dim", "MAX_DRAFT_RANK"),
+    ("lilicorr", "drafter.lattice_heads", "MAX_DRAFT_HEADS"),
+    ("dflash", "drafter.num_anchors", "MAX_ANCHORS"),
+])
+def test_a_draft_width_past_its_bound_is_refused_when_the_config_is_read(recipe, key, bound):
+    """The widths a family adds beside the target's have their bounds in train.drafters.common.settings: past one,
+    or zero, the refusal is one line naming the --set key and the bound, before any target or dataset is read."""
+    from tapdraft.train.drafters.common import settings
+
+    hi = getattr(settings, bound)
+    for bad in (hi + 1, 10**6, 0):
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be an integer in \[1, {hi}\] .*got {bad}$"):
+            load_run_config(recipe, overrides=[f"{key}={bad}"])
+    load_run_config(recipe, overrides=[f"{key}={hi}"])  # the bound itself is allowed
+
+
 @pytest.mark.parametrize("recipe", ["dflash", "dflash2", "dspark", "lilicorr", "eagle3"])
 def test_an_empty_target_layer_ids_is_one_rule_for_every_family_fusing_taps(recipe):
     """One home (train.drafters.common.settings.check_target_layer_ids): eagle3 said something else than the DFlash

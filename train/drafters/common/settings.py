@@ -14,6 +14,20 @@ Counts that are unrolled (a loop of modules or of draft positions, each with its
     target_layer_ids (families fusing taps)  at least one, or unset    max() of an empty sequence once the bundle
                                                                        was read (dflash), an empty fc (eagle3)
 
+Widths a family adds beside the target's own (which ``shards.limits`` bounds) are bounded the same way:
+
+    setting                                  bound                     why (real values)
+    dspark markov_rank, dflash2              1..MAX_DRAFT_RANK (4096)  ranks 256 (the recipes; DSpark's reference),
+    selector_rank, lilicorr factor_dim                                 factor_dim 64; each rank is two
+                                                                       [V, r] tables (r = 4096 at V = 152k is 1.2 G
+                                                                       weights, ~20 GB with Adam); 10^6 is 10^11
+    lilicorr lattice_heads                   1..MAX_DRAFT_HEADS (128)  4 (the recipe); a
+                                                                       target has at most 128; each head is a
+                                                                       [S k, S k] bias and attention map a block
+    dflash-family num_anchors                1..MAX_ANCHORS (131072)   blocks per sequence: 32-512 (peers, the
+                                                                       DFlash reference); at most one a position,
+                                                                       so past a 128k-token context it means nothing
+
 Each refusal is one ``ValueError`` naming the setting as a user writes it (``drafter.num_steps``: the ``--set`` key
 and the recipe's section), the value and the bound; docs/reliability.md repeats the table.
 """
@@ -26,6 +40,12 @@ MAX_DRAFT_TOKENS = 64
 """Most drafting steps, depths or block slots of one round (``num_steps``, ``num_depths``, ``block_size``)."""
 MAX_DRAFT_LAYERS = 64
 """Most layers of a draft stack (``num_layers``, ``lattice_layers``)."""
+MAX_DRAFT_RANK = 4096
+"""Widest low-rank table or factor a family adds (``markov_rank``, ``selector_rank``, ``factor_dim``)."""
+MAX_DRAFT_HEADS = 128
+"""Most attention heads of a layer a family adds (``lattice_heads``)."""
+MAX_ANCHORS = 131072
+"""Most blocks drawn from one sequence (``num_anchors``)."""
 
 
 def check_count(name: str, value: Any, lo: int, hi: int, why: str) -> None:

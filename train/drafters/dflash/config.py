@@ -18,7 +18,7 @@ from tapdraft.shards.schema import Layout
 from tapdraft.shards.taps import default_tap_ids
 from tapdraft.shards.tokenizer_doc import tokenizer_config, tokenizer_vocab
 from tapdraft.train.drafters.base import layer_shape
-from tapdraft.train.drafters.common.settings import (MAX_DRAFT_LAYERS, MAX_DRAFT_TOKENS, check_count,
+from tapdraft.train.drafters.common.settings import (MAX_ANCHORS, MAX_DRAFT_LAYERS, MAX_DRAFT_TOKENS, check_count,
                                                      check_target_layer_ids)
 
 KD_MODES = ("none", "topk", "exact")
@@ -114,8 +114,9 @@ class DFlashConfig:
                              f"{self.slot_weighting!r}")
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
-        if self.num_anchors < 1 or self.max_total_anchors < 1:
-            raise ValueError("num_anchors and max_total_anchors must be >= 1")
+        check_count("num_anchors", self.num_anchors, 1, MAX_ANCHORS, "blocks per sequence, at most one a position")
+        if self.max_total_anchors < 1:
+            raise ValueError(f"max_total_anchors must be >= 1, got {self.max_total_anchors}")
         if self.max_loss_rows is not None and self.max_loss_rows < self.block_size - 1:
             raise ValueError(f"max_loss_rows must hold one block's {self.block_size - 1} loss rows, "
                              f"got {self.max_loss_rows}; raise it or lower block_size")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tapdraft.train.drafters.common.settings import MAX_DRAFT_RANK, check_count
 from tapdraft.train.drafters.dflash.config import DFlashConfig
 from tapdraft.train.drafters.dflash2.selector import GOLD_MISS_POLICIES
 
@@ -47,8 +48,9 @@ class DFlash2Config(DFlashConfig):
         if not 1 <= self.conv_kernel_size <= self.block_size:
             raise ValueError(
                 f"conv_kernel_size must be in [1, block_size {self.block_size}], got {self.conv_kernel_size}")
-        if self.selector_candidates < 1 or self.selector_rank < 1:
-            raise ValueError("selector_candidates and selector_rank must be >= 1")
+        if self.selector_candidates < 1:
+            raise ValueError(f"selector_candidates must be >= 1, got {self.selector_candidates}")
+        check_count("selector_rank", self.selector_rank, 1, MAX_DRAFT_RANK, "two [vocab, rank] codebooks")
         if self.selector_gold_miss not in GOLD_MISS_POLICIES:
             raise ValueError(f"selector_gold_miss must be one of {GOLD_MISS_POLICIES}, got {self.selector_gold_miss!r}")
         if self.selector_loss_weight < 0:

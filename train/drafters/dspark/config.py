@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from tapdraft.train.drafters.common.settings import MAX_DRAFT_RANK, check_count
 from tapdraft.train.drafters.dflash.config import DFlashConfig
 from tapdraft.train.drafters.dspark.markov import HEAD_TYPES
 
@@ -46,8 +47,7 @@ class DSparkConfig(DFlashConfig):
             raise ValueError(f"markov_head_type {self.markov_head_type!r} is not servable: vLLM 0.32's "
                              "Qwen3DSparkModel builds the vanilla Markov head only (qwen3_dspark.py), and its "
                              f"Qwen3-Omni validator requires 'vanilla'; use one of {HEAD_TYPES}")
-        if self.markov_rank < 1:
-            raise ValueError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        check_count("markov_rank", self.markov_rank, 1, MAX_DRAFT_RANK, "two [vocab, rank] tables")
         if self.tv_weight < 0 or self.confidence_weight < 0:
             raise ValueError("tv_weight and confidence_weight must be >= 0")
         if self.draft_vocab is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tapdraft.train.drafters.common.settings import MAX_DRAFT_LAYERS, check_count
+from tapdraft.train.drafters.common.settings import MAX_DRAFT_HEADS, MAX_DRAFT_LAYERS, MAX_DRAFT_RANK, check_count
 from tapdraft.train.drafters.dflash.config import DFlashConfig
 
 
@@ -57,8 +57,10 @@ class LiLiCorrConfig(DFlashConfig):
         if self.penalty not in PENALTIES:
             raise ValueError(f"penalty must be one of {PENALTIES}, got {self.penalty!r}")
         check_count("lattice_layers", self.lattice_layers, 1, MAX_DRAFT_LAYERS, "bidirectional layers over the lattice")
-        if self.lattice_heads < 1 or self.factor_dim < 1 or self.lattice_mlp_ratio <= 0:
-            raise ValueError("lattice_heads, factor_dim and lattice_mlp_ratio must be positive")
+        check_count("lattice_heads", self.lattice_heads, 1, MAX_DRAFT_HEADS, "attention heads of the lattice layers")
+        check_count("factor_dim", self.factor_dim, 1, MAX_DRAFT_RANK, "width of the transition vectors")
+        if not self.lattice_mlp_ratio > 0:
+            raise ValueError(f"lattice_mlp_ratio must be > 0, got {self.lattice_mlp_ratio}")
         if self.lattice_weight < 0 or self.penalty_weight < 0:
             raise ValueError("lattice_weight and penalty_weight must be >= 0")
         if self.conv_kernel_size < 0 or self.conv_group_size < 0 or \

@@ -75,6 +75,19 @@ def newer_minor(version: Any) -> bool:
     ours = tuple(int(x) for x in SCHEMA_VERSION.split("."))
     return len(have) == 2 and have[0] == ours[0] and have > ours
 
+
+def undeclared_problem(where: str, kind: str, names: list[str], version: Any) -> str | None:
+    """The one rule for parts of a shard that its schema does not declare for its layout (an Arrow column, a tar
+    sample's member): a problem line naming them, or None when there are none or the shard is of a later minor of this
+    schema (whose additions this code ignores: ``newer_minor``). Such parts are refused, not ignored: no checksum covers
+    them, and stock loaders (``datasets.load_dataset``, ``webdataset``) would return them as the dataset's own."""
+    if not names or newer_minor(version):
+        return None
+    return (f"{where}: has {kind} {names} that schema {version} does not declare for its layout (no checksum covers "
+            "them, and stock loaders would return them as the dataset's): it was edited or written by another tool; "
+            "re-copy the shard (or re-capture it)")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Dataset-wide constants that fix every sample's shapes."""

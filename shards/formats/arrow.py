@@ -44,7 +44,7 @@ from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.formats.arrow_ipc import check_arrow_stream
 from tapdraft.shards.formats.base import Format, OpenShards, ShardReader, ShardSettings, ShardWriter, Sink
 from tapdraft.shards.integrity import ROW_COLUMN, check_block, check_row, row_checksum
-from tapdraft.shards.schema import check_schema_version, has_checksums, newer_minor
+from tapdraft.shards.schema import check_schema_version, has_checksums, undeclared_problem
 from tapdraft.shards.shard_index import index_doc, load_index
 
 if TYPE_CHECKING:
@@ -71,12 +71,12 @@ def column_problems(schema: pa.Schema, meta: FieldMeta, path: str) -> tuple[list
     KeyError traceback); ``verify`` reports them all. An extra column is refused, not ignored: its bytes are outside
     every row checksum, and ``datasets.load_dataset`` (the card's way to load the dataset) would hand it to a user
     as the dataset's own. Only a shard of a later minor of this schema may carry columns this code does not know, and
-    they are ignored (minor additions stay readable: ``shards.schema.newer_minor``). A shard written before
-    checksums (schema 1.0) has no checksum column."""
+    they are ignored (minor additions stay readable): the rule is ``shards.schema.undeclared_problem``, which a tar
+    sample's members share. A shard written before checksums (schema 1.0) has no checksum column."""
     version = schema_meta(schema, path).get("schema_version")
     want = arrow_schema(meta, None)
     have = {f.name: f.type for f in schema}
-    out, extra = [], []
+    out = []
     for f in want:
         if f.name not in have:
             if f.name != ROW_COLUMN or has_checksums(version):
@@ -85,12 +85,8 @@ def column_problems(schema: pa.Schema, meta: FieldMeta, path: str) -> tuple[list
         elif have[f.name] != f.type:
             out.append(f"{path}: column {f.name!r} is {have[f.name]}, its layout declares {f.type}: the shard is "
                        "damaged or not this dataset's; re-copy it (or re-capture it)")
-    unknown = [n for n in have if n not in want.names]
-    if unknown and not newer_minor(version):
-        extra.append(f"{path}: has column(s) {unknown} that schema {version} does not declare for its layout (no "
-                     "checksum covers them, and stock loaders would return them as the dataset's): it was edited or "
-                     "written by another tool; re-copy the shard (or re-capture it)")
-    return out, extra
+    undeclared = undeclared_problem(path, "column(s)", [n for n in have if n not in want.names], version)
+    return out, [undeclared] if undeclared else []
 
 
 def make_batch(schema: pa.Schema, rows: list[tuple[dict[str, Any], dict[str, Any]]],

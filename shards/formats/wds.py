@@ -12,7 +12,9 @@ sample is self-describing (``field_meta`` carries the layout and byte layout), s
 fixed mtime/owner so that the same samples always give the same bytes.
 
 ``decode_wds_sample`` checks every member against ``checksums`` and the meta document against its
-own ``checksum``. ``iter_tar_samples`` (tapdraft's reader and ``verify``) also checks the framing
+own ``checksum``. A sample holds those members only: tapdraft's reader refuses one the schema does not
+declare and ``verify`` reports it (``member_problem``, the rule of Arrow's extra columns).
+``iter_tar_samples`` (tapdraft's reader and ``verify``) also checks the framing
 that a member checksum cannot see: each header's tar checksum, zero padding, and zero end blocks
 with nothing after them, so a flip anywhere in the file is an error. The writer emits the tar
 bytes itself (USTAR headers from ``tarfile.TarInfo``, the same bytes ``tarfile`` writes) so that it
@@ -36,6 +38,7 @@ from tapdraft.common.errors import CorruptShardError
 from tapdraft.shards.formats.base import Format, ShardReader, ShardSettings, ShardWriter, Sink
 from tapdraft.shards.integrity import check_block, check_sealed, digest, seal_doc
 from tapdraft.shards.limits import decompress_bounded
+from tapdraft.shards.schema import undeclared_problem
 from tapdraft.shards.shard_index import index_doc, load_index
 
 if TYPE_CHECKING:
@@ -161,6 +164,16 @@ def decode_wds_sample(sample: dict[str, Any], *, decompressed: bool = False) -> 
     return decode_fields(fields, meta_doc, fm)
 
 
+def member_problem(raw: dict[str, Any], meta: FieldMeta, version: Any) -> str | None:
+    """A problem line naming the members of a raw tar sample (``iter_tar_samples``) that its layout does not declare
+    (``<key>.meta.json`` and one ``<key>.<field>.zst`` a stored field), or None: the rule of Arrow's extra columns
+    (``shards.schema.undeclared_problem``: refused, unless the dataset is of a later minor of this schema)."""
+    declared = {META_MEMBER} | {f"{name}.zst" for name in stored_fields(meta)}
+    key = raw["__key__"]
+    extra = [f"{key}.{ext}" for ext in raw if not ext.startswith("__") and ext not in declared]
+    return undeclared_problem(f"{raw['__url__']}: sample {key!r}", "member(s)", extra, version)
+
+
 def _zero(data: bytes) -> bool:
     return not data.strip(b"\0")
 
@@ -220,7 +233,8 @@ def iter_tar_samples(fileobj: BinaryIO, where: str = "<tar>",
 
 
 class TarShardReader(ShardReader):
-    """Reads a tar shard from its start, checking its framing, every member and each sample's fingerprint."""
+    """Reads a tar shard from its start, checking its framing, every member (none the schema does not declare) and each
+    sample's fingerprint."""
 
     def read_rows(self, shard: dict[str, Any], rows: list[int]) -> Iterator[dict[str, Any]]:
         ds = self.ds
@@ -237,6 +251,9 @@ class TarShardReader(ShardReader):
                 seen = r + 1
                 if r > rows[-1]:
                     break
+                extra = member_problem(raw, ds.field_meta, ds.manifest.get("schema_version"))
+                if extra:
+                    raise CorruptShardError(extra)
                 if r in wanted:
                     try:
                         sample = decode_wds_sample(raw)
@@ -260,8 +277,8 @@ class TarShardReader(ShardReader):
     @classmethod
     def verify_shard(cls, fs: AbstractFileSystem, root: str, path: str, m: dict[str, Any], meta: FieldMeta,
                      sh: dict[str, Any], problem: Callable[[str], None]) -> Iterator[dict[str, Any]]:
-        """The head against the index, the tar framing (a member that is no regular file is a problem), every member
-        and each sample's fingerprint."""
+        """The head against the index, the tar framing (a member that is no regular file is a problem, and one the
+        schema does not declare), every member and each sample's fingerprint."""
         fp = m["fingerprint"]
         try:
             head = load_index(fs, root, sh, NAME, batches=False).head
@@ -271,6 +288,9 @@ class TarShardReader(ShardReader):
             problem(str(e))
         with fs.open(path, "rb") as f:
             for raw in iter_tar_samples(f, path, problem):
+                extra = member_problem(raw, meta, m.get("schema_version"))
+                if extra:
+                    problem(extra)
                 doc = json.loads(raw.get("meta.json", b"{}"))
                 if doc.get("fingerprint") not in (None, fp):
                     problem(f"{path}: sample {raw['__key__']} has fingerprint {doc['fingerprint'][:12]}, the manifest "

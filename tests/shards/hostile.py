@@ -7,6 +7,7 @@
     build_numbers("samples_2_35", src, tmp / "w2")   # a manifest claiming the impossible (NUMBER_CASES)
     inflate_arrow_buffer(root, 2**40)                # an Arrow buffer declaring 1 TiB, every checksum consistent
     rewrite_columns(root, drop="topk_ids")           # a shard without a declared column (or add=: one extra)
+    add_tar_member(wds_dataset(tmp / "w"), "notes")  # a tar sample with a member its schema does not declare
 
 Each case is one class of the dataset boundary (``shards.members``): a link to a file outside (unlisted, or in
 place of a listed file with the very bytes the bundle records, so that hashes alone pass), a link in place of a
@@ -274,26 +275,69 @@ def rewrite_columns(root: Path, drop: str | None = None, add: str | None = None)
     return sh["name"]
 
 
-def wds_dataset(root: Path) -> Path:
-    """A small finished WebDataset dataset (3 tar shards)."""
-    write_dataset(str(root), tiny_layout(), ShardConfig(format="wds", shard_bytes=6000), [5, 8, 3, 6])
+def wds_dataset(root: Path, tokenizer: bytes | None = None) -> Path:
+    """A small finished WebDataset dataset (3 tar shards); with ``tokenizer``, its bundle lists that tokenizer.json."""
+    tok = None
+    if tokenizer is not None:
+        tok = root.parent / (root.name + "-tokenizer")
+        tok.mkdir(parents=True)
+        (tok / "tokenizer.json").write_bytes(tokenizer)
+    write_dataset(str(root), tiny_layout(), ShardConfig(format="wds", shard_bytes=6000), [5, 8, 3, 6],
+                  tokenizer_dir=None if tok is None else str(tok))
     return root
+
+
+def _commit_tar(root: Path, man: dict, sh: dict, data: bytes) -> None:
+    """The tar shard ``sh`` rewritten as ``data``, its size, sha256 and index record (and the split's bytes) made to
+    match, as a crafter would."""
+    import hashlib
+
+    from tapdraft.shards.integrity import digest
+
+    shard, index = root / sh["name"], root / "index" / (sh["name"].split("/")[-1] + ".json")
+    shard.write_bytes(data)
+    doc = json.loads(index.read_text())
+    doc["bytes"] = len(data)
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    index.write_bytes(raw)
+    man["splits"]["train"]["bytes"] += len(data) - sh["bytes"]
+    sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (root / "manifest.json").write_text(json.dumps(man))
+
+
+def add_tar_member(root: Path, ext: str = "notes", data: bytes = SECRET) -> str:
+    """The first tar shard with a regular member ``<key>.<ext>`` (``data``) added to its first sample, after that
+    sample's own members: a file the schema does not declare, which no checksum covers and which webdataset and
+    datasets would hand a user as the sample's. Its size, sha256 and index record are made to match (the head, the
+    first meta.json, is unchanged). Returns the member's name."""
+    import io
+    import tarfile
+
+    man = json.loads((root / "manifest.json").read_text())
+    sh = man["splits"]["train"]["shards"][0]
+    tar = (root / sh["name"]).read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        members = tf.getmembers()
+    key = members[0].name.partition(".")[0]
+    after = [m for m in members if m.name.partition(".")[0] != key]
+    at = after[0].offset if after else members[-1].offset_data + -(-members[-1].size // 512) * 512
+    info = tarfile.TarInfo(f"{key}.{ext}")
+    info.size, info.mode = len(data), 0o644
+    member = info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % 512)
+    _commit_tar(root, man, sh, tar[:at] + member + tar[at:])
+    return info.name
 
 
 def add_tar_links(root: Path) -> str:
     """The first tar shard with a symlink member (to a file outside) and a hard link member appended before its end
     blocks, its size, sha256 and index record (and the split's bytes) made to match: readers skip such members, so
     only a look at every member's type can see them. Returns the shard's relative name."""
-    import hashlib
     import io
     import tarfile
 
-    from tapdraft.shards.integrity import digest
-
     man = json.loads((root / "manifest.json").read_text())
     sh = man["splits"]["train"]["shards"][0]
-    shard, index = root / sh["name"], root / "index" / (sh["name"].split("/")[-1] + ".json")
-    data = shard.read_bytes()
+    data = (root / sh["name"]).read_bytes()
     with tarfile.open(fileobj=io.BytesIO(data)) as tf:
         last = tf.getmembers()[-1]
         end = last.offset_data + -(-last.size // 512) * 512
@@ -304,13 +348,5 @@ def add_tar_links(root: Path) -> str:
         info = tarfile.TarInfo(name)
         info.type, info.linkname = kind, to
         links += info.tobuf(tarfile.USTAR_FORMAT)
-    data = data[:end] + links + b"\0" * 1024
-    shard.write_bytes(data)
-    doc = json.loads(index.read_text())
-    doc["bytes"] = len(data)
-    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    index.write_bytes(raw)
-    man["splits"]["train"]["bytes"] += len(data) - sh["bytes"]
-    sh.update(index=[len(raw), digest(raw)], sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    (root / "manifest.json").write_text(json.dumps(man))
+    _commit_tar(root, man, sh, data[:end] + links + b"\0" * 1024)
     return sh["name"]

@@ -417,3 +417,38 @@ def test_push_refuses_a_card_that_is_not_the_one_its_manifest_records(good, tmp_
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {card}: not the card the manifest "
                                                                       "records"), err
     assert not list((tmp_path / "bucket").rglob("*.arrow")), "push sent shards before refusing the card"
+
+
+def test_a_tar_sample_with_a_member_its_schema_does_not_declare_is_refused_as_an_extra_column_is(tmp_path, capsys):
+    """Issue 57: an extra regular member in a WebDataset sample (``<key>.notes``, the shard's size, sha256 and index
+    made to match) was read everywhere and passed verify, where Arrow's extra column is refused. Both follow one rule
+    (``shards.schema.undeclared_problem``): readers refuse it in one line naming the shard, the sample and the member
+    (exit 2); verify reports it (exit 1); only a dataset of a later minor of the schema may carry such members."""
+    from tests.shards.hostile import add_tar_member, wds_dataset
+
+    root = wds_dataset(tmp_path / "ds", tokenizer=b'{"model": {"vocab": {"a": 0, "b": 1}}}')
+    man = json.loads((root / "manifest.json").read_text())
+    shard = str(root / man["splits"]["train"]["shards"][0]["name"])
+    member = add_tar_member(root, "notes")
+    named = f"{shard}: sample {member.split('.')[0]!r}: has member(s) [{member!r}] that schema"
+    for cmd in (["inspect", str(root), "--sample", "0"],
+                ["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run"),
+                 "--set", "max_steps=1"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {named}"), (cmd, err)
+    rep = verify_dataset(str(root), progress=False)
+    assert [p for p in rep.problems if p.startswith(named)] == rep.problems and len(rep.problems) == 1, rep.problems
+    r = CliRunner().invoke(app, ["verify", str(root)])
+    assert r.exit_code == 1 and member in r.output, r.output
+    from tapdraft.shards.codec import FieldMeta
+    from tapdraft.shards.formats.wds import iter_tar_samples, member_problem
+
+    meta = FieldMeta.from_dict(man["field_meta"])
+    with open(shard, "rb") as f:
+        raw = next(iter_tar_samples(f, shard))
+    major = man["schema_version"].split(".")[0]
+    assert member_problem(raw, meta, man["schema_version"]) and member_problem(raw, meta, f"{major}.9") is None
+    del raw["notes"]
+    assert member_problem(raw, meta, man["schema_version"]) is None

@@ -174,6 +174,16 @@ def _check_bundle(fs: fsspec.AbstractFileSystem, root: str, fp: str, rep: Verify
                             "bundle belongs to another target")
 
 
+def unreadable_problem(path: str, samples: int, e: BaseException) -> str:
+    """verify's line for a shard that stopped reading after ``samples`` samples: the reader's message without the
+    shard's name it starts with, and the advice to re-copy it only when that message does not already give it (a
+    missing column said "re-copy it (or re-capture it)" and then "re-copy or re-capture it")."""
+    why = str(e).removeprefix(f"{path}: ")
+    if "re-copy" in why or "re-capture" in why:
+        return f"{path}: unreadable after {samples} samples: {why}"
+    return f"{path}: unreadable after {samples} samples ({why}); re-copy or re-capture it"
+
+
 def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen: dict[str, str], reader) -> None:
     path = mf.join(root, sh["name"])
     if not fs.exists(path):
@@ -217,8 +227,7 @@ def _check_shard(fs, root, m, meta, layout, split, sh, rep, deep, advance, seen:
             counts["supervised_tokens"] += int(sample["loss_mask"].sum())
             counts["audio_seconds"] += float(sample["audio_seconds"])
     except (ValueError, KeyError, OSError, pa.ArrowException, EOFError) as e:
-        why = str(e).removeprefix(f"{path}: ")  # a reader's message names the shard already
-        rep.problems.append(f"{path}: unreadable after {counts['samples']} samples ({why}); re-copy or re-capture it")
+        rep.problems.append(unreadable_problem(path, counts["samples"], e))
         return
     for k in COUNT_KEYS:
         if abs(counts[k] - sh[k]) > 1e-6 * max(1.0, abs(sh[k])):

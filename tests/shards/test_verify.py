@@ -277,3 +277,29 @@ def test_a_bundle_value_outside_the_schema_fails_verify_even_under_an_older_mani
             open_dataset(str(root)).bundle()
         _edit_bundle(root, **{key: None})
     assert verify_dataset(str(root), progress=False).ok
+
+
+@pytest.mark.parametrize("damage", ["arrow_without_topk_ids", "tar_cut_short"])
+def test_each_problem_line_says_to_re_copy_once(tmp_path, damage):
+    """Issue 57: verify's line for a shard without its topk_ids column ended "re-copy it (or re-capture it)); re-copy
+    or re-capture it": the reader's message gave the advice and verify's wrapper added its own. The wrapper now adds
+    it only to a reason without it (``verify.unreadable_problem``)."""
+    from tests.shards.hostile import good_dataset, rewrite_columns, wds_dataset
+
+    if damage == "arrow_without_topk_ids":
+        root = good_dataset(tmp_path / "ds")
+        shard = str(root / rewrite_columns(root, drop="topk_ids"))
+    else:
+        root = wds_dataset(tmp_path / "ds")
+        shard = str(root / json.loads((root / "manifest.json").read_text())["splits"]["train"]["shards"][0]["name"])
+        with open(shard, "r+b") as f:
+            f.truncate(3000)
+    problems = verify_dataset(str(root), progress=False).problems
+    unreadable = [p for p in problems if p.startswith(f"{shard}: unreadable after")]
+    assert len(unreadable) == 1, problems
+    for p in problems:
+        assert p.count("re-copy") == 1 and p.count("re-capture") == 1, p
+    from tapdraft.shards.verify import unreadable_problem
+
+    plain = unreadable_problem(shard, 3, ValueError(f"{shard}: a reason without advice"))
+    assert plain == f"{shard}: unreadable after 3 samples (a reason without advice); re-copy or re-capture it"

@@ -71,6 +71,8 @@ def modules(root: Path) -> dict[str, Path]:
         for f in sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else []:
             if any(p.is_symlink() for p in [f, *f.relative_to(root).parents][:-1] if (root / p).is_symlink()):
                 continue
+            if "build" in f.relative_to(root).parts:  # a setuptools build's copy of the sources (.ci/wheel leaves one)
+                continue
             parts = f.relative_to(root).with_suffix("").parts
             mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return mods

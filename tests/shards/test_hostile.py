@@ -30,6 +30,17 @@ LISTED = sorted(n for n, (listed, _) in CASES.items() if listed)
 UNLISTED = sorted(n for n, (listed, _) in CASES.items() if not listed)
 
 
+def _inspect_and_train_refuse(root, tmp_path, capsys, line: str) -> None:
+    """``inspect --sample 0`` and a one-step ``train`` on ``root`` each exit 2 with one error line starting ``line``."""
+    for cmd in (["inspect", str(root), "--sample", "0"],
+                ["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run"),
+                 "--set", "max_steps=1"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error")]
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {line}"), (cmd, err)
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     return good_dataset(tmp_path_factory.mktemp("good") / "ds")
@@ -322,13 +333,7 @@ def test_a_shard_whose_columns_are_not_its_declared_schema_is_refused_naming_the
     return it as the dataset's (only a later minor of the schema may add columns)."""
     root = good_dataset(tmp_path / "ds", tokenizer=b'{"model": {"vocab": {"a": 0, "b": 1}}}')  # one train reads
     shard = str(root / rewrite_columns(root, **edit))
-    for cmd in (["inspect", str(root), "--sample", "0"],
-                ["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run"),
-                 "--set", "max_steps=1"]):
-        with pytest.raises(SystemExit) as e:
-            main(cmd)
-        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
-        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {shard}: {named}"), (cmd, err)
+    _inspect_and_train_refuse(root, tmp_path, capsys, f"{shard}: {named}")
     rep = verify_dataset(str(root), progress=False)
     assert [p for p in rep.problems if p.startswith(shard) and named in p], rep.problems
 
@@ -431,13 +436,7 @@ def test_a_tar_sample_with_a_member_its_schema_does_not_declare_is_refused_as_an
     shard = str(root / man["splits"]["train"]["shards"][0]["name"])
     member = add_tar_member(root, "notes")
     named = f"{shard}: sample {member.split('.')[0]!r}: has member(s) [{member!r}] that schema"
-    for cmd in (["inspect", str(root), "--sample", "0"],
-                ["train", "--data", str(root), "--recipe", "dflash", "--out", str(tmp_path / "run"),
-                 "--set", "max_steps=1"]):
-        with pytest.raises(SystemExit) as e:
-            main(cmd)
-        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
-        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {named}"), (cmd, err)
+    _inspect_and_train_refuse(root, tmp_path, capsys, named)
     rep = verify_dataset(str(root), progress=False)
     assert [p for p in rep.problems if p.startswith(named)] == rep.problems and len(rep.problems) == 1, rep.problems
     r = CliRunner().invoke(app, ["verify", str(root)])

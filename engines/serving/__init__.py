@@ -37,15 +37,29 @@ class EngineFailed(RuntimeError):
         self.log = log
 
 
+def claim_job_file(work: Path, job: dict[str, Any]) -> Path:
+    """Write ``job`` to the first free WORK/vllm-N.json, created exclusively: two benchmarks serving into one
+    directory at once each get their own N (counting the files and then writing raced: both took the same N and
+    one overwrote the other's job, output and log)."""
+    work.mkdir(parents=True, exist_ok=True)
+    n = len(list(work.glob("vllm-*.json")))
+    while True:
+        path = work / f"vllm-{n}.json"
+        try:
+            with open(path, "x") as f:
+                f.write(json.dumps(job))
+            return path
+        except FileExistsError:
+            n += 1
+
+
 def serve_vllm(venv: Path, job: dict[str, Any], work: Path, *, timeout: float = 900,
                plugins: bool = True, threads: int = 1) -> dict[str, Any]:
     """Run one vllm_runner job in the vLLM venv; its log goes to WORK/vllm-N.log (its end shown on failure).
     ``plugins=False`` runs stock vLLM (no general plugin loaded: ``VLLM_PLUGINS`` names none); ``threads``
     is the engine's CPU thread count."""
-    work.mkdir(parents=True, exist_ok=True)
-    n = len(list(work.glob("vllm-*.json")))
-    job_path, out_path, log = work / f"vllm-{n}.json", work / f"vllm-{n}.out.json", work / f"vllm-{n}.log"
-    job_path.write_text(json.dumps(job))
+    job_path = claim_job_file(work, job)
+    out_path, log = job_path.with_suffix(".out.json"), job_path.with_suffix(".log")
     # the engine's own environment only: tapdraft's venv must not leak into it
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads),

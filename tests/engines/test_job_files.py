@@ -4,6 +4,7 @@ cannot overwrite each other's job, output or log."""
 from __future__ import annotations
 
 import json
+
 from tapdraft.engines.serving import claim_job_file
 
 
@@ -15,4 +16,3 @@ def test_a_claim_never_takes_a_number_already_written(tmp_path):
     assert path.name == "vllm-3.json"
     assert json.loads((tmp_path / "vllm-2.json").read_text()) == {"other": True}
     assert json.loads(path.read_text()) == {"mine": 1}
-

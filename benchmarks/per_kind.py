@@ -21,7 +21,9 @@ regenerate --engine vllm``, one call, split back by kind), a capture of them (on
 replay covers exactly the served conversations), then the serving. Per kind: the speedup over whole requests and
 over the decode (median of the pairs), vLLM's tau, ``tapdraft speculate``'s tau and the offline replay on the same
 conversations, whether vLLM's accepted drafts equal speculate's round by round, greedy identity, and the round cost
-R = tau / decode speedup. The headline is the median kind and the worst kind, never the best.
+R = tau / decode speedup. The headline is the median kind and the worst kind, never the best. ``--k 1,2,3`` serves
+every listed number of drafts a round in each pair: the drafts the export was trained for are the main rows (held
+against speculate), the others vLLM's figures under ``other_k``: where acceptance is low, fewer drafts cost less.
 """
 
 from __future__ import annotations
@@ -197,8 +199,13 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
                                               served, cfg.max_tokens))
             log(f"{kind}: speculate tau {rows[kind]['speculate']['tau']:.3f}, rounds equal to vLLM's: "
                 f"{rows[kind]['rounds_equal_to_speculate']}")
-    return {"k": int(k[2:]), "kinds": rows,
-            "whole_requests": headline(rows, "speedup_median"),
+    others = {name: k_report(kind_rows(runs, spans, name)) for name in runs if name not in ("alone", k)}
+    return {"k": int(k[2:]), **k_report(rows), **({"other_k": others} if others else {})}
+
+
+def k_report(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The kinds' rows at one number of drafts a round with their headlines (median and worst kind)."""
+    return {"kinds": rows, "whole_requests": headline(rows, "speedup_median"),
             **({"decode": headline(rows, "decode_speedup_median")}
                if all("decode_speedup_median" in r for r in rows.values()) else {})}
 
@@ -233,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(a.workdir).resolve()
     report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True))
     print(format_rows(report["kinds"]))
+    for name, other in report.get("other_k", {}).items():  # vLLM's figures only: speculate drafts the trained k
+        print(f"served at {name}:\n{format_rows(other['kinds'])}")
     out = RESULTS / (a.name or f"per_kind_{a.target}_{a.run}.json")
     doc = {"target": a.target, "run": a.run, "per_kind": a.per_kind, "pairs": a.pairs, "max_tokens": cfg.max_tokens,
            "command": "python -m benchmarks.per_kind " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.per_kind import EVAL_SETS, eval_conversations, headline, kind_rows, spread, turn_records
+from benchmarks.per_kind import EVAL_SETS, eval_conversations, headline, k_report, kind_rows, spread, turn_records
 
 
 def _question_sets(d):
@@ -63,3 +63,14 @@ def test_each_kind_is_timed_on_its_own_requests():
     assert rows["a"]["round_cost"] == pytest.approx(rows["a"]["vllm_tau"] / 2.0)
     h = headline({"a": {"x": 2.0}, "b": {"x": 1.0}, "c": {"x": 1.5}}, "x")
     assert h == {"median": 1.5, "worst": 1.0, "worst_kind": "b"}
+
+
+def test_every_served_k_gets_its_own_rows_and_headline():
+    alone = _run([2.0, 2.0, 1.0, 1.0], [10, 10, 10, 10], None)
+    k1 = _run([1.6, 1.6, 0.8, 0.8], [10, 10, 10, 10], [[1], [1], [0], [1]])
+    k3 = _run([1.0, 1.0, 1.25, 1.25], [10, 10, 10, 10], [[2, 2], [1], [0, 0, 0], [0]])
+    runs = {"alone": [alone], "k=1": [k1], "k=3": [k3]}
+    one, three = (k_report(kind_rows(runs, {"a": [0, 1], "b": [2, 3]}, k)) for k in ("k=1", "k=3"))
+    assert one["whole_requests"] == {"median": pytest.approx(1.25), "worst": pytest.approx(1.25), "worst_kind": "a"}
+    assert three["whole_requests"]["worst"] == pytest.approx(0.8) and three["whole_requests"]["worst_kind"] == "b"
+    assert one["kinds"]["b"]["vllm_tau"] == pytest.approx(1.5) and "decode" in one

@@ -239,12 +239,15 @@ class Example:
 
 
 def fit(model, examples: list[Example], audio: list, params: list, steps: int, batch: int, lr: float, seed: int,
-        log=print) -> list[float]:
+        log=print, resume: Path | None = None, every: int = 100) -> list[float]:
     """Train ``params`` of ``model`` (all else frozen) on ``examples`` through the language model, on the reply
     positions alone (CE, or KL from the example's ``teacher``), their mean; the losses.
     ``params`` are parameters or AdamW groups (``{"params": [...], "lr": ...}``: a group's lr is scaled by the same
-    cosine). ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once)
-    or an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in ``params``)."""
+    cosine). ``audio[i]`` is a tensor of encoder frames (the encoder frozen and run once; a half-precision cache is
+    widened per step) or an ``audio_inputs`` item (the encoder runs each step, with grad when its parameters are in
+    ``params``). With ``resume``, the trained parameters, the optimiser, the schedule, the example order and the
+    losses are saved there every ``every`` steps and at the end, and a rerun continues from the file: the same steps
+    as one uninterrupted run."""
     lm = model.model.language_model
     head = model.lm_head
     proj = model.model.multi_modal_projector
@@ -259,9 +262,24 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * min(s, steps) / steps)))
     rng = random.Random(seed)
     order: list[int] = []
-    losses = []
+    losses: list[float] = []
+    trained = [q for g in params for q in (g["params"] if isinstance(g, dict) else [g])]
+    start = 0
+    if resume is not None and resume.is_file():
+        st = torch.load(resume, weights_only=False)
+        if st["steps"] != steps or len(st["params"]) != len(trained):
+            raise ValueError(f"{resume} is a run of {st['steps']} steps over {len(st['params'])} tensors, not "
+                             f"{steps} over {len(trained)}: remove it to start again")
+        with torch.no_grad():
+            for q, v in zip(trained, st["params"]):
+                q.copy_(v)
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        rng.setstate(st["rng"])
+        order, losses, start = st["order"], st["losses"], st["step"]
+        log(f"resumed at step {start} from {resume}")
     t0 = time.time()
-    for step in range(steps):
+    for step in range(start, steps):
         if len(order) < batch:
             order += rng.sample(range(len(examples)), len(examples))
         idx, order = order[:batch], order[batch:]
@@ -270,7 +288,7 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
             ex = examples[i]
             teachers.append(ex.teacher)
             a = audio[ex.audio]
-            frames = a if isinstance(a, torch.Tensor) else tower_frames(tower, a)
+            frames = a.float() if isinstance(a, torch.Tensor) else tower_frames(tower, a)
             at = int((ex.prompt == audio_id).nonzero()[0, 0])
             with torch.no_grad():
                 pre_e, post_e, r_e = emb(ex.prompt[:at]), emb(ex.prompt[at + 1:]), emb(ex.reply)
@@ -297,7 +315,18 @@ def fit(model, examples: list[Example], audio: list, params: list, steps: int, b
         losses.append(loss.item())
         if step % 10 == 0 or step == steps - 1:
             log(f"step {step:4d}  loss {np.mean(losses[-20:]):.4f}  {time.time() - t0:.0f}s")
+        if resume is not None and ((step + 1) % every == 0 or step == steps - 1):
+            _save_state(resume, {"steps": steps, "step": step + 1, "params": [q.detach().clone() for q in trained],
+                                 "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": rng.getstate(),
+                                 "order": order, "losses": losses})
     return losses
+
+
+def _save_state(path: Path, state: dict) -> None:
+    from tapdraft.common.atomic import staged
+
+    with staged(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
 
 
 def teacher_top_k(lm, head, prompt: torch.Tensor, reply: torch.Tensor, k: int) -> TopK:

@@ -17,3 +17,15 @@ def fake_speech(monkeypatch):
 
     monkeypatch.setattr("tapdraft.demo.real.listen.speak", speak)
     return spoken
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Qwen2-Audio in its real layout, loaded, and its processor."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    from tests.capture.speech_models import save_qwen2_audio
+
+    d = tmp_path_factory.mktemp("qwen2_audio")
+    save_qwen2_audio(d, seed=3)
+    return Qwen2AudioForConditionalGeneration.from_pretrained(d).eval(), AutoProcessor.from_pretrained(d)

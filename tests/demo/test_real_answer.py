@@ -6,27 +6,13 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from tapdraft.demo.real.answer import (AnswerConfig, answer_examples, common_prefix, reply, requests, score_replies,
                               written_replies)
 from tapdraft.demo.real.listen import VOCAB_OOV, audio_inputs, encode_audio, encode_audio_full, fit, tower_frames
-from tests.capture.speech_models import save_qwen2_audio
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
-
-    d = tmp_path_factory.mktemp("qwen2_audio")
-    save_qwen2_audio(d, seed=3)
-    return Qwen2AudioForConditionalGeneration.from_pretrained(d).eval(), AutoProcessor.from_pretrained(d)
-
-
-def waves(n: int) -> list[np.ndarray]:
-    return [(0.1 * np.sin(np.arange(4000 + 1500 * i) / (3 + i))).astype(np.float32) for i in range(n)]
+from tests.demo.tones import waves
 
 
 def test_requests_are_disjoint_and_hold_out_words():
@@ -115,6 +101,48 @@ def test_fit_trains_what_it_is_given_and_nothing_else(tiny):
         x = audio_inputs(base.model.audio_tower, w[:1], proc.feature_extractor)[0]
         one = encode_audio(base, w[:1], proc.feature_extractor)[0]
         assert torch.equal(tower_frames(base.model.audio_tower, x), one)
+
+
+def test_fit_resumed_after_a_kill_takes_the_uninterrupted_runs_steps(tiny, tmp_path):
+    base, proc = tiny
+    tok = proc.tokenizer
+    replies = [tok(t, add_special_tokens=False)["input_ids"] for t in ("one two three", "four five", "six")]
+    examples = answer_examples(tok, replies, 0, reply_tokens=3)
+    frames = [f.half() for f in encode_audio(base, waves(3), proc.feature_extractor)]  # a half-precision cache
+
+    def run(resume=None, die_at=None):
+        model = copy.deepcopy(base)
+        params = list(model.model.multi_modal_projector.parameters())
+        if die_at is not None:
+            step = torch.optim.AdamW.step
+            calls = []
+
+            def dying(self, *a, **k):
+                calls.append(1)
+                if len(calls) == die_at:
+                    raise KeyboardInterrupt
+                return step(self, *a, **k)
+
+            torch.optim.AdamW.step = dying
+        try:
+            losses = fit(model, examples, frames, params, steps=6, batch=2, lr=1e-2, seed=0, log=lambda *_: None,
+                         resume=resume, every=2)
+        finally:
+            if die_at is not None:
+                torch.optim.AdamW.step = step
+        return model, losses
+
+    whole, losses = run()
+    ckpt = tmp_path / "fit.pt"
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt, die_at=4)  # killed in step 4: steps 1-2 saved, step 3's work lost
+    assert torch.load(ckpt, weights_only=False)["step"] == 2
+    resumed, resumed_losses = run(ckpt)
+    assert resumed_losses == losses
+    assert torch.equal(resumed.model.multi_modal_projector.linear.weight, whole.model.multi_modal_projector.linear.weight)
+    with pytest.raises(ValueError, match="remove it to start again"):
+        fit(copy.deepcopy(base), examples, frames, list(base.model.multi_modal_projector.parameters()), steps=9,
+            batch=2, lr=1e-2, seed=0, log=lambda *_: None, resume=ckpt)
 
 
 def test_spoken_requests_hold_out_what_the_answerer_and_the_drafter_heard(tmp_path, fake_speech):

@@ -2,7 +2,9 @@
 ``python -m tapdraft.demo.real listen [--root DIR] [--steps N]``: build (or reuse) the speech LLM trained to transcribe;
 ``python -m tapdraft.demo.real answer [--root DIR] [--steps N]``: build (or reuse) the speech LLM that answers spoken
 requests;
-``python -m tapdraft.demo.real broad --workdir DIR --train N``: SmolLM2's own replies to N ShareGPT conversations (resumable)."""
+``python -m tapdraft.demo.real broad --workdir DIR --train N``: SmolLM2's own replies to N ShareGPT conversations (resumable);
+``python -m tapdraft.demo.real listen-open --workdir DIR [--sentences N] [--steps N]``: the listener taught open speech
+(resumable)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 from tapdraft.demo.real.answer import AnswerConfig, build_answerer
 from tapdraft.demo.real.build import build_real_targets
 from tapdraft.demo.real.listen import ListenConfig, build_listener
+from tapdraft.demo.real.open_listen import OpenListenConfig
 
 
 def add_answer_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,16 @@ def main(argv: list[str] | None = None) -> None:
     br.add_argument("--train", type=int, default=2000, help="pool conversations (a multiple of 500 is regenerated)")
     br.add_argument("--validation", type=int, default=64)
     br.add_argument("--engines", type=int, default=1, help="vLLM engines side by side, one thread each")
+    lo = sub.add_parser("listen-open", help="the listener taught open speech: espeak-ng sentences of ShareGPT's "
+                                            "requests (resumable work directory)")
+    lo.add_argument("--workdir", required=True)
+    lo.add_argument("--root", default=None, help="cache root of the closed listener it starts from")
+    lo.add_argument("--sentences", type=int, default=OpenListenConfig.n_train, help="training sentences")
+    lo.add_argument("--test", type=int, default=OpenListenConfig.n_test, help="held-out open sentences")
+    lo.add_argument("--steps", type=int, default=OpenListenConfig.steps, help="projector updates")
+    lo.add_argument("--batch", type=int, default=OpenListenConfig.batch, help="utterances per update")
+    lo.add_argument("--lr", type=float, default=OpenListenConfig.lr, help="AdamW learning rate")
+    lo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     if getattr(a, "threads", None):
         import torch
@@ -75,6 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         done = regenerate_broad(Path(a.workdir).resolve(), a.train, a.validation, venv=engine_venv("vllm"),
                                 engines=a.engines)
         print(json.dumps(done, indent=2))
+    elif a.cmd == "listen-open":
+        from pathlib import Path
+
+        from tapdraft.demo.real.open_listen import train_open_listener
+
+        start, _ = build_listener(a.root)
+        cfg = OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr)
+        report = train_open_listener(Path(a.workdir).resolve(), cfg, start)
+        print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     elif a.cmd == "answer":
         d, info = build_answerer(a.root, answer_config(a))
         print(json.dumps({"dir": str(d), **{k: v for k, v in info.items() if k != "config"}}, indent=2))

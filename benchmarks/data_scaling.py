@@ -56,7 +56,7 @@ def kind_taus(work: Path, run: Path, target: Path, per_kind_max: int, max_tokens
     kinds = work / "kinds"
     if not (kinds / "dataset" / "manifest.json").is_file():
         raise FileNotFoundError(f"{kinds / 'dataset'} is missing: run python -m benchmarks.per_kind --workdir {work} "
-                                "first (it writes the kinds' requests, replies and capture)")
+                                "--stop-after capture first (it writes the kinds' requests, replies and capture)")
     rows = {}
     for kind in KINDS:
         n = sum(1 for line in (kinds / f"{kind}.jsonl").read_text().splitlines() if line.strip())

@@ -165,7 +165,10 @@ def format_rows(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, log=print) -> dict[str, Any]:
+def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, log=print,
+                 stop_after: str | None = None) -> dict[str, Any] | None:
+    """The stages (module docstring); with ``stop_after`` ("capture") none after it, and no report: the kinds'
+    requests, replies and capture are then ready for ``benchmarks.data_scaling``, which needs no serving."""
     from tapdraft.engines.serving import engine_venv, vllm_requests
 
     target = target_dir(cfg, log)
@@ -179,6 +182,8 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     kinds = kind_conversations(prompts, per_kind)
     stage_replies(kinds_dir, kinds, target, venv, cfg, log)
     dataset = stage_capture(kinds_dir, list(kinds), target, cfg, log)
+    if stop_after == "capture":
+        return None
     requests, spans, ids = [], {}, {}
     for kind in kinds:
         reqs, sample_ids, _ = vllm_requests(target, kinds_dir / f"{kind}.jsonl", per_kind, kinds_dir / "audio")
@@ -233,12 +238,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pairs", type=int, default=d.pairs)
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--engine-threads", type=int, default=d.engine_threads)
+    ap.add_argument("--stop-after", choices=["capture"], default=None,
+                    help="capture: make the kinds' requests, replies and capture, serve nothing (what "
+                         "benchmarks.data_scaling reads)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     cfg = SpeedupConfig(target=a.target, run=a.run, max_tokens=a.max_tokens, k=tuple(int(x) for x in a.k.split(",")),
                         pairs=a.pairs, threads=a.threads, engine_threads=a.engine_threads)
     work = Path(a.workdir).resolve()
-    report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True))
+    report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True),
+                          stop_after=a.stop_after)
+    if report is None:
+        print(f"the kinds' requests, replies and capture are in {work / 'kinds'}; nothing served")
+        return
     print(format_rows(report["kinds"]))
     for name, other in report.get("other_k", {}).items():  # vLLM's figures only: speculate drafts the trained k
         print(f"served at {name}:\n{format_rows(other['kinds'])}")

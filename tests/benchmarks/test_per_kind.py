@@ -74,3 +74,25 @@ def test_every_served_k_gets_its_own_rows_and_headline():
     assert one["whole_requests"] == {"median": pytest.approx(1.25), "worst": pytest.approx(1.25), "worst_kind": "a"}
     assert three["whole_requests"]["worst"] == pytest.approx(0.8) and three["whole_requests"]["worst_kind"] == "b"
     assert one["kinds"]["b"]["vllm_tau"] == pytest.approx(1.5) and "decode" in one
+
+
+def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, monkeypatch):
+    import benchmarks.per_kind as pk
+    from tapdraft.demo.real.speedup import SpeedupConfig
+
+    (tmp_path / "exports" / "r").mkdir(parents=True)
+    (tmp_path / "exports" / "r" / "config.json").write_text("{}")
+    done = []
+    monkeypatch.setattr(pk, "target_dir", lambda cfg, log: tmp_path / "target")
+    monkeypatch.setattr("tapdraft.engines.serving.engine_venv", lambda name: tmp_path / "venv")
+    monkeypatch.setattr("tapdraft.engines.serving.vllm_requests", lambda *a: ([], [], []))
+    monkeypatch.setattr(pk, "kind_conversations", lambda prompts, n: {"alpaca": []})
+    monkeypatch.setattr(pk, "stage_replies", lambda *a: done.append("replies"))
+    monkeypatch.setattr(pk, "stage_capture", lambda *a: done.append("capture") or tmp_path / "kinds" / "dataset")
+    monkeypatch.setattr(pk, "serve_pairs", lambda *a, **k: done.append("served"))
+    cfg = SpeedupConfig(target="general", run="r")
+    assert pk.run_per_kind(tmp_path, cfg, tmp_path, 8, log=lambda *_: None, stop_after="capture") is None
+    assert done == ["replies", "capture"]
+    with pytest.raises(TypeError):  # without it the serving runs (the stub returns no runs)
+        pk.run_per_kind(tmp_path, cfg, tmp_path, 8, log=lambda *_: None)
+    assert done[-1] == "served"

@@ -9,7 +9,8 @@ largest size is the work directory's own run when it is the whole split. Every s
 ``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their capture) by
 ``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds equal to
 vLLM's, and the offline replay of the same conversations. Per size: tau per kind, the median and the worst kind, and
-the training split's conversations and tokens. Stages are cached under ``WORKDIR/scaling/nN/`` (a rerun continues).
+the training split's conversations and tokens. Stages are cached under ``WORKDIR/scaling/nN/`` (a rerun continues), the
+scores too, kind by kind: sizes run as separate processes side by side, then one call over all of them writes the curve.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, environment, invocation
 from benchmarks.per_kind import KINDS
+from tapdraft.common.atomic import staged
 from tapdraft.demo.real.commands import run_cli
 from tapdraft.demo.real.speedup import SpeedupConfig, speculate_served, target_dir
 
@@ -51,20 +53,33 @@ def size_run(work: Path, size: int, recipe: str, threads: int, sets: tuple[str, 
     return run
 
 
-def kind_taus(work: Path, run: Path, target: Path, per_kind_max: int, max_tokens: int) -> dict[str, dict[str, Any]]:
-    """``tapdraft speculate``'s tau (and the offline replay's) on every kind's requests of ``benchmarks.per_kind``."""
+def kind_taus(work: Path, run: Path, target: Path, per_kind_max: int, max_tokens: int,
+              cache: Path | None = None) -> dict[str, dict[str, Any]]:
+    """``tapdraft speculate``'s tau (and the offline replay's) on every kind's requests of ``benchmarks.per_kind``;
+    with ``cache``, each kind's row is kept there as it is scored and a rerun scores only the kinds it lacks (the
+    file names what it scored: the run's final checkpoint, the requests a kind, the reply cap)."""
     kinds = work / "kinds"
     if not (kinds / "dataset" / "manifest.json").is_file():
         raise FileNotFoundError(f"{kinds / 'dataset'} is missing: run python -m benchmarks.per_kind --workdir {work} "
                                 "--stop-after capture first (it writes the kinds' requests, replies and capture)")
-    rows = {}
+    scored = {"run": str(run.resolve()), "checkpoint": json.loads((run / "summary.json").read_text()).get("checkpoint"),
+              "per_kind": per_kind_max, "max_tokens": max_tokens}
+    rows: dict[str, dict[str, Any]] = {}
+    if cache is not None and cache.is_file():
+        doc = json.loads(cache.read_text())
+        rows = doc["kinds"] if doc["scored"] == scored else {}
     for kind in KINDS:
+        if kind in rows:
+            continue
         n = sum(1 for line in (kinds / f"{kind}.jsonl").read_text().splitlines() if line.strip())
         ours = speculate_served(kinds / f"{kind}.jsonl", target, run, kinds / "dataset", min(n, per_kind_max),
                                 max_tokens)
         rows[kind] = {"requests": min(n, per_kind_max), "tau": ours["tau"],
                       "offline_tau_replayed": ours.get("offline_tau_replayed") if ours.get("offline_same") else None}
-    return rows
+        if cache is not None:
+            with staged(cache) as tmp:
+                tmp.write_text(json.dumps({"scored": scored, "kinds": rows}, indent=1) + "\n")
+    return {kind: rows[kind] for kind in KINDS}
 
 
 def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -102,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes = {}
     for size in sorted({int(s) for s in a.sizes.split(",")}):
         run = size_run(work, size, a.recipe, a.threads, tuple(a.set), log)
-        rows = kind_taus(work, run, target, a.per_kind, cfg.max_tokens)
+        rows = kind_taus(work, run, target, a.per_kind, cfg.max_tokens,
+                         cache=work / "scaling" / f"n{size}" / f"taus-{a.recipe}.json")
         data = work / "dataset" if run.parent.parent == work else run.parent.parent / "dataset"
         sizes[size] = {"run": str(run), "train": split_counts(data), "kinds": rows, **summary(rows)}
         log(f"size {size}: median kind tau {sizes[size]['median']:.3f}, worst {sizes[size]['worst']:.3f} "

@@ -44,3 +44,42 @@ def test_the_curve_states_the_median_and_the_worst_kind_never_the_best():
     assert summary(rows) == {"median": 2.0, "worst": 1.2, "worst_kind": "b"}
     table = format_curve({10: {"train": {"tokens": 99}, "kinds": rows, **summary(rows)}})
     assert "median" in table and "1.200" in table.splitlines()[1]
+
+
+class Stopped(Exception):
+    """A stop in the middle of a run."""
+
+
+def test_scores_are_kept_kind_by_kind_and_a_rerun_scores_only_what_is_missing(tmp_path, monkeypatch):
+    import benchmarks.data_scaling as ds
+    from benchmarks.per_kind import KINDS
+
+    work = tmp_path
+    (work / "kinds" / "dataset").mkdir(parents=True)
+    (work / "kinds" / "dataset" / "manifest.json").write_text("{}")
+    for kind in KINDS:
+        (work / "kinds" / f"{kind}.jsonl").write_text('{"id": 1}\n' * 3)
+    run = work / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"checkpoint": "checkpoints/step-0000600"}))
+    scored = []
+
+    def speculate(conversations, target, run_, dataset, n, max_tokens):
+        kind = conversations.stem
+        scored.append(kind)
+        if kind == "sum" and scored.count("sum") == 1:
+            raise Stopped  # a stop in the middle of the first pass
+        return {"tau": 1.0 + KINDS.index(kind) / 10, "offline_same": False}
+
+    monkeypatch.setattr(ds, "speculate_served", speculate)
+    cache = work / "scaling" / "n3" / "taus-r.json"
+    with pytest.raises(Stopped):
+        ds.kind_taus(work, run, work / "target", 16, 192, cache=cache)
+    first = list(scored)
+    rows = ds.kind_taus(work, run, work / "target", 16, 192, cache=cache)
+    assert scored[len(first):] == [k for k in KINDS if k not in first[:-1]]  # the stopped kind and the rest
+    assert list(rows) == list(KINDS) and rows["alpaca"] == {"requests": 3, "tau": 1.1, "offline_tau_replayed": None}
+    n = len(scored)
+    assert ds.kind_taus(work, run, work / "target", 16, 192, cache=cache) == rows and len(scored) == n
+    ds.kind_taus(work, run, work / "target", 8, 192, cache=cache)  # other settings: scored again
+    assert len(scored) == n + len(KINDS)

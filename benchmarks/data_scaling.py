@@ -101,7 +101,7 @@ def format_curve(sizes: dict[int, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     d = SpeedupConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", choices=["general"], default="general")
+    ap.add_argument("--target", choices=["general", "self"], default="general")
     ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory, per_kind run on it")
     ap.add_argument("--recipe", default="dflash_small")
     ap.add_argument("--sizes", required=True, help="training conversations, comma-separated (the pool's prefixes)")

@@ -227,7 +227,7 @@ def training_data(work: Path) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> None:
     d = SpeedupConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", choices=["text", "general"], default="general")
+    ap.add_argument("--target", choices=["text", "general", "self"], default="general")
     ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory with runs/RUN")
     ap.add_argument("--run", required=True, help="the run (and export) name in the work directory")
     ap.add_argument("--prompts", required=True, type=Path,

@@ -5,6 +5,8 @@ drafter, on a real target (demo.real.speedup holds the stages and ``TARGETS``; e
     python -m benchmarks.real_speedup --target text --workdir real_work      # SmolLM2, eagle3_small, 3 drafts
     python -m benchmarks.real_speedup --target general --workdir general/n2000 --pool general/pool \
         --train 2000 --recipe dflash_small                                  # SmolLM2 on its replies to ShareGPT
+    python -m benchmarks.real_speedup --target self --workdir self/n1100 --train 1100 --validation 64 \
+        --recipe dflash_small --stop-after train                            # ... to requests it wrote itself
     python -m benchmarks.real_speedup --target speech --workdir speech_work  # the listener on held-out speech
     python -m benchmarks.real_speedup --target assistant --workdir assistant_work \
         --recipe dflash_small                                               # spoken requests answered at length
@@ -28,6 +30,8 @@ from tapdraft.demo.real.speedup import TARGETS, SpeedupConfig, format_serve, run
 
 NAMES = {"text": ("SmolLM2-135M-Instruct", "real_speedup_smollm2.json"),
          "general": ("SmolLM2-135M-Instruct, trained on its own replies to ShareGPT", "real_speedup_general.json"),
+         "self": ("SmolLM2-135M-Instruct, trained on its own replies to requests it wrote itself",
+                  "real_speedup_self.json"),
          "speech": ("Whisper tiny.en + SmolLM2-135M-Instruct, taught to transcribe", "real_speedup_speech.json"),
          "assistant": ("Whisper tiny.en + SmolLM2-135M-Instruct, aligned to answer spoken requests",
                        "real_speedup_assistant.json")}

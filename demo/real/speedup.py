@@ -175,6 +175,27 @@ def _broad_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: 
     join_outputs(chunks, out)
 
 
+def _self_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: Log) -> None:
+    """data/train.jsonl: ``train`` requests the target writes itself (``tapdraft requests``, the Magpie method) and its
+    replies to them under the pool's settings; data/validation.jsonl as the general target's, so both are checked on
+    the same ShareGPT conversations."""
+    from tapdraft.capture.provenance import sidecar_path
+    from tapdraft.capture.replies.requests import requests_sidecar
+    from tapdraft.demo.real.broad import regenerate_args, regenerate_split
+
+    engines = max(1, cfg.threads // cfg.engine_threads)
+    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=engines,
+                     max_new_tokens=cfg.max_tokens, log=log)
+    asked, out = work / "data" / "requests.jsonl", work / "data" / "train.jsonl"
+    if sidecar_path(out).exists():
+        return
+    if not requests_sidecar(asked).exists():
+        commands.run_cli("requests", "--target", str(target), "--out", str(asked), "--count", str(cfg.train),
+                         "--threads", str(cfg.threads), log=log)
+    commands.run_cli("regenerate", "--data", str(asked), "--out", str(out),
+                     *regenerate_args(target, venv, engines, cfg.max_tokens), log=log)
+
+
 def _request_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
     from tapdraft.demo.real.answer import spoken_requests
 
@@ -202,6 +223,7 @@ class RealTarget:
 TARGETS = {
     "text": RealTarget(_smollm2, _text_splits, _text_other, train=1800, max_tokens=192),
     "general": RealTarget(_smollm2, _broad_splits, _text_other, train=2000, max_tokens=192, train_replies=_broad_train),
+    "self": RealTarget(_smollm2, _broad_splits, _text_other, train=2000, max_tokens=192, train_replies=_self_train),
     "speech": RealTarget(_listener, _spoken_splits, _spoken_other, train=2400, max_tokens=32),
     "assistant": RealTarget(_answerer, _request_splits, _spoken_other, train=1200, max_tokens=128),
 }

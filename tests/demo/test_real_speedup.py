@@ -99,6 +99,49 @@ def test_the_replies_stage_regenerates_every_split_in_one_call(tmp_path, fake_sp
     assert len((data / "other.jsonl").read_text().splitlines()) == 3
 
 
+def test_the_self_target_trains_on_requests_the_target_wrote_and_checks_on_sharegpts_validation(tmp_path,
+                                                                                                monkeypatch):
+    """``--target self``: ``tapdraft requests`` writes ``train`` requests, regenerate answers them under the broad
+    pool's budget; validation and held-out are the general target's; a rerun makes nothing again."""
+    import tapdraft.demo.real.speedup as sp
+    from tapdraft.demo.real import commands
+
+    calls = []
+
+    def cli(*args, log):
+        calls.append(args)
+        out = Path(args[args.index("--out") + 1])
+        if args[0] == "requests":
+            n = int(args[args.index("--count") + 1])
+            out.write_text("".join(json.dumps({"id": f"q{i}", "conversations": [
+                {"from": "User", "value": f"request {i}"}, {"from": "Assistant", "value": "?"}]}) + "\n"
+                for i in range(n)))
+            out.with_name(out.name.replace(".jsonl", ".requests.json")).write_text("{}")
+            return
+        data = Path(args[args.index("--data") + 1])
+        out.write_text("".join(json.dumps({**json.loads(x), "reply": "ok"}) + "\n" for x in data.read_text().splitlines()))
+        side = {"complete": True, "replies_from_target": True, "files": [out.name], "dropped": [],
+                "counts": {"conversations": 1, "written": 1, "dropped": {}}}
+        out.with_name(out.name.replace(".jsonl", ".regenerate.json")).write_text(json.dumps(side))
+
+    monkeypatch.setattr(commands, "run_cli", cli)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("validation", "held_out"):
+        (data / f"{split}.prompts.jsonl").write_text(json.dumps({"id": f"{split}0", "conversations": [
+            {"from": "User", "value": "hi"}, {"from": "Assistant", "value": "?"}]}) + "\n")
+    cfg = SpeedupConfig(target="self", train=5, validation=1, held_out=1, prompts=1)
+    sp.stage_replies(tmp_path, cfg, tmp_path / "model", tmp_path / "venv", log=lambda m: None)
+    made = [(c[0], Path(c[c.index("--out") + 1]).name) for c in calls]
+    assert made == [("regenerate", "validation.jsonl"), ("requests", "requests.jsonl"), ("regenerate", "train.jsonl"),
+                    ("regenerate", "replies-held_out.jsonl")]
+    assert calls[1][calls[1].index("--count") + 1] == "5"
+    assert "--max-conversation-tokens" in calls[2] and "--max-conversation-tokens" in calls[0]
+    assert len((data / "train.jsonl").read_text().splitlines()) == 5
+    sp.stage_replies(tmp_path, cfg, tmp_path / "model", tmp_path / "venv", log=lambda m: None)
+    assert len(calls) == 4
+
+
 def test_spoken_requests_of_another_kind_hold_words_the_listener_never_heard(tmp_path, fake_speech):
     other = speech_other(tmp_path, 16)
     text = [c["reference"] for c in other]

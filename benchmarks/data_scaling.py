@@ -3,8 +3,9 @@
     python -m benchmarks.data_scaling --workdir general/n1500 --recipe dflash_small --sizes 375,750,1500 \\
         --name data_scaling_general_dflash_small.json
 
-The sizes are the first N conversations of the work directory's training split (``tapdraft derive --max-samples N``:
-the pool's prefixes, so each size holds the smaller ones), each trained with the same recipe and step budget; the
+The sizes are the first N conversations of the work directory's training split in the dataset's file order (``tapdraft
+derive --max-samples N``: capture's shard order, not the pool's, so a size is a subset of the pool's conversations that
+holds every smaller derived size, not the pool's first N), each trained with the same recipe and step budget; the
 largest size is the work directory's own run when it is the whole split. Every size is scored on the requests of
 ``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their capture) by
 ``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds equal to
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", choices=["general", "self"], default="general")
     ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory, per_kind run on it")
     ap.add_argument("--recipe", default="dflash_small")
-    ap.add_argument("--sizes", required=True, help="training conversations, comma-separated (the pool's prefixes)")
+    ap.add_argument("--sizes", required=True, help="training conversations, comma-separated (prefixes of the dataset's file order)")
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
     ap.add_argument("--per-kind", type=int, default=16, help="at most this many requests a kind")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")

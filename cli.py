@@ -588,9 +588,9 @@ def demo(
                                 "runs, reused by later runs (default demo_work; with --real, demo_real or "
                                 "demo_real_quick)."),
     quick: bool = typer.Option(False, "--quick", help="A seconds-long miniature (smoke test; its numbers mean "
-                               "nothing). With --real: the real chain's quick size, on the speech LLM's language model "
-                               "alone (SmolLM2, text requests: about 15 minutes the first time on 2 cores, vLLM's venv "
-                               "included)."),
+                               "nothing). With --real: the real chain's quick size, a general drafter for the speech "
+                               "LLM's language model alone (SmolLM2, its replies to 100 ShareGPT conversations, served "
+                               "on conversations it never saw)."),
     real: bool = typer.Option(False, "--real", help="A real-parts speech LLM instead of the toy (Whisper tiny.en's "
                               "encoder + SmolLM2-135M-Instruct from PyPI, aligned to answer spoken requests): its own "
                               "replies of up to 128 tokens, capture, an EAGLE-3 drafter, then vLLM serving held-out "
@@ -601,7 +601,8 @@ def demo(
     """The whole chain on a built-in task: train a small speech LLM, capture it, train a DFlash drafter, print tau.
 
     With --real: the same chain on a speech LLM built from real trained parts, ending in vLLM (its venv is built
-    on first use) with both speeds printed; --real --quick: the chain on its language model alone, in minutes."""
+    on first use) with both speeds printed; --real --quick: a general drafter for its language model alone, in
+    minutes."""
     if real:
         from tapdraft.demo.real.speedup import DEMO_SIZES, format_serve, run_speedup
 

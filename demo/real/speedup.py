@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tapdraft.common.atomic import staged
 from tapdraft.demo.real import commands
 
 Log = Callable[[str], None]
@@ -232,19 +233,19 @@ TARGETS = {
 DEMO_SIZES = {
     "full": SpeedupConfig(target="assistant", train=800, validation=32, held_out=32, prompts=16,
                           sets=("max_steps=400",)),
-    "quick": SpeedupConfig(target="text", train=240, validation=16, held_out=16, prompts=8, pairs=1, max_tokens=96,
+    "quick": SpeedupConfig(target="general", train=100, validation=16, held_out=16, prompts=8, pairs=1, max_tokens=96,
                            sets=("max_steps=150",)),
 }
 """``tapdraft demo --real`` (full) and ``--real --quick``: the full size is the speech LLM that answers (the sizes
-``benchmarks.real_speedup --target assistant`` measured); the quick size is the chain on its language model alone
-(SmolLM2, text requests: no listener to train), 150 drafter steps and one pair (a figure to see, not to quote: the full
-size's pairs give the spread). The quick size's first run (a fresh HOME, 2 quiet cores) took 14.4 minutes: model 41 s,
-replies 220 s (vLLM's venv built, one vLLM start), capture 114 s, training 330 s, serving 182 s (docs/LOG.md
-2026-12-04, ninth stop). The full size's took 100 minutes with the answerer of the time (a quarter of its pairs
-transcription): model 3,139 s (listener and answerer trained), prompts 19 s, replies 750 s, capture 660 s, training
-641 s, serving 794 s; 1.89x over whole requests (twelfth stop). On today's answerer (half, its WER 9.2%; built alone
-in 39 minutes) it ran in 47 minutes with the model cached: replies 688 s, capture 727 s, training 647 s, serving 731 s;
-2.02x over whole requests, 2.33x over the decode (docs/LOG.md 2026-12-04, thirteenth stop)."""
+``benchmarks.real_speedup --target assistant`` measured); the quick size is a general drafter for its language model
+alone (SmolLM2: no listener to train) from 100 ShareGPT conversations the target regenerates, checked on first requests
+of conversations it never saw, 150 drafter steps and one pair (a figure to see, not to quote: the data-scaling curve
+in docs/speedup.md says what more data buys). The full size's took 100 minutes with the answerer of the time (a
+quarter of its pairs transcription): model 3,139 s (listener and answerer trained), prompts 19 s, replies 750 s,
+capture 660 s, training 641 s, serving 794 s; 1.89x over whole requests (twelfth stop). On today's answerer (half, its
+WER 9.2%; built alone in 39 minutes) it ran in 47 minutes with the model cached: replies 688 s, capture 727 s,
+training 647 s, serving 731 s; 2.02x over whole requests, 2.33x over the decode (docs/LOG.md 2026-12-04, thirteenth
+stop)."""
 
 
 def target_dir(cfg: SpeedupConfig, log: Log = print) -> Path:
@@ -502,6 +503,19 @@ def format_serve(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def claim_workdir(work: Path, target: str) -> None:
+    """A work directory holds one target's chain (its stages are cached by name, not by target): the first run records
+    its target in ``chain.json`` and a run for another target is refused before it reads or writes anything."""
+    record = work / "chain.json"
+    if record.is_file():
+        had = json.loads(record.read_text())["target"]
+        if had != target:
+            raise ValueError(f"{work} holds the {had} target's chain; give the {target} target another --workdir")
+        return
+    with staged(record) as tmp:
+        tmp.write_text(json.dumps({"target": target}) + "\n")
+
+
 def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = None,
                 log: Log = print) -> dict[str, Any] | None:
     """Every stage up to ``stop_after`` (None: through serving); the serve report, or None when stopped early."""
@@ -509,6 +523,7 @@ def run_speedup(work: str | Path, cfg: SpeedupConfig, stop_after: str | None = N
 
     work = Path(work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    claim_workdir(work, cfg.target)
     t0 = last = time.time()
 
     def done(stage: str) -> bool:

@@ -223,13 +223,26 @@ def test_the_chain_builds_the_models_its_builders_default_to():
 
 def test_the_demo_sizes_are_the_chain_at_two_sizes():
     """``tapdraft demo --real`` and ``--real --quick``: the full size is the speech LLM that answers; the quick size
-    needs no listener trained (the text target), serves fewer requests with fewer drafter steps, and prints how long
-    the command took."""
+    needs no listener trained and makes a general drafter (broad data the target regenerates), serves fewer requests
+    with fewer drafter steps, and prints how long the command took."""
     from tapdraft.demo.real.speedup import DEMO_SIZES
 
     full, quick = DEMO_SIZES["full"], DEMO_SIZES["quick"]
-    assert full.target == "assistant" and quick.target == "text"
+    assert full.target == "assistant" and quick.target == "general"
     assert quick.train < full.train and quick.prompts < full.prompts and quick.max_tokens <= full.max_tokens * 3
     assert any(s.startswith("max_steps=") for s in quick.sets)
     report = {"alone_tokens_per_s": [10.0], "seconds": 930}
     assert "this command: 15.5 minutes" in format_serve(report)
+
+
+def test_a_work_directory_refuses_another_targets_chain(tmp_path):
+    """Stages are cached by name: a work directory that holds one target's chain refuses another target's run in one
+    line, before it writes anything, and takes its own target's again."""
+    from tapdraft.demo.real.speedup import claim_workdir
+
+    claim_workdir(tmp_path, "text")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="holds the text target's chain; give the general target another --workdir"):
+        claim_workdir(tmp_path, "general")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    claim_workdir(tmp_path, "text")

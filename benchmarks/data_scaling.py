@@ -6,12 +6,14 @@
 The sizes are the first N conversations of the work directory's training split in the dataset's file order (``tapdraft
 derive --max-samples N``: capture's shard order, not the pool's, so a size is a subset of the pool's conversations that
 holds every smaller derived size, not the pool's first N), each trained with the same recipe and step budget; the
-largest size is the work directory's own run when it is the whole split. Every size is scored on the requests of
-``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their capture) by
-``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds equal to
-vLLM's, and the offline replay of the same conversations. Per size: tau per kind, the median and the worst kind, and
-the training split's conversations and tokens. Stages are cached under ``WORKDIR/scaling/nN/`` (a rerun continues), the
-scores too, kind by kind: sizes run as separate processes side by side, then one call over all of them writes the curve.
+whole split is the work directory's own run. ``--set KEY=VALUE`` (another step budget, say) trains every size again,
+under a run named for its overrides, so curves at several budgets sit side by side. Every size is scored on the
+requests of ``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their
+capture) by ``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds
+equal to vLLM's, and the offline replay of the same conversations. Per size: tau per kind, the median and the worst
+kind, the training split's conversations and tokens, the run's steps and training time. Stages are cached under
+``WORKDIR/scaling/nN/`` (a rerun continues), the scores too, kind by kind: sizes run as separate processes side by
+side, then one call over all of them writes the curve.
 """
 
 from __future__ import annotations
@@ -35,20 +37,28 @@ def split_counts(dataset: Path, split: str = "train") -> dict[str, Any]:
     return {k: meta.get(k) for k in ("samples", "tokens", "supervised_tokens")}
 
 
+def run_name(recipe: str, sets: tuple[str, ...] = ()) -> str:
+    """A run's directory name: the recipe, then its training overrides if any (``dflash_small+max_steps-1800``), so a
+    curve at another budget never reuses a run trained at the recipe's own."""
+    return "+".join([recipe, *(s.replace("=", "-").replace("/", "-") for s in sets)])
+
+
 def size_run(work: Path, size: int, recipe: str, threads: int, sets: tuple[str, ...] = (), log=print) -> Path:
-    """The run trained on the first ``size`` training conversations: the work directory's own when ``size`` is its
-    whole split (and trained with ``recipe``), else derived and trained under ``WORKDIR/scaling/nSIZE/``."""
+    """The run trained on the first ``size`` training conversations: at the whole split it reads the work directory's
+    own dataset (``WORKDIR/runs/NAME``, the chain's own run when there are no overrides); a smaller size's prefix is
+    derived and trained under ``WORKDIR/scaling/nSIZE/``. Both resume from their last checkpoint."""
     full = split_counts(work / "dataset")["samples"]
     if size > full:
         raise ValueError(f"{work / 'dataset'} trains on {full} conversations; asked for a size of {size}")
-    if size == full and not sets and (work / "runs" / recipe / "summary.json").is_file():
-        return work / "runs" / recipe
-    here = work / "scaling" / f"n{size}"
-    dataset, run = here / "dataset", here / "runs" / recipe
-    if not (dataset / "manifest.json").is_file():
-        run_cli("derive", str(work / "dataset"), "--out", str(dataset), "--splits", "train,validation",
-                "--max-samples", str(size), log=log)
-    if not (run / "summary.json").is_file():  # train resumes from its last checkpoint
+    if size == full:
+        dataset, run = work / "dataset", work / "runs" / run_name(recipe, sets)
+    else:
+        here = work / "scaling" / f"n{size}"
+        dataset, run = here / "dataset", here / "runs" / run_name(recipe, sets)
+        if not (dataset / "manifest.json").is_file():
+            run_cli("derive", str(work / "dataset"), "--out", str(dataset), "--splits", "train,validation",
+                    "--max-samples", str(size), log=log)
+    if not (run / "summary.json").is_file():
         run_cli("train", "--data", str(dataset), "--recipe", recipe, "--out", str(run), "--threads", str(threads),
                 *[x for s in sets for x in ("--set", s)], log=log)
     return run
@@ -92,10 +102,11 @@ def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def format_curve(sizes: dict[int, dict[str, Any]]) -> str:
     kinds = list(next(iter(sizes.values()))["kinds"])
-    lines = [f"{'size':>6} {'tokens':>9} " + " ".join(f"{k:>8}" for k in kinds) + f" {'median':>7} {'worst':>6}"]
+    lines = [f"{'size':>6} {'tokens':>9} {'steps':>6} " + " ".join(f"{k:>8}" for k in kinds)
+             + f" {'median':>7} {'worst':>6}"]
     for size, s in sizes.items():
-        lines.append(f"{size:>6} {s['train']['tokens'] or 0:>9} " + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds)
-                     + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
+        lines.append(f"{size:>6} {s['train']['tokens'] or 0:>9} {s.get('steps') or 0:>6} "
+                     + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds) + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
     return "\n".join(lines)
 
 
@@ -119,9 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     for size in sorted({int(s) for s in a.sizes.split(",")}):
         run = size_run(work, size, a.recipe, a.threads, tuple(a.set), log)
         rows = kind_taus(work, run, target, a.per_kind, cfg.max_tokens,
-                         cache=work / "scaling" / f"n{size}" / f"taus-{a.recipe}.json")
+                         cache=work / "scaling" / f"n{size}" / f"taus-{run.name}.json")
         data = work / "dataset" if run.parent.parent == work else run.parent.parent / "dataset"
-        sizes[size] = {"run": str(run), "train": split_counts(data), "kinds": rows, **summary(rows)}
+        trained = json.loads((run / "summary.json").read_text())
+        sizes[size] = {"run": str(run), "train": split_counts(data), "steps": trained.get("steps"),
+                       "train_seconds": trained.get("train_seconds"), "kinds": rows, **summary(rows)}
         log(f"size {size}: median kind tau {sizes[size]['median']:.3f}, worst {sizes[size]['worst']:.3f} "
             f"({sizes[size]['worst_kind']})")
     print(format_curve(sizes))

@@ -32,11 +32,31 @@ def test_a_smaller_size_derives_its_prefix_then_trains(tmp_path, monkeypatch):
     work = _work(tmp_path)
     calls = []
     monkeypatch.setattr("benchmarks.data_scaling.run_cli", lambda *a, log=print: calls.append(a))
-    run = size_run(work, 10, "dflash_small", 2, ("max_steps=5",))
+    run = size_run(work, 10, "dflash_small", 2)
     assert run == work / "scaling" / "n10" / "runs" / "dflash_small"
     derive, train = calls
     assert derive[:2] == ("derive", str(work / "dataset")) and derive[-2:] == ("--max-samples", "10")
-    assert train[0] == "train" and train[-2:] == ("--set", "max_steps=5")
+    assert train[:5] == ("train", "--data", str(work / "scaling" / "n10" / "dataset"), "--recipe", "dflash_small")
+
+
+def test_overrides_train_every_size_again_under_their_own_name(tmp_path, monkeypatch):
+    """A run trained at the recipe's budget is never reused for a curve at another: ``--set`` names the run, at the
+    whole split (reading the work directory's dataset, no copy derived) as at a smaller size."""
+    work = _work(tmp_path)
+    for here in (work / "runs" / "dflash_small", work / "scaling" / "n10" / "runs" / "dflash_small"):
+        here.mkdir(parents=True)
+        (here / "summary.json").write_text("{}")
+    (work / "scaling" / "n10" / "dataset").mkdir()
+    (work / "scaling" / "n10" / "dataset" / "manifest.json").write_text("{}")
+    calls = []
+    monkeypatch.setattr("benchmarks.data_scaling.run_cli", lambda *a, log=print: calls.append(a))
+    sets = ("max_steps=1800",)
+    assert size_run(work, 40, "dflash_small", 2, sets) == work / "runs" / "dflash_small+max_steps-1800"
+    assert size_run(work, 10, "dflash_small", 2, sets) == work / "scaling" / "n10" / "runs" / "dflash_small+max_steps-1800"
+    assert [c[0] for c in calls] == ["train", "train"]
+    assert calls[0][2] == str(work / "dataset") and calls[0][-2:] == ("--set", "max_steps=1800")
+    assert size_run(work, 10, "dflash_small", 2) == work / "scaling" / "n10" / "runs" / "dflash_small"
+    assert len(calls) == 2
 
 
 def test_the_curve_states_the_median_and_the_worst_kind_never_the_best():

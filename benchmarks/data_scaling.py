@@ -43,6 +43,15 @@ def run_name(recipe: str, sets: tuple[str, ...] = ()) -> str:
     return "+".join([recipe, *(s.replace("=", "-").replace("/", "-") for s in sets)])
 
 
+def parse_sizes(text: str, full: int) -> list[int]:
+    """``--sizes``: training conversations, comma-separated, ``all`` for the whole split; sorted, each once."""
+    try:
+        return sorted({full if s.strip() == "all" else int(s) for s in text.split(",")})
+    except ValueError:
+        raise ValueError(f"--sizes {text!r}: give comma-separated whole numbers of conversations or all, e.g. "
+                         "469,932,all") from None
+
+
 def size_run(work: Path, size: int, recipe: str, threads: int, sets: tuple[str, ...] = (), log=print) -> Path:
     """The run trained on the first ``size`` training conversations: at the whole split it reads the work directory's
     own dataset (``WORKDIR/runs/NAME``, the chain's own run when there are no overrides); a smaller size's prefix is
@@ -106,7 +115,8 @@ def format_curve(sizes: dict[int, dict[str, Any]]) -> str:
              + f" {'median':>7} {'worst':>6}"]
     for size, s in sizes.items():
         lines.append(f"{size:>6} {s['train']['tokens'] or 0:>9} {s.get('steps') or 0:>6} "
-                     + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds) + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
+                     + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds)
+                     + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
     return "\n".join(lines)
 
 
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", choices=["general", "self"], default="general")
     ap.add_argument("--workdir", required=True, help="a benchmarks.real_speedup work directory, per_kind run on it")
     ap.add_argument("--recipe", default="dflash_small")
-    ap.add_argument("--sizes", required=True, help="training conversations, comma-separated (prefixes of the dataset's file order)")
+    ap.add_argument("--sizes", required=True, help="training conversations, comma-separated, all for the whole split "
+                    "(prefixes of the dataset's file order)")
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
     ap.add_argument("--per-kind", type=int, default=16, help="at most this many requests a kind")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     work, log = Path(a.workdir).resolve(), (lambda m: print(m, flush=True))
     target = target_dir(cfg, log)
     sizes = {}
-    for size in sorted({int(s) for s in a.sizes.split(",")}):
+    for size in parse_sizes(a.sizes, split_counts(work / "dataset")["samples"]):
         run = size_run(work, size, a.recipe, a.threads, tuple(a.set), log)
         rows = kind_taus(work, run, target, a.per_kind, cfg.max_tokens,
                          cache=work / "scaling" / f"n{size}" / f"taus-{run.name}.json")

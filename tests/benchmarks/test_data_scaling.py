@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.data_scaling import format_curve, size_run, split_counts, summary
+from benchmarks.data_scaling import format_curve, parse_sizes, size_run, split_counts, summary
 
 
 def _work(tmp_path, samples=40):
@@ -57,6 +57,12 @@ def test_overrides_train_every_size_again_under_their_own_name(tmp_path, monkeyp
     assert calls[0][2] == str(work / "dataset") and calls[0][-2:] == ("--set", "max_steps=1800")
     assert size_run(work, 10, "dflash_small", 2) == work / "scaling" / "n10" / "runs" / "dflash_small"
     assert len(calls) == 2
+
+
+def test_sizes_are_whole_numbers_or_all():
+    assert parse_sizes("932,all,469,932", 1397) == [469, 932, 1397]
+    with pytest.raises(ValueError, match="--sizes '469,half': give comma-separated whole numbers"):
+        parse_sizes("469,half", 1397)
 
 
 def test_the_curve_states_the_median_and_the_worst_kind_never_the_best():

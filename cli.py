@@ -94,16 +94,15 @@ def _writers(value: str) -> int | None:
 
 
 def _threads(n: int) -> int:
-    """Apply ``--threads`` (0 = auto) to torch and return the count used; the one home of the default (on 2
-    shared cores one thread ran speculate in 10.6 s where torch's default took 1m45s)."""
+    """Apply ``--threads`` (0 = auto: ``common.host.default_threads``) to torch and return the count used."""
     import torch
 
     if n < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {n}")
     if n == 0:
-        from tapdraft.common.host import usable_cores
+        from tapdraft.common.host import default_threads
 
-        n = max(1, min(8, usable_cores() // 2))
+        n = default_threads()
     torch.set_num_threads(n)
     return n
 

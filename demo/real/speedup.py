@@ -319,12 +319,16 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Log = print)
 def speculate_served(conversations: Path, target: Path, run: Path, dataset: Path, n: int,
                      max_tokens: int) -> dict[str, Any]:
     """``tapdraft speculate`` (in-process decoding) of the same served conversations: per-round counts to hold
-    vLLM's against, and the offline replay on those conversations."""
+    vLLM's against, and the offline replay on those conversations. At the command's own thread default, not
+    torch's (every core), which beside an engine or another scoring runs several times slower."""
+    from tapdraft.capture.stages import torch_threads
+    from tapdraft.common.host import default_threads
     from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset), conversations=str(conversations),
                           max_samples=n, max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
-    return run_speculate(cfg, progress=False)
+    with torch_threads(default_threads()):
+        return run_speculate(cfg, progress=False)
 
 
 def served_method(tapdraft_cfg: dict[str, Any], default: str) -> str:

@@ -246,3 +246,19 @@ def test_a_work_directory_refuses_another_targets_chain(tmp_path):
         claim_workdir(tmp_path, "general")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     claim_workdir(tmp_path, "text")
+
+
+def test_speculate_for_the_served_requests_runs_at_the_commands_thread_default(tmp_path, monkeypatch):
+    """In-process scoring uses ``tapdraft speculate``'s thread default (half the cores), not torch's every core, and
+    gives torch its count back after."""
+    import torch
+
+    import tapdraft.speculate.run as run
+    from tapdraft.demo.real.speedup import speculate_served
+
+    seen = []
+    monkeypatch.setattr("tapdraft.common.host.usable_cores", lambda: 6)
+    monkeypatch.setattr(run, "run_speculate", lambda cfg, progress: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    speculate_served(tmp_path / "k.jsonl", tmp_path, tmp_path, tmp_path, 4, 32)
+    assert seen == [3] and torch.get_num_threads() == before

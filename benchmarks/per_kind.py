@@ -103,11 +103,10 @@ def stage_replies(work: Path, kinds: dict[str, list[dict]], target: Path, venv: 
     joined, replies = work / "requests.jsonl", work / "replies.jsonl"
     if not sidecar_path(replies).exists():
         write_jsonl(joined, [r for rs in kinds.values() for r in rs])
-        engines = max(1, cfg.threads // cfg.engine_threads)
         run_cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
              "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep", "--engine", "vllm",
              "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
-             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
+             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(cfg.engines), log=log)
     split_output(replies, {k: ([r["id"] for r in rs], work / f"{k}.jsonl") for k, rs in kinds.items()})
     for k in kinds:  # a request per turn: each record up to one reply, the earlier ones the target's own
         path = work / f"{k}.jsonl"

@@ -91,6 +91,12 @@ class SpeedupConfig:
     """The export's layout (``tapdraft export --layout``; None: the family's default). An MTP head is served by vLLM
     in ``tapdraft-vllm``."""
 
+    @property
+    def engines(self) -> int:
+        """vLLM engines side by side when regenerating: the threads in engines of ``engine_threads`` each (independent
+        engines use the cores better than threads)."""
+        return max(1, self.threads // self.engine_threads)
+
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {sorted(TARGETS)}, got {self.target!r}")
@@ -164,15 +170,14 @@ def _broad_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: 
     from tapdraft.capture.replies.regenerate import join_outputs
     from tapdraft.demo.real.broad import regenerate_pool, regenerate_split, sharegpt_splits
 
-    engines = max(1, cfg.threads // cfg.engine_threads)
-    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=engines,
+    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=cfg.engines,
                      max_new_tokens=cfg.max_tokens, log=log)
     out = work / "data" / "train.jsonl"
     if sidecar_path(out).exists():
         return
     pool = sharegpt_splits(cfg.validation)[0]["pool"]
     chunks = regenerate_pool(Path(cfg.pool) if cfg.pool else work / "pool", pool, cfg.train, target=target,
-                             venv=venv, engines=engines, max_new_tokens=cfg.max_tokens, log=log)
+                             venv=venv, engines=cfg.engines, max_new_tokens=cfg.max_tokens, log=log)
     join_outputs(chunks, out)
 
 
@@ -184,8 +189,7 @@ def _self_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: L
     from tapdraft.capture.replies.requests import requests_sidecar
     from tapdraft.demo.real.broad import regenerate_args, regenerate_split
 
-    engines = max(1, cfg.threads // cfg.engine_threads)
-    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=engines,
+    regenerate_split(work / "data" / "validation.jsonl", target=target, venv=venv, engines=cfg.engines,
                      max_new_tokens=cfg.max_tokens, log=log)
     asked, out = work / "data" / "requests.jsonl", work / "data" / "train.jsonl"
     if sidecar_path(out).exists():
@@ -194,7 +198,7 @@ def _self_train(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log: L
         commands.run_cli("requests", "--target", str(target), "--out", str(asked), "--count", str(cfg.train),
                          "--threads", str(cfg.threads), log=log)
     commands.run_cli("regenerate", "--data", str(asked), "--out", str(out),
-                     *regenerate_args(target, venv, engines, cfg.max_tokens), log=log)
+                     *regenerate_args(target, venv, cfg.engines, cfg.max_tokens), log=log)
 
 
 def _request_splits(data: Path, cfg: SpeedupConfig, log: Log) -> dict[str, list[dict]]:
@@ -288,11 +292,10 @@ def stage_replies(work: Path, cfg: SpeedupConfig, target: Path, venv: Path, log:
     joined, replies = data / f"{name}.prompts.jsonl", data / f"{name}.jsonl"
     if not sidecar_path(replies).exists():
         commands.write_jsonl(joined, [r for rs in prompts.values() for r in rs])
-        engines = max(1, cfg.threads // cfg.engine_threads)  # independent engines use the cores better than threads
         commands.run_cli("regenerate", "--target", str(target), "--data", str(joined), "--out", str(replies),
              "--max-new-tokens", str(cfg.max_tokens), "--on-limit", "keep", "--engine", "vllm",
              "--vllm-python", str(venv / "bin" / "python"), "--max-batch-size", "32",
-             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(engines), log=log)
+             "--threads", str(cfg.engine_threads), "--data-parallel-size", str(cfg.engines), log=log)
     split_output(replies, {s: ([r["id"] for r in prompts[s]], data / f"{s}.jsonl") for s in missing})
 
 

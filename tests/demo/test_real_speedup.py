@@ -262,3 +262,9 @@ def test_speculate_for_the_served_requests_runs_at_the_commands_thread_default(t
     before = torch.get_num_threads()
     speculate_served(tmp_path / "k.jsonl", tmp_path, tmp_path, tmp_path, 4, 32)
     assert seen == [3] and torch.get_num_threads() == before
+
+
+def test_regeneration_runs_the_threads_as_engines_of_engine_threads_each():
+    assert SpeedupConfig(target="text", threads=4, engine_threads=1).engines == 4
+    assert SpeedupConfig(target="text", threads=4, engine_threads=2).engines == 2
+    assert SpeedupConfig(target="text", threads=1, engine_threads=2).engines == 1

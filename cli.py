@@ -388,6 +388,9 @@ def pull(
 def derive(
     src: str = typer.Argument(..., help="Finished source dataset (directory or fsspec URL)."),
     out: str = typer.Option(..., "--out", help="New dataset directory (resumed when rerun with the same settings)."),
+    add: list[str] = typer.Option([], "--add", help="Another finished dataset of the same target whose samples follow "
+                                  "SRC's, split by split (repeat for more): broad data and your own traffic in one "
+                                  "training set. A conversation in both is kept once."),
     taps: str = typer.Option(None, "--taps", help="Comma-separated HF tap ids to keep (default: all)."),
     codec: str = typer.Option(None, "--codec", help=f"Taps codec: {codec_help()} (default: the source's)."),
     splits: str = typer.Option(None, "--splits", help="Comma-separated splits to keep (default: all)."),
@@ -401,7 +404,8 @@ def derive(
     writers: int = typer.Option(1, "--writers", help="Writer threads, each compressing its own shards."),
 ) -> None:
     """Write a lighter dataset from a finished one (no target needed): fewer taps, fp8, fewer splits or samples,
-    a smaller top-k, other compression; the bundle is copied and the lineage recorded in the manifest."""
+    a smaller top-k, other compression, or several datasets of one target joined (--add); the bundle is copied and
+    the lineage recorded in the manifest."""
     from tapdraft.shards.derive import DeriveConfig, derive_dataset
     from tapdraft.shards.inspect import render_summary, summary
     from tapdraft.shards.reader import open_dataset
@@ -414,7 +418,8 @@ def derive(
     except ValueError:
         raise ValueError(f"--taps {taps!r}: give comma-separated integer tap ids, e.g. 1,9,17") from None
     cfg = DeriveConfig(src=src, out=out, taps=tap_ids, codec=codec, splits=_list(splits), max_samples=max_samples,
-                       top_k=top_k, zstd_level=zstd_level, bf16_layout=bf16_layout, writers=writers)
+                       top_k=top_k, zstd_level=zstd_level, bf16_layout=bf16_layout, writers=writers,
+                       add=tuple(add))
     with _kept_on_interrupt("derive", f"the finished shards in {out} are kept; rerun the same command to resume"):
         derive_dataset(cfg)
     typer.echo(render_summary(summary(open_dataset(out))))

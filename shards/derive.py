@@ -16,9 +16,15 @@ on the same target): bundle.json and the files it lists, never through a link (`
 A derive killed mid-way resumes from the same command (the writer's index, keyed by the source's
 manifest and these settings), a finished one returns its manifest.
 
+``add`` joins more datasets of the same target after the source, split by split (broad data the
+target regenerated, then a user's own traffic: one training set). Each is cut to the source's
+layout; one captured from another target or rendered by another chat template is refused. A
+sample id seen before is kept once when its tokens and loss mask are the same (the same
+conversation captured twice: a validation split both captures share) and refused otherwise.
+
 Lineage: the manifest's ``extra.derived_from`` records the source (its directory name, the sha256
-of its manifest, its target fingerprint, schema and code version) and what was dropped (taps,
-top-k, splits, samples, precision). ``derived_note`` turns it into the clause that a refusal adds,
+of its manifest, its target fingerprint, schema and code version), what was dropped (taps,
+top-k, splits, samples, precision) and each added dataset (the same, with its capture's inputs). ``derived_note`` turns it into the clause that a refusal adds,
 so a recipe needing something dropped says so in its one error line.
 """
 
@@ -27,9 +33,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 
@@ -71,6 +78,9 @@ class DeriveConfig:
     uncompressed to keep up with its GPU (docs/performance.md)."""
     bf16_layout: str | None = None
     """bf16 byte layout of the new shards ('planes' | 'raw'); None keeps the source's."""
+    add: tuple[str, ...] = ()
+    """More finished datasets of the same target whose samples follow the source's, split by split (module
+    docstring)."""
     writers: int = 1
     """Writer lanes (threads) of the new dataset (ShardConfig.writers); where samples go, not what they are."""
     progress: bool = True
@@ -129,28 +139,102 @@ def shard_config(src: ShardConfig, cfg: DeriveConfig) -> ShardConfig:
 
 def _key_settings(cfg: DeriveConfig) -> dict[str, Any]:
     """The settings a resume must share: not where the output goes or how progress shows, nor the lanes; the
-    shard settings only when given (derives made before they existed keep their key)."""
+    shard settings and added datasets only when given (derives made before they existed keep their key)."""
     d = dataclasses.asdict(cfg) | {"progress": None, "out": None}
     del d["writers"]
+    if not cfg.add:
+        del d["add"]
     return {k: v for k, v in d.items() if v is not None or k not in ("zstd_level", "bf16_layout")}
 
 
+def _manifest_sha(ds: Any) -> str:
+    with ds.fs.open(mf.join(ds.root, mf.MANIFEST), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _rendering(man: dict[str, Any]) -> dict[str, Any]:
+    """What fixes how a dataset's conversations became tokens (chat template, placeholder, target kind)."""
+    return {k: v for k, v in (man.get("extra") or {}).items() if k not in ("derive_key", DERIVED_KEY)}
+
+
+def check_added(src: Any, added: list[Any], names: tuple[str, ...], layout: Layout, cfg: DeriveConfig) -> None:
+    """ValueError (one line, what to do) for an added dataset that cannot join the source's samples."""
+    for ds, name in zip(added, names):
+        if ds.fingerprint != src.fingerprint:
+            raise ValueError(f"--add {name}: captured from another target (fingerprint {ds.fingerprint[:12]}) than "
+                             f"{cfg.src} ({src.fingerprint[:12]}); only one target's datasets can be joined")
+        if _rendering(ds.manifest) != _rendering(src.manifest):
+            raise ValueError(f"--add {name}: its conversations were rendered otherwise than {cfg.src}'s (chat "
+                             "template, placeholder or target kind); capture it again as the source was")
+        same = dataclasses.replace(cfg, taps=layout.tap_ids, top_k=layout.top_k, codec=layout.taps_codec)
+        try:
+            theirs = derived_layout(ds.layout, same)
+        except ValueError as e:
+            raise ValueError(f"--add {name}: it cannot be cut to the source's layout ({e})") from None
+        if theirs != layout:
+            raise ValueError(f"--add {name}: its layout differs from {cfg.src}'s beyond taps and top-k "
+                             f"({ds.layout} against {layout}); only one target's datasets can be joined")
+
+
+class JoinConflict(ValueError):
+    """Two joined datasets name different conversations by one sample id: found while writing, so the derive
+    removes the directory it started."""
+
+
+def _tokens_digest(sample: dict[str, Any]) -> bytes:
+    h = hashlib.sha256()
+    for name in ("input_ids", "loss_mask"):
+        h.update(sample[name].contiguous().numpy().tobytes())
+    return h.digest()[:16]
+
+
+def joined_samples(sources: list[Any], split: str, layout: Layout, duplicates: dict[str, int]) -> Iterator[dict]:
+    """The split's samples of every source in turn, cut to ``layout``. With several sources, a sample id seen before
+    in the split is passed over when its tokens are the same (counted in ``duplicates[split]``) and refused
+    otherwise; one source is read as it is (``verify`` owns its ids)."""
+    seen: dict[str, bytes] | None = {} if len(sources) > 1 else None  # sample id -> tokens digest
+    for ds in sources:
+        if split not in ds.splits:
+            continue
+        for sample in ds.stream(split, seed=0, shuffle=False):
+            if seen is None:
+                yield cut_sample(sample, ds.layout, layout)
+                continue
+            sid, digest = str(sample["sample_id"]), _tokens_digest(sample)
+            if sid in seen:
+                if seen[sid] != digest:
+                    raise JoinConflict(f"sample {sid!r} of split {split} is in two of the joined datasets with other "
+                                     "tokens; give one of them other sample ids (they name conversations)")
+                duplicates[split] = duplicates.get(split, 0) + 1
+                continue
+            seen[sid] = digest
+            yield cut_sample(sample, ds.layout, layout)
+
+
+def _source(url: str, man: dict[str, Any], man_sha: str) -> dict[str, Any]:
+    name = url.rstrip("/").rsplit("/", 1)[-1]  # its name: a local path means nothing elsewhere
+    return {"source": name, "source_manifest_sha256": man_sha,
+            "source_fingerprint": man["fingerprint"], "source_schema_version": man["schema_version"],
+            "source_code_version": man.get("code_version")}
+
+
 def _lineage(src_url: str, man: dict[str, Any], man_sha: str, cfg: DeriveConfig, layout: Layout,
-             splits: list[str], counts: dict[str, int]) -> dict[str, Any]:
+             splits: list[str], counts: dict[str, int], available: dict[str, int],
+             added: list[tuple[dict[str, Any], str]], duplicates: dict[str, int]) -> dict[str, Any]:
     src = Layout.from_dict(man["layout"])
     dropped: dict[str, Any] = {
         "taps": [t for t in src.tap_ids if t not in layout.tap_ids],
         "splits": [s for s in man["splits"] if s not in splits],
-        "samples": {s: int(man["splits"][s]["samples"]) - counts[s] for s in splits},
+        "samples": {s: available[s] - counts[s] for s in splits},
     }
     if layout.top_k < src.top_k:
         dropped["top_k"] = [src.top_k, layout.top_k]
     if layout.taps_codec != src.taps_codec:
         dropped["precision"] = f"taps {src.taps_codec} -> {layout.taps_codec}"
-    name = src_url.rstrip("/").rsplit("/", 1)[-1]  # its name: a local path means nothing elsewhere
-    return {"source": name, "source_manifest_sha256": man_sha,
-            "source_fingerprint": man["fingerprint"], "source_schema_version": man["schema_version"],
-            "source_code_version": man.get("code_version"), "dropped": dropped,
+    joined = {"added": [{**_source(url, m, sha), "capture_inputs": m["capture_config"].get("inputs")}
+                        for (m, sha), url in zip(added, cfg.add)],
+              "duplicates": duplicates} if added else {}
+    return {**_source(src_url, man, man_sha), "dropped": dropped, **joined,
             "settings": {"taps": None if cfg.taps is None else list(cfg.taps), "codec": cfg.codec,
                          "splits": None if cfg.splits is None else list(cfg.splits),
                          "max_samples": cfg.max_samples, "top_k": cfg.top_k, "zstd_level": cfg.zstd_level,
@@ -196,49 +280,70 @@ def _finished(out: Path, lineage: str) -> dict[str, Any] | None:
 def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     """Write the derived dataset; returns its manifest (see the module docstring)."""
     ds = open_dataset(cfg.src)
-    man = ds.manifest
-    with ds.fs.open(mf.join(ds.root, mf.MANIFEST), "rb") as f:
-        man_sha = hashlib.sha256(f.read()).hexdigest()
-    splits = list(cfg.splits) if cfg.splits is not None else ds.splits
-    unknown = [s for s in splits if s not in ds.splits]
+    added = [open_dataset(a) for a in cfg.add]
+    man, man_sha = ds.manifest, _manifest_sha(ds)
+    splits = list(cfg.splits) if cfg.splits is not None else list(dict.fromkeys(s for d in (ds, *added)
+                                                                                 for s in d.splits))
+    unknown = [s for s in splits if not any(s in d.splits for d in (ds, *added))]
     if unknown:
         raise ValueError(f"--splits {unknown}: {cfg.src} has splits {ds.splits}")
     layout = derived_layout(ds.layout, cfg)
+    check_added(ds, added, cfg.add, layout, cfg)
+    added_shas = [_manifest_sha(a) for a in added]
     out = Path(cfg.out)
-    if Path(str(ds.root)).resolve() == out.resolve():
-        raise ValueError(f"--out {cfg.out} is the source dataset; derive into a new directory")
-    lineage = hashlib.sha256(json.dumps([man_sha, _key_settings(cfg)], sort_keys=True).encode()).hexdigest()
+    for d in (ds, *added):
+        if Path(str(d.root)).resolve() == out.resolve():
+            raise ValueError(f"--out {cfg.out} is a source dataset; derive into a new directory")
+    lineage = hashlib.sha256(json.dumps([man_sha, _key_settings(cfg), *added_shas], sort_keys=True).encode()
+                             ).hexdigest()
     done = _finished(out, lineage)
     if done is not None:
         return done
     if mf.foreign_directory(str(out)):
         raise ValueError(f"{out} is a non-empty directory that is not a tapdraft dataset; choose a new --out")
     shard_cfg = shard_config(ShardConfig.from_dict(man["shard_config"]), cfg)
+    fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(cfg, ds, added, splits, layout, shard_cfg, out, lineage, man_sha, added_shas)
+    except JoinConflict:
+        if fresh:  # it can never finish with these inputs: leave nothing half-written
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _write(cfg: DeriveConfig, ds: Any, added: list[Any], splits: list[str], layout: Layout, shard_cfg: ShardConfig,
+           out: Path, lineage: str, man_sha: str, added_shas: list[str]) -> dict[str, Any]:
+    man = ds.manifest
     counts: dict[str, int] = {}
+    available = {s: sum(d.num_samples(s) for d in (ds, *added) if s in d.splits) for s in splits}
+    duplicates: dict[str, int] = {}
     with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
         done = _finished(out, lineage)  # again under the lock: a derive that finished meanwhile is seen
         if done is not None:
             return done
         _copy_bundle(ds.fs, ds.root, out, ds.fingerprint, man.get(mf.BUNDLE_KEY))  # never an edited bundle.json
         for split in splits:
-            n = ds.num_samples(split) if cfg.max_samples is None else min(cfg.max_samples, ds.num_samples(split))
-            counts[split] = n
+            n = available[split] if cfg.max_samples is None else min(cfg.max_samples, available[split])
             w = DatasetWriter(str(out), shard_cfg, layout, split=split, fingerprint=ds.fingerprint,
                               lineage=f"derive {lineage}")
+            i = 0
             with Progress(f"derive {split}", n, done=w.num_done, enabled=cfg.progress) as bar:
                 try:
-                    for i, sample in enumerate(ds.stream(split, seed=0, shuffle=False)):
+                    for sample in joined_samples([ds, *added], split, layout, duplicates):
                         if i >= n:
                             break
                         if not w.is_done(i):
-                            w.write(cut_sample(sample, ds.layout, layout), i)
+                            w.write(sample, i)
                             bar.advance(1)
+                        i += 1
                 except BaseException:
                     w.abort()
                     raise
                 w.close()
+            counts[split] = i
         extra = {**(man.get("extra") or {}), "derive_key": lineage,
-                 DERIVED_KEY: _lineage(cfg.src, man, man_sha, cfg, layout, splits, counts)}
+                 DERIVED_KEY: _lineage(cfg.src, man, man_sha, cfg, layout, splits, counts, available,
+                                       [(a.manifest, sha) for a, sha in zip(added, added_shas)], duplicates)}
         return finalize_dataset(str(out), layout=layout, fingerprint=ds.fingerprint,
                                 capture_config=man["capture_config"], extra=extra)

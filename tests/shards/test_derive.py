@@ -130,3 +130,61 @@ def test_derive_recompresses_with_writer_lanes_and_keeps_old_keys(src, tmp_path)
     # a derive without the shard settings keeps the key it had before they existed (a finished one stays finished)
     assert set(_key_settings(DeriveConfig(src="a", out="b"))) == {"src", "out", "taps", "codec", "splits",
                                                                    "max_samples", "top_k", "progress"}
+
+
+def test_derive_joins_datasets_of_one_target(src, tmp_path):
+    """Broad data and one's own traffic in one training set: the added samples follow the source's exactly, cut to
+    its layout; a conversation both hold (the shared validation split) is kept once, and the lineage names both."""
+    other = tmp_path / "own"
+    write_dataset(str(other), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), [5, 6, 3], seed=1)
+    write_dataset(str(other), tiny_layout(), ShardConfig(shard_bytes=2500, batch_bytes=700), [4, 5], split="validation")
+    out = tmp_path / "joined"
+    man = derive_dataset(DeriveConfig(src=str(src), out=str(out), add=(str(other),), taps=(3,), progress=False))
+    assert verify_dataset(str(out), progress=False).ok
+    got, want = _samples(out), _samples(src) + _samples(other)
+    assert [s["sample_id"] for s in got] == [s["sample_id"] for s in want] and len(got) == len(LENGTHS) + 3
+    for g, w in zip(got, want):
+        assert torch.equal(g["taps"], w["taps"][:, 1:])
+        assert_same({k: v for k, v in g.items() if k != "taps"}, {k: v for k, v in w.items() if k != "taps"})
+    assert [s["sample_id"] for s in _samples(out, "validation")] == [s["sample_id"] for s in _samples(src, "validation")]
+    lin = man["extra"]["derived_from"]
+    assert lin["duplicates"] == {"validation": 2} and lin["dropped"]["samples"] == {"train": 0, "validation": 2}
+    assert [a["source"] for a in lin["added"]] == ["own"]
+    assert lin["added"][0]["source_manifest_sha256"] == hashlib.sha256((other / "manifest.json").read_bytes()).hexdigest()
+    assert derive_dataset(DeriveConfig(src=str(src), out=str(out), add=(str(other),), taps=(3,), progress=False)) == man
+    r = CliRunner().invoke(app, ["derive", str(src), "--add", str(other), "--out", str(tmp_path / "cli"), "--taps", "3"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "cli" / "manifest.json").read_text())["extra"]["derived_from"]["added"] == lin["added"]
+
+
+def _dataset(root, lengths, seed, bundle_seed=0, extra=None, layout=None):
+    """A finished random dataset whose target bundle and rendering (``extra``) can differ from ``src``'s."""
+    from tapdraft.shards.finalize import finalize_dataset
+    from tapdraft.shards.writer import DatasetWriter
+    from tests.shards.synthetic import random_sample, tiny_bundle
+
+    layout = layout or tiny_layout()
+    fp = tiny_bundle(str(root / "target"), layout, seed=bundle_seed)
+    w = DatasetWriter(str(root), ShardConfig(), layout, split="train")
+    for i, T in enumerate(lengths):
+        w.write(random_sample(layout, T, seed * 100003 + i), i)
+    w.close()
+    finalize_dataset(str(root), layout=layout, fingerprint=fp, capture_config={"synthetic": True}, extra=extra)
+    return root
+
+
+@pytest.mark.parametrize("other, msg", [
+    (dict(lengths=[9, 9], seed=0), "'s0' of split train is in two of the joined datasets with other tokens"),
+    (dict(lengths=[4], seed=2, layout=tiny_layout(tap_ids=(3,))), "cut to the source's layout"),
+    (dict(lengths=[4], seed=3, layout=tiny_layout(hidden_size=8)), "captured from another target|layout differs"),
+    (dict(lengths=[4], seed=4, bundle_seed=1), "captured from another target"),
+    (dict(lengths=[4], seed=5, extra={"placeholder": "x"}), "rendered otherwise"),
+])
+def test_derive_refuses_what_cannot_be_joined(src, tmp_path, other, msg):
+    """Same ids over other tokens, taps the source has and the added lacks, another width, another target, another
+    rendering: each refused in one line naming the added dataset's problem, nothing written."""
+    added = _dataset(tmp_path / "added", **other)
+    with pytest.raises(ValueError, match=msg) as e:
+        derive_dataset(DeriveConfig(src=str(src), out=str(tmp_path / "x"), add=(str(added),), progress=False))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()

@@ -36,7 +36,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 
@@ -188,10 +188,12 @@ def _tokens_digest(sample: dict[str, Any]) -> bytes:
     return h.digest()[:16]
 
 
-def joined_samples(sources: list[Any], split: str, layout: Layout, duplicates: dict[str, int]) -> Iterator[dict]:
+def joined_samples(sources: list[Any], split: str, layout: Layout, duplicates: dict[str, int],
+                   seen_again: Callable[[int], None] = lambda n: None) -> Iterator[dict]:
     """The split's samples of every source in turn, cut to ``layout``. With several sources, a sample id seen before
-    in the split is passed over when its tokens are the same (counted in ``duplicates[split]``) and refused
-    otherwise; one source is read as it is (``verify`` owns its ids)."""
+    in the split is passed over when its tokens are the same (counted in ``duplicates[split]``, told to
+    ``seen_again`` with the count so far) and refused otherwise; one source is read as it is (``verify`` owns its
+    ids)."""
     seen: dict[str, bytes] | None = {} if len(sources) > 1 else None  # sample id -> tokens digest
     for ds in sources:
         if split not in ds.splits:
@@ -206,6 +208,7 @@ def joined_samples(sources: list[Any], split: str, layout: Layout, duplicates: d
                     raise JoinConflict(f"sample {sid!r} of split {split} is in two of the joined datasets with other "
                                      "tokens; give one of them other sample ids (they name conversations)")
                 duplicates[split] = duplicates.get(split, 0) + 1
+                seen_again(duplicates[split])
                 continue
             seen[sid] = digest
             yield cut_sample(sample, ds.layout, layout)
@@ -330,7 +333,10 @@ def _write(cfg: DeriveConfig, ds: Any, added: list[Any], splits: list[str], layo
             i = 0
             with Progress(f"derive {split}", n, done=w.num_done, enabled=cfg.progress) as bar:
                 try:
-                    for sample in joined_samples([ds, *added], split, layout, duplicates):
+                    def kept_once(d: int) -> None:  # the bar counts samples read: written or kept once
+                        bar.advance(1, info=f"{d} in two datasets, kept once")
+
+                    for sample in joined_samples([ds, *added], split, layout, duplicates, kept_once):
                         if i >= n:
                             break
                         if not w.is_done(i):

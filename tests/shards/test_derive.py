@@ -132,7 +132,7 @@ def test_derive_recompresses_with_writer_lanes_and_keeps_old_keys(src, tmp_path)
                                                                    "max_samples", "top_k", "progress"}
 
 
-def test_derive_joins_datasets_of_one_target(src, tmp_path):
+def test_derive_joins_datasets_of_one_target(src, tmp_path, capsys):
     """Broad data and one's own traffic in one training set: the added samples follow the source's exactly, cut to
     its layout; a conversation both hold (the shared validation split) is kept once, and the lineage names both."""
     other = tmp_path / "own"
@@ -154,6 +154,9 @@ def test_derive_joins_datasets_of_one_target(src, tmp_path):
     assert derive_dataset(DeriveConfig(src=str(src), out=str(out), add=(str(other),), taps=(3,), progress=False)) == man
     r = CliRunner().invoke(app, ["derive", str(src), "--add", str(other), "--out", str(tmp_path / "cli"), "--taps", "3"])
     assert r.exit_code == 0, r.output
+    derive_dataset(DeriveConfig(src=str(src), out=str(tmp_path / "shown"), add=(str(other),)))
+    err = capsys.readouterr().err
+    assert "derive validation: 4/4 (100%)" in err and "2 in two datasets, kept once" in err, err  # read, not lost
     assert json.loads((tmp_path / "cli" / "manifest.json").read_text())["extra"]["derived_from"]["added"] == lin["added"]
 
 

@@ -179,7 +179,8 @@ def _dataset(root, lengths, seed, bundle_seed=0, extra=None, layout=None):
 @pytest.mark.parametrize("other, msg", [
     (dict(lengths=[9, 9], seed=0), "'s0' of split train is in two of the joined datasets with other tokens"),
     (dict(lengths=[4], seed=2, layout=tiny_layout(tap_ids=(3,))), "cut to the source's layout"),
-    (dict(lengths=[4], seed=3, layout=tiny_layout(hidden_size=8)), "captured from another target|layout differs"),
+    (dict(lengths=[4], seed=3, layout=tiny_layout(hidden_size=8)), "captured from another target"),
+    (dict(lengths=[4], seed=6, layout=tiny_layout(has_final_hidden=True)), "its layout differs"),
     (dict(lengths=[4], seed=4, bundle_seed=1), "captured from another target"),
     (dict(lengths=[4], seed=5, extra={"placeholder": "x"}), "rendered otherwise"),
 ])

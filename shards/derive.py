@@ -24,8 +24,9 @@ conversation captured twice: a validation split both captures share) and refused
 
 Lineage: the manifest's ``extra.derived_from`` records the source (its directory name, the sha256
 of its manifest, its target fingerprint, schema and code version), what was dropped (taps,
-top-k, splits, samples, precision) and each added dataset (the same, with its capture's inputs). ``derived_note`` turns it into the clause that a refusal adds,
-so a recipe needing something dropped says so in its one error line.
+top-k, splits, samples, precision) and each added dataset (the same, with its capture's inputs).
+``derived_note`` turns it into the clause that a refusal adds, so a recipe needing something
+dropped says so in its one error line.
 """
 
 from __future__ import annotations
@@ -188,30 +189,28 @@ def _tokens_digest(sample: dict[str, Any]) -> bytes:
     return h.digest()[:16]
 
 
-def joined_samples(sources: list[Any], split: str, layout: Layout, duplicates: dict[str, int],
-                   seen_again: Callable[[int], None] = lambda n: None) -> Iterator[dict]:
-    """The split's samples of every source in turn, cut to ``layout``. With several sources, a sample id seen before
-    in the split is passed over when its tokens are the same (counted in ``duplicates[split]``, told to
-    ``seen_again`` with the count so far) and refused otherwise; one source is read as it is (``verify`` owns its
-    ids)."""
+def joined_samples(sources: list[Any], split: str, duplicates: dict[str, int],
+                   seen_again: Callable[[int], None] = lambda n: None) -> Iterator[tuple[Layout, dict[str, Any]]]:
+    """The split's samples of every source in turn, each with its source's layout (cut only where written). With
+    several sources, a sample id seen before in the split is passed over when its tokens are the same (counted in
+    ``duplicates[split]``, told to ``seen_again`` with the count so far) and refused otherwise; one source is read as
+    it is (``verify`` owns its ids)."""
     seen: dict[str, bytes] | None = {} if len(sources) > 1 else None  # sample id -> tokens digest
     for ds in sources:
         if split not in ds.splits:
             continue
         for sample in ds.stream(split, seed=0, shuffle=False):
-            if seen is None:
-                yield cut_sample(sample, ds.layout, layout)
-                continue
-            sid, digest = str(sample["sample_id"]), _tokens_digest(sample)
-            if sid in seen:
-                if seen[sid] != digest:
-                    raise JoinConflict(f"sample {sid!r} of split {split} is in two of the joined datasets with other "
-                                     "tokens; give one of them other sample ids (they name conversations)")
-                duplicates[split] = duplicates.get(split, 0) + 1
-                seen_again(duplicates[split])
-                continue
-            seen[sid] = digest
-            yield cut_sample(sample, ds.layout, layout)
+            if seen is not None:
+                sid, digest = str(sample["sample_id"]), _tokens_digest(sample)
+                if sid in seen:
+                    if seen[sid] != digest:
+                        raise JoinConflict(f"sample {sid!r} of split {split} is in two of the joined datasets with "
+                                           "other tokens; give one of them other sample ids (they name conversations)")
+                    duplicates[split] = duplicates.get(split, 0) + 1
+                    seen_again(duplicates[split])
+                    continue
+                seen[sid] = digest
+            yield ds.layout, sample
 
 
 def _source(url: str, man: dict[str, Any], man_sha: str) -> dict[str, Any]:
@@ -307,49 +306,51 @@ def derive_dataset(cfg: DeriveConfig) -> dict[str, Any]:
     shard_cfg = shard_config(ShardConfig.from_dict(man["shard_config"]), cfg)
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, int] = {}
+    available = {s: sum(d.num_samples(s) for d in (ds, *added) if s in d.splits) for s in splits}
+    duplicates: dict[str, int] = {}
     try:
-        return _write(cfg, ds, added, splits, layout, shard_cfg, out, lineage, man_sha, added_shas)
+        with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
+            done = _finished(out, lineage)  # again under the lock: a derive that finished meanwhile is seen
+            if done is not None:
+                return done
+            _copy_bundle(ds.fs, ds.root, out, ds.fingerprint, man.get(mf.BUNDLE_KEY))  # never an edited bundle.json
+            for split in splits:
+                n = available[split] if cfg.max_samples is None else min(cfg.max_samples, available[split])
+                w = DatasetWriter(str(out), shard_cfg, layout, split=split, fingerprint=ds.fingerprint,
+                                  lineage=f"derive {lineage}")
+                with Progress(f"derive {split}", n, done=w.num_done, enabled=cfg.progress) as bar:
+                    def kept_once(d: int, bar: Progress = bar) -> None:  # the bar counts samples read
+                        bar.advance(1, info=f"{d} in two datasets, kept once")
+
+                    samples = joined_samples([ds, *added], split, duplicates, kept_once)
+                    counts[split] = _write_split(w, samples, layout, n, bar)
+            extra = {**(man.get("extra") or {}), "derive_key": lineage,
+                     DERIVED_KEY: _lineage(cfg.src, man, man_sha, cfg, layout, splits, counts, available,
+                                           [(a.manifest, sha) for a, sha in zip(added, added_shas)], duplicates)}
+            return finalize_dataset(str(out), layout=layout, fingerprint=ds.fingerprint,
+                                    capture_config=man["capture_config"], extra=extra)
     except JoinConflict:
         if fresh:  # it can never finish with these inputs: leave nothing half-written
             shutil.rmtree(out, ignore_errors=True)
         raise
 
 
-def _write(cfg: DeriveConfig, ds: Any, added: list[Any], splits: list[str], layout: Layout, shard_cfg: ShardConfig,
-           out: Path, lineage: str, man_sha: str, added_shas: list[str]) -> dict[str, Any]:
-    man = ds.manifest
-    counts: dict[str, int] = {}
-    available = {s: sum(d.num_samples(s) for d in (ds, *added) if s in d.splits) for s in splits}
-    duplicates: dict[str, int] = {}
-    with mf.writer_lock(str(out), 0, "a derive"):  # first: its _parts/ marks the directory as a dataset
-        done = _finished(out, lineage)  # again under the lock: a derive that finished meanwhile is seen
-        if done is not None:
-            return done
-        _copy_bundle(ds.fs, ds.root, out, ds.fingerprint, man.get(mf.BUNDLE_KEY))  # never an edited bundle.json
-        for split in splits:
-            n = available[split] if cfg.max_samples is None else min(cfg.max_samples, available[split])
-            w = DatasetWriter(str(out), shard_cfg, layout, split=split, fingerprint=ds.fingerprint,
-                              lineage=f"derive {lineage}")
-            i = 0
-            with Progress(f"derive {split}", n, done=w.num_done, enabled=cfg.progress) as bar:
-                try:
-                    def kept_once(d: int) -> None:  # the bar counts samples read: written or kept once
-                        bar.advance(1, info=f"{d} in two datasets, kept once")
-
-                    for sample in joined_samples([ds, *added], split, layout, duplicates, kept_once):
-                        if i >= n:
-                            break
-                        if not w.is_done(i):
-                            w.write(sample, i)
-                            bar.advance(1)
-                        i += 1
-                except BaseException:
-                    w.abort()
-                    raise
-                w.close()
-            counts[split] = i
-        extra = {**(man.get("extra") or {}), "derive_key": lineage,
-                 DERIVED_KEY: _lineage(cfg.src, man, man_sha, cfg, layout, splits, counts, available,
-                                       [(a.manifest, sha) for a, sha in zip(added, added_shas)], duplicates)}
-        return finalize_dataset(str(out), layout=layout, fingerprint=ds.fingerprint,
-                                capture_config=man["capture_config"], extra=extra)
+def _write_split(w: DatasetWriter, samples: Iterator[tuple[Layout, dict[str, Any]]], layout: Layout, n: int,
+                 bar: Progress) -> int:
+    """The first ``n`` samples written through ``w`` (those a killed derive wrote are passed over, not cut again);
+    returns how many."""
+    i = 0
+    try:
+        for src_layout, sample in samples:
+            if i >= n:
+                break
+            if not w.is_done(i):
+                w.write(cut_sample(sample, src_layout, layout), i)
+                bar.advance(1)
+            i += 1
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+    return i

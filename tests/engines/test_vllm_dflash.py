@@ -118,3 +118,27 @@ def test_decoding_past_the_captured_reply_is_reported(bpe_target, bpe_dflash):
     past = speculate(bpe_target, run, bpe_target.val_manifest, 32, 40)
     assert past["past_capture"]["conversations"] > 0 and past["past_capture"]["tokens"] > 0
     assert "decoded past the reply their dataset sample holds" in format_result(past)
+
+
+def test_profiled_serving_counts_the_engine_steps(vllm_venv, bpe_target, bpe_dflash, tmp_path):
+    """A job's ``profile`` (what ``benchmarks.round_profile`` reads) times vLLM's own steps: one a token alone, one a
+    round plus each request's prefill with a drafter, and the proposer only runs with one."""
+    from benchmarks.round_profile import PARTS, round_cost, run_figures
+
+    convs = prompts(bpe_target)[:4]
+    job = {"target": str(bpe_target.target), "requests": [{"prompt_token_ids": ids} for _, ids in convs],
+           "max_tokens": MAX_TOKENS, "max_model_len": 256, "warmup": 1, "profile": PARTS}
+    alone = run_figures(serve_vllm(vllm_venv, job, tmp_path))
+    served = serve_vllm(vllm_venv, {**job, "speculative": {"method": "dflash", "model": str(bpe_dflash[1]),
+                                                            "num_speculative_tokens": K}}, tmp_path)
+    spec = run_figures(served)
+    # once a step, counted once: the runner's wrapper and the method it calls share the proposer's name
+    assert served["profile"]["proposer"]["calls"] == served["profile"]["execute"]["calls"]
+    assert alone["steps"] == alone["tokens"] and alone["rounds"] == 0
+    assert spec["steps"] == spec["rounds"] + len(convs) and spec["tokens"] == alone["tokens"]
+    assert alone["proposer_ms"] == 0 < spec["proposer_ms"]
+    for r in (alone, spec):
+        assert 0 < r["target_forward_ms"] < r["step_ms"] and r["rest_ms"] > 0
+    cost = round_cost(alone, spec)
+    assert cost["R"] == pytest.approx(1 + cost["verify_extra"] + cost["proposer"] + cost["rest_extra"])
+    assert cost["tau"] > 1

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     lo.add_argument("--steps", type=int, default=OpenListenConfig.steps, help="projector updates")
     lo.add_argument("--batch", type=int, default=OpenListenConfig.batch, help="utterances per update")
     lo.add_argument("--lr", type=float, default=OpenListenConfig.lr, help="AdamW learning rate")
+    lo.add_argument("--frozen-lm", choices=["auto", "bf16", "fp32"], default=OpenListenConfig.frozen_lm,
+                    help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
     lo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     if getattr(a, "threads", None):
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         from tapdraft.demo.real.open_listen import train_open_listener
 
         start, _ = build_listener(a.root)
-        cfg = OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr)
+        cfg = OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr,
+                               frozen_lm=a.frozen_lm)
         report = train_open_listener(Path(a.workdir).resolve(), cfg, start)
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     elif a.cmd == "answer":

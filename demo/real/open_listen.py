@@ -120,12 +120,24 @@ class OpenListenConfig:
     """Share of the training pairs that are the closed task's own sentences (``listen.sentences``' train split)."""
     seed: int = 0
     """Sentences, voices, order."""
+    frozen_lm: str = "auto"
+    """The frozen LM's precision while the projector trains through it: ``bf16`` (a bf16 copy, ``listen.fit``'s
+    ``frozen_dtype``: the LM's matmuls, most of an update, on the CPU's bf16 units), ``fp32``, or ``auto``: bf16 on a
+    CPU with bf16 instructions, else fp32."""
 
     def __post_init__(self) -> None:
         if min(self.n_train, self.n_test, self.steps, self.batch) < 1 or self.lr <= 0:
             raise ValueError("n_train, n_test, steps and batch must be >= 1 and lr > 0")
+        if self.frozen_lm not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"frozen_lm is auto, bf16 or fp32; got {self.frozen_lm!r}")
         if not 0 <= self.closed_share < 1:
             raise ValueError(f"closed_share is a share of the training pairs, in [0, 1); got {self.closed_share}")
+
+    def frozen_dtype(self) -> torch.dtype:
+        from tapdraft.train.fit import cpu_has_bf16
+
+        bf16 = self.frozen_lm == "bf16" or (self.frozen_lm == "auto" and cpu_has_bf16())
+        return torch.bfloat16 if bf16 else torch.float32
 
 
 def stage_sentences(work: Path, cfg: OpenListenConfig, records: list[dict[str, Any]] | None = None) -> dict:
@@ -214,7 +226,7 @@ def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=prin
     log(f"{len(frames)} open and {len(picks)} closed training pairs ready ({time.time() - t0:.0f}s)")
     torch.manual_seed(cfg.seed)
     losses = listen.fit(model, examples, audio, list(model.model.multi_modal_projector.parameters()), cfg.steps,
-                        cfg.batch, cfg.lr, cfg.seed, log, resume=work / "fit.pt")
+                        cfg.batch, cfg.lr, cfg.seed, log, resume=work / "fit.pt", frozen_dtype=cfg.frozen_dtype())
     with staged(work / "model") as tmp:
         model.save_pretrained(tmp)
         proc.save_pretrained(tmp)

@@ -267,3 +267,31 @@ def test_the_benchmark_records_the_answerers_own_figures(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "a.json").read_text())
     assert doc["answers_held_out"]["first_32"] == 0.75 and doc["model"] == "smollm2-whisper-tiny-answer-abc"
     assert "load_avg_before" in doc["machine"] and doc["command"]
+
+
+def test_fit_in_bf16_moves_the_projector_as_fp32_does_and_leaves_the_lm_alone(tiny):
+    base, proc = tiny
+    tok = proc.tokenizer
+    replies = [tok(t, add_special_tokens=False)["input_ids"] for t in ("one two three", "four five six", "seven")]
+    examples = answer_examples(tok, replies, 0, reply_tokens=3)
+    frames = encode_audio(base, waves(3), proc.feature_extractor)
+    lm_before = {k: v.clone() for k, v in base.model.language_model.state_dict().items()}
+
+    def step(dtype):
+        model = copy.deepcopy(base)
+        proj = model.model.multi_modal_projector.linear.weight
+        start = proj.detach().clone()
+        losses = fit(model, examples, frames, list(model.model.multi_modal_projector.parameters()), steps=1, batch=3,
+                     lr=1e-3, seed=0, log=lambda *_: None, frozen_dtype=dtype)
+        return model, losses[0], (proj.detach() - start).flatten()
+
+    m16, loss16, d16 = step(torch.bfloat16)
+    _, loss32, d32 = step(torch.float32)
+    assert loss16 == pytest.approx(loss32, rel=0.02)
+    assert torch.nn.functional.cosine_similarity(d16, d32, dim=0) > 0.9  # Adam's first step: the gradients' signs
+    for k, v in m16.model.language_model.state_dict().items():  # the bf16 copy trained nothing into the model
+        assert v.dtype == lm_before[k].dtype and torch.equal(v, lm_before[k])
+    model = copy.deepcopy(base)
+    with pytest.raises(ValueError, match="frozen language model"):
+        fit(model, examples, frames, list(model.model.language_model.layers[0].parameters()), steps=1, batch=1,
+            lr=1e-3, seed=0, log=lambda *_: None, frozen_dtype=torch.bfloat16)

@@ -4,9 +4,12 @@
         --prompts ../shared/eval --per-kind 8 --name per_kind_general_dflash.json
 
 A drafter trained by ``benchmarks.real_speedup`` (its work directory: ``runs/RUN``, ``exports/RUN``) is served on
-each kind of request, by vLLM on this CPU, alone and with the drafter, one request at a time, ``--pairs`` alternated
-runs of all kinds' requests together (one engine start a run; each request timed by the engine, from its scheduling
-to its last token, and over the decode alone). The kinds:
+each kind of request, by vLLM on this CPU, alone and with the drafter, one request at a time, kind by kind: per kind
+``--pairs`` alternated runs (alone first, then the drafter first, ...; one engine start a run, its context sized to
+the kind's longest request, so a kind of short questions is not served in an engine sized for articles; each
+request timed by the engine, from its scheduling to its last token, and over the decode alone). A kind's runs
+follow each other within minutes, so the machine's drift over a whole benchmark does not fall between them. The
+kinds:
 
     mt_bench, alpaca, gsm8k, qa, sum   the question sets EAGLE reports on (MT-bench, Alpaca, GSM8K, Natural Questions,
                                        CNN/DailyMail), read from ``--prompts`` (never copied into the project: EAGLE's
@@ -44,8 +47,14 @@ EVAL_SETS = {"mt_bench": "mt_bench.jsonl", "alpaca": "alpaca.jsonl", "gsm8k": "g
              "sum": "sum.jsonl"}
 """The per-kind question sets (EAGLE's ``question.jsonl`` files, under these names in ``--prompts``)."""
 KINDS = (*EVAL_SETS, "stdlib", "other")
-MAX_MODEL_LEN = 4096
-"""Serving context: a CNN/DailyMail article and its summary fit (SmolLM2's own context is 8,192)."""
+ENGINE_LENGTH_STEP = 256
+"""A kind's serving context is its longest prompt plus the reply cap, rounded up to this."""
+
+
+def engine_length(prompt_ids: list[list[int]], max_tokens: int) -> int:
+    """vLLM's ``max_model_len`` for requests of these prompts: the longest with a whole reply, rounded up."""
+    need = max(map(len, prompt_ids)) + max_tokens
+    return -(-need // ENGINE_LENGTH_STEP) * ENGINE_LENGTH_STEP
 
 
 def spread(items: list[Any], n: int) -> list[Any]:
@@ -123,10 +132,12 @@ def stage_capture(work: Path, kinds: list[str], target: Path, cfg: SpeedupConfig
     return ds
 
 
-def kind_rows(runs: dict[str, list[dict]], spans: dict[str, list[int]], k: str) -> dict[str, dict[str, Any]]:
-    """Per kind, ``pair_figures`` over its requests at ``k`` drafts a round, and the round cost it implies."""
+def kind_rows(served: dict[str, dict[str, list[dict]]], k: str) -> dict[str, dict[str, Any]]:
+    """Per kind, ``pair_figures`` of its own runs (``serve_pairs``' over its requests) at ``k`` drafts a round, and
+    the round cost it implies."""
     rows = {}
-    for kind, idx in spans.items():
+    for kind, runs in served.items():
+        idx = list(range(len(runs["alone"][0]["outputs"])))
         fig = pair_figures(runs, idx)
         row = {"requests": len(idx), "alone_tokens_per_s": statistics.median(fig["alone_tokens_per_s"]),
                **{key: fig[k][key] for key in ("speedup_median", "speedup_pairs", "greedy_identical", "vllm_tau",
@@ -183,27 +194,27 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     dataset = stage_capture(kinds_dir, list(kinds), target, cfg, log)
     if stop_after == "capture":
         return None
-    requests, spans, ids = [], {}, {}
+    served, ids, lengths = {}, {}, {}
     for kind in kinds:
-        reqs, sample_ids, _ = vllm_requests(target, kinds_dir / f"{kind}.jsonl", per_kind, kinds_dir / "audio")
-        spans[kind] = list(range(len(requests), len(requests) + len(reqs)))
-        ids[kind] = sample_ids
-        requests += reqs
-    runs = serve_pairs(kinds_dir, cfg, target, venv, export, requests, log, max_model_len=MAX_MODEL_LEN)
+        reqs, ids[kind], prompt_ids = vllm_requests(target, kinds_dir / f"{kind}.jsonl", per_kind, kinds_dir / "audio")
+        lengths[kind] = engine_length(prompt_ids, cfg.max_tokens)
+        served[kind] = serve_pairs(kinds_dir, cfg, target, venv, export, reqs, lambda m, kind=kind: log(f"{kind}: {m}"),
+                                   max_model_len=lengths[kind])
     tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
     k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
-    k = f"k={k_trained}" if f"k={k_trained}" in runs else f"k={cfg.k[0]}"
-    rows = kind_rows(runs, spans, k)
+    names = next(iter(served.values()))
+    k = f"k={k_trained}" if f"k={k_trained}" in names else f"k={cfg.k[0]}"
+    rows = kind_rows(served, k)
+    for kind in kinds:
+        rows[kind]["max_model_len"] = lengths[kind]
     if k == f"k={k_trained}":
-        first = runs[k][0]
-        for kind, idx in spans.items():
-            served = {"outputs": [first["outputs"][i] for i in idx], "spec": [first["spec"][i] for i in idx]}
-            greedy = [runs["alone"][0]["outputs"][i] for i in idx]
+        for kind, runs in served.items():
+            greedy = runs["alone"][0]["outputs"]
             rows[kind].update(speculate_check(kinds_dir / f"{kind}.jsonl", target, run, dataset, ids[kind], greedy,
-                                              served, cfg.max_tokens))
+                                              runs[k][0], cfg.max_tokens))
             log(f"{kind}: speculate tau {rows[kind]['speculate']['tau']:.3f}, rounds equal to vLLM's: "
                 f"{rows[kind]['rounds_equal_to_speculate']}")
-    others = {name: k_report(kind_rows(runs, spans, name)) for name in runs if name not in ("alone", k)}
+    others = {name: k_report(kind_rows(served, name)) for name in names if name not in ("alone", k)}
     return {"k": int(k[2:]), **k_report(rows), **({"other_k": others} if others else {})}
 
 

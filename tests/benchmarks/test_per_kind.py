@@ -44,18 +44,18 @@ def test_a_two_turn_reply_becomes_a_request_per_turn():
 
 
 def _run(seconds, tokens, accepted):
-    """One served run of four requests: two of kind a, two of kind b."""
+    """One served run: per request its engine seconds, its tokens, its accepted drafts a round (None: alone)."""
+    n = len(seconds)
     return {"seconds": sum(seconds), "tokens": sum(tokens), "load_avg": 1.0, "decode": None,
-            "outputs": [[7] * t for t in tokens], "prompt_ids": [[1]] * 4,
-            "spec": [None] * 4 if accepted is None else [{"per_step_accepted": a} for a in accepted],
+            "outputs": [[7] * t for t in tokens], "prompt_ids": [[1]] * n,
+            "spec": [None] * n if accepted is None else [{"per_step_accepted": a} for a in accepted],
             "timing": [{"scheduled_ts": 0.0, "first_token_ts": 0.1 * s, "last_token_ts": s} for s in seconds]}
 
 
 def test_each_kind_is_timed_on_its_own_requests():
-    alone = _run([2.0, 2.0, 1.0, 1.0], [10, 10, 10, 10], None)
-    fast_a = _run([1.0, 1.0, 1.0, 1.0], [10, 10, 10, 10], [[2, 2], [1], [0, 0, 0], [0]])
-    runs = {"alone": [alone, alone], "k=3": [fast_a, fast_a]}
-    rows = kind_rows(runs, {"a": [0, 1], "b": [2, 3]}, "k=3")
+    a = {"alone": [_run([2.0, 2.0], [10, 10], None)] * 2, "k=3": [_run([1.0, 1.0], [10, 10], [[2, 2], [1]])] * 2}
+    b = {"alone": [_run([1.0, 1.0], [10, 10], None)] * 2, "k=3": [_run([1.0, 1.0], [10, 10], [[0, 0, 0], [0]])] * 2}
+    rows = kind_rows({"a": a, "b": b}, "k=3")
     assert rows["a"]["speedup_median"] == pytest.approx(2.0) and rows["b"]["speedup_median"] == pytest.approx(1.0)
     assert rows["a"]["vllm_tau"] == pytest.approx(1 + 5 / 3) and rows["b"]["vllm_tau"] == pytest.approx(1.0)
     assert rows["a"]["greedy_identical"] and rows["a"]["requests"] == 2
@@ -66,14 +66,51 @@ def test_each_kind_is_timed_on_its_own_requests():
 
 
 def test_every_served_k_gets_its_own_rows_and_headline():
-    alone = _run([2.0, 2.0, 1.0, 1.0], [10, 10, 10, 10], None)
-    k1 = _run([1.6, 1.6, 0.8, 0.8], [10, 10, 10, 10], [[1], [1], [0], [1]])
-    k3 = _run([1.0, 1.0, 1.25, 1.25], [10, 10, 10, 10], [[2, 2], [1], [0, 0, 0], [0]])
-    runs = {"alone": [alone], "k=1": [k1], "k=3": [k3]}
-    one, three = (k_report(kind_rows(runs, {"a": [0, 1], "b": [2, 3]}, k)) for k in ("k=1", "k=3"))
+    served = {"a": {"alone": [_run([2.0, 2.0], [10, 10], None)], "k=1": [_run([1.6, 1.6], [10, 10], [[1], [1]])],
+                    "k=3": [_run([1.0, 1.0], [10, 10], [[2, 2], [1]])]},
+              "b": {"alone": [_run([1.0, 1.0], [10, 10], None)], "k=1": [_run([0.8, 0.8], [10, 10], [[0], [1]])],
+                    "k=3": [_run([1.25, 1.25], [10, 10], [[0, 0, 0], [0]])]}}
+    one, three = (k_report(kind_rows(served, k)) for k in ("k=1", "k=3"))
     assert one["whole_requests"] == {"median": pytest.approx(1.25), "worst": pytest.approx(1.25), "worst_kind": "a"}
     assert three["whole_requests"]["worst"] == pytest.approx(0.8) and three["whole_requests"]["worst_kind"] == "b"
     assert one["kinds"]["b"]["vllm_tau"] == pytest.approx(1.5) and "decode" in one
+
+
+def test_each_kind_is_served_in_its_own_engine_sized_to_its_requests(tmp_path, monkeypatch):
+    """One serve_pairs a kind, over that kind's requests alone, at its longest prompt plus the reply cap (rounded
+    up to ENGINE_LENGTH_STEP), and each kind's rows from its own runs."""
+    import benchmarks.per_kind as pk
+    from tapdraft.demo.real.speedup import SpeedupConfig
+
+    assert pk.engine_length([[1] * 10, [1] * 300], 192) == 512 and pk.engine_length([[1] * 64], 192) == 256
+    (tmp_path / "exports" / "r").mkdir(parents=True)
+    (tmp_path / "exports" / "r" / "config.json").write_text(
+        json.dumps({"tapdraft": {"serve_with": {"vllm": {"num_speculative_tokens": 3}}}}))
+    prompts = {"qa": [[1] * 20] * 2, "sum": [[1] * 900, [1] * 1500]}
+    monkeypatch.setattr(pk, "target_dir", lambda cfg, log: tmp_path / "target")
+    monkeypatch.setattr("tapdraft.engines.serving.engine_venv", lambda name: tmp_path / "venv")
+    monkeypatch.setattr("tapdraft.engines.serving.vllm_requests",
+                        lambda target, path, n, audio: ([{"kind": path.stem}] * 2, ["x", "y"], prompts[path.stem]))
+    monkeypatch.setattr(pk, "kind_conversations", lambda prompts, n: {"qa": [], "sum": []})
+    monkeypatch.setattr(pk, "stage_replies", lambda *a: None)
+    monkeypatch.setattr(pk, "stage_capture", lambda *a: tmp_path / "kinds" / "dataset")
+    engines = []
+    fast = {"qa": 2.0, "sum": 1.0}
+
+    def serve(work, cfg, target, venv, export, requests, log, max_model_len):
+        kind = requests[0]["kind"]
+        engines.append((kind, len(requests), max_model_len))
+        return {"alone": [_run([2.0, 2.0], [10, 10], None)],
+                "k=3": [_run([2.0 / fast[kind]] * 2, [10, 10], [[1, 1], [1]])]}
+
+    monkeypatch.setattr(pk, "serve_pairs", serve)
+    monkeypatch.setattr(pk, "speculate_check", lambda *a: {"rounds_equal_to_speculate": True, "speculate": {"tau": 1.5}})
+    report = pk.run_per_kind(tmp_path, SpeedupConfig(target="general", run="r", max_tokens=192), tmp_path, 2,
+                             log=lambda *_: None)
+    assert engines == [("qa", 2, 256), ("sum", 2, 1792)]
+    assert report["kinds"]["qa"]["speedup_median"] == pytest.approx(2.0)
+    assert report["kinds"]["sum"]["speedup_median"] == pytest.approx(1.0)
+    assert report["kinds"]["sum"]["max_model_len"] == 1792
 
 
 def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, monkeypatch):
@@ -85,7 +122,7 @@ def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, mo
     done = []
     monkeypatch.setattr(pk, "target_dir", lambda cfg, log: tmp_path / "target")
     monkeypatch.setattr("tapdraft.engines.serving.engine_venv", lambda name: tmp_path / "venv")
-    monkeypatch.setattr("tapdraft.engines.serving.vllm_requests", lambda *a: ([], [], []))
+    monkeypatch.setattr("tapdraft.engines.serving.vllm_requests", lambda *a: ([], [], [[1]]))
     monkeypatch.setattr(pk, "kind_conversations", lambda prompts, n: {"alpaca": []})
     monkeypatch.setattr(pk, "stage_replies", lambda *a: done.append("replies"))
     monkeypatch.setattr(pk, "stage_capture", lambda *a: done.append("capture") or tmp_path / "kinds" / "dataset")

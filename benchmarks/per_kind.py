@@ -32,6 +32,7 @@ against speculate), the others vLLM's figures under ``other_k``: where acceptanc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -132,6 +133,16 @@ def stage_capture(work: Path, kinds: list[str], target: Path, cfg: SpeedupConfig
     return ds
 
 
+def serving_key(export: Path, cfg: SpeedupConfig, per_kind: int) -> str:
+    """The name a kind's served runs are kept under (``kinds/served/KEY/KIND.json``, so a stopped benchmark serves
+    only the kinds it had not): the run, and a hash of what the runs depend on (the export's files, the drafts a
+    round, the pairs, the reply cap, the requests a kind, the engine's threads)."""
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in export.iterdir() if f.is_file())
+    what = {"export": files, "k": list(cfg.k), "pairs": cfg.pairs, "max_tokens": cfg.max_tokens,
+            "per_kind": per_kind, "engine_threads": cfg.engine_threads}
+    return f"{cfg.run}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]}"
+
+
 def kind_rows(served: dict[str, dict[str, list[dict]]], k: str) -> dict[str, dict[str, Any]]:
     """Per kind, ``pair_figures`` of its own runs (``serve_pairs``' over its requests) at ``k`` drafts a round, and
     the round cost it implies."""
@@ -195,11 +206,18 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     if stop_after == "capture":
         return None
     served, ids, lengths = {}, {}, {}
+    kept = kinds_dir / "served" / serving_key(export, cfg, per_kind)
     for kind in kinds:
         reqs, ids[kind], prompt_ids = vllm_requests(target, kinds_dir / f"{kind}.jsonl", per_kind, kinds_dir / "audio")
         lengths[kind] = engine_length(prompt_ids, cfg.max_tokens)
+        if (kept / f"{kind}.json").is_file():
+            served[kind] = json.loads((kept / f"{kind}.json").read_text())
+            log(f"{kind}: served before, kept in {kept}")
+            continue
         served[kind] = serve_pairs(kinds_dir, cfg, target, venv, export, reqs, lambda m, kind=kind: log(f"{kind}: {m}"),
                                    max_model_len=lengths[kind])
+        with staged(kept / f"{kind}.json") as tmp:
+            tmp.write_text(json.dumps(served[kind]))
     tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
     k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
     names = next(iter(served.values()))

@@ -111,6 +111,15 @@ def test_each_kind_is_served_in_its_own_engine_sized_to_its_requests(tmp_path, m
     assert report["kinds"]["qa"]["speedup_median"] == pytest.approx(2.0)
     assert report["kinds"]["sum"]["speedup_median"] == pytest.approx(1.0)
     assert report["kinds"]["sum"]["max_model_len"] == 1792
+    # a stopped benchmark serves only what it had not: each kind's runs are kept once served
+    kept = next((tmp_path / "kinds" / "served").iterdir())
+    (kept / "sum.json").unlink()
+    again = pk.run_per_kind(tmp_path, SpeedupConfig(target="general", run="r", max_tokens=192), tmp_path, 2,
+                            log=lambda *_: None)
+    assert engines[2:] == [("sum", 2, 1792)] and again["kinds"] == report["kinds"]
+    pk.run_per_kind(tmp_path, SpeedupConfig(target="general", run="r", max_tokens=192, pairs=1), tmp_path, 2,
+                    log=lambda *_: None)
+    assert engines[3:] == [("qa", 2, 256), ("sum", 2, 1792)]  # other settings: served anew
 
 
 def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, monkeypatch):

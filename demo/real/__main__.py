@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     lo.add_argument("--steps", type=int, default=OpenListenConfig.steps, help="projector updates")
     lo.add_argument("--batch", type=int, default=OpenListenConfig.batch, help="utterances per update")
     lo.add_argument("--lr", type=float, default=OpenListenConfig.lr, help="AdamW learning rate")
+    lo.add_argument("--encoder-layers", type=int, default=OpenListenConfig.encoder_layers,
+                    help="the audio encoder's top layers trained with the projector (0: the projector alone)")
+    lo.add_argument("--encoder-lr", type=float, default=OpenListenConfig.encoder_lr,
+                    help="their AdamW learning rate")
     lo.add_argument("--frozen-lm", choices=["auto", "bf16", "fp32"], default=OpenListenConfig.frozen_lm,
                     help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
     lo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
         start, _ = build_listener(a.root)
         cfg = OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr,
-                               frozen_lm=a.frozen_lm)
+                               encoder_layers=a.encoder_layers, encoder_lr=a.encoder_lr, frozen_lm=a.frozen_lm)
         report = train_open_listener(Path(a.workdir).resolve(), cfg, start)
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     elif a.cmd == "answer":

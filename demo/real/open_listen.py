@@ -12,9 +12,11 @@ ShareGPT's requests, in a work directory whose every stage resumes:
     speech      espeak-ng, the voices cycled (``listen.VOICES``), each utterance's speed moved by up to
                 ``SPEED_JITTER`` words a minute (seeded per utterance)
     cache       the encoder's frames of the training utterances, ``CHUNK`` a file (``frames/NNNNN.pt``, half
-                precision); the held-out utterances as wavs (``audio/``)
-    training    ``listen.fit`` on the projector, from the closed listener's (``listen.build_listener``), resumable
-                (``fit.pt``); a share of every pass is the closed task's own training sentences, so it keeps them
+                precision), or with ``encoder_layers`` its log-mel inputs (``mels/``: the encoder then runs every
+                update); the held-out utterances as wavs (``audio/``)
+    training    ``listen.fit`` on the projector (and the encoder's top ``encoder_layers`` layers), from the closed
+                listener's (``listen.build_listener``), resumable (``fit.pt``); a share of every pass is the closed
+                task's own training sentences, so it keeps them
     evaluation  the saved directory (``model/``, the Qwen2-Audio layout) reloaded: WER on the held-out open sentences
                 and on the closed task's held-out set (``listen.sentences``' test split), written to ``listen.json``
 
@@ -120,6 +122,12 @@ class OpenListenConfig:
     """Share of the training pairs that are the closed task's own sentences (``listen.sentences``' train split)."""
     seed: int = 0
     """Sentences, voices, order."""
+    encoder_layers: int = 0
+    """The audio encoder's top layers (and its final norm) trained with the projector at ``encoder_lr``; 0: the
+    projector alone, through which 600 updates on 4,500 sentences left the loss flat from update 230 (docs/LOG.md
+    2026-12-07). The whole encoder at the projector's rate forgot how to hear (``answer.AnswerConfig.train_encoder``)."""
+    encoder_lr: float = 3e-5
+    """The encoder layers' AdamW learning rate."""
     frozen_lm: str = "auto"
     """The frozen LM's precision while the projector trains through it: ``bf16`` (a bf16 copy, ``listen.fit``'s
     ``frozen_dtype``: the LM's matmuls, most of an update, on the CPU's bf16 units), ``fp32``, or ``auto``: bf16 on a
@@ -128,6 +136,8 @@ class OpenListenConfig:
     def __post_init__(self) -> None:
         if min(self.n_train, self.n_test, self.steps, self.batch) < 1 or self.lr <= 0:
             raise ValueError("n_train, n_test, steps and batch must be >= 1 and lr > 0")
+        if self.encoder_layers < 0 or self.encoder_lr <= 0:
+            raise ValueError("encoder_layers must be >= 0 and encoder_lr > 0")
         if self.frozen_lm not in ("auto", "bf16", "fp32"):
             raise ValueError(f"frozen_lm is auto, bf16 or fp32; got {self.frozen_lm!r}")
         if not 0 <= self.closed_share < 1:
@@ -158,21 +168,27 @@ def stage_sentences(work: Path, cfg: OpenListenConfig, records: list[dict[str, A
     return doc
 
 
-def stage_frames(work: Path, model, fe, sentences: list[str], seed: int, log=print) -> list[torch.Tensor]:
+def stage_frames(work: Path, model, fe, sentences: list[str], seed: int, log=print, mels: bool = False) -> list:
     """The encoder's frames of every training utterance, spoken and encoded ``CHUNK`` at a time into
-    ``work/frames/NNNNN.pt`` (a rerun keeps the files made); all of them, in order."""
-    out: list[torch.Tensor] = []
+    ``work/frames/NNNNN.pt`` (a rerun keeps the files made); all of them, in order. With ``mels``, the encoder's
+    inputs instead (``work/mels/``: ``listen.audio_inputs`` items, for an encoder that trains), rebuilt on reading."""
+    out: list = []
     t0 = time.time()
+    tower = model.model.audio_tower
     for c in range(-(-len(sentences) // CHUNK)):
-        path = work / "frames" / f"{c:05d}.pt"
+        path = work / ("mels" if mels else "frames") / f"{c:05d}.pt"
         if not path.exists():
             ids = range(c * CHUNK, min((c + 1) * CHUNK, len(sentences)))
             waves = [listen.speak(sentences[i], *voice_of(i, seed)) for i in ids]
-            frames = [f.half() for f in listen.encode_audio(model, waves, fe)]
+            made = ([{"x": a["x"].half(), "feat_len": a["feat_len"], "n_out": a["n_out"]}
+                     for a in listen.audio_inputs(tower, waves, fe)] if mels
+                    else [f.half() for f in listen.encode_audio(model, waves, fe)])
             with staged(path) as tmp, open(tmp, "wb") as f:
-                torch.save(frames, f)
+                torch.save(made, f)
             log(f"spoke and encoded {ids.stop}/{len(sentences)} training sentences ({time.time() - t0:.0f}s)")
-        out += torch.load(path, weights_only=True)
+        kept = torch.load(path, weights_only=True)
+        out += ([listen.audio_input(tower, a["x"].float(), a["feat_len"], a["n_out"]) for a in kept] if mels
+                else kept)
     return out
 
 
@@ -214,19 +230,28 @@ def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=prin
     doc = stage_sentences(work, cfg)
     model = Qwen2AudioForConditionalGeneration.from_pretrained(start, dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(start)
-    frames = stage_frames(work, model, proc.feature_extractor, doc["train"], cfg.seed, log)
+    tower = model.model.audio_tower
+    if cfg.encoder_layers > len(tower.layers):
+        raise ValueError(f"encoder_layers {cfg.encoder_layers}: the encoder has {len(tower.layers)} layers")
+    mels = cfg.encoder_layers > 0
+    frames = stage_frames(work, model, proc.feature_extractor, doc["train"], cfg.seed, log, mels=mels)
     closed = listen.sentences(listen.ListenConfig.n_train, listen.ListenConfig.n_test, listen.ListenConfig.n_oov,
                               listen.ListenConfig.seed)
     examples, picks = training_pairs(proc.tokenizer, doc["train"], closed["train"], cfg.closed_share)
     heard = sorted(set(picks))
-    closed_frames = listen.encode_audio(model, stage_waves(work, "closed-train", [closed["train"][i] for i in heard],
-                                                           lambda j: voice_of(heard[j], cfg.seed)),
-                                        proc.feature_extractor)
+    closed_waves = stage_waves(work, "closed-train", [closed["train"][i] for i in heard],
+                               lambda j: voice_of(heard[j], cfg.seed))
+    closed_frames = (listen.audio_inputs(tower, closed_waves, proc.feature_extractor) if mels
+                     else listen.encode_audio(model, closed_waves, proc.feature_extractor))
     audio = frames + [closed_frames[heard.index(i)] for i in picks]
     log(f"{len(frames)} open and {len(picks)} closed training pairs ready ({time.time() - t0:.0f}s)")
     torch.manual_seed(cfg.seed)
-    losses = listen.fit(model, examples, audio, list(model.model.multi_modal_projector.parameters()), cfg.steps,
-                        cfg.batch, cfg.lr, cfg.seed, log, resume=work / "fit.pt", frozen_dtype=cfg.frozen_dtype())
+    params = [{"params": list(model.model.multi_modal_projector.parameters())}]
+    if mels:
+        top = [p for layer in tower.layers[-cfg.encoder_layers:] for p in layer.parameters()]
+        params.append({"params": top + list(tower.layer_norm.parameters()), "lr": cfg.encoder_lr})
+    losses = listen.fit(model, examples, audio, params, cfg.steps, cfg.batch, cfg.lr, cfg.seed, log,
+                        resume=work / "fit.pt", frozen_dtype=cfg.frozen_dtype())
     with staged(work / "model") as tmp:
         model.save_pretrained(tmp)
         proc.save_pretrained(tmp)

@@ -61,17 +61,18 @@ SERVABLE_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=
 """Text-model sizes a serving engine runs: vLLM's CPU attention serves head dim 32 (not 8, 16 or 24)."""
 
 
-def save_qwen2_audio(d: Path, seed: int = 0, text: dict | None = None) -> dict[str, torch.Tensor]:
+def save_qwen2_audio(d: Path, seed: int = 0, text: dict | None = None, audio: dict | None = None
+                     ) -> dict[str, torch.Tensor]:
     """Qwen2AudioForConditionalGeneration + Qwen2AudioProcessor (Whisper features, 128 mels); its state dict.
-    ``text`` overrides the language model's sizes (e.g. ``SERVABLE_TEXT``)."""
+    ``text`` overrides the language model's sizes (e.g. ``SERVABLE_TEXT``), ``audio`` the encoder's."""
     from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
                               WhisperFeatureExtractor)
 
     tok = build_word_tokenizer(WORDS)
     tok.add_tokens(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"], special_tokens=True)
     cfg = Qwen2AudioConfig(
-        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
-                          num_mel_bins=128),
+        audio_config={**dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                             num_mel_bins=128), **(audio or {})},
         text_config={**dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2), **(text or {})},
         audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"),

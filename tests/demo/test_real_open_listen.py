@@ -123,3 +123,35 @@ def test_the_chain_trains_saves_a_loadable_model_and_reports_both_wers(tmp_path,
     assert changed and all(k.startswith("model.multi_modal_projector.") for k in changed)
     again = train_open_listener(work, cfg, start, log=lambda *_: None)  # resumed at its end: nothing retrained
     assert again["final_loss"] == report["final_loss"]
+
+
+def test_the_encoders_top_layers_train_from_cached_inputs(tmp_path, tiny, fake_speech):
+    """``encoder_layers``: the encoder's top layers and final norm train with the projector, from its log-mel inputs
+    (cached in ``mels/``, rebuilt into what ``listen.audio_inputs`` gives); nothing else moves."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    from tests.capture.speech_models import save_qwen2_audio
+    from tapdraft.demo.real.open_listen import train_open_listener
+
+    start = tmp_path / "start"
+    save_qwen2_audio(start, seed=3, audio={"encoder_layers": 2})  # the lower layer must not move
+    base = Qwen2AudioForConditionalGeneration.from_pretrained(start)
+    work = tmp_path / "work"
+    cfg = OpenListenConfig(n_train=4, n_test=2, steps=2, batch=2, encoder_layers=1, encoder_lr=1e-2)
+    doc = stage_sentences(work, cfg, _records(HELD_OUT_RESERVE + 20))
+    fe = AutoProcessor.from_pretrained(start).feature_extractor
+    cached = stage_frames(work, base, fe, doc["train"], cfg.seed, mels=True)
+    tower = base.model.audio_tower
+    fresh = listen.audio_inputs(tower, [listen.speak(s, *voice_of(i, cfg.seed)) for i, s in enumerate(doc["train"])], fe)
+    with torch.no_grad():
+        for a, b in zip(cached, fresh):
+            assert torch.allclose(listen.tower_frames(tower, a), listen.tower_frames(tower, b), atol=1e-2)
+    assert (work / "mels").is_dir() and not (work / "frames").exists()
+    train_open_listener(work, cfg, start, log=lambda *_: None)
+    trained = Qwen2AudioForConditionalGeneration.from_pretrained(work / "model")
+    changed = {k for k, v in base.state_dict().items() if not torch.equal(v, trained.state_dict()[k])}
+    last = f"model.audio_tower.layers.{len(tower.layers) - 1}."
+    assert any(k.startswith(last) for k in changed) and any(k.startswith("model.multi_modal_projector.") for k in changed)
+    assert all(k.startswith((last, "model.multi_modal_projector.", "model.audio_tower.layer_norm.")) for k in changed)
+    with pytest.raises(ValueError, match="encoder_layers"):
+        OpenListenConfig(encoder_layers=-1)

@@ -14,7 +14,7 @@ import json
 from tapdraft.demo.real.answer import AnswerConfig, build_answerer
 from tapdraft.demo.real.build import build_real_targets
 from tapdraft.demo.real.listen import ListenConfig, build_listener
-from tapdraft.demo.real.open_listen import OpenListenConfig
+from tapdraft.demo.real.open_listen import FROZEN_LM, OpenListenConfig
 
 
 def add_answer_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the audio encoder's top layers trained with the projector (0: the projector alone)")
     lo.add_argument("--encoder-lr", type=float, default=OpenListenConfig.encoder_lr,
                     help="their AdamW learning rate")
-    lo.add_argument("--frozen-lm", choices=["auto", "bf16", "fp32"], default=OpenListenConfig.frozen_lm,
+    lo.add_argument("--frozen-lm", choices=FROZEN_LM, default=OpenListenConfig.frozen_lm,
                     help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
     lo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)

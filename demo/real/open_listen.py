@@ -106,6 +106,10 @@ def voice_of(i: int, seed: int) -> tuple[str, int]:
     return voice, speed + random.Random(f"{seed}:{i}").randint(-SPEED_JITTER, SPEED_JITTER)
 
 
+FROZEN_LM = ("auto", "bfloat16", "float32")
+"""``OpenListenConfig.frozen_lm``'s choices: a torch dtype's name, or ``auto``."""
+
+
 @dataclass(frozen=True)
 class OpenListenConfig:
     n_train: int = 20000
@@ -129,25 +133,26 @@ class OpenListenConfig:
     encoder_lr: float = 3e-5
     """The encoder layers' AdamW learning rate."""
     frozen_lm: str = "auto"
-    """The frozen LM's precision while the projector trains through it: ``bf16`` (a bf16 copy, ``listen.fit``'s
-    ``frozen_dtype``: the LM's matmuls, most of an update, on the CPU's bf16 units), ``fp32``, or ``auto``: bf16 on a
-    CPU with bf16 instructions, else fp32."""
+    """The frozen LM's precision while the projector trains through it: ``bfloat16`` (a bf16 copy, ``listen.fit``'s
+    ``frozen_dtype``: the LM's matmuls, most of an update, on the CPU's bf16 units), ``float32``, or ``auto``: bf16 on
+    a CPU with bf16 instructions, else fp32."""
 
     def __post_init__(self) -> None:
         if min(self.n_train, self.n_test, self.steps, self.batch) < 1 or self.lr <= 0:
             raise ValueError("n_train, n_test, steps and batch must be >= 1 and lr > 0")
         if self.encoder_layers < 0 or self.encoder_lr <= 0:
             raise ValueError("encoder_layers must be >= 0 and encoder_lr > 0")
-        if self.frozen_lm not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"frozen_lm is auto, bf16 or fp32; got {self.frozen_lm!r}")
+        if self.frozen_lm not in FROZEN_LM:
+            raise ValueError(f"frozen_lm is one of {', '.join(FROZEN_LM)}; got {self.frozen_lm!r}")
         if not 0 <= self.closed_share < 1:
             raise ValueError(f"closed_share is a share of the training pairs, in [0, 1); got {self.closed_share}")
 
     def frozen_dtype(self) -> torch.dtype:
         from tapdraft.train.fit import cpu_has_bf16
 
-        bf16 = self.frozen_lm == "bf16" or (self.frozen_lm == "auto" and cpu_has_bf16())
-        return torch.bfloat16 if bf16 else torch.float32
+        if self.frozen_lm == "auto":
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return getattr(torch, self.frozen_lm)
 
 
 def stage_sentences(work: Path, cfg: OpenListenConfig, records: list[dict[str, Any]] | None = None) -> dict:

@@ -71,8 +71,8 @@ def test_closed_pairs_take_their_share_and_point_at_their_sentences(tiny):
         OpenListenConfig(closed_share=1.0)
     with pytest.raises(ValueError, match="frozen_lm"):
         OpenListenConfig(frozen_lm="fp16")
-    assert OpenListenConfig(frozen_lm="fp32").frozen_dtype() == torch.float32
-    assert OpenListenConfig(frozen_lm="bf16").frozen_dtype() == torch.bfloat16
+    assert OpenListenConfig(frozen_lm="float32").frozen_dtype() == torch.float32
+    assert OpenListenConfig(frozen_lm="bfloat16").frozen_dtype() == torch.bfloat16
 
 
 def test_stages_resume_and_refuse_another_size(tmp_path, tiny, fake_speech):

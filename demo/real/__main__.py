@@ -44,6 +44,28 @@ def answer_config(a: argparse.Namespace) -> AnswerConfig:
                         transcribe_share=a.transcribe_share)
 
 
+def add_open_listen_args(p: argparse.ArgumentParser) -> None:
+    """The open listener's flags (``OpenListenConfig``'s fields a user sets), shared with ``benchmarks.listen_open``."""
+    p.add_argument("--workdir", required=True, help="its work directory: every stage is kept there and resumes")
+    p.add_argument("--root", default=None, help="cache root of the closed listener it starts from")
+    p.add_argument("--sentences", type=int, default=OpenListenConfig.n_train, help="training sentences")
+    p.add_argument("--test", type=int, default=OpenListenConfig.n_test, help="held-out open sentences")
+    p.add_argument("--steps", type=int, default=OpenListenConfig.steps, help="projector updates")
+    p.add_argument("--batch", type=int, default=OpenListenConfig.batch, help="utterances per update")
+    p.add_argument("--lr", type=float, default=OpenListenConfig.lr, help="AdamW learning rate")
+    p.add_argument("--encoder-layers", type=int, default=OpenListenConfig.encoder_layers,
+                   help="the audio encoder's top layers trained with the projector (0: the projector alone)")
+    p.add_argument("--encoder-lr", type=float, default=OpenListenConfig.encoder_lr,
+                   help="their AdamW learning rate")
+    p.add_argument("--frozen-lm", choices=FROZEN_LM, default=OpenListenConfig.frozen_lm,
+                   help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
+
+
+def open_listen_config(a: argparse.Namespace) -> OpenListenConfig:
+    return OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr,
+                            encoder_layers=a.encoder_layers, encoder_lr=a.encoder_lr, frozen_lm=a.frozen_lm)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tapdraft.demo.real", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -63,19 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     br.add_argument("--engines", type=int, default=1, help="vLLM engines side by side, one thread each")
     lo = sub.add_parser("listen-open", help="the listener taught open speech: espeak-ng sentences of ShareGPT's "
                                             "requests (resumable work directory)")
-    lo.add_argument("--workdir", required=True)
-    lo.add_argument("--root", default=None, help="cache root of the closed listener it starts from")
-    lo.add_argument("--sentences", type=int, default=OpenListenConfig.n_train, help="training sentences")
-    lo.add_argument("--test", type=int, default=OpenListenConfig.n_test, help="held-out open sentences")
-    lo.add_argument("--steps", type=int, default=OpenListenConfig.steps, help="projector updates")
-    lo.add_argument("--batch", type=int, default=OpenListenConfig.batch, help="utterances per update")
-    lo.add_argument("--lr", type=float, default=OpenListenConfig.lr, help="AdamW learning rate")
-    lo.add_argument("--encoder-layers", type=int, default=OpenListenConfig.encoder_layers,
-                    help="the audio encoder's top layers trained with the projector (0: the projector alone)")
-    lo.add_argument("--encoder-lr", type=float, default=OpenListenConfig.encoder_lr,
-                    help="their AdamW learning rate")
-    lo.add_argument("--frozen-lm", choices=FROZEN_LM, default=OpenListenConfig.frozen_lm,
-                    help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
+    add_open_listen_args(lo)
     lo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     if getattr(a, "threads", None):
@@ -100,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         from tapdraft.demo.real.open_listen import train_open_listener
 
         start, _ = build_listener(a.root)
-        cfg = OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr,
-                               encoder_layers=a.encoder_layers, encoder_lr=a.encoder_lr, frozen_lm=a.frozen_lm)
-        report = train_open_listener(Path(a.workdir).resolve(), cfg, start)
+        report = train_open_listener(Path(a.workdir).resolve(), open_listen_config(a), start)
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     elif a.cmd == "answer":
         d, info = build_answerer(a.root, answer_config(a))

@@ -155,3 +155,29 @@ def test_the_encoders_top_layers_train_from_cached_inputs(tmp_path, tiny, fake_s
     assert all(k.startswith((last, "model.multi_modal_projector.", "model.audio_tower.layer_norm.")) for k in changed)
     with pytest.raises(ValueError, match="encoder_layers"):
         OpenListenConfig(encoder_layers=-1)
+
+
+def test_the_benchmark_records_the_chains_own_report(tmp_path, monkeypatch):
+    """``benchmarks.listen_open`` runs the chain its flags describe (the same flags as ``python -m tapdraft.demo.real
+    listen-open``), from the closed listener, and writes that chain's report with the machine's facts."""
+    import benchmarks.common
+    import tapdraft.demo.real.listen as listen_mod
+    import tapdraft.demo.real.open_listen as open_listen
+    from benchmarks.listen_open import main
+
+    asked = []
+
+    def train(work, cfg, start):
+        asked.append((work, cfg, start))
+        return {"config": {}, "open_held_out": {"wer": 0.42}, "seconds": 7}
+
+    monkeypatch.setattr(listen_mod, "build_listener", lambda root: (tmp_path / "closed", {}))
+    monkeypatch.setattr(open_listen, "train_open_listener", train)
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    main(["--workdir", str(tmp_path / "w"), "--sentences", "300", "--steps", "12", "--encoder-layers", "2",
+          "--frozen-lm", "float32", "--name", "o.json"])
+    assert asked == [(tmp_path / "w", OpenListenConfig(n_train=300, steps=12, encoder_layers=2, frozen_lm="float32"),
+                      tmp_path / "closed")]
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["open_held_out"]["wer"] == 0.42
+    assert "load_avg_before" in doc["machine"] and doc["command"]

@@ -42,7 +42,8 @@ from typing import Any
 from benchmarks.common import RESULTS, environment
 from tapdraft.common.atomic import staged
 from tapdraft.demo.real.commands import run_cli, write_jsonl
-from tapdraft.demo.real.speedup import SpeedupConfig, pair_figures, serve_pairs, speculate_check, target_dir
+from tapdraft.demo.real.speedup import (SpeedupConfig, pair_figures, serve_pairs, speculate_check, stage_export,
+                                      target_dir)
 
 EVAL_SETS = {"mt_bench": "mt_bench.jsonl", "alpaca": "alpaca.jsonl", "gsm8k": "gsm8k.jsonl", "qa": "qa.jsonl",
              "sum": "sum.jsonl"}
@@ -192,11 +193,8 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     requests, replies and capture are then ready for ``benchmarks.data_scaling``, which needs no serving."""
     from tapdraft.engines.serving import engine_venv, vllm_requests
 
+    run, export = work / "runs" / cfg.run, stage_export(work, cfg, log=log)
     target = target_dir(cfg, log)
-    run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
-    if not (export / "config.json").is_file():
-        raise FileNotFoundError(f"{export} holds no export: train RUN first (python -m benchmarks.real_speedup "
-                                f"--workdir {work} --recipe ... --stop-after train)")
     kinds_dir = work / "kinds"
     kinds_dir.mkdir(parents=True, exist_ok=True)
     venv = engine_venv("vllm")
@@ -263,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-kind", type=int, default=8, help="requests served per kind")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
     ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")
+    ap.add_argument("--layout", default=None,
+                    help="the layout a run not yet exported is exported in (default: the family's; an MTP head is "
+                         "served in tapdraft-vllm)")
     ap.add_argument("--pairs", type=int, default=d.pairs)
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--engine-threads", type=int, default=d.engine_threads)
@@ -272,10 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     cfg = SpeedupConfig(target=a.target, run=a.run, max_tokens=a.max_tokens, k=tuple(int(x) for x in a.k.split(",")),
-                        pairs=a.pairs, threads=a.threads, engine_threads=a.engine_threads)
+                        pairs=a.pairs, threads=a.threads, engine_threads=a.engine_threads, layout=a.layout)
     work = Path(a.workdir).resolve()
-    report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True),
-                          stop_after=a.stop_after)
+    try:
+        report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True),
+                              stop_after=a.stop_after)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
     if report is None:
         print(f"the kinds' requests, replies and capture are in {work / 'kinds'}; nothing served")
         return

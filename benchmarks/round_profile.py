@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_result
-from tapdraft.demo.real.speedup import SpeedupConfig, served_method, target_dir
+from tapdraft.demo.real.speedup import SpeedupConfig, served_method, stage_export, target_dir
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 PARTS = {"execute": f"{RUNNER}:execute_model", "sample": f"{RUNNER}:sample_tokens",
@@ -69,10 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["text", "general", "self", "speech", "assistant"], default="general")
     ap.add_argument("--workdir", required=True, type=Path, help="a benchmarks.real_speedup work directory (exports/RUN)")
-    ap.add_argument("--run", required=True, help="the export's name in WORKDIR/exports")
+    ap.add_argument("--run", required=True, help="the run's name in WORKDIR (exports/RUN, exported from runs/RUN if not yet)")
     ap.add_argument("--conversations", required=True, type=Path, help="JSONL conversations to serve (their prompts)")
     ap.add_argument("--requests", type=int, default=4, help="requests served a run")
     ap.add_argument("--k", type=int, default=3, help="drafts a round")
+    ap.add_argument("--layout", default=None,
+                    help="the layout a run not yet exported is exported in (default: the family's; an MTP head is "
+                         "served in tapdraft-vllm)")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -82,9 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     from tapdraft.engines.serving import engine_venv, serve_vllm, vllm_requests
 
     work = a.workdir.resolve()
-    export = work / "exports" / a.run
-    if not (export / "config.json").is_file():
-        raise SystemExit(f"{export} holds no export: export the run first (tapdraft export --draft ... --out {export})")
+    try:
+        export = stage_export(work, SpeedupConfig(target=a.target, run=a.run, layout=a.layout))
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
     target = target_dir(SpeedupConfig(target=a.target))
     requests, _, _ = vllm_requests(target, a.conversations, a.requests, a.conversations.parent / "audio")
     method = served_method(json.loads((export / "config.json").read_text()).get("tapdraft", {}), "dflash")

@@ -314,9 +314,22 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Log = print)
         sets = [x for s in cfg.sets for x in ("--set", s)]
         commands.run_cli("train", "--data", str(dataset), "--recipe", cfg.recipe, "--out", str(run), "--threads",
              str(cfg.threads), *sets, log=log)
+    return run, stage_export(work, cfg, dataset, log)
+
+
+def stage_export(work: Path, cfg: SpeedupConfig, dataset: Path | None = None, log: Log = print) -> Path:
+    """exports/RUN: ``tapdraft export`` of runs/RUN in ``cfg.layout``, carrying the frozen head rows a draft
+    vocabulary needs from ``dataset`` (default: the work directory's own). A run trained by another benchmark
+    (``benchmarks.data_scaling``) is exported here on first use."""
+    run, export = work / "runs" / cfg.run, work / "exports" / cfg.run
+    if not (export / "config.json").exists():
+        if not (run / "config.json").is_file():
+            raise FileNotFoundError(f"{work} has neither exports/{cfg.run} nor runs/{cfg.run}: train the run first "
+                                    f"(python -m benchmarks.real_speedup --workdir {work} --recipe ... --stop-after train)")
         layout = ("--layout", cfg.layout) if cfg.layout else ()
-        commands.run_cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset), *layout, log=log)
-    return run, export
+        commands.run_cli("export", "--draft", str(run), "--out", str(export), "--data", str(dataset or work / "dataset"),
+                         *layout, log=log)
+    return export
 
 
 def speculate_served(conversations: Path, target: Path, run: Path, dataset: Path, n: int,

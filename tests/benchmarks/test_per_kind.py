@@ -142,3 +142,32 @@ def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, mo
     with pytest.raises(TypeError):  # without it the serving runs (the stub returns no runs)
         pk.run_per_kind(tmp_path, cfg, tmp_path, 8, log=lambda *_: None)
     assert done[-1] == "served"
+
+
+def test_a_run_trained_elsewhere_is_exported_on_first_use_and_a_missing_one_is_one_line(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A run benchmarks.data_scaling trained (runs/RUN, no export) is exported once, from the work directory's own
+    dataset in the asked layout; a run that is not there stops the benchmark with one line naming what to do."""
+    import benchmarks.per_kind as pk
+    from tapdraft.demo.real import speedup
+    from tapdraft.demo.real.speedup import SpeedupConfig
+
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.json").write_text("{}")
+    calls = []
+
+    def run_cli(*args, log):
+        calls.append(args)
+        out = tmp_path / "exports" / "r"
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(speedup.commands, "run_cli", run_cli)
+    cfg = SpeedupConfig(target="general", run="r", layout="tapdraft-vllm")
+    for _ in range(2):
+        assert speedup.stage_export(tmp_path, cfg, log=lambda *_: None) == tmp_path / "exports" / "r"
+    assert calls == [("export", "--draft", str(tmp_path / "runs" / "r"), "--out", str(tmp_path / "exports" / "r"),
+                      "--data", str(tmp_path / "dataset"), "--layout", "tapdraft-vllm")]
+    with pytest.raises(SystemExit) as e:
+        pk.main(["--workdir", str(tmp_path), "--run", "missing", "--prompts", str(tmp_path)])
+    assert str(e.value).count("\n") == 0 and "runs/missing" in str(e.value) and "train the run first" in str(e.value)

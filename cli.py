@@ -510,6 +510,9 @@ def speculate(
                                       "the last assistant reply is regenerated."),
     max_samples: int = typer.Option(32, "--max-samples", help="Conversations to decode."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per conversation at most."),
+    drafts: int = typer.Option(None, "--drafts", help="Drafts a round, fewer than the draft was trained for, as an "
+                               "engine serving its export at num_speculative_tokens=N drafts them (MTP, EAGLE-3, "
+                               "DFlash); default: the trained number."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (output must equal the target's own); "
                                       "> 0: rejection sampling."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
@@ -531,8 +534,8 @@ def speculate(
 
     _threads(threads)
     cfg = SpeculateConfig(target=target, draft=draft, data=data, conversations=conversations, max_samples=max_samples,
-                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
-                          llm_config=llm_config, chat_template=chat_template,
+                          max_new_tokens=max_new_tokens, drafts=drafts, temperature=temperature, seed=seed,
+                          device=device, llm_config=llm_config, chat_template=chat_template,
                           template_kwargs=tuple(parse_template_kwargs(template_kwarg).items()),
                           cost_steps=cost_steps, json_path=json_path)
     typer.echo(format_result(run_speculate(cfg)))

@@ -24,9 +24,10 @@ regenerate --engine vllm``, one call, split back by kind), a capture of them (on
 replay covers exactly the served conversations), then the serving. Per kind: the speedup over whole requests and
 over the decode (median of the pairs), vLLM's tau, ``tapdraft speculate``'s tau and the offline replay on the same
 conversations, whether vLLM's accepted drafts equal speculate's round by round, greedy identity, and the round cost
-R = tau / decode speedup. The headline is the median kind and the worst kind, never the best. ``--k 1,2,3`` serves
-every listed number of drafts a round in each pair: the drafts the export was trained for are the main rows (held
-against speculate), the others vLLM's figures under ``other_k``: where acceptance is low, fewer drafts cost less.
+R = tau / decode speedup. The headline is the median kind and the worst kind, never the best. ``--k 2,3`` serves
+every listed number of drafts a round in each pair: the first gives the main rows, held against ``tapdraft speculate
+--drafts`` as many (MTP, EAGLE-3 and DFlash draft fewer than trained as vLLM does; the other families only their
+trained number), the others vLLM's figures under ``other_k``: where acceptance is low, fewer drafts cost less.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     from tapdraft.engines.serving import engine_venv, vllm_requests
 
     run, export = work / "runs" / cfg.run, stage_export(work, cfg, log=log)
+    held_drafts(export, cfg.k[0])
     target = target_dir(cfg, log)
     kinds_dir = work / "kinds"
     kinds_dir.mkdir(parents=True, exist_ok=True)
@@ -216,22 +218,30 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
                                    max_model_len=lengths[kind])
         with staged(kept / f"{kind}.json") as tmp:
             tmp.write_text(json.dumps(served[kind]))
-    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
-    k_trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
-    names = next(iter(served.values()))
-    k = f"k={k_trained}" if f"k={k_trained}" in names else f"k={cfg.k[0]}"
+    k = f"k={cfg.k[0]}"
     rows = kind_rows(served, k)
     for kind in kinds:
         rows[kind]["max_model_len"] = lengths[kind]
-    if k == f"k={k_trained}":
-        for kind, runs in served.items():
-            greedy = runs["alone"][0]["outputs"]
-            rows[kind].update(speculate_check(kinds_dir / f"{kind}.jsonl", target, run, dataset, ids[kind], greedy,
-                                              runs[k][0], cfg.max_tokens))
-            log(f"{kind}: speculate tau {rows[kind]['speculate']['tau']:.3f}, rounds equal to vLLM's: "
-                f"{rows[kind]['rounds_equal_to_speculate']}")
-    others = {name: k_report(kind_rows(served, name)) for name in names if name not in ("alone", k)}
-    return {"k": int(k[2:]), **k_report(rows), **({"other_k": others} if others else {})}
+    for kind, runs in served.items():
+        greedy = runs["alone"][0]["outputs"]
+        rows[kind].update(speculate_check(kinds_dir / f"{kind}.jsonl", target, run, dataset, ids[kind], greedy,
+                                          runs[k][0], cfg.max_tokens, drafts=cfg.k[0]))
+        log(f"{kind}: speculate tau {rows[kind]['speculate']['tau']:.3f}, rounds equal to vLLM's: "
+            f"{rows[kind]['rounds_equal_to_speculate']}")
+    others = {name: k_report(kind_rows(served, name)) for name in next(iter(served.values()))
+              if name not in ("alone", k)}
+    return {"k": cfg.k[0], **k_report(rows), **({"other_k": others} if others else {})}
+
+
+def held_drafts(export: Path, k: int) -> None:
+    """Refuse, before serving, a first ``--k`` that ``tapdraft speculate`` cannot draft for this export (more than
+    it was trained for, or fewer where its family cannot)."""
+    from tapdraft.train.drafters.base import get_family
+
+    tapdraft_cfg = json.loads((export / "config.json").read_text()).get("tapdraft", {})
+    trained = tapdraft_cfg.get("serve_with", {}).get("vllm", {}).get("num_speculative_tokens")
+    if trained is not None and "family" in tapdraft_cfg:
+        get_family(tapdraft_cfg["family"])[1].check_drafts(k, trained)
 
 
 def k_report(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -260,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the folder of the question sets (mt_bench.jsonl, alpaca.jsonl, gsm8k.jsonl, qa.jsonl, sum.jsonl)")
     ap.add_argument("--per-kind", type=int, default=8, help="requests served per kind")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
-    ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")
+    ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated: the first is held "
+                                             "against tapdraft speculate drafting as many, the others vLLM's figures")
     ap.add_argument("--layout", default=None,
                     help="the layout a run not yet exported is exported in (default: the family's; an MTP head is "
                          "served in tapdraft-vllm)")
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = run_per_kind(work, cfg, a.prompts.resolve(), a.per_kind, log=lambda m: print(m, flush=True),
                               stop_after=a.stop_after)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if report is None:
         print(f"the kinds' requests, replies and capture are in {work / 'kinds'}; nothing served")

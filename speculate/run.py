@@ -85,6 +85,10 @@ class SpeculateConfig:
     """Conversations to decode."""
     max_new_tokens: int = 64
     """Tokens to generate per conversation at most."""
+    drafts: int | None = None
+    """Drafts a round: None = the number the draft was trained for; fewer as an engine serving its export at
+    ``num_speculative_tokens`` = drafts drafts them (``Drafter.draft_count``). The offline replay is of the trained
+    number only: at fewer it is not reported."""
     temperature: float = 0.0
     """0 decodes greedily (exact); > 0 samples with rejection sampling."""
     seed: int = 0
@@ -113,6 +117,8 @@ class SpeculateConfig:
             raise ValueError(f"cost_steps must be >= 0, got {self.cost_steps}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.drafts is not None and self.drafts < 1:
+            raise ValueError(f"drafts must be >= 1 (or left out: the trained number), got {self.drafts}")
 
 
 def prompt_length(loss_mask: torch.Tensor) -> int:
@@ -138,6 +144,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     """Decode up to ``cfg.max_samples`` conversations with the target and the drafter; returns the report."""
     cfg = replace(cfg, device=str(resolve_device(cfg.device)))
     target, loaded = load_pair(cfg)
+    fewer = loaded.model.draft_count(cfg.drafts) < loaded.model.trained_drafts
     decoder = _Decoder(cfg, target, loaded)
     items = read_inputs(cfg.conversations, placeholder=target.input_placeholder)
     usable = sum(1 for c in read_inputs(cfg.conversations, placeholder=target.input_placeholder)
@@ -153,7 +160,8 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
     report = decoder.report()
-    report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
+    if not fewer:  # the replay drafts the trained number
+        report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
     if cfg.json_path is not None:
         write_json_atomic(fsspec.filesystem("file"), str(Path(cfg.json_path).absolute()), report, indent=None)
     return report
@@ -218,7 +226,8 @@ class _Decoder:
             extras = dict(prompt)
             if self.final_col is not None:
                 extras["final_hidden"] = taps[:, self.final_col]
-            return self.model.propose(seq, taps[:, :n], temperature=temperature, generator=generator, extras=extras)
+            return self.model.propose(seq, taps[:, :n], temperature=temperature, generator=generator, extras=extras,
+                                      drafts=self.cfg.drafts)
 
         return propose
 

@@ -333,7 +333,7 @@ def stage_export(work: Path, cfg: SpeedupConfig, dataset: Path | None = None, lo
 
 
 def speculate_served(conversations: Path, target: Path, run: Path, dataset: Path, n: int,
-                     max_tokens: int) -> dict[str, Any]:
+                     max_tokens: int, drafts: int | None = None) -> dict[str, Any]:
     """``tapdraft speculate`` (in-process decoding) of the same served conversations: per-round counts to hold
     vLLM's against, and the offline replay on those conversations. At the command's own thread default, not
     torch's (every core), which beside an engine or another scoring runs several times slower."""
@@ -342,7 +342,8 @@ def speculate_served(conversations: Path, target: Path, run: Path, dataset: Path
     from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(target), draft=str(run), data=str(dataset), conversations=str(conversations),
-                          max_samples=n, max_new_tokens=max_tokens, check_greedy=False, device="cpu", cost_steps=0)
+                          max_samples=n, max_new_tokens=max_tokens, drafts=drafts, check_greedy=False, device="cpu",
+                          cost_steps=0)
     with torch_threads(default_threads()):
         return run_speculate(cfg, progress=False)
 
@@ -420,13 +421,14 @@ def pair_figures(runs: dict[str, list[dict[str, Any]]], idx: list[int] | None = 
 
 
 def speculate_check(conversations: Path, target: Path, run: Path, dataset: Path, sample_ids: list[str],
-                    greedy: list[list[int]], served: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """``tapdraft speculate`` on the served requests against vLLM's rounds (``served``: the first run at the drafts
-    the export was trained for): whether they are equal, speculate's tau and the offline replay on the same
-    conversations (None where they are not in ``dataset``)."""
+                    greedy: list[list[int]], served: dict[str, Any], max_tokens: int,
+                    drafts: int | None = None) -> dict[str, Any]:
+    """``tapdraft speculate`` on the served requests against vLLM's rounds (``served``: the first run at ``drafts``
+    a round, None: the number the export was trained for): whether they are equal, speculate's tau and the offline
+    replay on the same conversations (None where they are not in ``dataset``, or at fewer drafts than trained)."""
     from tapdraft.engines.serving import check_served
 
-    ours = speculate_served(conversations, target, run, dataset, len(sample_ids), max_tokens)
+    ours = speculate_served(conversations, target, run, dataset, len(sample_ids), max_tokens, drafts)
     vllm = {"vllm": "", "outputs": [{"token_ids": t, "spec": s} for t, s in zip(served["outputs"], served["spec"])]}
     try:
         check_served({"outputs": [{"token_ids": t} for t in greedy]}, vllm, ours, sample_ids)

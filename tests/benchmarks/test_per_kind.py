@@ -104,10 +104,12 @@ def test_each_kind_is_served_in_its_own_engine_sized_to_its_requests(tmp_path, m
                 "k=3": [_run([2.0 / fast[kind]] * 2, [10, 10], [[1, 1], [1]])]}
 
     monkeypatch.setattr(pk, "serve_pairs", serve)
-    monkeypatch.setattr(pk, "speculate_check", lambda *a: {"rounds_equal_to_speculate": True, "speculate": {"tau": 1.5}})
+    held = []
+    monkeypatch.setattr(pk, "speculate_check", lambda *a, drafts: held.append(drafts) or
+                        {"rounds_equal_to_speculate": True, "speculate": {"tau": 1.5}})
     report = pk.run_per_kind(tmp_path, SpeedupConfig(target="general", run="r", max_tokens=192), tmp_path, 2,
                              log=lambda *_: None)
-    assert engines == [("qa", 2, 256), ("sum", 2, 1792)]
+    assert engines == [("qa", 2, 256), ("sum", 2, 1792)] and held == [3, 3]
     assert report["kinds"]["qa"]["speedup_median"] == pytest.approx(2.0)
     assert report["kinds"]["sum"]["speedup_median"] == pytest.approx(1.0)
     assert report["kinds"]["sum"]["max_model_len"] == 1792
@@ -171,3 +173,23 @@ def test_a_run_trained_elsewhere_is_exported_on_first_use_and_a_missing_one_is_o
     with pytest.raises(SystemExit) as e:
         pk.main(["--workdir", str(tmp_path), "--run", "missing", "--prompts", str(tmp_path)])
     assert str(e.value).count("\n") == 0 and "runs/missing" in str(e.value) and "train the run first" in str(e.value)
+
+
+def test_the_first_k_is_held_against_speculate_and_one_it_cannot_draft_is_refused_before_serving(tmp_path):
+    """MTP drafts fewer than trained as vLLM does, so --k 2 of a three-draft MTP export is held against speculate;
+    DFlash2 walks its whole block, so --k 2 of its export stops the benchmark in one line, nothing served."""
+    import benchmarks.per_kind as pk
+
+    for family in ("mtp", "dflash2"):
+        export = tmp_path / "exports" / family
+        export.mkdir(parents=True)
+        (export / "config.json").write_text(json.dumps(
+            {"tapdraft": {"family": family, "serve_with": {"vllm": {"num_speculative_tokens": 3}}}}))
+    pk.held_drafts(tmp_path / "exports" / "mtp", 2)
+    pk.held_drafts(tmp_path / "exports" / "dflash2", 3)
+    with pytest.raises(ValueError, match="1..3"):
+        pk.held_drafts(tmp_path / "exports" / "mtp", 4)
+    with pytest.raises(SystemExit) as e:
+        pk.main(["--workdir", str(tmp_path), "--run", "dflash2", "--prompts", str(tmp_path), "--k", "2,3"])
+    assert "dflash2 draft drafts the 3 a round it was trained for, not 2" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "kinds").exists()

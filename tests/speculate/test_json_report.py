@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tapdraft.cli import app
+from tapdraft.cli import app, main
 from tapdraft.speculate.run import REPORT_FORMAT, REPORT_VERSION, SpeculateConfig, run_speculate
 from tapdraft.train.config import load_run_config
 from tapdraft.train.loop import train
@@ -113,3 +113,20 @@ def test_speculate_reads_a_dataset_whose_splits_are_kinds_of_request(chain, tmp_
     got = run_speculate(SpeculateConfig(data=kinds, **cfg), progress=False)
     want = run_speculate(SpeculateConfig(data=data, **cfg), progress=False)
     assert got["totals"] == want["totals"] and got["offline_tau"] == want["offline_tau"]
+
+
+def test_speculate_drafts_fewer_when_asked_and_refuses_more_in_one_line(chain, capsys):
+    """``--drafts N``: every round drafts N (what an engine serving the export at num_speculative_tokens=N
+    drafts), the output stays the target's own, and no replay of the trained number stands beside it."""
+    model, convs, data, run = chain
+    K = load_run_config("dflash_demo").drafter.block_size - 1
+    r = run_speculate(SpeculateConfig(target=str(model), draft=run, data=data, conversations=str(convs),
+                                      max_samples=2, max_new_tokens=12, drafts=2), progress=False)
+    assert r["drafts_per_round"] == 2 and r["matches_greedy"] == "2/2"
+    assert {d for c in r["conversations"] for d in c["drafted"]} == {2}
+    assert "offline_tau_replayed" not in r
+    with pytest.raises(SystemExit) as e:
+        main(["speculate", "--target", str(model), "--draft", run, "--data", data, "--conversations", str(convs),
+              "--drafts", str(K + 1)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(err) == 1 and f"drafts must be 1..{K}" in err[0], err

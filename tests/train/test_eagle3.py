@@ -320,6 +320,24 @@ def test_live_proposals_are_the_offline_chain(tmp_path):
         assert q.shape == (3, V) and torch.allclose(q.sum(-1), torch.ones(3))
 
 
+def test_fewer_drafts_are_the_chains_first_steps():
+    """``propose(drafts=N)``: the chain's first N drafts (what vLLM drafts at num_speculative_tokens=N), and their
+    distributions when sampling; beyond the trained steps or below one is refused."""
+    bundle, lay = tiny_bundle(), layout()
+    d = drafter(bundle, lay)
+    batch = batch_of(lay, bundle, lengths=(14, 9))
+    ids, taps = batch["input_ids"][0], batch["taps"][0]
+    full, _ = d.propose(ids[:8], taps[:7])
+    _, q_full = d.propose(ids[:8], taps[:7], temperature=1.0, generator=torch.Generator().manual_seed(1))
+    for n in (1, 2):
+        assert d.propose(ids[:8], taps[:7], drafts=n)[0].tolist() == full[:n].tolist()
+        _, q = d.propose(ids[:8], taps[:7], temperature=1.0, generator=torch.Generator().manual_seed(1), drafts=n)
+        torch.testing.assert_close(q, q_full[:n])
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="1..3"):
+            d.propose(ids[:8], taps[:7], drafts=bad)
+
+
 def test_acceptance_chains_steps_and_replays_rounds():
     bundle, lay = tiny_bundle(), layout()
     d = drafter(bundle, lay)

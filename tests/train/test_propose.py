@@ -86,6 +86,48 @@ def test_mtp_proposals_chain_the_heads_like_the_offline_pass(anchor):
     assert got.tolist() == want
 
 
+def test_fewer_mtp_drafts_are_the_chains_first_depths():
+    layout = Layout(hidden_size=H, num_layers=L, tap_ids=(1, L - 1), top_k=0, audio_token_id=3)
+    model = _perturb(MTPDrafter.build(MTPConfig(num_depths=3), _bundle(), layout))
+    s = _sample(layout)
+    args = (s["input_ids"][:10].long(), s["taps"][:9].float())
+    full, _ = model.propose(*args)
+    assert [model.propose(*args, drafts=n)[0].tolist() for n in (1, 2, 3)] == [full[:n].tolist() for n in (1, 2, 3)]
+    with pytest.raises(ValueError, match="1..3"):
+        model.propose(*args, drafts=4)
+
+
+def test_fewer_dflash_drafts_come_from_a_shorter_block_as_vllm_drafts_them():
+    """vLLM's DFlash proposer at num_speculative_tokens=N runs a block of N + 1 (the anchor and N masks), attending
+    both ways within it: the drafts of a shorter block, not the first N of the trained one. A draft of block 5
+    drafting 2 equals the same weights built at block 3; the trained block's first slots differ from it (so cutting
+    the trained block short would fail this)."""
+    cfg = DFlashConfig(num_layers=2, block_size=5, target_layer_ids=(1, 2))
+    model = _perturb(DFlashDrafter.build(cfg, _bundle(), LAYOUT))
+    short = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=3, target_layer_ids=(1, 2)), _bundle(), LAYOUT)
+    short.load_state_dict(model.state_dict())
+    s = _sample(LAYOUT)
+    b, anchors = collate([s]), torch.tensor([[11]])
+    with torch.no_grad():
+        ctx = model.context(b["taps"])
+        h3 = model.block_hidden(b["input_ids"], ctx, anchors, 3)
+        torch.testing.assert_close(h3, short.block_hidden(b["input_ids"], ctx, anchors))
+        assert not torch.allclose(h3, model.block_hidden(b["input_ids"], ctx, anchors)[:, :, :3])
+    args = (s["input_ids"][:12].long(), s["taps"][:11].float())
+    assert model.propose(*args, drafts=2)[0].tolist() == short.propose(*args)[0].tolist()
+    assert model.propose(*args, drafts=4)[0].tolist() == model.propose(*args)[0].tolist()
+
+
+def test_a_family_that_walks_its_whole_block_refuses_fewer_drafts():
+    cfg = DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2), chunk_rows=0)
+    model = _perturb(DFlash2Drafter.build(cfg, _bundle(), LAYOUT))
+    s = _sample(LAYOUT)
+    args = (s["input_ids"][:12].long(), s["taps"][:11].float())
+    assert model.propose(*args, drafts=4)[0].tolist() == model.propose(*args)[0].tolist()
+    with pytest.raises(ValueError, match="dflash2 draft drafts the 4 a round it was trained for"):
+        model.propose(*args, drafts=2)
+
+
 def test_a_family_without_proposals_says_so():
     class Silent(Drafter):
         family = "silent"

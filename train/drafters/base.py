@@ -123,15 +123,20 @@ class Drafter(nn.Module):
           (see ``train.data.collate``); ``generator`` drives any sampling (anchors) so runs are
           reproducible and resumable.
       ``acceptance(batch, generator=None) -> AcceptanceCounts``: teacher-forced acceptance (eval).
-      ``propose(ids, taps, temperature=0.0, generator=None) -> (tokens [K], q [K, V] or None)``: live
-          drafts for speculative decoding (``speculate`` calls only this), computed through the same
-          methods training and eval use, on a batch of one sequence (:func:`one_sequence_batch`).
+      ``propose(ids, taps, temperature=0.0, generator=None, drafts=None) -> (tokens [K], q [K, V] or None)``:
+          live drafts for speculative decoding (``speculate`` calls only this), computed through the same
+          methods training and eval use, on a batch of one sequence (:func:`one_sequence_batch`); K is
+          :meth:`draft_count` of ``drafts``.
+      ``trained_drafts``: the drafts a round it was trained for (an engine's ``num_speculative_tokens``).
       ``export_config() -> dict``: the config serving engines read (``train.export`` writes it beside the
           draft-only weights; checkpoints keep it so export needs no dataset).
     and may override ``check_dataset`` to refuse a mismatched dataset before any step.
     """
 
     family: ClassVar[str] = ""
+    fewer_drafts: ClassVar[bool] = False
+    """Whether ``propose(drafts=N)`` can draft fewer than it was trained for, as an engine serving the export at
+    ``num_speculative_tokens=N`` drafts them (a chain stops early; a DFlash block is N + 1 slots)."""
     target: FrozenHead
     """The frozen target pieces (every family sets it in ``__init__``)."""
     default_layout: ClassVar[str | None] = None
@@ -173,15 +178,41 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Live drafts after a verified prefix.
 
         ``ids_T``: ids of positions 0..P (position P holds the last emitted token, which the target has
         not run yet); ``taps_PnH``: the target's taps of positions 0..P-1 in the dataset's tap order;
-        ``extras``: the prefix's other dataset fields the live target gives (:data:`LIVE_FIELDS`).
+        ``extras``: the prefix's other dataset fields the live target gives (:data:`LIVE_FIELDS`);
+        ``drafts``: how many (:meth:`draft_count`).
         Returns K drafted tokens (CPU) and, when sampling (temperature > 0), their distributions [K, V].
         """
         raise NotImplementedError(f"drafter family {self.family!r} has no live proposals")
+
+    @property
+    def trained_drafts(self) -> int:
+        """The drafts a round this drafter was trained for: its export's ``num_speculative_tokens``."""
+        raise NotImplementedError(f"drafter family {self.family!r} states no number of drafts")
+
+    def draft_count(self, drafts: int | None) -> int:
+        """K for ``propose``: the trained number (``drafts`` None), else ``drafts`` (:meth:`check_drafts`)."""
+        return self.check_drafts(drafts, self.trained_drafts)
+
+    @classmethod
+    def check_drafts(cls, drafts: int | None, trained: int) -> int:
+        """``drafts`` a round (None: ``trained``) for a draft trained for ``trained``: fewer needs a family that can
+        draft fewer (:attr:`fewer_drafts`), and never more or none. Needs no weights, so a benchmark asks before it
+        serves anything."""
+        if drafts is None or drafts == trained:
+            return trained
+        if not cls.fewer_drafts:
+            raise ValueError(f"a {cls.family} draft drafts the {trained} a round it was trained for, not {drafts}: "
+                             f"leave the number of drafts out")
+        if not 1 <= drafts <= trained:
+            raise ValueError(f"drafts must be 1..{trained} (the {trained} a round this draft was trained for), got "
+                             f"{drafts}")
+        return drafts
 
     def export_config(self) -> dict[str, Any]:
         """The serving config (architecture fields, tap ids in both numberings, ...); saved in checkpoints."""

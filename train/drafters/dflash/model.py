@@ -51,6 +51,7 @@ from tapdraft.train.drafters.dflash.export import open_spec_block, to_speculator
 
 class DFlashDrafter(DFlashLoss, Drafter):
     family = "dflash"
+    fewer_drafts = True  # vLLM's DFlash proposer drafts N from a block of N + 1 (its query: the anchor, N masks)
     serving_dir = Path(__file__).parent / "serving"
 
     def __init__(self, config: DFlashConfig, bundle: TargetBundle, layout: Layout) -> None:
@@ -124,12 +125,13 @@ class DFlashDrafter(DFlashLoss, Drafter):
         return self.norm(x)
 
     def block_hidden(
-        self, input_ids_BT: torch.Tensor, ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor
+        self, input_ids_BT: torch.Tensor, ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor, block: int | None = None
     ) -> torch.Tensor:
-        """Draft hidden states [Bs, N, B, H] (after the final norm) for blocks at ``anchors``."""
+        """Draft hidden states [Bs, N, B, H] (after the final norm) for blocks at ``anchors``, of ``block`` slots
+        (default: the trained block size)."""
         cfg = self.config
         Bs, T = input_ids_BT.shape
-        N, B = anchors_BN.shape[1], cfg.block_size
+        N, B = anchors_BN.shape[1], block or cfg.block_size
         dev = input_ids_BT.device
         ids = torch.full((Bs, N, B), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = input_ids_BT.gather(1, anchors_BN.clamp(max=T - 1))
@@ -169,12 +171,18 @@ class DFlashDrafter(DFlashLoss, Drafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One block anchored at P (slot 0 = ids[P], slots 1..B-1 masked): K = B - 1 drafts."""
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block anchored at P (slot 0 = ids[P], slots 1..K masked): K = B - 1 drafts, or ``drafts`` from a
+        block of drafts + 1."""
         b, anchors = self._live_block(ids_T, taps_PnH)
-        h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)  # [1, 1, B, H]
+        h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors, self.draft_count(drafts) + 1)
         tokens, q = pick_tokens(self.logits(h[0, 0, 1:]), temperature, generator)
         return tokens.cpu(), q
+
+    @property
+    def trained_drafts(self) -> int:
+        return self.config.block_size - 1
 
     def _live_block(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
         """The one-sequence batch of a live prefix and its single anchor P [1, 1]."""

@@ -137,6 +137,7 @@ class ConvDecoderLayer(DecoderLayer):
 
 class DFlash2Drafter(DFlashDrafter):
     family = "dflash2"
+    fewer_drafts = False  # its walk is over the trained block; no engine drafts a shorter one of it
 
     def __init__(self, config: DFlash2Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
@@ -247,9 +248,11 @@ class DFlash2Drafter(DFlashDrafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The selector's walk over the block from slot 0 = ids[P]: greedy (as eval drafts) or sampled from
         the selector's distribution over each slot's candidates (which is then the drafts' q)."""
+        self.draft_count(drafts)
         b, anchors = self._live_block(ids_T, taps_PnH)
         h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)[0]  # [1, B, H]
         first = b["input_ids"][0, anchors[0]]

@@ -55,6 +55,7 @@ from tapdraft.train.drafters.dspark.loss import dspark_row_losses
 
 class DSparkDrafter(DFlashDrafter):
     family = "dspark"
+    fewer_drafts = False  # its walk is over the trained block; no engine drafts a shorter one of it
 
     def __init__(self, config: DSparkConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
@@ -146,13 +147,19 @@ class DSparkDrafter(DFlashDrafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block anchored at P: the Markov walk from ids[P] over its B slots (K = B drafts)."""
+        self.draft_count(drafts)
         b, anchors = self._live_block(ids_T, taps_PnH)
         h = self.block_hidden(b["input_ids"], self.context(b["taps"]), anchors)[0, 0]  # [B, H]
         tokens, q = walk(self.markov_head, self.logits(h)[None], b["input_ids"][0, anchors[0]],
                          temperature=temperature, generator=generator)
         return tokens[0].cpu(), (q[0] if q is not None else None)
+
+    @property
+    def trained_drafts(self) -> int:
+        return self.config.block_size
 
     @torch.no_grad()
     def confidence(self, h_RH: torch.Tensor, prev_R: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(Eagle3Loss, Drafter):
     family = "eagle3"
+    fewer_drafts = True  # step j reads steps < j only: N drafts are the chain's first N
 
     def __init__(self, config: Eagle3Config, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
@@ -215,7 +216,8 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain drafting after a verified prefix: step 0 over every verified row, then steps 1..K-1 on the chain
         anchored at row P - 1, each fed its own previous output and the token it drafted: K = num_steps drafts."""
         P = taps_PnH.shape[0]
@@ -230,7 +232,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         r = h[:, P - 1 : P]
         row = torch.tensor([P - 1], device=p.device)
         drafted, dists = [], []
-        for j in range(self.config.num_steps):
+        for j in range(self.draft_count(drafts)):
             if j > 0:
                 e = F.embedding(torch.tensor([[drafted[-1]]], device=p.device), self.target.embed_tokens)
                 r, cache = self.step(j, e, r, row, T, cache)
@@ -239,6 +241,10 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
             if q is not None:
                 dists.append(q[0])
         return torch.tensor(drafted), (torch.stack(dists) if dists else None)
+
+    @property
+    def trained_drafts(self) -> int:
+        return self.config.num_steps
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:

@@ -62,6 +62,7 @@ from tapdraft.train.drafters.lilicorr.config import LiLiCorrConfig
 
 class LiLiCorrDrafter(DFlashDrafter):
     family = "lilicorr"
+    fewer_drafts = False  # its walk is over the trained block; no engine drafts a shorter one of it
 
     def __init__(self, config: LiLiCorrConfig, bundle: TargetBundle, layout: Layout) -> None:
         super().__init__(config, bundle, layout)
@@ -205,9 +206,11 @@ class LiLiCorrDrafter(DFlashDrafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block anchored at P: the lattice walk over its S = B - 1 slots (q over the vocabulary, zero off the
         candidates, when sampling)."""
+        self.draft_count(drafts)
         b, anchors = self._live_block(ids_T, taps_PnH)
         ctx = self.context(b["taps"])
         h = self.block_hidden(b["input_ids"], ctx, anchors)

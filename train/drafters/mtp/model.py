@@ -75,6 +75,7 @@ from tapdraft.train.drafters.mtp.loss import MTPLoss
 
 class MTPDrafter(MTPLoss, Drafter):
     family = "mtp"
+    fewer_drafts = True  # depth k reads depths < k only: N drafts are the chain's first N
     default_layout = DEFAULT_LAYOUT
 
     def __init__(self, config: MTPConfig, bundle: TargetBundle, layout: Layout) -> None:
@@ -204,7 +205,8 @@ class MTPDrafter(MTPLoss, Drafter):
     @torch.no_grad()
     def propose(self, ids_T: torch.Tensor, taps_PnH: torch.Tensor, *, temperature: float = 0.0,
                 generator: torch.Generator | None = None,
-                extras: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                extras: Mapping[str, torch.Tensor] | None = None,
+                drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depth k at row P-1 reads the drafted token of depth k-1 as its input: K = num_depths drafts.
 
         ``extras``: the prefix's ``is_audio`` / ``audio_embeds`` (used as training used them: the frame
@@ -220,7 +222,7 @@ class MTPDrafter(MTPLoss, Drafter):
             raise ValueError("this MTP head reads h^0 from final_hidden: the live decoder must give the target's "
                              "last-layer states as extras['final_hidden']")
         drafted, dists = [], []
-        for k in range(1, self.config.num_depths + 1):
+        for k in range(1, self.draft_count(drafts) + 1):
             ids = torch.cat([ids_T, torch.tensor(drafted, dtype=ids_T.dtype)])  # positions 0..P+k-1
             batch = one_sequence_batch(ids, taps_PnH, dtype=p.dtype, device=p.device, extras=extras)
             h = self.run_depths(batch)["h"][k - 1][0, P - 1]
@@ -229,6 +231,10 @@ class MTPDrafter(MTPLoss, Drafter):
             if q is not None:
                 dists.append(q[0])
         return torch.tensor(drafted), (torch.stack(dists) if dists else None)
+
+    @property
+    def trained_drafts(self) -> int:
+        return self.config.num_depths
 
     @torch.no_grad()
     def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:

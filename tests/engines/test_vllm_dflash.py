@@ -32,17 +32,18 @@ def prompts(bpe_target, split="validation"):
     return out
 
 
-def speculate(bpe_target, run, split_file, n, max_new_tokens):
+def speculate(bpe_target, run, split_file, n, max_new_tokens, drafts=None):
     from tapdraft.speculate.run import SpeculateConfig, run_speculate
 
     cfg = SpeculateConfig(target=str(bpe_target.target), draft=str(run), data=str(bpe_target.dataset),
-                          conversations=str(split_file), max_samples=n, max_new_tokens=max_new_tokens)
+                          conversations=str(split_file), max_samples=n, max_new_tokens=max_new_tokens, drafts=drafts)
     return run_speculate(cfg, progress=False)
 
 
 def serve_and_check(vllm_venv, bpe_target, drafter, method: str, k: int, tmp_path) -> tuple[int, int]:
     """The BPE target's validation prompts served alone and with the exported ``drafter`` (run, export) as
-    ``method``, against tapdraft's speculate of the same run: ``check_served``'s (rounds, accepted)."""
+    ``method`` at ``k`` drafts a round, against tapdraft's speculate of the same run drafting as many:
+    ``check_served``'s (rounds, accepted)."""
     run, export = drafter
     convs = prompts(bpe_target)
     assert len(convs) >= 32
@@ -51,7 +52,7 @@ def serve_and_check(vllm_venv, bpe_target, drafter, method: str, k: int, tmp_pat
     alone = serve_vllm(vllm_venv, job, tmp_path)
     spec = serve_vllm(vllm_venv, {**job, "speculative": {"method": method, "model": str(export),
                                                           "num_speculative_tokens": k}}, tmp_path)
-    ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS)
+    ours = speculate(bpe_target, run, bpe_target.val_manifest, len(convs), MAX_TOKENS, drafts=k)
     assert [o["prompt_token_ids"] for o in alone["outputs"]] == [ids for _, ids in convs]
     return check_served(alone, spec, ours, [i for i, _ in convs])
 
@@ -65,6 +66,14 @@ def test_vllm_serves_dflash_export_with_tapdrafts_acceptance(vllm_venv, bpe_targ
     assert min(len(ids) for _, ids in prompts(bpe_target)) > W
     _, accepted = serve_and_check(vllm_venv, bpe_target, bpe_dflash, "dflash", K, tmp_path)
     assert accepted > 0, "the trained drafter should get some drafts accepted"
+
+
+def test_vllm_serves_a_dflash_export_at_fewer_drafts_as_speculate_drafts_them(vllm_venv, bpe_target, bpe_dflash,
+                                                                               tmp_path):
+    """At num_speculative_tokens=3 of a block trained for 7, vLLM's DFlash proposer runs a block of 4 (the anchor and
+    three masks, attending both ways): ``speculate --drafts 3`` drafts that block, round for round."""
+    rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_dflash, "dflash", 3, tmp_path)
+    assert 0 < accepted < 3 * rounds
 
 
 def speech_requests(case):

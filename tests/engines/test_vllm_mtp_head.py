@@ -55,6 +55,12 @@ def test_vllm_serves_a_bolt_on_mtp_head_with_tapdrafts_acceptance(vllm_venv, bpe
     assert 0 < accepted < 2 * rounds, "both the accept and the reject path should be exercised"
 
 
+def test_vllm_serves_an_mtp_head_at_fewer_drafts_as_speculate_drafts_them(vllm_venv, bpe_target, bpe_mtp, tmp_path):
+    """A head trained for two drafts served at one: vLLM's first draft of the chain is speculate's, round for round."""
+    rounds, accepted = serve_and_check(vllm_venv, bpe_target, bpe_mtp, "mtp", 1, tmp_path)
+    assert 0 < accepted < rounds
+
+
 def test_stock_vllm_has_no_class_for_a_bolt_on_mtp_head(vllm_venv, bpe_target, bpe_mtp, tmp_path):
     """Without the plugin vLLM 0.32 refuses the export before decoding: its MTP path knows only model types named
     by a target's own MTP module."""

@@ -11,7 +11,8 @@ under a run named for its overrides, so curves at several budgets sit side by si
 requests of ``benchmarks.per_kind`` (run it first: its ``kinds/`` holds the requests, the target's replies and their
 capture) by ``tapdraft speculate``: live speculative decoding in-process, whose rounds ``benchmarks.per_kind`` holds
 equal to vLLM's, and the offline replay of the same conversations. Per size: tau per kind, the median and the worst
-kind, the training split's conversations and tokens, the run's steps and training time. Stages are cached under
+kind, the training split's conversations and tokens, the run's steps and training time, and the training batches'
+tau at the end (``fit``: well above the kinds', more steps mostly fit the training data). Stages are cached under
 ``WORKDIR/scaling/nN/`` (a rerun continues), the scores too, kind by kind: sizes run as separate processes side by
 side, then one call over all of them writes the curve.
 """
@@ -109,14 +110,26 @@ def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"median": statistics.median(taus.values()), "worst": taus[worst], "worst_kind": worst}
 
 
+def fit_tau(run: Path) -> float | None:
+    """The training batches' tau over the last tenth of the logged steps (``metrics.jsonl``), beside the held-out
+    kinds' taus: far above them, further steps mostly fit the training conversations and more data is the lever."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    taus = [r["tau"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "tau" in r]
+    tail = taus[-max(1, len(taus) // 10):]
+    return statistics.fmean(tail) if tail else None
+
+
 def format_curve(sizes: dict[int, dict[str, Any]]) -> str:
     kinds = list(next(iter(sizes.values()))["kinds"])
     lines = [f"{'size':>6} {'tokens':>9} {'steps':>6} " + " ".join(f"{k:>8}" for k in kinds)
-             + f" {'median':>7} {'worst':>6}"]
+             + f" {'median':>7} {'worst':>6} {'fit':>6}"]
     for size, s in sizes.items():
+        fit = s.get("fit_tau")
         lines.append(f"{size:>6} {s['train']['tokens'] or 0:>9} {s.get('steps') or 0:>6} "
                      + " ".join(f"{s['kinds'][k]['tau']:>8.3f}" for k in kinds)
-                     + f" {s['median']:>7.3f} {s['worst']:>6.3f}")
+                     + f" {s['median']:>7.3f} {s['worst']:>6.3f} " + (f"{fit:>6.3f}" if fit is not None else f"{'-':>6}"))
     return "\n".join(lines)
 
 
@@ -145,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         data = work / "dataset" if run.parent.parent == work else run.parent.parent / "dataset"
         trained = json.loads((run / "summary.json").read_text())
         sizes[size] = {"run": str(run), "train": split_counts(data), "steps": trained.get("steps"),
-                       "train_seconds": trained.get("train_seconds"), "kinds": rows, **summary(rows)}
+                       "train_seconds": trained.get("train_seconds"), "fit_tau": fit_tau(run), "kinds": rows,
+                       **summary(rows)}
         log(f"size {size}: median kind tau {sizes[size]['median']:.3f}, worst {sizes[size]['worst']:.3f} "
             f"({sizes[size]['worst_kind']})")
     print(format_curve(sizes))

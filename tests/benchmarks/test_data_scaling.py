@@ -72,6 +72,19 @@ def test_the_curve_states_the_median_and_the_worst_kind_never_the_best():
     assert "median" in table and "1.200" in table.splitlines()[1]
 
 
+def test_the_fit_is_the_training_batches_tau_over_the_last_tenth_of_the_steps(tmp_path):
+    from benchmarks.data_scaling import fit_tau
+
+    assert fit_tau(tmp_path) is None  # no metrics: no figure, not a zero
+    rows = [{"step": 10 * i, "loss": 1.0, "tau": 1.0 + i / 100} for i in range(1, 21)]
+    rows.insert(5, {"step": 55, "eval": {"tau": 9.0}})  # a held-out line is not a training batch
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fit_tau(tmp_path) == pytest.approx((1.19 + 1.20) / 2)
+    kinds = {"a": {"tau": 1.4}}
+    table = format_curve({10: {"train": {"tokens": 9}, "kinds": kinds, "fit_tau": 2.09, **summary(kinds)}})
+    assert table.splitlines()[0].split()[-1] == "fit" and table.splitlines()[1].split()[-1] == "2.090"
+
+
 class Stopped(Exception):
     """A stop in the middle of a run."""
 

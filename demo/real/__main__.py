@@ -59,11 +59,14 @@ def add_open_listen_args(p: argparse.ArgumentParser) -> None:
                    help="their AdamW learning rate")
     p.add_argument("--frozen-lm", choices=FROZEN_LM, default=OpenListenConfig.frozen_lm,
                    help="the frozen LM's precision in training (auto: bf16 on a CPU with bf16 instructions)")
+    p.add_argument("--lm-rank", type=int, default=OpenListenConfig.lm_rank,
+                   help="a low-rank update of the LM trained with the projector, merged (0: the LM frozen)")
 
 
 def open_listen_config(a: argparse.Namespace) -> OpenListenConfig:
     return OpenListenConfig(n_train=a.sentences, n_test=a.test, steps=a.steps, batch=a.batch, lr=a.lr,
-                            encoder_layers=a.encoder_layers, encoder_lr=a.encoder_lr, frozen_lm=a.frozen_lm)
+                            encoder_layers=a.encoder_layers, encoder_lr=a.encoder_lr, frozen_lm=a.frozen_lm,
+                            lm_rank=a.lm_rank)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from tapdraft.common.atomic import staged
 from tapdraft.demo.real import listen
+from tapdraft.demo.real.answer import add_low_rank, merge_low_rank
 from tapdraft.demo.real.broad import HELD_OUT_RESERVE, conversations, sharegpt_records
 
 MIN_WORDS, MAX_WORDS = 4, 16
@@ -135,7 +136,11 @@ class OpenListenConfig:
     frozen_lm: str = "auto"
     """The frozen LM's precision while the projector trains through it: ``bfloat16`` (a bf16 copy, ``listen.fit``'s
     ``frozen_dtype``: the LM's matmuls, most of an update, on the CPU's bf16 units), ``float32``, or ``auto``: bf16 on
-    a CPU with bf16 instructions, else fp32."""
+    a CPU with bf16 instructions, else fp32. With ``lm_rank`` the LM trains: fp32 (``auto``) only."""
+    lm_rank: int = 0
+    """A low-rank update of the LM's linear weights (``answer.add_low_rank``, merged into the saved model) trained
+    with the projector; 0: the LM frozen. The projector and the encoder's top layers both left the loss at the same
+    plateau (docs/LOG.md 2026-12-07): the frozen LM's reading of the frames looked like the limit."""
 
     def __post_init__(self) -> None:
         if min(self.n_train, self.n_test, self.steps, self.batch) < 1 or self.lr <= 0:
@@ -144,6 +149,10 @@ class OpenListenConfig:
             raise ValueError("encoder_layers must be >= 0 and encoder_lr > 0")
         if self.frozen_lm not in FROZEN_LM:
             raise ValueError(f"frozen_lm is one of {', '.join(FROZEN_LM)}; got {self.frozen_lm!r}")
+        if self.lm_rank < 0:
+            raise ValueError(f"lm_rank must be >= 0 (0: the LM frozen), got {self.lm_rank}")
+        if self.lm_rank and self.frozen_lm == "bfloat16":
+            raise ValueError("lm_rank trains the LM, which then runs in float32: drop frozen_lm=bfloat16")
         if not 0 <= self.closed_share < 1:
             raise ValueError(f"closed_share is a share of the training pairs, in [0, 1); got {self.closed_share}")
 
@@ -151,7 +160,7 @@ class OpenListenConfig:
         from tapdraft.train.fit import cpu_has_bf16
 
         if self.frozen_lm == "auto":
-            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+            return torch.bfloat16 if cpu_has_bf16() and not self.lm_rank else torch.float32
         return getattr(torch, self.frozen_lm)
 
 
@@ -255,8 +264,11 @@ def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=prin
     if mels:
         top = [p for layer in tower.layers[-cfg.encoder_layers:] for p in layer.parameters()]
         params.append({"params": top + list(tower.layer_norm.parameters()), "lr": cfg.encoder_lr})
+    if cfg.lm_rank:
+        params.append({"params": add_low_rank(model.model.language_model, cfg.lm_rank)})
     losses = listen.fit(model, examples, audio, params, cfg.steps, cfg.batch, cfg.lr, cfg.seed, log,
                         resume=work / "fit.pt", frozen_dtype=cfg.frozen_dtype())
+    merge_low_rank(model.model.language_model)
     with staged(work / "model") as tmp:
         model.save_pretrained(tmp)
         proc.save_pretrained(tmp)

@@ -157,6 +157,33 @@ def test_the_encoders_top_layers_train_from_cached_inputs(tmp_path, tiny, fake_s
         OpenListenConfig(encoder_layers=-1)
 
 
+def test_the_lms_low_rank_update_trains_with_the_projector_and_is_merged(tmp_path, tiny, fake_speech):
+    """``lm_rank``: the LM's linear weights move by a merged low-rank update (the saved model has the checkpoint's
+    plain names), the projector moves, the encoder does not; the LM then trains in float32 only."""
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    from tests.capture.speech_models import save_qwen2_audio
+    from tapdraft.demo.real.open_listen import train_open_listener
+
+    start = tmp_path / "start"
+    save_qwen2_audio(start, seed=3)
+    base = Qwen2AudioForConditionalGeneration.from_pretrained(start).state_dict()
+    work = tmp_path / "work"
+    cfg = OpenListenConfig(n_train=4, n_test=2, steps=2, batch=2, lr=1e-2, lm_rank=2)
+    stage_sentences(work, cfg, _records(HELD_OUT_RESERVE + 20))
+    train_open_listener(work, cfg, start, log=lambda *_: None)
+    trained = Qwen2AudioForConditionalGeneration.from_pretrained(work / "model").state_dict()
+    assert trained.keys() == base.keys()
+    changed = {k for k, v in base.items() if not torch.equal(v, trained[k])}
+    lm = [k for k in changed if k.startswith("model.language_model.")]
+    assert lm and all(k.endswith(".weight") and "norm" not in k and "embed" not in k for k in lm)
+    assert any(k.startswith("model.multi_modal_projector.") for k in changed)
+    assert not any(k.startswith("model.audio_tower.") for k in changed)
+    assert cfg.frozen_dtype() == torch.float32
+    with pytest.raises(ValueError, match="lm_rank trains the LM"):
+        OpenListenConfig(lm_rank=2, frozen_lm="bfloat16")
+
+
 def test_the_benchmark_records_the_chains_own_report(tmp_path, monkeypatch):
     """``benchmarks.listen_open`` runs the chain its flags describe (the same flags as ``python -m tapdraft.demo.real
     listen-open``), from the closed listener, and writes that chain's report with the machine's facts."""

@@ -87,8 +87,7 @@ class SpeculateConfig:
     """Tokens to generate per conversation at most."""
     drafts: int | None = None
     """Drafts a round: None = the number the draft was trained for; fewer as an engine serving its export at
-    ``num_speculative_tokens`` = drafts drafts them (``Drafter.draft_count``). The offline replay is of the trained
-    number only: at fewer it is not reported."""
+    ``num_speculative_tokens`` = drafts drafts them (``Drafter.draft_count``), the offline replay too."""
     temperature: float = 0.0
     """0 decodes greedily (exact); > 0 samples with rejection sampling."""
     seed: int = 0
@@ -144,7 +143,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     """Decode up to ``cfg.max_samples`` conversations with the target and the drafter; returns the report."""
     cfg = replace(cfg, device=str(resolve_device(cfg.device)))
     target, loaded = load_pair(cfg)
-    fewer = loaded.model.draft_count(cfg.drafts) < loaded.model.trained_drafts
+    loaded.model.draft_count(cfg.drafts)  # refused here, before any decoding
     decoder = _Decoder(cfg, target, loaded)
     items = read_inputs(cfg.conversations, placeholder=target.input_placeholder)
     usable = sum(1 for c in read_inputs(cfg.conversations, placeholder=target.input_placeholder)
@@ -160,8 +159,7 @@ def run_speculate(cfg: SpeculateConfig, *, progress: bool = True) -> dict[str, A
     if decoder.n == 0:
         raise ValueError(f"no usable conversation in {cfg.conversations}")
     report = decoder.report()
-    if not fewer:  # the replay drafts the trained number
-        report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
+    report = {**report, **offline_estimates(loaded, decoder.sample_ids, cfg, report["conversations"])}
     if cfg.json_path is not None:
         write_json_atomic(fsspec.filesystem("file"), str(Path(cfg.json_path).absolute()), report, indent=None)
     return report
@@ -342,14 +340,14 @@ def offline_estimates(loaded: Trained, sample_ids: list[str], cfg: SpeculateConf
     replies only (what was decoded), and how far live decoding ran past what they cover; without any of them in the dataset, the run's first eval.json,
     labelled with what it covers."""
     samples = dataset_samples(loaded, sample_ids)
-    res = acceptance_of(loaded, [last_reply(x) for x in samples], device=cfg.device)
+    res = acceptance_of(loaded, [last_reply(x) for x in samples], device=cfg.device, drafts=cfg.drafts)
     if res is not None:
         return {"offline_tau": res["tau"], "offline_tau_replayed": res["tau_replayed"],
                 "offline_over": f"the same {res['samples']} conversations", "offline_same": True,
                 "past_capture": past_capture(samples, decoded or [])}
     offline = sorted(Path(cfg.draft).glob("eval-*/eval.json"))
-    if not offline:
-        return {}
+    if not offline or loaded.model.draft_count(cfg.drafts) != loaded.model.trained_drafts:
+        return {}  # eval.json is of the trained number of drafts
     doc = json.loads(offline[0].read_text())
     return {"offline_tau": doc.get("tau"), "offline_tau_replayed": doc.get("tau_replayed"),
             "offline_over": f"{doc.get('samples')} {doc.get('split')} samples of eval.json (the decoded conversations "

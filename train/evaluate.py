@@ -161,10 +161,12 @@ def evaluate(
     return result
 
 
-def acceptance_of(loaded: Trained, samples: list[dict[str, Any]], device: str = "cpu") -> dict[str, Any] | None:
+def acceptance_of(loaded: Trained, samples: list[dict[str, Any]], device: str = "cpu",
+                  drafts: int | None = None) -> dict[str, Any] | None:
     """Teacher-forced acceptance of a loaded run over the given dataset samples, one sequence at a time
     (truncated as training and ``evaluate`` truncate them): ``samples``, ``tau`` (uniform anchors) and
-    ``tau_replayed`` (decoding rounds replayed). None when none of them has a supervised target.
+    ``tau_replayed`` (decoding rounds replayed), at ``drafts`` a round (None: the trained number; fewer as
+    ``propose`` drafts them). None when none of them has a supervised target.
     ``speculate`` uses it to put the offline figure on exactly the conversations it decoded."""
     max_len = loaded.run.train.max_seq_len
     total: AcceptanceCounts | None = None
@@ -173,7 +175,8 @@ def acceptance_of(loaded: Trained, samples: list[dict[str, Any]], device: str = 
         s = truncate(s, max_len) if max_len else s
         if not has_targets(s):
             continue
-        acc = loaded.model.acceptance(to_device(collate([s]), device))
+        batch = to_device(collate([s]), device)
+        acc = loaded.model.acceptance(batch) if drafts is None else loaded.model.acceptance(batch, drafts=drafts)
         acc = AcceptanceCounts(acc.accepted.cpu(), acc.reached.cpu(), acc.correct.cpu(), acc.valid.cpu(), acc.blocks,
                                acc.round_tokens, acc.rounds)
         total = acc if total is None else total + acc

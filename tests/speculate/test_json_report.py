@@ -117,14 +117,14 @@ def test_speculate_reads_a_dataset_whose_splits_are_kinds_of_request(chain, tmp_
 
 def test_speculate_drafts_fewer_when_asked_and_refuses_more_in_one_line(chain, capsys):
     """``--drafts N``: every round drafts N (what an engine serving the export at num_speculative_tokens=N
-    drafts), the output stays the target's own, and no replay of the trained number stands beside it."""
+    drafts), the output stays the target's own, and the offline replay of the same conversations drafts as many."""
     model, convs, data, run = chain
     K = load_run_config("dflash_demo").drafter.block_size - 1
     r = run_speculate(SpeculateConfig(target=str(model), draft=run, data=data, conversations=str(convs),
                                       max_samples=2, max_new_tokens=12, drafts=2), progress=False)
     assert r["drafts_per_round"] == 2 and r["matches_greedy"] == "2/2"
     assert {d for c in r["conversations"] for d in c["drafted"]} == {2}
-    assert "offline_tau_replayed" not in r
+    assert r["offline_tau_replayed"] == pytest.approx(r["tau"], rel=0.02)  # the replay drafts as many
     with pytest.raises(SystemExit) as e:
         main(["speculate", "--target", str(model), "--draft", run, "--data", data, "--conversations", str(convs),
               "--drafts", str(K + 1)])

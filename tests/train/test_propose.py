@@ -118,6 +118,32 @@ def test_fewer_dflash_drafts_come_from_a_shorter_block_as_vllm_drafts_them():
     assert model.propose(*args, drafts=4)[0].tolist() == model.propose(*args)[0].tolist()
 
 
+def test_the_replay_at_fewer_drafts_is_the_shorter_blocks_and_the_chains_first_depths():
+    """``acceptance(drafts=N)`` (what speculate's offline replay reads) drafts as ``propose(drafts=N)`` does: a
+    DFlash block of N + 1 counts as the same weights built at that block size; an MTP chain's first N depths count
+    as in the full chain, and its rounds are replayed at N drafts."""
+    s = _sample(LAYOUT)
+    torch.manual_seed(0)
+    cfg = DFlashConfig(num_layers=2, block_size=5, target_layer_ids=(1, 2))
+    model = _perturb(DFlashDrafter.build(cfg, _bundle(), LAYOUT))
+    short = DFlashDrafter.build(DFlashConfig(num_layers=2, block_size=3, target_layer_ids=(1, 2)), _bundle(), LAYOUT)
+    short.load_state_dict(model.state_dict())
+    for p in range(2, T - 1):  # the reply is the short block's own first draft at every anchor: its slot 1 all hits
+        s["input_ids"][p + 1] = short.propose(s["input_ids"][: p + 1].long(), s["taps"][:p].float())[0][0]
+    got, want = model.acceptance(collate([s]), drafts=2), short.acceptance(collate([s]))
+    assert got.accepted.tolist() == want.accepted.tolist() and got.reached.tolist() == want.reached.tolist()
+    assert (got.round_tokens, got.rounds) == (want.round_tokens, want.rounds)
+    assert want.accepted[0] >= T - 4  # not a count of nothing
+    # the trained block cut short counts otherwise: the check would catch it
+    assert model.acceptance(collate([s])).accepted[:2].tolist() != want.accepted.tolist()
+    layout = Layout(hidden_size=H, num_layers=L, tap_ids=(1, L - 1), top_k=0, audio_token_id=3)
+    mtp = _perturb(MTPDrafter.build(MTPConfig(num_depths=3), _bundle(), layout))
+    s = _sample(layout)
+    full, two = mtp.acceptance(collate([s])), mtp.acceptance(collate([s]), drafts=2)
+    assert two.accepted.tolist() == full.accepted[:2].tolist() and two.reached.tolist() == full.reached[:2].tolist()
+    assert two.rounds >= full.rounds  # no round emits more than three tokens now
+
+
 def test_a_family_that_walks_its_whole_block_refuses_fewer_drafts():
     cfg = DFlash2Config(num_layers=1, block_size=5, target_layer_ids=(1, 2), chunk_rows=0)
     model = _perturb(DFlash2Drafter.build(cfg, _bundle(), LAYOUT))

@@ -205,21 +205,28 @@ class DFlashDrafter(DFlashLoss, Drafter):
         return [slice(s, s + step) for s in range(0, N, step)]
 
     @torch.no_grad()
-    def draft_slots(self, batch: dict[str, Any], ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts long [Bs, N, B-1] of slots 1..B-1 for blocks at ``anchors`` (argmax of the draft logits)."""
-        h = self.block_hidden(batch["input_ids"], ctx_BTH, anchors_BN)[:, :, 1:]
+    def draft_slots(self, batch: dict[str, Any], ctx_BTH: torch.Tensor, anchors_BN: torch.Tensor,
+                    block: int | None = None) -> torch.Tensor:
+        """Greedy drafts long [Bs, N, B-1] of slots 1..B-1 for blocks of ``block`` slots (default: the trained size)
+        at ``anchors`` (argmax of the draft logits)."""
+        h = self.block_hidden(batch["input_ids"], ctx_BTH, anchors_BN, block)[:, :, 1:]
         rows = h.reshape(-1, h.shape[-1])
         pred = [self.logits(r).argmax(-1) for r in rows.split(self.logits_chunk_rows())]
         return (torch.cat(pred) if pred else rows.new_zeros(0, dtype=torch.long)).view(h.shape[:3])
 
     @torch.no_grad()
-    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None,
+                   drafts: int | None = None) -> AcceptanceCounts:
         """Teacher-forced greedy acceptance at every eligible anchor, in order, ``max_total_anchors`` blocks
-        at a time."""
+        at a time; with ``drafts`` from blocks of drafts + 1, as ``propose`` drafts them."""
+        K = self.draft_count(drafts)
+        fewer = {} if K == self.trained_drafts else {"block": K + 1}  # the subclasses draft their trained block only
         anchors, vblk = self.eval_anchors(batch)
         ctx = self.context(batch["taps"])
-        pred = torch.cat([self.draft_slots(batch, ctx, anchors[:, c]) for c in self.anchor_chunks(anchors)], 1)
+        pred = torch.cat([self.draft_slots(batch, ctx, anchors[:, c], **fewer) for c in self.anchor_chunks(anchors)], 1)
         labels, valid, _ = self._targets(batch, anchors, vblk)
+        if fewer:
+            labels, valid = labels[..., :K], valid[..., :K]
         corr = (pred == labels) & valid
         return with_rounds(acceptance_counts(corr, valid), batch, anchors, corr, valid)
 

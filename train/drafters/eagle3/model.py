@@ -247,12 +247,15 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
         return self.config.num_steps
 
     @torch.no_grad()
-    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
-        """Teacher-forced chains over the steps (a row counts at step k only if steps 1..k all agree), and the
-        greedy rounds replayed on them (``train.drafters.common.chain.chain_acceptance``)."""
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None,
+                   drafts: int | None = None) -> AcceptanceCounts:
+        """Teacher-forced chains over the steps (a row counts at step k only if steps 1..k all agree; with
+        ``drafts``, the first that many), and the greedy rounds replayed on them
+        (``train.drafters.common.chain.chain_acceptance``)."""
+        n = self.draft_count(drafts)
         run = self.run_steps(batch)
         hits = []
-        for h, lab in zip(run["h"], run["labels"]):
+        for h, lab in zip(run["h"][:n], run["labels"][:n]):
             rows = (lab != IGNORE).nonzero(as_tuple=True)
             hit = torch.zeros_like(lab, dtype=torch.bool)
             if rows[0].numel():
@@ -260,7 +263,7 @@ class Eagle3Drafter(Eagle3Loss, Drafter):
                                          [h[rows]], self.config.chunk_rows)
                 hit[rows] = pred == lab[rows]
             hits.append(hit)
-        return chain_acceptance(run["labels"], hits, batch["loss_mask"])
+        return chain_acceptance(run["labels"][:n], hits, batch["loss_mask"])
 
     @torch.no_grad()
     def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -237,15 +237,18 @@ class MTPDrafter(MTPLoss, Drafter):
         return self.config.num_depths
 
     @torch.no_grad()
-    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> AcceptanceCounts:
-        """Teacher-forced chain over depths: a row counts at depth k only if depths 1..k all agree.
+    def acceptance(self, batch: dict[str, Any], generator: torch.Generator | None = None,
+                   drafts: int | None = None) -> AcceptanceCounts:
+        """Teacher-forced chain over depths: a row counts at depth k only if depths 1..k all agree; with
+        ``drafts``, over the first that many (as ``propose`` drafts them).
 
         Position k of the counts is depth k (the draft's k-th token after the target's own).
         ``blocks`` counts rows valid at depth 1 (each such row is one draft opportunity).
         """
+        n = self.draft_count(drafts)
         run = self.run_depths(batch)
         hits = []
-        for k in range(1, self.config.num_depths + 1):
+        for k in range(1, n + 1):
             lab = run["labels"][k - 1]
             rows = (lab != IGNORE).nonzero(as_tuple=True)
             hit = torch.zeros_like(lab, dtype=torch.bool)
@@ -254,7 +257,7 @@ class MTPDrafter(MTPLoss, Drafter):
                                       self.config.chunk_rows)
                 hit[rows] = p == lab[rows]
             hits.append(hit)
-        return chain_acceptance(run["labels"], hits, batch["loss_mask"])
+        return chain_acceptance(run["labels"][:n], hits, batch["loss_mask"])
 
     @torch.no_grad()
     def sampled_acceptance(self, batch: dict[str, Any], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,8 +43,8 @@ from typing import Any
 from benchmarks.common import RESULTS, environment
 from tapdraft.common.atomic import staged
 from tapdraft.demo.real.commands import run_cli, write_jsonl
-from tapdraft.demo.real.speedup import (SpeedupConfig, pair_figures, serve_pairs, speculate_check, stage_export,
-                                      target_dir)
+from tapdraft.demo.real.speedup import (LAYOUT_HELP, SpeedupConfig, pair_figures, serve_pairs, speculate_check,
+                                      stage_export, target_dir)
 
 EVAL_SETS = {"mt_bench": "mt_bench.jsonl", "alpaca": "alpaca.jsonl", "gsm8k": "gsm8k.jsonl", "qa": "qa.jsonl",
              "sum": "sum.jsonl"}
@@ -272,9 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="reply cap (default: the target's)")
     ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated: the first is held "
                                              "against tapdraft speculate drafting as many, the others vLLM's figures")
-    ap.add_argument("--layout", default=None,
-                    help="the layout a run not yet exported is exported in (default: the family's; an MTP head is "
-                         "served in tapdraft-vllm)")
+    ap.add_argument("--layout", default=None, help=LAYOUT_HELP + ", for a run not yet exported")
     ap.add_argument("--pairs", type=int, default=d.pairs)
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--engine-threads", type=int, default=d.engine_threads)

@@ -26,7 +26,7 @@ import json
 import sys
 
 from benchmarks.common import RESULTS
-from tapdraft.demo.real.speedup import TARGETS, SpeedupConfig, format_serve, run_speedup
+from tapdraft.demo.real.speedup import LAYOUT_HELP, TARGETS, SpeedupConfig, format_serve, run_speedup
 
 NAMES = {"text": ("SmolLM2-135M-Instruct", "real_speedup_smollm2.json"),
          "general": ("SmolLM2-135M-Instruct, trained on its own replies to ShareGPT", "real_speedup_general.json"),
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="vLLM's threads (1: on a shared machine more threads wait on each other at OpenMP barriers)")
     ap.add_argument("--recipe", default=d.recipe)
     ap.add_argument("--method", default=d.method, help="vLLM's method when the export does not state one")
-    ap.add_argument("--layout", default=None,
-                    help="the export's layout (default: the family's; an MTP head is served in tapdraft-vllm)")
+    ap.add_argument("--layout", default=None, help=LAYOUT_HELP)
     ap.add_argument("--run", default=None, help="run name (default: the recipe)")
     ap.add_argument("--set", action="append", default=[], help="training override KEY=VALUE (repeatable)")
     ap.add_argument("--k", default="3", help="drafts a round to serve with, comma-separated")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_result
-from tapdraft.demo.real.speedup import SpeedupConfig, served_method, stage_export, target_dir
+from tapdraft.demo.real.speedup import LAYOUT_HELP, SpeedupConfig, served_method, stage_export, target_dir
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 PARTS = {"execute": f"{RUNNER}:execute_model", "sample": f"{RUNNER}:sample_tokens",
@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--conversations", required=True, type=Path, help="JSONL conversations to serve (their prompts)")
     ap.add_argument("--requests", type=int, default=4, help="requests served a run")
     ap.add_argument("--k", type=int, default=3, help="drafts a round")
-    ap.add_argument("--layout", default=None,
-                    help="the layout a run not yet exported is exported in (default: the family's; an MTP head is "
-                         "served in tapdraft-vllm)")
+    ap.add_argument("--layout", default=None, help=LAYOUT_HELP + ", for a run not yet exported")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -85,11 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     from tapdraft.engines.serving import engine_venv, serve_vllm, vllm_requests
 
     work = a.workdir.resolve()
+    cfg = SpeedupConfig(target=a.target, run=a.run, layout=a.layout)
     try:
-        export = stage_export(work, SpeedupConfig(target=a.target, run=a.run, layout=a.layout))
+        export = stage_export(work, cfg)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
-    target = target_dir(SpeedupConfig(target=a.target))
+    target = target_dir(cfg)
     requests, _, _ = vllm_requests(target, a.conversations, a.requests, a.conversations.parent / "audio")
     method = served_method(json.loads((export / "config.json").read_text()).get("tapdraft", {}), "dflash")
     job = {"target": str(target), "requests": requests, "max_tokens": a.max_tokens, "max_model_len": a.max_model_len,

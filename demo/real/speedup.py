@@ -317,6 +317,10 @@ def stage_train(work: Path, cfg: SpeedupConfig, dataset: Path, log: Log = print)
     return run, stage_export(work, cfg, dataset, log)
 
 
+LAYOUT_HELP = "the export's layout (default: the family's; an MTP head is served in tapdraft-vllm)"
+"""``--layout``'s help in every benchmark that exports a run (``stage_export``)."""
+
+
 def stage_export(work: Path, cfg: SpeedupConfig, dataset: Path | None = None, log: Log = print) -> Path:
     """exports/RUN: ``tapdraft export`` of runs/RUN in ``cfg.layout``, carrying the frozen head rows a draft
     vocabulary needs from ``dataset`` (default: the work directory's own). A run trained by another benchmark

@@ -31,12 +31,12 @@ size and depth, and raises where they do not. Ends with one table; writes benchm
     python -m benchmarks.quality --quick              # tiny demo, few steps (CI-sized)
     python -m benchmarks.quality                      # full demo, recipe dflash_demo
     python -m benchmarks.quality --dataset DIR        # an already captured dataset (no live decoding)
-    python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \
+    python -m benchmarks.quality --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo,mtp_lk_adaptive_demo \\
         --name quality_drafters.json                  # every family on the same budget
-    python -m benchmarks.quality --target bpe --workdir bpe_work --steps 150 --set train.max_tokens=768 \
+    python -m benchmarks.quality --target bpe --workdir bpe_work --steps 150 --set train.max_tokens=768 \\
         --recipes dflash_demo,dflash2_demo,mtp_demo,mtp_lk_demo --live 64 --name quality_bpe.json
                                                       # 8k-vocabulary target, T=0 and T=1 (~30 min, 1 thread)
-    python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 120 \
+    python -m benchmarks.quality --target bpe --workdir bpe_work --recipes families --steps 120 \\
         --set train.max_tokens=512 --live 32 --name quality_families.json
                                                       # every family, one budget: 44 min at load 7-22 on 2
                                                       # shared cores (the 49k-vocabulary SmolLM2 target, with

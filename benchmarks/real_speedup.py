@@ -3,12 +3,12 @@ drafter, on a real target (demo.real.speedup holds the stages and ``TARGETS``; e
 ``--workdir``).
 
     python -m benchmarks.real_speedup --target text --workdir real_work      # SmolLM2, eagle3_small, 3 drafts
-    python -m benchmarks.real_speedup --target general --workdir general/n2000 --pool general/pool \
+    python -m benchmarks.real_speedup --target general --workdir general/n2000 --pool general/pool \\
         --train 2000 --recipe dflash_small                                  # SmolLM2 on its replies to ShareGPT
-    python -m benchmarks.real_speedup --target self --workdir self/n1100 --train 1100 --validation 64 \
+    python -m benchmarks.real_speedup --target self --workdir self/n1100 --train 1100 --validation 64 \\
         --recipe dflash_small --stop-after train                            # ... to requests it wrote itself
     python -m benchmarks.real_speedup --target speech --workdir speech_work  # the listener on held-out speech
-    python -m benchmarks.real_speedup --target assistant --workdir assistant_work \
+    python -m benchmarks.real_speedup --target assistant --workdir assistant_work \\
         --recipe dflash_small                                               # spoken requests answered at length
     python -m benchmarks.real_speedup --target text --workdir real_work --recipe eagle3 --run eagle3_k5 --k 5 \\
         --set max_steps=800 --name real_speedup_eagle3.json                 # another recipe on the same data

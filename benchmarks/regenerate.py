@@ -27,7 +27,7 @@ sha256 pass over embedding + lm_head, kept on the loaded target) is computed onc
 and reported beside them.
 
     python -m benchmarks.regenerate [--target demo|real|smollm2] [--pairs 5] [--samples 96] [--batch 16]
-    python -m benchmarks.regenerate --target smollm2 --engines --samples 64 --max-new-tokens 128 --pairs 2 \
+    python -m benchmarks.regenerate --target smollm2 --engines --samples 64 --max-new-tokens 128 --pairs 2 \\
         --threads 2 --vllm-python "$(engines/venv.sh vllm)/bin/python"
 """
 

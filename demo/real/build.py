@@ -87,14 +87,15 @@ def build_key() -> str:
 
 def cached_dir(root: Path, name: str, key: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
     """``root/<name>-<key>`` built by ``build(tmp_dir) -> info`` unless complete; the stamp is written last. One
-    build under ``root`` at a time (a kernel lock on ``root/.build.lock``): a second process asking at once waits,
-    then finds the directory complete, where it used to delete the first one's half-built copy."""
+    build of a directory at a time (a kernel lock on ``root/.<name>-<key>.lock``): a second process asking for it at
+    once waits, then finds it complete, where it used to delete the first one's half-built copy. Other directories
+    build meanwhile (one lock for the whole root kept a 4-second extraction waiting on a 20-minute listener)."""
     out = root / f"{name}-{key}"
     stamp = out / ".complete"
     if stamp.is_file():
         return out, json.loads((out / "build.json").read_text())
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".build.lock", "a") as lock:
+    with open(root / f".{name}-{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed holder's process ends
         if stamp.is_file():
             return out, json.loads((out / "build.json").read_text())

@@ -8,6 +8,8 @@ import json
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,34 @@ def test_two_processes_asking_at_once_build_the_directory_once(tmp_path):
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     assert (tmp_path / "builds.txt").read_text() == "x\n"
+
+
+def test_another_directory_builds_while_one_is_building(tmp_path):
+    """The lock is the directory's, not the cache's: a quick build is not held behind a long one."""
+    code = ("import sys, time; from pathlib import Path; from tapdraft.demo.real.build import cached_dir\n"
+            "root = Path(sys.argv[1])\n"
+            "def build(d):\n"
+            "    (root / 'started').write_text('x')\n"
+            "    for _ in range(600):\n"
+            "        if (root / 'go').exists(): return {}\n"
+            "        time.sleep(0.1)\n"
+            "    raise SystemExit('never released')\n"
+            "cached_dir(root, 'slow', 'k', build)\n")
+    slow = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if (tmp_path / "started").exists():
+                break
+            time.sleep(0.1)
+        done = []
+        t = threading.Thread(target=lambda: done.append(cached_dir(tmp_path, "quick", "k", lambda d: {"q": 1})),
+                             daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert done and done[0][1] == {"q": 1}, "the quick build waited on the slow one's lock"
+    finally:
+        (tmp_path / "go").write_text("x")
+        assert slow.wait(timeout=60) == 0, slow.stderr.read()
 
 
 @pytest.fixture(scope="module")

@@ -235,6 +235,25 @@ def training_pairs(tok, open_texts: list[str], closed_texts: list[str], share: f
     return listen.transcription_examples(tok, texts), closed
 
 
+def closed_task() -> dict[str, list[str]]:
+    """The closed listener's sentences (``listen.sentences`` at its own configuration's sizes and seed)."""
+    c = listen.ListenConfig
+    return listen.sentences(c.n_train, c.n_test, c.n_oov, c.seed)
+
+
+def held_out(work: Path, cfg: OpenListenConfig, doc: dict | None = None
+             ) -> dict[str, tuple[list[str], list[np.ndarray], int]]:
+    """The evaluation's two sets as (transcripts, waves, the listener's reply cap): the held-out open sentences in the
+    voices the training never gave them (``voice_of`` at ``seed + 1``; 4-16 words, 48 tokens) and the closed task's
+    held-out set in its own listener's voices (``closed_voice``; ``listen.transcribe``'s 24, as the closed listener
+    is scored); spoken once into ``work/audio/`` and read back, so every transcriber hears the same waves."""
+    doc = doc or stage_sentences(work, cfg)
+    closed = closed_task()["test"]
+    return {"open_held_out": ([transcript(s) for s in doc["test"]],
+                              stage_waves(work, "test", doc["test"], lambda i: voice_of(i, cfg.seed + 1)), 48),
+            "closed_held_out": (closed, stage_waves(work, "closed-test", closed, closed_voice), 24)}
+
+
 def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=print) -> dict:
     """The whole chain in ``work`` from the closed listener's directory ``start``; the report (``listen.json``)."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
@@ -249,8 +268,7 @@ def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=prin
         raise ValueError(f"encoder_layers {cfg.encoder_layers}: the encoder has {len(tower.layers)} layers")
     mels = cfg.encoder_layers > 0
     frames = stage_frames(work, model, proc.feature_extractor, doc["train"], cfg.seed, log, mels=mels)
-    closed = listen.sentences(listen.ListenConfig.n_train, listen.ListenConfig.n_test, listen.ListenConfig.n_oov,
-                              listen.ListenConfig.seed)
+    closed = closed_task()
     examples, picks = training_pairs(proc.tokenizer, doc["train"], closed["train"], cfg.closed_share)
     heard = sorted(set(picks))
     closed_waves = stage_waves(work, "closed-train", [closed["train"][i] for i in heard],
@@ -274,13 +292,10 @@ def train_open_listener(work: Path, cfg: OpenListenConfig, start: Path, log=prin
         proc.save_pretrained(tmp)
     model = Qwen2AudioForConditionalGeneration.from_pretrained(work / "model", dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(work / "model")
-    test = [transcript(s) for s in doc["test"]]
-    said = listen.transcribe(model, proc, stage_waves(work, "test", doc["test"], lambda i: voice_of(i, cfg.seed + 1)),
-                             max_new_tokens=48)
-    closed_waves = stage_waves(work, "closed-test", closed["test"], closed_voice)
+    sets = held_out(work, cfg, doc)
     report = {"config": asdict(cfg), "start": str(start), "final_loss": float(np.mean(losses[-20:])),
-              "open_held_out": listen.score_transcripts(test, said),
-              "closed_held_out": listen.score_transcripts(closed["test"], listen.transcribe(model, proc, closed_waves)),
+              **{name: listen.score_transcripts(refs, listen.transcribe(model, proc, waves, max_new_tokens=cap))
+                 for name, (refs, waves, cap) in sets.items()},
               "sentences_available": doc["available"], "seconds": round(time.time() - t0)}
     with staged(work / "listen.json") as tmp:
         tmp.write_text(json.dumps(report, indent=1) + "\n")

@@ -161,6 +161,11 @@ def regenerate(
                                     "vLLM is installed in (`tapdraft venv vllm` builds one and prints its path)."),
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="With --engine vllm: independent vLLM "
                                            "engines sharing the conversations."),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="With --engine vllm: a conversation's next "
+                                        "turn reuses the KV of the turns before it (multi-turn data prefilled about "
+                                        "once, not once per turn). Replies may then differ from the in-process "
+                                        "engine's at near-ties, and a rerun after a kill may not repeat a window "
+                                        "token for token."),
 ) -> None:
     """Replace assistant turns with the target's own replies (resumable); a sidecar JSON records settings and counts."""
     from pathlib import Path
@@ -179,7 +184,7 @@ def regenerate(
         max_samples=max_samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size, window=window, dtype=dtype,
         device=device, on_error=on_error, llm_config=None if llm_config is None else str(Path(llm_config).resolve()),
         allow_outside_paths=allow_outside_paths, engine=engine,
-        vllm=engine_settings(engine, data_parallel_size=data_parallel_size),
+        vllm=engine_settings(engine, data_parallel_size=data_parallel_size), prefix_caching=prefix_caching,
         vllm_python=None if vllm_python is None else str(Path(vllm_python).absolute()),
     )
     typer.echo(summary(run_regenerate(cfg)))

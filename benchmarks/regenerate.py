@@ -15,6 +15,10 @@ Two comparisons, each interleaved (A B A B ...), median of the pairs, absolute s
                                B  ``regenerate`` in-process, on the same prompts, same threads
                figure: decoding tokens/s of A over B (each run's own ``run_stats``: vLLM's start, a fixed
                cost per run, is reported beside, not in the rate); whether the two output files are equal
+    prefix     (``--prefix-caching``) A  ``regenerate --engine vllm --prefix-caching`` on the multi-turn
+                               conversations of ``--data`` (ShareGPT's, say), B  the same without it
+               figure: decoding tokens/s of A over B; the prompt tokens vLLM's prefix cache held, and how many
+               conversations came out equal
 
 Targets: ``smollm2`` (the real SmolLM2-135M-Instruct that ``python -m tapdraft.demo.real build`` caches under
 ~/.cache/tapdraft/models/, vocab 49,152; prompts from the Python documentation's topics, as demo.bpe's
@@ -29,6 +33,9 @@ and reported beside them.
     python -m benchmarks.regenerate [--target demo|real|smollm2] [--pairs 5] [--samples 96] [--batch 16]
     python -m benchmarks.regenerate --target smollm2 --engines --samples 64 --max-new-tokens 128 --pairs 2 \\
         --threads 2 --vllm-python "$(engines/venv.sh vllm)/bin/python"
+    python -m benchmarks.regenerate --target smollm2 --prefix-caching --data general/n500/data/validation.prompts.jsonl \\
+        --samples 32 --max-new-tokens 192 --max-conversation-tokens 1024 --pairs 2 --batch 32 --window 16 \\
+        --vllm-python "$(engines/venv.sh vllm)/bin/python"
 """
 
 from __future__ import annotations
@@ -140,36 +147,47 @@ def _smollm2_inputs(tmp: Path, samples: int, target_dir: str | None):
     return target_dir, data
 
 
-def _engines(args, target_dir: str, data: Path, target, replies, tmp: Path, save) -> dict[str, Any]:
-    """Interleaved pairs: regenerate --engine vllm, then in-process, same prompts and threads; ``save(doc)`` after
+def _sides(args, target_dir: str, data: Path, target, replies, tmp: Path, save, sides: dict[str, dict[str, Any]],
+           figure: str) -> dict[str, Any]:
+    """Interleaved pairs of two regenerations of the same prompts at the same threads, ``sides`` naming each one's
+    RegenerateConfig fields (the first is A); the ratio is A's decoding tokens/s over B's (each run's own
+    ``run_stats``: vLLM's start, a fixed cost per run, is reported beside, not in the rate). ``save(doc)`` after
     each pair (a slow machine keeps the pairs it finished)."""
     from tapdraft.capture.engines import ENGINES
     from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
 
+    (na, _), (nb, _) = sides.items()
     pairs: list[dict[str, Any]] = []
     for k in range(args.pairs):
         runs = {}
-        for engine in ("vllm", "transformers"):
-            out = tmp / f"eng-{engine}-{k}.jsonl"
+        for name, fields in sides.items():
+            out = tmp / f"{name}-{k}.jsonl"
+            engine = fields.get("engine", "transformers")
             t0 = time.perf_counter()
             doc = regenerate(RegenerateConfig(target=target_dir, data=str(data), out=str(out), replies=replies,
                                               max_batch_size=args.batch, window=args.window, progress=False,
-                                              engine=engine, vllm_python=args.vllm_python),
+                                              **fields),
                              target=target if ENGINES[engine].loads_decoder else None)  # vLLM's: head only
             rs = doc["run_stats"]
-            runs[engine] = {"wall_s": time.perf_counter() - t0, "decode_s": rs["seconds"], "tokens": rs["tokens"],
-                            "replies": rs["replies"], "tokens_per_s": rs["tokens"] / rs["seconds"],
-                            "load_avg": os.getloadavg()[0], **({"engine": rs["engine"]} if "engine" in rs else {})}
-        a, b = runs["vllm"], runs["transformers"]
-        same = (tmp / f"eng-vllm-{k}.jsonl").read_bytes() == (tmp / f"eng-transformers-{k}.jsonl").read_bytes()
-        pairs.append({**runs, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "identical_outputs": same})
-        print(f"pair {k}: vLLM {a['tokens_per_s']:.0f} tok/s (+{a['engine']['startup_s']:.0f}s start)  in-process "
-              f"{b['tokens_per_s']:.0f} tok/s  ratio {pairs[-1]['ratio']:.2f}  same output: {same}  "
+            runs[name] = {"wall_s": time.perf_counter() - t0, "decode_s": rs["seconds"], "tokens": rs["tokens"],
+                          "replies": rs["replies"], "tokens_per_s": rs["tokens"] / rs["seconds"],
+                          "load_avg": os.getloadavg()[0], **({"engine": rs["engine"]} if "engine" in rs else {})}
+        a, b = runs[na], runs[nb]
+        ra, rb = (read_jsonl_lines(tmp / f"{n}-{k}.jsonl") for n in (na, nb))
+        same = sum(x == y for x, y in zip(ra, rb))
+        pairs.append({**runs, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "identical_outputs": ra == rb,
+                      "conversations_equal": same, "conversations": len(ra)})
+        start = f" (+{a['engine']['startup_s']:.0f}s start)" if "engine" in a else ""
+        print(f"pair {k}: {na} {a['tokens_per_s']:.0f} tok/s{start}  {nb} {b['tokens_per_s']:.0f} tok/s  ratio "
+              f"{pairs[-1]['ratio']:.2f}  conversations equal: {same} of {len(ra)}  "
               f"load {a['load_avg']:.1f}/{b['load_avg']:.1f}", flush=True)
-        doc = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
-               "figure": "decoding tokens/s of regenerate --engine vllm over in-process, same prompts and threads"}
+        doc = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs), "figure": figure}
         save(doc)
     return doc
+
+
+def read_jsonl_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:
@@ -177,8 +195,14 @@ def main() -> None:
     ap.add_argument("--target", choices=["demo", "real", "smollm2"], default="demo")
     ap.add_argument("--target-dir", default=None, help="smollm2: its directory (default: the cached build)")
     ap.add_argument("--engines", action="store_true", help="compare regenerate --engine vllm with in-process only")
-    ap.add_argument("--vllm-python", default=None, help="--engines: the vLLM venv's python")
-    ap.add_argument("--window", type=int, default=32, help="--engines: regenerate's --window")
+    ap.add_argument("--prefix-caching", action="store_true", help="compare regenerate --engine vllm with and without "
+                    "--prefix-caching only, on the multi-turn conversations of --data")
+    ap.add_argument("--data", default=None, help="--prefix-caching: the conversations (JSONL) to regenerate")
+    ap.add_argument("--max-conversation-tokens", type=int, default=None,
+                    help="--prefix-caching: regenerate's --max-conversation-tokens")
+    ap.add_argument("--name", default=None, help="--prefix-caching: the results file's name")
+    ap.add_argument("--vllm-python", default=None, help="--engines, --prefix-caching: the vLLM venv's python")
+    ap.add_argument("--window", type=int, default=32, help="--engines, --prefix-caching: regenerate's --window")
     ap.add_argument("--threads", type=int, default=1, help="threads of each side")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tapdraft-demo"),
                     help="demo directory (built by the demo if missing)")
@@ -199,8 +223,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    if args.prefix_caching and (args.target != "smollm2" or args.data is None):
+        ap.error("--prefix-caching regenerates multi-turn conversations: give --target smollm2 and --data FILE.jsonl")
     if args.target == "smollm2":
         target_dir, data = _smollm2_inputs(tmp, args.samples, args.target_dir)
+        data = Path(args.data) if args.prefix_caching else data
     else:
         target_dir, data = (_demo_inputs(Path(args.workdir), args.samples, tmp) if args.target == "demo"
                             else _real_inputs(tmp, args.samples, args.prompt_tokens))
@@ -214,9 +241,29 @@ def main() -> None:
             write_result(f"regenerate_engines_{args.target}.json",
                          {**head, "engines": engines, "machine_extra": {"threads": args.threads, "device": "cpu"}})
 
-        doc = _engines(args, target_dir, data, target, replies, tmp, save)
+        doc = _sides(args, target_dir, data, target, replies, tmp, save,
+                     {"vllm": {"engine": "vllm", "vllm_python": args.vllm_python}, "transformers": {}},
+                     "decoding tokens/s of regenerate --engine vllm over in-process, same prompts and threads")
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"engines: vLLM / in-process decoding tokens/s = {doc['median_ratio']:.2f} (median)")
+        return
+    if args.prefix_caching:
+        replies = ReplyConfig(generation=GenerationConfig(max_new_tokens=args.max_new_tokens), keep_truncated=True,
+                              max_conversation_tokens=args.max_conversation_tokens)
+        head = {"target": args.target, "target_dir": target_dir, "data": str(data), "samples": args.samples,
+                "batch": args.batch, "window": args.window, "max_new_tokens": args.max_new_tokens,
+                "max_conversation_tokens": args.max_conversation_tokens}
+
+        def save(doc: dict[str, Any]) -> None:
+            write_result(args.name or f"regenerate_prefix_caching_{args.target}.json",
+                         {**head, "prefix_caching": doc, "machine_extra": {"threads": args.threads, "device": "cpu"}})
+
+        vllm = {"engine": "vllm", "vllm_python": args.vllm_python, "max_samples": args.samples}
+        doc = _sides(args, target_dir, data, target, replies, tmp, save,
+                     {"cached": {**vllm, "prefix_caching": True}, "plain": vllm},
+                     "decoding tokens/s of regenerate --engine vllm --prefix-caching over the same without it")
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"prefix caching: with / without decoding tokens/s = {doc['median_ratio']:.2f} (median)")
         return
     placeholder = target.placeholder or "<|audioplaceholder|>"
     convs = [c for c in read_jsonl(data, placeholder=placeholder) if isinstance(c, Conversation)]

@@ -52,9 +52,16 @@ class CaptureSettings(RunSettings, Protocol):
     def batch_tokens(self) -> int: ...
 
 
+class ReplySettings(RunSettings, Protocol):
+    """What a regeneration adds (``RegenerateConfig``): whether vLLM reuses a conversation's earlier turns."""
+
+    @property
+    def prefix_caching(self) -> bool: ...
+
+
 class Engine:
     """One capture engine. ``cfg`` is the run it serves: a capture's (``CaptureSettings``) or a regeneration's
-    (``RunSettings``)."""
+    (``ReplySettings``)."""
 
     name: str = ""
     capture_help: str = ""
@@ -72,7 +79,7 @@ class Engine:
     def check_capture(self, cfg: CaptureSettings) -> None:
         """Validate (and complete, on the frozen ``cfg``) a capture's engine settings; ``ValueError`` if refused."""
 
-    def check_regenerate(self, cfg: RunSettings) -> None:
+    def check_regenerate(self, cfg: ReplySettings) -> None:
         """Validate (and complete) a regeneration's engine settings; ``ValueError`` if refused."""
 
     def preflight(self, cfg: RunSettings) -> None:
@@ -103,7 +110,7 @@ class Engine:
             yield None
 
     @contextmanager
-    def reply_session(self, cfg: RunSettings, target: Target, device: torch.device) -> Iterator[Any]:
+    def reply_session(self, cfg: ReplySettings, target: Target, device: torch.device) -> Iterator[Any]:
         """What decodes a regeneration's replies; None: in-process (``capture.replies.windows``)."""
         yield None
 
@@ -116,6 +123,10 @@ class InProcess(Engine):
     def check_capture(self, cfg: CaptureSettings) -> None:
         if cfg.vllm is not None or cfg.vllm_python is not None:
             raise ValueError("vLLM settings were given but the engine is 'transformers'; add --engine vllm")
+
+    def check_regenerate(self, cfg: ReplySettings) -> None:
+        if cfg.prefix_caching:
+            raise ValueError("--prefix-caching is vLLM's prefix cache; add --engine vllm")
 
 
 class VLLM(Engine):
@@ -144,7 +155,7 @@ class VLLM(Engine):
             raise ValueError("--regenerate runs generation in-process; capture with --engine vllm from a "
                              "regenerated input instead (tapdraft regenerate --engine vllm, then capture)")
 
-    def check_regenerate(self, cfg: RunSettings) -> None:
+    def check_regenerate(self, cfg: ReplySettings) -> None:
         if not cfg.replies.generation.greedy:
             raise ValueError("--engine vllm regenerates greedily only: vLLM's sampler draws other numbers than "
                              "tapdraft's per-reply seeded one, so its sampled replies would not be reproducible; "
@@ -192,7 +203,7 @@ class VLLM(Engine):
             yield engine
 
     @contextmanager
-    def reply_session(self, cfg: RunSettings, target: Target, device: torch.device) -> Iterator[Any]:
+    def reply_session(self, cfg: ReplySettings, target: Target, device: torch.device) -> Iterator[Any]:
         """vLLM workers in generate mode (capture.vllm.regenerate)."""
         import torch
 
@@ -207,7 +218,8 @@ class VLLM(Engine):
         with VLLMReplies(cfg.vllm, target, python=cfg.vllm_python, target_dir=cfg.target,
                          dtype=str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."), max_model_len=ctx,
                          max_new_tokens=cfg.replies.generation.max_new_tokens,
-                         threads=cfg.vllm.threads or torch.get_num_threads()) as engine:
+                         threads=cfg.vllm.threads or torch.get_num_threads(),
+                         prefix_caching=cfg.prefix_caching) as engine:
             yield engine
 
 

@@ -19,7 +19,9 @@ The progress bar counts replies (regenerated turns) as they finish, never whole 
 resume unit, set by ``--window`` (default 32; it was a fixed 256, and a kill of a real run at 36-75 tokens/s
 lost minutes); in-process it also bounds the padded batches, through vLLM it costs nothing (batching
 crosses windows), so a small one there loses only seconds to a kill. Greedy replies through vLLM are the
-in-process engine's token for token (tests/engines/test_vllm_regenerate.py), so the same output file;
+in-process engine's token for token (tests/engines/test_vllm_regenerate.py), so the same output file, unless
+``--prefix-caching`` reuses earlier turns' KV (``RegenerateConfig.prefix_caching``: faster on multi-turn data, equal
+up to rounding);
 its sidecar's settings name the engine. Sampling through vLLM is refused (its sampler is not tapdraft's
 seeded one).
 
@@ -132,6 +134,12 @@ class RegenerateConfig:
     """With engine 'vllm': its parallel sizes and CPU KV cache (None = VLLMConfig's defaults)."""
     vllm_python: str | None = None
     """With engine 'vllm': the python of the environment vLLM is installed in (None = this interpreter)."""
+    prefix_caching: bool = False
+    """With engine 'vllm': vLLM's prefix caching, so a conversation's next turn reuses the KV of the turns before it
+    instead of prefilling them again (multi-turn data is prefilled about once, not once per turn). A reused block's
+    KV was computed in another step and batch than a fresh prefill computes it, so at a near-tie a reply may take
+    the other token than the in-process engine's, and a rerun after a kill may not repeat a window token for token:
+    the replies are the target's greedy ones up to rounding. Recorded in the settings a resume must match."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replies, ReplyConfig):
@@ -153,7 +161,8 @@ class RegenerateConfig:
         return {"data": self.data, **self.replies.to_dict(), "chat_template": self.chat_template,
                 "template_kwargs": dict(self.template_kwargs), "max_samples": self.max_samples,
                 "batch_tokens": self.batch_tokens, "max_batch_size": self.max_batch_size, "window": self.window,
-                "dtype": self.dtype, **({"engine": self.engine} if self.engine != DEFAULT_ENGINE else {})}
+                "dtype": self.dtype, **({"engine": self.engine} if self.engine != DEFAULT_ENGINE else {}),
+                **({"prefix_caching": True} if self.prefix_caching else {})}
 
 
 # ------------------------------------------------------------------------------------------ run, resume, merge
@@ -258,7 +267,8 @@ def _regenerate_locked(cfg: RegenerateConfig, target: Target | None, rank: int, 
     run_stats = {"conversations": stats.conversations, "replies": stats.replies, "tokens": stats.tokens,
                  "dropped": dict(stats.dropped), "seconds": round(stats.seconds, 3)}
     if engine is not None:
-        run_stats["engine"] = {"name": cfg.engine, "version": engine.version, "startup_s": round(engine.startup_s, 3)}
+        run_stats["engine"] = {"name": cfg.engine, "version": engine.version, "startup_s": round(engine.startup_s, 3),
+                               **engine.stats()}
     if rank != 0:
         return {"run_stats": run_stats, "rank": rank}
     doc = merge(cfg, work, out, placeholder, fp, target.template.text)
@@ -489,6 +499,11 @@ def summary(doc: dict[str, Any]) -> str:
                      f"{rs['replies'] / s:.2f} replies/s, {rs['tokens'] / s:,.0f} tok/s"
                      + (f" (vLLM {rs['engine']['version']}, started in {rs['engine']['startup_s']:.0f}s)"
                         if "engine" in rs else ""))
+        e = rs.get("engine", {})
+        if e.get("prompt_tokens"):
+            lines.append(f"prompts: {e['prompt_tokens']:,} tokens, {e['cached_tokens']:,} of them from vLLM's prefix "
+                         "cache" + ("" if e["prefix_caching"] else " (off: --prefix-caching reuses a conversation's "
+                                    "earlier turns)"))
     g = doc["generation"]
     lines.append(("greedy" if g["greedy"] else f"sampled (temperature {g['temperature']}, top_p {g['top_p']}, "
                   f"seed {g['seed']})") + f", max_new_tokens {g['max_new_tokens']}, target "

@@ -28,9 +28,15 @@ from tapdraft.capture.targets.base import Prepared, Target
 class ReplyEngine(Protocol):
     in_flight: int
 
-    def submit(self, prompts: list[tuple[int, Prepared]]) -> None: ...
+    def submit(self, prompts: list[tuple[int, Prepared]]) -> None:
+        """Decode (tag, prompt) pairs; a tag is its conversation's local index, the same on each of its turns."""
+        ...
 
     def next(self) -> tuple[int, Generation]: ...
+
+    def stats(self) -> dict[str, Any]:
+        """What the run's prompts cost the engine (recorded in ``run_stats["engine"]``)."""
+        ...
 
 
 @dataclass

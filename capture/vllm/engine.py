@@ -168,8 +168,9 @@ class VLLMEngine:
 
     def __init__(self, cfg: VLLMConfig, *, python: str | None, target_dir: str, layer_ids: Sequence[int],
                  dtype: str, max_model_len: int, threads: int | None = None, timeout: float = 900.0,
-                 mode: str = "capture"):
+                 mode: str = "capture", prefix_caching: bool = False):
         assert mode in ("capture", "generate"), mode
+        assert mode == "generate" or not prefix_caching, "a capture's states are each prompt's own forward"
         self.cfg, self.layer_ids, self.timeout, self.mode = cfg, list(layer_ids), timeout, mode
         self.python = check_python(python, cfg)
         self.dir = Path(tempfile.mkdtemp(prefix="tapdraft-vllm-"))
@@ -190,6 +191,8 @@ class VLLMEngine:
                "pipeline_parallel_size": cfg.pipeline_parallel_size, "disable_log_stats": True}
         if cfg.max_num_batched_tokens is not None:
             llm["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if mode == "generate":
+            llm["enable_prefix_caching"] = prefix_caching
         per = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
         extra = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}
         if threads:  # the budget is shared by every rank of every engine

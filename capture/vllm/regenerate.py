@@ -31,25 +31,28 @@ class VLLMReplies:
     """vLLM workers in generate mode: :meth:`submit` prompts, :meth:`next` gives each reply as it finishes."""
 
     def __init__(self, cfg: VLLMConfig, target: Target, *, python: str | None, target_dir: str, dtype: str,
-                 max_model_len: int, max_new_tokens: int, threads: int | None = None):
+                 max_model_len: int, max_new_tokens: int, threads: int | None = None, prefix_caching: bool = False):
         self.target, self.max_new_tokens = target, max_new_tokens
         self.end_ids = target.end_token_ids()
         if not self.end_ids:
             raise ValueError("the target declares no end-of-turn token (eos_token_id in its config, generation config "
                              "or tokenizer); set one so replies can end")
         self.engine = VLLMEngine(cfg, python=python, target_dir=target_dir, layer_ids=[], dtype=dtype,
-                                 max_model_len=max_model_len, threads=threads, mode="generate")
+                                 max_model_len=max_model_len, threads=threads, mode="generate",
+                                 prefix_caching=prefix_caching)
         self.version, self.startup_s = self.engine.version, self.engine.startup_s
-        self._turn = 0
+        self.prefix_caching = prefix_caching
         self.in_flight = 0
+        self.prompt_tokens = self.cached_tokens = 0
 
     def submit(self, prompts: Sequence[tuple[int, Prepared]]) -> None:
-        """Send (tag, prompt) pairs; each worker gets one frame, workers taken in turn per request."""
+        """Send (tag, prompt) pairs; each worker gets one frame. A tag is a conversation's (every turn of it carries
+        the same), and a conversation stays on worker ``tag % workers``, so with ``prefix_caching`` its later turns
+        find its earlier ones in that engine's cache."""
         drivers = sorted(self.engine.drivers.items())
         mine: dict[int, list[tuple[int, Prepared]]] = {}
         for tag, p in prompts:
-            mine.setdefault(self._turn % len(drivers), []).append((tag, p))
-            self._turn += 1
+            mine.setdefault(tag % len(drivers), []).append((tag, p))
         for k, batch in mine.items():
             reqs = [(tag, request(self.target, p)) for tag, p in batch]
             head = [{"tag": tag, "prompt_token_ids": r.prompt_ids, "audio": [int(a.shape[0]) for a in r.audio],
@@ -57,6 +60,7 @@ class VLLMReplies:
                     for tag, r in reqs]
             audio = [a for _, r in reqs for a in r.audio]
             wire.send(drivers[k][1], {"kind": "generate", "requests": head}, np.concatenate(audio) if audio else b"")
+            self.prompt_tokens += sum(len(h["prompt_token_ids"]) for h in head)
         self.in_flight += len(prompts)
 
     def next(self) -> tuple[int, Generation]:
@@ -67,9 +71,15 @@ class VLLMReplies:
             if header.get("kind") == "reply":
                 break
         self.in_flight -= 1
+        self.cached_tokens += int(header.get("cached_tokens", 0))
         ids = list(header["token_ids"])
         stop = ids[-1] if header["finish_reason"] == "stop" and ids and ids[-1] in self.end_ids else None
         return int(header["tag"]), Generation(ids[:-1] if stop is not None else ids, stop, None)
+
+    def stats(self) -> dict[str, Any]:
+        """What the prompts cost to prefill: their tokens sent, and those vLLM's prefix cache held (0 without it)."""
+        return {"prefix_caching": self.prefix_caching, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens}
 
     def replies(self) -> Iterator[tuple[int, Generation]]:
         while self.in_flight:

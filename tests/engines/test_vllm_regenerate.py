@@ -4,7 +4,7 @@ The small trained BPE target (tests/engines/conftest.py, a real HF layout on dis
 every third one two-turn (its second prompt holds the target's first reply), greedy, through both engines: the
 output files are equal byte for byte (replies, their ``token_ids``, ``truncated`` marks). Then a vLLM run killed
 with SIGKILL after its second window is on disk, and rerun, writes the same bytes, recomputing only the windows
-that had not settled.
+that had not settled. With ``--prefix-caching``, a second turn is served from the first turn's cached blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tapdraft.capture.engines import ENGINES
+from tapdraft.capture.vllm.config import VLLMConfig
 from tapdraft.capture.replies.generate import GenerationConfig
 from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate, work_dir
 from tapdraft.capture.replies.windows import ReplyConfig
@@ -55,6 +56,7 @@ def test_vllm_regenerate_equals_in_process_and_resumes_after_kill9(vllm_venv, bp
     a = regenerate(_cfg(bpe_target, data, ours, "transformers"))
     b = regenerate(_cfg(bpe_target, data, theirs, "vllm", vllm_venv))
     assert b["run_stats"]["engine"]["name"] == "vllm" and b["settings"]["engine"] == "vllm"
+    assert b["run_stats"]["engine"]["cached_tokens"] == 0 < b["run_stats"]["engine"]["prompt_tokens"]
     assert a["counts"] == b["counts"] and b["counts"]["written"] > N // 2
     ra, rb = a["run_stats"], b["run_stats"]
     assert (ra["replies"], ra["tokens"]) == (rb["replies"], rb["tokens"])
@@ -95,6 +97,39 @@ def test_vllm_regenerate_equals_in_process_and_resumes_after_kill9(vllm_venv, bp
     c = regenerate(_cfg(bpe_target, data, cut, "vllm", vllm_venv))
     assert c["run_stats"]["conversations"] == N - kept  # only the unsettled windows ran again
     assert cut.read_bytes() == theirs.read_bytes()
+
+
+def test_prefix_caching_serves_a_later_turn_from_the_earlier_ones(vllm_venv, bpe_target, tmp_path):
+    """--prefix-caching: each conversation's second prompt (its first prompt, the reply and a new request) finds the
+    first turn's full KV blocks in vLLM's prefix cache (vLLM's own count of a request's cached prompt tokens), where
+    without it none is found, also across two engines (a conversation's turns go to one); the same conversations are
+    written, and the setting is recorded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bpe_target.target)
+    recs = read_jsonl(bpe_target.train_manifest)
+    users = [t["value"] for r in recs for t in r["conversations"] if t["from"].lower() == "user"]
+    long, i = "", 0
+    while len(tok(long)["input_ids"]) < 300:  # past two of the CPU backend's 128-token blocks
+        long, i = f"{long} {users[i]}".strip(), i + 1
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{k}", "conversations": [
+        {"from": "User", "value": f"{users[i + k]} {long}"}, {"from": "Assistant", "value": "x"},
+        {"from": "User", "value": users[i + k + 1]}, {"from": "Assistant", "value": "y"}]}) + "\n" for k in range(6)))
+    docs = {}
+    for on in (False, True):  # with it, two engines: a conversation's turns must stay on one
+        cfg = dataclasses.replace(_cfg(bpe_target, data, tmp_path / f"cached-{on}.jsonl", "vllm", vllm_venv),
+                                  prefix_caching=on, vllm=VLLMConfig(data_parallel_size=2 if on else 1))
+        docs[on] = regenerate(cfg)
+    off, on = (docs[k]["run_stats"]["engine"] for k in (False, True))
+    assert off["cached_tokens"] == 0 and off["prompt_tokens"] == on["prompt_tokens"] > 6 * 2 * 300
+    assert on["prefix_caching"] and on["cached_tokens"] >= 6 * 256  # each second turn: two full blocks at least
+    assert docs[True]["settings"]["prefix_caching"] is True and "prefix_caching" not in docs[False]["settings"]
+    assert docs[True]["counts"] == docs[False]["counts"] and docs[True]["counts"]["written"] == 6
+    a, b = (read_jsonl(tmp_path / f"cached-{k}.jsonl") for k in (False, True))
+    same = sum(x == y for x, y in zip(a, b))
+    print(f"prefix cache: {on['cached_tokens']} of {on['prompt_tokens']} prompt tokens; {same} of 6 conversations "
+          "equal to the run without it")
 
 
 def test_vllm_regenerates_qwen2_audio_as_the_in_process_engine(vllm_venv, tmp_path):

@@ -8,13 +8,14 @@ worker then serves
                                        "max_tokens", "stop_token_ids"}]}    (audio in the payload, as a run frame's)
 
 by adding the requests to the running engine at once (continuous batching: a frame may come while others
-decode) and answering each request with ``{"kind": "reply", "tag", "token_ids", "finish_reason"}`` the step it
-finishes, and ``{"kind": "alive", "running": N}`` after every ``ALIVE_S`` seconds without one (a long batch on a
+decode) and answering each request with ``{"kind": "reply", "tag", "token_ids", "finish_reason", "cached_tokens"}``
+(its prompt tokens vLLM's prefix cache held) the step it finishes, and ``{"kind": "alive", "running": N}`` after every ``ALIVE_S`` seconds without one (a long batch on a
 slow CPU may decode for many minutes before its first reply ends: tapdraft's silence timeout is then the
 worker's, not the replies'). Greedy only (``temperature=0``); ``ignore_eos`` with tapdraft's end-of-turn ids as ``stop_token_ids``,
 so a reply stops exactly where the in-process engine's does (vLLM's ``token_ids`` keep the stop id, as
-tapdraft's ``Generation.ids`` do). Prefix caching is off: a cached prefix's KV was computed in another batch,
-and a reply then depends on what ran before it, which a resume cannot reproduce.
+tapdraft's ``Generation.ids`` do). Prefix caching is what the start frame's ``llm`` says (``VLLMConfig.prefix_caching``, off unless asked): a
+cached prefix's KV was computed in another batch, and a reply then depends on what ran before it, which a resume
+cannot reproduce.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ALIVE_S = 30.0
 def build(llm: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    return LLM(**llm, enable_prefix_caching=False)
+    return LLM(**{"enable_prefix_caching": False, **llm})
 
 
 def serve_replies(sock: Any, start: dict[str, Any]) -> None:
@@ -73,7 +74,7 @@ def serve_replies(sock: Any, start: dict[str, Any]) -> None:
             tag = tags.pop(out.request_id)
             o = out.outputs[0]
             wire.send(sock, {"kind": "reply", "tag": tag, "token_ids": [int(t) for t in o.token_ids],
-                             "finish_reason": o.finish_reason})
+                             "finish_reason": o.finish_reason, "cached_tokens": int(out.num_cached_tokens or 0)})
             last = time.monotonic()
         if tags and time.monotonic() - last > ALIVE_S:
             wire.send(sock, {"kind": "alive", "running": len(tags)})

@@ -31,6 +31,9 @@ class Shuffled:
         self.in_flight = self.served = self.most = 0
         self.version, self.startup_s = "shuffled", 0.0
 
+    def stats(self):
+        return {"prefix_caching": False, "prompt_tokens": 0, "cached_tokens": 0}
+
     def submit(self, prompts):
         self.queue += prompts
         self.in_flight += len(prompts)
@@ -121,6 +124,7 @@ def test_an_interrupted_stream_resumes_to_the_same_bytes(lm_dir, tmp_path, monke
     (["--engine", "vllm", "--temperature", "0.7"], "--engine vllm regenerates greedily only"),
     (["--engine", "sglang"], "RegenerateConfig.engine must be one of ('transformers', 'vllm')"),
     (["--window", "0"], "RegenerateConfig.window must be >= 1"),
+    (["--prefix-caching"], "--prefix-caching is vLLM's prefix cache; add --engine vllm"),
 ])
 def test_the_cli_refuses_in_one_line(tmp_path, capsys, args, says):
     from tapdraft.cli import main
@@ -170,3 +174,41 @@ def test_the_conversation_budget_cuts_at_the_last_reply_that_fits(lm_dir, tmp_pa
 def test_a_budget_no_turn_fits_is_refused():
     with pytest.raises(ValueError, match=r"--max-conversation-tokens \(6\) must be above --max-new-tokens \(6\)"):
         ReplyConfig(generation=GenerationConfig(max_new_tokens=6), max_conversation_tokens=6)
+
+
+def test_prefix_caching_is_recorded_and_a_resume_must_match_it(lm_dir, tmp_path, monkeypatch):  # noqa: F811
+    """--prefix-caching may change a reply at a near-tie, so it is part of the settings a resume matches (a run begun
+    with it is not finished without it) and of the sidecar; a run without it records nothing new."""
+    data = _text_manifest(tmp_path / "in.jsonl", 11)
+    vllm = ENGINES["vllm"]
+    monkeypatch.setattr(vllm, "preflight", lambda cfg: None)
+    monkeypatch.setattr(vllm, "loads_decoder", True)  # the stand-in decodes in this process
+
+    @contextmanager
+    def fake(cfg, target, device):
+        yield Shuffled(target, cfg.replies.generation, die_after=fake.die_after)
+
+    monkeypatch.setattr(vllm, "reply_session", fake)
+    out = tmp_path / "out.jsonl"
+    fake.die_after = 5
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(_cfg(lm_dir, data, out, window=2, max_batch_size=4, engine="vllm", prefix_caching=True))
+    fake.die_after = None
+    with pytest.raises(ValueError, match="prefix_caching=True, this run has prefix_caching=None"):
+        regenerate(_cfg(lm_dir, data, out, window=2, max_batch_size=4, engine="vllm"))
+    doc = regenerate(_cfg(lm_dir, data, out, window=2, max_batch_size=4, engine="vllm", prefix_caching=True))
+    assert doc["settings"]["prefix_caching"] is True and doc["counts"]["written"] == 11
+    plain = regenerate(_cfg(lm_dir, data, tmp_path / "plain.jsonl", window=2, max_batch_size=4, engine="vllm"))
+    assert "prefix_caching" not in plain["settings"]  # the settings of runs without it are what they were
+
+
+def test_the_summary_says_what_the_prefix_cache_held():
+    doc = {"counts": {"written": 3, "conversations": 3, "dropped": {}}, "files": ["o.jsonl"], "output": "/x/o.jsonl",
+           "generation": {"greedy": True, "max_new_tokens": 8}, "target_fingerprint": "f" * 64,
+           "replies_from_target": True,
+           "run_stats": {"replies": 6, "tokens": 48, "seconds": 2.0,
+                         "engine": {"version": "0.32.0", "startup_s": 9.0, "prefix_caching": True,
+                                    "prompt_tokens": 1200, "cached_tokens": 768}}}
+    assert "prompts: 1,200 tokens, 768 of them from vLLM's prefix cache\n" in rg.summary(doc) + "\n"
+    doc["run_stats"]["engine"].update(prefix_caching=False, cached_tokens=0)
+    assert "0 of them from vLLM's prefix cache (off: --prefix-caching" in rg.summary(doc)

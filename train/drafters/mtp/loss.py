@@ -80,7 +80,6 @@ class MTPLoss(DraftVocabMixin):
         """Per-row CE over the head's vocabulary (the draft vocabulary's rows when it has one: a row whose label lies
         outside carries no loss and is a miss) and argmax == label for every row, through the frozen lm_head, fused:
         the gradient w.r.t. the rows is computed in the forward, so no chunk is recomputed in the backward."""
-        t = self.target
         lm_head, bias = self.frozen_draft_head()
         keep = None if self.config.draft_vocab is None else self.t2d[y]
         if keep is not None:

@@ -194,8 +194,9 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     requests, replies and capture are then ready for ``benchmarks.data_scaling``, which needs no serving."""
     from tapdraft.engines.serving import engine_venv, vllm_requests
 
-    run, export = work / "runs" / cfg.run, stage_export(work, cfg, log=log)
-    held_drafts(export, cfg.k[0])
+    if stop_after != "capture":  # a drafter that cannot be served is refused before an hour of replies and capture
+        run, export = work / "runs" / cfg.run, stage_export(work, cfg, log=log)
+        held_drafts(export, cfg.k[0])
     target = target_dir(cfg, log)
     kinds_dir = work / "kinds"
     kinds_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +204,7 @@ def run_per_kind(work: Path, cfg: SpeedupConfig, prompts: Path, per_kind: int, l
     kinds = kind_conversations(prompts, per_kind)
     stage_replies(kinds_dir, kinds, target, venv, cfg, log)
     dataset = stage_capture(kinds_dir, list(kinds), target, cfg, log)
-    if stop_after == "capture":
+    if stop_after == "capture":  # the kinds' data needs no drafter: data_scaling trains its runs after it
         return None
     served, ids, lengths = {}, {}, {}
     kept = kinds_dir / "served" / serving_key(export, cfg, per_kind)

@@ -125,11 +125,11 @@ def test_each_kind_is_served_in_its_own_engine_sized_to_its_requests(tmp_path, m
 
 
 def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, monkeypatch):
+    """The kinds' data needs no drafter (data_scaling trains its runs after it): no run or export exists until the
+    capture is made, and serving, which needs one, comes only without --stop-after."""
     import benchmarks.per_kind as pk
     from tapdraft.demo.real.speedup import SpeedupConfig
 
-    (tmp_path / "exports" / "r").mkdir(parents=True)
-    (tmp_path / "exports" / "r" / "config.json").write_text("{}")
     done = []
     monkeypatch.setattr(pk, "target_dir", lambda cfg, log: tmp_path / "target")
     monkeypatch.setattr("tapdraft.engines.serving.engine_venv", lambda name: tmp_path / "venv")
@@ -141,6 +141,8 @@ def test_stop_after_capture_makes_the_kinds_data_and_serves_nothing(tmp_path, mo
     cfg = SpeedupConfig(target="general", run="r")
     assert pk.run_per_kind(tmp_path, cfg, tmp_path, 8, log=lambda *_: None, stop_after="capture") is None
     assert done == ["replies", "capture"]
+    (tmp_path / "exports" / "r").mkdir(parents=True)
+    (tmp_path / "exports" / "r" / "config.json").write_text("{}")
     with pytest.raises(TypeError):  # without it the serving runs (the stub returns no runs)
         pk.run_per_kind(tmp_path, cfg, tmp_path, 8, log=lambda *_: None)
     assert done[-1] == "served"

@@ -9,12 +9,13 @@ worker then serves
 
 by adding the requests to the running engine at once (continuous batching: a frame may come while others
 decode) and answering each request with ``{"kind": "reply", "tag", "token_ids", "finish_reason", "cached_tokens"}``
-(its prompt tokens vLLM's prefix cache held) the step it finishes, and ``{"kind": "alive", "running": N}`` after every ``ALIVE_S`` seconds without one (a long batch on a
-slow CPU may decode for many minutes before its first reply ends: tapdraft's silence timeout is then the
-worker's, not the replies'). Greedy only (``temperature=0``); ``ignore_eos`` with tapdraft's end-of-turn ids as ``stop_token_ids``,
-so a reply stops exactly where the in-process engine's does (vLLM's ``token_ids`` keep the stop id, as
-tapdraft's ``Generation.ids`` do). Prefix caching is what the start frame's ``llm`` says (``VLLMConfig.prefix_caching``, off unless asked): a
-cached prefix's KV was computed in another batch, and a reply then depends on what ran before it, which a resume
+(``cached_tokens``: its prompt tokens vLLM's prefix cache held) the step it finishes, and ``{"kind": "alive",
+"running": N}`` after every ``ALIVE_S`` seconds without one (a long batch on a slow CPU may decode for many minutes
+before its first reply ends: tapdraft's silence timeout is then the worker's, not the replies'). Greedy only
+(``temperature=0``); ``ignore_eos`` with tapdraft's end-of-turn ids as ``stop_token_ids``, so a reply stops exactly
+where the in-process engine's does (vLLM's ``token_ids`` keep the stop id, as tapdraft's ``Generation.ids`` do).
+Prefix caching is what the start frame's ``llm`` says (``RegenerateConfig.prefix_caching``; off unless asked): a
+cached prefix's KV was computed in another batch, so a reply then depends on what ran before it, which a resume
 cannot reproduce.
 """
 

@@ -153,7 +153,7 @@ def _sides(args, target_dir: str, data: Path, target, replies, tmp: Path, save, 
     RegenerateConfig fields (the first is A); the ratio is A's decoding tokens/s over B's (each run's own
     ``run_stats``: vLLM's start, a fixed cost per run, is reported beside, not in the rate). ``save(doc)`` after
     each pair (a slow machine keeps the pairs it finished)."""
-    from tapdraft.capture.engines import ENGINES
+    from tapdraft.capture.engines import DEFAULT_ENGINE, ENGINES
     from tapdraft.capture.replies.regenerate import RegenerateConfig, regenerate
 
     (na, _), (nb, _) = sides.items()
@@ -162,7 +162,7 @@ def _sides(args, target_dir: str, data: Path, target, replies, tmp: Path, save, 
         runs = {}
         for name, fields in sides.items():
             out = tmp / f"{name}-{k}.jsonl"
-            engine = fields.get("engine", "transformers")
+            engine = fields.get("engine", DEFAULT_ENGINE)
             t0 = time.perf_counter()
             doc = regenerate(RegenerateConfig(target=target_dir, data=str(data), out=str(out), replies=replies,
                                               max_batch_size=args.batch, window=args.window, progress=False,
@@ -173,7 +173,7 @@ def _sides(args, target_dir: str, data: Path, target, replies, tmp: Path, save, 
                           "replies": rs["replies"], "tokens_per_s": rs["tokens"] / rs["seconds"],
                           "load_avg": os.getloadavg()[0], **({"engine": rs["engine"]} if "engine" in rs else {})}
         a, b = runs[na], runs[nb]
-        ra, rb = (read_jsonl_lines(tmp / f"{n}-{k}.jsonl") for n in (na, nb))
+        ra, rb = ((tmp / f"{n}-{k}.jsonl").read_text().splitlines() for n in (na, nb))
         same = sum(x == y for x, y in zip(ra, rb))
         pairs.append({**runs, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "identical_outputs": ra == rb,
                       "conversations_equal": same, "conversations": len(ra)})
@@ -184,10 +184,6 @@ def _sides(args, target_dir: str, data: Path, target, replies, tmp: Path, save, 
         doc = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs), "figure": figure}
         save(doc)
     return doc
-
-
-def read_jsonl_lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:
